@@ -1,0 +1,280 @@
+//! `umbp-bench plan`: what it costs to turn a restore's page fragments into plans.
+//!
+//! Three ways to plan the same restore, each timed over page walk + push + finish (no bytes
+//! move):
+//! - `buffered`: [`BufferedPlanBuilder`] collects every fragment, then plans the batch;
+//! - `incremental`: [`IncrementalBuilder`], reused across iterations with `recycle`;
+//! - `floor`: a loop that writes one unmerged (src, dst, len) descriptor per page into a reused
+//!   array, the least work any planner can do.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use umbp_plan::{
+    BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Error, Fragment,
+    IncrementalBuilder, PageWalk, PlanBuilder, PlanRules, PlanSet, RulePlanner, Tag,
+};
+
+use crate::alloc_count::{allocations, minor_faults};
+use crate::shape::{PageTable, RestoreShape};
+
+/// Carries any pair of memory endpoints: the planning rules of a restore into device memory.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct MemoryRules;
+
+impl PlanRules for MemoryRules {
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        src.file_range().is_none() && dst.file_range().is_none()
+    }
+}
+
+/// A restore laid out over a DRAM arena, with endpoints registered for planning only.
+pub struct RestoreWorkload {
+    /// The shape.
+    pub shape: RestoreShape,
+    /// Where every page lives in the arena.
+    pub table: PageTable,
+    /// The registry holding the arena and the destinations.
+    pub registry: Arc<EndpointRegistry>,
+    /// The DRAM arena.
+    pub arena: EndpointId,
+    /// One destination per range index.
+    pub destinations: Vec<EndpointId>,
+}
+
+impl RestoreWorkload {
+    /// Lays `shape` out with the given contiguity and registers invented endpoints for it.
+    pub fn new(shape: RestoreShape, contiguity: f64, seed: u64) -> Self {
+        let table = PageTable::scatter(&shape, contiguity, seed);
+        let registry = EndpointRegistry::new();
+        let arena_len = table.tier_pages * shape.page_size;
+        let destination_len = shape.objects as u64 * shape.range_len;
+        // SAFETY: the addresses are invented; plans built over them are measured and dropped,
+        // never submitted to an engine.
+        let (arena, destinations) = unsafe {
+            let arena = registry.register(Endpoint::host(1 << 40, arena_len));
+            let destinations = (0..shape.ranges)
+                .map(|r| {
+                    let addr = (2 << 40) + r as u64 * destination_len;
+                    let ordinal = umbp_plan::DeviceOrdinal::new(0);
+                    registry.register(Endpoint::device(ordinal, addr, destination_len))
+                })
+                .collect();
+            (arena, destinations)
+        };
+        Self { shape, table, registry, arena, destinations }
+    }
+
+    /// Walks every range of every object into `builder`, one object scope per object, and
+    /// finishes the batch.
+    #[inline]
+    pub fn plan_with<B: PlanBuilder>(&self, builder: &mut B) -> Result<PlanSet, Error> {
+        let s = &self.shape;
+        for object in 0..s.objects {
+            let tag = Tag::new(object as u32);
+            let walk = PageWalk::new(self.table.object(object), s.page_size, s.object_size())?;
+            builder.begin_object(tag)?;
+            for (range, &dst) in self.destinations.iter().enumerate() {
+                let offset = range as u64 * s.range_len;
+                let dst_offset = object as u64 * s.range_len;
+                walk.walk(offset, s.range_len, dst_offset, |page| {
+                    builder.push(Fragment::new(
+                        self.arena,
+                        page.tier_offset,
+                        dst,
+                        page.dst_offset,
+                        page.len,
+                        tag,
+                    ))
+                })?;
+            }
+            builder.commit_object()?;
+        }
+        builder.finish()
+    }
+
+    /// The floor: one unmerged descriptor per page into `out`, which is cleared first.
+    #[inline]
+    pub fn floor(&self, out: &mut Vec<[u64; 3]>) {
+        let s = &self.shape;
+        out.clear();
+        let per_range = s.range_len.div_ceil(s.page_size) as usize;
+        for object in 0..s.objects {
+            let pages = self.table.object(object);
+            for range in 0..s.ranges {
+                let dst_base = object as u64 * s.range_len;
+                let first = range * per_range;
+                for (k, &page) in pages[first..first + per_range].iter().enumerate() {
+                    out.push([page, dst_base + k as u64 * s.page_size, s.page_size]);
+                }
+            }
+        }
+    }
+}
+
+/// Settings of `umbp-bench plan`.
+#[derive(Clone, Debug)]
+pub struct PlanBenchConfig {
+    /// Page sizes to run.
+    pub page_sizes: Vec<u64>,
+    /// Fraction of an object's consecutive pages placed adjacently.
+    pub contiguity: f64,
+    /// Objects restored (651 for Kimi-K3).
+    pub objects: usize,
+    /// Timed iterations per builder.
+    pub iterations: usize,
+    /// Untimed iterations first.
+    pub warmup: usize,
+    /// Layout seed.
+    pub seed: u64,
+}
+
+impl Default for PlanBenchConfig {
+    fn default() -> Self {
+        Self {
+            page_sizes: vec![64 << 10, 32 << 10],
+            contiguity: 0.1,
+            objects: 651,
+            iterations: 9,
+            warmup: 3,
+            seed: 42,
+        }
+    }
+}
+
+/// One measured builder at one page size.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanRow {
+    /// `buffered`, `incremental` or `floor`.
+    pub builder: &'static str,
+    /// Page size in bytes.
+    pub page_size: u64,
+    /// Page fragments per restore.
+    pub fragments: u64,
+    /// Plans in the result (the floor writes one array).
+    pub plans: usize,
+    /// Segments after merging (the floor does not merge).
+    pub segments: usize,
+    /// Median nanoseconds per fragment.
+    pub ns_per_fragment: f64,
+    /// Median milliseconds per restore plan.
+    pub median_ms: f64,
+    /// Heap allocations per iteration, averaged over the timed iterations.
+    pub allocs_per_iter: f64,
+    /// Minor page faults per iteration, averaged over the timed iterations.
+    pub minor_faults_per_iter: f64,
+    /// Median time relative to the floor's.
+    pub vs_floor: f64,
+    /// Fraction of consecutive pages adjacent in the arena.
+    pub adjacent_fraction: f64,
+}
+
+struct Sample {
+    nanos: u128,
+    plans: usize,
+    segments: usize,
+}
+
+/// Runs `iteration` `warmup` times untimed, then `iterations` times, and returns the median
+/// time and the average allocations and minor faults per timed iteration.
+fn measure(
+    warmup: usize,
+    iterations: usize,
+    mut iteration: impl FnMut() -> Sample,
+) -> (Sample, f64, f64) {
+    for _ in 0..warmup {
+        black_box(iteration());
+    }
+    let mut samples: Vec<Sample> = Vec::with_capacity(iterations);
+    let (allocs0, faults0) = (allocations(), minor_faults());
+    for _ in 0..iterations {
+        samples.push(iteration());
+    }
+    let n = iterations.max(1) as f64;
+    let allocs = (allocations() - allocs0) as f64 / n;
+    let faults = (minor_faults() - faults0) as f64 / n;
+    samples.sort_by_key(|s| s.nanos);
+    let median = samples.swap_remove(samples.len() / 2);
+    (median, allocs, faults)
+}
+
+/// Measures the three builders at every configured page size.
+pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
+    let mut rows = Vec::new();
+    for &page_size in &config.page_sizes {
+        let shape = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(page_size) };
+        let work = RestoreWorkload::new(shape, config.contiguity, config.seed);
+        let fragments = shape.fragments();
+
+        let mut floor_out = Vec::new();
+        let floor = measure(config.warmup, config.iterations, || {
+            let t = Instant::now();
+            work.floor(&mut floor_out);
+            black_box(&floor_out);
+            Sample { nanos: t.elapsed().as_nanos(), plans: 1, segments: floor_out.len() }
+        });
+
+        let mut buffered_builder =
+            BufferedPlanBuilder::new(RulePlanner::new(MemoryRules, work.registry.clone()));
+        let mut failed = None;
+        let buffered = measure(config.warmup, config.iterations, || {
+            let t = Instant::now();
+            let plans = work.plan_with(&mut buffered_builder);
+            let nanos = t.elapsed().as_nanos();
+            sample(nanos, plans, &mut failed, drop)
+        });
+
+        let mut incremental_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
+        let incremental = measure(config.warmup, config.iterations, || {
+            let t = Instant::now();
+            let plans = work.plan_with(&mut incremental_builder);
+            let nanos = t.elapsed().as_nanos();
+            sample(nanos, plans, &mut failed, |p| incremental_builder.recycle(p))
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+
+        let floor_nanos = floor.0.nanos.max(1) as f64;
+        for (name, (s, allocs, faults)) in
+            [("floor", floor), ("buffered", buffered), ("incremental", incremental)]
+        {
+            rows.push(PlanRow {
+                builder: name,
+                page_size,
+                fragments,
+                plans: s.plans,
+                segments: s.segments,
+                ns_per_fragment: s.nanos as f64 / fragments as f64,
+                median_ms: s.nanos as f64 / 1e6,
+                allocs_per_iter: allocs,
+                minor_faults_per_iter: faults,
+                vs_floor: s.nanos as f64 / floor_nanos,
+                adjacent_fraction: work.table.adjacent_fraction,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Counts what a timed iteration built, then hands the plan set to `done` (drop or recycle).
+fn sample(
+    nanos: u128,
+    plans: Result<PlanSet, Error>,
+    failed: &mut Option<Error>,
+    done: impl FnOnce(PlanSet),
+) -> Sample {
+    match plans {
+        Ok(p) => {
+            let s = Sample { nanos, plans: p.plans().len(), segments: p.segment_count() };
+            done(p);
+            s
+        }
+        Err(e) => {
+            failed.get_or_insert(e);
+            Sample { nanos, plans: 0, segments: 0 }
+        }
+    }
+}

@@ -1,0 +1,2 @@
+//! umbp-hbm: not implemented yet. See the workspace README for the plan of this crate.
+#![deny(unsafe_code)]

@@ -1,0 +1,310 @@
+//! Endpoints: the registered regions where bytes live, and the registry that names them.
+//!
+//! An endpoint is described once and referenced afterwards by a small [`EndpointId`], so a
+//! fragment never carries an endpoint description. Descriptions are plain data: umbp-plan never
+//! dereferences an address. The engines do, which is why registering a memory endpoint is
+//! `unsafe` (see [`EndpointRegistry::register`]).
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::Error;
+
+/// Names a registered endpoint. Ids are handed out in registration order starting at 0 and are
+/// never reused within one [`EndpointRegistry`], so a stale id can only be unknown, never wrong.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct EndpointId(u32);
+
+impl EndpointId {
+    /// Builds an id from its raw value, for example one read back from a log or a test table.
+    pub const fn from_raw(raw: u32) -> Self {
+        Self(raw)
+    }
+
+    /// The raw value of this id.
+    pub const fn raw(self) -> u32 {
+        self.0
+    }
+
+    /// The id as an index into a table of endpoints.
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// The caller's object index. Every fragment carries the tag of the object it belongs to; tags
+/// survive merging so that a failed segment maps back to the objects it carried.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct Tag(u32);
+
+impl Tag {
+    /// A tag for object number `index` of the caller's batch.
+    pub const fn new(index: u32) -> Self {
+        Self(index)
+    }
+
+    /// The object index this tag stands for.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    /// The tag as an index into a per-object table.
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A device ordinal, as the device runtime numbers its GPUs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
+pub struct DeviceOrdinal(u32);
+
+impl DeviceOrdinal {
+    /// The device with ordinal `ordinal`.
+    pub const fn new(ordinal: u32) -> Self {
+        Self(ordinal)
+    }
+
+    /// The ordinal.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// A range of an open file that an endpoint covers.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FileRange {
+    /// The raw file descriptor.
+    pub fd: i32,
+    /// Where the endpoint starts inside the file; endpoint offset 0 is this file offset.
+    pub file_offset: u64,
+    /// Whether the descriptor was opened with `O_DIRECT`.
+    pub direct: bool,
+}
+
+/// Where an endpoint's bytes live.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum EndpointKind {
+    /// Host memory of this process.
+    Host,
+    /// Memory of one device.
+    Device(DeviceOrdinal),
+    /// A range of an open file.
+    File(FileRange),
+}
+
+/// The description of one registered region: its kind, its base address (memory kinds) and its
+/// length. Offsets in fragments are relative to the start of the region.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    kind: EndpointKind,
+    addr: u64,
+    len: u64,
+}
+
+impl Endpoint {
+    /// Host memory starting at address `addr`, `len` bytes long.
+    pub const fn host(addr: u64, len: u64) -> Self {
+        Self { kind: EndpointKind::Host, addr, len }
+    }
+
+    /// Device memory of `device` starting at device address `addr`, `len` bytes long.
+    pub const fn device(device: DeviceOrdinal, addr: u64, len: u64) -> Self {
+        Self { kind: EndpointKind::Device(device), addr, len }
+    }
+
+    /// `len` bytes of the file open as `fd`, starting at `file_offset`.
+    pub const fn file(fd: i32, file_offset: u64, len: u64, direct: bool) -> Self {
+        Self { kind: EndpointKind::File(FileRange { fd, file_offset, direct }), addr: 0, len }
+    }
+
+    /// Where the bytes live.
+    pub const fn kind(&self) -> EndpointKind {
+        self.kind
+    }
+
+    /// The base address for memory endpoints; 0 for files.
+    pub const fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// The length of the region in bytes.
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether this is host memory.
+    pub const fn is_host(&self) -> bool {
+        matches!(self.kind, EndpointKind::Host)
+    }
+
+    /// The device ordinal, for device memory.
+    pub const fn device_ordinal(&self) -> Option<DeviceOrdinal> {
+        match self.kind {
+            EndpointKind::Device(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The file range, for file endpoints.
+    pub const fn file_range(&self) -> Option<FileRange> {
+        match self.kind {
+            EndpointKind::File(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Whether `offset .. offset + len` lies inside the region, overflow-safe.
+    pub const fn contains(&self, offset: u64, len: u64) -> bool {
+        match offset.checked_add(len) {
+            Some(end) => end <= self.len,
+            None => false,
+        }
+    }
+}
+
+/// An immutable snapshot of the registry: id to description. Plan builders hold one so that
+/// looking an endpoint up on the push path is an array index, not a lock.
+#[derive(Clone, Debug, Default)]
+pub struct EndpointTable {
+    slots: Vec<Option<Endpoint>>,
+}
+
+impl EndpointTable {
+    /// The description of `id`, if it is registered in this snapshot.
+    #[inline]
+    pub fn get(&self, id: EndpointId) -> Option<&Endpoint> {
+        self.slots.get(id.index()).and_then(Option::as_ref)
+    }
+
+    /// Every registered endpoint of this snapshot with its id.
+    pub fn iter(&self) -> impl Iterator<Item = (EndpointId, &Endpoint)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|e| (EndpointId(i as u32), e)))
+    }
+}
+
+/// Names endpoints for every engine that shares it.
+///
+/// Registration is copy-on-write: each change publishes a new [`EndpointTable`], and
+/// [`snapshot`](Self::snapshot) hands out the current one without copying. Registration is rare
+/// (once per arena, buffer or file); lookups are constant.
+#[derive(Debug, Default)]
+pub struct EndpointRegistry {
+    current: Mutex<Arc<EndpointTable>>,
+}
+
+impl EndpointRegistry {
+    /// An empty registry, shared by the engines that will use its ids.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Registers an endpoint of any kind and returns its id.
+    ///
+    /// # Safety
+    ///
+    /// Engines read and write memory endpoints through their addresses after checking only that
+    /// every access lies inside `0 .. len`. For a [`EndpointKind::Host`] or
+    /// [`EndpointKind::Device`] endpoint:
+    /// - `addr .. addr + len` must be memory of that kind, valid for reads and writes, and
+    /// - it must stay valid until the endpoint is [deregistered](Self::deregister) and every
+    ///   transfer handle that used it has been waited on (or dropped, which waits);
+    /// - while a transfer runs, nothing else may access the bytes it writes.
+    ///
+    /// File endpoints carry no memory obligation; [`register_file`](Self::register_file) is the
+    /// safe way to add one.
+    #[allow(unsafe_code)] // Declares the obligation; umbp-plan itself never dereferences it.
+    pub unsafe fn register(&self, endpoint: Endpoint) -> EndpointId {
+        self.publish(|slots| {
+            slots.push(Some(endpoint));
+            EndpointId((slots.len() - 1) as u32)
+        })
+    }
+
+    /// Registers `len` bytes of the open file `fd` starting at `file_offset`.
+    ///
+    /// The descriptor must stay open until the endpoint is deregistered and every handle that
+    /// used it has been waited on; a closed descriptor fails transfers, it does not corrupt
+    /// memory.
+    pub fn register_file(&self, fd: i32, file_offset: u64, len: u64, direct: bool) -> EndpointId {
+        let endpoint = Endpoint::file(fd, file_offset, len, direct);
+        self.publish(|slots| {
+            slots.push(Some(endpoint));
+            EndpointId((slots.len() - 1) as u32)
+        })
+    }
+
+    /// Removes an endpoint and returns its description. Builders that already hold a snapshot
+    /// may still plan against it; engines look endpoints up again at submit and fail plans whose
+    /// endpoint is gone.
+    pub fn deregister(&self, id: EndpointId) -> Result<Endpoint, Error> {
+        self.publish(|slots| {
+            slots.get_mut(id.index()).and_then(Option::take).ok_or(Error::UnknownEndpoint { id })
+        })
+    }
+
+    /// The description of `id` as currently registered.
+    pub fn get(&self, id: EndpointId) -> Option<Endpoint> {
+        self.lock().get(id).copied()
+    }
+
+    /// The current table; later registrations do not change it.
+    pub fn snapshot(&self) -> Arc<EndpointTable> {
+        Arc::clone(&self.lock())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Arc<EndpointTable>> {
+        // A panic while holding the lock cannot leave the table half-written: publication is a
+        // single `Arc` store, so a poisoned lock still guards a consistent table.
+        self.current.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn publish<T>(&self, change: impl FnOnce(&mut Vec<Option<Endpoint>>) -> T) -> T {
+        let mut current = self.lock();
+        let mut slots = current.slots.clone();
+        let out = change(&mut slots);
+        *current = Arc::new(EndpointTable { slots });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_dense_never_reused_and_snapshots_do_not_change() {
+        let registry = EndpointRegistry::new();
+        let a = registry.register_file(3, 0, 100, true);
+        let before = registry.snapshot();
+        let b = registry.register_file(4, 4096, 200, false);
+        assert_eq!((a.raw(), b.raw()), (0, 1));
+        assert!(before.get(b).is_none(), "a snapshot does not see later registrations");
+        assert_eq!(registry.deregister(a).map(|e| e.len()), Ok(100));
+        assert_eq!(registry.deregister(a), Err(Error::UnknownEndpoint { id: a }));
+        assert!(registry.get(a).is_none());
+        assert!(before.get(a).is_some(), "an old snapshot still describes it");
+        let c = registry.register_file(5, 0, 1, false);
+        assert_eq!(c.raw(), 2, "deregistered ids are not reused");
+        let file = registry.get(b).and_then(|e| e.file_range());
+        assert_eq!(file, Some(FileRange { fd: 4, file_offset: 4096, direct: false }));
+    }
+
+    #[test]
+    fn contains_is_overflow_safe() {
+        let e = Endpoint::host(0, 100);
+        assert!(e.contains(0, 100));
+        assert!(e.contains(100, 0));
+        assert!(!e.contains(1, 100));
+        assert!(!e.contains(u64::MAX, 2));
+    }
+}

@@ -1,0 +1,179 @@
+//! The transfer-engine trait, transfer handles and failures.
+
+use std::fmt;
+
+use crate::{
+    BufferedPlanBuilder, DeviceOrdinal, Endpoint, EndpointId, Fragment, PlanBuilder, PlanSet, Tag,
+};
+
+/// An engine that moves bytes between some kinds of endpoints.
+///
+/// An engine names the pairs it carries ([`can_handle`](Self::can_handle)), plans a batch of
+/// fragments ([`plan`](Self::plan), the meaning every builder of the engine must reproduce),
+/// hands out a plan builder, and executes plan sets ([`submit`](Self::submit)).
+pub trait TransferEngine: Send + Sync {
+    /// A short name for logs, metrics and failures.
+    fn name(&self) -> &str;
+
+    /// Whether the engine carries bytes from `src` to `dst`.
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool;
+
+    /// The batch planner: plans `fragments` at once. See [`plan_batch`](crate::plan_batch).
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet;
+
+    /// A plan builder for this engine. The default is a [`BufferedPlanBuilder`] over
+    /// [`plan`](Self::plan); engines with an incremental builder return that instead.
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        Box::new(BufferedPlanBuilder::new(self))
+    }
+
+    /// Starts executing `plans`. Every plan either completes or yields a [`Failure`] naming its
+    /// tags; the plan set's rejected tags are the caller's to report. The returned handle
+    /// follows the rules of [`TransferHandle`]: waiting is idempotent and dropping waits.
+    fn submit(&self, plans: PlanSet) -> TransferHandle;
+}
+
+/// Why a plan (or part of one) failed while executing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FailureCause {
+    /// The operating system failed an I/O operation with `errno`.
+    #[error("I/O error (errno {errno})")]
+    Io {
+        /// The raw `errno`.
+        errno: i32,
+    },
+    /// The file ended before the requested bytes.
+    #[error("file ended at {got} of {expected} bytes requested at offset {offset}")]
+    ShortFile {
+        /// File offset of the request.
+        offset: u64,
+        /// Bytes requested.
+        expected: u64,
+        /// Bytes the file held.
+        got: u64,
+    },
+    /// The device runtime failed an operation.
+    #[error("device {} failed with code {code}: {message}", .device.get())]
+    Device {
+        /// The device.
+        device: DeviceOrdinal,
+        /// The runtime's error code.
+        code: i32,
+        /// The runtime's error message.
+        message: String,
+    },
+    /// An endpoint was deregistered between planning and submit.
+    #[error("endpoint {} is no longer registered", .0.raw())]
+    EndpointGone(EndpointId),
+    /// The engine refused the plan as a whole.
+    #[error("not accepted: {0}")]
+    NotAccepted(String),
+}
+
+/// One failed plan, or one failed segment of a plan: the objects whose bytes did not arrive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The engine that ran the plan.
+    pub engine: String,
+    /// The plan's source endpoint.
+    pub src: EndpointId,
+    /// The plan's destination endpoint.
+    pub dst: EndpointId,
+    /// The objects that failed.
+    pub tags: Vec<Tag>,
+    /// Why.
+    pub cause: FailureCause,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: endpoint {} -> endpoint {} ({} objects): {}",
+            self.engine,
+            self.src.raw(),
+            self.dst.raw(),
+            self.tags.len(),
+            self.cause
+        )
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// What an engine returns once a submitted plan set is done.
+#[derive(Debug, Default)]
+pub struct Settled {
+    /// Every failure, empty when all plans completed.
+    pub failures: Vec<Failure>,
+    /// The executed plan set, given back so its buffers can be recycled.
+    pub plans: PlanSet,
+}
+
+/// Work an engine still has in flight. Engines that finish inside `submit` use
+/// [`TransferHandle::settled`] instead.
+pub trait Completion: Send {
+    /// Whether the work has finished, without blocking.
+    fn is_done(&self) -> bool;
+
+    /// Blocks until the work has finished. Called at most once.
+    fn wait(&mut self) -> Settled;
+}
+
+/// The handle of one submitted plan set.
+///
+/// - [`wait`](Self::wait) blocks until the engine has finished with every plan and returns the
+///   failures; calling it again returns the same failures without blocking.
+/// - Dropping a handle waits, so memory a transfer reads or writes is never freed under it.
+#[must_use = "dropping a handle blocks until its transfers finish"]
+pub struct TransferHandle {
+    pending: Option<Box<dyn Completion>>,
+    settled: Settled,
+}
+
+impl TransferHandle {
+    /// A handle for work that already finished.
+    pub fn settled(failures: Vec<Failure>, plans: PlanSet) -> Self {
+        Self { pending: None, settled: Settled { failures, plans } }
+    }
+
+    /// A handle for work still in flight.
+    pub fn pending(completion: Box<dyn Completion>) -> Self {
+        Self { pending: Some(completion), settled: Settled::default() }
+    }
+
+    /// Whether the work has finished, without blocking.
+    pub fn is_done(&self) -> bool {
+        self.pending.as_ref().is_none_or(|c| c.is_done())
+    }
+
+    /// Blocks until every plan has finished and returns the failures. Idempotent.
+    pub fn wait(&mut self) -> &[Failure] {
+        if let Some(mut completion) = self.pending.take() {
+            self.settled = completion.wait();
+        }
+        &self.settled.failures
+    }
+
+    /// Waits, then returns the failures and the plan set (for [`PlanBuilder::recycle`]).
+    pub fn into_settled(mut self) -> Settled {
+        self.wait();
+        std::mem::take(&mut self.settled)
+    }
+}
+
+impl fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransferHandle")
+            .field("pending", &self.pending.is_some())
+            .field("failures", &self.settled.failures)
+            .finish()
+    }
+}
+
+impl Drop for TransferHandle {
+    fn drop(&mut self) {
+        self.wait();
+    }
+}
