@@ -48,6 +48,9 @@ struct PlanArgs {
     /// Seed of the page layout.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Skip the buffered builder (for profiling the incremental one).
+    #[arg(long)]
+    skip_buffered: bool,
 }
 
 impl Default for PlanArgs {
@@ -60,6 +63,7 @@ impl Default for PlanArgs {
             iterations: d.iterations as u32,
             warmup: d.warmup as u32,
             seed: d.seed,
+            skip_buffered: d.skip_buffered,
         }
     }
 }
@@ -100,6 +104,7 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
         iterations: args.iterations as usize,
         warmup: args.warmup as usize,
         seed: args.seed,
+        skip_buffered: args.skip_buffered,
     };
     let rows = plan_bench::run(&config)?;
     if json {
@@ -115,7 +120,7 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
 fn print_plan_table(rows: &[PlanRow]) {
     println!("plan building, Kimi-K3 restore shape (page walk + push + finish, no bytes move)\n");
     println!(
-        "{:>9} {:<12} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8}",
+        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8}",
         "page",
         "builder",
         "fragments",
@@ -129,7 +134,7 @@ fn print_plan_table(rows: &[PlanRow]) {
     );
     for r in rows {
         println!(
-            "{:>9} {:<12} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2}",
+            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2}",
             ByteSize(r.page_size).to_string(),
             r.builder,
             r.fragments,

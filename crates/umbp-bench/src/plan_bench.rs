@@ -3,7 +3,10 @@
 //! Three ways to plan the same restore, each timed over page walk + push + finish (no bytes
 //! move):
 //! - `buffered`: [`BufferedPlanBuilder`] collects every fragment, then plans the batch;
-//! - `incremental`: [`IncrementalBuilder`], reused across iterations with `recycle`;
+//! - `incremental`: [`IncrementalBuilder`], reused across iterations with `recycle`, one
+//!   [`Run`](umbp_plan::Run) per range (its fast path);
+//! - `incremental-push`: the same builder fed one [`PlanBuilder::push`] per fragment, the path
+//!   a builder behind a trait object takes;
 //! - `floor`: a loop that writes one unmerged (src, dst, len) descriptor per page into a reused
 //!   array, the least work any planner can do.
 
@@ -95,6 +98,33 @@ impl RestoreWorkload {
         builder.finish()
     }
 
+    /// Like [`plan_with`](Self::plan_with), with one [`Run`](umbp_plan::Run) per range: the
+    /// incremental builder's fast path.
+    #[inline]
+    pub fn plan_with_runs<R: PlanRules>(
+        &self,
+        builder: &mut IncrementalBuilder<R>,
+    ) -> Result<PlanSet, Error> {
+        let s = &self.shape;
+        for object in 0..s.objects {
+            let tag = Tag::new(object as u32);
+            let walk = PageWalk::new(self.table.object(object), s.page_size, s.object_size())?;
+            builder.begin_object(tag)?;
+            for (range, &dst) in self.destinations.iter().enumerate() {
+                let offset = range as u64 * s.range_len;
+                let dst_offset = object as u64 * s.range_len;
+                builder.begin_run(self.arena, dst)?.push_walk(
+                    &walk,
+                    offset,
+                    s.range_len,
+                    dst_offset,
+                )?;
+            }
+            builder.commit_object()?;
+        }
+        builder.finish()
+    }
+
     /// The floor: one unmerged descriptor per page into `out`, which is cleared first.
     #[inline]
     pub fn floor(&self, out: &mut Vec<[u64; 3]>) {
@@ -129,6 +159,8 @@ pub struct PlanBenchConfig {
     pub warmup: usize,
     /// Layout seed.
     pub seed: u64,
+    /// Run only the incremental builder and the floor (for profiling the hot path).
+    pub skip_buffered: bool,
 }
 
 impl Default for PlanBenchConfig {
@@ -140,6 +172,7 @@ impl Default for PlanBenchConfig {
             iterations: 9,
             warmup: 3,
             seed: 42,
+            skip_buffered: false,
         }
     }
 }
@@ -147,7 +180,7 @@ impl Default for PlanBenchConfig {
 /// One measured builder at one page size.
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanRow {
-    /// `buffered`, `incremental` or `floor`.
+    /// `buffered`, `incremental`, `incremental-push` or `floor`.
     pub builder: &'static str,
     /// Page size in bytes.
     pub page_size: u64,
@@ -219,27 +252,43 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
         let mut buffered_builder =
             BufferedPlanBuilder::new(RulePlanner::new(MemoryRules, work.registry.clone()));
         let mut failed = None;
-        let buffered = measure(config.warmup, config.iterations, || {
-            let t = Instant::now();
-            let plans = work.plan_with(&mut buffered_builder);
-            let nanos = t.elapsed().as_nanos();
-            sample(nanos, plans, &mut failed, drop)
+        let buffered = (!config.skip_buffered).then(|| {
+            measure(config.warmup, config.iterations, || {
+                let t = Instant::now();
+                let plans = work.plan_with(&mut buffered_builder);
+                let nanos = t.elapsed().as_nanos();
+                sample(nanos, plans, &mut failed, drop)
+            })
         });
 
         let mut incremental_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
         let incremental = measure(config.warmup, config.iterations, || {
             let t = Instant::now();
-            let plans = work.plan_with(&mut incremental_builder);
+            let plans = work.plan_with_runs(&mut incremental_builder);
             let nanos = t.elapsed().as_nanos();
             sample(nanos, plans, &mut failed, |p| incremental_builder.recycle(p))
+        });
+
+        let mut push_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
+        let incremental_push = measure(config.warmup, config.iterations, || {
+            let t = Instant::now();
+            let plans = work.plan_with(&mut push_builder);
+            let nanos = t.elapsed().as_nanos();
+            sample(nanos, plans, &mut failed, |p| push_builder.recycle(p))
         });
         if let Some(e) = failed {
             return Err(e);
         }
 
         let floor_nanos = floor.0.nanos.max(1) as f64;
+        let measured = [
+            ("floor", Some(floor)),
+            ("buffered", buffered),
+            ("incremental", Some(incremental)),
+            ("incremental-push", Some(incremental_push)),
+        ];
         for (name, (s, allocs, faults)) in
-            [("floor", floor), ("buffered", buffered), ("incremental", incremental)]
+            measured.into_iter().filter_map(|(name, m)| Some((name, m?)))
         {
             rows.push(PlanRow {
                 builder: name,

@@ -22,10 +22,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use crate::plan::TagStart;
-use crate::rules::validate;
+use crate::rules::{check_pair, validate};
 use crate::{
-    Endpoint, EndpointId, EndpointRegistry, EndpointTable, Error, Fragment, Plan, PlanBuilder,
-    PlanRules, PlanSet, RejectReason, Segment, Tag,
+    Endpoint, EndpointId, EndpointRegistry, EndpointTable, Error, Fragment, PageWalk, Plan,
+    PlanBuilder, PlanRules, PlanSet, RejectReason, Segment, Tag,
 };
 
 /// A plan builder that validates and range-merges fragments into the executable plan as they
@@ -44,16 +44,26 @@ pub struct IncrementalBuilder<R> {
     /// Cleared plans whose buffers the next new pair reuses.
     spare: Vec<Plan>,
     by_pair: HashMap<(EndpointId, EndpointId), usize, BuildHasherDefault<PairHasher>>,
+    /// The plan most recently opened for each destination id below [`DST_HINTS`]: checked
+    /// before `by_pair`, it finds the plan without hashing when a destination has one source.
+    dst_hint: Vec<usize>,
     rejected: Vec<Tag>,
     cursor: Cursor,
     scope: Scope,
-    /// Objects opened so far; `touched[p] == epoch` once plan `p` is in this object's undo log.
+    /// Objects opened so far.
     epoch: u64,
-    touched: Vec<u64>,
+    /// What the push paths need about each plan, beside it in one small flat array so that
+    /// switching plans reads nothing from the (large, cold) segment and tag arrays.
+    states: Vec<PlanState>,
+    /// The endpoint descriptions of each plan's pair, for the engine's per-fragment checks.
+    endpoints: Vec<(Endpoint, Endpoint)>,
     undo: Vec<PlanSnapshot>,
     plans_at_begin: usize,
     rejected_at_begin: usize,
 }
+
+/// Destination ids below this get a slot in the builder's hint table.
+const DST_HINTS: usize = 4096;
 
 /// What the hot path needs about the plan the last push went into.
 #[derive(Copy, Clone, Debug)]
@@ -69,8 +79,6 @@ struct Cursor {
     next_src: u64,
     next_dst: u64,
     last_len: u64,
-    src_endpoint: Endpoint,
-    dst_endpoint: Endpoint,
 }
 
 impl Cursor {
@@ -85,9 +93,19 @@ impl Cursor {
         next_src: u64::MAX,
         next_dst: u64::MAX,
         last_len: 0,
-        src_endpoint: Endpoint::host(0, 0),
-        dst_endpoint: Endpoint::host(0, 0),
     };
+}
+
+impl Cursor {
+    /// Whether an accepted fragment extends the plan's last segment: adjacent on both sides,
+    /// and the merged length within the engine's maximum. Adjacent and in bounds means the
+    /// merged segment ends inside both endpoints, so the sum cannot overflow once adjacency holds.
+    #[inline(always)]
+    fn merges(&self, f: &Fragment, max_segment: u64) -> bool {
+        f.src_offset == self.next_src
+            && f.dst_offset == self.next_dst
+            && self.last_len + f.len <= max_segment
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -95,6 +113,33 @@ enum Scope {
     Closed,
     Open(Tag),
     Poisoned(Tag),
+}
+
+/// The push paths' view of one plan.
+#[derive(Copy, Clone, Debug)]
+struct PlanState {
+    /// The epoch of the object that last logged this plan for undo.
+    touched: u64,
+    src_len: u64,
+    dst_len: u64,
+    /// Where the last segment ends (`u64::MAX` with no segment) and its length; written back
+    /// from the cursor or a run when they leave the plan.
+    next_src: u64,
+    next_dst: u64,
+    last_len: u64,
+    /// The plan's last tag.
+    last_tag: Option<Tag>,
+}
+
+impl PlanState {
+    /// Recomputes the tail fields from the plan itself (after an undo).
+    fn resync(&mut self, plan: &Plan) {
+        (self.next_src, self.next_dst, self.last_len) = match plan.segments.last() {
+            Some(s) => (s.src_offset + s.len, s.dst_offset + s.len, s.len),
+            None => (u64::MAX, u64::MAX, 0),
+        };
+        self.last_tag = plan.tags.last().copied();
+    }
 }
 
 /// A plan's state before the open object first touched it.
@@ -117,11 +162,13 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             plans: Vec::new(),
             spare: Vec::new(),
             by_pair: HashMap::default(),
+            dst_hint: Vec::new(),
             rejected: Vec::new(),
             cursor: Cursor::NONE,
             scope: Scope::Closed,
             epoch: 0,
-            touched: Vec::new(),
+            states: Vec::new(),
+            endpoints: Vec::new(),
             undo: Vec::new(),
             plans_at_begin: 0,
             rejected_at_begin: 0,
@@ -143,32 +190,54 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         &self.rejected
     }
 
+    /// Opens a run of fragments from `src` to `dst` for the open object: the fast way to push
+    /// the fragments of one range (one page walk). The pair is looked up and checked once, at
+    /// the run's first non-empty fragment; each [`Run::push`] then checks bounds and merges or
+    /// appends, with the run's state in locals. The run hands everything back when dropped.
+    ///
+    /// Errors are those of [`PlanBuilder::push`]: no open object or a poisoned object here; a
+    /// refused pair or fragment from [`Run::push`].
+    pub fn begin_run(&mut self, src: EndpointId, dst: EndpointId) -> Result<Run<'_, R>, Error> {
+        let tag = match self.scope {
+            Scope::Open(tag) => tag,
+            Scope::Poisoned(tag) => return Err(Error::ObjectRejected { tag }),
+            Scope::Closed => return Err(Error::NoOpenObject),
+        };
+        self.park();
+        Ok(Run {
+            plan: None,
+            segments: Vec::new(),
+            tag,
+            src,
+            dst,
+            // Unbound: lengths of zero send the first non-empty push to `Run::push_cold`.
+            src_len: 0,
+            dst_len: 0,
+            max_segment: self.max_segment,
+            next_src: u64::MAX,
+            next_dst: u64::MAX,
+            last_len: 0,
+            segments_before: 0,
+            first_joined: false,
+            live: true,
+            builder: self,
+        })
+    }
+
     /// Adds one fragment; see [`PlanBuilder::push`]. This inherent method is what the trait
     /// calls, kept here so that callers holding the concrete type get it inlined.
     #[inline]
     pub fn push(&mut self, f: Fragment) -> Result<(), Error> {
-        let c = &mut self.cursor;
+        let c = &self.cursor;
         if f.src != c.src || f.dst != c.dst || f.tag != c.tag || f.len == 0 {
             return self.push_cold(f);
         }
-        let (Some(src_end), Some(dst_end)) =
-            (f.src_offset.checked_add(f.len), f.dst_offset.checked_add(f.len))
-        else {
-            return self.reject(f);
-        };
-        if src_end > c.src_len || dst_end > c.dst_len || f.len > self.max_segment {
+        if !self.cursor_accepts(&f) {
             return self.reject(f);
         }
-        if self.rules.check_fragment(&c.src_endpoint, &c.dst_endpoint, &f).is_err() {
-            return self.reject(f);
-        }
+        let c = &mut self.cursor;
         let plan = &mut self.plans[c.plan];
-        // Adjacent on both sides means the merged segment ends at `src_end`, which fits in the
-        // endpoint, so `last_len + len` cannot overflow once adjacency holds.
-        if f.src_offset == c.next_src
-            && f.dst_offset == c.next_dst
-            && c.last_len + f.len <= self.max_segment
-        {
+        if c.merges(&f, self.max_segment) {
             c.last_len += f.len;
             if let Some(last) = plan.segments.last_mut() {
                 last.len = c.last_len;
@@ -181,8 +250,9 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             });
             c.last_len = f.len;
         }
-        c.next_src = src_end;
-        c.next_dst = dst_end;
+        // In bounds (checked above), so neither end overflows.
+        c.next_src = f.src_offset + f.len;
+        c.next_dst = f.dst_offset + f.len;
         Ok(())
     }
 
@@ -193,68 +263,135 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         if f.len == 0 {
             return Ok(());
         }
-        let tag = match self.scope {
-            Scope::Closed => return Err(Error::NoOpenObject),
-            Scope::Poisoned(tag) => return Err(Error::ObjectRejected { tag }),
-            Scope::Open(tag) => tag,
-        };
-        if f.tag != tag {
-            return Err(Error::TagMismatch { object: tag, fragment: f.tag });
+        let tag = self.open_for(f.tag)?;
+        let index = self.plan_for(tag, f.src, f.dst)?;
+        self.enter(index, tag);
+        if !self.cursor_accepts(&f) {
+            return self.reject(f);
         }
-        let (src_endpoint, dst_endpoint) = match self.validate(&f) {
-            Ok(pair) => pair,
-            Err(reason) => return Err(self.poison(tag, reason)),
-        };
-        let plan_index = self.plan_for(f.src, f.dst);
-        let plan = &mut self.plans[plan_index];
-        let last = plan.segments.len().checked_sub(1);
-        let (next_src, next_dst, last_len) = match plan.segments.last() {
-            Some(s) => (s.src_offset + s.len, s.dst_offset + s.len, s.len),
-            None => (u64::MAX, u64::MAX, 0),
-        };
-        self.cursor = Cursor {
-            src: f.src,
-            dst: f.dst,
-            tag,
-            plan: plan_index,
-            src_len: src_endpoint.len(),
-            dst_len: dst_endpoint.len(),
-            next_src,
-            next_dst,
-            last_len,
-            src_endpoint,
-            dst_endpoint,
-        };
-        if plan.tags.last() != Some(&tag) {
-            // The same adjacency rule the hot path applies; validated, so no overflow.
-            let joined = f.src_offset == next_src
-                && f.dst_offset == next_dst
-                && last_len + f.len <= self.max_segment;
-            let segment = if joined { last.unwrap_or(0) } else { plan.segments.len() };
-            plan.tags.push(tag);
-            plan.tag_starts.push(TagStart { segment, joined });
-        }
+        let joined = self.cursor.merges(&f, self.max_segment);
+        self.note_tag(index, tag, self.plans[index].segments.len(), joined);
         self.push(f)
     }
 
-    /// Validates against the builder's snapshot, refreshing it once for an unknown endpoint.
-    fn validate(&mut self, f: &Fragment) -> Result<(Endpoint, Endpoint), RejectReason> {
-        match validate(&self.rules, &self.table, f) {
-            Err(RejectReason::UnknownEndpoint(_)) => {
-                self.table = self.registry.snapshot();
-                validate(&self.rules, &self.table, f)
+    /// The open object's tag, if pushes for `tag` may go into it.
+    fn open_for(&self, tag: Tag) -> Result<Tag, Error> {
+        match self.scope {
+            Scope::Closed => Err(Error::NoOpenObject),
+            Scope::Poisoned(open) => Err(Error::ObjectRejected { tag: open }),
+            Scope::Open(open) if open != tag => {
+                Err(Error::TagMismatch { object: open, fragment: tag })
             }
-            other => other,
+            Scope::Open(open) => Ok(open),
         }
+    }
+
+    /// The plan of a pair for the open object `tag`: found (and logged for undo on the object's
+    /// first touch) or opened. A pair the engine refuses poisons the object.
+    fn plan_for(&mut self, tag: Tag, src: EndpointId, dst: EndpointId) -> Result<usize, Error> {
+        let hinted = self
+            .dst_hint
+            .get(dst.index())
+            .copied()
+            .filter(|&i| self.plans.get(i).is_some_and(|p| p.src == src && p.dst == dst));
+        if let Some(index) = hinted.or_else(|| self.by_pair.get(&(src, dst)).copied()) {
+            self.log_touch(index);
+            return Ok(index);
+        }
+        match self.validate_pair(src, dst) {
+            Ok(endpoints) => Ok(self.new_plan(src, dst, endpoints)),
+            Err(reason) => Err(self.poison(tag, reason)),
+        }
+    }
+
+    /// Records that object `tag` has bytes in plan `index`, if it is the first time: its first
+    /// fragment either `joined` the plan's segment `segments_before - 1` or opened segment
+    /// `segments_before`.
+    fn note_tag(&mut self, index: usize, tag: Tag, segments_before: usize, joined: bool) {
+        let state = &mut self.states[index];
+        if state.last_tag != Some(tag) {
+            state.last_tag = Some(tag);
+            let segment = segments_before - usize::from(joined);
+            let plan = &mut self.plans[index];
+            plan.tags.push(tag);
+            plan.tag_starts.push(TagStart { segment, joined });
+        }
+    }
+
+    /// Whether the cursor's endpoints and the engine's rules accept `f` (pair already matched).
+    #[inline(always)]
+    fn cursor_accepts(&self, f: &Fragment) -> bool {
+        let c = &self.cursor;
+        match (f.src_offset.checked_add(f.len), f.dst_offset.checked_add(f.len)) {
+            (Some(src_end), Some(dst_end)) => {
+                src_end <= c.src_len
+                    && dst_end <= c.dst_len
+                    && f.len <= self.max_segment
+                    && self.check_fragment(c.plan, f)
+            }
+            _ => false,
+        }
+    }
+
+    /// The engine's own checks of an in-bounds fragment of plan `index`. Rules that keep the
+    /// default `check_fragment` compile this away entirely.
+    #[inline(always)]
+    fn check_fragment(&self, index: usize, f: &Fragment) -> bool {
+        match self.endpoints.get(index) {
+            Some((src, dst)) => self.rules.check_fragment(src, dst, f).is_ok(),
+            None => true,
+        }
+    }
+
+    /// Looks up both endpoints (refreshing the snapshot once for an unknown one) and checks
+    /// that the engine carries the pair. Called once per new plan.
+    fn validate_pair(
+        &mut self,
+        src: EndpointId,
+        dst: EndpointId,
+    ) -> Result<(Endpoint, Endpoint), RejectReason> {
+        if self.table.get(src).is_none() || self.table.get(dst).is_none() {
+            self.table = self.registry.snapshot();
+        }
+        check_pair(&self.rules, &self.table, src, dst)
+    }
+
+    /// Points the cursor at plan `index` for object `tag`.
+    fn enter(&mut self, index: usize, tag: Tag) {
+        self.park();
+        let plan = &self.plans[index];
+        let state = &self.states[index];
+        self.cursor = Cursor {
+            src: plan.src,
+            dst: plan.dst,
+            tag,
+            plan: index,
+            src_len: state.src_len,
+            dst_len: state.dst_len,
+            next_src: state.next_src,
+            next_dst: state.next_dst,
+            last_len: state.last_len,
+        };
+    }
+
+    /// Writes the cursor's view of its plan's tail back to the plan's state and clears it.
+    fn park(&mut self) {
+        let c = &self.cursor;
+        if let Some(state) = self.states.get_mut(c.plan) {
+            state.next_src = c.next_src;
+            state.next_dst = c.next_dst;
+            state.last_len = c.last_len;
+        }
+        self.cursor = Cursor::NONE;
     }
 
     /// The hot path found the fragment out of bounds or against the engine's rules.
     #[cold]
     #[inline(never)]
     fn reject(&mut self, f: Fragment) -> Result<(), Error> {
-        let reason = match self.validate(&f) {
+        let reason = match validate(&self.rules, &self.table, &f) {
             Err(reason) => reason,
-            Ok(_) => unreachable!("the cursor accepted what validation accepts"),
+            Ok(_) => unreachable!("the cursor refuses only what validation refuses"),
         };
         Err(self.poison(f.tag, reason))
     }
@@ -268,37 +405,59 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         Error::Rejected { tag, reason }
     }
 
-    /// The plan for a pair, created (from a spare if one is left) on first use, and logged in
-    /// the undo log the first time the open object touches it.
-    fn plan_for(&mut self, src: EndpointId, dst: EndpointId) -> usize {
-        if let Some(&index) = self.by_pair.get(&(src, dst)) {
-            if self.touched[index] != self.epoch {
-                self.touched[index] = self.epoch;
-                let plan = &self.plans[index];
-                self.undo.push(PlanSnapshot {
-                    plan: index,
-                    segments: plan.segments.len(),
-                    last_len: plan.segments.last().map_or(0, |s| s.len),
-                    tags: plan.tags.len(),
-                });
-            }
-            return index;
+    /// Logs plan `index` in the undo log the first time the open object touches it.
+    fn log_touch(&mut self, index: usize) {
+        let state = &mut self.states[index];
+        if state.touched != self.epoch {
+            state.touched = self.epoch;
+            let plan = &self.plans[index];
+            self.undo.push(PlanSnapshot {
+                plan: index,
+                segments: plan.segments.len(),
+                last_len: state.last_len,
+                tags: plan.tags.len(),
+            });
         }
+    }
+
+    /// Opens a plan for a new pair, reusing a spare plan's buffers when one is left.
+    fn new_plan(
+        &mut self,
+        src: EndpointId,
+        dst: EndpointId,
+        endpoints: (Endpoint, Endpoint),
+    ) -> usize {
         let mut plan = self.spare.pop().unwrap_or_else(|| Plan::new(src, dst));
         plan.reset(src, dst);
         let index = self.plans.len();
         self.plans.push(plan);
         self.by_pair.insert((src, dst), index);
-        if self.touched.len() <= index {
-            self.touched.resize(index + 1, 0);
+        if dst.index() < DST_HINTS {
+            if self.dst_hint.len() <= dst.index() {
+                self.dst_hint.resize(dst.index() + 1, usize::MAX);
+            }
+            self.dst_hint[dst.index()] = index;
         }
-        // Created by this object: rollback drops it whole, no snapshot needed.
-        self.touched[index] = self.epoch;
+        let state = PlanState {
+            // Created by this object: rollback drops it whole, no snapshot needed.
+            touched: self.epoch,
+            src_len: endpoints.0.len(),
+            dst_len: endpoints.1.len(),
+            next_src: u64::MAX,
+            next_dst: u64::MAX,
+            last_len: 0,
+            last_tag: None,
+        };
+        self.states.truncate(index);
+        self.states.push(state);
+        self.endpoints.truncate(index);
+        self.endpoints.push(endpoints);
         index
     }
 
     /// Restores every plan to its state at `begin_object` (rejected tags are left alone).
     fn undo_object(&mut self) {
+        self.park();
         for s in self.undo.drain(..) {
             let plan = &mut self.plans[s.plan];
             plan.segments.truncate(s.segments);
@@ -307,6 +466,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             }
             plan.tags.truncate(s.tags);
             plan.tag_starts.truncate(s.tags);
+            self.states[s.plan].resync(plan);
         }
         while self.plans.len() > self.plans_at_begin {
             if let Some(plan) = self.plans.pop() {
@@ -314,7 +474,8 @@ impl<R: PlanRules> IncrementalBuilder<R> {
                 self.spare.push(plan);
             }
         }
-        self.cursor = Cursor::NONE;
+        self.states.truncate(self.plans.len());
+        self.endpoints.truncate(self.plans.len());
     }
 
     fn open_tag(&self) -> Option<Tag> {
@@ -335,7 +496,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         self.undo.clear();
         self.plans_at_begin = self.plans.len();
         self.rejected_at_begin = self.rejected.len();
-        self.cursor = Cursor::NONE;
+        self.park();
         Ok(())
     }
 
@@ -347,7 +508,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
     fn commit_object(&mut self) -> Result<(), Error> {
         self.open_tag().ok_or(Error::NoOpenObject)?;
         self.scope = Scope::Closed;
-        self.cursor = Cursor::NONE;
+        self.park();
         self.undo.clear();
         Ok(())
     }
@@ -365,9 +526,11 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
             return Err(Error::ObjectOpen { open });
         }
         self.by_pair.clear();
-        self.touched.clear();
-        self.undo.clear();
+        self.dst_hint.clear();
         self.cursor = Cursor::NONE;
+        self.states.clear();
+        self.endpoints.clear();
+        self.undo.clear();
         self.plans_at_begin = 0;
         self.rejected_at_begin = 0;
         Ok(PlanSet {
@@ -410,5 +573,215 @@ impl Hasher for PairHasher {
 
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+/// A run of fragments that share one endpoint pair and the open object, opened by
+/// [`IncrementalBuilder::begin_run`].
+///
+/// The run borrows the builder and holds the plan's segment array and its last segment's end
+/// in locals, so a push is a bounds check, an adjacency check and one store. Dropping the run
+/// (or [`end`](Self::end)) hands the segments back and records the object's tag in the plan.
+/// A refused fragment ends the run: the object is poisoned as by [`PlanBuilder::push`], and
+/// every later push of the run fails with [`Error::ObjectRejected`].
+#[derive(Debug)]
+pub struct Run<'a, R: PlanRules> {
+    builder: &'a mut IncrementalBuilder<R>,
+    /// The plan the run writes into, once its first non-empty fragment bound it.
+    plan: Option<usize>,
+    segments: Vec<Segment>,
+    tag: Tag,
+    src: EndpointId,
+    dst: EndpointId,
+    src_len: u64,
+    dst_len: u64,
+    max_segment: u64,
+    next_src: u64,
+    next_dst: u64,
+    last_len: u64,
+    /// The plan's segment count when the run bound it, and whether the run's first fragment
+    /// extended the plan's last segment.
+    segments_before: usize,
+    first_joined: bool,
+    live: bool,
+}
+
+impl<R: PlanRules> Run<'_, R> {
+    /// Adds the fragment `src_offset .. + len` to `dst_offset .. + len` of the run's pair. A
+    /// zero-length fragment is skipped.
+    #[inline]
+    pub fn push(&mut self, src_offset: u64, dst_offset: u64, len: u64) -> Result<(), Error> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (Some(src_end), Some(dst_end)) =
+            (src_offset.checked_add(len), dst_offset.checked_add(len))
+        else {
+            return self.push_cold(src_offset, dst_offset, len);
+        };
+        let f = Fragment::new(self.src, src_offset, self.dst, dst_offset, len, self.tag);
+        if src_end > self.src_len
+            || dst_end > self.dst_len
+            || len > self.max_segment
+            || !self.builder.check_fragment(self.plan.unwrap_or(usize::MAX), &f)
+        {
+            return self.push_cold(src_offset, dst_offset, len);
+        }
+        // Adjacent and in bounds: the merged segment ends at `src_end`, so no overflow.
+        if src_offset == self.next_src
+            && dst_offset == self.next_dst
+            && self.last_len + len <= self.max_segment
+        {
+            self.last_len += len;
+            if let Some(last) = self.segments.last_mut() {
+                last.len = self.last_len;
+            }
+        } else {
+            self.segments.push(Segment { src_offset, dst_offset, len });
+            self.last_len = len;
+        }
+        self.next_src = src_end;
+        self.next_dst = dst_end;
+        Ok(())
+    }
+
+    /// Pushes the page fragments of object bytes `offset .. offset + len` of `walk`, destined
+    /// for `dst_offset ..`: exactly what [`PageWalk::walk`] feeding [`push`](Self::push) does,
+    /// with the bounds checks that hold for the whole range done once. After the first page
+    /// (which binds the run), if the destination range and the object's highest page fit the
+    /// run's endpoints and the page size fits the engine's maximum segment, every later page
+    /// costs only the engine's own check, the merge decision and a store.
+    ///
+    /// A range the walk refuses returns [`Error::Walk`] with nothing pushed.
+    #[inline]
+    pub fn push_walk(
+        &mut self,
+        walk: &PageWalk<'_>,
+        offset: u64,
+        len: u64,
+        dst_offset: u64,
+    ) -> Result<(), Error> {
+        // None until the first page is pushed; then whether the rest is known in bounds.
+        let mut in_bounds: Option<bool> = None;
+        walk.walk(offset, len, dst_offset, |page| match in_bounds {
+            Some(true) => {
+                let f = Fragment::new(
+                    self.src,
+                    page.tier_offset,
+                    self.dst,
+                    page.dst_offset,
+                    page.len,
+                    self.tag,
+                );
+                let plan = self.plan.unwrap_or(usize::MAX);
+                if self.builder.check_fragment(plan, &f) {
+                    self.push_in_bounds(page.tier_offset, page.dst_offset, page.len);
+                    Ok(())
+                } else {
+                    self.push(page.tier_offset, page.dst_offset, page.len)
+                }
+            }
+            Some(false) => self.push(page.tier_offset, page.dst_offset, page.len),
+            None => {
+                self.push(page.tier_offset, page.dst_offset, page.len)?;
+                in_bounds = Some(self.covers(walk, dst_offset, len));
+                Ok(())
+            }
+        })
+    }
+
+    /// Whether every page fragment of `walk`'s range `len` bytes long to `dst_offset ..` is in
+    /// bounds for this (bound, live) run and within the maximum segment.
+    fn covers(&self, walk: &PageWalk<'_>, dst_offset: u64, len: u64) -> bool {
+        self.live
+            && self.plan.is_some()
+            && walk.page_size() <= self.max_segment
+            && walk.tier_end().is_some_and(|end| end <= self.src_len)
+            && dst_offset.checked_add(len).is_some_and(|end| end <= self.dst_len)
+    }
+
+    /// `push` for a fragment already known to be in bounds and within the maximum segment.
+    #[inline(always)]
+    fn push_in_bounds(&mut self, src_offset: u64, dst_offset: u64, len: u64) {
+        debug_assert!(src_offset + len <= self.src_len && dst_offset + len <= self.dst_len);
+        if src_offset == self.next_src
+            && dst_offset == self.next_dst
+            && self.last_len + len <= self.max_segment
+        {
+            self.last_len += len;
+            if let Some(last) = self.segments.last_mut() {
+                last.len = self.last_len;
+            }
+        } else {
+            self.segments.push(Segment { src_offset, dst_offset, len });
+            self.last_len = len;
+        }
+        self.next_src = src_offset + len;
+        self.next_dst = dst_offset + len;
+    }
+
+    /// Ends the run; the same as dropping it.
+    pub fn end(self) {}
+
+    /// Every push the bound run does not accept: the first one (which binds the plan), a
+    /// refused fragment, and any push after a refusal.
+    #[cold]
+    #[inline(never)]
+    fn push_cold(&mut self, src_offset: u64, dst_offset: u64, len: u64) -> Result<(), Error> {
+        if !self.live {
+            return Err(Error::ObjectRejected { tag: self.tag });
+        }
+        if self.plan.is_none() {
+            if let Err(e) = self.bind() {
+                self.live = false;
+                return Err(e);
+            }
+            // Only the run's first fragment can extend the segment the plan ended with.
+            self.first_joined = src_offset == self.next_src
+                && dst_offset == self.next_dst
+                && self.last_len.saturating_add(len) <= self.max_segment;
+            return self.push(src_offset, dst_offset, len);
+        }
+        self.hand_back();
+        self.live = false;
+        let f = Fragment::new(self.src, src_offset, self.dst, dst_offset, len, self.tag);
+        self.builder.reject(f)
+    }
+
+    /// Finds or opens the plan of the run's pair and takes its segments.
+    fn bind(&mut self) -> Result<(), Error> {
+        let index = self.builder.plan_for(self.tag, self.src, self.dst)?;
+        let segments = std::mem::take(&mut self.builder.plans[index].segments);
+        let state = &self.builder.states[index];
+        (self.next_src, self.next_dst, self.last_len) =
+            (state.next_src, state.next_dst, state.last_len);
+        self.segments_before = segments.len();
+        self.segments = segments;
+        self.src_len = state.src_len;
+        self.dst_len = state.dst_len;
+        self.plan = Some(index);
+        Ok(())
+    }
+
+    /// Hands the segments back to the plan and records the object's tag if the run added bytes.
+    fn hand_back(&mut self) {
+        let Some(index) = self.plan.take() else {
+            return;
+        };
+        let grew = self.segments.len() > self.segments_before;
+        let joined = self.first_joined;
+        let state = &mut self.builder.states[index];
+        (state.next_src, state.next_dst, state.last_len) =
+            (self.next_src, self.next_dst, self.last_len);
+        self.builder.plans[index].segments = std::mem::take(&mut self.segments);
+        if grew || joined {
+            self.builder.note_tag(index, self.tag, self.segments_before, joined);
+        }
+    }
+}
+
+impl<R: PlanRules> Drop for Run<'_, R> {
+    fn drop(&mut self) {
+        self.hand_back();
     }
 }

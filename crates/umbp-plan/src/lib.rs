@@ -102,7 +102,7 @@ pub use endpoint::{
 pub use engine::{Completion, Failure, FailureCause, Settled, TransferEngine, TransferHandle};
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;
-pub use incremental::IncrementalBuilder;
+pub use incremental::{IncrementalBuilder, Run};
 pub use page_walk::{check_ranges, PageFragment, PageWalk};
 pub use plan::{Plan, PlanSet, Segment};
 pub use rules::{validate, PlanRules};

@@ -29,6 +29,8 @@ pub struct PageWalk<'a> {
     pages: &'a [u64],
     page_size: u64,
     size: u64,
+    /// The highest page offset in the list.
+    highest_page: u64,
 }
 
 impl<'a> PageWalk<'a> {
@@ -47,11 +49,16 @@ impl<'a> PageWalk<'a> {
         }
         let last_len = size - (expected - 1) * page_size;
         let (last, full) = pages.split_last().ok_or(WalkError::EmptyPageList)?;
-        let fits = |page: &u64, len: u64| page.checked_add(len).is_some();
-        if !fits(last, last_len) || !full.iter().all(|p| fits(p, page_size)) {
+        // One branch-free pass: the overflow check and the highest page together.
+        let full_limit = u64::MAX - page_size;
+        let (overflows, highest_page) =
+            full.iter().fold((*last > u64::MAX - last_len, *last), |(bad, high), &p| {
+                (bad | (p > full_limit), high.max(p))
+            });
+        if overflows {
             return Err(WalkError::Overflow);
         }
-        Ok(Self { pages, page_size, size })
+        Ok(Self { pages, page_size, size, highest_page })
     }
 
     /// The stored object size.
@@ -62,6 +69,12 @@ impl<'a> PageWalk<'a> {
     /// The page size.
     pub fn page_size(&self) -> u64 {
         self.page_size
+    }
+
+    /// An upper bound on the end of every tier byte the object occupies: the highest page
+    /// offset plus the page size (`None` if that does not fit in 64 bits).
+    pub fn tier_end(&self) -> Option<u64> {
+        self.highest_page.checked_add(self.page_size)
     }
 
     /// Emits the page fragments of object bytes `offset .. offset + len`, destined for
@@ -91,8 +104,13 @@ impl<'a> PageWalk<'a> {
         }
         // `offset < size` and the page count matches the size, so `first` indexes the list and
         // the range ends inside the last page's stored bytes: the short last page clamps itself.
-        let first = (offset / self.page_size) as usize;
-        let mut in_page = offset % self.page_size;
+        // Page sizes are powers of two in practice: a shift and a mask instead of a division.
+        let (first, mut in_page) = if self.page_size.is_power_of_two() {
+            let shift = self.page_size.trailing_zeros();
+            ((offset >> shift) as usize, offset & (self.page_size - 1))
+        } else {
+            ((offset / self.page_size) as usize, offset % self.page_size)
+        };
         let mut remaining = len;
         let mut dst = dst_offset;
         for &page in &self.pages[first..] {

@@ -1,6 +1,6 @@
 //! Plan rules: what an engine accepts, and the one validation every builder shares.
 
-use crate::{Endpoint, EndpointTable, Fragment, RejectReason};
+use crate::{Endpoint, EndpointId, EndpointTable, Fragment, RejectReason};
 
 /// What one engine accepts. The incremental builder and the batch planner both check fragments
 /// against these rules, so an engine states its limits once.
@@ -61,11 +61,7 @@ pub fn validate<R: PlanRules + ?Sized>(
     table: &EndpointTable,
     fragment: &Fragment,
 ) -> Result<(Endpoint, Endpoint), RejectReason> {
-    let src = *table.get(fragment.src).ok_or(RejectReason::UnknownEndpoint(fragment.src))?;
-    let dst = *table.get(fragment.dst).ok_or(RejectReason::UnknownEndpoint(fragment.dst))?;
-    if !rules.carries(&src, &dst) {
-        return Err(RejectReason::PairNotHandled { src: fragment.src, dst: fragment.dst });
-    }
+    let (src, dst) = check_pair(rules, table, fragment.src, fragment.dst)?;
     check_bounds(fragment.src, &src, fragment.src_offset, fragment.len)?;
     check_bounds(fragment.dst, &dst, fragment.dst_offset, fragment.len)?;
     let max = rules.max_segment_len();
@@ -76,8 +72,23 @@ pub fn validate<R: PlanRules + ?Sized>(
     Ok((src, dst))
 }
 
+/// The first half of [`validate`]: both endpoints known and the pair carried.
+pub(crate) fn check_pair<R: PlanRules + ?Sized>(
+    rules: &R,
+    table: &EndpointTable,
+    src_id: EndpointId,
+    dst_id: EndpointId,
+) -> Result<(Endpoint, Endpoint), RejectReason> {
+    let src = *table.get(src_id).ok_or(RejectReason::UnknownEndpoint(src_id))?;
+    let dst = *table.get(dst_id).ok_or(RejectReason::UnknownEndpoint(dst_id))?;
+    if !rules.carries(&src, &dst) {
+        return Err(RejectReason::PairNotHandled { src: src_id, dst: dst_id });
+    }
+    Ok((src, dst))
+}
+
 fn check_bounds(
-    id: crate::EndpointId,
+    id: EndpointId,
     endpoint: &Endpoint,
     offset: u64,
     len: u64,

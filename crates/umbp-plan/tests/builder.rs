@@ -52,7 +52,7 @@ fn adjacent_fragments_merge_and_keep_every_tag() {
     }
     let plans = b.finish().unwrap();
     let plan = &plans.plans()[0];
-    assert_eq!(lens(&plan), &[8192], "four adjacent fragments of two objects are one segment");
+    assert_eq!(lens(plan), &[8192], "four adjacent fragments of two objects are one segment");
     assert_eq!(plan.tags(), &[t(0), t(1)]);
     assert_eq!(plan.segment_tags(0), &[t(0), t(1)]);
 }
@@ -260,7 +260,7 @@ fn segment_tags_name_exactly_the_objects_in_each_segment() {
     }
     let plans = b.finish().unwrap();
     let plan = &plans.plans()[0];
-    assert_eq!(lens(&plan), &[20, 10, 20]);
+    assert_eq!(lens(plan), &[20, 10, 20]);
     assert_eq!(plan.segment_tags(0), &[t(0), t(1)]);
     assert_eq!(plan.segment_tags(1), &[t(1)]);
     assert_eq!(plan.segment_tags(2), &[t(2), t(3)]);

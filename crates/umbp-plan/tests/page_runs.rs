@@ -1,0 +1,136 @@
+//! `Run::push_walk` against the page walk feeding `push` one fragment at a time: for random
+//! paged objects, ranges and destinations (some out of bounds, some refused by the walk), with
+//! commits and rollbacks, both give the batch planner's plan set over the committed fragments.
+
+use proptest::prelude::*;
+use umbp_plan::{
+    BatchPlanner, Endpoint, EndpointId, EndpointRegistry, Error, Fragment, IncrementalBuilder,
+    PageWalk, PlanBuilder, PlanRules, RulePlanner, Tag,
+};
+
+#[derive(Clone, Copy, Debug)]
+struct Rules {
+    max_segment: u64,
+}
+
+impl PlanRules for Rules {
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        src.is_host() && dst.is_host()
+    }
+
+    fn max_segment_len(&self) -> u64 {
+        self.max_segment
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Object {
+    pages: Vec<u64>,
+    size: u64,
+    /// (object offset, length, destination index, destination offset)
+    ranges: Vec<(u64, u64, usize, u64)>,
+    commit: bool,
+}
+
+const PAGE: u64 = 64;
+const ARENA_PAGES: u64 = 40;
+
+fn object() -> impl Strategy<Value = Object> {
+    (1u64..6, 0u64..PAGE, any::<bool>()).prop_flat_map(|(pages, short, commit)| {
+        let size = pages * PAGE - short.min(PAGE - 1);
+        // Pages mostly inside the arena, now and then one past it; runs of adjacent pages.
+        let page = prop_oneof![9 => 0..ARENA_PAGES, 1 => ARENA_PAGES..ARENA_PAGES + 3];
+        let range = (0..size + 8, 0..size + 8, 0usize..3, 0u64..400);
+        (
+            proptest::collection::vec((page, any::<bool>()), pages as usize),
+            proptest::collection::vec(range, 0..5),
+        )
+            .prop_map(move |(raw, ranges)| {
+                let mut pages = Vec::new();
+                for (p, follow) in raw {
+                    let next = match pages.last() {
+                        Some(&last) if follow => last + PAGE,
+                        _ => p * PAGE,
+                    };
+                    pages.push(next);
+                }
+                Object { pages, size, ranges, commit }
+            })
+    })
+}
+
+fn setup() -> (std::sync::Arc<EndpointRegistry>, EndpointId, [EndpointId; 3]) {
+    let registry = EndpointRegistry::new();
+    // SAFETY: the plans are compared, never submitted.
+    let ids = unsafe {
+        let arena = registry.register(Endpoint::host(1 << 30, ARENA_PAGES * PAGE));
+        let dsts = [
+            registry.register(Endpoint::host(2 << 30, 512)),
+            registry.register(Endpoint::host(3 << 30, 512)),
+            registry.register(Endpoint::host(4 << 30, 200)),
+        ];
+        (arena, dsts)
+    };
+    (registry, ids.0, ids.1)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn push_walk_equals_walk_and_push(
+        objects in proptest::collection::vec(object(), 1..8),
+        max_segment in prop_oneof![Just(u64::MAX), 64u64..300],
+    ) {
+        let (registry, arena, dsts) = setup();
+        let rules = Rules { max_segment };
+        let mut by_walk = IncrementalBuilder::new(rules, registry.clone());
+        let mut by_push = IncrementalBuilder::new(rules, registry.clone());
+        let mut committed = Vec::new();
+
+        for (i, o) in objects.iter().enumerate() {
+            let tag = Tag::new(i as u32);
+            by_walk.begin_object(tag).unwrap();
+            by_push.begin_object(tag).unwrap();
+            let mut fragments = Vec::new();
+            let mut walk_failed = false;
+            match PageWalk::new(&o.pages, PAGE, o.size) {
+                Err(_) => walk_failed = true,
+                Ok(walk) => {
+                    for &(offset, len, d, dst_offset) in &o.ranges {
+                        // The reference: walk, collect, push one by one.
+                        let mut pieces = Vec::new();
+                        let walked = walk.walk(offset, len, dst_offset, |p| {
+                            pieces.push(Fragment::new(arena, p.tier_offset, dsts[d], p.dst_offset, p.len, tag));
+                            Ok::<(), Error>(())
+                        });
+                        let ran = by_walk
+                            .begin_run(arena, dsts[d])
+                            .and_then(|mut run| run.push_walk(&walk, offset, len, dst_offset));
+                        if walked.is_err() {
+                            prop_assert!(matches!(ran, Err(Error::Walk(_)) | Err(Error::ObjectRejected { .. })), "{ran:?}");
+                            walk_failed = true;
+                            break;
+                        }
+                        for f in &pieces {
+                            let _ = by_push.push(*f);
+                        }
+                        fragments.extend(pieces);
+                    }
+                }
+            }
+            if walk_failed || !o.commit {
+                // A refused walk fails the object: the caller rolls it back.
+                by_walk.rollback_object().unwrap();
+                by_push.rollback_object().unwrap();
+            } else {
+                by_walk.commit_object().unwrap();
+                by_push.commit_object().unwrap();
+                committed.extend(fragments);
+            }
+        }
+        let expected = RulePlanner::new(rules, registry).plan_batch(&committed);
+        prop_assert_eq!(by_push.finish().unwrap(), expected.clone());
+        prop_assert_eq!(by_walk.finish().unwrap(), expected);
+    }
+}
