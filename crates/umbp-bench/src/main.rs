@@ -120,7 +120,7 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
 fn print_plan_table(rows: &[PlanRow]) {
     println!("plan building, Kimi-K3 restore shape (page walk + push + finish, no bytes move)\n");
     println!(
-        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8}",
+        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
         "page",
         "builder",
         "fragments",
@@ -130,11 +130,12 @@ fn print_plan_table(rows: &[PlanRow]) {
         "median ms",
         "allocs",
         "faults",
-        "x floor"
+        "x floor",
+        "verified"
     );
     for r in rows {
         println!(
-            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2}",
+            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2} {:>8}",
             ByteSize(r.page_size).to_string(),
             r.builder,
             r.fragments,
@@ -144,7 +145,8 @@ fn print_plan_table(rows: &[PlanRow]) {
             r.median_ms,
             r.allocs_per_iter,
             r.minor_faults_per_iter,
-            r.vs_floor
+            r.vs_floor,
+            if r.verified { "yes" } else { "NO" }
         );
     }
     println!();

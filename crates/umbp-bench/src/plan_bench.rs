@@ -202,6 +202,9 @@ pub struct PlanRow {
     pub vs_floor: f64,
     /// Fraction of consecutive pages adjacent in the arena.
     pub adjacent_fraction: f64,
+    /// Whether this builder's plan set equalled the batch planner's over the same fragments
+    /// (checked once before timing; the floor builds no plan set and reports `true`).
+    pub verified: bool,
 }
 
 struct Sample {
@@ -240,6 +243,7 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
         let shape = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(page_size) };
         let work = RestoreWorkload::new(shape, config.contiguity, config.seed);
         let fragments = shape.fragments();
+        let verified = verify(&work)?;
 
         let mut floor_out = Vec::new();
         let floor = measure(config.warmup, config.iterations, || {
@@ -302,10 +306,23 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
                 minor_faults_per_iter: faults,
                 vs_floor: s.nanos as f64 / floor_nanos,
                 adjacent_fraction: work.table.adjacent_fraction,
+                verified: name == "floor" || verified,
             });
         }
     }
     Ok(rows)
+}
+
+/// Builds the restore's plan set once with each builder and checks they all equal the batch
+/// planner's result: the timed runs then measure builders known to agree.
+fn verify(work: &RestoreWorkload) -> Result<bool, Error> {
+    let planner = RulePlanner::new(MemoryRules, work.registry.clone());
+    let expected = work.plan_with(&mut BufferedPlanBuilder::new(planner))?;
+    let mut incremental = IncrementalBuilder::new(MemoryRules, work.registry.clone());
+    let by_runs = work.plan_with_runs(&mut incremental)?;
+    let by_push = work.plan_with(&mut incremental)?;
+    let no_rejections = expected.rejected().is_empty();
+    Ok(no_rejections && by_runs == expected && by_push == expected)
 }
 
 /// Counts what a timed iteration built, then hands the plan set to `done` (drop or recycle).
@@ -324,6 +341,56 @@ fn sample(
         Err(e) => {
             failed.get_or_insert(e);
             Sample { nanos, plans: 0, segments: 0 }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builder_agrees_and_rows_are_complete() {
+        let config = PlanBenchConfig {
+            page_sizes: vec![64 << 10, 32 << 10],
+            objects: 6,
+            iterations: 1,
+            warmup: 0,
+            ..PlanBenchConfig::default()
+        };
+        let rows = run(&config).unwrap();
+        assert_eq!(rows.len(), 8, "four builders at two page sizes");
+        for r in &rows {
+            assert!(
+                r.verified,
+                "{} at {} disagrees with the batch planner",
+                r.builder, r.page_size
+            );
+            let expected = 6 * 24 * ((1u64 << 20) / r.page_size);
+            assert_eq!(r.fragments, expected);
+            if r.builder != "floor" {
+                assert_eq!(r.plans, 24, "one plan per destination");
+                assert!(r.segments as u64 <= r.fragments && r.segments > 0);
+            }
+        }
+    }
+
+    #[test]
+    fn contiguity_sets_how_many_pages_are_adjacent() {
+        for contiguity in [0.0, 0.5, 1.0] {
+            let shape = RestoreShape { objects: 40, ..RestoreShape::kimi_k3(64 << 10) };
+            let table = PageTable::scatter(&shape, contiguity, 7);
+            assert!(
+                (table.adjacent_fraction - contiguity).abs() < 0.05,
+                "{contiguity}: {}",
+                table.adjacent_fraction
+            );
+            // Every tier page is used exactly once.
+            let mut seen: Vec<u64> =
+                (0..shape.objects).flat_map(|o| table.object(o).to_vec()).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), shape.objects * shape.pages_per_object());
         }
     }
 }

@@ -1,2 +1,6 @@
-//! umbp-hbm: not implemented yet. See the workspace README for the plan of this crate.
+//! The device (HBM) engine with a gather kernel of the umbp transfer engines. Not implemented yet: see the README.
 #![deny(unsafe_code)]
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

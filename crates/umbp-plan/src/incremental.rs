@@ -684,20 +684,20 @@ impl<R: PlanRules> Run<'_, R> {
             Some(false) => self.push(page.tier_offset, page.dst_offset, page.len),
             None => {
                 self.push(page.tier_offset, page.dst_offset, page.len)?;
-                in_bounds = Some(self.covers(walk, dst_offset, len));
+                in_bounds = Some(self.covers(walk, offset, len, dst_offset));
                 Ok(())
             }
         })
     }
 
-    /// Whether every page fragment of `walk`'s range `len` bytes long to `dst_offset ..` is in
+    /// Whether every page fragment of `walk`'s range `offset .. + len` to `dst_offset ..` is in
     /// bounds for this (bound, live) run and within the maximum segment.
-    fn covers(&self, walk: &PageWalk<'_>, dst_offset: u64, len: u64) -> bool {
+    fn covers(&self, walk: &PageWalk<'_>, offset: u64, len: u64, dst_offset: u64) -> bool {
         self.live
             && self.plan.is_some()
             && walk.page_size() <= self.max_segment
-            && walk.tier_end().is_some_and(|end| end <= self.src_len)
             && dst_offset.checked_add(len).is_some_and(|end| end <= self.dst_len)
+            && walk.pages_within(offset, len, self.src_len)
     }
 
     /// `push` for a fragment already known to be in bounds and within the maximum segment.

@@ -29,8 +29,6 @@ pub struct PageWalk<'a> {
     pages: &'a [u64],
     page_size: u64,
     size: u64,
-    /// The highest page offset in the list.
-    highest_page: u64,
 }
 
 impl<'a> PageWalk<'a> {
@@ -49,16 +47,10 @@ impl<'a> PageWalk<'a> {
         }
         let last_len = size - (expected - 1) * page_size;
         let (last, full) = pages.split_last().ok_or(WalkError::EmptyPageList)?;
-        // One branch-free pass: the overflow check and the highest page together.
-        let full_limit = u64::MAX - page_size;
-        let (overflows, highest_page) =
-            full.iter().fold((*last > u64::MAX - last_len, *last), |(bad, high), &p| {
-                (bad | (p > full_limit), high.max(p))
-            });
-        if overflows {
+        if *last > u64::MAX - last_len || !all_at_most(full, u64::MAX - page_size) {
             return Err(WalkError::Overflow);
         }
-        Ok(Self { pages, page_size, size, highest_page })
+        Ok(Self { pages, page_size, size })
     }
 
     /// The stored object size.
@@ -71,10 +63,33 @@ impl<'a> PageWalk<'a> {
         self.page_size
     }
 
-    /// An upper bound on the end of every tier byte the object occupies: the highest page
-    /// offset plus the page size (`None` if that does not fit in 64 bits).
-    pub fn tier_end(&self) -> Option<u64> {
-        self.highest_page.checked_add(self.page_size)
+    /// The page holding object byte `offset`, and the offset inside that page. Page sizes are
+    /// powers of two in practice: a shift and a mask instead of a division.
+    #[inline]
+    fn locate(&self, offset: u64) -> (usize, u64) {
+        if self.page_size.is_power_of_two() {
+            let shift = self.page_size.trailing_zeros();
+            ((offset >> shift) as usize, offset & (self.page_size - 1))
+        } else {
+            ((offset / self.page_size) as usize, offset % self.page_size)
+        }
+    }
+
+    /// Whether every page that object bytes `offset .. offset + len` touch lies wholly (a full
+    /// page size, even for a short last page) below tier offset `tier_len`. `false` for a range
+    /// the walk would refuse.
+    pub fn pages_within(&self, offset: u64, len: u64, tier_len: u64) -> bool {
+        let Some(limit) = tier_len.checked_sub(self.page_size) else {
+            return false;
+        };
+        match offset.checked_add(len) {
+            Some(end) if len > 0 && end <= self.size => {
+                let (first, _) = self.locate(offset);
+                let (last, _) = self.locate(end - 1);
+                all_at_most(&self.pages[first..=last], limit)
+            }
+            _ => false,
+        }
     }
 
     /// Emits the page fragments of object bytes `offset .. offset + len`, destined for
@@ -104,13 +119,7 @@ impl<'a> PageWalk<'a> {
         }
         // `offset < size` and the page count matches the size, so `first` indexes the list and
         // the range ends inside the last page's stored bytes: the short last page clamps itself.
-        // Page sizes are powers of two in practice: a shift and a mask instead of a division.
-        let (first, mut in_page) = if self.page_size.is_power_of_two() {
-            let shift = self.page_size.trailing_zeros();
-            ((offset >> shift) as usize, offset & (self.page_size - 1))
-        } else {
-            ((offset / self.page_size) as usize, offset % self.page_size)
-        };
+        let (first, mut in_page) = self.locate(offset);
         let mut remaining = len;
         let mut dst = dst_offset;
         for &page in &self.pages[first..] {
@@ -127,6 +136,12 @@ impl<'a> PageWalk<'a> {
         debug_assert_eq!(remaining, 0, "a checked range ends inside the page list");
         Ok(())
     }
+}
+
+/// Whether every value is at most `limit`: a branch-free pass (random page offsets would make
+/// a branch per page mispredict half the time).
+fn all_at_most(values: &[u64], limit: u64) -> bool {
+    !values.iter().fold(false, |above, &v| above | (v > limit))
 }
 
 /// Checks an object's read ranges, given as `(offset, len)`: each non-empty, inside an object of
