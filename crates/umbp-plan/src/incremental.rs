@@ -647,10 +647,11 @@ impl<R: PlanRules> Run<'_, R> {
 
     /// Pushes the page fragments of object bytes `offset .. offset + len` of `walk`, destined
     /// for `dst_offset ..`: exactly what [`PageWalk::walk`] feeding [`push`](Self::push) does,
-    /// with the bounds checks that hold for the whole range done once. After the first page
-    /// (which binds the run), if the destination range and the object's highest page fit the
-    /// run's endpoints and the page size fits the engine's maximum segment, every later page
-    /// costs only the engine's own check, the merge decision and a store.
+    /// with the checks that hold for the whole range done once. One pass over the range's pages
+    /// checks them for overflow and against the source endpoint; after the first page (which
+    /// binds the run), if all pages, the destination range and the page size fit the run's
+    /// endpoints and the engine's maximum segment, every later page costs only the engine's
+    /// own check, the merge decision and a store.
     ///
     /// A range the walk refuses returns [`Error::Walk`] with nothing pushed.
     #[inline]
@@ -661,9 +662,18 @@ impl<R: PlanRules> Run<'_, R> {
         len: u64,
         dst_offset: u64,
     ) -> Result<(), Error> {
+        let span = walk.span(offset, len, dst_offset)?;
+        let src_len = match self.plan {
+            Some(_) => Some(self.src_len),
+            None => self.builder.table.get(self.src).map(Endpoint::len),
+        };
+        let (maybe_over, pages_within) = walk.scan(&span, src_len);
+        if maybe_over && walk.overflows(&span) {
+            return Err(Error::Walk(crate::WalkError::Overflow));
+        }
         // None until the first page is pushed; then whether the rest is known in bounds.
         let mut in_bounds: Option<bool> = None;
-        walk.walk(offset, len, dst_offset, |page| match in_bounds {
+        walk.emit(&span, len, dst_offset, |page| match in_bounds {
             Some(true) => {
                 let f = Fragment::new(
                     self.src,
@@ -684,20 +694,23 @@ impl<R: PlanRules> Run<'_, R> {
             Some(false) => self.push(page.tier_offset, page.dst_offset, page.len),
             None => {
                 self.push(page.tier_offset, page.dst_offset, page.len)?;
-                in_bounds = Some(self.covers(walk, offset, len, dst_offset));
+                in_bounds = Some(
+                    pages_within
+                        && src_len == Some(self.src_len)
+                        && self.covers(walk, len, dst_offset),
+                );
                 Ok(())
             }
         })
     }
 
-    /// Whether every page fragment of `walk`'s range `offset .. + len` to `dst_offset ..` is in
-    /// bounds for this (bound, live) run and within the maximum segment.
-    fn covers(&self, walk: &PageWalk<'_>, offset: u64, len: u64, dst_offset: u64) -> bool {
+    /// Whether this run is bound and live, its destination holds `dst_offset .. + len`, and a
+    /// page of `walk` fits the maximum segment.
+    fn covers(&self, walk: &PageWalk<'_>, len: u64, dst_offset: u64) -> bool {
         self.live
             && self.plan.is_some()
             && walk.page_size() <= self.max_segment
             && dst_offset.checked_add(len).is_some_and(|end| end <= self.dst_len)
-            && walk.pages_within(offset, len, self.src_len)
     }
 
     /// `push` for a fragment already known to be in bounds and within the maximum segment.

@@ -21,14 +21,24 @@ pub struct PageFragment {
 
 /// One object's page list, checked against its stored size.
 ///
-/// Holding a `PageWalk` guarantees: the page size is non-zero, the list is non-empty, it holds
-/// exactly `ceil(size / page_size)` pages, and every page's tier offset plus its stored length
-/// fits in 64 bits. A walk therefore does no per-page overflow checks.
+/// Holding a `PageWalk` guarantees: the page size is non-zero, the list is non-empty and it
+/// holds exactly `ceil(size / page_size)` pages. Whether a page's tier offset plus its stored
+/// length fits in 64 bits is checked by each walk, for the pages that walk touches, before it
+/// emits anything.
 #[derive(Copy, Clone, Debug)]
 pub struct PageWalk<'a> {
     pages: &'a [u64],
     page_size: u64,
     size: u64,
+}
+
+/// A range of an object that passed the walk's range rules: the pages it touches (`first ..=
+/// last`) and where it starts inside the first one.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Span {
+    first: usize,
+    last: usize,
+    in_page: u64,
 }
 
 impl<'a> PageWalk<'a> {
@@ -44,11 +54,6 @@ impl<'a> PageWalk<'a> {
         let expected = size.div_ceil(page_size);
         if pages.len() as u64 != expected {
             return Err(WalkError::PageCountMismatch { pages: pages.len(), expected });
-        }
-        let last_len = size - (expected - 1) * page_size;
-        let (last, full) = pages.split_last().ok_or(WalkError::EmptyPageList)?;
-        if *last > u64::MAX - last_len || !all_at_most(full, u64::MAX - page_size) {
-            return Err(WalkError::Overflow);
         }
         Ok(Self { pages, page_size, size })
     }
@@ -75,73 +80,101 @@ impl<'a> PageWalk<'a> {
         }
     }
 
-    /// Whether every page that object bytes `offset .. offset + len` touch lies wholly (a full
-    /// page size, even for a short last page) below tier offset `tier_len`. `false` for a range
-    /// the walk would refuse.
-    pub fn pages_within(&self, offset: u64, len: u64, tier_len: u64) -> bool {
-        let Some(limit) = tier_len.checked_sub(self.page_size) else {
-            return false;
-        };
-        match offset.checked_add(len) {
-            Some(end) if len > 0 && end <= self.size => {
-                let (first, _) = self.locate(offset);
-                let (last, _) = self.locate(end - 1);
-                all_at_most(&self.pages[first..=last], limit)
-            }
-            _ => false,
+    /// Applies the range rules: non-empty, starting before the end, ending at or before it,
+    /// destination offsets that fit in 64 bits.
+    #[inline]
+    pub(crate) fn span(&self, offset: u64, len: u64, dst_offset: u64) -> Result<Span, WalkError> {
+        if len == 0 {
+            return Err(WalkError::ZeroLength);
         }
+        if offset >= self.size {
+            return Err(WalkError::OffsetPastEnd { offset, size: self.size });
+        }
+        let end = match offset.checked_add(len) {
+            Some(end) if end <= self.size => end,
+            _ => return Err(WalkError::RangePastEnd { offset, len, size: self.size }),
+        };
+        if dst_offset.checked_add(len).is_none() {
+            return Err(WalkError::Overflow);
+        }
+        // `offset < end <= size` and the page count matches the size: both index the list.
+        let (first, in_page) = self.locate(offset);
+        let (last, _) = self.locate(end - 1);
+        Ok(Span { first, last, in_page })
+    }
+
+    /// One branch-free pass over the span's pages: whether any page might overflow (a full
+    /// page past `u64::MAX`), and whether every page lies wholly below `tier_len` (`false`
+    /// when `tier_len` is unknown).
+    #[inline]
+    pub(crate) fn scan(&self, span: &Span, tier_len: Option<u64>) -> (bool, bool) {
+        let overflow_limit = u64::MAX - self.page_size;
+        let within_limit = tier_len.and_then(|t| t.checked_sub(self.page_size));
+        let (over, outside) = self.pages[span.first..=span.last].iter().fold(
+            (false, false),
+            |(over, outside), &p| {
+                (over | (p > overflow_limit), outside | (p > within_limit.unwrap_or(0)))
+            },
+        );
+        (over, within_limit.is_some() && !outside)
+    }
+
+    /// The exact overflow rule for the span's pages (each page's stored length, the last page
+    /// of the object possibly short), for spans whose [`scan`](Self::scan) flagged one.
+    #[cold]
+    pub(crate) fn overflows(&self, span: &Span) -> bool {
+        let last_len = self.size - (self.pages.len() as u64 - 1) * self.page_size;
+        (span.first..=span.last).any(|i| {
+            let len = if i + 1 == self.pages.len() { last_len } else { self.page_size };
+            self.pages[i].checked_add(len).is_none()
+        })
+    }
+
+    /// Emits the span's fragments; the caller has checked the span and its pages.
+    #[inline]
+    pub(crate) fn emit<E>(
+        &self,
+        span: &Span,
+        len: u64,
+        dst_offset: u64,
+        mut emit: impl FnMut(PageFragment) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut in_page = span.in_page;
+        let mut remaining = len;
+        let mut dst = dst_offset;
+        for &page in &self.pages[span.first..=span.last] {
+            // The range ends inside the last page's stored bytes: a short last page clamps
+            // itself, and `page + in_page + n` fits (the span's pages passed the overflow rule).
+            let n = (self.page_size - in_page).min(remaining);
+            emit(PageFragment { tier_offset: page + in_page, dst_offset: dst, len: n })?;
+            dst += n;
+            remaining -= n;
+            in_page = 0;
+        }
+        debug_assert_eq!(remaining, 0, "a span ends inside its last page");
+        Ok(())
     }
 
     /// Emits the page fragments of object bytes `offset .. offset + len`, destined for
     /// `dst_offset ..` in the caller's buffer, in object order. Refuses (emitting nothing) a
-    /// zero length, an offset at or past the end, a range past the end, and destination offsets
-    /// that overflow. An error returned by `emit` stops the walk and is returned as is.
+    /// zero length, an offset at or past the end, a range past the end, destination offsets
+    /// that overflow, and a touched page whose tier offset plus stored length overflows. An
+    /// error returned by `emit` stops the walk and is returned as is.
     #[inline]
     pub fn walk<E: From<WalkError>>(
         &self,
         offset: u64,
         len: u64,
         dst_offset: u64,
-        mut emit: impl FnMut(PageFragment) -> Result<(), E>,
+        emit: impl FnMut(PageFragment) -> Result<(), E>,
     ) -> Result<(), E> {
-        if len == 0 {
-            return Err(WalkError::ZeroLength.into());
-        }
-        if offset >= self.size {
-            return Err(WalkError::OffsetPastEnd { offset, size: self.size }.into());
-        }
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size => {}
-            _ => return Err(WalkError::RangePastEnd { offset, len, size: self.size }.into()),
-        }
-        if dst_offset.checked_add(len).is_none() {
+        let span = self.span(offset, len, dst_offset)?;
+        let (maybe_over, _) = self.scan(&span, None);
+        if maybe_over && self.overflows(&span) {
             return Err(WalkError::Overflow.into());
         }
-        // `offset < size` and the page count matches the size, so `first` indexes the list and
-        // the range ends inside the last page's stored bytes: the short last page clamps itself.
-        let (first, mut in_page) = self.locate(offset);
-        let mut remaining = len;
-        let mut dst = dst_offset;
-        for &page in &self.pages[first..] {
-            let n = (self.page_size - in_page).min(remaining);
-            // `new` checked that `page + stored length` fits, and `in_page + n` stays inside.
-            emit(PageFragment { tier_offset: page + in_page, dst_offset: dst, len: n })?;
-            dst += n;
-            remaining -= n;
-            if remaining == 0 {
-                break;
-            }
-            in_page = 0;
-        }
-        debug_assert_eq!(remaining, 0, "a checked range ends inside the page list");
-        Ok(())
+        self.emit(&span, len, dst_offset, emit)
     }
-}
-
-/// Whether every value is at most `limit`: a branch-free pass (random page offsets would make
-/// a branch per page mispredict half the time).
-fn all_at_most(values: &[u64], limit: u64) -> bool {
-    !values.iter().fold(false, |above, &v| above | (v > limit))
 }
 
 /// Checks an object's read ranges, given as `(offset, len)`: each non-empty, inside an object of

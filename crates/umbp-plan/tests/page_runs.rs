@@ -34,12 +34,19 @@ struct Object {
 
 const PAGE: u64 = 64;
 const ARENA_PAGES: u64 = 40;
+/// Stands for a page whose tier offset overflows when its length is added.
+const HUGE: u64 = u64::MAX;
 
 fn object() -> impl Strategy<Value = Object> {
     (1u64..6, 0u64..PAGE, any::<bool>()).prop_flat_map(|(pages, short, commit)| {
         let size = pages * PAGE - short.min(PAGE - 1);
-        // Pages mostly inside the arena, now and then one past it; runs of adjacent pages.
-        let page = prop_oneof![9 => 0..ARENA_PAGES, 1 => ARENA_PAGES..ARENA_PAGES + 3];
+        // Pages mostly inside the arena, now and then one past it or one whose offset
+        // overflows; runs of adjacent pages.
+        let page = prop_oneof![
+            18 => 0..ARENA_PAGES,
+            2 => ARENA_PAGES..ARENA_PAGES + 3,
+            1 => Just(HUGE),
+        ];
         let range = (0..size + 8, 0..size + 8, 0usize..3, 0u64..400);
         (
             proptest::collection::vec((page, any::<bool>()), pages as usize),
@@ -49,7 +56,8 @@ fn object() -> impl Strategy<Value = Object> {
                 let mut pages = Vec::new();
                 for (p, follow) in raw {
                     let next = match pages.last() {
-                        Some(&last) if follow => last + PAGE,
+                        Some(&last) if follow && last < u64::MAX - PAGE => last + PAGE,
+                        _ if p == HUGE => u64::MAX - 10,
                         _ => p * PAGE,
                     };
                     pages.push(next);
