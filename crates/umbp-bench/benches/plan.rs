@@ -1,6 +1,7 @@
 //! Criterion: plan building for the Kimi-K3 restore shape (a quarter of its objects), per builder
-#![allow(missing_docs)] // `criterion_group!` generates an undocumented public function.
 //! and page size, with throughput in fragments.
+
+#![allow(missing_docs)] // `criterion_group!` generates an undocumented public function.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use umbp_bench::plan_bench::{MemoryRules, RestoreWorkload};
