@@ -1,5 +1,78 @@
-//! The device (HBM) engine with a gather kernel of the umbp transfer engines. Not implemented yet: see the README.
-#![deny(unsafe_code)]
+//! The device (HBM) engine of the umbp transfer engines.
+//!
+//! A restore into GPU memory is hundreds of thousands of small fragments. Copying each with its
+//! own runtime call pays the call's start-up cost per fragment; this engine instead writes a
+//! list of [`GatherDescriptor`]s and copies many fragments with one launch of a gather kernel.
+//!
+//! - [`HbmEngine`] claims every pair with a device side and no file side ([`HbmRules`]). Its
+//!   builder is the incremental builder of `umbp-plan`, whose segments already have the
+//!   descriptor layout (source, destination, length relative to the endpoints).
+//! - At submit, segments are bucketed per device, across plans and directions. A bucket of at
+//!   least [`HbmConfig::kernel_min_fragments`] fragments whose mean size is under
+//!   [`HbmConfig::kernel_max_mean_bytes`] goes through the kernel, in launches of at most
+//!   [`HbmConfig::launch_max_bytes`]; other buckets use one copy per segment. Only host memory
+//!   pinned for the device ([`HbmEngine::pin`]) can take part in a gather; the rest is copied.
+//! - A failed launch falls back to copies for its bucket; a failed synchronization after a
+//!   launch disables the kernel for the engine's lifetime (logged once) and copies the bucket
+//!   again; a failed copy fails its segment's objects with the device, the runtime's code and
+//!   message. The caller's current device is restored after every submit.
+//! - [`DeviceRuntime`] is the backend trait: [`SimDevice`] (always built; device memory in
+//!   host memory, the kernel run on the CPU from the same descriptors, every address checked,
+//!   faults injectable) and `HipRuntime` (feature `hip`: AMD GPUs, the kernel compiled by
+//!   hiprtc for the device's own architecture at first use).
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+//! use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+//!
+//! let engine = HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), HbmConfig::default());
+//! let gpu = DeviceOrdinal::new(0);
+//! let device = engine.alloc_device(gpu, 1 << 20)?;
+//! let mut host = vec![7u8; 1 << 20];
+//! // SAFETY: `host` outlives every transfer below and is deregistered before it is dropped.
+//! let src = unsafe { engine.register_host(host.as_mut_ptr(), host.len() as u64, Some(gpu))? };
+//!
+//! // Eight scattered 4 KiB pages into one device buffer: one gather launch.
+//! let mut builder = engine.builder();
+//! builder.begin_object(Tag::new(0))?;
+//! for (i, page) in [5u64, 2, 7, 0, 3, 6, 1, 4].iter().enumerate() {
+//!     builder.push(Fragment::new(src, page * 8192, device.id, i as u64 * 4096, 4096, Tag::new(0)))?;
+//! }
+//! builder.commit_object()?;
+//! let mut handle = engine.submit(builder.finish()?);
+//! assert!(handle.wait().is_empty());
+//! assert_eq!(engine.launches(), 1);
+//! assert_eq!(engine.runtime().read(device.addr, 4)?, vec![7; 4]);
+//! # drop(handle);
+//! # engine.deregister(src)?;
+//! # engine.free_device(device)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Unsafe code
+//!
+//! Registering memory is `unsafe` (its validity is the caller's promise). Raw memory access
+//! lives in `sim/memory.rs` and `sim/kernel.rs`, and runtime calls in `hip/ffi.rs`.
+
+#![warn(missing_docs)]
+
+mod descriptor;
+mod engine;
+mod error;
+mod runtime;
+pub mod sim;
+
+#[cfg(all(feature = "hip", target_os = "linux"))]
+pub mod hip;
+
+pub use descriptor::{chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, SLICE_BYTES};
+pub use engine::{DeviceRegion, HbmConfig, HbmEngine, HbmRules};
+pub use error::{DeviceError, Error};
+pub use runtime::DeviceRuntime;
+pub use sim::{Fault, SimDevice};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

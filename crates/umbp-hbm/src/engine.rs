@@ -1,0 +1,499 @@
+//! The device engine: planning rules, memory registration, and submit (kernel or copies).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use umbp_plan::{
+    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Failure, FailureCause,
+    Fragment, IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Tag, TransferEngine,
+    TransferHandle,
+};
+
+use crate::descriptor::chunk_launches;
+use crate::{DeviceError, DeviceRuntime, Error, GatherDescriptor, LaunchTable};
+
+/// Tuning of the device engine. Every field has a documented default.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HbmConfig {
+    /// A bucket uses the gather kernel only with at least this many fragments. Default 2.
+    pub kernel_min_fragments: usize,
+    /// ... and only when their mean size is under this many bytes. Default 128 KiB.
+    pub kernel_max_mean_bytes: u64,
+    /// Bytes one launch copies at most, so that a huge restore cannot occupy the whole GPU at
+    /// once; longer buckets are split into several launches. Default 64 MiB.
+    pub launch_max_bytes: u64,
+}
+
+impl Default for HbmConfig {
+    fn default() -> Self {
+        Self {
+            kernel_min_fragments: 2,
+            kernel_max_mean_bytes: 128 << 10,
+            launch_max_bytes: 64 << 20,
+        }
+    }
+}
+
+/// The pairs the device engine carries: every pair with at least one device endpoint and no
+/// file endpoint (host to device, device to host, device to device). Host to host is the host
+/// copy engine's, so the two never both claim a pair.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct HbmRules;
+
+impl PlanRules for HbmRules {
+    #[inline]
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        let device_side = src.device_ordinal().is_some() || dst.device_ordinal().is_some();
+        device_side && src.file_range().is_none() && dst.file_range().is_none()
+    }
+}
+
+/// Device memory the engine allocated and registered.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceRegion {
+    /// The endpoint naming it.
+    pub id: EndpointId,
+    /// Its device.
+    pub device: DeviceOrdinal,
+    /// Its device address.
+    pub addr: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// The device engine over runtime `D`; see the [crate docs](crate).
+pub struct HbmEngine<D: DeviceRuntime> {
+    runtime: Arc<D>,
+    registry: Arc<EndpointRegistry>,
+    config: HbmConfig,
+    /// Host endpoints pinned for a device: (device, device-visible alias, host address).
+    pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
+    /// Device memory this engine allocated: (device, address).
+    owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
+    /// Set once a synchronization after a launch failed: later submits use copies only.
+    kernel_disabled: AtomicBool,
+    /// Gather launches so far.
+    launches: AtomicU64,
+    /// Buffers reused across submits (one submit at a time uses them).
+    scratch: Mutex<Scratch>,
+}
+
+/// One segment to move, by copy or (with `kernel`) by the gather kernel.
+#[derive(Copy, Clone, Debug)]
+struct Job {
+    plan: usize,
+    segment: usize,
+    src: u64,
+    dst: u64,
+    len: u64,
+}
+
+#[derive(Default)]
+struct Bucket {
+    /// Segments both of whose sides the device sees, with their kernel descriptor.
+    kernel: Vec<(Job, GatherDescriptor)>,
+    /// Segments only a copy can move.
+    copies: Vec<Job>,
+}
+
+#[derive(Default)]
+struct Scratch {
+    buckets: BTreeMap<DeviceOrdinal, Bucket>,
+    descriptors: Vec<GatherDescriptor>,
+    table: LaunchTable,
+}
+
+impl<D: DeviceRuntime> HbmEngine<D> {
+    /// An engine over `runtime` that names endpoints in `registry`.
+    pub fn new(runtime: Arc<D>, registry: Arc<EndpointRegistry>, config: HbmConfig) -> Self {
+        Self {
+            runtime,
+            registry,
+            config,
+            pinned: Mutex::new(HashMap::new()),
+            owned: Mutex::new(HashMap::new()),
+            kernel_disabled: AtomicBool::new(false),
+            launches: AtomicU64::new(0),
+            scratch: Mutex::new(Scratch::default()),
+        }
+    }
+
+    /// The device runtime.
+    pub fn runtime(&self) -> &Arc<D> {
+        &self.runtime
+    }
+
+    /// The registry the engine names endpoints in.
+    pub fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.registry
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> HbmConfig {
+        self.config
+    }
+
+    /// Gather-kernel launches so far (one per bucket chunk).
+    pub fn launches(&self) -> u64 {
+        // Relaxed: a statistic; the launches it counts were ordered by the submit that did them.
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// Whether the gather kernel is still in use (a failed synchronization after a launch
+    /// disables it for the engine's lifetime).
+    pub fn kernel_enabled(&self) -> bool {
+        !self.kernel_disabled.load(Ordering::Relaxed)
+    }
+
+    /// An incremental builder for this engine, as a concrete type (for
+    /// [`begin_run`](IncrementalBuilder::begin_run) and `push_walk`).
+    pub fn incremental_builder(&self) -> IncrementalBuilder<HbmRules> {
+        IncrementalBuilder::new(HbmRules, self.registry.clone())
+    }
+
+    /// Allocates `len` bytes on `device` and registers them.
+    pub fn alloc_device(&self, device: DeviceOrdinal, len: u64) -> Result<DeviceRegion, Error> {
+        let addr = self.runtime.alloc(device, len)?;
+        // SAFETY: fresh device memory of `len` bytes, owned by this engine until `free_device`.
+        let id = unsafe { self.registry.register(Endpoint::device(device, addr, len)) };
+        lock(&self.owned).insert(id, (device, addr));
+        Ok(DeviceRegion { id, device, addr, len })
+    }
+
+    /// Deregisters and frees memory from [`alloc_device`](Self::alloc_device). Submits are
+    /// synchronous, so no transfer of this engine still touches it once its handle exists.
+    pub fn free_device(&self, region: DeviceRegion) -> Result<(), Error> {
+        let (device, addr) =
+            lock(&self.owned).remove(&region.id).ok_or(Error::UnknownEndpoint(region.id))?;
+        self.registry.deregister(region.id).map_err(|_| Error::UnknownEndpoint(region.id))?;
+        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; every submit
+        // synchronizes its devices before returning its handle.
+        unsafe { self.runtime.free(device, addr)? };
+        Ok(())
+    }
+
+    /// Registers device memory the caller allocated.
+    ///
+    /// # Safety
+    ///
+    /// `addr .. + len` is memory of `device`, valid until the endpoint is deregistered and
+    /// every handle that used it was waited on (see [`EndpointRegistry::register`]).
+    pub unsafe fn register_device(
+        &self,
+        device: DeviceOrdinal,
+        addr: u64,
+        len: u64,
+    ) -> Result<EndpointId, Error> {
+        check_region(addr, len)?;
+        // SAFETY: the caller's contract is the registry's.
+        Ok(unsafe { self.registry.register(Endpoint::device(device, addr, len)) })
+    }
+
+    /// Registers host memory, pinned and mapped for `pin_for` if given (so the gather kernel can
+    /// read and write it); unpinned host memory moves by copies.
+    ///
+    /// # Safety
+    ///
+    /// `addr .. + len` is host memory valid for reads and writes until the endpoint is
+    /// deregistered and every handle that used it was waited on.
+    pub unsafe fn register_host(
+        &self,
+        addr: *mut u8,
+        len: u64,
+        pin_for: Option<DeviceOrdinal>,
+    ) -> Result<EndpointId, Error> {
+        check_region(addr as u64, len)?;
+        // SAFETY: the caller's contract is the registry's.
+        let id = unsafe { self.registry.register(Endpoint::host(addr as u64, len)) };
+        if let Some(device) = pin_for {
+            if let Err(e) = self.pin(id, device) {
+                let _ = self.registry.deregister(id);
+                return Err(e);
+            }
+        }
+        Ok(id)
+    }
+
+    /// Pins a registered host endpoint for `device`, so gathers can use it.
+    pub fn pin(&self, id: EndpointId, device: DeviceOrdinal) -> Result<(), Error> {
+        let endpoint = self.registry.get(id).filter(Endpoint::is_host);
+        let endpoint = endpoint.ok_or(Error::UnknownEndpoint(id))?;
+        let mut pinned = lock(&self.pinned);
+        if pinned.contains_key(&id) {
+            return Ok(());
+        }
+        // SAFETY: the endpoint's registration promised this memory valid until deregistered,
+        // and `deregister` unpins it first.
+        let alias = unsafe { self.runtime.register_host(device, endpoint.addr(), endpoint.len())? };
+        pinned.insert(id, (device, alias, endpoint.addr()));
+        Ok(())
+    }
+
+    /// Undoes [`pin`](Self::pin); the endpoint stays registered and moves by copies.
+    pub fn unpin(&self, id: EndpointId) -> Result<(), Error> {
+        let (device, _, addr) = lock(&self.pinned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
+        // SAFETY: pinned by `pin`; submits synchronize before returning, so no work touches it.
+        unsafe { self.runtime.unregister_host(device, addr)? };
+        Ok(())
+    }
+
+    /// Deregisters an endpoint, unpinning it first if pinned. Memory from
+    /// [`alloc_device`](Self::alloc_device) goes through [`free_device`](Self::free_device).
+    pub fn deregister(&self, id: EndpointId) -> Result<(), Error> {
+        if lock(&self.pinned).contains_key(&id) {
+            self.unpin(id)?;
+        }
+        if let Some(&(device, addr)) = lock(&self.owned).get(&id) {
+            let len = self.registry.get(id).map_or(0, |e| e.len());
+            return self.free_device(DeviceRegion { id, device, addr, len });
+        }
+        self.registry.deregister(id).map(drop).map_err(|_| Error::UnknownEndpoint(id))
+    }
+
+    /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only.
+    fn bucket(
+        &self,
+        plans: &PlanSet,
+        scratch: &mut Scratch,
+        failed: &mut Vec<(usize, Option<usize>, FailureCause)>,
+    ) {
+        let pinned = lock(&self.pinned);
+        for (pi, plan) in plans.plans().iter().enumerate() {
+            let (Some(src), Some(dst)) =
+                (self.registry.get(plan.src()), self.registry.get(plan.dst()))
+            else {
+                let gone =
+                    if self.registry.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
+                failed.push((pi, None, FailureCause::EndpointGone(gone)));
+                continue;
+            };
+            let Some(device) = dst
+                .device_ordinal()
+                .or(src.device_ordinal())
+                .filter(|_| HbmRules.carries(&src, &dst))
+            else {
+                failed.push((pi, None, FailureCause::NotAccepted("not a device pair".into())));
+                continue;
+            };
+            // The addresses the kernel would use: device memory of this device, or host memory
+            // pinned for it (through its alias). Anything else moves by copy.
+            let visible = |id: EndpointId, e: &Endpoint| match e.device_ordinal() {
+                Some(d) => (d == device).then_some(e.addr()),
+                None => pinned.get(&id).filter(|p| p.0 == device).map(|p| p.1),
+            };
+            let kernel_bases = visible(plan.src(), &src).zip(visible(plan.dst(), &dst));
+            let bucket = scratch.buckets.entry(device).or_default();
+            for (si, s) in plan.segments().iter().enumerate() {
+                // The plan was checked against these endpoints; check again against the ones
+                // registered now, so that nothing is ever written outside a destination.
+                if !src.contains(s.src_offset, s.len) || !dst.contains(s.dst_offset, s.len) {
+                    failed.push((
+                        pi,
+                        Some(si),
+                        FailureCause::NotAccepted("segment outside its endpoints".into()),
+                    ));
+                    continue;
+                }
+                let job = Job {
+                    plan: pi,
+                    segment: si,
+                    src: src.addr() + s.src_offset,
+                    dst: dst.addr() + s.dst_offset,
+                    len: s.len,
+                };
+                match kernel_bases {
+                    Some((ks, kd)) => bucket.kernel.push((
+                        job,
+                        GatherDescriptor {
+                            src: ks + s.src_offset,
+                            dst: kd + s.dst_offset,
+                            len: s.len,
+                        },
+                    )),
+                    None => bucket.copies.push(job),
+                }
+            }
+        }
+    }
+
+    /// Moves one device's bucket; returns the jobs that failed with their cause.
+    fn run_bucket(
+        &self,
+        device: DeviceOrdinal,
+        bucket: &Bucket,
+        descriptors: &mut Vec<GatherDescriptor>,
+        table: &mut LaunchTable,
+        failed: &mut Vec<(usize, Option<usize>, FailureCause)>,
+    ) {
+        let fail_all = |failed: &mut Vec<_>, e: &DeviceError| {
+            let jobs = bucket.copies.iter().chain(bucket.kernel.iter().map(|(j, _)| j));
+            failed.extend(jobs.map(|j| (j.plan, Some(j.segment), device_cause(device, e))));
+        };
+        if let Err(e) = self.runtime.set_device(device) {
+            fail_all(failed, &e);
+            return;
+        }
+        let n = bucket.kernel.len();
+        let bytes: u64 = bucket.kernel.iter().map(|(j, _)| j.len).sum();
+        let by_kernel = self.kernel_enabled()
+            && n >= self.config.kernel_min_fragments
+            && bytes < self.config.kernel_max_mean_bytes.saturating_mul(n as u64);
+        let mut launched = false;
+        if by_kernel {
+            descriptors.clear();
+            descriptors.extend(bucket.kernel.iter().map(|(_, d)| *d));
+            let launch = chunk_launches(descriptors, self.config.launch_max_bytes, table, |t| {
+                // SAFETY: every descriptor side is device memory of `device` or host memory
+                // pinned for it, inside its endpoint (checked in `bucket`); endpoints stay valid
+                // until this submit synchronizes (registration contract); plans never hold two
+                // segments writing the same destination bytes of distinct objects.
+                unsafe { self.runtime.gather(device, t)? };
+                // Relaxed: a statistic.
+                self.launches.fetch_add(1, Ordering::Relaxed);
+                Ok::<(), DeviceError>(())
+            });
+            match launch {
+                Ok(()) => launched = true,
+                Err(e) => {
+                    tracing::warn!(device = device.get(), error = %e, "gather launch failed; copying the bucket");
+                }
+            }
+        }
+        let copy = |jobs: &mut dyn Iterator<Item = &Job>, failed: &mut Vec<_>| {
+            for j in jobs {
+                // SAFETY: both sides lie inside their registered endpoints (checked in
+                // `bucket`), valid until this submit synchronizes.
+                if let Err(e) = unsafe { self.runtime.copy(device, j.dst, j.src, j.len) } {
+                    failed.push((j.plan, Some(j.segment), device_cause(device, &e)));
+                }
+            }
+        };
+        copy(&mut bucket.copies.iter(), failed);
+        if !launched {
+            copy(&mut bucket.kernel.iter().map(|(j, _)| j), failed);
+        }
+        if let Err(e) = self.runtime.synchronize(device) {
+            if !launched {
+                fail_all(failed, &e);
+                return;
+            }
+            // The kernel's results cannot be trusted: stop using it, and move its jobs again by
+            // copies.
+            if !self.kernel_disabled.swap(true, Ordering::Relaxed) {
+                tracing::error!(device = device.get(), error = %e, "synchronization after a gather launch failed; the gather kernel is disabled for this engine");
+            }
+            copy(&mut bucket.kernel.iter().map(|(j, _)| j), failed);
+            if let Err(e) = self.runtime.synchronize(device) {
+                fail_all(failed, &e);
+            }
+        }
+    }
+}
+
+impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
+    fn name(&self) -> &str {
+        "hbm"
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        HbmRules.carries(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        plan_batch(&HbmRules, &self.registry.snapshot(), fragments)
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        Box::new(self.incremental_builder())
+    }
+
+    /// Moves every segment of `plans`, per device: one gather launch per chunk of a bucket of
+    /// many small fragments, one copy per segment otherwise; then synchronizes each device and
+    /// restores the caller's current device. The handle is settled on return.
+    fn submit(&self, plans: PlanSet) -> TransferHandle {
+        let caller_device = self.runtime.current_device().ok();
+        let mut failed = Vec::new();
+        {
+            let mut guard = lock(&self.scratch);
+            let scratch = &mut *guard;
+            scratch.buckets.values_mut().for_each(|b| {
+                b.kernel.clear();
+                b.copies.clear();
+            });
+            self.bucket(&plans, scratch, &mut failed);
+            for (&device, bucket) in &scratch.buckets {
+                if bucket.kernel.is_empty() && bucket.copies.is_empty() {
+                    continue;
+                }
+                self.run_bucket(
+                    device,
+                    bucket,
+                    &mut scratch.descriptors,
+                    &mut scratch.table,
+                    &mut failed,
+                );
+            }
+        }
+        if let Some(device) = caller_device {
+            if let Err(e) = self.runtime.set_device(device) {
+                tracing::warn!(device = device.get(), error = %e, "could not restore the caller's device");
+            }
+        }
+        let failures = failures(self.name(), &plans, failed);
+        TransferHandle::settled(failures, plans)
+    }
+}
+
+/// One [`Failure`] per failed plan, naming the tags of exactly its failed segments (all its
+/// tags when the whole plan failed), with the first cause seen.
+fn failures(
+    engine: &str,
+    plans: &PlanSet,
+    mut failed: Vec<(usize, Option<usize>, FailureCause)>,
+) -> Vec<Failure> {
+    failed.sort_by_key(|f| (f.0, f.1));
+    let mut out: Vec<Failure> = Vec::new();
+    let mut current: Option<usize> = None;
+    for (pi, segment, cause) in failed {
+        let plan = &plans.plans()[pi];
+        let tags: &[Tag] = match segment {
+            Some(si) => plan.segment_tags(si),
+            None => plan.tags(),
+        };
+        if current != Some(pi) {
+            current = Some(pi);
+            out.push(Failure {
+                engine: engine.into(),
+                src: plan.src(),
+                dst: plan.dst(),
+                tags: Vec::new(),
+                cause,
+            });
+        }
+        if let Some(f) = out.last_mut() {
+            for &t in tags {
+                if !f.tags.contains(&t) {
+                    f.tags.push(t);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn device_cause(device: DeviceOrdinal, e: &DeviceError) -> FailureCause {
+    FailureCause::Device { device, code: e.code(), message: e.to_string() }
+}
+
+fn check_region(addr: u64, len: u64) -> Result<(), Error> {
+    if len == 0 || addr.checked_add(len).is_none() {
+        return Err(Error::BadRegion { addr, len });
+    }
+    Ok(())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Each guarded map is updated by single inserts and removes: a panic cannot tear it.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}

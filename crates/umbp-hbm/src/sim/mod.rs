@@ -1,0 +1,272 @@
+//! The simulated device: the default backend, and the one every test and doc example runs on.
+//!
+//! # Strategy
+//!
+//! - Device memory is host memory the simulator allocates (256-byte aligned, zeroed) and owns;
+//!   its "device address" is its host address, so descriptors are real pointers.
+//! - Pinning host memory records the region; its device alias is its own address.
+//! - Work runs at submit: a copy or a gather launch executes before the call returns, and
+//!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
+//! - The gather kernel runs on the CPU from the very [`LaunchTable`](crate::LaunchTable) the GPU
+//!   kernel reads: block by block, each block finding its descriptor by the same search and
+//!   copying its slice by the same vector / word / byte path choice. A descriptor bug shows up
+//!   here as wrong bytes or as a refused launch.
+//! - Unlike a GPU runtime, it checks every address: each descriptor side must lie inside one
+//!   allocation of the device or one region pinned for it, and each copy's device side inside
+//!   one allocation. A violation fails the call with [`DeviceError::InvalidAddress`].
+//! - [`SimDevice::inject`] fails the next launch, synchronization or copy, to test the
+//!   engine's fallbacks.
+
+mod kernel;
+mod memory;
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use umbp_plan::DeviceOrdinal;
+
+use crate::{DeviceError, DeviceRuntime, LaunchTable};
+use memory::Allocation;
+
+/// An operation the simulator can be told to fail once.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The next gather launch.
+    Launch,
+    /// The next synchronization.
+    Synchronize,
+    /// The next copy.
+    Copy,
+}
+
+thread_local! {
+    /// The calling thread's current device, as a GPU runtime keeps it per thread.
+    static CURRENT: Cell<u32> = const { Cell::new(0) };
+}
+
+/// A simulated device runtime with `devices` devices; see the [module docs](self).
+#[derive(Debug)]
+pub struct SimDevice {
+    devices: u32,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Device allocations by start address.
+    allocations: BTreeMap<u64, Allocation>,
+    /// Pinned host regions by start address: (device, length).
+    pinned: BTreeMap<u64, (DeviceOrdinal, u64)>,
+    /// Faults armed for the next operation of their kind.
+    faults: Vec<Fault>,
+    /// The "uploaded" launch table, reused across launches as the GPU's descriptor buffer is.
+    uploaded: LaunchTable,
+}
+
+impl SimDevice {
+    /// A simulator with `devices` devices (at least one).
+    pub fn new(devices: u32) -> Self {
+        Self { devices: devices.max(1), state: Mutex::new(State::default()) }
+    }
+
+    /// Fails the next operation of kind `fault` with [`DeviceError::Injected`].
+    pub fn inject(&self, fault: Fault) {
+        self.lock().faults.push(fault);
+    }
+
+    /// A copy of `len` bytes of device memory at `addr` (which must lie in one allocation).
+    pub fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        let state = self.lock();
+        let (device, _) = state.allocation_holding(addr, len).ok_or(DeviceError::InvalidAddress {
+            device: DeviceOrdinal::new(0),
+            addr,
+            len,
+        })?;
+        debug_assert!(device.get() < self.devices);
+        // SAFETY: `addr .. + len` lies inside a live allocation (checked above, and the state
+        // lock keeps it from being freed meanwhile).
+        Ok(unsafe { memory::read(addr, len) })
+    }
+
+    /// Fills `len` bytes of device memory at `addr` (which must lie in one allocation) with
+    /// `byte`.
+    pub fn fill(&self, addr: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        let state = self.lock();
+        if state.allocation_holding(addr, len).is_none() {
+            return Err(DeviceError::InvalidAddress { device: DeviceOrdinal::new(0), addr, len });
+        }
+        // SAFETY: as in `read`; the bytes belong to the simulator's allocation.
+        unsafe { memory::fill(addr, len, byte) };
+        Ok(())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every update of the state is a single insert or remove: a panic cannot leave it torn.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn check_device(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
+        if device.get() < self.devices {
+            Ok(())
+        } else {
+            Err(DeviceError::NoDevice(device))
+        }
+    }
+}
+
+impl State {
+    /// The allocation wholly holding `addr .. + len`: its device and start.
+    fn allocation_holding(&self, addr: u64, len: u64) -> Option<(DeviceOrdinal, u64)> {
+        let (&start, a) = self.allocations.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + a.len).then_some((a.device, start))
+    }
+
+    /// Whether `addr .. + len` overlaps any allocation.
+    fn touches_allocation(&self, addr: u64, len: u64) -> bool {
+        let end = addr.saturating_add(len);
+        self.allocations.range(..end).next_back().is_some_and(|(&s, a)| s + a.len > addr)
+    }
+
+    /// Whether `device` may read or write `addr .. + len` in a kernel: inside one of its
+    /// allocations or one region pinned for it.
+    fn visible_to(&self, device: DeviceOrdinal, addr: u64, len: u64) -> bool {
+        if self.allocation_holding(addr, len).is_some_and(|(d, _)| d == device) {
+            return true;
+        }
+        let Some((&start, &(d, region_len))) = self.pinned.range(..=addr).next_back() else {
+            return false;
+        };
+        d == device && addr.checked_add(len).is_some_and(|end| end <= start + region_len)
+    }
+
+    fn take_fault(&mut self, fault: Fault) -> Result<(), DeviceError> {
+        match self.faults.iter().position(|&f| f == fault) {
+            Some(i) => Err(DeviceError::Injected(self.faults.remove(i))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Default for SimDevice {
+    /// One device.
+    fn default() -> Self {
+        Self::new(1)
+    }
+}
+
+impl DeviceRuntime for SimDevice {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<u32, DeviceError> {
+        Ok(self.devices)
+    }
+
+    fn current_device(&self) -> Result<DeviceOrdinal, DeviceError> {
+        Ok(DeviceOrdinal::new(CURRENT.with(Cell::get)))
+    }
+
+    fn set_device(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        CURRENT.with(|c| c.set(device.get()));
+        Ok(())
+    }
+
+    fn alloc(&self, device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError> {
+        self.check_device(device)?;
+        let allocation = Allocation::new(device, len)?;
+        let addr = allocation.addr();
+        self.lock().allocations.insert(addr, allocation);
+        Ok(addr)
+    }
+
+    unsafe fn free(&self, device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
+        let mut state = self.lock();
+        match state.allocations.get(&addr) {
+            Some(a) if a.device == device => {
+                state.allocations.remove(&addr);
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+        }
+    }
+
+    unsafe fn register_host(
+        &self,
+        device: DeviceOrdinal,
+        addr: u64,
+        len: u64,
+    ) -> Result<u64, DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        if len == 0 || addr.checked_add(len).is_none() || state.touches_allocation(addr, len) {
+            return Err(DeviceError::InvalidAddress { device, addr, len });
+        }
+        state.pinned.insert(addr, (device, len));
+        Ok(addr)
+    }
+
+    unsafe fn unregister_host(&self, device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
+        match self.lock().pinned.remove(&addr) {
+            Some(_) => Ok(()),
+            None => Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+        }
+    }
+
+    unsafe fn copy(
+        &self,
+        device: DeviceOrdinal,
+        dst: u64,
+        src: u64,
+        len: u64,
+    ) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        state.take_fault(Fault::Copy)?;
+        // Each side lies wholly in one allocation, or (host memory) overlaps none; and at least
+        // one side is memory of this simulator.
+        let side_ok = |addr: u64| {
+            state.allocation_holding(addr, len).is_some() || !state.touches_allocation(addr, len)
+        };
+        let device_side = state.allocation_holding(src, len).is_some()
+            || state.allocation_holding(dst, len).is_some();
+        if !side_ok(src) || !side_ok(dst) || !device_side {
+            let addr = if side_ok(src) { dst } else { src };
+            return Err(DeviceError::InvalidAddress { device, addr, len });
+        }
+        // SAFETY: the device side lies in a live allocation (checked, and kept alive by the
+        // lock); the host side is valid by this function's contract; `ptr::copy` tolerates
+        // overlap.
+        unsafe { memory::copy(dst, src, len) };
+        Ok(())
+    }
+
+    unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        state.take_fault(Fault::Launch)?;
+        for d in &table.descriptors {
+            for (addr, len) in [(d.src, d.len), (d.dst, d.len)] {
+                if !state.visible_to(device, addr, len) {
+                    return Err(DeviceError::InvalidAddress { device, addr, len });
+                }
+            }
+        }
+        // The upload the GPU backend does into its descriptor buffer.
+        state.uploaded.descriptors.clone_from(&table.descriptors);
+        state.uploaded.block_starts.clone_from(&table.block_starts);
+        // SAFETY: every descriptor side lies in memory visible to this device (checked above):
+        // allocations the lock keeps alive, or pinned host regions valid by `register_host`'s
+        // contract; the caller promises destinations overlap nothing else.
+        unsafe { kernel::run(&state.uploaded) };
+        Ok(())
+    }
+
+    fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        self.lock().take_fault(Fault::Synchronize)
+    }
+}
