@@ -65,7 +65,7 @@ mod error;
 mod runtime;
 pub mod sim;
 
-#[cfg(all(feature = "hip", target_os = "linux"))]
+#[cfg(hip_backend)]
 pub mod hip;
 
 pub use descriptor::{chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, SLICE_BYTES};
@@ -73,6 +73,9 @@ pub use engine::{DeviceRegion, HbmConfig, HbmEngine, HbmRules};
 pub use error::{DeviceError, Error};
 pub use runtime::DeviceRuntime;
 pub use sim::{Fault, SimDevice};
+
+#[cfg(hip_backend)]
+pub use hip::HipRuntime;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -1,0 +1,357 @@
+//! Thin wrappers over the HIP runtime (through hip-runtime-sys) and hiprtc (declared here:
+//! ROCm 5.2 exports it from libamdhip64, later releases from libhiprtc, which `build.rs` links
+//! when present). Each wrapper makes one call and turns its status into a `Result`; the
+//! `# Safety` sections state what the call dereferences.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+
+use hip_runtime_sys as sys;
+use umbp_plan::DeviceOrdinal;
+
+use super::conv::{check, check_rtc};
+use crate::DeviceError;
+
+pub(super) use sys::{hipFunction_t, hipModule_t, hipStream_t};
+
+/// An opaque hiprtc program handle.
+type HiprtcProgram = *mut c_void;
+
+extern "C" {
+    fn hiprtcCreateProgram(
+        prog: *mut HiprtcProgram,
+        src: *const c_char,
+        name: *const c_char,
+        num_headers: c_int,
+        headers: *const *const c_char,
+        include_names: *const *const c_char,
+    ) -> c_int;
+    fn hiprtcCompileProgram(prog: HiprtcProgram, n: c_int, options: *const *const c_char) -> c_int;
+    fn hiprtcGetProgramLogSize(prog: HiprtcProgram, size: *mut usize) -> c_int;
+    fn hiprtcGetProgramLog(prog: HiprtcProgram, log: *mut c_char) -> c_int;
+    fn hiprtcGetCodeSize(prog: HiprtcProgram, size: *mut usize) -> c_int;
+    fn hiprtcGetCode(prog: HiprtcProgram, code: *mut c_char) -> c_int;
+    fn hiprtcDestroyProgram(prog: *mut HiprtcProgram) -> c_int;
+    pub(super) fn hiprtcGetErrorString(result: c_int) -> *const c_char;
+}
+
+/// Compiles HIP C++ `source` for `arch` (for example `gfx90a`) and returns the code object.
+pub(super) fn hiprtc_compile(source: &str, name: &str, arch: &str) -> Result<Vec<u8>, DeviceError> {
+    let fail = |log: String| DeviceError::KernelCompile { arch: arch.into(), log };
+    let src = CString::new(source).map_err(|_| fail("source holds a NUL byte".into()))?;
+    let name = CString::new(name).map_err(|_| fail("name holds a NUL byte".into()))?;
+    let option = CString::new(format!("--gpu-architecture={arch}"))
+        .map_err(|_| fail("architecture holds a NUL byte".into()))?;
+    let mut prog: HiprtcProgram = std::ptr::null_mut();
+    // SAFETY: `src` and `name` are NUL-terminated and outlive the call; no headers are passed
+    // (count 0, null arrays); `prog` is a valid out-pointer.
+    check_rtc(arch, unsafe {
+        hiprtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    })?;
+    let options = [option.as_ptr()];
+    // SAFETY: `prog` was created above; `options` holds one NUL-terminated string alive for the
+    // call.
+    let compiled = unsafe { hiprtcCompileProgram(prog, 1, options.as_ptr()) };
+    let result = if compiled != 0 {
+        // SAFETY: `prog` is valid; the log helper sizes its buffer from hiprtc's answer.
+        let log = unsafe { program_log(prog) };
+        Err(fail(format!("{}: {log}", rtc_message(compiled))))
+    } else {
+        // SAFETY: `prog` compiled successfully.
+        unsafe { program_code(prog, arch) }
+    };
+    // SAFETY: `prog` was created above and is destroyed once.
+    unsafe { hiprtcDestroyProgram(&mut prog) };
+    result
+}
+
+/// # Safety
+///
+/// `prog` is a live hiprtc program.
+unsafe fn program_log(prog: HiprtcProgram) -> String {
+    let mut size = 0usize;
+    // SAFETY: `prog` is live (caller); `size` is a valid out-pointer.
+    if unsafe { hiprtcGetProgramLogSize(prog, &mut size) } != 0 || size == 0 {
+        return String::new();
+    }
+    let mut log = vec![0u8; size];
+    // SAFETY: `log` holds `size` bytes, as hiprtc asked for.
+    unsafe { hiprtcGetProgramLog(prog, log.as_mut_ptr().cast()) };
+    String::from_utf8_lossy(&log).trim_end_matches('\0').to_string()
+}
+
+/// # Safety
+///
+/// `prog` is a live, successfully compiled hiprtc program.
+unsafe fn program_code(prog: HiprtcProgram, arch: &str) -> Result<Vec<u8>, DeviceError> {
+    let mut size = 0usize;
+    // SAFETY: `prog` is live (caller); `size` is a valid out-pointer.
+    check_rtc(arch, unsafe { hiprtcGetCodeSize(prog, &mut size) })?;
+    let mut code = vec![0u8; size];
+    // SAFETY: `code` holds `size` bytes, as hiprtc asked for.
+    check_rtc(arch, unsafe { hiprtcGetCode(prog, code.as_mut_ptr().cast()) })?;
+    Ok(code)
+}
+
+/// hiprtc's message for a status.
+pub(super) fn rtc_message(status: c_int) -> String {
+    // SAFETY: hiprtcGetErrorString returns a static NUL-terminated string (or null).
+    let p = unsafe { hiprtcGetErrorString(status) };
+    if p.is_null() {
+        return format!("hiprtc status {status}");
+    }
+    // SAFETY: non-null and NUL-terminated, static.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Number of visible devices.
+pub(super) fn device_count() -> Result<u32, DeviceError> {
+    let mut n: c_int = 0;
+    // SAFETY: `n` is a valid out-pointer.
+    check(DeviceOrdinal::new(0), unsafe { sys::hipGetDeviceCount(&mut n) })?;
+    Ok(n.max(0) as u32)
+}
+
+/// The calling thread's current device.
+pub(super) fn get_device() -> Result<DeviceOrdinal, DeviceError> {
+    let mut d: c_int = 0;
+    // SAFETY: `d` is a valid out-pointer.
+    check(DeviceOrdinal::new(0), unsafe { sys::hipGetDevice(&mut d) })?;
+    Ok(DeviceOrdinal::new(d.max(0) as u32))
+}
+
+/// Makes `device` current for the calling thread.
+pub(super) fn set_device(device: DeviceOrdinal) -> Result<(), DeviceError> {
+    // SAFETY: plain value argument.
+    check(device, unsafe { sys::hipSetDevice(device.get() as c_int) })
+}
+
+/// The device's architecture name, for example `gfx90a:sramecc+:xnack-`.
+pub(super) fn arch_name(device: DeviceOrdinal) -> Result<String, DeviceError> {
+    // The properties struct grew across ROCm releases; give the runtime room beyond the layout
+    // these bindings know, and read the name at its known offset.
+    #[repr(C)]
+    union Props {
+        props: std::mem::ManuallyDrop<sys::hipDeviceProp_t>,
+        room: [u8; 8192],
+    }
+    let mut p = Props { room: [0; 8192] };
+    // SAFETY: `p` is writable and larger than any hipDeviceProp_t of ROCm 5.x (792 bytes).
+    check(device, unsafe { sys::hipGetDeviceProperties(&mut *p.props, device.get() as c_int) })?;
+    // SAFETY: the runtime filled the struct; gcnArchName is a NUL-terminated char array (the
+    // union's zero fill guarantees a terminator).
+    let name = unsafe { CStr::from_ptr(p.props.gcnArchName.as_ptr()) };
+    Ok(name.to_string_lossy().into_owned())
+}
+
+/// Creates a stream on the current device.
+pub(super) fn stream_create(device: DeviceOrdinal) -> Result<hipStream_t, DeviceError> {
+    let mut s: hipStream_t = std::ptr::null_mut();
+    // SAFETY: `s` is a valid out-pointer.
+    check(device, unsafe { sys::hipStreamCreate(&mut s) })?;
+    Ok(s)
+}
+
+/// Waits for everything queued on `stream`.
+///
+/// # Safety
+///
+/// `stream` is a live stream.
+pub(super) unsafe fn stream_synchronize(
+    device: DeviceOrdinal,
+    stream: hipStream_t,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { sys::hipStreamSynchronize(stream) })
+}
+
+/// Allocates device memory on the current device.
+pub(super) fn malloc(device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `p` is a valid out-pointer.
+    check(device, unsafe { sys::hipMalloc(&mut p, len as usize) })?;
+    Ok(p as u64)
+}
+
+/// Frees device memory.
+///
+/// # Safety
+///
+/// `addr` came from `malloc` and no queued work touches it.
+pub(super) unsafe fn free(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { sys::hipFree(addr as *mut c_void) })
+}
+
+/// Allocates pinned host memory.
+pub(super) fn host_malloc(device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError> {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `p` is a valid out-pointer.
+    check(device, unsafe { sys::hipHostMalloc(&mut p, len as usize, sys::hipHostMallocDefault) })?;
+    Ok(p as u64)
+}
+
+/// Frees pinned host memory.
+///
+/// # Safety
+///
+/// `addr` came from `host_malloc` and no queued work touches it.
+pub(super) unsafe fn host_free(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { sys::hipHostFree(addr as *mut c_void) })
+}
+
+/// Pins and maps host memory for the current device; returns its device alias.
+///
+/// # Safety
+///
+/// `addr .. + len` is host memory valid until `host_unregister`.
+pub(super) unsafe fn host_register(
+    device: DeviceOrdinal,
+    addr: u64,
+    len: u64,
+) -> Result<u64, DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe {
+        sys::hipHostRegister(addr as *mut c_void, len as usize, sys::hipHostRegisterMapped)
+    })?;
+    let mut alias: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `addr` was just registered; `alias` is a valid out-pointer.
+    let mapped =
+        check(device, unsafe { sys::hipHostGetDevicePointer(&mut alias, addr as *mut c_void, 0) });
+    if let Err(e) = mapped {
+        // SAFETY: registered just above.
+        unsafe { sys::hipHostUnregister(addr as *mut c_void) };
+        return Err(e);
+    }
+    Ok(alias as u64)
+}
+
+/// Unpins host memory.
+///
+/// # Safety
+///
+/// `addr` was registered and no queued work touches it.
+pub(super) unsafe fn host_unregister(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { sys::hipHostUnregister(addr as *mut c_void) })
+}
+
+/// Queues a copy on `stream` (direction inferred from the unified address space).
+///
+/// # Safety
+///
+/// As [`DeviceRuntime::copy`](crate::DeviceRuntime::copy); `stream` is live.
+pub(super) unsafe fn memcpy_async(
+    device: DeviceOrdinal,
+    dst: u64,
+    src: u64,
+    len: u64,
+    stream: hipStream_t,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe {
+        sys::hipMemcpyAsync(
+            dst as *mut c_void,
+            src as *const c_void,
+            len as usize,
+            sys::hipMemcpyKind::hipMemcpyDefault,
+            stream,
+        )
+    })
+}
+
+/// Loads a code object on the current device and finds `kernel` in it.
+pub(super) fn load_kernel(
+    device: DeviceOrdinal,
+    code: &[u8],
+    kernel: &str,
+) -> Result<(hipModule_t, hipFunction_t), DeviceError> {
+    let name = CString::new(kernel).map_err(|_| DeviceError::NoDevice(device))?;
+    let mut module: hipModule_t = std::ptr::null_mut();
+    // SAFETY: `code` is a complete code object from hiprtc, alive for the call (the runtime
+    // copies it); `module` is a valid out-pointer.
+    check(device, unsafe { sys::hipModuleLoadData(&mut module, code.as_ptr().cast()) })?;
+    let mut function: hipFunction_t = std::ptr::null_mut();
+    // SAFETY: `module` was loaded above; `name` is NUL-terminated.
+    let found =
+        check(device, unsafe { sys::hipModuleGetFunction(&mut function, module, name.as_ptr()) });
+    if let Err(e) = found {
+        // SAFETY: loaded above, unloaded once.
+        unsafe { sys::hipModuleUnload(module) };
+        return Err(e);
+    }
+    Ok((module, function))
+}
+
+/// Where one launch's uploaded table lives and how big it is.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct GatherArgs {
+    /// Device buffer of `count` descriptors.
+    pub(super) descs: u64,
+    /// Device buffer of `count + 1` block starts.
+    pub(super) starts: u64,
+    /// Descriptors.
+    pub(super) count: u32,
+    /// Blocks to launch.
+    pub(super) blocks: u32,
+}
+
+/// Launches the gather kernel with `threads` threads per block.
+///
+/// # Safety
+///
+/// `function` is the gather kernel loaded on this device; `args` names device buffers holding
+/// its table that stay valid until the stream is synchronized; every descriptor names memory
+/// the device may access.
+pub(super) unsafe fn launch_gather(
+    device: DeviceOrdinal,
+    function: hipFunction_t,
+    stream: hipStream_t,
+    threads: u32,
+    args: GatherArgs,
+) -> Result<(), DeviceError> {
+    let (mut d, mut s, mut n) = (args.descs, args.starts, args.count as c_uint);
+    let mut params: [*mut c_void; 3] =
+        [(&mut d as *mut u64).cast(), (&mut s as *mut u64).cast(), (&mut n as *mut c_uint).cast()];
+    // SAFETY: the caller's contract for the kernel's arguments; `params` points at three live
+    // locals whose types match the kernel's parameters (two pointers, one unsigned int).
+    check(device, unsafe {
+        sys::hipModuleLaunchKernel(
+            function,
+            args.blocks,
+            1,
+            1,
+            threads,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+/// Destroys a stream and unloads a module, best effort (used when the runtime is dropped).
+pub(super) fn release(
+    device: DeviceOrdinal,
+    stream: Option<hipStream_t>,
+    kernel: Option<(hipModule_t, hipFunction_t)>,
+) {
+    let _ = device;
+    if let Some(s) = stream {
+        // SAFETY: a live stream from `stream_create`, synchronized by the caller, destroyed once.
+        unsafe { sys::hipStreamDestroy(s) };
+    }
+    if let Some((m, _)) = kernel {
+        // SAFETY: a module from `load_kernel`, unloaded once, with no launch in flight.
+        unsafe { sys::hipModuleUnload(m) };
+    }
+}
