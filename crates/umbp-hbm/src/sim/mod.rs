@@ -7,7 +7,7 @@
 //! - Pinning host memory records the region; its device alias is its own address.
 //! - Work runs at submit: a copy or a gather launch executes before the call returns, and
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
-//! - The gather kernel runs on the CPU from the very [`LaunchTable`](crate::LaunchTable) the GPU
+//! - The gather kernel runs on the CPU from the very [`LaunchTable`] the GPU
 //!   kernel reads: block by block, each block finding its descriptor by the same search and
 //!   copying its slice by the same vector / word / byte path choice. A descriptor bug shows up
 //!   here as wrong bytes or as a refused launch.
