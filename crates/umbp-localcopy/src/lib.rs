@@ -1,2 +1,88 @@
-//! umbp-localcopy: not implemented yet. See the workspace README for the plan of this crate.
+//! The host-to-host copy engine of the umbp transfer engines.
+//!
+//! [`LocalCopyEngine`] implements [`umbp_plan::TransferEngine`] for the pairs where both
+//! endpoints are host memory: restoring KV blocks from a DRAM arena into staging buffers, or
+//! moving them between arenas.
+//!
+//! - **Planning** is the `umbp-plan` incremental builder under [`LocalCopyRules`]
+//!   ([`LocalCopyBuilder`]): each fragment is validated and merged into the plan as it is
+//!   pushed, with per-object rollback. Device and file endpoints are refused at push with
+//!   [`RejectReason::PairNotHandled`](umbp_plan::RejectReason::PairNotHandled).
+//! - **Executing** happens inside `submit`: every segment is bounds-checked against the
+//!   registry as it is at submit, then copied by the calling thread and a persistent worker
+//!   pool that claims chunks of segments from a shared cursor. Small submits stay on the
+//!   calling thread; segments of 2 KiB and more use non-temporal stores where the CPU has
+//!   them. The returned handle is already settled. [`LocalCopyConfig`] holds the knobs and
+//!   their environment overrides.
+//! - **Batches**: [`LocalCopyEngine::transfer_batch`] plans and copies a list of transfers in
+//!   one call and reports one result per object ([`BatchReport`]).
+//!
+//! # Rules the engine keeps
+//!
+//! - No object is partially planned: a refused fragment rejects its whole object.
+//! - Nothing is written outside the segments of accepted plans, and every segment is
+//!   re-checked against its endpoints at submit: a plan whose endpoint was deregistered fails
+//!   with [`FailureCause::EndpointGone`](umbp_plan::FailureCause::EndpointGone), one that does
+//!   not fit fails whole with `NotAccepted`.
+//! - No thread is started per call: the pool's threads start with the engine and stop when it
+//!   is dropped.
+//!
+//! # Example
+//!
+//! ```
+//! use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
+//! use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+//!
+//! let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), LocalCopyConfig::default());
+//! let mut arena: Vec<u8> = (0..16 * 1024).map(|i| (i / 1024) as u8).collect();
+//! let mut out = vec![0u8; 3 * 1024];
+//! // SAFETY: both buffers outlive every transfer below and nothing else touches them meanwhile.
+//! let (a, o) = unsafe {
+//!     (engine.register_host(arena.as_mut_ptr(), arena.len()),
+//!      engine.register_host(out.as_mut_ptr(), out.len()))
+//! };
+//!
+//! // Object 0 is stored in 1 KiB pages 9, 10 and 2 of the arena.
+//! let mut builder = engine.incremental_builder();
+//! builder.begin_object(Tag::new(0))?;
+//! for (i, page) in [9u64, 10, 2].into_iter().enumerate() {
+//!     builder.push(Fragment::new(a, page * 1024, o, i as u64 * 1024, 1024, Tag::new(0)))?;
+//! }
+//! builder.commit_object()?;
+//! let plans = builder.finish()?;
+//! assert_eq!(plans.segment_count(), 2); // pages 9 and 10 merged
+//!
+//! let mut handle = engine.submit(plans);
+//! assert!(handle.wait().is_empty());
+//! assert_eq!((out[0], out[1024], out[2048]), (9, 10, 2));
+//! # Ok::<(), umbp_plan::Error>(())
+//! ```
+//!
+//! # Unsafe code
+//!
+//! All of it is in one private module (`copy.rs`): the copy kernels (plain, `memmove` for a
+//! segment copied onto itself, and SSE2 streaming stores) and the `Send`/`Sync` of a copy task.
+//! The one `unsafe` item of the API is [`LocalCopyEngine::register_host`], where the caller
+//! promises that registered memory stays valid; every access after it is bounds-checked.
+
 #![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod batch;
+mod config;
+#[allow(unsafe_code)]
+mod copy;
+mod engine;
+mod error;
+mod pool;
+mod rules;
+
+pub use batch::BatchReport;
+pub use config::LocalCopyConfig;
+pub use engine::LocalCopyEngine;
+pub use error::Error;
+pub use rules::{LocalCopyBuilder, LocalCopyRules};
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

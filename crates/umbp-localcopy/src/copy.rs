@@ -1,0 +1,382 @@
+//! The copy kernels, and the one place this crate turns registered host addresses into memory
+//! accesses.
+//!
+//! Every `unsafe` operation of the crate lives in this module. The argument is the same for all
+//! of them:
+//!
+//! 1. [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register) (and
+//!    [`LocalCopyEngine::register_host`], which forwards to it) obliges whoever registers a
+//!    host endpoint to keep `addr .. addr + len` valid for reads and writes until the endpoint
+//!    is deregistered and every handle that used it was waited on, and to let nothing outside
+//!    the transfer touch the bytes it writes (or write the bytes it reads) while it runs;
+//! 2. a [`Task`] is only made by [`Task::resolve`], from a [`HostRegion`] looked up in the
+//!    registry at submit, after checking that both of its ranges lie inside their regions;
+//! 3. the engine runs every task before `submit` returns, while the caller still holds the plan
+//!    set's endpoints registered (a handle exists only after `submit` returns);
+//! 4. the engine runs the tasks of one submit on several threads only after checking that no
+//!    byte one task writes is read or written by another (step 3 of a submit, documented on
+//!    [`LocalCopyEngine`]); otherwise it runs them in order on one thread.
+//!
+//! So a task's two ranges are valid memory for as long as the task can run, and no other access
+//! races with it.
+
+use std::ops::Range;
+use std::ptr;
+
+use umbp_plan::{Endpoint, EndpointId, Segment};
+
+use crate::LocalCopyEngine;
+
+impl LocalCopyEngine {
+    /// Registers `len` bytes of host memory at `ptr` in the engine's registry and returns the
+    /// endpoint id that fragments use to name it.
+    ///
+    /// # Safety
+    ///
+    /// The engine reads and writes the region through `ptr` after checking only that every
+    /// access lies inside `0 .. len`. The caller promises, as for
+    /// [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register):
+    /// - `ptr .. ptr + len` is host memory of this process, valid for reads and writes;
+    /// - it stays valid until the endpoint is deregistered and every [`TransferHandle`] that
+    ///   used it has been waited on or dropped (handles of this engine are settled when `submit`
+    ///   returns, but an engine that wraps this one may hold them longer);
+    /// - while a transfer runs, nothing else reads or writes the bytes it writes, and nothing
+    ///   else writes the bytes it reads. "Anything else" includes transfers submitted
+    ///   concurrently from other threads. Overlap between the segments of one submit is not the
+    ///   caller's concern: the engine detects it and copies that submit serially, in plan order.
+    ///
+    /// [`TransferHandle`]: umbp_plan::TransferHandle
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> EndpointId {
+        // Exposing the provenance lets the executor rebuild the pointer from the plain address
+        // the endpoint stores (see `Task::resolve`).
+        let endpoint = Endpoint::host(ptr.expose_provenance() as u64, len as u64);
+        // SAFETY: the caller keeps the obligations of `register`, which this method repeats.
+        unsafe { self.registry().register(endpoint) }
+    }
+}
+
+/// A registered host endpoint as a range of addresses of this process.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HostRegion {
+    base: usize,
+    len: usize,
+}
+
+impl HostRegion {
+    /// The addresses of `endpoint`, if it is host memory whose whole range fits the address
+    /// space (and is not at address 0 unless empty).
+    pub(crate) fn of(endpoint: &Endpoint) -> Option<Self> {
+        if !endpoint.is_host() {
+            return None;
+        }
+        let base = usize::try_from(endpoint.addr()).ok()?;
+        let len = usize::try_from(endpoint.len()).ok()?;
+        base.checked_add(len)?;
+        (base != 0 || len == 0).then_some(Self { base, len })
+    }
+
+    /// The address of byte `offset` if `offset .. offset + len` lies inside the region.
+    fn address_of(&self, offset: u64, len: u64) -> Option<usize> {
+        let offset = usize::try_from(offset).ok()?;
+        let len = usize::try_from(len).ok()?;
+        (offset.checked_add(len)? <= self.len).then(|| self.base + offset)
+    }
+}
+
+/// One contiguous copy between two ranges of registered host memory.
+#[derive(Debug)]
+pub(crate) struct Task {
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a task only names two ranges of registered host memory (module doc, items 1 and 2).
+// The registry's contract makes that memory valid from any thread of the process, and the
+// engine waits for every task it hands to a worker before `submit` returns (item 3), so moving
+// a task to a worker, or sharing a list of them, cannot outlive the memory.
+unsafe impl Send for Task {}
+// SAFETY: `run` takes `&self` and writes only through `dst`, which the registry's contract
+// reserves to this transfer (module doc, item 1). Each task of a list is claimed by exactly one
+// thread (the pool's cursor), so no two threads run the same task, and tasks that run at the
+// same time touch no common written byte (item 4).
+unsafe impl Sync for Task {}
+
+impl Task {
+    /// The task that executes `segment` from `src` to `dst`, if both of its ranges lie inside
+    /// their regions. This is the bounds check every copy relies on.
+    #[inline]
+    pub(crate) fn resolve(src: &HostRegion, dst: &HostRegion, segment: &Segment) -> Option<Self> {
+        let len = usize::try_from(segment.len).ok()?;
+        let src_addr = src.address_of(segment.src_offset, segment.len)?;
+        let dst_addr = dst.address_of(segment.dst_offset, segment.len)?;
+        Some(Self {
+            src: ptr::with_exposed_provenance(src_addr),
+            dst: ptr::with_exposed_provenance_mut(dst_addr),
+            len,
+        })
+    }
+
+    /// Bytes the task copies.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The addresses the task reads and writes, as `start .. end` ranges (no overflow: both
+    /// lie inside regions that fit the address space).
+    pub(crate) fn ranges(&self) -> (Range<usize>, Range<usize>) {
+        let (src, dst) = (self.src.addr(), self.dst.addr());
+        (src..src + self.len, dst..dst + self.len)
+    }
+
+    /// Splits the task into consecutive pieces of at most `piece` bytes, in order.
+    pub(crate) fn split(self, piece: usize, mut each: impl FnMut(Task)) {
+        let piece = piece.max(1);
+        let mut done = 0;
+        while done < self.len {
+            let len = piece.min(self.len - done);
+            // Sub-ranges of a resolved task are inside the same regions.
+            each(Task { src: self.src.wrapping_add(done), dst: self.dst.wrapping_add(done), len });
+            done += len;
+        }
+    }
+
+    /// Copies the task's bytes with `kernel`'s choice of stores. Returns whether it used
+    /// non-temporal stores, which the caller must fence with [`store_fence`] before it publishes
+    /// completion.
+    ///
+    /// A task whose two ranges overlap (an endpoint copied onto itself) is copied as by
+    /// `memmove`.
+    #[inline]
+    pub(crate) fn run(&self, kernel: Kernel) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        let (src, dst) = (self.src.addr(), self.dst.addr());
+        // Both ends were checked against regions that fit the address space: no overflow.
+        if src < dst + self.len && dst < src + self.len {
+            // SAFETY: both ranges lie inside registered host memory that the registry's contract
+            // keeps valid and reserved to this transfer (module doc); `ptr::copy` allows overlap.
+            unsafe { ptr::copy(self.src, self.dst, self.len) };
+            return false;
+        }
+        if self.len >= kernel.non_temporal_from {
+            // SAFETY:
+            // 1. both ranges are valid registered host memory, reserved to this transfer (module
+            //    doc), and they do not overlap (checked above);
+            // 2. `non_temporal_from` is below `usize::MAX` only when `Kernel::new` detected the
+            //    store instructions on this CPU.
+            unsafe { copy_non_temporal(self.src, self.dst, self.len) };
+            return true;
+        }
+        // SAFETY: both ranges are valid registered host memory, reserved to this transfer
+        // (module doc), and they do not overlap (checked above).
+        unsafe { ptr::copy_nonoverlapping(self.src, self.dst, self.len) };
+        false
+    }
+}
+
+/// Runs `tasks` in order and fences any non-temporal stores they made, so that whatever this
+/// thread publishes next (a completion count, a return) orders after every byte.
+pub(crate) fn run_tasks(tasks: &[Task], kernel: Kernel) {
+    let mut streamed = false;
+    for task in tasks {
+        streamed |= task.run(kernel);
+    }
+    if streamed {
+        store_fence();
+    }
+}
+
+/// Which stores a copy uses: non-temporal ones for segments of at least
+/// `non_temporal_from` bytes, plain `copy_nonoverlapping` below.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Kernel {
+    /// `usize::MAX` when non-temporal stores are off or missing.
+    non_temporal_from: usize,
+}
+
+impl Kernel {
+    /// Plain stores only.
+    pub(crate) const PLAIN: Kernel = Kernel { non_temporal_from: usize::MAX };
+
+    /// Non-temporal stores from `threshold` bytes up when `enabled` and the CPU has them
+    /// (detected at run time); plain stores otherwise.
+    pub(crate) fn new(enabled: bool, threshold: usize) -> Self {
+        if enabled && non_temporal_supported() {
+            Self { non_temporal_from: threshold }
+        } else {
+            Self::PLAIN
+        }
+    }
+
+    /// Whether any segment gets non-temporal stores.
+    pub(crate) fn non_temporal(&self) -> bool {
+        self.non_temporal_from != usize::MAX
+    }
+}
+
+fn non_temporal_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("sse2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Orders every non-temporal store this thread made before its later stores.
+///
+/// Non-temporal stores are weakly ordered: a plain store or a `Release` operation after them
+/// may become visible first. The pool's completion count and the return of `submit` publish
+/// the copied bytes, so each thread that streamed fences before either.
+pub(crate) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` belongs to SSE, part of every x86_64 CPU; it touches no memory.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// Copies `len` bytes from `src` to `dst` with non-temporal (cache-bypassing) stores. The
+/// stores are not fenced; see [`store_fence`].
+///
+/// # Safety
+///
+/// - `src .. src + len` must be valid for reads and `dst .. dst + len` valid for writes, the two
+///   ranges must not overlap, and nothing else may access `dst .. dst + len` during the call
+///   (the conditions of [`ptr::copy_nonoverlapping`]);
+/// - the CPU must support SSE2 (on x86_64 it always does; elsewhere this is a plain copy).
+unsafe fn copy_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's conditions are exactly `copy_non_temporal_sse2`'s.
+    unsafe {
+        copy_non_temporal_sse2(src, dst, len)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller's first condition is `copy_nonoverlapping`'s.
+    unsafe {
+        ptr::copy_nonoverlapping(src, dst, len)
+    }
+}
+
+/// The SSE2 non-temporal copy: a plain head copy up to the destination's next 16-byte
+/// boundary, 64 bytes per iteration of unaligned loads and `movntdq` streaming stores, then 16
+/// bytes at a time, then a plain tail copy.
+///
+/// # Safety
+///
+/// As [`copy_non_temporal`]: valid, non-overlapping, unshared ranges, and SSE2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse2")]
+unsafe fn copy_non_temporal_sse2(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+
+    let head = (dst.addr().wrapping_neg() & 15).min(len);
+    // SAFETY: `head <= len`, so both ranges are inside the caller's valid, disjoint ranges.
+    unsafe { ptr::copy_nonoverlapping(src, dst, head) };
+    let mut done = head;
+    while len - done >= 64 {
+        // SAFETY:
+        // 1. bytes `done .. done + 64` lie inside both ranges (loop condition);
+        // 2. `dst + done` is 16-byte aligned (the head brought it there and every step adds a
+        //    multiple of 16), as `_mm_stream_si128` requires; `_mm_loadu_si128` needs none;
+        // 3. SSE2 is present (the caller's condition).
+        unsafe {
+            let s = src.add(done).cast::<__m128i>();
+            let d = dst.add(done).cast::<__m128i>();
+            let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+            let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        done += 64;
+    }
+    while len - done >= 16 {
+        // SAFETY: as in the loop above, for bytes `done .. done + 16`.
+        unsafe {
+            let v = _mm_loadu_si128(src.add(done).cast::<__m128i>());
+            _mm_stream_si128(dst.add(done).cast::<__m128i>(), v);
+        }
+        done += 16;
+    }
+    // SAFETY: `done <= len`, so the tail lies inside both ranges.
+    unsafe { ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The non-temporal kernel over two slices.
+    fn copy_slices_non_temporal(dst: &mut [u8], src: &[u8]) {
+        assert_eq!(dst.len(), src.len());
+        // SAFETY: two distinct slices of equal length: valid, disjoint and exclusively
+        // borrowed; x86_64 always has SSE2.
+        unsafe { copy_non_temporal(src.as_ptr(), dst.as_mut_ptr(), src.len()) };
+        store_fence();
+    }
+
+    #[test]
+    fn non_temporal_copy_matches_copy_nonoverlapping_at_every_size_and_offset() {
+        let src: Vec<u8> = (0..6000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut got = vec![0u8; 6000];
+        let mut want = vec![0u8; 6000];
+        for src_offset in 0..17 {
+            for dst_offset in 0..17 {
+                for len in (1..5000).step_by(if src_offset + dst_offset == 0 { 1 } else { 37 }) {
+                    got.fill(0xEE);
+                    want.fill(0xEE);
+                    let from = &src[src_offset..src_offset + len];
+                    copy_slices_non_temporal(&mut got[dst_offset..dst_offset + len], from);
+                    want[dst_offset..dst_offset + len].copy_from_slice(from);
+                    assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_task_outside_its_region_is_never_made() {
+        let region = HostRegion::of(&Endpoint::host(0x1000, 100)).unwrap();
+        let seg = |src_offset, dst_offset, len| Segment { src_offset, dst_offset, len };
+        assert!(Task::resolve(&region, &region, &seg(0, 0, 100)).is_some());
+        assert!(Task::resolve(&region, &region, &seg(1, 0, 100)).is_none());
+        assert!(Task::resolve(&region, &region, &seg(0, 99, 2)).is_none());
+        assert!(Task::resolve(&region, &region, &seg(u64::MAX, 0, 2)).is_none());
+        assert!(HostRegion::of(&Endpoint::host(u64::MAX - 10, 100)).is_none());
+        assert!(HostRegion::of(&Endpoint::host(0, 100)).is_none());
+        assert!(HostRegion::of(&Endpoint::file(3, 0, 100, false)).is_none());
+    }
+
+    #[test]
+    fn split_pieces_cover_the_task_in_order() {
+        let region = HostRegion::of(&Endpoint::host(0x1000, 1000)).unwrap();
+        let task =
+            Task::resolve(&region, &region, &Segment { src_offset: 0, dst_offset: 500, len: 250 })
+                .unwrap();
+        let mut pieces = Vec::new();
+        task.split(100, |t| pieces.push((t.src.addr(), t.dst.addr(), t.len)));
+        assert_eq!(
+            pieces,
+            [(0x1000, 0x11f4, 100), (0x1064, 0x1258, 100), (0x10c8, 0x12bc, 50)],
+            "pieces of 100, 100 and 50 bytes"
+        );
+    }
+
+    #[test]
+    fn overlapping_ranges_copy_as_memmove() {
+        let mut buf: Vec<u8> = (0..64).collect();
+        let region = HostRegion { base: buf.as_mut_ptr().expose_provenance(), len: buf.len() };
+        let task =
+            Task::resolve(&region, &region, &Segment { src_offset: 0, dst_offset: 8, len: 32 })
+                .unwrap();
+        assert!(!task.run(Kernel::new(true, 1)), "overlap never streams");
+        let want: Vec<u8> = (0..8).chain(0..32).chain(40..64).collect();
+        assert_eq!(buf, want);
+    }
+}

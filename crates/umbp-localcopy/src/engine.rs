@@ -1,0 +1,371 @@
+//! The engine: plans under [`LocalCopyRules`] and executes plan sets before `submit` returns.
+//!
+//! The steps of a submit are documented on [`LocalCopyEngine`], where callers read them.
+
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use umbp_plan::{
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointTable, Failure, FailureCause,
+    Fragment, IncrementalBuilder, Plan, PlanBuilder, PlanRules, PlanSet, TransferEngine,
+    TransferHandle,
+};
+
+use crate::copy::{run_tasks, HostRegion, Kernel, Task};
+use crate::pool::Pool;
+use crate::{Error, LocalCopyBuilder, LocalCopyConfig, LocalCopyRules};
+
+/// The engine's name in logs and [`Failure`]s.
+const NAME: &str = "localcopy";
+
+/// Segments longer than this are copied as pieces of this size, claimed independently.
+const PIECE_BYTES: usize = 1 << 20;
+
+/// Scratch buffers kept for reuse between submits (one per concurrent submitter, up to this).
+const SCRATCH_KEPT: usize = 8;
+
+/// The host-to-host copy engine.
+///
+/// It carries exactly the pairs where both endpoints are host memory
+/// ([`LocalCopyRules`]). Its plan builder is the `umbp-plan` incremental builder
+/// ([`incremental_builder`](Self::incremental_builder), or boxed through
+/// [`TransferEngine::builder`]). [`submit`](TransferEngine::submit) copies every segment
+/// before it returns, on the calling thread and a pool of worker threads started once with
+/// the engine, and returns an already settled [`TransferHandle`] (waiting is immediate and
+/// idempotent, dropping it is free). [`transfer_batch`](Self::transfer_batch) plans and
+/// copies a list of transfers in one call.
+///
+/// Host memory enters through [`register_host`](Self::register_host) (or
+/// [`EndpointRegistry::register`] on the shared registry), which is where the caller promises
+/// that the memory stays valid; every later access is bounds-checked against it.
+///
+/// # Submit
+///
+/// 1. Look every plan's endpoints up in the registry as it is *now* (one snapshot). A plan
+///    whose endpoint was deregistered fails with [`FailureCause::EndpointGone`]; one that names
+///    a device or file endpoint fails with [`FailureCause::NotAccepted`].
+/// 2. Bounds-check every segment against its endpoints and turn it into a copy task; a plan
+///    with one bad segment fails whole (`NotAccepted`, nothing of it written).
+/// 3. Look for overlap: a byte written by two segments, or read by one and written by another
+///    (an endpoint copied onto itself). Two ranges per plan (what it reads, what it writes)
+///    settle the usual case; only when those overlap, or a plan's writes go backwards, is every
+///    segment checked. A submit with overlap runs serially on the calling thread, plan by plan
+///    and segment by segment with `memmove` semantics: the bytes are then those of copying the
+///    segments one by one in the plan set's order.
+/// 4. Otherwise run the tasks: on the calling thread alone when the submit is small (fewer than
+///    two tasks or fewer bytes than [`LocalCopyConfig::parallel_threshold`]), else on the
+///    calling thread and the pool's workers together, with segments longer than
+///    1 MiB split so that a few huge segments still spread over the threads.
+/// 5. Return a settled handle: every byte has arrived (or its plan failed) before `submit`
+///    returns.
+#[derive(Debug)]
+pub struct LocalCopyEngine {
+    registry: Arc<EndpointRegistry>,
+    /// The configuration in effect (threads clamped to the machine).
+    config: LocalCopyConfig,
+    kernel: Kernel,
+    pool: Pool,
+    scratch: Mutex<Vec<Scratch>>,
+}
+
+/// Buffers one submit needs, kept between submits so a steady stream allocates nothing.
+#[derive(Debug, Default)]
+struct Scratch {
+    tasks: Vec<Task>,
+    /// Tasks on their way to being split into pieces.
+    pieces: Vec<Task>,
+    spans: Vec<Span>,
+}
+
+impl LocalCopyEngine {
+    /// An engine over `registry` configured by [`LocalCopyConfig::from_env`]. A variable that
+    /// cannot be read is logged as a warning and the defaults are used; call
+    /// [`with_config`](Self::with_config) to handle that error yourself.
+    pub fn new(registry: Arc<EndpointRegistry>) -> Self {
+        let config = LocalCopyConfig::from_env().unwrap_or_else(|error| {
+            tracing::warn!(%error, "ignoring the environment's copy settings; using defaults");
+            LocalCopyConfig::default()
+        });
+        Self::with_config(registry, config)
+    }
+
+    /// An engine over `registry` with `config`. Starts `threads - 1` worker threads (after
+    /// clamping `threads` to the machine); they live as long as the engine.
+    pub fn with_config(registry: Arc<EndpointRegistry>, config: LocalCopyConfig) -> Self {
+        let available = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        let mut config = config;
+        config.threads = config.threads.clamp(1, available);
+        let pool = Pool::new(config.threads - 1);
+        config.threads = pool.workers() + 1;
+        let kernel = Kernel::new(config.non_temporal, config.non_temporal_threshold);
+        tracing::debug!(
+            threads = config.threads,
+            parallel_threshold = config.parallel_threshold,
+            non_temporal = kernel.non_temporal(),
+            non_temporal_threshold = config.non_temporal_threshold,
+            "local copy engine started"
+        );
+        Self { registry, config, kernel, pool, scratch: Mutex::new(Vec::new()) }
+    }
+
+    /// The configuration in effect: `threads` is what the engine really runs with.
+    pub fn config(&self) -> &LocalCopyConfig {
+        &self.config
+    }
+
+    /// Whether large segments are copied with non-temporal stores (enabled in the
+    /// configuration and supported by this CPU).
+    pub fn uses_non_temporal_stores(&self) -> bool {
+        self.kernel.non_temporal()
+    }
+
+    /// The registry the engine looks endpoints up in.
+    pub fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.registry
+    }
+
+    /// A new incremental plan builder for this engine, as its concrete type: the fast path for
+    /// callers that push many fragments (see [`LocalCopyBuilder`]).
+    pub fn incremental_builder(&self) -> LocalCopyBuilder {
+        IncrementalBuilder::new(LocalCopyRules, Arc::clone(&self.registry))
+    }
+
+    fn take_scratch(&self) -> Scratch {
+        self.scratch.lock().unwrap_or_else(PoisonError::into_inner).pop().unwrap_or_default()
+    }
+
+    fn keep_scratch(&self, scratch: Scratch) {
+        let mut kept = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.len() < SCRATCH_KEPT {
+            kept.push(scratch);
+        }
+    }
+
+    /// Steps 1 to 4 of the module doc: copies every plan it can and returns the failures.
+    fn execute(&self, plans: &PlanSet, scratch: &mut Scratch) -> Vec<Failure> {
+        let table = self.registry.snapshot();
+        let mut failures = Vec::new();
+        let mut bytes = 0usize;
+        let mut ordered = true;
+        for plan in plans.plans() {
+            let shape = regions_of(&table, plan.src(), plan.dst())
+                .and_then(|(src, dst)| push_tasks(plan, &src, &dst, &mut scratch.tasks));
+            match shape {
+                Ok(shape) => {
+                    bytes = bytes.saturating_add(shape.bytes);
+                    ordered &= shape.ordered;
+                    scratch.spans.extend([shape.read, shape.written]);
+                }
+                Err(cause) => failures.push(failure(plan, cause)),
+            }
+        }
+        // Extents first (two per plan); only when they cannot rule a hazard out, every task.
+        let hazard = (!ordered || hazard(&mut scratch.spans)) && {
+            scratch.spans.clear();
+            for task in &scratch.tasks {
+                let (read, written) = task.ranges();
+                scratch.spans.extend([Span::new(read, false), Span::new(written, true)]);
+            }
+            hazard(&mut scratch.spans)
+        };
+        scratch.spans.clear();
+
+        let tasks = scratch.tasks.len();
+        if hazard {
+            tracing::debug!(tasks, bytes, "segments overlap: copying serially in plan order");
+            run_tasks(&scratch.tasks, Kernel::PLAIN);
+        } else if tasks < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
+            run_tasks(&scratch.tasks, self.kernel);
+        } else {
+            if scratch.tasks.iter().any(|t| t.len() > PIECE_BYTES) {
+                scratch.pieces.append(&mut scratch.tasks);
+                for task in scratch.pieces.drain(..) {
+                    task.split(PIECE_BYTES, |piece| scratch.tasks.push(piece));
+                }
+            }
+            scratch.tasks = self.pool.run(std::mem::take(&mut scratch.tasks), self.kernel);
+        }
+        scratch.tasks.clear();
+        tracing::trace!(
+            plans = plans.plans().len(),
+            tasks,
+            bytes,
+            failed = failures.len(),
+            "copied"
+        );
+        failures
+    }
+}
+
+impl TransferEngine for LocalCopyEngine {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        LocalCopyRules.carries(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        plan_batch(&LocalCopyRules, &self.registry.snapshot(), fragments)
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        Box::new(self.incremental_builder())
+    }
+
+    /// Copies every segment of `plans` before returning; see [the steps](LocalCopyEngine#submit)
+    /// for the checks. The handle is settled: [`TransferHandle::wait`] returns the failures at once
+    /// and as often as asked, and dropping the handle does not block.
+    fn submit(&self, plans: PlanSet) -> TransferHandle {
+        let mut scratch = self.take_scratch();
+        let failures = self.execute(&plans, &mut scratch);
+        self.keep_scratch(scratch);
+        TransferHandle::settled(failures, plans)
+    }
+}
+
+/// The regions of a plan's two endpoints as registered now, or why the plan cannot run.
+fn regions_of(
+    table: &EndpointTable,
+    src: EndpointId,
+    dst: EndpointId,
+) -> Result<(HostRegion, HostRegion), FailureCause> {
+    let region = |id: EndpointId| {
+        let endpoint = table.get(id).ok_or(FailureCause::EndpointGone(id))?;
+        HostRegion::of(endpoint).ok_or_else(|| {
+            FailureCause::NotAccepted(Error::NotHostMemory { endpoint: id }.to_string())
+        })
+    };
+    Ok((region(src)?, region(dst)?))
+}
+
+/// What [`push_tasks`] learnt about one plan.
+#[derive(Copy, Clone, Debug)]
+struct PlanShape {
+    bytes: usize,
+    /// Whether every segment writes at or after the end of the one before it, so that no two
+    /// segments of the plan write the same byte.
+    ordered: bool,
+    /// The smallest address ranges covering everything the plan reads and writes.
+    read: Span,
+    written: Span,
+}
+
+/// Appends a task for every segment of `plan` and returns the plan's shape. A segment outside
+/// its endpoints takes the plan's tasks back out: a plan runs whole or not at all.
+fn push_tasks(
+    plan: &Plan,
+    src: &HostRegion,
+    dst: &HostRegion,
+    tasks: &mut Vec<Task>,
+) -> Result<PlanShape, FailureCause> {
+    let start = tasks.len();
+    let mut shape =
+        PlanShape { bytes: 0, ordered: true, read: Span::empty(false), written: Span::empty(true) };
+    for segment in plan.segments() {
+        let Some(task) = Task::resolve(src, dst, segment) else {
+            tasks.truncate(start);
+            let error = Error::SegmentOutOfBounds {
+                src: plan.src(),
+                dst: plan.dst(),
+                src_offset: segment.src_offset,
+                dst_offset: segment.dst_offset,
+                len: segment.len,
+            };
+            return Err(FailureCause::NotAccepted(error.to_string()));
+        };
+        let (read, written) = task.ranges();
+        shape.bytes = shape.bytes.saturating_add(task.len());
+        shape.ordered &= written.start >= shape.written.end;
+        shape.read.cover(read);
+        shape.written.cover(written);
+        tasks.push(task);
+    }
+    Ok(shape)
+}
+
+/// The failure of `plan`: every object it carries.
+#[cold]
+fn failure(plan: &Plan, cause: FailureCause) -> Failure {
+    tracing::debug!(src = plan.src().raw(), dst = plan.dst().raw(), %cause, "plan failed");
+    Failure {
+        engine: NAME.to_owned(),
+        src: plan.src(),
+        dst: plan.dst(),
+        tags: plan.tags().to_vec(),
+        cause,
+    }
+}
+
+/// A range of addresses that a task or a plan reads or writes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Span {
+    start: usize,
+    end: usize,
+    written: bool,
+}
+
+impl Span {
+    fn new(range: Range<usize>, written: bool) -> Self {
+        Self { start: range.start, end: range.end, written }
+    }
+
+    /// A span that covers nothing and becomes the first range it [covers](Self::cover).
+    fn empty(written: bool) -> Self {
+        Self { start: usize::MAX, end: 0, written }
+    }
+
+    /// Grows the span to cover `range` as well.
+    fn cover(&mut self, range: Range<usize>) {
+        self.start = self.start.min(range.start);
+        self.end = self.end.max(range.end);
+    }
+}
+
+/// Whether two of `spans` overlap where at least one of them is written: a byte written twice,
+/// or read and written. Overlapping reads are fine. Empty spans are ignored.
+fn hazard(spans: &mut [Span]) -> bool {
+    spans.sort_unstable_by_key(|s| s.start);
+    let (mut read_end, mut written_end) = (0usize, 0usize);
+    for s in spans.iter().filter(|s| s.start < s.end) {
+        // Every span before `s` starts at or before it, so it overlaps `s` iff it ends after
+        // `s` starts.
+        if s.start < written_end || (s.written && s.start < read_end) {
+            return true;
+        }
+        if s.written {
+            written_end = written_end.max(s.end);
+        } else {
+            read_end = read_end.max(s.end);
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(start: usize, end: usize, written: bool) -> Span {
+        Span { start, end, written }
+    }
+
+    #[test]
+    fn overlaps_with_a_write_are_hazards_and_shared_reads_are_not() {
+        let cases = [
+            (vec![span(0, 10, false), span(10, 20, true)], false),
+            (vec![span(0, 10, false), span(0, 10, false), span(20, 30, true)], false),
+            (vec![span(20, 30, true), span(30, 35, true), span(0, 10, false)], false),
+            (vec![span(20, 30, true), span(25, 35, true)], true),
+            (vec![span(0, 10, false), span(0, 10, true)], true),
+            (vec![span(5, 15, true), span(0, 10, false)], true),
+            (vec![span(0, 100, true), span(40, 50, false)], true),
+            (vec![span(3, 3, false), span(0, 10, true), span(usize::MAX, 0, true)], false),
+        ];
+        for (mut spans, want) in cases {
+            assert_eq!(hazard(&mut spans), want, "{spans:?}");
+        }
+    }
+}
