@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
+use umbp_bench::hbm_bench::{self, HbmBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig, PlanRow};
 use umbp_bench::size::ByteSize;
 
@@ -26,6 +27,21 @@ struct Cli {
 enum Command {
     /// Plan building for the Kimi-K3 restore shape: buffered vs incremental vs a floor.
     Plan(PlanArgs),
+    /// The device engine: one gather launch against one copy per fragment.
+    Hbm(HbmArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct HbmArgs {
+    /// Fragment sizes to measure (units allowed).
+    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "16KiB", "64KiB", "256KiB"])]
+    fragment_sizes: Vec<ByteSize>,
+    /// Bytes per batch.
+    #[arg(long, default_value = "64MiB")]
+    batch: ByteSize,
+    /// Timed iterations per mode; the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    iterations: u32,
 }
 
 #[derive(clap::Args, Debug)]
@@ -81,6 +97,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Plan(args)) => plan(&args, cli.json),
+        Some(Command::Hbm(args)) => hbm(&args, cli.json),
         None => plan(&PlanArgs::default(), cli.json),
     };
     match result {
@@ -113,6 +130,51 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
         }
     } else {
         print_plan_table(&rows);
+    }
+    Ok(())
+}
+
+fn hbm(args: &HbmArgs, json: bool) -> anyhow::Result<()> {
+    if args.fragment_sizes.iter().any(|s| s.0 == 0) || args.batch.0 == 0 {
+        eprintln!("umbp-bench: sizes must be positive");
+        std::process::exit(2);
+    }
+    let config = HbmBenchConfig {
+        fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
+        batch_bytes: args.batch.0,
+        iterations: args.iterations as usize,
+    };
+    let rows = hbm_bench::run(&config);
+    if json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        return Ok(());
+    }
+    let backend = rows.first().map_or("none", |r| r.backend);
+    println!("device engine: gather kernel vs one copy per fragment, backend `{backend}`");
+    if backend == "sim" {
+        println!(
+            "(simulated device: this measures descriptor building and CPU execution, not a GPU)"
+        );
+    }
+    println!();
+    println!(
+        "{:>9} {:<7} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8}",
+        "fragment", "mode", "fragments", "launches", "ms/batch", "GiB/s", "x copies", "verified"
+    );
+    for r in &rows {
+        println!(
+            "{:>9} {:<7} {:>9} {:>8} {:>10.3} {:>8.2} {:>10.2} {:>8}",
+            ByteSize(r.fragment_size).to_string(),
+            r.mode,
+            r.fragments,
+            r.launches_per_batch,
+            r.seconds * 1e3,
+            r.gib_s,
+            r.speedup_vs_copies,
+            if r.verified { "yes" } else { "NO" }
+        );
     }
     Ok(())
 }
