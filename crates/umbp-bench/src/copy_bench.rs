@@ -1,0 +1,437 @@
+//! `umbp-bench copy`: the local copy engine against a `memcpy` ceiling, and one batch submit
+//! against one submit per fragment.
+//!
+//! **Throughput** ([`run`]). For each fragment size and thread count, one batch of
+//! [`batch_bytes`](CopyBenchConfig::batch_bytes) moves from scattered places of a source arena
+//! (the arena's fragment-sized slots in shuffled order) into one contiguous destination. The
+//! engine's time covers plan building (a reused builder, one object per MiB of destination),
+//! submit and wait. The ceiling, measured in the same run on the same buffers, is one
+//! `copy_nonoverlapping` of the same total bytes split into equal contiguous parts over the same
+//! number of threads (scoped threads; the engine's pool is started once, outside the timing).
+//! Ceiling and engine alternate, iteration by iteration, and each reports its median. The
+//! destination is verified after timing.
+//!
+//! **Submit overhead** ([`run_submit_overhead`]). The same
+//! [`submit_fragments`](CopyBenchConfig::submit_fragments) scattered fragments, each its own
+//! object, are copied on one thread with plain stores: by a floor loop of
+//! `copy_nonoverlapping` (no engine); as one batch (every object planned into a reused builder,
+//! one submit); and with one submit per fragment (the same builder, finished and recycled after
+//! each object). Subtracting the floor leaves each path's overhead per fragment. The two engine
+//! paths are measured twice: with planning, and submitting plan sets built beforehand.
+
+use std::hint::black_box;
+use std::ptr;
+use std::time::Instant;
+
+use serde::Serialize;
+use umbp_localcopy::{LocalCopyBuilder, LocalCopyConfig, LocalCopyEngine};
+use umbp_plan::{
+    EndpointId, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
+};
+
+/// Settings of `umbp-bench copy`.
+#[derive(Clone, Debug)]
+pub struct CopyBenchConfig {
+    /// Fragment sizes of the throughput comparison. Default 4 KiB, 64 KiB and 1 MiB.
+    pub fragment_sizes: Vec<u64>,
+    /// Bytes per throughput batch (rounded down to whole fragments). Default 256 MiB.
+    pub batch_bytes: u64,
+    /// Thread counts of the throughput comparison (the engine's, caller included; clamped to
+    /// the machine, and the ceiling uses the clamped count). Default 1 and 2.
+    pub threads: Vec<usize>,
+    /// Timed iterations per throughput measurement; the median is reported. Default 5.
+    pub iterations: usize,
+    /// Untimed iterations before timing. Default 1.
+    pub warmup: usize,
+    /// Seed of the scattered layouts. Default 42.
+    pub seed: u64,
+    /// Fragments of the submit-overhead comparison. Default 4096.
+    pub submit_fragments: usize,
+    /// Fragment size of the submit-overhead comparison. Default 4 KiB.
+    pub submit_fragment_size: u64,
+    /// Timed iterations of each submit-overhead path; medians are reported. Default 51.
+    pub submit_iterations: usize,
+}
+
+impl Default for CopyBenchConfig {
+    fn default() -> Self {
+        Self {
+            fragment_sizes: vec![4 << 10, 64 << 10, 1 << 20],
+            batch_bytes: 256 << 20,
+            threads: vec![1, 2],
+            iterations: 5,
+            warmup: 1,
+            seed: 42,
+            submit_fragments: 4096,
+            submit_fragment_size: 4 << 10,
+            submit_iterations: 51,
+        }
+    }
+}
+
+/// One fragment size at one thread count.
+#[derive(Clone, Debug, Serialize)]
+pub struct CopyRow {
+    /// Bytes per fragment.
+    pub fragment_size: u64,
+    /// Threads copying, the caller included (as the engine runs them).
+    pub threads: usize,
+    /// Fragments per batch.
+    pub fragments: u64,
+    /// Bytes per batch.
+    pub batch_bytes: u64,
+    /// Whether the engine used non-temporal stores for these fragments.
+    pub non_temporal: bool,
+    /// Median seconds per batch: engine (build, submit, wait).
+    pub engine_seconds: f64,
+    /// Median seconds of the ceiling copy of the same bytes.
+    pub ceiling_seconds: f64,
+    /// Engine throughput, GiB/s.
+    pub engine_gib_s: f64,
+    /// Ceiling throughput, GiB/s.
+    pub ceiling_gib_s: f64,
+    /// `engine_gib_s / ceiling_gib_s` (target at 64 KiB: at least 0.9).
+    pub ratio: f64,
+    /// Every destination byte matched its source after timing.
+    pub verified: bool,
+}
+
+/// One batch submit against one submit per fragment.
+///
+/// Each `*_overhead_ns` is the median, over the iterations, of the path's time minus the floor
+/// loop's time in the same iteration, per fragment: pairing the two cancels most drift of a
+/// shared machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct SubmitRow {
+    /// Fragments (and objects) per run.
+    pub fragments: usize,
+    /// Bytes per fragment.
+    pub fragment_size: u64,
+    /// Threads of the engine (1: overhead is measured on one thread).
+    pub threads: usize,
+    /// Median ns per fragment of the floor loop (`copy_nonoverlapping` per fragment, no
+    /// engine).
+    pub floor_ns_per_fragment: f64,
+    /// Median ns per fragment of one batch: plan every object, one submit, wait.
+    pub batch_ns_per_fragment: f64,
+    /// Median ns per fragment of one plan, submit and wait per fragment.
+    pub single_ns_per_fragment: f64,
+    /// Overhead per fragment of the batch path, planning included.
+    pub batch_overhead_ns: f64,
+    /// Overhead per fragment of the single path, planning included.
+    pub single_overhead_ns: f64,
+    /// `single_overhead_ns / batch_overhead_ns` (target: at least 10).
+    pub ratio: f64,
+    /// Overhead per fragment of submitting and waiting for the batch's prebuilt plan set.
+    pub batch_submit_overhead_ns: f64,
+    /// Overhead per fragment of submitting and waiting for prebuilt single-fragment plan sets.
+    pub single_submit_overhead_ns: f64,
+    /// `single_submit_overhead_ns / batch_submit_overhead_ns`.
+    pub submit_ratio: f64,
+    /// Every destination byte matched its source after timing.
+    pub verified: bool,
+}
+
+/// Runs the throughput comparison: one row per fragment size and thread count.
+pub fn run(config: &CopyBenchConfig) -> Vec<CopyRow> {
+    let registry = EndpointRegistry::new();
+    let engines: Vec<LocalCopyEngine> = config
+        .threads
+        .iter()
+        .map(|&t| {
+            let engine_config = LocalCopyConfig::default().with_threads(t);
+            LocalCopyEngine::with_config(registry.clone(), engine_config)
+        })
+        .collect();
+    let mut rows = Vec::new();
+    for &fragment_size in &config.fragment_sizes {
+        let fragment_size = fragment_size.max(1);
+        let fragments = (config.batch_bytes / fragment_size).max(1);
+        let bytes = fragments * fragment_size;
+        let src = HostBuffer::new(bytes as usize, config.seed);
+        let mut dst = HostBuffer::new(bytes as usize, !config.seed);
+        let Some(first) = engines.first() else { break };
+        let (s, d) = (src.register(first), dst.register(first));
+        let slots = permutation(fragments as usize, config.seed ^ fragment_size);
+        let batch = scattered(s, d, &slots, fragment_size, (1 << 20) / fragment_size);
+        for engine in &engines {
+            let threads = engine.config().threads;
+            let mut builder = engine.incremental_builder();
+            let (mut engine_times, mut ceiling_times) = (Vec::new(), Vec::new());
+            for i in 0..config.warmup + config.iterations {
+                let ceiling = time(|| ceiling_copy(&src, &mut dst, threads));
+                let copied = time(|| submit_batch(engine, &mut builder, &batch));
+                if i >= config.warmup {
+                    ceiling_times.push(ceiling);
+                    engine_times.push(copied);
+                }
+            }
+            let (engine_seconds, ceiling_seconds) = (median(engine_times), median(ceiling_times));
+            let gib_s = |secs: f64| bytes as f64 / secs / f64::from(1u32 << 30);
+            rows.push(CopyRow {
+                fragment_size,
+                threads,
+                fragments,
+                batch_bytes: bytes,
+                non_temporal: engine.uses_non_temporal_stores()
+                    && fragment_size as usize >= engine.config().non_temporal_threshold,
+                engine_seconds,
+                ceiling_seconds,
+                engine_gib_s: gib_s(engine_seconds),
+                ceiling_gib_s: gib_s(ceiling_seconds),
+                ratio: ceiling_seconds / engine_seconds,
+                verified: verify(&src, &dst, &batch),
+            });
+        }
+        let _ = registry.deregister(s);
+        let _ = registry.deregister(d);
+    }
+    rows
+}
+
+/// Runs the submit-overhead comparison.
+pub fn run_submit_overhead(config: &CopyBenchConfig) -> SubmitRow {
+    let fragment_size = config.submit_fragment_size.max(1);
+    let n = config.submit_fragments.max(1);
+    let engine_config = LocalCopyConfig::default().with_threads(1).with_non_temporal(false);
+    let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), engine_config);
+    let bytes = n * fragment_size as usize;
+    let src = HostBuffer::new(bytes, config.seed);
+    let mut dst = HostBuffer::new(bytes, !config.seed);
+    let (s, d) = (src.register(&engine), dst.register(&engine));
+    // One object per fragment, so both paths plan and report the same objects.
+    let fragments = scattered(s, d, &permutation(n, config.seed), fragment_size, 1);
+
+    let mut builder = engine.incremental_builder();
+    let mut batch_plans = Some(plan(&mut builder, &fragments));
+    let mut single_plans: Vec<_> =
+        fragments.iter().map(|f| Some(plan(&mut builder, std::slice::from_ref(f)))).collect();
+    let mut times = [(); 5].map(|()| Vec::new());
+    // One extra round first, untimed in effect: it is dropped below.
+    for _ in 0..config.submit_iterations.max(1) + 1 {
+        let floor = time(|| floor_copy(&src, &mut dst, &fragments));
+        let batch = time(|| submit_batch(&engine, &mut builder, &fragments));
+        let single = time(|| {
+            for f in &fragments {
+                submit_batch(&engine, &mut builder, std::slice::from_ref(f));
+            }
+        });
+        let batch_submit = time(|| submit_plans(&engine, &mut batch_plans));
+        let single_submit = time(|| single_plans.iter_mut().for_each(|p| submit_plans(&engine, p)));
+        for (all, t) in times.iter_mut().zip([floor, batch, single, batch_submit, single_submit]) {
+            all.push(t);
+        }
+    }
+    let per_fragment = |secs: f64| secs * 1e9 / n as f64;
+    let [floor, batch, single, batch_submit, single_submit] =
+        times.map(|t| t.into_iter().skip(1).collect::<Vec<f64>>());
+    let overhead =
+        |path: &[f64]| per_fragment(median(path.iter().zip(&floor).map(|(p, f)| p - f).collect()));
+    let ratio = |single: f64, batch: f64| single / batch.max(1.0);
+    let (batch_overhead_ns, single_overhead_ns) = (overhead(&batch), overhead(&single));
+    let (batch_submit_overhead_ns, single_submit_overhead_ns) =
+        (overhead(&batch_submit), overhead(&single_submit));
+    SubmitRow {
+        fragments: n,
+        fragment_size,
+        threads: engine.config().threads,
+        floor_ns_per_fragment: per_fragment(median(floor)),
+        batch_ns_per_fragment: per_fragment(median(batch)),
+        single_ns_per_fragment: per_fragment(median(single)),
+        batch_overhead_ns,
+        single_overhead_ns,
+        ratio: ratio(single_overhead_ns, batch_overhead_ns),
+        batch_submit_overhead_ns,
+        single_submit_overhead_ns,
+        submit_ratio: ratio(single_submit_overhead_ns, batch_submit_overhead_ns),
+        verified: verify(&src, &dst, &fragments),
+    }
+}
+
+/// Plans `fragments` (grouped by tag) into `builder` and finishes the plan set.
+fn plan(builder: &mut LocalCopyBuilder, fragments: &[Fragment]) -> PlanSet {
+    let mut open = None;
+    for &f in fragments {
+        if open != Some(f.tag) {
+            if open.is_some() {
+                builder.commit_object().expect("an object is open");
+            }
+            builder.begin_object(f.tag).expect("no object is open");
+            open = Some(f.tag);
+        }
+        builder.push(f).expect("the workload's fragments are valid");
+    }
+    if open.is_some() {
+        builder.commit_object().expect("an object is open");
+    }
+    builder.finish().expect("no object is open")
+}
+
+/// Submits the plan set in `plans`, waits, and puts it back for the next round.
+fn submit_plans(engine: &LocalCopyEngine, plans: &mut Option<PlanSet>) {
+    if let Some(set) = plans.take() {
+        let settled = engine.submit(set).into_settled();
+        assert!(settled.failures.is_empty(), "copy failed: {:?}", settled.failures);
+        *plans = Some(settled.plans);
+    }
+}
+
+/// Plans `fragments` (grouped by tag) with `builder`, submits them and waits, then recycles
+/// the plan set. Panics on a failure: every fragment of the workload is valid.
+fn submit_batch(engine: &LocalCopyEngine, builder: &mut LocalCopyBuilder, fragments: &[Fragment]) {
+    let plans = plan(builder, fragments);
+    let settled = engine.submit(plans).into_settled();
+    assert!(settled.failures.is_empty(), "copy failed: {:?}", settled.failures);
+    builder.recycle(settled.plans);
+}
+
+/// Fragment `i` copies source slot `slots[i]` to destination slot `i`; every
+/// `per_object` consecutive fragments form one object.
+fn scattered(
+    src: EndpointId,
+    dst: EndpointId,
+    slots: &[usize],
+    fragment_size: u64,
+    per_object: u64,
+) -> Vec<Fragment> {
+    let per_object = per_object.max(1);
+    (0..slots.len() as u64)
+        .map(|i| {
+            let tag = Tag::new((i / per_object) as u32);
+            let from = slots[i as usize] as u64 * fragment_size;
+            Fragment::new(src, from, dst, i * fragment_size, fragment_size, tag)
+        })
+        .collect()
+}
+
+/// The ceiling: `src` copied onto `dst` whole, in `threads` equal contiguous parts.
+fn ceiling_copy(src: &HostBuffer, dst: &mut HostBuffer, threads: usize) {
+    let part = src.len.div_ceil(threads.max(1)).max(1);
+    let (src, dst) = (src.bytes(), dst.bytes_mut());
+    std::thread::scope(|scope| {
+        let mut parts = dst.chunks_mut(part).zip(src.chunks(part));
+        let first = parts.next();
+        for (to, from) in parts {
+            scope.spawn(move || to.copy_from_slice(from));
+        }
+        if let Some((to, from)) = first {
+            to.copy_from_slice(from);
+        }
+    });
+}
+
+/// The floor of the submit comparison: each fragment's bytes copied with
+/// `copy_nonoverlapping`, nothing else.
+fn floor_copy(src: &HostBuffer, dst: &mut HostBuffer, fragments: &[Fragment]) {
+    let (src, dst) = (src.bytes(), dst.bytes_mut());
+    for f in fragments {
+        let (from, to, len) = (f.src_offset as usize, f.dst_offset as usize, f.len as usize);
+        dst[to..to + len].copy_from_slice(&src[from..from + len]);
+    }
+    black_box(dst);
+}
+
+/// Whether every fragment's destination bytes equal its source bytes.
+fn verify(src: &HostBuffer, dst: &HostBuffer, fragments: &[Fragment]) -> bool {
+    let (src, dst) = (src.bytes(), dst.bytes());
+    fragments.iter().all(|f| {
+        let (from, to, len) = (f.src_offset as usize, f.dst_offset as usize, f.len as usize);
+        src.get(from..from + len) == dst.get(to..to + len)
+    })
+}
+
+fn time(f: impl FnOnce()) -> f64 {
+    let start = Instant::now();
+    f();
+    start.elapsed().as_secs_f64()
+}
+
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times.get(times.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// A random permutation of `0 .. n` (splitmix64 Fisher-Yates), a pure function of `seed`.
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (mix(&mut state) % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+fn mix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A heap buffer that the engine copies through a raw pointer and the bench reads and writes
+/// through short-lived slices made from the same pointer, never while a transfer runs.
+struct HostBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl HostBuffer {
+    /// `len` bytes of pseudo-random content (every page touched, so no fault is timed).
+    fn new(len: usize, seed: u64) -> Self {
+        let mut state = seed;
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        for word in bytes.chunks_mut(8) {
+            let value = mix(&mut state).to_le_bytes();
+            word.copy_from_slice(&value[..word.len()]);
+        }
+        Self { ptr: Box::into_raw(bytes).cast::<u8>(), len }
+    }
+
+    fn register(&self, engine: &LocalCopyEngine) -> EndpointId {
+        // SAFETY: the buffer lives until dropped, after every transfer of the bench (transfers
+        // of this engine finish inside `submit`), and the bench touches it only between them.
+        unsafe { engine.register_host(self.ptr, self.len) }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the live allocation of `len` bytes; no transfer runs while the slice exists.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the live allocation of `len` bytes, borrowed exclusively through `self`; no
+        // transfer runs while the slice exists.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        let slice = ptr::slice_from_raw_parts_mut(self.ptr, self.len);
+        // SAFETY: `ptr` and `len` came from `Box::into_raw` of a boxed slice in `new`.
+        drop(unsafe { Box::from_raw(slice) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_run_verifies_every_row() {
+        let config = CopyBenchConfig {
+            fragment_sizes: vec![4 << 10, 64 << 10],
+            batch_bytes: 2 << 20,
+            iterations: 1,
+            warmup: 0,
+            submit_fragments: 64,
+            submit_iterations: 1,
+            ..CopyBenchConfig::default()
+        };
+        let rows = run(&config);
+        assert_eq!(rows.len(), 4);
+        assert!(rows.iter().all(|r| r.verified && r.ratio > 0.0), "{rows:?}");
+        assert!(run_submit_overhead(&config).verified);
+    }
+}
