@@ -53,10 +53,11 @@ const SCRATCH_KEPT: usize = 8;
 ///    segment checked. A submit with overlap runs serially on the calling thread, plan by plan
 ///    and segment by segment with `memmove` semantics: the bytes are then those of copying the
 ///    segments one by one in the plan set's order.
-/// 4. Otherwise run the tasks: on the calling thread alone when the submit is small (fewer than
-///    two tasks or fewer bytes than [`LocalCopyConfig::parallel_threshold`]), else on the
-///    calling thread and the pool's workers together, with segments longer than
-///    1 MiB split so that a few huge segments still spread over the threads.
+/// 4. Otherwise run the tasks: on the calling thread alone when the submit is small (fewer
+///    bytes than [`LocalCopyConfig::parallel_threshold`], or fewer than two pieces of work),
+///    else on the calling thread and the pool's workers together. Pieces are the segments,
+///    with those longer than 1 MiB split into 1 MiB pieces, so that even one huge segment
+///    spreads over the threads.
 /// 5. Return a settled handle: every byte has arrived (or its plan failed) before `submit`
 ///    returns.
 #[derive(Debug)]
@@ -172,13 +173,15 @@ impl LocalCopyEngine {
         scratch.spans.clear();
 
         let tasks = scratch.tasks.len();
+        let splits = scratch.tasks.iter().any(|t| t.len() > PIECE_BYTES);
+        let pieces = if splits { bytes.div_ceil(PIECE_BYTES).max(tasks) } else { tasks };
         if hazard {
             tracing::debug!(tasks, bytes, "segments overlap: copying serially in plan order");
             run_tasks(&scratch.tasks, Kernel::PLAIN);
-        } else if tasks < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
+        } else if pieces < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
             run_tasks(&scratch.tasks, self.kernel);
         } else {
-            if scratch.tasks.iter().any(|t| t.len() > PIECE_BYTES) {
+            if splits {
                 scratch.pieces.append(&mut scratch.tasks);
                 for task in scratch.pieces.drain(..) {
                     task.split(PIECE_BYTES, |piece| scratch.tasks.push(piece));

@@ -418,6 +418,15 @@ fn large_submits_spread_over_the_pool_and_huge_segments_split() {
         assert!(got[at..at + PAGE] == src[page * PAGE..(page + 1) * PAGE], "page {i}");
     }
     assert!(got[5 << 20..] == src[4 << 20..5 << 20]);
+
+    // A single segment of 3 MiB and a few bytes is split into pieces too.
+    out.fill(POISON);
+    let len = (3 << 20) + 5;
+    let report = engine.transfer_batch(1, &[Fragment::new(a, 7, o, 3, len, tag(0))]).unwrap();
+    assert_eq!(report.aggregate(), umbp_plan::BatchState::Completed);
+    let got = out.bytes();
+    assert!(got[3..3 + len as usize] == src[7..7 + len as usize]);
+    assert!(got[..3].iter().chain(&got[3 + len as usize..]).all(|&b| b == POISON));
 }
 
 #[test]
