@@ -1,5 +1,92 @@
-//! The io_uring SSD engine of the umbp transfer engines. Not implemented yet: see the README.
-#![deny(unsafe_code)]
+//! The io_uring SSD engine of the umbp transfer engines: moves bytes between file endpoints
+//! and host memory, for restoring KV-cache objects from SSD files (file → host) and offloading
+//! them (host → file).
+//!
+//! - **Endpoints.** [`SsdEngine::open_file`] opens a file (with `O_DIRECT` by default, falling
+//!   back to buffered I/O where the filesystem refuses it) and registers a range of it;
+//!   [`SsdEngine::register_fd`] registers a descriptor the caller opened. Host memory is
+//!   registered with the `unsafe` [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register).
+//! - **Planning.** The engine's builder is umbp-plan's [`IncrementalBuilder`](umbp_plan::IncrementalBuilder)
+//!   with [`SsdRules`]: one plan per (file, host buffer) pair, adjacent fragments merged up to
+//!   the maximum segment (1 MiB by default), per-object rollback.
+//! - **Execution.** Each worker thread owns an io_uring ring and keeps up to the queue depth
+//!   (64 by default) reads and writes in flight, submitting every queued request with one
+//!   `io_uring_enter` and reaping completions in batches. Short transfers are resubmitted for
+//!   the remainder; the end of the file before the requested bytes fails the segment with
+//!   `ShortFile`, an I/O error with its errno. Where io_uring is unavailable the workers use
+//!   `pread`/`pwrite` with the same semantics ([`Backend`]).
+//! - **Alignment.** With `O_DIRECT`, a piece whose file offset, length or memory address is not
+//!   aligned to the file's logical block size goes through an aligned bounce buffer (a
+//!   read-modify-write of the whole blocks for writes); aligned pieces move straight between the
+//!   file and the caller's memory.
+//! - **Failures.** One [`Failure`](umbp_plan::Failure) per failed plan or segment, with exactly
+//!   the tags of the objects it carried. A segment that fails before its I/O is issued (a
+//!   deregistered endpoint, a read past the end of the file, an injected fault) leaves its
+//!   destination untouched; a device error in the middle of a transfer may leave part of the
+//!   failed segment's destination written.
+//!
+//! # Example
+//!
+//! ```
+//! use umbp_plan::{Endpoint, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+//! use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("pool.bin");
+//! std::fs::write(&path, vec![7u8; 1 << 20])?;
+//!
+//! let registry = EndpointRegistry::new();
+//! let engine = SsdEngine::new(registry.clone(), SsdConfig::new())?;
+//! let file = engine.open_file(&path, 0, 1 << 20, FileOptions::new())?;
+//! let mut out = vec![0u8; 8192];
+//! // SAFETY: `out` stays alive and untouched until the handle below has been waited on.
+//! let host = unsafe { registry.register(Endpoint::host(out.as_mut_ptr() as u64, 8192)) };
+//!
+//! let mut builder = engine.builder();
+//! let tag = Tag::new(0);
+//! builder.begin_object(tag)?;
+//! builder.push(Fragment::new(file, 4096, host, 0, 8192, tag))?;
+//! builder.commit_object()?;
+//! let mut handle = engine.submit(builder.finish()?);
+//! assert!(handle.wait().is_empty());
+//! assert!(out.iter().all(|&b| b == 7));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Unsafe code
+//!
+//! Two private modules hold all of it: `sys` (system calls, raw host memory, bounce buffers)
+//! and `ring` (pushing submission entries). Every segment is bounds-checked against its
+//! endpoints at submit; beyond that, the engine relies on the contract of
+//! `EndpointRegistry::register`: registered memory stays valid until the endpoint is
+//! deregistered and every handle that used it has been waited on.
+//!
+//! # Cargo features
+//!
+//! - `fault-injection`: `SsdEngine::inject_fault` fails chosen operations with a chosen
+//!   errno, for failure tests.
+
+mod batch;
+mod config;
+mod engine;
+mod error;
+mod fault;
+mod file;
+mod op;
+mod ring;
+mod rules;
+mod sys;
+mod worker;
+
+pub use config::{Backend, SsdConfig};
+pub use engine::SsdEngine;
+pub use error::Error;
+#[cfg(feature = "fault-injection")]
+pub use fault::{Fault, FaultOp, FaultTrigger};
+pub use file::{FileInfo, FileOptions};
+pub use rules::SsdRules;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

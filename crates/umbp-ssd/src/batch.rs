@@ -1,0 +1,527 @@
+//! A submitted plan set as ops: resolution against the endpoints, scheduling for an executor,
+//! and the mapping of failed segments back to their objects.
+//!
+//! Resolution looks every plan's endpoints up in the registry snapshot taken at submit and
+//! checks every segment against them again (builders from elsewhere, or endpoints deregistered
+//! since planning, must not reach the kernel). What fails there never becomes an op: a missing
+//! endpoint fails its plan with `EndpointGone`; a segment outside its endpoints fails with
+//! `NotAccepted`; a read past the end of the file fails with `ShortFile` before any byte moves.
+//!
+//! Scheduling hands the executor one request at a time: resubmissions first, then ops that had
+//! to wait, then new ops in plan order. Bounce ops wait while the bounce buffers in use would
+//! pass the budget, and a read-modify-write waits while another one rewrites a block it shares
+//! (running together, the later write would put back the block as it was before the earlier
+//! one). With nothing in flight every op is admitted, so a batch always finishes.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use umbp_plan::{EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PlanSet};
+
+use crate::fault::Faults;
+use crate::file::{FileEntry, FileTable};
+use crate::op::{BouncePool, Op, Step};
+use crate::sys::{Dir, HostSlice, Request};
+
+/// The largest single request: well inside the kernel's per-call limit and `i32` results.
+pub(crate) const MAX_IO: u64 = 1 << 30;
+
+/// What the executor does next for an op.
+#[derive(Debug)]
+pub(crate) enum Issue {
+    /// Hand this request to the kernel.
+    Io(Request),
+    /// Complete the op with this result without issuing anything (an injected fault).
+    Fail(i32),
+}
+
+/// Tunables of a batch, from the engine's configuration.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Limits {
+    /// Longest op; longer segments are split.
+    pub(crate) max_io: u64,
+    /// Bounce-buffer bytes in use at once (one op may always run alone).
+    pub(crate) bounce_budget: u64,
+}
+
+/// A failure before it is mapped to tags: of a whole plan (`segment: None`) or one segment.
+#[derive(Debug)]
+struct Failed {
+    plan: u32,
+    segment: Option<u32>,
+    cause: FailureCause,
+}
+
+/// The ops of one plan set, and where each stands.
+#[derive(Debug)]
+pub(crate) struct Batch<'a> {
+    ops: Vec<Op>,
+    /// The file endpoint of each plan (for fault rules).
+    plan_files: Vec<EndpointId>,
+    /// Keeps the descriptors of the files the batch uses open until it settles.
+    _files: Vec<Arc<FileEntry>>,
+    pool: &'a mut BouncePool,
+    faults: &'a Faults,
+    failed: Vec<Failed>,
+    next: usize,
+    ready: Vec<usize>,
+    deferred: VecDeque<usize>,
+    bounce_in_use: u64,
+    /// The blocks each running read-modify-write rewrites: (descriptor, start, end).
+    rmw_windows: Vec<(RawFd, u64, u64)>,
+    bounce_budget: u64,
+}
+
+/// Waiting ops looked at per issue, so that a long queue of them costs a bounded scan.
+const DEFERRED_SCAN: usize = 8;
+
+impl<'a> Batch<'a> {
+    /// Resolves `plans` against `table` (the registry at submit) and the engine's `files`.
+    pub(crate) fn new(
+        plans: &PlanSet,
+        table: &EndpointTable,
+        files: &FileTable,
+        limits: Limits,
+        pool: &'a mut BouncePool,
+        faults: &'a Faults,
+    ) -> Self {
+        let mut batch = Self {
+            ops: Vec::with_capacity(plans.segment_count()),
+            plan_files: Vec::with_capacity(plans.plans().len()),
+            _files: Vec::new(),
+            pool,
+            faults,
+            failed: Vec::new(),
+            next: 0,
+            ready: Vec::new(),
+            deferred: VecDeque::new(),
+            bounce_in_use: 0,
+            rmw_windows: Vec::new(),
+            bounce_budget: limits.bounce_budget,
+        };
+        for (index, plan) in plans.plans().iter().enumerate() {
+            let index = index as u32;
+            let src = table.get(plan.src()).copied();
+            let dst = table.get(plan.dst()).copied();
+            let resolved = match (src, dst) {
+                (None, _) => Err(FailureCause::EndpointGone(plan.src())),
+                (_, None) => Err(FailureCause::EndpointGone(plan.dst())),
+                (Some(src), Some(dst)) => match (src.kind(), dst.kind()) {
+                    (EndpointKind::File(range), EndpointKind::Host) => {
+                        Ok((Dir::Read, plan.src(), src, range, plan.dst()))
+                    }
+                    (EndpointKind::Host, EndpointKind::File(range)) => {
+                        Ok((Dir::Write, plan.dst(), dst, range, plan.src()))
+                    }
+                    _ => Err(FailureCause::NotAccepted(
+                        "umbp-ssd carries file -> host and host -> file only".into(),
+                    )),
+                },
+            };
+            let (dir, file_id, file, range, host_id) = match resolved {
+                Ok(resolved) => resolved,
+                Err(cause) => {
+                    batch.plan_files.push(plan.src());
+                    batch.failed.push(Failed { plan: index, segment: None, cause });
+                    continue;
+                }
+            };
+            batch.plan_files.push(file_id);
+            let entry = match files.get(file_id, range) {
+                Ok(entry) => entry,
+                Err(cause) => {
+                    batch.failed.push(Failed { plan: index, segment: None, cause });
+                    continue;
+                }
+            };
+            if dir == Dir::Write && !entry.info.writable {
+                let cause = FailureCause::Io { errno: libc::EBADF };
+                batch.failed.push(Failed { plan: index, segment: None, cause });
+                continue;
+            }
+            // Reads past the end of the file fail before any byte moves.
+            let size = match dir {
+                Dir::Read => match crate::sys::file_size(entry.fd()) {
+                    Ok(size) => size,
+                    Err(e) => {
+                        let cause =
+                            FailureCause::Io { errno: e.raw_os_error().unwrap_or(libc::EBADF) };
+                        batch.failed.push(Failed { plan: index, segment: None, cause });
+                        continue;
+                    }
+                },
+                Dir::Write => None,
+            };
+            let align = entry.align();
+            let chunk = match limits.max_io.min(MAX_IO) {
+                max if align > 1 && max >= align => max - max % align,
+                max => max.max(1),
+            };
+            for (s, segment) in plan.segments().iter().enumerate() {
+                let s = s as u32;
+                let (file_offset, host_offset) = match dir {
+                    Dir::Read => (segment.src_offset, segment.dst_offset),
+                    Dir::Write => (segment.dst_offset, segment.src_offset),
+                };
+                let len = segment.len;
+                let host = HostSlice::lookup(table, host_id, host_offset, len);
+                let absolute = range.file_offset.checked_add(file_offset);
+                let (host, absolute) = match (file.contains(file_offset, len), host, absolute) {
+                    (true, Some(host), Some(absolute)) if absolute.checked_add(len).is_some() => {
+                        (host, absolute)
+                    }
+                    _ => {
+                        let cause = FailureCause::NotAccepted(format!(
+                            "segment {file_offset}..+{len} of file endpoint {} or {host_offset}..+{len} \
+                             of host endpoint {} lies outside the endpoint",
+                            file_id.raw(),
+                            host_id.raw()
+                        ));
+                        batch.failed.push(Failed { plan: index, segment: Some(s), cause });
+                        continue;
+                    }
+                };
+                if let Some(size) = size {
+                    if absolute + len > size {
+                        let got = size.saturating_sub(absolute);
+                        let cause =
+                            FailureCause::ShortFile { offset: absolute, expected: len, got };
+                        batch.failed.push(Failed { plan: index, segment: Some(s), cause });
+                        continue;
+                    }
+                }
+                let mut at = 0;
+                while at < len {
+                    let n = chunk.min(len - at);
+                    let piece = host.sub(at as usize, n as usize);
+                    let key = (index, s, file_offset + at);
+                    match Op::new(key, entry.fd(), dir, absolute + at, piece, align) {
+                        Some(op) => batch.ops.push(op),
+                        None => {
+                            let cause = FailureCause::NotAccepted(format!(
+                                "file offset {absolute}..+{len} overflows at block alignment"
+                            ));
+                            batch.failed.push(Failed { plan: index, segment: Some(s), cause });
+                            break;
+                        }
+                    }
+                    at += n;
+                }
+            }
+            batch._files.push(entry);
+        }
+        batch
+    }
+
+    /// Whether op `index` may start now.
+    fn admits(&self, index: usize) -> bool {
+        let op = &self.ops[index];
+        let bytes = op.bounce_bytes();
+        if bytes == 0 {
+            return true;
+        }
+        if let Some((fd, start, end)) = op.rmw_window() {
+            let shares_a_block = |&(f, s, e): &(RawFd, u64, u64)| f == fd && s < end && start < e;
+            if self.rmw_windows.iter().any(shares_a_block) {
+                return false;
+            }
+        }
+        self.bounce_in_use == 0 || self.bounce_in_use + bytes <= self.bounce_budget
+    }
+
+    /// Starts op `index` and returns its first issue.
+    fn start(&mut self, index: usize) -> Issue {
+        let op = &mut self.ops[index];
+        self.bounce_in_use += op.bounce_bytes();
+        self.rmw_windows.extend(op.rmw_window());
+        op.start(self.pool);
+        match self.faults.check(self.plan_files[op.plan as usize], op) {
+            Some(errno) => Issue::Fail(-errno),
+            None => Issue::Io(op.request()),
+        }
+    }
+
+    /// The next op to issue and what to issue for it; `None` when nothing can be issued until
+    /// something in flight completes (or when everything is done).
+    pub(crate) fn issue(&mut self) -> Option<(usize, Issue)> {
+        if let Some(index) = self.ready.pop() {
+            return Some((index, Issue::Io(self.ops[index].request())));
+        }
+        let waiting = self.deferred.iter().take(DEFERRED_SCAN).position(|&i| self.admits(i));
+        if let Some(index) = waiting.and_then(|at| self.deferred.remove(at)) {
+            return Some((index, self.start(index)));
+        }
+        while self.next < self.ops.len() {
+            let index = self.next;
+            self.next += 1;
+            if self.admits(index) {
+                return Some((index, self.start(index)));
+            }
+            self.deferred.push_back(index);
+        }
+        None
+    }
+
+    /// Hands op `index` the result of its last request.
+    pub(crate) fn complete(&mut self, index: usize, result: i32) {
+        let op = &mut self.ops[index];
+        match op.complete(result) {
+            Step::Again => self.ready.push(index),
+            Step::Done(outcome) => {
+                self.bounce_in_use -= op.bounce_bytes();
+                if let Some(window) = op.rmw_window() {
+                    if let Some(at) = self.rmw_windows.iter().position(|w| *w == window) {
+                        self.rmw_windows.swap_remove(at);
+                    }
+                }
+                op.finish(self.pool);
+                if let Err(cause) = outcome {
+                    let (plan, segment) = (op.plan, Some(op.segment));
+                    self.failed.push(Failed { plan, segment, cause });
+                }
+            }
+        }
+    }
+
+    /// The failures of the settled batch, one per failed plan or segment, each with the tags of
+    /// exactly the objects it cost.
+    pub(crate) fn failures(mut self, plans: &PlanSet, engine: &str) -> Vec<Failure> {
+        debug_assert!(self.ready.is_empty() && self.deferred.is_empty());
+        // A segment split into several ops fails once, with its first cause.
+        self.failed.sort_by_key(|f| (f.plan, f.segment));
+        self.failed.dedup_by_key(|f| (f.plan, f.segment));
+        self.failed
+            .into_iter()
+            .map(|f| {
+                let plan = &plans.plans()[f.plan as usize];
+                let tags = match f.segment {
+                    None => plan.tags(),
+                    Some(s) => plan.segment_tags(s as usize),
+                };
+                Failure {
+                    engine: engine.to_owned(),
+                    src: plan.src(),
+                    dst: plan.dst(),
+                    tags: tags.to_vec(),
+                    cause: f.cause,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use umbp_plan::{
+        Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, IncrementalBuilder,
+        PlanBuilder, PlanSet, Tag,
+    };
+
+    use super::{Batch, Limits};
+    use crate::fault::Faults;
+    use crate::file::{self, FileTable};
+    use crate::op::BouncePool;
+    use crate::ring::Ring;
+    use crate::{sys, FileOptions, SsdRules};
+
+    const PAGE: u64 = 64 << 10;
+    const LIMITS: Limits = Limits { max_io: 1 << 20, bounce_budget: 16 << 20 };
+
+    fn pattern(seed: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i as u64 * 131 + u64::from(seed) * 7 + (i as u64 >> 9)) as u8).collect()
+    }
+
+    /// Host memory kept alive by the test, `misalign` bytes past a 4 KiB boundary.
+    struct Host {
+        storage: Vec<u8>,
+        start: usize,
+        len: usize,
+        id: EndpointId,
+    }
+
+    impl Host {
+        fn new(registry: &EndpointRegistry, len: usize, misalign: usize, fill: u8) -> Self {
+            let mut storage = vec![fill; len + 8192];
+            let start = storage.as_ptr().align_offset(4096) + misalign;
+            let addr = storage[start..].as_mut_ptr() as u64;
+            // SAFETY: `storage` is never reallocated and outlives every batch of the test,
+            // each of which runs to the end before the test reads the bytes.
+            let id = unsafe { registry.register(Endpoint::host(addr, len as u64)) };
+            Self { storage, start, len, id }
+        }
+
+        fn bytes(&self) -> &[u8] {
+            &self.storage[self.start..self.start + self.len]
+        }
+    }
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        registry: Arc<EndpointRegistry>,
+        files: FileTable,
+    }
+
+    impl Fixture {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().expect("a temporary directory");
+            Self { _dir: dir, registry: EndpointRegistry::new(), files: FileTable::default() }
+        }
+
+        fn path(&self, name: &str) -> std::path::PathBuf {
+            self._dir.path().join(name)
+        }
+
+        /// Opens `path` as the engine would; `None` when O_DIRECT was asked for and refused.
+        fn open(&self, path: &Path, len: u64, direct: bool) -> Option<EndpointId> {
+            let (fd, refused) = file::open(path, &FileOptions::new().direct(direct)).unwrap();
+            if refused {
+                eprintln!(
+                    "SKIP the O_DIRECT part: the filesystem of {} refuses it",
+                    path.display()
+                );
+                return None;
+            }
+            let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+            let entry = FileTable::entry_for(raw, Some(fd)).unwrap();
+            let id = self.registry.register_file(raw, 0, len, entry.info.direct);
+            self.files.insert(id, entry);
+            Some(id)
+        }
+
+        fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+            let mut builder =
+                IncrementalBuilder::new(SsdRules::new(1 << 20), self.registry.clone());
+            for &f in fragments {
+                builder.begin_object(f.tag).unwrap();
+                builder.push(f).unwrap();
+                builder.commit_object().unwrap();
+            }
+            builder.finish().unwrap()
+        }
+    }
+
+    /// Aligned and unaligned pieces, for reads from and writes to `file`.
+    fn pieces(file: EndpointId, host: EndpointId, read: bool) -> Vec<Fragment> {
+        let shapes = [(0, PAGE, 0), (3 * PAGE + 5, 10_001, PAGE), (7 * PAGE, 513, 3 * PAGE)];
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(file_offset, len, host_offset))| {
+                let tag = Tag::new(i as u32);
+                if read {
+                    Fragment::new(file, file_offset, host, host_offset, len, tag)
+                } else {
+                    Fragment::new(host, host_offset, file, file_offset, len, tag)
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn short_transfers_are_resubmitted_for_the_remainder() {
+        for direct in [false, true] {
+            let fx = Fixture::new();
+            let path = fx.path("pieces.bin");
+            let mut model = pattern(1, (16 * PAGE) as usize);
+            std::fs::write(&path, &model).unwrap();
+            let Some(file) = fx.open(&path, 16 * PAGE, direct) else { continue };
+            let align = fx.files.info(file).map_or(1, |i| if i.direct { i.block_size } else { 1 });
+            // O_DIRECT pieces must stay whole blocks; buffered ones may be anything.
+            let piece = if direct { align as u32 } else { 1000 };
+            let (mut pool, faults) = (BouncePool::default(), Faults::new());
+
+            let source = Host::new(&fx.registry, (4 * PAGE) as usize, 0, 0);
+            let writes = pieces(file, source.id, false);
+            let plans = fx.plan(&writes);
+            let table = fx.registry.snapshot();
+            let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+            sys::run_blocking_in_pieces(&mut batch, piece);
+            assert!(batch.failures(&plans, "t").is_empty());
+            for f in &writes {
+                let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
+                model[at..at + f.len as usize]
+                    .copy_from_slice(&source.bytes()[from..from + f.len as usize]);
+            }
+            assert!(std::fs::read(&path).unwrap() == model, "writes in pieces (direct: {direct})");
+
+            let destination = Host::new(&fx.registry, (4 * PAGE) as usize, 1, 0xA5);
+            let reads = pieces(file, destination.id, true);
+            let plans = fx.plan(&reads);
+            let table = fx.registry.snapshot();
+            let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+            sys::run_blocking_in_pieces(&mut batch, piece);
+            assert!(batch.failures(&plans, "t").is_empty());
+            for f in &reads {
+                let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
+                let got = &destination.bytes()[at..at + f.len as usize];
+                assert!(
+                    got == &model[from..from + f.len as usize],
+                    "read {f:?} (direct: {direct})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_end_of_the_file_met_while_running_fails_as_short_file() {
+        for direct in [false, true] {
+            for ring in [false, true] {
+                let fx = Fixture::new();
+                let path = fx.path("shrinks.bin");
+                std::fs::write(&path, pattern(2, (16 * PAGE) as usize)).unwrap();
+                let Some(file) = fx.open(&path, 16 * PAGE, direct) else { continue };
+                let destination = Host::new(&fx.registry, (32 * PAGE) as usize, 0, 0xA5);
+                let reads: Vec<Fragment> = (0..8)
+                    .map(|i| {
+                        Fragment::new(
+                            file,
+                            i * PAGE,
+                            destination.id,
+                            2 * i * PAGE,
+                            PAGE,
+                            Tag::new(i as u32),
+                        )
+                    })
+                    .collect();
+                let plans = fx.plan(&reads);
+                let table = fx.registry.snapshot();
+                let (mut pool, faults) = (BouncePool::default(), Faults::new());
+                let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+                // Resolved against 16 pages; the file now ends inside page 5, off any block
+                // boundary (an O_DIRECT read stops there, short of a block).
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .unwrap()
+                    .set_len(5 * PAGE + 1000)
+                    .unwrap();
+                if ring {
+                    match Ring::new(8) {
+                        Ok(mut ring) => ring.run(&mut batch),
+                        Err(e) => {
+                            eprintln!("SKIP the io_uring part: {e}");
+                            continue;
+                        }
+                    }
+                } else {
+                    sys::run_blocking(&mut batch);
+                }
+                let failures = batch.failures(&plans, "t");
+                let failed: Vec<u32> =
+                    failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
+                assert_eq!(failed, [5, 6, 7], "direct: {direct}, ring: {ring}");
+                let got: Vec<FailureCause> = failures.iter().map(|f| f.cause.clone()).collect();
+                let short = |page: u64, got: u64| FailureCause::ShortFile {
+                    offset: page * PAGE,
+                    expected: PAGE,
+                    got,
+                };
+                assert_eq!(got, [short(5, 1000), short(6, 0), short(7, 0)]);
+            }
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! The engine: configuration, file endpoints, planning and submission.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use umbp_plan::{
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, Fragment, IncrementalBuilder, PlanBuilder,
+    PlanRules, PlanSet, TransferEngine, TransferHandle,
+};
+
+use crate::batch::Limits;
+use crate::fault::Faults;
+use crate::file::{self, FileTable};
+use crate::ring::Ring;
+use crate::worker::{Executor, Shared, Workers};
+use crate::{Backend, Error, FileInfo, FileOptions, SsdConfig, SsdRules};
+
+/// The io_uring engine for transfers between file endpoints and host memory.
+///
+/// - It carries file → host (restore) and host → file (offload) pairs; builders reject every
+///   other pair.
+/// - [`submit`](TransferEngine::submit) queues the plan set for a worker and returns a pending
+///   [`TransferHandle`] at once (an empty plan set settles at once). The handle's rules hold:
+///   waiting is idempotent, and dropping a handle waits for its batch.
+/// - Each plan's endpoints are looked up again at submit and every segment is bounds-checked
+///   against them; a plan whose endpoint was deregistered fails with
+///   [`FailureCause::EndpointGone`](umbp_plan::FailureCause::EndpointGone).
+/// - Failures are per segment and carry exactly the tags of the objects in that segment
+///   ([`Plan::segment_tags`](umbp_plan::Plan::segment_tags)): a failed read costs only its
+///   objects, and one plan's failure never stops the others.
+///
+/// Dropping the engine lets every queued batch finish, then stops the workers.
+#[derive(Debug)]
+pub struct SsdEngine {
+    shared: Arc<Shared>,
+    rules: SsdRules,
+    backend: Backend,
+    queue_depth: u32,
+    workers: Workers,
+}
+
+impl SsdEngine {
+    /// An engine over the endpoints of `registry`, running as `config` says. Creates every
+    /// worker's ring up front, so a refused io_uring shows here: with [`Backend::Auto`] the
+    /// engine falls back to `pread`/`pwrite` and logs that once, with [`Backend::IoUring`] it
+    /// fails with [`Error::RingUnavailable`].
+    pub fn new(registry: Arc<EndpointRegistry>, config: SsdConfig) -> Result<Self, Error> {
+        if !(1..=4096).contains(&config.queue_depth) {
+            return Err(Error::InvalidConfig("the queue depth must lie in 1..=4096"));
+        }
+        if config.max_segment == 0 {
+            return Err(Error::InvalidConfig("the maximum segment must be at least one byte"));
+        }
+        if !(1..=256).contains(&config.workers) {
+            return Err(Error::InvalidConfig("the worker count must lie in 1..=256"));
+        }
+        let mut executors = Vec::with_capacity(config.workers);
+        let mut backend = config.backend;
+        if backend != Backend::Blocking {
+            for _ in 0..config.workers {
+                match Ring::new(config.queue_depth) {
+                    Ok(ring) => executors.push(Executor::Ring(Box::new(ring))),
+                    Err(source) if backend == Backend::IoUring => {
+                        return Err(Error::RingUnavailable { source });
+                    }
+                    Err(error) => {
+                        tracing::warn!(
+                            engine = %config.name,
+                            %error,
+                            "io_uring is unavailable; falling back to pread/pwrite"
+                        );
+                        executors.clear();
+                        break;
+                    }
+                }
+            }
+            backend = if executors.is_empty() { Backend::Blocking } else { Backend::IoUring };
+        }
+        if backend == Backend::Blocking {
+            executors = (0..config.workers).map(|_| Executor::Blocking).collect();
+        }
+        let limits = Limits { max_io: config.max_segment, bounce_budget: config.bounce_budget };
+        let shared = Arc::new(Shared {
+            registry,
+            files: FileTable::default(),
+            faults: Faults::new(),
+            limits,
+            name: config.name,
+            direct_refusal_logged: AtomicBool::new(false),
+        });
+        let workers = Workers::start(Arc::clone(&shared), executors)?;
+        Ok(Self {
+            shared,
+            rules: SsdRules::new(config.max_segment),
+            backend,
+            queue_depth: config.queue_depth,
+            workers,
+        })
+    }
+
+    /// The registry whose endpoints the engine reads and writes.
+    pub fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.shared.registry
+    }
+
+    /// The executor in use: [`Backend::IoUring`] or [`Backend::Blocking`].
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Requests each worker keeps in flight.
+    pub fn queue_depth(&self) -> u32 {
+        self.queue_depth
+    }
+
+    /// The engine's planning rules.
+    pub fn rules(&self) -> SsdRules {
+        self.rules
+    }
+
+    /// The engine's incremental builder as its concrete type, for callers that use its
+    /// [`Run`](umbp_plan::Run)s. [`TransferEngine::builder`] returns the same builder boxed.
+    pub fn incremental_builder(&self) -> IncrementalBuilder<SsdRules> {
+        IncrementalBuilder::new(self.rules, Arc::clone(&self.shared.registry))
+    }
+
+    /// Opens `path` and registers bytes `file_offset .. file_offset + len` of it as a file
+    /// endpoint. The engine owns the descriptor and closes it at
+    /// [`deregister`](Self::deregister) (once no running batch uses it).
+    ///
+    /// With [`FileOptions::direct`] (the default) the file is opened with `O_DIRECT`; where
+    /// the filesystem refuses that (`EINVAL`), it is opened buffered instead, and the engine
+    /// logs this once. [`file_info`](Self::file_info) tells which.
+    pub fn open_file(
+        &self,
+        path: impl AsRef<Path>,
+        file_offset: u64,
+        len: u64,
+        options: FileOptions,
+    ) -> Result<EndpointId, Error> {
+        let path = path.as_ref();
+        check_range(file_offset, len)?;
+        let (fd, refused) = file::open(path, &options)
+            .map_err(|source| Error::Open { path: path.to_owned(), source })?;
+        if refused && !self.shared.direct_refusal_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                engine = %self.shared.name,
+                path = %path.display(),
+                "the filesystem refuses O_DIRECT; using buffered I/O for such files"
+            );
+        }
+        let raw = fd.as_raw_fd();
+        let entry = FileTable::entry_for(raw, Some(fd))
+            .map_err(|source| Error::Inspect { fd: raw, source })?;
+        let id = self.shared.registry.register_file(raw, file_offset, len, entry.info.direct);
+        self.shared.files.insert(id, entry);
+        Ok(id)
+    }
+
+    /// Registers bytes `file_offset .. file_offset + len` of a descriptor the caller opened.
+    /// Whether transfers align for `O_DIRECT` follows the descriptor's own flags.
+    ///
+    /// The descriptor must stay open until the endpoint is deregistered and every handle that
+    /// used it has been waited on; a descriptor closed early fails transfers with `EBADF` (or,
+    /// if its number is reused, reads or writes the file that now has it), it never touches
+    /// memory outside the transfer's endpoints.
+    pub fn register_fd(
+        &self,
+        fd: BorrowedFd<'_>,
+        file_offset: u64,
+        len: u64,
+    ) -> Result<EndpointId, Error> {
+        check_range(file_offset, len)?;
+        let raw = fd.as_raw_fd();
+        let entry =
+            FileTable::entry_for(raw, None).map_err(|source| Error::Inspect { fd: raw, source })?;
+        let id = self.shared.registry.register_file(raw, file_offset, len, entry.info.direct);
+        self.shared.files.insert(id, entry);
+        Ok(id)
+    }
+
+    /// Deregisters endpoint `id` (of any kind) and returns its description. A file the engine
+    /// opened is closed once no running batch uses it; batches submitted later fail their plans
+    /// with `EndpointGone`.
+    pub fn deregister(&self, id: EndpointId) -> Result<Endpoint, Error> {
+        let endpoint =
+            self.shared.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
+        if endpoint.file_range().is_some() {
+            self.shared.files.retire(id);
+        }
+        Ok(endpoint)
+    }
+
+    /// What the engine knows about file endpoint `id`: registered through
+    /// [`open_file`](Self::open_file) or [`register_fd`](Self::register_fd), or used by a
+    /// submitted batch.
+    pub fn file_info(&self, id: EndpointId) -> Option<FileInfo> {
+        self.shared.files.info(id)
+    }
+
+    /// Arms a fault: matching operations fail with its errno instead of reaching the kernel.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&self, fault: crate::Fault) {
+        self.shared.faults.inject(fault);
+    }
+
+    /// Disarms every fault.
+    #[cfg(feature = "fault-injection")]
+    pub fn clear_faults(&self) {
+        self.shared.faults.clear();
+    }
+}
+
+fn check_range(file_offset: u64, len: u64) -> Result<(), Error> {
+    match file_offset.checked_add(len) {
+        Some(_) => Ok(()),
+        None => Err(Error::RangeOverflow { file_offset, len }),
+    }
+}
+
+impl TransferEngine for SsdEngine {
+    fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.rules.carries(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        plan_batch(&self.rules, &self.shared.registry.snapshot(), fragments)
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        Box::new(self.incremental_builder())
+    }
+
+    /// Queues `plans` for a worker; see [`TransferHandle`] for waiting and dropping.
+    fn submit(&self, plans: PlanSet) -> TransferHandle {
+        self.workers.submit(plans, self.shared.registry.snapshot())
+    }
+}

@@ -1,0 +1,130 @@
+//! The io_uring executor: one ring per worker, up to `depth` requests in flight, every request
+//! queued since the last call submitted by one `io_uring_enter`, completions reaped in batches.
+//!
+//! The ring's submission queue holds at least `depth` entries and its completion queue twice
+//! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
+//! submission queue full and completions never overflow.
+
+use std::io;
+
+use io_uring::{opcode, squeue, types, IoUring, Probe};
+
+use crate::batch::{Batch, Issue};
+use crate::sys::{Dir, Request};
+
+/// A worker's ring.
+pub(crate) struct Ring {
+    ring: IoUring,
+    depth: usize,
+    /// Requests pushed and not yet completed (queued or in the kernel).
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring").field("depth", &self.depth).finish_non_exhaustive()
+    }
+}
+
+impl Ring {
+    /// A ring for `depth` requests in flight. Fails where the kernel (or a seccomp filter)
+    /// refuses io_uring or lacks its read and write operations.
+    pub(crate) fn new(depth: u32) -> io::Result<Self> {
+        let depth = depth.max(1);
+        let ring = IoUring::new(depth.next_power_of_two())?;
+        let mut probe = Probe::new();
+        ring.submitter().register_probe(&mut probe)?;
+        if !probe.is_supported(opcode::Read::CODE) || !probe.is_supported(opcode::Write::CODE) {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the kernel's io_uring lacks IORING_OP_READ or IORING_OP_WRITE",
+            ));
+        }
+        Ok(Self { ring, depth: depth as usize, in_flight: 0 })
+    }
+
+    /// Runs `batch` to the end. Returns only when no request of the batch is in flight, also
+    /// when unwinding: the bytes of in-flight requests belong to `batch`, which this call keeps
+    /// borrowed.
+    pub(crate) fn run(&mut self, batch: &mut Batch<'_>) {
+        let ring = Drain(self);
+        ring.0.pump(batch);
+    }
+
+    fn pump(&mut self, batch: &mut Batch<'_>) {
+        loop {
+            while self.in_flight < self.depth {
+                let Some((index, issue)) = batch.issue() else { break };
+                match issue {
+                    Issue::Fail(result) => batch.complete(index, result),
+                    Issue::Io(request) => {
+                        let entry = entry(&request).user_data(index as u64);
+                        // SAFETY:
+                        // 1. the request's bytes stay valid until it completes: they belong to
+                        //    `batch` (see the request invariant in `sys`), which `run` keeps
+                        //    borrowed until every pushed request has completed;
+                        // 2. the descriptor is only a number to the kernel: a closed one fails
+                        //    the request with EBADF, it cannot touch our memory.
+                        let pushed = unsafe { self.ring.submission().push(&entry) };
+                        pushed.expect(
+                            "at most `depth` requests are queued, and the queue holds them",
+                        );
+                        self.in_flight += 1;
+                    }
+                }
+            }
+            if self.in_flight == 0 {
+                return;
+            }
+            self.enter();
+            for cqe in self.ring.completion() {
+                self.in_flight -= 1;
+                batch.complete(cqe.user_data() as usize, cqe.result());
+            }
+        }
+    }
+
+    /// Submits everything queued and waits for at least one completion.
+    fn enter(&mut self) {
+        match self.ring.submit_and_wait(1) {
+            Ok(_) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR)) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => {
+                std::thread::yield_now();
+            }
+            Err(e) => {
+                // Requests are in flight into memory the caller will reuse once we return:
+                // without a working ring we can neither wait for them nor return.
+                tracing::error!(error = %e, "io_uring_enter failed with requests in flight; aborting");
+                std::process::abort();
+            }
+        }
+    }
+}
+
+/// Waits for every in-flight request of a ring when dropped, so that an unwinding executor
+/// never frees memory the kernel still writes.
+struct Drain<'r>(&'r mut Ring);
+
+impl Drop for Drain<'_> {
+    fn drop(&mut self) {
+        while self.0.in_flight > 0 {
+            self.0.enter();
+            let reaped = self.0.ring.completion().count();
+            self.0.in_flight -= reaped;
+        }
+    }
+}
+
+/// The submission entry of a request.
+fn entry(request: &Request) -> squeue::Entry {
+    let fd = types::Fd(request.fd());
+    match request.dir() {
+        Dir::Read => {
+            opcode::Read::new(fd, request.buf(), request.len()).offset(request.offset()).build()
+        }
+        Dir::Write => opcode::Write::new(fd, request.buf().cast_const(), request.len())
+            .offset(request.offset())
+            .build(),
+    }
+}

@@ -1,0 +1,219 @@
+//! The engine's worker threads: each owns an executor (its own ring, or the blocking path) and
+//! a bounce-buffer pool, takes submitted plan sets from one shared queue, runs each to the end
+//! and settles its handle.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+
+use umbp_plan::{
+    Completion, EndpointRegistry, EndpointTable, Failure, FailureCause, PlanSet, Settled,
+    TransferHandle,
+};
+
+use crate::batch::{Batch, Limits};
+use crate::fault::Faults;
+use crate::file::FileTable;
+use crate::op::BouncePool;
+use crate::ring::Ring;
+use crate::{sys, Error};
+
+/// What the engine and its workers share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) registry: Arc<EndpointRegistry>,
+    pub(crate) files: FileTable,
+    pub(crate) faults: Faults,
+    pub(crate) limits: Limits,
+    pub(crate) name: String,
+    /// Whether the `O_DIRECT` fallback has been logged.
+    pub(crate) direct_refusal_logged: AtomicBool,
+}
+
+/// How a worker moves bytes.
+#[derive(Debug)]
+pub(crate) enum Executor {
+    Ring(Box<Ring>),
+    Blocking,
+}
+
+/// One submitted plan set on its way to a worker.
+struct Job {
+    /// `None` once settled.
+    plans: Option<PlanSet>,
+    table: Arc<EndpointTable>,
+    slot: Arc<Slot>,
+    engine: Arc<Shared>,
+}
+
+impl Job {
+    fn settle(&mut self, failures: Vec<Failure>) {
+        let plans = self.plans.take().unwrap_or_default();
+        self.slot.fill(Settled { failures, plans });
+    }
+}
+
+impl Drop for Job {
+    /// A job dropped unsettled (its worker panicked) fails every plan, so no handle waits
+    /// forever.
+    fn drop(&mut self) {
+        let Some(plans) = &self.plans else { return };
+        let cause = FailureCause::NotAccepted("the worker running this batch panicked".into());
+        let failures = fail_all(plans, &self.engine.name, cause);
+        self.settle(failures);
+    }
+}
+
+/// One failure per plan, with all of its tags.
+fn fail_all(plans: &PlanSet, engine: &str, cause: FailureCause) -> Vec<Failure> {
+    plans
+        .plans()
+        .iter()
+        .map(|plan| Failure {
+            engine: engine.to_owned(),
+            src: plan.src(),
+            dst: plan.dst(),
+            tags: plan.tags().to_vec(),
+            cause: cause.clone(),
+        })
+        .collect()
+}
+
+/// Where a worker leaves a settled batch for its handle.
+#[derive(Default)]
+struct Slot {
+    settled: Mutex<Option<Settled>>,
+    ready: Condvar,
+    /// Set (Release) after `settled` is filled; `is_done` reads it (Acquire) without locking.
+    done: AtomicBool,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, Option<Settled>> {
+        // Filling and taking are single stores: a poisoned slot is still consistent.
+        self.settled.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn fill(&self, settled: Settled) {
+        *self.lock() = Some(settled);
+        self.done.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+}
+
+/// The completion behind a pending [`TransferHandle`].
+struct Pending(Arc<Slot>);
+
+impl Completion for Pending {
+    fn is_done(&self) -> bool {
+        self.0.done.load(Ordering::Acquire)
+    }
+
+    fn wait(&mut self) -> Settled {
+        let mut settled = self.0.lock();
+        loop {
+            if let Some(settled) = settled.take() {
+                return settled;
+            }
+            settled = self.0.ready.wait(settled).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// The worker threads and the queue that feeds them.
+#[derive(Debug)]
+pub(crate) struct Workers {
+    sender: Option<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+impl Workers {
+    /// Starts one thread per executor.
+    pub(crate) fn start(shared: Arc<Shared>, executors: Vec<Executor>) -> Result<Self, Error> {
+        let (sender, receiver) = channel::<Job>();
+        let receiver = Arc::new(Mutex::new(receiver));
+        let mut workers = Self { sender: Some(sender), threads: Vec::new(), shared };
+        for (i, executor) in executors.into_iter().enumerate() {
+            let receiver = Arc::clone(&receiver);
+            let thread = std::thread::Builder::new()
+                .name(format!("{}-{i}", workers.shared.name))
+                .spawn(move || work(&receiver, executor))
+                .map_err(|source| Error::Spawn { source })?;
+            workers.threads.push(thread);
+        }
+        Ok(workers)
+    }
+
+    /// Queues `plans` for the next free worker.
+    pub(crate) fn submit(&self, plans: PlanSet, table: Arc<EndpointTable>) -> TransferHandle {
+        if plans.plans().is_empty() {
+            return TransferHandle::settled(Vec::new(), plans);
+        }
+        let slot = Arc::new(Slot::default());
+        let job = Job {
+            plans: Some(plans),
+            table,
+            slot: Arc::clone(&slot),
+            engine: Arc::clone(&self.shared),
+        };
+        match self.sender.as_ref().map(|s| s.send(job)) {
+            Some(Ok(())) => TransferHandle::pending(Box::new(Pending(slot))),
+            // No worker left to take it: the job came back and settles as failed when dropped.
+            Some(Err(returned)) => {
+                let mut job = returned.0;
+                let plans = job.plans.take().unwrap_or_default();
+                let cause = FailureCause::NotAccepted("the engine has no running worker".into());
+                let failures = fail_all(&plans, &self.shared.name, cause);
+                TransferHandle::settled(failures, plans)
+            }
+            None => unreachable!("the sender lives until the workers are dropped"),
+        }
+    }
+}
+
+impl Drop for Workers {
+    /// Closes the queue; every worker finishes the jobs already queued, then exits.
+    fn drop(&mut self) {
+        drop(self.sender.take());
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A worker's loop: take a job, run it, settle it, until the queue closes.
+fn work(receiver: &Mutex<Receiver<Job>>, mut executor: Executor) {
+    let mut pool = BouncePool::default();
+    loop {
+        let job = receiver.lock().unwrap_or_else(PoisonError::into_inner).recv();
+        let Ok(mut job) = job else { return };
+        let Some(plans) = job.plans.as_ref() else { continue };
+        let shared = Arc::clone(&job.engine);
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let mut batch = Batch::new(
+                plans,
+                &job.table,
+                &shared.files,
+                shared.limits,
+                &mut pool,
+                &shared.faults,
+            );
+            match &mut executor {
+                Executor::Ring(ring) => ring.run(&mut batch),
+                Executor::Blocking => sys::run_blocking(&mut batch),
+            }
+            batch.failures(plans, &shared.name)
+        }));
+        match outcome {
+            Ok(failures) => job.settle(failures),
+            Err(_) => {
+                tracing::error!(engine = %shared.name, "a batch panicked; its plans fail");
+                pool = BouncePool::default();
+                drop(job);
+            }
+        }
+    }
+}

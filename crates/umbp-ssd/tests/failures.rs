@@ -1,0 +1,262 @@
+//! Failures cost exactly their objects: a file shorter than the requested range, writes into a
+//! read-only file, injected I/O errors on chosen reads and writes, endpoints deregistered
+//! between planning and submit. Every other object completes, and the poisoned destinations of
+//! failed objects stay untouched. Each case runs on io_uring and on the fallback.
+
+mod support;
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use support::{HostBuf, POISON};
+use umbp_plan::{EndpointId, EndpointRegistry, FailureCause, Fragment, Tag, TransferEngine};
+use umbp_ssd::{Backend, Fault, FileOptions, SsdEngine};
+
+const PAGE: u64 = 64 << 10;
+
+/// One object per page: object `i` reads file page `i` into destination page `i`.
+fn page_reads(file: EndpointId, dst: EndpointId, pages: u64) -> Vec<Vec<Fragment>> {
+    // Destination pages are spaced out so that no two objects merge into one segment.
+    (0..pages)
+        .map(|i| vec![Fragment::new(file, i * PAGE, dst, 2 * i * PAGE, PAGE, Tag::new(i as u32))])
+        .collect()
+}
+
+/// Checks that exactly `failed` objects failed, that every other object's destination page
+/// holds file page `i`, and that failed objects' pages (and all gaps) are still poison.
+fn check_pages(destination: &HostBuf, file_bytes: &[u8], pages: u64, failed: &[u32]) {
+    for i in 0..pages {
+        let got = &destination.bytes()[(2 * i * PAGE) as usize..((2 * i + 1) * PAGE) as usize];
+        let gap =
+            &destination.bytes()[((2 * i + 1) * PAGE) as usize..((2 * i + 2) * PAGE) as usize];
+        assert!(gap.iter().all(|&b| b == POISON), "a gap was written");
+        if failed.contains(&(i as u32)) {
+            assert!(got.iter().all(|&b| b == POISON), "failed object {i} was written");
+        } else {
+            let want = &file_bytes[(i * PAGE) as usize..((i + 1) * PAGE) as usize];
+            assert!(got == want, "object {i} differs");
+        }
+    }
+}
+
+fn tags(list: &[u32]) -> Vec<Tag> {
+    list.iter().map(|&t| Tag::new(t)).collect()
+}
+
+fn short_file(dir: &Path, backend: Backend, direct: bool) {
+    let registry = EndpointRegistry::new();
+    let engine = support::engine(&registry, backend);
+    let path = dir.join(format!("short_{backend:?}_{direct}.bin"));
+    // 7.5 pages on disk, 10 pages registered.
+    let file_bytes = support::pattern(11, (7 * PAGE + PAGE / 2) as usize);
+    support::write_file(&path, &file_bytes);
+    let file = engine.open_file(&path, 0, 10 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let destination = HostBuf::new(&registry, (20 * PAGE) as usize, 0, POISON);
+    let outcome = support::transfer(&engine, &page_reads(file, destination.id, 10));
+    assert!(outcome.rejected.is_empty());
+    assert_eq!(outcome.failed_tags(), tags(&[7, 8, 9]), "{outcome:?}");
+    for failure in &outcome.failures {
+        assert_eq!(failure.tags.len(), 1, "one failure per failed segment: {failure:?}");
+        let FailureCause::ShortFile { offset, expected, got } = failure.cause else {
+            panic!("expected a short-file failure, got {failure:?}");
+        };
+        assert_eq!(expected, PAGE);
+        assert_eq!(got, (7 * PAGE + PAGE / 2).saturating_sub(offset));
+    }
+    check_pages(&destination, &file_bytes, 7, &[]);
+    // Object 7 (half of it on disk) and the objects past the end stay poison.
+    assert!(destination.bytes()[(14 * PAGE) as usize..].iter().all(|&b| b == POISON));
+}
+
+#[test]
+fn a_short_file_fails_only_the_objects_past_its_end() {
+    let name = "a_short_file_fails_only_the_objects_past_its_end";
+    let buffered = support::temp_dir();
+    let direct = support::direct_dir(name);
+    for backend in support::backends(name) {
+        short_file(buffered.path(), backend, false);
+        if let Some(dir) = &direct {
+            short_file(dir.path(), backend, true);
+        }
+    }
+}
+
+#[test]
+fn writes_into_a_read_only_file_fail_with_ebadf_and_reads_still_work() {
+    let dir = support::temp_dir();
+    for backend in support::backends("writes_into_a_read_only_file_fail") {
+        let registry = EndpointRegistry::new();
+        let engine = support::engine(&registry, backend);
+        let path = dir.path().join(format!("read_only_{backend:?}.bin"));
+        let file_bytes = support::pattern(3, (4 * PAGE) as usize);
+        support::write_file(&path, &file_bytes);
+
+        // Opened read-only by the engine, and registered from a read-only descriptor.
+        let owned =
+            engine.open_file(&path, 0, 4 * PAGE, FileOptions::new().writable(false)).unwrap();
+        let std_file = std::fs::File::open(&path).unwrap();
+        let borrowed = engine.register_fd(std_file.as_fd(), 0, 4 * PAGE).unwrap();
+        assert_eq!(engine.file_info(borrowed).map(|i| (i.writable, i.owned)), Some((false, false)));
+
+        let source = HostBuf::new(&registry, (4 * PAGE) as usize, 0, 0x11);
+        let writes = vec![
+            vec![Fragment::new(source.id, 0, owned, 0, PAGE, Tag::new(0))],
+            vec![Fragment::new(source.id, PAGE, borrowed, 2 * PAGE, PAGE, Tag::new(1))],
+        ];
+        let outcome = support::transfer(&engine, &writes);
+        assert_eq!(outcome.failed_tags(), tags(&[0, 1]));
+        for failure in &outcome.failures {
+            assert_eq!(failure.cause, FailureCause::Io { errno: libc::EBADF }, "{failure:?}");
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), file_bytes, "the read-only file changed");
+
+        let destination = HostBuf::new(&registry, (8 * PAGE) as usize, 0, POISON);
+        let outcome = support::transfer(&engine, &page_reads(borrowed, destination.id, 4));
+        assert!(outcome.failed_tags().is_empty(), "{outcome:?}");
+        check_pages(&destination, &file_bytes, 4, &[]);
+        drop(std_file);
+    }
+    // Opening a file without write permission for writing is a typed open error (root may
+    // write anyway, so this part needs an unprivileged user).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        let path = dir.path().join("no_write_permission.bin");
+        support::write_file(&path, &[0; 4096]);
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o444))
+            .unwrap();
+        let engine = support::engine(&EndpointRegistry::new(), Backend::Blocking);
+        let error = engine.open_file(&path, 0, 4096, FileOptions::new()).unwrap_err();
+        assert!(matches!(error, umbp_ssd::Error::Open { .. }), "{error:?}");
+    } else {
+        eprintln!("note: running as root, so opening a 0444 file for writing succeeds; skipped");
+    }
+}
+
+fn injected(dir: &Path, backend: Backend, direct: bool) {
+    let registry = EndpointRegistry::new();
+    let engine = support::engine(&registry, backend);
+    let path = dir.join(format!("injected_{backend:?}_{direct}.bin"));
+    let file_bytes = support::pattern(5, (32 * PAGE) as usize);
+    support::write_file(&path, &file_bytes);
+    let file = engine.open_file(&path, 0, 32 * PAGE, FileOptions::new().direct(direct)).unwrap();
+
+    // Every read covering byte 100 of page 17 fails with EIO.
+    engine.inject_fault(Fault::read_covering(file, 17 * PAGE + 100, libc::EIO));
+    // The fifth read the engine starts (object 4: ops start in plan order) fails with ENODATA.
+    engine.inject_fault(Fault::nth_read(5, libc::ENODATA));
+    let destination = HostBuf::new(&registry, (64 * PAGE) as usize, 0, POISON);
+    let outcome = support::transfer(&engine, &page_reads(file, destination.id, 32));
+    assert!(outcome.rejected.is_empty());
+    assert_eq!(outcome.failed_tags(), tags(&[4, 17]), "{outcome:?}");
+    for failure in &outcome.failures {
+        let want = match failure.tags[..] {
+            [t] if t == Tag::new(17) => libc::EIO,
+            _ => libc::ENODATA,
+        };
+        assert_eq!(failure.cause, FailureCause::Io { errno: want });
+        assert_eq!((failure.src, failure.dst), (file, destination.id));
+        assert_eq!(failure.engine, engine.name());
+    }
+    check_pages(&destination, &file_bytes, 32, &[4, 17]);
+
+    // Writes: the write covering page 3 fails, its file bytes stay as they were.
+    engine.clear_faults();
+    engine.inject_fault(Fault::write_covering(file, 3 * PAGE, libc::ENOSPC));
+    let source = HostBuf::new(&registry, (8 * PAGE) as usize, 0, 0x5A);
+    let writes: Vec<Vec<Fragment>> = (0..4)
+        .map(|i| {
+            vec![Fragment::new(source.id, 2 * i * PAGE, file, i * PAGE, PAGE, Tag::new(i as u32))]
+        })
+        .collect();
+    let outcome = support::transfer(&engine, &writes);
+    assert_eq!(outcome.failed_tags(), tags(&[3]));
+    assert_eq!(outcome.failures[0].cause, FailureCause::Io { errno: libc::ENOSPC });
+    let on_disk = std::fs::read(&path).unwrap();
+    assert!(on_disk[..(3 * PAGE) as usize].iter().all(|&b| b == 0x5A));
+    assert!(on_disk[(3 * PAGE) as usize..] == file_bytes[(3 * PAGE) as usize..]);
+}
+
+#[test]
+fn injected_errors_fail_only_their_objects() {
+    let name = "injected_errors_fail_only_their_objects";
+    let buffered = support::temp_dir();
+    let direct = support::direct_dir(name);
+    for backend in support::backends(name) {
+        injected(buffered.path(), backend, false);
+        if let Some(dir) = &direct {
+            injected(dir.path(), backend, true);
+        }
+    }
+}
+
+#[test]
+fn a_deregistered_endpoint_fails_its_plan_and_the_others_complete() {
+    let dir = support::temp_dir();
+    for backend in support::backends("a_deregistered_endpoint_fails_its_plan") {
+        let registry = EndpointRegistry::new();
+        let engine: SsdEngine = support::engine(&registry, backend);
+        let file_bytes = support::pattern(9, (4 * PAGE) as usize);
+        let mut files = Vec::new();
+        for k in 0..3 {
+            let path = dir.path().join(format!("gone_{backend:?}_{k}.bin"));
+            support::write_file(&path, &file_bytes);
+            files.push(engine.open_file(&path, 0, 4 * PAGE, FileOptions::new()).unwrap());
+        }
+        let destination = HostBuf::new(&registry, (6 * PAGE) as usize, 0, POISON);
+        let spare = HostBuf::new(&registry, PAGE as usize, 0, POISON);
+        // Objects 0 and 1 read from files 0 and 1; object 2 reads file 2 into `spare`.
+        let mut builder = engine.builder();
+        for (k, &file) in files.iter().enumerate() {
+            let tag = Tag::new(k as u32);
+            let dst = if k == 2 { spare.id } else { destination.id };
+            builder.begin_object(tag).unwrap();
+            builder
+                .push(Fragment::new(
+                    file,
+                    PAGE,
+                    dst,
+                    if k == 2 { 0 } else { 3 * k as u64 * PAGE },
+                    PAGE,
+                    tag,
+                ))
+                .unwrap();
+            builder.commit_object().unwrap();
+        }
+        let plans = builder.finish().unwrap();
+        drop(builder);
+        assert_eq!(plans.plans().len(), 3);
+        engine.deregister(files[1]).unwrap();
+        registry.deregister(spare.id).unwrap();
+        let failures = engine.submit(plans).into_settled().failures;
+        assert_eq!(failures.len(), 2, "{failures:?}");
+        assert_eq!(failures[0].tags, tags(&[1]));
+        assert_eq!(failures[0].cause, FailureCause::EndpointGone(files[1]));
+        assert_eq!(failures[1].tags, tags(&[2]));
+        assert_eq!(failures[1].cause, FailureCause::EndpointGone(spare.id));
+        assert!(
+            destination.bytes()[..PAGE as usize] == file_bytes[PAGE as usize..(2 * PAGE) as usize]
+        );
+        assert!(destination.bytes()[PAGE as usize..].iter().all(|&b| b == POISON));
+        assert!(spare.bytes().iter().all(|&b| b == POISON));
+        // The engine no longer knows the deregistered file; a new batch fails at planning.
+        assert!(engine.file_info(files[1]).is_none());
+        let outcome = support::transfer(
+            &engine,
+            &[vec![Fragment::new(files[1], 0, destination.id, 0, PAGE, Tag::new(0))]],
+        );
+        assert_eq!(outcome.rejected, tags(&[0]));
+    }
+}
+
+#[test]
+fn pairs_other_than_file_and_host_are_rejected() {
+    let registry = EndpointRegistry::new();
+    let engine = support::engine(&registry, Backend::Blocking);
+    let a = HostBuf::new(&registry, 4096, 0, 1);
+    let b = HostBuf::new(&registry, 4096, 0, POISON);
+    let outcome =
+        support::transfer(&engine, &[vec![Fragment::new(a.id, 0, b.id, 0, 4096, Tag::new(0))]]);
+    assert_eq!(outcome.rejected, tags(&[0]));
+    assert!(outcome.failures.is_empty());
+    assert!(b.bytes().iter().all(|&x| x == POISON));
+}
