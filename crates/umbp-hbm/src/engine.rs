@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::{
-    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Failure, FailureCause,
-    Fragment, IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Tag, TransferEngine,
-    TransferHandle,
+    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EngineError, Failure,
+    FailureCause, Fragment, IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Tag,
+    TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -23,6 +23,9 @@ pub struct HbmConfig {
     /// Bytes one launch copies at most, so that a huge restore cannot occupy the whole GPU at
     /// once; longer buckets are split into several launches. Default 64 MiB.
     pub launch_max_bytes: u64,
+    /// Pin every host endpoint registered through a composite for this device, so gathers can
+    /// read and write it. Default `None` (host memory is pinned only by [`HbmEngine::pin`]).
+    pub pin_registered_host: Option<DeviceOrdinal>,
 }
 
 impl Default for HbmConfig {
@@ -31,6 +34,7 @@ impl Default for HbmConfig {
             kernel_min_fragments: 2,
             kernel_max_mean_bytes: 128 << 10,
             launch_max_bytes: 64 << 20,
+            pin_registered_host: None,
         }
     }
 }
@@ -406,6 +410,21 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
 
     fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
         Box::new(self.incremental_builder())
+    }
+
+    /// Pins host endpoints for [`HbmConfig::pin_registered_host`], if set.
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        match self.config.pin_registered_host {
+            Some(device) if endpoint.is_host() => Ok(self.pin(id, device)?),
+            _ => Ok(()),
+        }
+    }
+
+    /// Unpins the endpoint if this engine pinned it.
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        if lock(&self.pinned).contains_key(&id) {
+            let _ = self.unpin(id);
+        }
     }
 
     /// Moves every segment of `plans`, per device: one gather launch per chunk of a bucket of

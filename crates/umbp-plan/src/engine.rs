@@ -27,11 +27,29 @@ pub trait TransferEngine: Send + Sync {
         Box::new(BufferedPlanBuilder::new(self))
     }
 
+    /// Tells the engine that `id` was registered for every engine of a composite: an engine
+    /// that prepares its endpoints (pins host memory for its device, opens or inspects a file)
+    /// does it here. Called once per registration. Default: nothing to do.
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        let _ = (id, endpoint);
+        Ok(())
+    }
+
+    /// Tells the engine that `id` is about to be deregistered: it undoes what
+    /// [`endpoint_registered`](Self::endpoint_registered) did. Default: nothing to do.
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        let _ = id;
+    }
+
     /// Starts executing `plans`. Every plan either completes or yields a [`Failure`] naming its
     /// tags; the plan set's rejected tags are the caller's to report. The returned handle
     /// follows the rules of [`TransferHandle`]: waiting is idempotent and dropping waits.
     fn submit(&self, plans: PlanSet) -> TransferHandle;
 }
+
+/// An engine's own error, boxed so that layers above engines (a composite) can carry it
+/// without knowing the engine's type; downcast it to the engine's error type for details.
+pub type EngineError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why a plan (or part of one) failed while executing.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

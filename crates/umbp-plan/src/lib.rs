@@ -99,7 +99,9 @@ pub use endpoint::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointRegistry, EndpointTable, FileRange,
     Tag,
 };
-pub use engine::{Completion, Failure, FailureCause, Settled, TransferEngine, TransferHandle};
+pub use engine::{
+    Completion, EngineError, Failure, FailureCause, Settled, TransferEngine, TransferHandle,
+};
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;
 pub use incremental::{IncrementalBuilder, Run};

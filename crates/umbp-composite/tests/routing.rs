@@ -1,0 +1,230 @@
+//! Routing, registration fan-out, one object scope across engines, and failure attribution.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use support::*;
+use umbp_composite::{route, CompositeEngine, Route};
+use umbp_example_engine::DownstreamEngine;
+use umbp_plan::{
+    DeviceOrdinal, Endpoint, EndpointRegistry, Error, Fragment, RejectReason, Tag, TransferEngine,
+};
+
+#[test]
+fn registration_reaches_every_engine_once() {
+    let registry = EndpointRegistry::new();
+    let a = Arc::new(CountingEngine::new(registry.clone(), false));
+    let b = Arc::new(CountingEngine::new(registry.clone(), false));
+    let composite = CompositeEngine::new(registry.clone(), vec![a.clone(), b.clone()]);
+    let mut buf = vec![0u8; 64];
+    // SAFETY: `buf` outlives the composite's use of it (no transfer is made).
+    unsafe { composite.register(Endpoint::host(buf.as_mut_ptr() as u64, 64)).unwrap() };
+    composite.register_file(3, 0, 4096, false).unwrap();
+    assert_eq!(a.registered.load(Ordering::Relaxed), 2);
+    assert_eq!(b.registered.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn routing_picks_the_first_engine_that_claims_a_pair() {
+    let rig = Rig::new();
+    let engines = rig.composite.engines();
+    let host = Endpoint::host(0x1000, 10);
+    let dev = Endpoint::device(GPU, 0x2000, 10);
+    let file = Endpoint::file(3, 0, 10, false);
+    let table = [
+        (host, host, Route::Direct(0)),
+        (host, dev, Route::Direct(1)),
+        (dev, host, Route::Direct(1)),
+        (dev, dev, Route::Direct(1)),
+        (file, host, Route::Unrouted),
+        (host, file, Route::Unrouted),
+        (file, dev, Route::Unrouted),
+    ];
+    for (s, d, expected) in table {
+        assert_eq!(route(engines, None, &s, &d), expected, "{:?} -> {:?}", s.kind(), d.kind());
+    }
+    // With a bounce region, device -> file has no direct engine here and no file engine
+    // either: still unrouted.
+    assert_eq!(route(engines, Some(&host), &dev, &file), Route::Unrouted);
+}
+
+#[test]
+fn each_engine_gets_one_builder_and_one_submit_per_batch() {
+    let registry = EndpointRegistry::new();
+    let counting = Arc::new(CountingEngine::new(registry.clone(), false));
+    let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let composite = CompositeEngine::new(registry.clone(), vec![host, counting.clone()]);
+    let mut src = pattern(8192, 1);
+    let mut dst = vec![POISON; 8192];
+    // SAFETY: buffers outlive the transfers below.
+    let (s, d) = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 8192)).unwrap(),
+            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 8192)).unwrap(),
+        )
+    };
+    // SAFETY: an invented device address: the counting engine never touches memory.
+    let dev = unsafe {
+        composite.register(Endpoint::device(DeviceOrdinal::new(0), 0x7000_0000, 8192)).unwrap()
+    };
+    let mut b = composite.builder();
+    for t in 0..8u32 {
+        let off = u64::from(t) * 1024;
+        b.begin_object(Tag::new(t)).unwrap();
+        b.push(Fragment::new(s, off, d, off, 1024, Tag::new(t))).unwrap();
+        b.push(Fragment::new(s, off, dev, off, 1024, Tag::new(t))).unwrap();
+        b.commit_object().unwrap();
+    }
+    let plans = b.finish().unwrap();
+    assert_eq!(plans.parts.len(), 2, "one part per engine that got fragments");
+    assert_eq!(counting.builders.load(Ordering::Relaxed), 1);
+    let outcome = composite.submit(plans);
+    assert!(outcome.failures.is_empty());
+    assert_eq!(counting.submits.load(Ordering::Relaxed), 1);
+    assert_eq!(dst, src);
+}
+
+#[test]
+fn a_pair_no_engine_claims_rejects_its_object_everywhere() {
+    let rig = Rig::new();
+    let mut a = pattern(4096, 1);
+    let mut out = vec![POISON; 4096];
+    let (src, dst) = (rig.host(&mut a), rig.host(&mut out));
+    let file = rig.composite.register_file(5, 0, 4096, false).unwrap();
+    let mut b = rig.composite.builder();
+    b.begin_object(Tag::new(0)).unwrap();
+    b.push(Fragment::new(src, 0, dst, 0, 1024, Tag::new(0))).unwrap();
+    let err = b.push(Fragment::new(file, 0, dst, 1024, 1024, Tag::new(0))).unwrap_err();
+    assert_eq!(
+        err,
+        Error::Rejected {
+            tag: Tag::new(0),
+            reason: RejectReason::PairNotHandled { src: file, dst }
+        }
+    );
+    b.commit_object().unwrap();
+    b.begin_object(Tag::new(1)).unwrap();
+    b.push(Fragment::new(src, 2048, dst, 2048, 1024, Tag::new(1))).unwrap();
+    b.commit_object().unwrap();
+    let plans = b.finish().unwrap();
+    assert_eq!(plans.rejected, vec![Tag::new(0)]);
+    let tags: Vec<Tag> =
+        plans.parts.iter().flat_map(|p| p.plans.plans()).flat_map(|p| p.tags()).copied().collect();
+    assert_eq!(tags, vec![Tag::new(1)], "nothing of object 0 reached any engine");
+    let outcome = rig.composite.submit(plans);
+    assert!(outcome.failures.is_empty());
+    assert!(out[..2048].iter().all(|&x| x == POISON));
+    assert_eq!(&out[2048..3072], &a[2048..3072]);
+    let snapshot = rig.composite.metrics_snapshot();
+    let unrouted = snapshot.get(&("unrouted".to_string(), "file->host".to_string()));
+    assert_eq!(unrouted.map(|c| c.rejected_fragments), Some(1));
+}
+
+#[test]
+fn an_object_spanning_two_engines_whose_last_range_is_invalid_leaves_nothing_in_either() {
+    let rig = Rig::new();
+    let mut arena = pattern(64 << 10, 3);
+    let mut host_out = vec![POISON; 64 << 10];
+    let src = rig.host(&mut arena);
+    let dst = rig.host(&mut host_out);
+    let dev = rig.device(64 << 10);
+    let mut b = rig.composite.builder();
+    for t in 0..3u32 {
+        let off = u64::from(t) * 8192;
+        b.begin_object(Tag::new(t)).unwrap();
+        b.push(Fragment::new(src, off, dst, off, 4096, Tag::new(t))).unwrap(); // host copy engine
+        b.push(Fragment::new(src, off + 4096, dev.id, off, 4096, Tag::new(t))).unwrap(); // device engine
+                                                                                         // Object 1's third range runs past the device buffer.
+        let third = if t == 1 { (64 << 10) - 100 } else { off + 4096 };
+        let pushed = b.push(Fragment::new(src, off, dev.id, third, 4096, Tag::new(t)));
+        assert_eq!(pushed.is_err(), t == 1);
+        b.commit_object().unwrap();
+    }
+    let plans = b.finish().unwrap();
+    assert_eq!(plans.rejected, vec![Tag::new(1)]);
+    for part in &plans.parts {
+        for plan in part.plans.plans() {
+            assert!(!plan.tags().contains(&Tag::new(1)), "engine {} kept object 1", part.engine);
+        }
+    }
+    let outcome = rig.composite.submit(plans);
+    assert!(outcome.failures.is_empty());
+    let device = rig.read_device(dev);
+    for t in 0..3usize {
+        let off = t * 8192;
+        let ok = t != 1;
+        assert_eq!(host_out[off..off + 4096] == arena[off..off + 4096], ok, "host range of {t}");
+        assert_eq!(
+            device[off..off + 4096] == arena[off + 4096..off + 8192],
+            ok,
+            "device range of {t}"
+        );
+        if !ok {
+            assert!(host_out[off..off + 4096].iter().all(|&x| x == POISON));
+            assert!(device[off..off + 8192].iter().all(|&x| x == POISON));
+        }
+    }
+}
+
+#[test]
+fn an_engine_that_accepts_nothing_fails_exactly_its_tags() {
+    let registry = EndpointRegistry::new();
+    let refusing = Arc::new(CountingEngine::new(registry.clone(), true));
+    let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let composite = CompositeEngine::new(registry.clone(), vec![host, refusing]);
+    let mut src = pattern(4096, 2);
+    let mut dst = vec![POISON; 4096];
+    // SAFETY: buffers outlive the transfers; the device address is never touched.
+    let (s, d, dev) = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 4096)).unwrap(),
+            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 4096)).unwrap(),
+            composite.register(Endpoint::device(DeviceOrdinal::new(0), 0x9000_0000, 4096)).unwrap(),
+        )
+    };
+    let mut b = composite.builder();
+    for t in 0..4u32 {
+        let off = u64::from(t) * 1024;
+        b.begin_object(Tag::new(t)).unwrap();
+        let to = if t % 2 == 0 { d } else { dev };
+        b.push(Fragment::new(s, off, to, off, 1024, Tag::new(t))).unwrap();
+        b.commit_object().unwrap();
+    }
+    let outcome = composite.submit(b.finish().unwrap());
+    let mut failed = outcome.failed_tags();
+    failed.sort();
+    assert_eq!(failed, vec![Tag::new(1), Tag::new(3)]);
+    assert_eq!(&dst[..1024], &src[..1024]);
+    assert_eq!(&dst[2048..3072], &src[2048..3072]);
+}
+
+#[test]
+fn an_engine_from_another_crate_is_routed_to() {
+    let registry = EndpointRegistry::new();
+    let downstream = Arc::new(DownstreamEngine::new(registry.clone()));
+    let composite =
+        CompositeEngine::new(registry.clone(), vec![downstream.clone() as Arc<dyn TransferEngine>]);
+    let mut src = pattern(16 << 10, 4);
+    let mut dst = vec![POISON; 16 << 10];
+    // SAFETY: buffers outlive the transfer.
+    let (s, d) = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 16 << 10)).unwrap(),
+            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 16 << 10)).unwrap(),
+        )
+    };
+    let mut b = composite.builder();
+    b.begin_object(Tag::new(0)).unwrap();
+    for i in 0..4u64 {
+        b.push(Fragment::new(s, (3 - i) * 4096, d, i * 4096, 4096, Tag::new(0))).unwrap();
+    }
+    b.commit_object().unwrap();
+    let outcome = composite.submit(b.finish().unwrap());
+    assert!(outcome.failures.is_empty());
+    assert_eq!(downstream.segments(), 4);
+    for i in 0..4usize {
+        assert_eq!(&dst[i * 4096..][..4096], &src[(3 - i) * 4096..][..4096]);
+    }
+}
