@@ -143,7 +143,8 @@ impl LocalCopyEngine {
         }
     }
 
-    /// Steps 1 to 4 of the module doc: copies every plan it can and returns the failures.
+    /// Steps 1 to 4 of a submit (see the type's doc): copies every plan it can and returns the
+    /// failures.
     fn execute(&self, plans: &PlanSet, scratch: &mut Scratch) -> Vec<Failure> {
         let table = self.registry.snapshot();
         let mut failures = Vec::new();
