@@ -255,7 +255,7 @@ impl<'a> CompositeBuilder<'a> {
         tag: Tag,
     ) -> Result<&mut Box<dyn PlanBuilder + Send + 'a>, Error> {
         let composite = self.composite;
-        let sub = self.subs[i].get_or_insert_with(|| composite.engines()[i].builder());
+        let sub = self.subs[i].get_or_insert_with(|| composite.engine_builder(i));
         if !self.open_in[i] {
             sub.begin_object(tag)?;
             self.open_in[i] = true;

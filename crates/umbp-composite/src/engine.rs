@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use umbp_plan::{
-    Endpoint, EndpointId, EndpointRegistry, Failure, FailureCause, Fragment, PlanSet, Tag,
-    TransferEngine,
+    BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Failure, FailureCause, Fragment,
+    PlanBuilder, PlanSet, Tag, TransferEngine,
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
@@ -39,6 +39,7 @@ pub struct CompositeEngine {
     engines: Vec<Arc<dyn TransferEngine>>,
     registry: Arc<EndpointRegistry>,
     staging: Option<Staging>,
+    buffered: bool,
     metrics: Metrics,
 }
 
@@ -64,7 +65,24 @@ impl CompositeEngine {
     /// A composite over `engines`, in preference order, naming endpoints in `registry`. The
     /// engines must name endpoints in the same registry.
     pub fn new(registry: Arc<EndpointRegistry>, engines: Vec<Arc<dyn TransferEngine>>) -> Self {
-        Self { engines, registry, staging: None, metrics: Metrics::default() }
+        Self { engines, registry, staging: None, buffered: false, metrics: Metrics::default() }
+    }
+
+    /// Gives every engine the buffered builder (collect, then plan at finish) instead of its
+    /// own: the baseline the incremental path is measured against.
+    pub fn with_buffered_builders(mut self) -> Self {
+        self.buffered = true;
+        self
+    }
+
+    /// Engine `i`'s builder: its own, or the buffered baseline.
+    pub(crate) fn engine_builder(&self, i: usize) -> Box<dyn PlanBuilder + Send + '_> {
+        let engine: &dyn TransferEngine = &*self.engines[i];
+        if self.buffered {
+            Box::new(BufferedPlanBuilder::new(engine))
+        } else {
+            engine.builder()
+        }
     }
 
     /// Enables the staged route through `staging.bounce`, which must be a registered host
@@ -307,8 +325,9 @@ impl CompositeEngine {
         skip: &HashSet<Tag>,
     ) -> Vec<Failure> {
         let Some(s) = stage.first() else { return Vec::new() };
-        let engine = &self.engines[if first { s.0.read } else { s.0.write }];
-        let mut builder = engine.builder();
+        let index = if first { s.0.read } else { s.0.write };
+        let engine = &self.engines[index];
+        let mut builder = self.engine_builder(index);
         let mut rejected = Vec::new();
         for (sf, at) in stage.iter().filter(|(sf, _)| !skip.contains(&sf.fragment.tag)) {
             let f = sf.fragment;

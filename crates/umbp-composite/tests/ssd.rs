@@ -1,0 +1,283 @@
+//! Batches that span DRAM and SSD: the SSD engine for file <-> host, the staged route for
+//! file -> device, and failures attributed to the right objects.
+
+mod support;
+
+use std::io::Write;
+use std::sync::Arc;
+
+use support::*;
+use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
+use umbp_hbm::{Fault as DeviceFault, HbmConfig, HbmEngine, SimDevice};
+use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::{
+    BatchState, Endpoint, EndpointId, EndpointRegistry, ObjectState, Tag, TransferEngine,
+};
+use umbp_ssd::{Fault, FileOptions, SsdConfig, SsdEngine};
+
+const PAGE: u64 = 16 << 10;
+
+struct Tiered {
+    composite: CompositeEngine,
+    hbm: Arc<HbmEngine<SimDevice>>,
+    ssd: Arc<SsdEngine>,
+    _dir: tempfile::TempDir,
+    dram: Vec<u8>,
+    dram_id: EndpointId,
+    file: Vec<u8>,
+    file_id: EndpointId,
+    _bounce: Vec<u8>,
+}
+
+/// DRAM arena and SSD file of `pages` pages each (distinct patterns), engines
+/// [host copies, device, SSD], and a 256 KiB bounce region (pinned for the GPU when `pin`).
+fn tiered(pages: usize, pin: bool) -> Tiered {
+    let registry = EndpointRegistry::new();
+    let host = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let config = HbmConfig { pin_registered_host: pin.then_some(GPU), ..HbmConfig::default() };
+    let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let len = pages * PAGE as usize;
+    let file = pattern(len, 77);
+    let path = dir.path().join("tier.bin");
+    std::fs::File::create(&path).unwrap().write_all(&file).unwrap();
+    let file_id = ssd.open_file(&path, 0, len as u64, FileOptions::new()).unwrap();
+    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd.clone()];
+    let mut composite = CompositeEngine::new(registry, engines);
+    let mut dram = pattern(len, 11);
+    let mut bounce = vec![0u8; 256 << 10];
+    // SAFETY: the buffers live in the returned struct, alive for every transfer of the test.
+    let (dram_id, bounce_id) = unsafe {
+        (
+            composite.register(Endpoint::host(dram.as_mut_ptr() as u64, len as u64)).unwrap(),
+            composite
+                .register(Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64))
+                .unwrap(),
+        )
+    };
+    composite =
+        composite.with_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
+    Tiered { composite, hbm, ssd, _dir: dir, dram, dram_id, file, file_id, _bounce: bounce }
+}
+
+/// Object `o` of a tier: pages `perm(o, k)` scattered over the tier.
+fn page_table(o: usize, pages_per_object: usize, tier_pages: usize) -> Vec<u64> {
+    (0..pages_per_object)
+        .map(|k| (((o * pages_per_object + k) * 7 + 3) % tier_pages) as u64 * PAGE)
+        .collect()
+}
+
+fn object_bytes(tier: &[u8], table: &[u64], offset: u64, len: u64) -> Vec<u8> {
+    (offset..offset + len).map(|b| tier[(table[(b / PAGE) as usize] + b % PAGE) as usize]).collect()
+}
+
+#[test]
+fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
+    let (objects, per) = (64usize, 4usize);
+    let tier_pages = objects / 2 * per;
+    let mut t = tiered(tier_pages, true);
+    let size = per as u64 * PAGE;
+    let dev = t.hbm.alloc_device(GPU, objects as u64 * size).unwrap();
+    t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    let mut out = vec![POISON; objects * size as usize];
+    // SAFETY: `out` outlives the restore.
+    let out_id = unsafe {
+        t.composite.register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
+    };
+    let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o / 2, per, tier_pages)).collect();
+    // Object o: from DRAM (even) or SSD (odd); to the device (o % 4 < 2) or host memory; one
+    // range leaving the first 1,000 bytes of the object out.
+    let ranges: Vec<[ObjectRange; 1]> = (0..objects)
+        .map(|o| {
+            let dst = if o % 4 < 2 { dev.id } else { out_id };
+            [ObjectRange {
+                offset: 1000,
+                len: size - 1000,
+                endpoint: dst,
+                endpoint_offset: o as u64 * size + 1000,
+            }]
+        })
+        .collect();
+    let batch: Vec<ObjectTransfer> = (0..objects)
+        .map(|o| ObjectTransfer {
+            tag: Tag::new(o as u32),
+            object: PagedObject {
+                tier: if o % 2 == 0 { t.dram_id } else { t.file_id },
+                pages: &tables[o],
+                page_size: PAGE,
+                size,
+            },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
+    assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report.failures);
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    for (o, table) in tables.iter().enumerate() {
+        let target: &[u8] = if o % 4 < 2 { &device } else { &out };
+        let tier: &[u8] = if o % 2 == 0 { &t.dram } else { &t.file };
+        let base = o * size as usize;
+        assert_eq!(
+            &target[base + 1000..base + size as usize],
+            object_bytes(tier, table, 1000, size - 1000),
+            "object {o}"
+        );
+        assert!(
+            target[base..base + 1000].iter().all(|&x| x == POISON),
+            "object {o}: bytes outside its range"
+        );
+    }
+    let metrics = t.composite.metrics_snapshot();
+    for key in [("localcopy", "host->host"), ("hbm", "host->device"), ("ssd", "file->host")] {
+        let found =
+            metrics.iter().any(|((e, d), c)| e.contains(key.0) && d == key.1 && c.bytes > 0);
+        assert!(found, "metrics for {key:?}: {metrics:?}");
+    }
+    t.dram.clear();
+}
+
+#[test]
+fn an_injected_ssd_read_error_fails_only_its_object() {
+    let per = 4usize;
+    let t = tiered(16, false);
+    let size = per as u64 * PAGE;
+    let mut out = vec![POISON; 4 * size as usize];
+    // SAFETY: `out` outlives the restore.
+    let out_id = unsafe {
+        t.composite.register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
+    };
+    let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, per, 16)).collect();
+    // Fail the read of object 2's third page.
+    t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[2][2], EIO));
+    let ranges: Vec<[ObjectRange; 1]> = (0..4)
+        .map(|o| {
+            [ObjectRange {
+                offset: 0,
+                len: size,
+                endpoint: out_id,
+                endpoint_offset: o as u64 * size,
+            }]
+        })
+        .collect();
+    let batch: Vec<ObjectTransfer> = (0..4)
+        .map(|o| ObjectTransfer {
+            tag: Tag::new(o as u32),
+            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
+    let states: Vec<ObjectState> = report.objects.iter().map(|r| r.state).collect();
+    assert_eq!(
+        states,
+        [
+            ObjectState::Completed,
+            ObjectState::Completed,
+            ObjectState::Failed,
+            ObjectState::Completed
+        ]
+    );
+    for o in [0usize, 1, 3] {
+        let base = o * size as usize;
+        assert_eq!(&out[base..base + size as usize], object_bytes(&t.file, &tables[o], 0, size));
+    }
+    // The failed page's destination was never written.
+    let failed_page = 2 * size as usize + 2 * PAGE as usize;
+    assert!(out[failed_page..failed_page + PAGE as usize].iter().all(|&x| x == POISON));
+}
+
+/// `EIO`.
+const EIO: i32 = 5;
+
+/// Restores objects 0..4 from the SSD file straight into device memory (the staged route).
+fn staged_restore(
+    t: &Tiered,
+    dev: umbp_hbm::DeviceRegion,
+    tables: &[Vec<u64>],
+) -> Vec<ObjectState> {
+    let size = 4 * PAGE;
+    let ranges: Vec<[ObjectRange; 1]> = (0..4)
+        .map(|o| {
+            [ObjectRange {
+                offset: 0,
+                len: size,
+                endpoint: dev.id,
+                endpoint_offset: o as u64 * size,
+            }]
+        })
+        .collect();
+    let batch: Vec<ObjectTransfer> = (0..4)
+        .map(|o| ObjectTransfer {
+            tag: Tag::new(o as u32),
+            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
+    report.objects.iter().map(|r| r.state).collect()
+}
+
+#[test]
+fn ssd_to_device_goes_through_the_bounce_region_in_stages() {
+    let t = tiered(16, true);
+    let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
+    let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
+    let states = staged_restore(&t, dev, &tables);
+    assert!(states.iter().all(|&s| s == ObjectState::Completed), "{states:?}");
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    for (o, table) in tables.iter().enumerate() {
+        let base = o * 4 * PAGE as usize;
+        assert_eq!(
+            &device[base..base + 4 * PAGE as usize],
+            object_bytes(&t.file, table, 0, 4 * PAGE)
+        );
+    }
+    // 256 KiB in stages of at most 64 KiB: several first and second hops.
+    let m = t.composite.metrics_snapshot();
+    let hop1 =
+        m.iter().find(|((e, d), _)| e.contains("ssd") && d == "file->host").map(|(_, c)| c.bytes);
+    let hop2 = m.iter().find(|((e, d), _)| e == "hbm" && d == "host->device").map(|(_, c)| c.bytes);
+    assert_eq!((hop1, hop2), (Some(16 * PAGE), Some(16 * PAGE)));
+}
+
+#[test]
+fn a_failure_in_either_hop_fails_only_its_object() {
+    // First hop: an SSD read of object 1 fails; its bytes never reach the device.
+    let t = tiered(16, false);
+    let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
+    t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
+    t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[1][0], EIO));
+    let states = staged_restore(&t, dev, &tables);
+    assert_eq!(
+        states,
+        [
+            ObjectState::Completed,
+            ObjectState::Failed,
+            ObjectState::Completed,
+            ObjectState::Completed
+        ]
+    );
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    assert!(device[4 * PAGE as usize..8 * PAGE as usize].iter().all(|&x| x == POISON));
+    t.ssd.clear_faults();
+
+    // Second hop: the first device copy fails (the bounce is not pinned, so the hop copies);
+    // exactly the objects of that copy fail, the others arrive.
+    t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    t.hbm.runtime().inject(DeviceFault::Copy);
+    let states = staged_restore(&t, dev, &tables);
+    let failed: Vec<usize> = (0..4).filter(|&o| states[o] == ObjectState::Failed).collect();
+    assert_eq!(failed.len(), 1, "{states:?}");
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    for (o, table) in tables.iter().enumerate() {
+        let base = o * 4 * PAGE as usize;
+        if states[o] == ObjectState::Completed {
+            assert_eq!(
+                &device[base..base + 4 * PAGE as usize],
+                object_bytes(&t.file, table, 0, 4 * PAGE)
+            );
+        }
+    }
+}
