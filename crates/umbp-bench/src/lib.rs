@@ -4,6 +4,7 @@
 //! command prints as a table or as JSON lines. Targets are checked as ratios inside one run.
 
 pub mod alloc_count;
+pub mod copy_bench;
 pub mod hbm_bench;
 pub mod plan_bench;
 pub mod shape;

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
+use umbp_bench::copy_bench::{self, CopyBenchConfig};
 use umbp_bench::hbm_bench::{self, HbmBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig, PlanRow};
 use umbp_bench::size::ByteSize;
@@ -27,8 +28,27 @@ struct Cli {
 enum Command {
     /// Plan building for the Kimi-K3 restore shape: buffered vs incremental vs a floor.
     Plan(PlanArgs),
+    /// The host copy engine against one memcpy of the same bytes, and batch against single
+    /// submits.
+    Copy(CopyArgs),
     /// The device engine: one gather launch against one copy per fragment.
     Hbm(HbmArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct CopyArgs {
+    /// Fragment sizes to measure (units allowed).
+    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "64KiB", "1MiB"])]
+    fragment_sizes: Vec<ByteSize>,
+    /// Bytes per batch.
+    #[arg(long, default_value = "256MiB")]
+    batch: ByteSize,
+    /// Thread counts to measure (the engine's and the memcpy ceiling's).
+    #[arg(long, value_delimiter = ',', default_values = ["1", "2"], value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: Vec<u32>,
+    /// Timed iterations per measurement; the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    iterations: u32,
 }
 
 #[derive(clap::Args, Debug)]
@@ -97,6 +117,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Plan(args)) => plan(&args, cli.json),
+        Some(Command::Copy(args)) => copy(&args, cli.json),
         Some(Command::Hbm(args)) => hbm(&args, cli.json),
         None => plan(&PlanArgs::default(), cli.json),
     };
@@ -131,6 +152,58 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
     } else {
         print_plan_table(&rows);
     }
+    Ok(())
+}
+
+fn copy(args: &CopyArgs, json: bool) -> anyhow::Result<()> {
+    if args.fragment_sizes.iter().any(|s| s.0 == 0) || args.batch.0 == 0 {
+        eprintln!("umbp-bench: sizes must be positive");
+        std::process::exit(2);
+    }
+    let config = CopyBenchConfig {
+        fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
+        batch_bytes: args.batch.0,
+        threads: args.threads.iter().map(|&t| t as usize).collect(),
+        iterations: args.iterations as usize,
+        ..CopyBenchConfig::default()
+    };
+    let rows = copy_bench::run(&config);
+    let submit = copy_bench::run_submit_overhead(&config);
+    if json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        println!("{}", serde_json::to_string(&submit)?);
+        return Ok(());
+    }
+    println!("host copy engine: scattered fragments against one memcpy of the same bytes\n");
+    println!(
+        "{:>9} {:>7} {:>10} {:>11} {:>7} {:>8}",
+        "fragment", "threads", "engine GiB/s", "memcpy GiB/s", "ratio", "verified"
+    );
+    for r in &rows {
+        println!(
+            "{:>9} {:>7} {:>12.2} {:>12.2} {:>7.2} {:>8}",
+            ByteSize(r.fragment_size).to_string(),
+            r.threads,
+            r.engine_gib_s,
+            r.ceiling_gib_s,
+            r.ratio,
+            if r.verified { "yes" } else { "NO" }
+        );
+    }
+    println!(
+        "\n{} fragments of {}: one batch submit {:.1} ns of overhead per fragment, single \
+         submits {:.1} ns: {:.1}x (submit and wait alone: {:.1} vs {:.1} ns, {:.1}x)",
+        submit.fragments,
+        ByteSize(submit.fragment_size),
+        submit.batch_overhead_ns,
+        submit.single_overhead_ns,
+        submit.ratio,
+        submit.batch_submit_overhead_ns,
+        submit.single_submit_overhead_ns,
+        submit.submit_ratio
+    );
     Ok(())
 }
 
