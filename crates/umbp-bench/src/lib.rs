@@ -7,5 +7,6 @@ pub mod alloc_count;
 pub mod copy_bench;
 pub mod hbm_bench;
 pub mod plan_bench;
+pub mod restore_bench;
 pub mod shape;
 pub mod size;

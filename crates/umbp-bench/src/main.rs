@@ -7,6 +7,7 @@ use umbp_bench::alloc_count::CountingAllocator;
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
 use umbp_bench::hbm_bench::{self, HbmBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig, PlanRow};
+use umbp_bench::restore_bench::{self, RestoreBenchConfig};
 use umbp_bench::size::ByteSize;
 
 #[global_allocator]
@@ -33,6 +34,28 @@ enum Command {
     Copy(CopyArgs),
     /// The device engine: one gather launch against one copy per fragment.
     Hbm(HbmArgs),
+    /// The Kimi-K3 restore shape, scaled down, from DRAM, SSD and both into the simulated
+    /// device through the composite engine.
+    Restore(RestoreArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RestoreArgs {
+    /// Objects of 24 MiB to restore (43 is about 1 GiB; the whole 999,936-token prefix is 651).
+    #[arg(long, default_value_t = 43, value_parser = clap::value_parser!(u32).range(1..=651))]
+    scale: u32,
+    /// Fraction of objects the mixed run reads from SSD (0 to 1).
+    #[arg(long, default_value_t = 0.5, value_parser = unit_fraction)]
+    ssd_fraction: f64,
+    /// Page size of both tiers (units allowed).
+    #[arg(long, default_value = "64KiB")]
+    page_size: ByteSize,
+    /// Timed iterations per run; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    iterations: u32,
+    /// Directory for the SSD tier's file (it is created and removed there).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: std::path::PathBuf,
 }
 
 #[derive(clap::Args, Debug)]
@@ -119,6 +142,7 @@ fn main() -> ExitCode {
         Some(Command::Plan(args)) => plan(&args, cli.json),
         Some(Command::Copy(args)) => copy(&args, cli.json),
         Some(Command::Hbm(args)) => hbm(&args, cli.json),
+        Some(Command::Restore(args)) => restore(&args, cli.json),
         None => plan(&PlanArgs::default(), cli.json),
     };
     match result {
@@ -204,6 +228,51 @@ fn copy(args: &CopyArgs, json: bool) -> anyhow::Result<()> {
         submit.single_submit_overhead_ns,
         submit.submit_ratio
     );
+    Ok(())
+}
+
+fn restore(args: &RestoreArgs, json: bool) -> anyhow::Result<()> {
+    let page = args.page_size.0;
+    if page == 0 || !page.is_power_of_two() || (1 << 20) % page != 0 {
+        eprintln!("umbp-bench: --page-size must be a power of two that divides 1 MiB");
+        std::process::exit(2);
+    }
+    let config = RestoreBenchConfig {
+        objects: args.scale as usize,
+        page_size: page,
+        ssd_fraction: args.ssd_fraction,
+        iterations: args.iterations as usize,
+        dir: args.dir.clone(),
+        ..RestoreBenchConfig::default()
+    };
+    let rows = restore_bench::run(&config)?;
+    if json {
+        for row in &rows {
+            println!("{}", serde_json::to_string(row)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "restore of the Kimi-K3 shape into the simulated device, {} objects of 24 MiB\n",
+        config.objects
+    );
+    println!(
+        "{:<10} {:<12} {:>7} {:>9} {:>8} {:>8} {:>8}",
+        "source", "builder", "objects", "seconds", "GiB/s", "verified", "x slower half"
+    );
+    for r in &rows {
+        let ratio = r.ratio_to_slower_half.map_or(String::new(), |x| format!("{x:.2}"));
+        println!(
+            "{:<10} {:<12} {:>7} {:>9.3} {:>8.2} {:>8} {:>8}",
+            r.source,
+            r.builder,
+            r.objects,
+            r.seconds,
+            r.gib_s,
+            if r.verified { "yes" } else { "NO" },
+            ratio
+        );
+    }
     Ok(())
 }
 
