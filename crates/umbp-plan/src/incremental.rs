@@ -70,7 +70,9 @@ const DST_HINTS: usize = 4096;
 struct Cursor {
     src: EndpointId,
     dst: EndpointId,
-    tag: Tag,
+    /// The open object's tag while the cursor is armed; [`Cursor::DISARMED`] between objects,
+    /// when the cursor still caches its plan's tail but no fragment matches it.
+    tag: u64,
     plan: usize,
     src_len: u64,
     dst_len: u64,
@@ -86,7 +88,7 @@ impl Cursor {
     const NONE: Cursor = Cursor {
         src: EndpointId::from_raw(u32::MAX),
         dst: EndpointId::from_raw(u32::MAX),
-        tag: Tag::new(u32::MAX),
+        tag: Cursor::DISARMED,
         plan: usize::MAX,
         src_len: 0,
         dst_len: 0,
@@ -97,6 +99,9 @@ impl Cursor {
 }
 
 impl Cursor {
+    /// A tag value no fragment carries (tags are 32-bit).
+    const DISARMED: u64 = u64::MAX;
+
     /// Whether an accepted fragment extends the plan's last segment: adjacent on both sides,
     /// and the merged length within the engine's maximum. Adjacent and in bounds means the
     /// merged segment ends inside both endpoints, so the sum cannot overflow once adjacency holds.
@@ -229,7 +234,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     #[inline]
     pub fn push(&mut self, f: Fragment) -> Result<(), Error> {
         let c = &self.cursor;
-        if f.src != c.src || f.dst != c.dst || f.tag != c.tag || f.len == 0 {
+        if f.src != c.src || f.dst != c.dst || u64::from(f.tag.get()) != c.tag || f.len == 0 {
             return self.push_cold(f);
         }
         if !self.cursor_accepts(&f) {
@@ -265,7 +270,11 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         }
         let tag = self.open_for(f.tag)?;
         let index = self.plan_for(tag, f.src, f.dst)?;
-        self.enter(index, tag);
+        if self.cursor.plan == index {
+            self.cursor.tag = u64::from(tag.get());
+        } else {
+            self.enter(index, tag);
+        }
         if !self.cursor_accepts(&f) {
             return self.reject(f);
         }
@@ -364,7 +373,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         self.cursor = Cursor {
             src: plan.src,
             dst: plan.dst,
-            tag,
+            tag: u64::from(tag.get()),
             plan: index,
             src_len: state.src_len,
             dst_len: state.dst_len,
@@ -411,10 +420,13 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         if state.touched != self.epoch {
             state.touched = self.epoch;
             let plan = &self.plans[index];
+            // The cursor holds the tail of its plan; the state is current for every other.
+            let last_len =
+                if self.cursor.plan == index { self.cursor.last_len } else { state.last_len };
             self.undo.push(PlanSnapshot {
                 plan: index,
                 segments: plan.segments.len(),
-                last_len: state.last_len,
+                last_len,
                 tags: plan.tags.len(),
             });
         }
@@ -496,7 +508,9 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         self.undo.clear();
         self.plans_at_begin = self.plans.len();
         self.rejected_at_begin = self.rejected.len();
-        self.park();
+        // Every way out of the previous object (commit, rollback, finish) left the cursor
+        // disarmed or cleared, so no fragment of this object matches it by accident.
+        debug_assert_eq!(self.cursor.tag, Cursor::DISARMED);
         Ok(())
     }
 
@@ -508,7 +522,8 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
     fn commit_object(&mut self) -> Result<(), Error> {
         self.open_tag().ok_or(Error::NoOpenObject)?;
         self.scope = Scope::Closed;
-        self.park();
+        // Keep the cursor's plan and tail: the next object often continues the same pair.
+        self.cursor.tag = Cursor::DISARMED;
         self.undo.clear();
         Ok(())
     }
