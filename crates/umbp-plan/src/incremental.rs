@@ -642,21 +642,7 @@ impl<R: PlanRules> Run<'_, R> {
         {
             return self.push_cold(src_offset, dst_offset, len);
         }
-        // Adjacent and in bounds: the merged segment ends at `src_end`, so no overflow.
-        if src_offset == self.next_src
-            && dst_offset == self.next_dst
-            && self.last_len + len <= self.max_segment
-        {
-            self.last_len += len;
-            if let Some(last) = self.segments.last_mut() {
-                last.len = self.last_len;
-            }
-        } else {
-            self.segments.push(Segment { src_offset, dst_offset, len });
-            self.last_len = len;
-        }
-        self.next_src = src_end;
-        self.next_dst = dst_end;
+        self.push_in_bounds(src_offset, dst_offset, len);
         Ok(())
     }
 
@@ -732,6 +718,7 @@ impl<R: PlanRules> Run<'_, R> {
     #[inline(always)]
     fn push_in_bounds(&mut self, src_offset: u64, dst_offset: u64, len: u64) {
         debug_assert!(src_offset + len <= self.src_len && dst_offset + len <= self.dst_len);
+        // Adjacent and in bounds: the merged segment ends inside the endpoint, so no overflow.
         if src_offset == self.next_src
             && dst_offset == self.next_dst
             && self.last_len + len <= self.max_segment
