@@ -14,7 +14,7 @@ use crate::batch::Limits;
 use crate::fault::Faults;
 use crate::file::{self, FileTable};
 use crate::ring::Ring;
-use crate::worker::{Executor, Shared, Workers};
+use crate::worker::{Shared, Workers};
 use crate::{Backend, Error, FileInfo, FileOptions, SsdConfig, SsdRules};
 
 /// The io_uring engine for transfers between file endpoints and host memory.
@@ -56,31 +56,25 @@ impl SsdEngine {
         if !(1..=256).contains(&config.workers) {
             return Err(Error::InvalidConfig("the worker count must lie in 1..=256"));
         }
-        let mut executors = Vec::with_capacity(config.workers);
-        let mut backend = config.backend;
-        if backend != Backend::Blocking {
-            for _ in 0..config.workers {
-                match Ring::new(config.queue_depth) {
-                    Ok(ring) => executors.push(Executor::Ring(Box::new(ring))),
-                    Err(source) if backend == Backend::IoUring => {
-                        return Err(Error::RingUnavailable { source });
-                    }
-                    Err(error) => {
-                        tracing::warn!(
-                            engine = %config.name,
-                            %error,
-                            "io_uring is unavailable; falling back to pread/pwrite"
-                        );
-                        executors.clear();
-                        break;
-                    }
+        // Whether io_uring works here, asked once on this thread; each worker then sets up
+        // its own ring.
+        let backend = match config.backend {
+            Backend::Blocking => Backend::Blocking,
+            wanted => match Ring::new(config.queue_depth) {
+                Ok(_) => Backend::IoUring,
+                Err(source) if wanted == Backend::IoUring => {
+                    return Err(Error::RingUnavailable { source });
                 }
-            }
-            backend = if executors.is_empty() { Backend::Blocking } else { Backend::IoUring };
-        }
-        if backend == Backend::Blocking {
-            executors = (0..config.workers).map(|_| Executor::Blocking).collect();
-        }
+                Err(error) => {
+                    tracing::warn!(
+                        engine = %config.name,
+                        %error,
+                        "io_uring is unavailable; falling back to pread/pwrite"
+                    );
+                    Backend::Blocking
+                }
+            },
+        };
         let limits = Limits { max_io: config.max_segment, bounce_budget: config.bounce_budget };
         let shared = Arc::new(Shared {
             registry,
@@ -90,7 +84,8 @@ impl SsdEngine {
             name: config.name,
             direct_refusal_logged: AtomicBool::new(false),
         });
-        let workers = Workers::start(Arc::clone(&shared), executors)?;
+        let workers =
+            Workers::start(Arc::clone(&shared), backend, config.queue_depth, config.workers)?;
         Ok(Self {
             shared,
             rules: SsdRules::new(config.max_segment),

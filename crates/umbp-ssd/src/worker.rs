@@ -18,7 +18,7 @@ use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::op::BouncePool;
 use crate::ring::Ring;
-use crate::{sys, Error};
+use crate::{sys, Backend, Error};
 
 /// What the engine and its workers share.
 #[derive(Debug)]
@@ -34,7 +34,7 @@ pub(crate) struct Shared {
 
 /// How a worker moves bytes.
 #[derive(Debug)]
-pub(crate) enum Executor {
+enum Executor {
     Ring(Box<Ring>),
     Blocking,
 }
@@ -131,18 +131,47 @@ pub(crate) struct Workers {
 }
 
 impl Workers {
-    /// Starts one thread per executor.
-    pub(crate) fn start(shared: Arc<Shared>, executors: Vec<Executor>) -> Result<Self, Error> {
+    /// Starts `count` workers. With [`Backend::IoUring`] each creates its own ring (a ring
+    /// with a single issuer must be set up by the thread that uses it) and reports whether it
+    /// could; `start` fails if one could not. With [`Backend::Blocking`] they use
+    /// `pread`/`pwrite`.
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        backend: Backend,
+        depth: u32,
+        count: usize,
+    ) -> Result<Self, Error> {
         let (sender, receiver) = channel::<Job>();
         let receiver = Arc::new(Mutex::new(receiver));
+        let (ready, started) = channel::<std::io::Result<()>>();
         let mut workers = Self { sender: Some(sender), threads: Vec::new(), shared };
-        for (i, executor) in executors.into_iter().enumerate() {
+        for i in 0..count {
             let receiver = Arc::clone(&receiver);
+            let ready = ready.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("{}-{i}", workers.shared.name))
-                .spawn(move || work(&receiver, executor))
+                .spawn(move || {
+                    let executor = match backend {
+                        Backend::Blocking => Ok(Executor::Blocking),
+                        _ => Ring::new(depth).map(|ring| Executor::Ring(Box::new(ring))),
+                    };
+                    let executor = match executor {
+                        Ok(executor) => executor,
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready.send(Ok(()));
+                    drop(ready);
+                    work(&receiver, executor);
+                })
                 .map_err(|source| Error::Spawn { source })?;
             workers.threads.push(thread);
+        }
+        drop(ready);
+        for outcome in started.iter() {
+            outcome.map_err(|source| Error::RingUnavailable { source })?;
         }
         Ok(workers)
     }
