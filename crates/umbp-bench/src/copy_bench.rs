@@ -29,6 +29,10 @@ use umbp_plan::{
     EndpointId, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
 };
 
+use crate::chart::{BarChart, Series};
+use crate::progress::Progress;
+use crate::size::ByteSize;
+
 /// Settings of `umbp-bench copy`.
 #[derive(Clone, Debug)]
 pub struct CopyBenchConfig {
@@ -72,6 +76,8 @@ impl Default for CopyBenchConfig {
 /// One fragment size at one thread count.
 #[derive(Clone, Debug, Serialize)]
 pub struct CopyRow {
+    /// `throughput`: tells these rows from the [`SubmitRow`] in a JSON stream.
+    pub kind: &'static str,
     /// Bytes per fragment.
     pub fragment_size: u64,
     /// Threads copying, the caller included (as the engine runs them).
@@ -103,6 +109,8 @@ pub struct CopyRow {
 /// shared machine.
 #[derive(Clone, Debug, Serialize)]
 pub struct SubmitRow {
+    /// `submit`: tells this row from the [`CopyRow`]s in a JSON stream.
+    pub kind: &'static str,
     /// Fragments (and objects) per run.
     pub fragments: usize,
     /// Bytes per fragment.
@@ -133,7 +141,8 @@ pub struct SubmitRow {
 }
 
 /// Runs the throughput comparison: one row per fragment size and thread count.
-pub fn run(config: &CopyBenchConfig) -> Vec<CopyRow> {
+pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
+    progress.section("copy", config.fragment_sizes.len() * config.threads.len());
     let registry = EndpointRegistry::new();
     let engines: Vec<LocalCopyEngine> = config
         .threads
@@ -156,6 +165,7 @@ pub fn run(config: &CopyBenchConfig) -> Vec<CopyRow> {
         let batch = scattered(s, d, &slots, fragment_size, (1 << 20) / fragment_size);
         for engine in &engines {
             let threads = engine.config().threads;
+            progress.step(format!("{} fragments, {threads} threads", ByteSize(fragment_size)));
             let mut builder = engine.incremental_builder();
             let (mut engine_times, mut ceiling_times) = (Vec::new(), Vec::new());
             for i in 0..config.warmup + config.iterations {
@@ -169,6 +179,7 @@ pub fn run(config: &CopyBenchConfig) -> Vec<CopyRow> {
             let (engine_seconds, ceiling_seconds) = (median(engine_times), median(ceiling_times));
             let gib_s = |secs: f64| bytes as f64 / secs / f64::from(1u32 << 30);
             rows.push(CopyRow {
+                kind: "throughput",
                 fragment_size,
                 threads,
                 fragments,
@@ -190,7 +201,9 @@ pub fn run(config: &CopyBenchConfig) -> Vec<CopyRow> {
 }
 
 /// Runs the submit-overhead comparison.
-pub fn run_submit_overhead(config: &CopyBenchConfig) -> SubmitRow {
+pub fn run_submit_overhead(config: &CopyBenchConfig, progress: &Progress) -> SubmitRow {
+    progress.section("copy submit overhead", 1);
+    progress.step(format!("{} single submits", config.submit_fragments));
     let fragment_size = config.submit_fragment_size.max(1);
     let n = config.submit_fragments.max(1);
     let engine_config = LocalCopyConfig::default().with_threads(1).with_non_temporal(false);
@@ -232,6 +245,7 @@ pub fn run_submit_overhead(config: &CopyBenchConfig) -> SubmitRow {
     let (batch_submit_overhead_ns, single_submit_overhead_ns) =
         (overhead(&batch_submit), overhead(&single_submit));
     SubmitRow {
+        kind: "submit",
         fragments: n,
         fragment_size,
         threads: engine.config().threads,
@@ -414,6 +428,65 @@ impl Drop for HostBuffer {
     }
 }
 
+/// The human table: throughput rows, then the submit comparison.
+pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
+    let mut out = String::from(
+        "host copy engine: scattered fragments against one memcpy of the same bytes\n\n",
+    );
+    out += &format!(
+        "{:>9} {:>7} {:>12} {:>12} {:>7} {:>8}\n",
+        "fragment", "threads", "engine GiB/s", "memcpy GiB/s", "ratio", "verified"
+    );
+    for r in rows {
+        out += &format!(
+            "{:>9} {:>7} {:>12.2} {:>12.2} {:>7.2} {:>8}\n",
+            ByteSize(r.fragment_size).to_string(),
+            r.threads,
+            r.engine_gib_s,
+            r.ceiling_gib_s,
+            r.ratio,
+            if r.verified { "yes" } else { "NO" }
+        );
+    }
+    out += &format!(
+        "\n{} fragments of {}: one batch submit {:.1} ns of overhead per fragment, single \
+         submits {:.1} ns: {:.1}x (submit and wait alone: {:.1} vs {:.1} ns, {:.1}x); verified: {}\n",
+        submit.fragments,
+        ByteSize(submit.fragment_size),
+        submit.batch_overhead_ns,
+        submit.single_overhead_ns,
+        submit.ratio,
+        submit.batch_submit_overhead_ns,
+        submit.single_submit_overhead_ns,
+        submit.submit_ratio,
+        if submit.verified { "yes" } else { "NO" }
+    );
+    out
+}
+
+/// The chart: engine and memcpy-ceiling GiB/s for each fragment size and thread count.
+pub fn chart(rows: &[CopyRow]) -> BarChart {
+    let mut chart = BarChart::new("Host copy engine against its memcpy ceiling", "GiB/s");
+    if let Some(first) = rows.first() {
+        chart.subtitle = format!(
+            "{} per batch from scattered source slots; ceiling: one memcpy of the same bytes, same threads",
+            ByteSize(first.batch_bytes)
+        );
+    }
+    chart.groups = rows
+        .iter()
+        .map(|r| {
+            let plural = if r.threads == 1 { "" } else { "s" };
+            format!("{}, {} thread{plural}", ByteSize(r.fragment_size), r.threads)
+        })
+        .collect();
+    chart.series = vec![
+        Series::new("engine", rows.iter().map(|r| Some(r.engine_gib_s)).collect()),
+        Series::new("memcpy ceiling", rows.iter().map(|r| Some(r.ceiling_gib_s)).collect()),
+    ];
+    chart
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,9 +502,9 @@ mod tests {
             submit_iterations: 1,
             ..CopyBenchConfig::default()
         };
-        let rows = run(&config);
+        let rows = run(&config, &Progress::quiet());
         assert_eq!(rows.len(), 4);
         assert!(rows.iter().all(|r| r.verified && r.ratio > 0.0), "{rows:?}");
-        assert!(run_submit_overhead(&config).verified);
+        assert!(run_submit_overhead(&config, &Progress::quiet()).verified);
     }
 }

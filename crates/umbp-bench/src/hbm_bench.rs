@@ -15,7 +15,10 @@ use serde::Serialize;
 use umbp_hbm::{DeviceRegion, DeviceRuntime, HbmConfig, HbmEngine, SimDevice};
 use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
 
+use crate::chart::{BarChart, Series};
+use crate::progress::Progress;
 use crate::shape::SplitMix;
+use crate::size::ByteSize;
 
 /// Settings of `umbp-bench hbm`.
 #[derive(Clone, Debug)]
@@ -63,12 +66,13 @@ pub struct HbmRow {
 
 /// Runs the comparison on the HIP backend when built with `hip` and a GPU is present,
 /// otherwise on the simulated device.
-pub fn run(config: &HbmBenchConfig) -> Vec<HbmRow> {
+pub fn run(config: &HbmBenchConfig, progress: &Progress) -> Vec<HbmRow> {
+    progress.section("hbm", 2 * config.fragment_sizes.len());
     #[cfg(feature = "hip")]
     if let Ok(rt) = umbp_hbm::HipRuntime::new() {
-        return run_on(Arc::new(rt), config);
+        return run_on(Arc::new(rt), config, progress);
     }
-    run_on(Arc::new(SimDevice::new(1)), config)
+    run_on(Arc::new(SimDevice::new(1)), config, progress)
 }
 
 /// The bytes of device region `dev`, copied back to the host through the engine.
@@ -85,7 +89,11 @@ fn read_back<D: DeviceRuntime>(engine: &HbmEngine<D>, dev: DeviceRegion) -> Opti
     ok.then_some(out)
 }
 
-fn run_on<D: DeviceRuntime>(runtime: Arc<D>, config: &HbmBenchConfig) -> Vec<HbmRow> {
+fn run_on<D: DeviceRuntime>(
+    runtime: Arc<D>,
+    config: &HbmBenchConfig,
+    progress: &Progress,
+) -> Vec<HbmRow> {
     let backend = runtime.name();
     let device = DeviceOrdinal::new(0);
     let mut rows = Vec::new();
@@ -101,6 +109,7 @@ fn run_on<D: DeviceRuntime>(runtime: Arc<D>, config: &HbmBenchConfig) -> Vec<Hbm
         }
         let mut measured = Vec::new();
         for (mode, min_fragments) in [("gather", 2usize), ("copies", usize::MAX)] {
+            progress.step(format!("{} fragments, {mode}", ByteSize(size)));
             let engine_config =
                 HbmConfig { kernel_min_fragments: min_fragments, ..HbmConfig::default() };
             let engine = HbmEngine::new(runtime.clone(), EndpointRegistry::new(), engine_config);
@@ -166,6 +175,61 @@ fn run_on<D: DeviceRuntime>(runtime: Arc<D>, config: &HbmBenchConfig) -> Vec<Hbm
     rows
 }
 
+/// The human table.
+pub fn table(rows: &[HbmRow]) -> String {
+    let backend = rows.first().map_or("none", |r| r.backend);
+    let mut out =
+        format!("device engine: gather kernel vs one copy per fragment, backend `{backend}`\n");
+    if backend == "sim" {
+        out +=
+            "(simulated device: this measures descriptor building and CPU execution, not a GPU)\n";
+    }
+    out.push('\n');
+    out += &format!(
+        "{:>9} {:<7} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8}\n",
+        "fragment", "mode", "fragments", "launches", "ms/batch", "GiB/s", "x copies", "verified"
+    );
+    for r in rows {
+        out += &format!(
+            "{:>9} {:<7} {:>9} {:>8} {:>10.3} {:>8.2} {:>10.2} {:>8}\n",
+            ByteSize(r.fragment_size).to_string(),
+            r.mode,
+            r.fragments,
+            r.launches_per_batch,
+            r.seconds * 1e3,
+            r.gib_s,
+            r.speedup_vs_copies,
+            if r.verified { "yes" } else { "NO" }
+        );
+    }
+    out
+}
+
+/// The chart: GiB/s of the gather kernel and of one copy per fragment, by fragment size.
+pub fn chart(rows: &[HbmRow]) -> BarChart {
+    let mut chart = BarChart::new("Device engine: gather kernel vs one copy per fragment", "GiB/s");
+    let backend = rows.first().map_or("none", |r| r.backend);
+    chart.subtitle = if backend == "sim" {
+        "simulated device: descriptor building and CPU execution, not a GPU".to_owned()
+    } else {
+        format!("backend {backend}")
+    };
+    let mut sizes: Vec<u64> = rows.iter().map(|r| r.fragment_size).collect();
+    sizes.dedup();
+    chart.groups = sizes.iter().map(|&s| format!("{} fragments", ByteSize(s))).collect();
+    let value = |mode: &str, size: u64| {
+        rows.iter().find(|r| r.mode == mode && r.fragment_size == size).map(|r| r.gib_s)
+    };
+    chart.series = ["gather", "copies"]
+        .into_iter()
+        .map(|mode| {
+            let name = if mode == "gather" { "gather kernel" } else { "one copy per fragment" };
+            Series::new(name, sizes.iter().map(|&s| value(mode, s)).collect())
+        })
+        .collect();
+    chart
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,7 +241,7 @@ mod tests {
             batch_bytes: 1 << 20,
             iterations: 1,
         };
-        let rows = run(&config);
+        let rows = run(&config, &Progress::quiet());
         assert_eq!(rows.len(), 4);
         for r in &rows {
             assert!(r.verified, "{r:?}");

@@ -1,42 +1,205 @@
 //! `umbp-bench`: measure the umbp transfer engines. Run with `--help` for the subcommands.
+//!
+//! Exit status: 0 on success, 2 for a bad argument (one line on stderr, before anything runs),
+//! 1 when a run fails (one line on stderr).
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context;
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
+use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
 use umbp_bench::hbm_bench::{self, HbmBenchConfig};
-use umbp_bench::plan_bench::{self, PlanBenchConfig, PlanRow};
+use umbp_bench::plan_bench::{self, PlanBenchConfig};
+use umbp_bench::progress::Progress;
+use umbp_bench::report::Report;
 use umbp_bench::restore_bench::{self, RestoreBenchConfig};
 use umbp_bench::size::ByteSize;
+use umbp_bench::ssd_bench::{self, SsdBenchConfig};
+use umbp_bench::ssd_report;
+use umbp_bench::tour::{self, TourConfig};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-/// Measure the umbp transfer engines. Without a subcommand, runs the plan-building comparison
-/// on its defaults.
+/// Measure the umbp transfer engines.
+///
+/// Without a subcommand, runs the tour: plan building, a verified mixed DRAM + SSD restore
+/// into the simulated device, and batch against single submits, then a summary of the headline
+/// figures against their targets (10 to 30 seconds on a 2-core machine in a release build).
 #[derive(Parser, Debug)]
-#[command(name = "umbp-bench", version)]
+#[command(name = "umbp-bench", version, about, long_about)]
+#[command(after_help = "Every subcommand has its own --help. JSON field names are documented \
+                        in crates/umbp-bench/README.md.")]
 struct Cli {
-    /// Print one JSON object per line instead of tables.
+    /// Print one JSON object per line (fields in the crate README) instead of tables, and no
+    /// progress line. Default: tables.
     #[arg(long, global = true)]
     json: bool,
+    /// Also write the JSON lines to DIR/<subcommand>.jsonl and a chart to DIR/<subcommand>.svg
+    /// (DIR is created if missing; the tour writes one pair per part and tour.*). Default: no
+    /// files.
+    #[arg(long, global = true, value_name = "DIR")]
+    out: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The default: plan building, a verified mixed restore and batch vs single submits, at a
+    /// small scale, then one summary line per headline figure and its target.
+    Tour(TourArgs),
     /// Plan building for the Kimi-K3 restore shape: buffered vs incremental vs a floor.
+    ///
+    /// Page walk + push + finish for 651 objects x 24 ranges of 1 MiB (about 250k fragments at
+    /// 64 KiB pages, 500k at 32 KiB), no bytes move. Targets: incremental at most 5 ns per
+    /// fragment, within 3x of the floor, 3x faster than buffered, 0 allocations once warm.
     Plan(PlanArgs),
     /// The host copy engine against one memcpy of the same bytes, and batch against single
     /// submits.
+    ///
+    /// Targets: at 64 KiB fragments at least 90% of the memcpy ceiling with the same threads;
+    /// batch submit at least 10x less overhead per fragment than single submits.
     Copy(CopyArgs),
     /// The device engine: one gather launch against one copy per fragment.
+    ///
+    /// Runs on the HIP backend when built with `--features hip` and a GPU is present, otherwise
+    /// on the simulated device (which measures descriptor building and CPU execution only).
     Hbm(HbmArgs),
+    /// Random O_DIRECT reads through the SSD engine against fio on the same file.
+    ///
+    /// For each block size: the engine at queue depth 1, the engine at its depth, and fio
+    /// (io_uring engine, same file, block size and depths; skipped with a message when fio is
+    /// not installed), taking turns, median of the repeats. The file lives in a temporary
+    /// directory that is removed afterwards. Targets: at least 95% of fio at the same depth for
+    /// 256 KiB reads; the engine at its depth at least 1.3x depth 1.
+    Ssd(SsdArgs),
     /// The Kimi-K3 restore shape, scaled down, from DRAM, SSD and both into the simulated
     /// device through the composite engine.
+    ///
+    /// Every restore is verified byte for byte after timing. Target: the mixed restore takes at
+    /// most 1.1x the slower of its two halves run alone (the engines overlap).
     Restore(RestoreArgs),
+    /// One batch submit against one submit per transfer, for the host, simulated-device and
+    /// SSD engines.
+    ///
+    /// 4,096 transfers of 4 KiB, one object each, planned with each engine's own builder: one
+    /// plan set, one submit and one wait, against plan + submit + wait per transfer. Overhead
+    /// per transfer: wall time minus a floor that copies the same bytes without an engine
+    /// (localcopy, hbm-sim), plain wall time (ssd). Targets: at least 10x for localcopy and
+    /// hbm-sim, 1.3x for ssd.
+    Batch(BatchArgs),
+}
+
+#[derive(clap::Args, Debug, Default)]
+struct TourArgs {
+    /// Run every part at a tiny scale (a few seconds; for tests and smoke checks, the figures
+    /// mean little). Default: the embedded defaults.
+    #[arg(long)]
+    tiny: bool,
+    /// Directory for the temporary SSD files (a temporary directory is created in it and
+    /// removed afterwards).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct PlanArgs {
+    /// Page sizes to measure, comma-separated (units allowed; a power of two from 4KiB to
+    /// 1MiB).
+    #[arg(long = "page-size", value_delimiter = ',', default_values = ["64KiB", "32KiB"], value_parser = page_size)]
+    page_sizes: Vec<ByteSize>,
+    /// Fraction of an object's consecutive pages placed adjacently in the arena (0 to 1).
+    #[arg(long, default_value_t = 0.1, value_parser = unit_fraction)]
+    contiguity: f64,
+    /// Objects restored (651 is the Kimi-K3 999,936-token prefix).
+    #[arg(long, default_value_t = 651, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    objects: u32,
+    /// Timed iterations per builder; the median is reported.
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    iterations: u32,
+    /// Untimed iterations before timing.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    warmup: u32,
+    /// Seed of the page layout.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Skip the buffered builder (for profiling the incremental one). Default: measured.
+    #[arg(long)]
+    skip_buffered: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct CopyArgs {
+    /// Fragment sizes of the throughput comparison, comma-separated (units allowed).
+    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "64KiB", "1MiB"], value_parser = positive_size)]
+    fragment_sizes: Vec<ByteSize>,
+    /// Bytes per throughput batch (units allowed).
+    #[arg(long, default_value = "256MiB", value_parser = positive_size)]
+    batch: ByteSize,
+    /// Thread counts to measure, comma-separated (the engine's, caller included, and the
+    /// memcpy ceiling's; clamped to the machine).
+    #[arg(long, value_delimiter = ',', default_values = ["1", "2"], value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: Vec<u32>,
+    /// Timed iterations per throughput measurement; the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    iterations: u32,
+    /// Fragments of the submit-overhead comparison (each its own object).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    submit_fragments: u32,
+    /// Fragment size of the submit-overhead comparison (units allowed).
+    #[arg(long, default_value = "4KiB", value_parser = positive_size)]
+    submit_size: ByteSize,
+    /// Timed iterations of each submit-overhead path; medians are reported.
+    #[arg(long, default_value_t = 51, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    submit_iterations: u32,
+}
+
+#[derive(clap::Args, Debug)]
+struct HbmArgs {
+    /// Fragment sizes to measure, comma-separated (units allowed).
+    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "16KiB", "64KiB", "256KiB"], value_parser = positive_size)]
+    fragment_sizes: Vec<ByteSize>,
+    /// Bytes per batch (units allowed).
+    #[arg(long, default_value = "64MiB", value_parser = positive_size)]
+    batch: ByteSize,
+    /// Timed iterations per mode; the median is reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    iterations: u32,
+}
+
+#[derive(clap::Args, Debug)]
+struct SsdArgs {
+    /// Size of the test file (units allowed).
+    #[arg(long, default_value = "1GiB", value_parser = positive_size)]
+    file_size: ByteSize,
+    /// Read sizes, comma-separated (units allowed; multiples of 8 bytes, at most the file
+    /// size).
+    #[arg(long = "block-size", value_delimiter = ',', default_values = ["256KiB", "4KiB"], value_parser = positive_size)]
+    block_sizes: Vec<ByteSize>,
+    /// The engine's (and fio's) batched queue depth.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    queue_depth: u32,
+    /// Seconds each measurement runs.
+    #[arg(long, default_value_t = 3.0, value_parser = seconds)]
+    seconds: f64,
+    /// Measurements per row, taken in turns with the other rows; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeats: u32,
+    /// Skip the fio rows. Default: run fio when it is installed.
+    #[arg(long)]
+    no_fio: bool,
+    /// Directory for the test file, on the SSD to measure (a temporary directory is created
+    /// in it and removed afterwards).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Seed of the random offsets.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -47,84 +210,42 @@ struct RestoreArgs {
     /// Fraction of objects the mixed run reads from SSD (0 to 1).
     #[arg(long, default_value_t = 0.5, value_parser = unit_fraction)]
     ssd_fraction: f64,
-    /// Page size of both tiers (units allowed).
-    #[arg(long, default_value = "64KiB")]
+    /// Page size of both tiers (units allowed; a power of two from 4KiB to 1MiB).
+    #[arg(long, default_value = "64KiB", value_parser = page_size)]
     page_size: ByteSize,
     /// Timed iterations per run; the median is reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     iterations: u32,
-    /// Directory for the SSD tier's file (it is created and removed there).
+    /// Directory for the SSD tier's file (a temporary directory is created in it and removed
+    /// afterwards).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
-    dir: std::path::PathBuf,
+    dir: PathBuf,
 }
 
 #[derive(clap::Args, Debug)]
-struct CopyArgs {
-    /// Fragment sizes to measure (units allowed).
-    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "64KiB", "1MiB"])]
-    fragment_sizes: Vec<ByteSize>,
-    /// Bytes per batch.
-    #[arg(long, default_value = "256MiB")]
-    batch: ByteSize,
-    /// Thread counts to measure (the engine's and the memcpy ceiling's).
-    #[arg(long, value_delimiter = ',', default_values = ["1", "2"], value_parser = clap::value_parser!(u32).range(1..=256))]
-    threads: Vec<u32>,
-    /// Timed iterations per measurement; the median is reported.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+struct BatchArgs {
+    /// Engines to compare, comma-separated.
+    #[arg(long = "engine", value_delimiter = ',', default_values = ["localcopy", "hbm-sim", "ssd"])]
+    engines: Vec<BatchEngine>,
+    /// Transfers per run (each its own object).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    transfers: u32,
+    /// Bytes per transfer (units allowed).
+    #[arg(long, default_value = "4KiB", value_parser = positive_size)]
+    transfer_size: ByteSize,
+    /// Timed iterations of each path for localcopy and hbm-sim; medians are reported.
+    #[arg(long, default_value_t = 51, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     iterations: u32,
-}
-
-#[derive(clap::Args, Debug)]
-struct HbmArgs {
-    /// Fragment sizes to measure (units allowed).
-    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "16KiB", "64KiB", "256KiB"])]
-    fragment_sizes: Vec<ByteSize>,
-    /// Bytes per batch.
-    #[arg(long, default_value = "64MiB")]
-    batch: ByteSize,
-    /// Timed iterations per mode; the median is reported.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    iterations: u32,
-}
-
-#[derive(clap::Args, Debug)]
-struct PlanArgs {
-    /// Page sizes to measure (units allowed).
-    #[arg(long = "page-size", value_delimiter = ',', default_values = ["64KiB", "32KiB"])]
-    page_sizes: Vec<ByteSize>,
-    /// Fraction of an object's consecutive pages placed adjacently in the arena (0 to 1).
-    #[arg(long, default_value_t = 0.1, value_parser = unit_fraction)]
-    contiguity: f64,
-    /// Objects restored (651 is the Kimi-K3 999,936-token prefix).
-    #[arg(long, default_value_t = 651, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    objects: u32,
-    /// Timed iterations per builder; the median is reported.
-    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    iterations: u32,
-    /// Untimed iterations before timing.
-    #[arg(long, default_value_t = 3)]
-    warmup: u32,
-    /// Seed of the page layout.
+    /// Timed iterations of each path for ssd; medians are reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    ssd_iterations: u32,
+    /// Directory for the SSD engine's file (a temporary directory is created in it and removed
+    /// afterwards).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Seed of the scattered source slots and the data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Skip the buffered builder (for profiling the incremental one).
-    #[arg(long)]
-    skip_buffered: bool,
-}
-
-impl Default for PlanArgs {
-    fn default() -> Self {
-        let d = PlanBenchConfig::default();
-        Self {
-            page_sizes: d.page_sizes.iter().map(|&b| ByteSize(b)).collect(),
-            contiguity: d.contiguity,
-            objects: d.objects as u32,
-            iterations: d.iterations as u32,
-            warmup: d.warmup as u32,
-            seed: d.seed,
-            skip_buffered: d.skip_buffered,
-        }
-    }
 }
 
 fn unit_fraction(s: &str) -> Result<f64, String> {
@@ -136,29 +257,170 @@ fn unit_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+fn positive_size(s: &str) -> Result<ByteSize, String> {
+    let size: ByteSize = s.parse()?;
+    if size.0 == 0 {
+        return Err("the size must be positive".into());
+    }
+    Ok(size)
+}
+
+fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if v > 0.0 && v <= 3600.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not between 0 (excluded) and 3600"))
+    }
+}
+
+fn page_size(s: &str) -> Result<ByteSize, String> {
+    let size: ByteSize = s.parse()?;
+    if !size.0.is_power_of_two() || !(4 << 10..=1 << 20).contains(&size.0) {
+        return Err(format!("{size} is not a power of two from 4KiB to 1MiB"));
+    }
+    Ok(size)
+}
+
+/// Prints a bad-argument error as one line and exits with status 2.
+fn usage_error(message: &str) -> ! {
+    eprintln!("umbp-bench: {message} (see --help)");
+    std::process::exit(2)
+}
+
+/// Parses the command line; help and version print and exit 0, errors print one line and exit
+/// 2.
+fn parse() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => match e.kind() {
+            ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+            _ => usage_error(&one_line(&e.render().to_string())),
+        },
+    }
+}
+
+/// The first paragraph of clap's error, on one line, without its `error: ` prefix.
+fn one_line(rendered: &str) -> String {
+    let first: Vec<&str> =
+        rendered.lines().map(str::trim).take_while(|line| !line.is_empty()).collect();
+    let joined = first.join(" ");
+    joined.strip_prefix("error: ").unwrap_or(&joined).to_owned()
+}
+
+/// Physical memory in bytes, from `/proc/meminfo` (`None` where unreadable).
+fn physical_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Rejects (exit 2) settings whose run would need more memory than the machine has.
+fn check_memory(needed: u64, what: &str) {
+    if let Some(total) = physical_memory() {
+        if needed > total / 10 * 9 {
+            usage_error(&format!(
+                "{what} needs about {} of memory; this machine has {}",
+                human_bytes(needed),
+                human_bytes(total)
+            ));
+        }
+    }
+}
+
+fn human_bytes(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
+    if let Some(dir) = &cli.out {
+        // Before any run, so a bad --out costs no measuring time.
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("umbp-bench: --out {}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    let progress = Progress::on_stderr(!cli.json);
+    let out = Output { json: cli.json, dir: cli.out.clone(), progress: &progress };
     let result = match cli.command {
-        Some(Command::Plan(args)) => plan(&args, cli.json),
-        Some(Command::Copy(args)) => copy(&args, cli.json),
-        Some(Command::Hbm(args)) => hbm(&args, cli.json),
-        Some(Command::Restore(args)) => restore(&args, cli.json),
-        None => plan(&PlanArgs::default(), cli.json),
+        None => tour(&TourArgs { tiny: false, dir: std::env::temp_dir() }, &out),
+        Some(Command::Tour(args)) => tour(&args, &out),
+        Some(Command::Plan(args)) => plan(&args, &out),
+        Some(Command::Copy(args)) => copy(&args, &out),
+        Some(Command::Hbm(args)) => hbm(&args, &out),
+        Some(Command::Ssd(args)) => ssd(&args, &out),
+        Some(Command::Restore(args)) => restore(&args, &out),
+        Some(Command::Batch(args)) => batch(&args, &out),
     };
+    drop(progress);
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("umbp-bench: {e:#}");
+            let message = format!("{e:#}").replace('\n', " ");
+            eprintln!("umbp-bench: {message}");
             ExitCode::FAILURE
         }
     }
 }
 
-fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
-    if args.page_sizes.iter().any(|p| p.0 == 0) {
-        eprintln!("umbp-bench: --page-size must be positive");
-        std::process::exit(2);
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// Where results go: stdout (table or JSON lines) and, with `--out`, files.
+struct Output<'a> {
+    json: bool,
+    dir: Option<PathBuf>,
+    progress: &'a Progress,
+}
+
+impl Output<'_> {
+    /// Prints `report`, then saves it under `--out` if given.
+    fn emit(&self, report: &Report) -> anyhow::Result<()> {
+        self.progress.suspend();
+        report.print(self.json, &mut std::io::stdout().lock())?;
+        self.save(report)
     }
+
+    fn save(&self, report: &Report) -> anyhow::Result<()> {
+        if let Some(dir) = &self.dir {
+            let written = report.save(dir)?;
+            if !self.json {
+                let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+                eprintln!("umbp-bench: wrote {}", names.join(" and "));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn tour(args: &TourArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    let config = TourConfig { tiny: args.tiny, dir: args.dir.clone() };
+    let mut part_done = |report: Report| -> anyhow::Result<()> {
+        if out.json {
+            // JSON mode prints the summary lines only; the parts' lines go to --out.
+            out.save(&report)
+        } else {
+            out.emit(&report)?;
+            println!();
+            Ok(())
+        }
+    };
+    let result = tour::run(&config, out.progress, &mut part_done)?;
+    out.emit(&tour::report(&result)?)
+}
+
+fn plan(args: &PlanArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = PlanBenchConfig {
         page_sizes: args.page_sizes.iter().map(|p| p.0).collect(),
         contiguity: args.contiguity,
@@ -168,207 +430,228 @@ fn plan(args: &PlanArgs, json: bool) -> anyhow::Result<()> {
         seed: args.seed,
         skip_buffered: args.skip_buffered,
     };
-    let rows = plan_bench::run(&config)?;
-    if json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-    } else {
-        print_plan_table(&rows);
-    }
-    Ok(())
+    let smallest = config.page_sizes.iter().copied().min().unwrap_or(64 << 10);
+    let fragments = u64::from(args.objects) * (24 << 20) / smallest;
+    // Page table, buffered items and plans: well under 100 bytes per fragment.
+    check_memory(fragments * 100, "--objects with this --page-size");
+    let rows = plan_bench::run(&config, out.progress)?;
+    out.emit(&Report::new("plan", &rows, plan_bench::table(&rows), Some(plan_bench::chart(&rows)))?)
 }
 
-fn copy(args: &CopyArgs, json: bool) -> anyhow::Result<()> {
-    if args.fragment_sizes.iter().any(|s| s.0 == 0) || args.batch.0 == 0 {
-        eprintln!("umbp-bench: sizes must be positive");
-        std::process::exit(2);
-    }
+fn copy(args: &CopyArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = CopyBenchConfig {
         fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
         batch_bytes: args.batch.0,
         threads: args.threads.iter().map(|&t| t as usize).collect(),
         iterations: args.iterations as usize,
+        submit_fragments: args.submit_fragments as usize,
+        submit_fragment_size: args.submit_size.0,
+        submit_iterations: args.submit_iterations as usize,
         ..CopyBenchConfig::default()
     };
-    let rows = copy_bench::run(&config);
-    let submit = copy_bench::run_submit_overhead(&config);
-    if json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        println!("{}", serde_json::to_string(&submit)?);
-        return Ok(());
-    }
-    println!("host copy engine: scattered fragments against one memcpy of the same bytes\n");
-    println!(
-        "{:>9} {:>7} {:>10} {:>11} {:>7} {:>8}",
-        "fragment", "threads", "engine GiB/s", "memcpy GiB/s", "ratio", "verified"
-    );
-    for r in &rows {
-        println!(
-            "{:>9} {:>7} {:>12.2} {:>12.2} {:>7.2} {:>8}",
-            ByteSize(r.fragment_size).to_string(),
-            r.threads,
-            r.engine_gib_s,
-            r.ceiling_gib_s,
-            r.ratio,
-            if r.verified { "yes" } else { "NO" }
-        );
-    }
-    println!(
-        "\n{} fragments of {}: one batch submit {:.1} ns of overhead per fragment, single \
-         submits {:.1} ns: {:.1}x (submit and wait alone: {:.1} vs {:.1} ns, {:.1}x)",
-        submit.fragments,
-        ByteSize(submit.fragment_size),
-        submit.batch_overhead_ns,
-        submit.single_overhead_ns,
-        submit.ratio,
-        submit.batch_submit_overhead_ns,
-        submit.single_submit_overhead_ns,
-        submit.submit_ratio
-    );
-    Ok(())
+    check_memory(2 * args.batch.0, "--batch");
+    let submit_bytes = u64::from(args.submit_fragments).saturating_mul(args.submit_size.0);
+    check_memory(2 * submit_bytes, "--submit-fragments x --submit-size");
+    let rows = copy_bench::run(&config, out.progress);
+    let submit = copy_bench::run_submit_overhead(&config, out.progress);
+    let mut report = Report::new(
+        "copy",
+        &rows,
+        copy_bench::table(&rows, &submit),
+        Some(copy_bench::chart(&rows)),
+    )?;
+    report.json_lines.push(serde_json::to_string(&submit)?);
+    out.emit(&report)
 }
 
-fn restore(args: &RestoreArgs, json: bool) -> anyhow::Result<()> {
-    let page = args.page_size.0;
-    if page == 0 || !page.is_power_of_two() || (1 << 20) % page != 0 {
-        eprintln!("umbp-bench: --page-size must be a power of two that divides 1 MiB");
-        std::process::exit(2);
-    }
-    let config = RestoreBenchConfig {
-        objects: args.scale as usize,
-        page_size: page,
-        ssd_fraction: args.ssd_fraction,
-        iterations: args.iterations as usize,
-        dir: args.dir.clone(),
-        ..RestoreBenchConfig::default()
-    };
-    let rows = restore_bench::run(&config)?;
-    if json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
-        }
-        return Ok(());
-    }
-    println!(
-        "restore of the Kimi-K3 shape into the simulated device, {} objects of 24 MiB\n",
-        config.objects
-    );
-    println!(
-        "{:<10} {:<12} {:>7} {:>9} {:>8} {:>8} {:>8}",
-        "source", "builder", "objects", "seconds", "GiB/s", "verified", "x slower half"
-    );
-    for r in &rows {
-        let ratio = r.ratio_to_slower_half.map_or(String::new(), |x| format!("{x:.2}"));
-        println!(
-            "{:<10} {:<12} {:>7} {:>9.3} {:>8.2} {:>8} {:>8}",
-            r.source,
-            r.builder,
-            r.objects,
-            r.seconds,
-            r.gib_s,
-            if r.verified { "yes" } else { "NO" },
-            ratio
-        );
-    }
-    Ok(())
-}
-
-fn hbm(args: &HbmArgs, json: bool) -> anyhow::Result<()> {
-    if args.fragment_sizes.iter().any(|s| s.0 == 0) || args.batch.0 == 0 {
-        eprintln!("umbp-bench: sizes must be positive");
-        std::process::exit(2);
-    }
+fn hbm(args: &HbmArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = HbmBenchConfig {
         fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
         batch_bytes: args.batch.0,
         iterations: args.iterations as usize,
     };
-    let rows = hbm_bench::run(&config);
-    if json {
-        for row in &rows {
-            println!("{}", serde_json::to_string(row)?);
+    check_memory(5 * args.batch.0, "--batch");
+    let rows = hbm_bench::run(&config, out.progress);
+    out.emit(&Report::new("hbm", &rows, hbm_bench::table(&rows), Some(hbm_bench::chart(&rows)))?)
+}
+
+fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    for block in &args.block_sizes {
+        if block.0 % 8 != 0 || block.0 > args.file_size.0 {
+            usage_error(&format!(
+                "--block-size {block} must be a multiple of 8 bytes and at most --file-size {}",
+                args.file_size
+            ));
         }
-        return Ok(());
     }
-    let backend = rows.first().map_or("none", |r| r.backend);
-    println!("device engine: gather kernel vs one copy per fragment, backend `{backend}`");
-    if backend == "sim" {
-        println!(
-            "(simulated device: this measures descriptor building and CPU execution, not a GPU)"
-        );
-    }
-    println!();
-    println!(
-        "{:>9} {:<7} {:>9} {:>8} {:>10} {:>8} {:>10} {:>8}",
-        "fragment", "mode", "fragments", "launches", "ms/batch", "GiB/s", "x copies", "verified"
+    let largest = args.block_sizes.iter().map(|b| b.0).max().unwrap_or(0);
+    // The engine reads into a ring of max(2 x depth, 64) block-sized slots.
+    let slots = u64::from(args.queue_depth * 2).max(64);
+    check_memory(slots.saturating_mul(largest), "--queue-depth x --block-size");
+    let config = SsdBenchConfig {
+        file_size: args.file_size.0,
+        dir: Some(args.dir.clone()),
+        block_sizes: args.block_sizes.iter().map(|b| b.0).collect(),
+        queue_depth: args.queue_depth,
+        seconds: args.seconds,
+        repeats: args.repeats as usize,
+        fio: !args.no_fio,
+        seed: args.seed,
+    };
+    let rows_per_size = if args.no_fio { 2 } else { 4 };
+    let estimate = args.block_sizes.len() as f64
+        * rows_per_size as f64
+        * f64::from(args.repeats)
+        * args.seconds;
+    out.progress.section("ssd", 1);
+    out.progress.step(format!("{} file, about {estimate:.0}s of reads", args.file_size));
+    let rows = ssd_bench::try_run(&config)?;
+    out.emit(&Report::new("ssd", &rows, ssd_report::table(&rows), Some(ssd_report::chart(&rows)))?)
+}
+
+fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    let config = RestoreBenchConfig {
+        objects: args.scale as usize,
+        page_size: args.page_size.0,
+        ssd_fraction: args.ssd_fraction,
+        iterations: args.iterations as usize,
+        dir: args.dir.clone(),
+        ..RestoreBenchConfig::default()
+    };
+    // The DRAM tier, the destinations in simulated device memory, and a read-back for
+    // verification, plus the 64 MiB bounce region.
+    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (64 << 20), "--scale");
+    let rows = restore_bench::run(&config, out.progress)?;
+    out.emit(&Report::new(
+        "restore",
+        &rows,
+        restore_bench::table(&rows),
+        Some(restore_bench::chart(&rows)),
+    )?)
+}
+
+fn batch(args: &BatchArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    let mut engines = args.engines.clone();
+    engines.dedup();
+    let config = BatchBenchConfig {
+        engines,
+        transfers: args.transfers as usize,
+        transfer_size: args.transfer_size.0,
+        iterations: args.iterations as usize,
+        ssd_iterations: args.ssd_iterations as usize,
+        dir: args.dir.clone(),
+        seed: args.seed,
+    };
+    check_memory(
+        4 * u64::from(args.transfers).saturating_mul(args.transfer_size.0),
+        "--transfers x --transfer-size",
     );
-    for r in &rows {
-        println!(
-            "{:>9} {:<7} {:>9} {:>8} {:>10.3} {:>8.2} {:>10.2} {:>8}",
-            ByteSize(r.fragment_size).to_string(),
-            r.mode,
-            r.fragments,
-            r.launches_per_batch,
-            r.seconds * 1e3,
-            r.gib_s,
-            r.speedup_vs_copies,
-            if r.verified { "yes" } else { "NO" }
-        );
-    }
+    let rows = batch_bench::run(&config, out.progress)?;
+    out.emit(&Report::new(
+        "batch",
+        &rows,
+        batch_bench::table(&rows),
+        Some(batch_bench::chart(&rows)),
+    )?)
+}
+
+/// A `--dir` that does not exist is a runtime error (exit 1) with its path.
+fn check_dir(dir: &Path) -> anyhow::Result<()> {
+    let meta = std::fs::metadata(dir).with_context(|| format!("--dir {}", dir.display()))?;
+    anyhow::ensure!(meta.is_dir(), "--dir {} is not a directory", dir.display());
     Ok(())
 }
 
-fn print_plan_table(rows: &[PlanRow]) {
-    println!("plan building, Kimi-K3 restore shape (page walk + push + finish, no bytes move)\n");
-    println!(
-        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "page",
-        "builder",
-        "fragments",
-        "plans",
-        "segments",
-        "ns/frag",
-        "median ms",
-        "allocs",
-        "faults",
-        "x floor",
-        "verified"
-    );
-    for r in rows {
-        println!(
-            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2} {:>8}",
-            ByteSize(r.page_size).to_string(),
-            r.builder,
-            r.fragments,
-            r.plans,
-            r.segments,
-            r.ns_per_fragment,
-            r.median_ms,
-            r.allocs_per_iter,
-            r.minor_faults_per_iter,
-            r.vs_floor,
-            if r.verified { "yes" } else { "NO" }
-        );
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("umbp-bench").chain(args.iter().copied()))
     }
-    println!();
-    for page_size in rows.iter().map(|r| r.page_size).collect::<std::collections::BTreeSet<_>>() {
-        let get = |b: &str| rows.iter().find(|r| r.page_size == page_size && r.builder == b);
-        if let (Some(inc), Some(buf)) = (get("incremental"), get("buffered")) {
-            println!(
-                "{:>9}: incremental {:.2} ns/fragment (budget 5), {:.2}x the floor (budget 3x), \
-                 {:.1}x faster than buffered (target 3x), {:.0} allocs and {:.0} faults per plan; \
-                 {:.0}% of pages adjacent",
-                ByteSize(page_size).to_string(),
-                inc.ns_per_fragment,
-                inc.vs_floor,
-                buf.median_ms / inc.median_ms,
-                inc.allocs_per_iter,
-                inc.minor_faults_per_iter,
-                inc.adjacent_fraction * 100.0
-            );
+
+    #[test]
+    fn the_command_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn no_arguments_run_the_tour_with_tables() {
+        let cli = parse(&[]).unwrap();
+        assert!(cli.command.is_none() && !cli.json && cli.out.is_none());
+        let Some(Command::Tour(t)) = parse(&["tour", "--tiny", "--json"]).unwrap().command else {
+            panic!("tour expected")
+        };
+        assert!(t.tiny);
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let Some(Command::Plan(p)) = parse(&["plan"]).unwrap().command else { panic!() };
+        assert_eq!(p.page_sizes, [ByteSize(64 << 10), ByteSize(32 << 10)]);
+        assert_eq!((p.contiguity, p.objects, p.iterations, p.warmup), (0.1, 651, 9, 3));
+        let Some(Command::Copy(c)) = parse(&["copy"]).unwrap().command else { panic!() };
+        assert_eq!(c.fragment_sizes, [ByteSize(4 << 10), ByteSize(64 << 10), ByteSize(1 << 20)]);
+        assert_eq!((c.batch, c.threads.as_slice()), (ByteSize(256 << 20), &[1, 2][..]));
+        assert_eq!((c.submit_fragments, c.submit_size), (4096, ByteSize(4096)));
+        let Some(Command::Hbm(h)) = parse(&["hbm"]).unwrap().command else { panic!() };
+        assert_eq!(h.fragment_sizes.len(), 4);
+        assert_eq!(h.batch, ByteSize(64 << 20));
+        let Some(Command::Ssd(s)) = parse(&["ssd"]).unwrap().command else { panic!() };
+        assert_eq!(s.block_sizes, [ByteSize(256 << 10), ByteSize(4 << 10)]);
+        assert_eq!((s.file_size, s.queue_depth, s.seconds), (ByteSize(1 << 30), 64, 3.0));
+        assert_eq!((s.repeats, s.no_fio), (3, false));
+        let Some(Command::Restore(r)) = parse(&["restore"]).unwrap().command else { panic!() };
+        assert_eq!((r.scale, r.ssd_fraction, r.page_size), (43, 0.5, ByteSize(64 << 10)));
+        let Some(Command::Batch(b)) = parse(&["batch"]).unwrap().command else { panic!() };
+        assert_eq!(b.engines, BatchEngine::ALL);
+        assert_eq!((b.transfers, b.transfer_size), (4096, ByteSize(4096)));
+    }
+
+    #[test]
+    fn sizes_take_units_and_globals_go_anywhere() {
+        let cli =
+            parse(&["batch", "--transfer-size", "16KiB", "--engine", "ssd,localcopy", "--json"]);
+        let cli = cli.unwrap();
+        assert!(cli.json);
+        let Some(Command::Batch(b)) = cli.command else { panic!() };
+        assert_eq!(b.transfer_size, ByteSize(16 << 10));
+        assert_eq!(b.engines, [BatchEngine::Ssd, BatchEngine::LocalCopy]);
+        let cli = parse(&["--out", "charts", "hbm", "--batch", "1.5MiB"]).unwrap();
+        assert_eq!(cli.out, Some(PathBuf::from("charts")));
+        let Some(Command::Hbm(h)) = cli.command else { panic!() };
+        assert_eq!(h.batch, ByteSize(3 << 19));
+    }
+
+    #[test]
+    fn bad_values_are_rejected_by_the_parser() {
+        for args in [
+            &["plan", "--page-size", "48KiB"][..],
+            &["plan", "--page-size", "12XB"],
+            &["plan", "--contiguity", "1.5"],
+            &["copy", "--threads", "0"],
+            &["copy", "--batch", "0"],
+            &["restore", "--scale", "652"],
+            &["batch", "--engine", "gpu"],
+            &["batch", "--transfer-size", "-4KiB"],
+            &["ssd", "--seconds", "0"],
+            &["ssd", "--queue-depth", "5000"],
+            &["nonsense"],
+        ] {
+            assert!(parse(args).is_err(), "{args:?}");
         }
+    }
+
+    #[test]
+    fn errors_become_one_line() {
+        let e = parse(&["plan", "--bogus"]).unwrap_err();
+        let line = one_line(&e.render().to_string());
+        assert!(!line.contains('\n') && line.contains("--bogus"), "{line}");
+        let e = parse(&["copy", "--batch", "12XB"]).unwrap_err();
+        assert!(one_line(&e.render().to_string()).contains("unknown size unit"));
     }
 }

@@ -21,7 +21,10 @@ use umbp_plan::{
 };
 
 use crate::alloc_count::{allocations, minor_faults};
+use crate::chart::{BarChart, Reference, Series};
+use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
+use crate::size::ByteSize;
 
 /// Carries any pair of memory endpoints: the planning rules of a restore into device memory.
 #[derive(Copy, Clone, Debug, Default)]
@@ -236,15 +239,20 @@ fn measure(
     (median, allocs, faults)
 }
 
-/// Measures the three builders at every configured page size.
-pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
+/// Measures every builder at every configured page size.
+pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>, Error> {
+    let builders = if config.skip_buffered { 4 } else { 5 };
+    progress.section("plan", config.page_sizes.len() * builders);
     let mut rows = Vec::new();
     for &page_size in &config.page_sizes {
+        let page = ByteSize(page_size);
+        progress.step(format!("{page} layout and check"));
         let shape = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(page_size) };
         let work = RestoreWorkload::new(shape, config.contiguity, config.seed);
         let fragments = shape.fragments();
         let verified = verify(&work)?;
 
+        progress.step(format!("{page} floor"));
         let mut floor_out = Vec::new();
         let floor = measure(config.warmup, config.iterations, || {
             let t = Instant::now();
@@ -257,6 +265,7 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
             BufferedPlanBuilder::new(RulePlanner::new(MemoryRules, work.registry.clone()));
         let mut failed = None;
         let buffered = (!config.skip_buffered).then(|| {
+            progress.step(format!("{page} buffered"));
             measure(config.warmup, config.iterations, || {
                 let t = Instant::now();
                 let plans = work.plan_with(&mut buffered_builder);
@@ -265,6 +274,7 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
             })
         });
 
+        progress.step(format!("{page} incremental"));
         let mut incremental_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
         let incremental = measure(config.warmup, config.iterations, || {
             let t = Instant::now();
@@ -273,6 +283,7 @@ pub fn run(config: &PlanBenchConfig) -> Result<Vec<PlanRow>, Error> {
             sample(nanos, plans, &mut failed, |p| incremental_builder.recycle(p))
         });
 
+        progress.step(format!("{page} incremental-push"));
         let mut push_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
         let incremental_push = measure(config.warmup, config.iterations, || {
             let t = Instant::now();
@@ -345,6 +356,105 @@ fn sample(
     }
 }
 
+/// The human table, with one line per page size on the targets.
+pub fn table(rows: &[PlanRow]) -> String {
+    let mut out = String::from(
+        "plan building, Kimi-K3 restore shape (page walk + push + finish, no bytes move)\n\n",
+    );
+    out += &format!(
+        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}\n",
+        "page",
+        "builder",
+        "fragments",
+        "plans",
+        "segments",
+        "ns/frag",
+        "median ms",
+        "allocs",
+        "faults",
+        "x floor",
+        "verified"
+    );
+    for r in rows {
+        out += &format!(
+            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2} {:>8}\n",
+            ByteSize(r.page_size).to_string(),
+            r.builder,
+            r.fragments,
+            r.plans,
+            r.segments,
+            r.ns_per_fragment,
+            r.median_ms,
+            r.allocs_per_iter,
+            r.minor_faults_per_iter,
+            r.vs_floor,
+            if r.verified { "yes" } else { "NO" }
+        );
+    }
+    out.push('\n');
+    for page_size in page_sizes(rows) {
+        let get = |b: &str| rows.iter().find(|r| r.page_size == page_size && r.builder == b);
+        if let (Some(inc), Some(buf)) = (get("incremental"), get("buffered")) {
+            out += &format!(
+                "{:>9}: incremental {:.2} ns/fragment (budget 5), {:.2}x the floor (budget 3x), \
+                 {:.1}x faster than buffered (target 3x), {:.0} allocs and {:.0} faults per plan; \
+                 {:.0}% of pages adjacent\n",
+                ByteSize(page_size).to_string(),
+                inc.ns_per_fragment,
+                inc.vs_floor,
+                buf.median_ms / inc.median_ms,
+                inc.allocs_per_iter,
+                inc.minor_faults_per_iter,
+                inc.adjacent_fraction * 100.0
+            );
+        }
+    }
+    out
+}
+
+/// Page sizes of `rows`, largest first, each once.
+fn page_sizes(rows: &[PlanRow]) -> Vec<u64> {
+    let mut sizes: Vec<u64> = rows.iter().map(|r| r.page_size).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.dedup();
+    sizes
+}
+
+/// The chart: ns per fragment of every builder, grouped by page size, with the 5 ns budget.
+pub fn chart(rows: &[PlanRow]) -> BarChart {
+    let mut chart = BarChart::new("Plan building, Kimi-K3 restore shape", "ns per fragment");
+    let sizes = page_sizes(rows);
+    if let Some(first) = rows.first() {
+        chart.subtitle = format!(
+            "page walk + push + finish, {} objects x 24 ranges of 1 MiB, no bytes move",
+            first.fragments * first.page_size / (24 << 20)
+        );
+    }
+    chart.groups = sizes.iter().map(|&p| format!("{} pages", ByteSize(p))).collect();
+    let mut builders: Vec<&'static str> = Vec::new();
+    for r in rows {
+        if !builders.contains(&r.builder) {
+            builders.push(r.builder);
+        }
+    }
+    chart.series = builders
+        .iter()
+        .map(|&b| {
+            let values = sizes
+                .iter()
+                .map(|&p| {
+                    rows.iter()
+                        .find(|r| r.builder == b && r.page_size == p)
+                        .map(|r| r.ns_per_fragment)
+                })
+                .collect();
+            Series::new(b, values)
+        })
+        .collect();
+    chart.references = vec![Reference { value: 5.0, label: "budget: 5 ns per fragment".into() }];
+    chart
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,7 +468,7 @@ mod tests {
             warmup: 0,
             ..PlanBenchConfig::default()
         };
-        let rows = run(&config).unwrap();
+        let rows = run(&config, &Progress::quiet()).unwrap();
         assert_eq!(rows.len(), 8, "four builders at two page sizes");
         for r in &rows {
             assert!(

@@ -20,6 +20,8 @@ use umbp_plan::{
 };
 use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
 
+use crate::chart::{BarChart, Reference, Series};
+use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 
 /// Settings of `umbp-bench restore`.
@@ -69,8 +71,7 @@ pub struct RestoreRow {
     pub gib_s: f64,
     /// Every object completed and every destination byte matched after timing.
     pub verified: bool,
-    /// Mixed runs: time over the slower of the two halves run alone.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Mixed runs: time over the slower of the two halves run alone; `null` on other rows.
     pub ratio_to_slower_half: Option<f64>,
 }
 
@@ -214,7 +215,8 @@ impl Setup {
 
 /// Runs every restore: DRAM only, SSD only, the mixed run and its halves (each engine's own
 /// builders), and the mixed run with buffered builders.
-pub fn run(config: &RestoreBenchConfig) -> anyhow::Result<Vec<RestoreRow>> {
+pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<Vec<RestoreRow>> {
+    progress.section("restore", 8);
     let mut rows = Vec::new();
     let n = config.objects;
     let all: Vec<usize> = (0..n).collect();
@@ -227,6 +229,7 @@ pub fn run(config: &RestoreBenchConfig) -> anyhow::Result<Vec<RestoreRow>> {
     let dram_half: Vec<usize> = all.iter().copied().filter(|&b| !on_ssd(b)).collect();
     let bytes_of = |objects: &[usize], s: &RestoreShape| objects.len() as u64 * s.object_size();
 
+    progress.step("writing the tiers");
     let (setup_inc, composite) = setup(config, false)?;
     let shape = setup_inc.shape;
     let row = |source, builder, objects: &[usize], (seconds, verified): (f64, bool)| {
@@ -243,10 +246,15 @@ pub fn run(config: &RestoreBenchConfig) -> anyhow::Result<Vec<RestoreRow>> {
         }
     };
     let it = config.iterations;
+    progress.step("dram");
     rows.push(row("dram", "incremental", &all, setup_inc.run(&composite, &all, |_| false, it)));
+    progress.step("ssd");
     rows.push(row("ssd", "incremental", &all, setup_inc.run(&composite, &all, |_| true, it)));
+    progress.step("dram half alone");
     let dram_alone = setup_inc.run(&composite, &dram_half, |_| false, it);
+    progress.step("ssd half alone");
     let ssd_alone = setup_inc.run(&composite, &ssd_half, |_| true, it);
+    progress.step("mixed");
     let mixed = setup_inc.run(&composite, &all, on_ssd, it);
     let slower = dram_alone.0.max(ssd_alone.0);
     rows.push(row("dram-half", "incremental", &dram_half, dram_alone));
@@ -257,12 +265,82 @@ pub fn run(config: &RestoreBenchConfig) -> anyhow::Result<Vec<RestoreRow>> {
     drop(composite);
     drop(setup_inc);
 
+    progress.step("writing the tiers again");
     let (setup_buf, composite) = setup(config, true)?;
+    progress.step("mixed, buffered builders");
     let mixed_buffered = setup_buf.run(&composite, &all, on_ssd, it);
     let mut buffered_row = row("mixed", "buffered", &all, mixed_buffered);
     buffered_row.ratio_to_slower_half = Some(mixed_buffered.0 / slower);
     rows.push(buffered_row);
     Ok(rows)
+}
+
+/// The human table.
+pub fn table(rows: &[RestoreRow]) -> String {
+    let objects = rows.iter().map(|r| r.objects).max().unwrap_or(0);
+    let mut out = format!(
+        "restore of the Kimi-K3 shape into the simulated device, {objects} objects of 24 MiB\n\n"
+    );
+    out += &format!(
+        "{:<10} {:<12} {:>7} {:>9} {:>8} {:>8} {:>13}\n",
+        "source", "builder", "objects", "seconds", "GiB/s", "verified", "x slower half"
+    );
+    for r in rows {
+        let ratio = r.ratio_to_slower_half.map_or(String::new(), |x| format!("{x:.2}"));
+        out += &format!(
+            "{:<10} {:<12} {:>7} {:>9.3} {:>8.2} {:>8} {:>13}\n",
+            r.source,
+            r.builder,
+            r.objects,
+            r.seconds,
+            r.gib_s,
+            if r.verified { "yes" } else { "NO" },
+            ratio
+        );
+    }
+    if let Some(mixed) = rows.iter().find(|r| r.source == "mixed" && r.builder == "incremental") {
+        if let Some(ratio) = mixed.ratio_to_slower_half {
+            out += &format!(
+                "\nmixed DRAM + SSD restore: {ratio:.2}x the slower half run alone (target: at most 1.1x)\n"
+            );
+        }
+    }
+    out
+}
+
+/// The chart: seconds per restore for each source and builder, with the mixed run's target.
+pub fn chart(rows: &[RestoreRow]) -> BarChart {
+    let mut chart = BarChart::new("Restore into the simulated device, by source", "seconds");
+    let objects = rows.iter().map(|r| r.objects).max().unwrap_or(0);
+    chart.subtitle = format!(
+        "Kimi-K3 shape, {objects} objects of 24 MiB; halves: the mixed run's DRAM and SSD objects alone"
+    );
+    let mut sources: Vec<&'static str> = Vec::new();
+    for r in rows {
+        if !sources.contains(&r.source) {
+            sources.push(r.source);
+        }
+    }
+    chart.groups = sources.iter().map(|s| (*s).to_owned()).collect();
+    chart.series = ["incremental", "buffered"]
+        .into_iter()
+        .filter(|b| rows.iter().any(|r| r.builder == *b))
+        .map(|b| {
+            let values = sources
+                .iter()
+                .map(|s| rows.iter().find(|r| r.source == *s && r.builder == b).map(|r| r.seconds))
+                .collect();
+            Series::new(format!("{b} builders"), values)
+        })
+        .collect();
+    let half = |name: &str| rows.iter().find(|r| r.source == name).map(|r| r.seconds);
+    if let (Some(dram), Some(ssd)) = (half("dram-half"), half("ssd-half")) {
+        chart.references = vec![Reference {
+            value: 1.1 * dram.max(ssd),
+            label: "mixed target: 1.1x the slower half".into(),
+        }];
+    }
+    chart
 }
 
 #[cfg(test)]
@@ -273,7 +351,7 @@ mod tests {
     fn every_restore_of_a_small_scale_is_verified() {
         let config =
             RestoreBenchConfig { objects: 2, iterations: 1, ..RestoreBenchConfig::default() };
-        let rows = run(&config).unwrap();
+        let rows = run(&config, &Progress::quiet()).unwrap();
         let sources: Vec<&str> = rows.iter().map(|r| r.source).collect();
         assert_eq!(sources, ["dram", "ssd", "dram-half", "ssd-half", "mixed", "mixed"]);
         for r in &rows {

@@ -1,0 +1,577 @@
+//! `umbp-bench batch`: one batch submit against one submit per transfer, for each engine.
+//!
+//! For each engine, [`transfers`](BatchBenchConfig::transfers) transfers of
+//! [`transfer_size`](BatchBenchConfig::transfer_size) bytes (4,096 of 4 KiB by default), each
+//! its own object, from source slots in shuffled order into consecutive destination slots (as
+//! scattered pages of a pool restore into one buffer), run two ways
+//! with the engine's own incremental builder (reused, recycled after every submit):
+//!
+//! - **batch**: every transfer planned into one plan set, one submit, one wait;
+//! - **single**: per transfer, plan (begin, push, commit, finish), submit, wait.
+//!
+//! The engines and their transfers:
+//!
+//! - `localcopy`: host to host; the engine runs on the calling thread with plain stores, the
+//!   same copy as its floor;
+//! - `hbm-sim`: pinned host memory to the simulated device's memory (the batch is one gather
+//!   launch; a single transfer is one copy);
+//! - `ssd`: random 4 KiB-aligned reads of a file (`O_DIRECT` where the filesystem takes it) in
+//!   a temporary directory, removed afterwards, into aligned host memory.
+//!
+//! **Overhead.** For `localcopy` and `hbm-sim` the bytes move on the CPU, so the run also times
+//! a *floor*: the same transfers copied with `copy_nonoverlapping` between host buffers, no
+//! engine. Their overhead per transfer is a path's wall time minus the floor's, per transfer,
+//! taking the median over the iterations of the difference within each iteration (floor, batch
+//! and single run back to back in every iteration, so drift of a shared machine cancels).
+//! For `ssd` the device's own service time cannot be told apart from the engine's, so its
+//! figures are plain wall time per transfer. Rows say which in `overhead`. `ratio` is single
+//! over batch (a batch overhead below 1 ns counts as 1 ns).
+//!
+//! Targets: `ratio` at least 10 for `localcopy` and `hbm-sim`, at least 1.3 for `ssd`. Every
+//! path is verified after timing: destinations are poisoned, the path runs once more, and every
+//! byte is compared with its source.
+
+use std::hint::black_box;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
+use umbp_plan::{
+    DeviceOrdinal, Endpoint, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
+};
+use umbp_ssd::{Backend, FileOptions, SsdConfig, SsdEngine};
+
+use crate::chart::{BarChart, Series};
+use crate::host_buffer::HostBuffer;
+use crate::progress::Progress;
+use crate::shape::SplitMix;
+use crate::size::ByteSize;
+
+/// An engine the comparison runs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum BatchEngine {
+    /// The host copy engine (`umbp-localcopy`).
+    #[value(name = "localcopy")]
+    LocalCopy,
+    /// The device engine on the simulated device (`umbp-hbm`).
+    #[value(name = "hbm-sim")]
+    HbmSim,
+    /// The io_uring file engine (`umbp-ssd`).
+    #[value(name = "ssd")]
+    Ssd,
+}
+
+impl BatchEngine {
+    /// Every engine, in the order the command runs them.
+    pub const ALL: [Self; 3] = [Self::LocalCopy, Self::HbmSim, Self::Ssd];
+
+    /// The engine's name in rows: `localcopy`, `hbm-sim` or `ssd`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::LocalCopy => "localcopy",
+            Self::HbmSim => "hbm-sim",
+            Self::Ssd => "ssd",
+        }
+    }
+
+    /// The least `ratio` the engine should reach: 10 for host and device engines, 1.3 for SSD.
+    pub fn target_ratio(self) -> f64 {
+        match self {
+            Self::LocalCopy | Self::HbmSim => 10.0,
+            Self::Ssd => 1.3,
+        }
+    }
+}
+
+/// Settings of `umbp-bench batch`.
+#[derive(Clone, Debug)]
+pub struct BatchBenchConfig {
+    /// Engines to compare. Default all three.
+    pub engines: Vec<BatchEngine>,
+    /// Transfers per run. Default 4096.
+    pub transfers: usize,
+    /// Bytes per transfer. Default 4 KiB.
+    pub transfer_size: u64,
+    /// Timed iterations of each path for `localcopy` and `hbm-sim`; medians are reported.
+    /// Default 51.
+    pub iterations: usize,
+    /// Timed iterations of each path for `ssd` (a single-submit run waits on 4,096 reads one
+    /// after another). Default 5.
+    pub ssd_iterations: usize,
+    /// Directory in which the SSD run's temporary directory and file are created.
+    pub dir: PathBuf,
+    /// Seed of the scattered source slots and the data.
+    pub seed: u64,
+}
+
+impl Default for BatchBenchConfig {
+    fn default() -> Self {
+        Self {
+            engines: BatchEngine::ALL.to_vec(),
+            transfers: 4096,
+            transfer_size: 4 << 10,
+            iterations: 51,
+            ssd_iterations: 5,
+            dir: std::env::temp_dir(),
+            seed: 42,
+        }
+    }
+}
+
+/// One engine's comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchRow {
+    /// `localcopy`, `hbm-sim` or `ssd`.
+    pub engine: &'static str,
+    /// What executed the bytes: `host`, `sim`, `io_uring` or `pread`.
+    pub backend: &'static str,
+    /// Transfers (and objects) per run.
+    pub transfers: usize,
+    /// Bytes per transfer.
+    pub transfer_size: u64,
+    /// How `*_ns_per_transfer` is defined: `wall-minus-floor` or `wall`.
+    pub overhead: &'static str,
+    /// Median ns per transfer of the floor (copying the bytes, no engine); `null` for `ssd`.
+    pub floor_ns_per_transfer: Option<f64>,
+    /// Median wall ns per transfer of the batch path.
+    pub batch_wall_ns_per_transfer: f64,
+    /// Median wall ns per transfer of the single-submit path.
+    pub single_wall_ns_per_transfer: f64,
+    /// Overhead ns per transfer of the batch path (as `overhead` says).
+    pub batch_ns_per_transfer: f64,
+    /// Overhead ns per transfer of the single-submit path (as `overhead` says).
+    pub single_ns_per_transfer: f64,
+    /// `single_ns_per_transfer / batch_ns_per_transfer`.
+    pub ratio: f64,
+    /// The least `ratio` targeted: 10 (`localcopy`, `hbm-sim`) or 1.3 (`ssd`).
+    pub target_ratio: f64,
+    /// `ratio >= target_ratio`.
+    pub met: bool,
+    /// Both paths delivered every byte correctly after timing.
+    pub verified: bool,
+}
+
+/// Runs the comparison for every configured engine.
+pub fn run(config: &BatchBenchConfig, progress: &Progress) -> anyhow::Result<Vec<BatchRow>> {
+    if config.transfers == 0 || config.transfers > u32::MAX as usize || config.transfer_size == 0 {
+        bail!("the transfer count and size must be positive");
+    }
+    progress.section("batch", config.engines.len());
+    let mut rows = Vec::new();
+    for &engine in &config.engines {
+        progress.step(engine.name());
+        let row = match engine {
+            BatchEngine::LocalCopy => localcopy(config),
+            BatchEngine::HbmSim => hbm_sim(config),
+            BatchEngine::Ssd => ssd(config),
+        };
+        rows.push(row.with_context(|| format!("batch, engine {}", engine.name()))?);
+    }
+    Ok(rows)
+}
+
+/// Source slot of every transfer: a shuffle of `0 .. transfers`, a pure function of `seed`.
+fn scatter(transfers: usize, seed: u64) -> Vec<u64> {
+    let mut slots: Vec<u64> = (0..transfers as u64).collect();
+    let mut rng = SplitMix(seed);
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    slots
+}
+
+/// Transfer `i`: source slot `slots[i]` to destination slot `i`, object `i`.
+fn fragments(
+    src: umbp_plan::EndpointId,
+    dst: umbp_plan::EndpointId,
+    slots: &[u64],
+    size: u64,
+) -> Vec<Fragment> {
+    slots
+        .iter()
+        .enumerate()
+        .map(|(i, &slot)| {
+            Fragment::new(src, slot * size, dst, i as u64 * size, size, Tag::new(i as u32))
+        })
+        .collect()
+}
+
+/// Plans every fragment as its own object and finishes the plan set.
+fn plan_objects<B: PlanBuilder>(
+    builder: &mut B,
+    fragments: &[Fragment],
+) -> anyhow::Result<PlanSet> {
+    for &f in fragments {
+        builder.begin_object(f.tag)?;
+        builder.push(f)?;
+        builder.commit_object()?;
+    }
+    let plans = builder.finish()?;
+    if let Some(tag) = plans.rejected().first() {
+        bail!("the builder rejected object {tag:?}");
+    }
+    Ok(plans)
+}
+
+/// Plans `fragments`, submits them, waits, and recycles the plan set.
+fn execute<E: TransferEngine, B: PlanBuilder>(
+    engine: &E,
+    builder: &mut B,
+    fragments: &[Fragment],
+) -> anyhow::Result<()> {
+    let plans = plan_objects(builder, fragments)?;
+    let settled = engine.submit(plans).into_settled();
+    if let Some(failure) = settled.failures.first() {
+        bail!("a transfer failed: {failure}");
+    }
+    builder.recycle(settled.plans);
+    Ok(())
+}
+
+/// The batch path: one plan set, one submit, one wait.
+fn batch<E: TransferEngine, B: PlanBuilder>(
+    e: &E,
+    b: &mut B,
+    f: &[Fragment],
+) -> anyhow::Result<()> {
+    execute(e, b, f)
+}
+
+/// The single path: plan, submit and wait once per transfer.
+fn single<E: TransferEngine, B: PlanBuilder>(
+    e: &E,
+    b: &mut B,
+    f: &[Fragment],
+) -> anyhow::Result<()> {
+    f.iter().try_for_each(|f| execute(e, b, std::slice::from_ref(f)))
+}
+
+/// Medians in ns per transfer.
+struct Timing {
+    floor: Option<f64>,
+    batch_wall: f64,
+    single_wall: f64,
+    batch: f64,
+    single: f64,
+}
+
+/// Times `floor` (if any), `batch` and `single` back to back, `iterations` times after one
+/// untimed round.
+fn time_paths(
+    iterations: usize,
+    transfers: usize,
+    mut floor: Option<&mut dyn FnMut()>,
+    batch: &mut dyn FnMut() -> anyhow::Result<()>,
+    single: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Timing> {
+    let mut samples: [Vec<f64>; 3] = Default::default();
+    for round in 0..=iterations.max(1) {
+        let f = match floor.as_mut() {
+            Some(floor) => seconds(|| {
+                floor();
+                Ok(())
+            })?,
+            None => 0.0,
+        };
+        let b = seconds(&mut *batch)?;
+        let s = seconds(&mut *single)?;
+        if round > 0 {
+            for (all, t) in samples.iter_mut().zip([f, b, s]) {
+                all.push(t * 1e9 / transfers as f64);
+            }
+        }
+    }
+    let [f, b, s] = samples;
+    let minus_floor = |path: &[f64]| median(path.iter().zip(&f).map(|(p, f)| p - f).collect());
+    Ok(Timing {
+        floor: floor.is_some().then(|| median(f.clone())),
+        batch_wall: median(b.clone()),
+        single_wall: median(s.clone()),
+        batch: minus_floor(&b),
+        single: minus_floor(&s),
+    })
+}
+
+fn seconds(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    f()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The floor: each transfer's bytes copied from `src` into `dst` with `copy_nonoverlapping`.
+fn floor_copy(src: &HostBuffer, dst: &mut HostBuffer, slots: &[u64], size: usize) {
+    let (from, to) = (src.bytes(), dst.bytes_mut());
+    for (i, &slot) in slots.iter().enumerate() {
+        let s = slot as usize * size;
+        to[i * size..][..size].copy_from_slice(&from[s..s + size]);
+    }
+    black_box(to);
+}
+
+/// Whether destination slot `i` of `dst` holds source slot `slots[i]` of `src`.
+fn delivered(src: &[u8], dst: &[u8], slots: &[u64], size: usize) -> bool {
+    slots.iter().enumerate().all(|(i, &slot)| {
+        let s = slot as usize * size;
+        dst.get(i * size..(i + 1) * size) == src.get(s..s + size)
+    })
+}
+
+fn row(
+    engine: BatchEngine,
+    backend: &'static str,
+    config: &BatchBenchConfig,
+    t: Timing,
+    verified: bool,
+) -> BatchRow {
+    let ratio = t.single / t.batch.max(1.0);
+    let target_ratio = engine.target_ratio();
+    BatchRow {
+        engine: engine.name(),
+        backend,
+        transfers: config.transfers,
+        transfer_size: config.transfer_size,
+        overhead: if t.floor.is_some() { "wall-minus-floor" } else { "wall" },
+        floor_ns_per_transfer: t.floor,
+        batch_wall_ns_per_transfer: t.batch_wall,
+        single_wall_ns_per_transfer: t.single_wall,
+        batch_ns_per_transfer: t.batch,
+        single_ns_per_transfer: t.single,
+        ratio,
+        target_ratio,
+        met: ratio >= target_ratio,
+        verified,
+    }
+}
+
+fn localcopy(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
+    let (n, size) = (config.transfers, config.transfer_size as usize);
+    let engine_config = LocalCopyConfig::default().with_threads(1).with_non_temporal(false);
+    let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), engine_config);
+    let src = HostBuffer::new(n * size, config.seed);
+    let mut dst = HostBuffer::zeroed(n * size);
+    // SAFETY: both buffers outlive the engine's transfers (this engine finishes every transfer
+    // inside `submit`), and the bench reads or writes them only between transfers.
+    let (s, d) = unsafe {
+        (
+            engine.register_host(src.as_mut_ptr(), src.len()),
+            engine.register_host(dst.as_mut_ptr(), dst.len()),
+        )
+    };
+    let slots = scatter(n, config.seed);
+    let work = fragments(s, d, &slots, size as u64);
+    let mut builder = engine.incremental_builder();
+    let mut builder2 = engine.incremental_builder();
+    let timing = time_paths(
+        config.iterations,
+        n,
+        Some(&mut || floor_copy(&src, &mut dst, &slots, size)),
+        &mut || batch(&engine, &mut builder, &work),
+        &mut || single(&engine, &mut builder2, &work),
+    )?;
+    let mut verified = true;
+    for path in [batch::<LocalCopyEngine, _>, single::<LocalCopyEngine, _>] {
+        dst.bytes_mut().fill(0xA5);
+        path(&engine, &mut builder, &work)?;
+        verified &= delivered(src.bytes(), dst.bytes(), &slots, size);
+    }
+    Ok(row(BatchEngine::LocalCopy, "host", config, timing, verified))
+}
+
+fn hbm_sim(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
+    let (n, size) = (config.transfers, config.transfer_size as usize);
+    let device = DeviceOrdinal::new(0);
+    let runtime = Arc::new(SimDevice::new(1));
+    let engine = HbmEngine::new(runtime.clone(), EndpointRegistry::new(), HbmConfig::default());
+    let src = HostBuffer::new(n * size, config.seed);
+    let mut scratch = HostBuffer::zeroed(n * size);
+    // SAFETY: `src` outlives every transfer (the engine synchronizes before `submit` returns)
+    // and is deregistered below before it is dropped; the bench only reads it.
+    let s = unsafe { engine.register_host(src.as_mut_ptr(), src.len() as u64, Some(device))? };
+    let dev = engine.alloc_device(device, (n * size) as u64)?;
+    let slots = scatter(n, config.seed);
+    let work = fragments(s, dev.id, &slots, size as u64);
+    let mut builder = engine.incremental_builder();
+    let mut builder2 = engine.incremental_builder();
+    let timing = time_paths(
+        config.iterations,
+        n,
+        Some(&mut || floor_copy(&src, &mut scratch, &slots, size)),
+        &mut || batch(&engine, &mut builder, &work),
+        &mut || single(&engine, &mut builder2, &work),
+    )?;
+    let mut verified = true;
+    for path in [batch::<HbmEngine<SimDevice>, _>, single::<HbmEngine<SimDevice>, _>] {
+        runtime.fill(dev.addr, dev.len, 0xA5)?;
+        path(&engine, &mut builder, &work)?;
+        verified &= delivered(src.bytes(), &runtime.read(dev.addr, dev.len)?, &slots, size);
+    }
+    engine.deregister(s)?;
+    engine.free_device(dev)?;
+    Ok(row(BatchEngine::HbmSim, runtime_name(&runtime), config, timing, verified))
+}
+
+fn runtime_name(runtime: &SimDevice) -> &'static str {
+    umbp_hbm::DeviceRuntime::name(runtime)
+}
+
+fn ssd(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
+    let (n, size) = (config.transfers, config.transfer_size as usize);
+    let dir = tempfile::Builder::new()
+        .prefix("umbp-batch-bench")
+        .tempdir_in(&config.dir)
+        .with_context(|| format!("creating a temporary directory in {}", config.dir.display()))?;
+    let path = dir.path().join("batch.bin");
+    let content = HostBuffer::new(n * size, config.seed);
+    let mut file =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(content.bytes()).context("writing the test file")?;
+    file.sync_all().context("syncing the test file")?;
+    drop(file);
+
+    let registry = EndpointRegistry::new();
+    let engine =
+        SsdEngine::new(registry.clone(), SsdConfig::new()).context("starting the SSD engine")?;
+    let file = engine
+        .open_file(&path, 0, content.len() as u64, FileOptions::new().writable(false))
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut dst = HostBuffer::zeroed(n * size);
+    // SAFETY: `dst` outlives every transfer (each is waited on before the next step) and the
+    // endpoint is deregistered below before `dst` is dropped; the bench touches `dst` only
+    // between transfers.
+    let d = unsafe { registry.register(Endpoint::host(dst.addr(), dst.len() as u64)) };
+    let slots = scatter(n, config.seed);
+    let work = fragments(file, d, &slots, size as u64);
+    let mut builder = engine.incremental_builder();
+    let mut builder2 = engine.incremental_builder();
+    let timing = time_paths(
+        config.ssd_iterations,
+        n,
+        None,
+        &mut || batch(&engine, &mut builder, &work),
+        &mut || single(&engine, &mut builder2, &work),
+    )?;
+    let mut verified = true;
+    for path in [batch::<SsdEngine, _>, single::<SsdEngine, _>] {
+        dst.bytes_mut().fill(0xA5);
+        path(&engine, &mut builder, &work)?;
+        verified &= delivered(content.bytes(), dst.bytes(), &slots, size);
+    }
+    let _ = registry.deregister(d);
+    let _ = engine.deregister(file);
+    let backend = match engine.backend() {
+        Backend::Blocking => "pread",
+        _ => "io_uring",
+    };
+    Ok(row(BatchEngine::Ssd, backend, config, timing, verified))
+}
+
+/// The human table.
+pub fn table(rows: &[BatchRow]) -> String {
+    let mut out = String::new();
+    if let Some(first) = rows.first() {
+        out += &format!(
+            "batch submit vs one submit per transfer: {} transfers of {}, one object each\n\n",
+            first.transfers,
+            ByteSize(first.transfer_size)
+        );
+    }
+    out += &format!(
+        "{:<10} {:<9} {:>10} {:>12} {:>13} {:>9} {:>9} {:>8} {:>8} {:>8}\n",
+        "engine",
+        "backend",
+        "floor ns",
+        "batch ns",
+        "single ns",
+        "ratio",
+        "target",
+        "met",
+        "verified",
+        "overhead"
+    );
+    for r in rows {
+        let floor = r.floor_ns_per_transfer.map_or("-".to_owned(), |f| format!("{f:.1}"));
+        out += &format!(
+            "{:<10} {:<9} {:>10} {:>12.1} {:>13.1} {:>8.1}x {:>8.1}x {:>8} {:>8} {:>8}\n",
+            r.engine,
+            r.backend,
+            floor,
+            r.batch_ns_per_transfer,
+            r.single_ns_per_transfer,
+            r.ratio,
+            r.target_ratio,
+            if r.met { "yes" } else { "NO" },
+            if r.verified { "yes" } else { "NO" },
+            r.overhead
+        );
+    }
+    out += "\nns are per transfer: wall time minus the floor (the same bytes copied, no engine) \
+            for host and simulated device; plain wall time for ssd.\n";
+    out
+}
+
+/// The chart: batch and single ns per transfer for each engine, on a log scale.
+pub fn chart(rows: &[BatchRow]) -> BarChart {
+    let mut chart = BarChart::new("Batch submit vs one submit per transfer", "ns per transfer");
+    if let Some(first) = rows.first() {
+        chart.subtitle = format!(
+            "{} transfers of {}; host and sim: wall minus a memcpy floor, ssd: wall time",
+            first.transfers,
+            ByteSize(first.transfer_size)
+        );
+    }
+    chart.groups = rows.iter().map(|r| format!("{} ({:.1}x)", r.engine, r.ratio)).collect();
+    chart.series = vec![
+        Series::new(
+            "one batch submit",
+            rows.iter().map(|r| Some(r.batch_ns_per_transfer)).collect(),
+        ),
+        Series::new(
+            "single submits",
+            rows.iter().map(|r| Some(r.single_ns_per_transfer)).collect(),
+        ),
+    ];
+    chart.log_y = true;
+    chart
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_engine_runs_verified_at_a_small_scale() {
+        let config = BatchBenchConfig {
+            transfers: 32,
+            iterations: 1,
+            ssd_iterations: 1,
+            ..BatchBenchConfig::default()
+        };
+        let rows = run(&config, &Progress::quiet()).unwrap();
+        let engines: Vec<&str> = rows.iter().map(|r| r.engine).collect();
+        assert_eq!(engines, ["localcopy", "hbm-sim", "ssd"]);
+        for r in &rows {
+            assert!(r.verified, "{r:?}");
+            assert_eq!((r.transfers, r.transfer_size), (32, 4096));
+            assert_eq!(r.floor_ns_per_transfer.is_some(), r.engine != "ssd");
+        }
+    }
+
+    #[test]
+    fn scattered_slots_are_distinct() {
+        let mut slots = scatter(100, 1);
+        assert!(slots.iter().all(|&s| s < 100));
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), 100);
+    }
+}

@@ -1,0 +1,347 @@
+//! The tour: what `umbp-bench` runs without arguments.
+//!
+//! Three parts on embedded defaults sized for a 2-core, 24 GiB machine (10 to 30 seconds in a
+//! release build), then one summary line per headline figure with its target:
+//!
+//! 1. `plan`: plan building for the Kimi-K3 restore shape, as `umbp-bench plan` runs it;
+//! 2. `restore`: the Kimi-K3 shape scaled to 8 objects (192 MiB), from DRAM, from an SSD file
+//!    in a temporary directory (removed afterwards) and mixed, into the simulated device, every
+//!    restore verified byte for byte;
+//! 3. `batch`: 4,096 transfers of 4 KiB as one batch submit against 4,096 single submits, for
+//!    the host, simulated-device and SSD engines (fewer iterations than `umbp-bench batch`).
+//!
+//! [`TourConfig::tiny`] shrinks every part so the whole tour runs in seconds (for tests and
+//! smoke checks; its figures mean little).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::batch_bench::{self, BatchBenchConfig, BatchRow};
+use crate::plan_bench::{self, PlanBenchConfig, PlanRow};
+use crate::progress::Progress;
+use crate::report::Report;
+use crate::restore_bench::{self, RestoreBenchConfig, RestoreRow};
+use crate::size::ByteSize;
+
+/// Settings of the tour.
+#[derive(Clone, Debug)]
+pub struct TourConfig {
+    /// Run every part at a tiny scale. Default false.
+    pub tiny: bool,
+    /// Directory for the temporary SSD files. Default the system's temporary directory.
+    pub dir: PathBuf,
+}
+
+impl Default for TourConfig {
+    fn default() -> Self {
+        Self { tiny: false, dir: std::env::temp_dir() }
+    }
+}
+
+impl TourConfig {
+    /// The plan part's settings.
+    pub fn plan(&self) -> PlanBenchConfig {
+        if self.tiny {
+            PlanBenchConfig { objects: 4, iterations: 1, warmup: 0, ..PlanBenchConfig::default() }
+        } else {
+            PlanBenchConfig::default()
+        }
+    }
+
+    /// The restore part's settings.
+    pub fn restore(&self) -> RestoreBenchConfig {
+        let (objects, iterations) = if self.tiny { (1, 1) } else { (8, 3) };
+        RestoreBenchConfig {
+            objects,
+            iterations,
+            dir: self.dir.clone(),
+            ..RestoreBenchConfig::default()
+        }
+    }
+
+    /// The batch part's settings.
+    pub fn batch(&self) -> BatchBenchConfig {
+        let base = BatchBenchConfig { dir: self.dir.clone(), ..BatchBenchConfig::default() };
+        if self.tiny {
+            BatchBenchConfig { transfers: 64, iterations: 1, ssd_iterations: 1, ..base }
+        } else {
+            BatchBenchConfig { iterations: 31, ssd_iterations: 3, ..base }
+        }
+    }
+}
+
+/// One headline figure of the summary.
+#[derive(Clone, Debug, Serialize)]
+pub struct Headline {
+    /// The part it comes from: `plan`, `restore` or `batch`.
+    pub part: &'static str,
+    /// What it is, in words.
+    pub figure: String,
+    /// The measured value.
+    pub value: f64,
+    /// Unit of `value` and `target`.
+    pub unit: &'static str,
+    /// How `value` must compare with `target`: `<=`, `>=` or `==`.
+    pub comparison: &'static str,
+    /// The target.
+    pub target: f64,
+    /// Whether `value` meets the target.
+    pub met: bool,
+}
+
+impl Headline {
+    fn new(
+        part: &'static str,
+        figure: impl Into<String>,
+        value: f64,
+        unit: &'static str,
+        comparison: &'static str,
+        target: f64,
+    ) -> Self {
+        let met = match comparison {
+            "<=" => value <= target,
+            ">=" => value >= target,
+            _ => value == target,
+        };
+        Self { part, figure: figure.into(), value, unit, comparison, target, met }
+    }
+}
+
+/// Everything the tour measured.
+#[derive(Clone, Debug)]
+pub struct Tour {
+    /// The plan part's rows.
+    pub plan: Vec<PlanRow>,
+    /// The restore part's rows.
+    pub restore: Vec<RestoreRow>,
+    /// The batch part's rows.
+    pub batch: Vec<BatchRow>,
+    /// One line per headline figure.
+    pub summary: Vec<Headline>,
+    /// Wall time of the whole tour.
+    pub seconds: f64,
+}
+
+/// Runs the three parts, handing each part's [`Report`] to `part_done` as soon as it is
+/// measured, and returns everything with the summary.
+pub fn run(
+    config: &TourConfig,
+    progress: &Progress,
+    part_done: &mut dyn FnMut(Report) -> anyhow::Result<()>,
+) -> anyhow::Result<Tour> {
+    let start = Instant::now();
+    progress.set_prefix("tour 1/3 · ");
+    let plan = plan_bench::run(&config.plan(), progress)?;
+    part_done(Report::new(
+        "plan",
+        &plan,
+        plan_bench::table(&plan),
+        Some(plan_bench::chart(&plan)),
+    )?)?;
+
+    progress.set_prefix("tour 2/3 · ");
+    let restore = restore_bench::run(&config.restore(), progress)?;
+    let chart = restore_bench::chart(&restore);
+    part_done(Report::new("restore", &restore, restore_bench::table(&restore), Some(chart))?)?;
+
+    progress.set_prefix("tour 3/3 · ");
+    let batch = batch_bench::run(&config.batch(), progress)?;
+    part_done(Report::new(
+        "batch",
+        &batch,
+        batch_bench::table(&batch),
+        Some(batch_bench::chart(&batch)),
+    )?)?;
+
+    let summary = summarize(&plan, &restore, &batch);
+    Ok(Tour { plan, restore, batch, summary, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// The headline figures and their targets (DESIGN.md section 7 and the subcommands' issues).
+pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -> Vec<Headline> {
+    let mut lines = Vec::new();
+    let mut page_sizes: Vec<u64> = plan.iter().map(|r| r.page_size).collect();
+    page_sizes.sort_unstable();
+    page_sizes.dedup();
+    for &page in &page_sizes {
+        let get = |b: &str| plan.iter().find(|r| r.page_size == page && r.builder == b);
+        if let Some(inc) = get("incremental") {
+            let figure = format!("incremental build, {} pages", ByteSize(page));
+            lines.push(Headline::new(
+                "plan",
+                figure,
+                inc.ns_per_fragment,
+                "ns/fragment",
+                "<=",
+                5.0,
+            ));
+            if let Some(buf) = get("buffered") {
+                let figure = format!("incremental vs buffered, {} pages", ByteSize(page));
+                let speedup = buf.median_ms / inc.median_ms;
+                lines.push(Headline::new("plan", figure, speedup, "x faster", ">=", 3.0));
+            }
+        }
+    }
+    if let Some(allocs) = plan
+        .iter()
+        .filter(|r| r.builder == "incremental")
+        .map(|r| r.allocs_per_iter)
+        .reduce(f64::max)
+    {
+        let figure = "allocations per warm incremental build";
+        lines.push(Headline::new("plan", figure, allocs, "allocations", "==", 0.0));
+    }
+    let verified = plan.iter().filter(|r| r.verified).count();
+    let figure = format!("plan sets equal to the batch planner's (of {})", plan.len());
+    lines.push(Headline::new("plan", figure, verified as f64, "rows", "==", plan.len() as f64));
+
+    if let Some(ratio) = restore
+        .iter()
+        .find(|r| r.source == "mixed" && r.builder == "incremental")
+        .and_then(|r| r.ratio_to_slower_half)
+    {
+        let figure = "mixed DRAM + SSD restore / its slower half alone";
+        lines.push(Headline::new("restore", figure, ratio, "x the time", "<=", 1.1));
+    }
+    let verified = restore.iter().filter(|r| r.verified).count();
+    let figure = format!("restores byte-correct (of {})", restore.len());
+    lines.push(Headline::new(
+        "restore",
+        figure,
+        verified as f64,
+        "restores",
+        "==",
+        restore.len() as f64,
+    ));
+
+    for r in batch {
+        let figure = format!("single / batch submit ns per transfer, {}", r.engine);
+        lines.push(Headline::new("batch", figure, r.ratio, "x", ">=", r.target_ratio));
+    }
+    let verified = batch.iter().filter(|r| r.verified).count();
+    let figure = format!("engines byte-correct on both paths (of {})", batch.len());
+    lines.push(Headline::new(
+        "batch",
+        figure,
+        verified as f64,
+        "engines",
+        "==",
+        batch.len() as f64,
+    ));
+    lines
+}
+
+/// The summary table.
+pub fn table(tour: &Tour) -> String {
+    let mut out = String::from("summary: headline figures against their targets\n\n");
+    out += &format!(
+        "{:<8} {:<62} {:>10} {:<17} {:>9} {:>4}\n",
+        "part", "figure", "measured", "unit", "target", "met"
+    );
+    for h in &tour.summary {
+        out += &format!(
+            "{:<8} {:<62} {:>10} {:<17} {:>2} {:>6} {:>4}\n",
+            h.part,
+            h.figure,
+            crate::chart::format_value(h.value),
+            h.unit,
+            h.comparison,
+            crate::chart::format_value(h.target),
+            if h.met { "yes" } else { "NO" }
+        );
+    }
+    let met = tour.summary.iter().filter(|h| h.met).count();
+    out += &format!(
+        "\n{met} of {} targets met; the tour took {:.1} s\n",
+        tour.summary.len(),
+        tour.seconds
+    );
+    out
+}
+
+/// The tour's own report: the summary lines (the parts have their own reports).
+pub fn report(tour: &Tour) -> anyhow::Result<Report> {
+    Report::new("tour", &tour.summary, table(tour), Some(chart(tour)))
+}
+
+/// The chart: every headline with a numeric target as a score, so 1 is the target for all of
+/// them: measured / target for `>=` targets, target / measured for `<=` ones. The `==` lines
+/// (correctness, allocations) are left to the table.
+pub fn chart(tour: &Tour) -> crate::chart::BarChart {
+    use crate::chart::{BarChart, Reference, Series};
+    let mut chart =
+        BarChart::new("umbp-bench tour: headline figures against their targets", "score");
+    chart.subtitle =
+        "score: measured / target for \u{2265} targets, target / measured for \u{2264} \
+                      targets; 1 or more: met"
+            .into();
+    let scored: Vec<&Headline> = tour.summary.iter().filter(|h| h.comparison != "==").collect();
+    chart.groups = scored.iter().map(|h| short_name(h)).collect();
+    let score = |h: &Headline| {
+        let score = if h.comparison == ">=" { h.value / h.target } else { h.target / h.value };
+        score.is_finite().then_some(score)
+    };
+    chart.series = vec![
+        Series::new("met", scored.iter().map(|h| score(h).filter(|_| h.met)).collect())
+            .with_color("#59a14f"),
+        Series::new("not met", scored.iter().map(|h| score(h).filter(|_| !h.met)).collect())
+            .with_color("#e15759"),
+    ];
+    chart.log_y = true;
+    chart.references = vec![Reference { value: 1.0, label: "target (score 1)".into() }];
+    chart
+}
+
+/// A short x-axis label for a headline.
+fn short_name(h: &Headline) -> String {
+    let f = &h.figure;
+    if let Some(engine) = f.strip_prefix("single / batch submit ns per transfer, ") {
+        format!("batch {engine}")
+    } else if let Some(page) = f.strip_prefix("incremental build, ") {
+        format!("build {}", page.trim_end_matches(" pages"))
+    } else if let Some(page) = f.strip_prefix("incremental vs buffered, ") {
+        format!("vs buffered {}", page.trim_end_matches(" pages"))
+    } else if h.part == "restore" {
+        "mixed restore".to_owned()
+    } else {
+        f.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headlines_compare_with_their_targets() {
+        assert!(Headline::new("plan", "x", 4.0, "ns", "<=", 5.0).met);
+        assert!(!Headline::new("plan", "x", 6.0, "ns", "<=", 5.0).met);
+        assert!(Headline::new("batch", "x", 10.0, "x", ">=", 10.0).met);
+        assert!(!Headline::new("plan", "x", 1.0, "allocs", "==", 0.0).met);
+    }
+
+    #[test]
+    fn a_tiny_tour_verifies_everything_and_summarizes_every_part() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = TourConfig { tiny: true, dir: dir.path().to_owned() };
+        let mut parts = Vec::new();
+        let tour = run(&config, &Progress::quiet(), &mut |r| {
+            parts.push(r.name);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(parts, ["plan", "restore", "batch"]);
+        assert!(tour.restore.iter().all(|r| r.verified));
+        for part in ["plan", "restore", "batch"] {
+            assert!(tour.summary.iter().any(|h| h.part == part), "{part}");
+        }
+        let correct =
+            tour.summary.iter().filter(|h| h.comparison == "==" && h.unit != "allocations");
+        assert!(correct.clone().count() == 3 && correct.clone().all(|h| h.met));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary files removed");
+        let svg = chart(&tour).to_svg();
+        assert!(svg.contains("batch ssd"));
+    }
+}
