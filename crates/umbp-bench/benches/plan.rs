@@ -10,6 +10,8 @@ use umbp_plan::{BufferedPlanBuilder, IncrementalBuilder, PlanBuilder, RulePlanne
 
 fn plan_build(c: &mut Criterion) {
     let mut group = c.benchmark_group("plan_build");
+    // 50 samples of under a millisecond fit `--measurement-time 2`.
+    group.sample_size(50);
     for page_size in [64u64 << 10, 32 << 10] {
         let shape = RestoreShape { objects: 160, ..RestoreShape::kimi_k3(page_size) };
         let work = RestoreWorkload::new(shape, 0.1, 42);
