@@ -1,0 +1,436 @@
+//! The `umbp-bench` command as a user runs it: help, argument errors and exit statuses, the
+//! JSON fields of every subcommand (against the crate README), `--out`, and the tour at a tiny
+//! scale with every restore verified. Sizes are tiny; nothing here is judged by time.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::{Map, Value};
+
+const SUBCOMMANDS: [&str; 7] = ["tour", "plan", "copy", "hbm", "ssd", "restore", "batch"];
+
+fn umbp_bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
+        .args(args)
+        .output()
+        .expect("the umbp-bench binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `args` (which include `--json`), checks it succeeded quietly, and parses its lines.
+fn json_lines(args: &[&str]) -> Vec<Map<String, Value>> {
+    let out = umbp_bench(args);
+    assert!(out.status.success(), "{args:?} failed: {}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "{args:?}: stderr must stay quiet with --json");
+    let stdout = text(&out.stdout);
+    let lines: Vec<Map<String, Value>> = stdout
+        .lines()
+        .map(|line| match serde_json::from_str(line) {
+            Ok(Value::Object(map)) => map,
+            other => panic!("{args:?}: not a JSON object: {line} ({other:?})"),
+        })
+        .collect();
+    assert!(!lines.is_empty(), "{args:?} printed nothing");
+    lines
+}
+
+/// The README's section for `subcommand`: from its `## ` heading to the next one.
+fn readme_section(subcommand: &str) -> String {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("the crate README");
+    let heading = format!("## `{subcommand}`");
+    let start = readme.find(&heading).unwrap_or_else(|| panic!("README lacks `{heading}`"));
+    let rest = &readme[start + heading.len()..];
+    rest[..rest.find("\n## ").unwrap_or(rest.len())].to_owned()
+}
+
+/// Every line has exactly `fields` (each documented in the README's section), no more.
+fn check_fields(subcommand: &str, lines: &[Map<String, Value>], fields: &[&str]) {
+    let section = readme_section(subcommand);
+    for field in fields {
+        assert!(section.contains(&format!("`{field}`")), "README `{subcommand}` lacks `{field}`");
+    }
+    for line in lines {
+        for field in fields {
+            assert!(line.contains_key(*field), "{subcommand}: `{field}` missing in {line:?}");
+        }
+        for key in line.keys() {
+            assert!(fields.contains(&key.as_str()), "{subcommand}: undocumented field `{key}`");
+        }
+    }
+}
+
+#[test]
+fn help_explains_every_option_and_its_default() {
+    for subcommand in SUBCOMMANDS {
+        let out = umbp_bench(&[subcommand, "--help"]);
+        assert!(out.status.success(), "{subcommand} --help");
+        let help = text(&out.stdout);
+        // Each option's entry runs from its `--name` line to the next option.
+        let mut entries: Vec<String> = Vec::new();
+        for line in help.lines() {
+            let trimmed = line.trim_start();
+            if trimmed.starts_with("--") || trimmed.starts_with("-h,") || trimmed.starts_with("-V,")
+            {
+                entries.push(String::new());
+            }
+            if let Some(entry) = entries.last_mut() {
+                entry.push_str(line);
+                entry.push('\n');
+            }
+        }
+        assert!(entries.len() >= 3, "{subcommand}: no options found in\n{help}");
+        for entry in entries {
+            let name = entry.split_whitespace().next().unwrap_or_default();
+            if name == "-h," || name == "-V," {
+                continue;
+            }
+            // Whatever follows the option's name and value placeholder, on its line or below,
+            // apart from clap's own `[default: ...]` and `[possible values: ...]`.
+            let mut prose = String::new();
+            let mut depth = 0usize;
+            for c in entry.chars() {
+                match c {
+                    '[' => depth += 1,
+                    ']' => depth = depth.saturating_sub(1),
+                    _ if depth == 0 => prose.push(c),
+                    _ => {}
+                }
+            }
+            let described = prose
+                .split_whitespace()
+                .skip_while(|w| w.starts_with('-') || w.starts_with('<'))
+                .any(|w| w.chars().any(char::is_alphabetic));
+            assert!(described, "{subcommand} {name} is not explained:\n{entry}");
+            assert!(
+                entry.to_lowercase().contains("default"),
+                "{subcommand} {name} does not state its default:\n{entry}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_exit_2_with_one_line() {
+    let cases: &[&[&str]] = &[
+        &["nonsense"],
+        &["plan", "--bogus"],
+        &["plan", "--page-size", "12XB"],
+        &["plan", "--page-size", "48KiB"],
+        &["plan", "--contiguity", "1.5"],
+        &["plan", "--objects", "0"],
+        &["copy", "--threads", "0"],
+        &["copy", "--batch", "0"],
+        &["copy", "--batch", "1TiB"],
+        &["hbm", "--fragment-size", "-4KiB"],
+        &["ssd", "--seconds", "0"],
+        &["ssd", "--block-size", "12", "--file-size", "1MiB"],
+        &["ssd", "--block-size", "2MiB", "--file-size", "1MiB"],
+        &["restore", "--scale", "652"],
+        &["restore", "--ssd-fraction", "x"],
+        &["batch", "--engine", "gpu"],
+        &["batch", "--transfers", "0"],
+        &["batch", "--transfer-size", "4QiB"],
+        &["tour", "--tiny=yes"],
+        &["--json", "--out"],
+    ];
+    for args in cases {
+        let out = umbp_bench(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: not one line: {stderr}");
+        assert!(stderr.starts_with("umbp-bench: "), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?} printed to stdout");
+    }
+}
+
+#[test]
+fn runtime_errors_exit_1_with_one_line() {
+    let not_a_dir = tempfile::NamedTempFile::new().unwrap();
+    let path = not_a_dir.path().to_str().unwrap();
+    let cases: &[&[&str]] = &[
+        &["restore", "--scale", "1", "--dir", "/nonexistent/umbp-bench"],
+        &["batch", "--dir", path],
+        &["--out", path, "plan", "--objects", "1", "--iterations", "1"],
+    ];
+    for args in cases {
+        let out = umbp_bench(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: not one line: {stderr}");
+        assert!(stderr.starts_with("umbp-bench: ") && !stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn plan_json_fields() {
+    let lines =
+        json_lines(&["plan", "--objects", "2", "--iterations", "1", "--warmup", "0", "--json"]);
+    let fields = [
+        "builder",
+        "page_size",
+        "fragments",
+        "plans",
+        "segments",
+        "ns_per_fragment",
+        "median_ms",
+        "allocs_per_iter",
+        "minor_faults_per_iter",
+        "vs_floor",
+        "adjacent_fraction",
+        "verified",
+    ];
+    check_fields("plan", &lines, &fields);
+    assert_eq!(lines.len(), 8, "four builders at the two default page sizes");
+    assert!(lines.iter().all(|l| l["verified"] == true));
+}
+
+#[test]
+fn copy_json_fields() {
+    let lines = json_lines(&[
+        "copy",
+        "--fragment-size",
+        "4KiB,64KiB",
+        "--batch",
+        "1MiB",
+        "--threads",
+        "1",
+        "--iterations",
+        "1",
+        "--submit-fragments",
+        "32",
+        "--submit-iterations",
+        "1",
+        "--json",
+    ]);
+    let (throughput, submit): (Vec<_>, Vec<_>) =
+        lines.into_iter().partition(|l| l["kind"] == "throughput");
+    let fields = [
+        "kind",
+        "fragment_size",
+        "threads",
+        "fragments",
+        "batch_bytes",
+        "non_temporal",
+        "engine_seconds",
+        "ceiling_seconds",
+        "engine_gib_s",
+        "ceiling_gib_s",
+        "ratio",
+        "verified",
+    ];
+    check_fields("copy", &throughput, &fields);
+    assert_eq!(throughput.len(), 2);
+    let fields = [
+        "kind",
+        "fragments",
+        "fragment_size",
+        "threads",
+        "floor_ns_per_fragment",
+        "batch_ns_per_fragment",
+        "single_ns_per_fragment",
+        "batch_overhead_ns",
+        "single_overhead_ns",
+        "ratio",
+        "batch_submit_overhead_ns",
+        "single_submit_overhead_ns",
+        "submit_ratio",
+        "verified",
+    ];
+    check_fields("copy", &submit, &fields);
+    assert_eq!(submit.len(), 1);
+    assert_eq!((&submit[0]["kind"], &submit[0]["fragments"]), (&Value::from("submit"), &32.into()));
+}
+
+#[test]
+fn hbm_json_fields() {
+    let lines = json_lines(&[
+        "hbm",
+        "--fragment-size",
+        "4KiB,16KiB",
+        "--batch",
+        "256KiB",
+        "--iterations",
+        "1",
+        "--json",
+    ]);
+    let fields = [
+        "backend",
+        "mode",
+        "fragment_size",
+        "fragments",
+        "launches_per_batch",
+        "seconds",
+        "gib_s",
+        "speedup_vs_copies",
+        "verified",
+    ];
+    check_fields("hbm", &lines, &fields);
+    assert_eq!(lines.len(), 4, "gather and copies at two sizes");
+    assert!(lines.iter().all(|l| l["verified"] == true));
+}
+
+#[test]
+fn ssd_json_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = json_lines(&[
+        "ssd",
+        "--file-size",
+        "4MiB",
+        "--block-size",
+        "64KiB",
+        "--queue-depth",
+        "4",
+        "--seconds",
+        "0.02",
+        "--repeats",
+        "1",
+        "--no-fio",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let fields = [
+        "block_size",
+        "mode",
+        "queue_depth",
+        "gib_s",
+        "iops",
+        "bytes",
+        "seconds",
+        "samples",
+        "min_gib_s",
+        "max_gib_s",
+        "backend",
+        "direct",
+        "cache_dropped",
+        "verified",
+        "vs_fio",
+        "vs_qd1",
+    ];
+    check_fields("ssd", &lines, &fields);
+    let modes: Vec<&Value> = lines.iter().map(|l| &l["mode"]).collect();
+    assert_eq!(modes, ["engine-qd1", "engine"]);
+    assert!(lines.iter().all(|l| l["verified"] == true));
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the test file is removed");
+}
+
+#[test]
+fn restore_json_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = json_lines(&[
+        "restore",
+        "--scale",
+        "1",
+        "--iterations",
+        "1",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let fields = [
+        "source",
+        "builder",
+        "objects",
+        "bytes",
+        "seconds",
+        "gib_s",
+        "verified",
+        "ratio_to_slower_half",
+    ];
+    check_fields("restore", &lines, &fields);
+    assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
+    let mixed = lines.iter().filter(|l| l["source"] == "mixed");
+    assert!(
+        mixed.clone().count() == 2 && mixed.clone().all(|l| l["ratio_to_slower_half"].is_f64())
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD tier is removed");
+}
+
+#[test]
+fn batch_json_fields_and_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = json_lines(&[
+        "batch",
+        "--transfers",
+        "16",
+        "--transfer-size",
+        "8KiB",
+        "--iterations",
+        "1",
+        "--ssd-iterations",
+        "1",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let fields = [
+        "engine",
+        "backend",
+        "transfers",
+        "transfer_size",
+        "overhead",
+        "floor_ns_per_transfer",
+        "batch_wall_ns_per_transfer",
+        "single_wall_ns_per_transfer",
+        "batch_ns_per_transfer",
+        "single_ns_per_transfer",
+        "ratio",
+        "target_ratio",
+        "met",
+        "verified",
+    ];
+    check_fields("batch", &lines, &fields);
+    let engines: Vec<&Value> = lines.iter().map(|l| &l["engine"]).collect();
+    assert_eq!(engines, ["localcopy", "hbm-sim", "ssd"]);
+    for l in &lines {
+        assert_eq!((&l["transfers"], &l["transfer_size"]), (&16.into(), &8192.into()));
+        assert_eq!(l["verified"], true);
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD file is removed");
+}
+
+#[test]
+fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("charts");
+    let ssd_dir = tmp.path().join("ssd");
+    std::fs::create_dir(&ssd_dir).unwrap();
+    let (out_arg, ssd_arg) = (out_dir.to_str().unwrap(), ssd_dir.to_str().unwrap());
+
+    // Human output: every part's table, then the summary; stderr only names the files.
+    let out = umbp_bench(&["tour", "--tiny", "--dir", ssd_arg, "--out", out_arg]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    for heading in ["plan building", "restore of the Kimi-K3 shape", "batch submit vs", "summary"] {
+        assert!(stdout.contains(heading), "`{heading}` missing from\n{stdout}");
+    }
+    assert!(stderr.lines().all(|l| l.starts_with("umbp-bench: wrote ")), "{stderr}");
+    for part in ["plan", "restore", "batch", "tour"] {
+        let svg = std::fs::read_to_string(out_dir.join(format!("{part}.svg"))).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{part}.svg");
+        assert!(!svg.contains("NaN"), "{part}.svg");
+    }
+    let restores = std::fs::read_to_string(out_dir.join("restore.jsonl")).unwrap();
+    let restores: Vec<Value> = restores.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(restores.len(), 6);
+    assert!(restores.iter().all(|r| r["verified"] == true), "{restores:?}");
+    assert_eq!(std::fs::read_dir(&ssd_dir).unwrap().count(), 0, "temporary SSD files removed");
+
+    // JSON output: the summary lines only, each with the documented fields.
+    let lines = json_lines(&["tour", "--tiny", "--dir", ssd_arg, "--json"]);
+    let fields = ["part", "figure", "value", "unit", "comparison", "target", "met"];
+    check_fields("tour", &lines, &fields);
+    let correct: Vec<&Map<String, Value>> = lines
+        .iter()
+        .filter(|l| l["figure"].as_str().is_some_and(|f| f.contains("byte-correct")))
+        .collect();
+    assert_eq!(correct.len(), 2, "restores and batch transfers");
+    assert!(correct.iter().all(|l| l["met"] == true), "{correct:?}");
+    let restored = lines.iter().find(|l| l["figure"] == "restores byte-correct (of 6)").unwrap();
+    assert_eq!((&restored["value"], &restored["target"]), (&6.0.into(), &6.0.into()));
+}
