@@ -78,11 +78,9 @@ impl SimDevice {
     /// A copy of `len` bytes of device memory at `addr` (which must lie in one allocation).
     pub fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         let state = self.lock();
-        let (device, _) = state.allocation_holding(addr, len).ok_or(DeviceError::InvalidAddress {
-            device: DeviceOrdinal::new(0),
-            addr,
-            len,
-        })?;
+        let (device, _) = state
+            .allocation_holding(addr, len)
+            .ok_or(DeviceError::InvalidAddress { device: DeviceOrdinal::new(0), addr, len })?;
         debug_assert!(device.get() < self.devices);
         // SAFETY: `addr .. + len` lies inside a live allocation (checked above, and the state
         // lock keeps it from being freed meanwhile).
@@ -129,16 +127,16 @@ impl State {
         self.allocations.range(..end).next_back().is_some_and(|(&s, a)| s + a.len > addr)
     }
 
-    /// Whether `device` may read or write `addr .. + len` in a kernel: inside one of its
-    /// allocations or one region pinned for it.
-    fn visible_to(&self, device: DeviceOrdinal, addr: u64, len: u64) -> bool {
-        if self.allocation_holding(addr, len).is_some_and(|(d, _)| d == device) {
-            return true;
+    /// The region (`start .. end`) inside which `device` may read or write `addr .. + len` in a
+    /// kernel: one of its allocations or one region pinned for it.
+    fn visible_region(&self, device: DeviceOrdinal, addr: u64, len: u64) -> Option<(u64, u64)> {
+        if let Some((d, start)) = self.allocation_holding(addr, len) {
+            let end = start + self.allocations[&start].len;
+            return (d == device).then_some((start, end));
         }
-        let Some((&start, &(d, region_len))) = self.pinned.range(..=addr).next_back() else {
-            return false;
-        };
-        d == device && addr.checked_add(len).is_some_and(|end| end <= start + region_len)
+        let (&start, &(d, region_len)) = self.pinned.range(..=addr).next_back()?;
+        let fits = addr.checked_add(len).is_some_and(|end| end <= start + region_len);
+        (d == device && fits).then_some((start, start + region_len))
     }
 
     fn take_fault(&mut self, fault: Fault) -> Result<(), DeviceError> {
@@ -248,10 +246,17 @@ impl DeviceRuntime for SimDevice {
         self.check_device(device)?;
         let mut state = self.lock();
         state.take_fault(Fault::Launch)?;
+        // Descriptors of one launch mostly fall in the same few regions: try the region the
+        // previous descriptor's side fell in before searching.
+        let mut last = [(0u64, 0u64); 2];
         for d in &table.descriptors {
-            for (addr, len) in [(d.src, d.len), (d.dst, d.len)] {
-                if !state.visible_to(device, addr, len) {
-                    return Err(DeviceError::InvalidAddress { device, addr, len });
+            for (side, addr) in [d.src, d.dst].into_iter().enumerate() {
+                let (start, end) = last[side];
+                let inside = addr >= start && addr.checked_add(d.len).is_some_and(|e| e <= end);
+                if !inside {
+                    last[side] = state
+                        .visible_region(device, addr, d.len)
+                        .ok_or(DeviceError::InvalidAddress { device, addr, len: d.len })?;
                 }
             }
         }
