@@ -8,10 +8,9 @@ mod support;
 
 use proptest::prelude::*;
 use support::HostBuf;
-use umbp_localcopy::{LocalCopyBuilder, LocalCopyConfig, LocalCopyEngine};
+use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::testing::{
-    drive, pattern_byte, scenarios, ObjectEnd, Outcome, ReferenceMemory, Scenario, ScenarioConfig,
-    POISON,
+    drive, drive_runs, pattern_byte, scenarios, ReferenceMemory, Scenario, ScenarioConfig, POISON,
 };
 use umbp_plan::{EndpointId, EndpointKind, EndpointRegistry, PlanBuilder, TransferEngine};
 
@@ -31,39 +30,13 @@ fn builder_equals_planner(scenario: &Scenario) {
     let boxed = drive(engine.builder().as_mut(), scenario).expect("no builder misuse");
     assert_eq!(boxed.plans, expected, "boxed builder differs from the batch planner");
 
-    let runs = drive_runs(&mut engine.incremental_builder(), scenario);
+    let runs = drive_runs(&mut engine.incremental_builder(), scenario).expect("no builder misuse");
     assert_eq!(runs.plans, expected, "runs differ from the batch planner");
 
     // A recycled builder plans the same scenario the same way.
     builder.recycle(outcome.plans);
     let again = drive(&mut builder, scenario).expect("no builder misuse");
     assert_eq!(again.plans, expected, "a recycled builder differs");
-}
-
-/// Plays `scenario` with one run per stretch of fragments that share a pair.
-fn drive_runs(builder: &mut LocalCopyBuilder, scenario: &Scenario) -> Outcome {
-    let mut committed = Vec::new();
-    for object in &scenario.objects {
-        builder.begin_object(object.tag).unwrap();
-        for stretch in object.fragments.chunk_by(|a, b| (a.src, a.dst) == (b.src, b.dst)) {
-            let Ok(mut run) = builder.begin_run(stretch[0].src, stretch[0].dst) else {
-                continue; // a poisoned object: it is rejected
-            };
-            for f in stretch {
-                if run.push(f.src_offset, f.dst_offset, f.len).is_err() {
-                    break;
-                }
-            }
-        }
-        match object.end {
-            ObjectEnd::Commit => {
-                builder.commit_object().unwrap();
-                committed.extend_from_slice(&object.fragments);
-            }
-            ObjectEnd::Rollback => builder.rollback_object().unwrap(),
-        }
-    }
-    Outcome { plans: builder.finish().unwrap(), committed }
 }
 
 /// Host-only scenarios over real buffers: fragments up to 600 bytes (so the streaming kernel's

@@ -4,9 +4,7 @@
 //! writes the same bytes as executing the fragments one by one.
 
 use proptest::prelude::*;
-use umbp_plan::testing::{
-    drive, scenarios, ObjectEnd, Outcome, ReferenceMemory, Scenario, ScenarioConfig,
-};
+use umbp_plan::testing::{drive, drive_runs, scenarios, ReferenceMemory, Scenario, ScenarioConfig};
 use umbp_plan::{
     BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointRegistry, Fragment, IncrementalBuilder,
     PlanBuilder, PlanRules, RejectReason, RulePlanner,
@@ -60,7 +58,7 @@ fn check(scenario: &Scenario, rules: Rules) {
     ReferenceMemory::assert_same_bytes(scenario, &outcome);
 
     let mut runs = IncrementalBuilder::new(rules, registry.clone());
-    let run_outcome = drive_runs(&mut runs, scenario);
+    let run_outcome = drive_runs(&mut runs, scenario).expect("no builder misuse");
     assert_eq!(run_outcome.plans, expected, "runs differ from the batch planner");
     assert_eq!(run_outcome.committed, outcome.committed);
 
@@ -68,32 +66,6 @@ fn check(scenario: &Scenario, rules: Rules) {
     incremental.recycle(outcome.plans);
     let again = drive(&mut incremental, scenario).expect("no builder misuse");
     assert_eq!(again.plans, expected, "a recycled builder differs");
-}
-
-/// Plays `scenario` with one [`Run`](umbp_plan::Run) per stretch of fragments that share a pair.
-fn drive_runs(builder: &mut IncrementalBuilder<Rules>, scenario: &Scenario) -> Outcome {
-    let mut committed = Vec::new();
-    for object in &scenario.objects {
-        builder.begin_object(object.tag).unwrap();
-        for stretch in object.fragments.chunk_by(|a, b| (a.src, a.dst) == (b.src, b.dst)) {
-            let Ok(mut run) = builder.begin_run(stretch[0].src, stretch[0].dst) else {
-                continue; // refused pair or poisoned object: the object is rejected
-            };
-            for f in stretch {
-                if run.push(f.src_offset, f.dst_offset, f.len).is_err() {
-                    break;
-                }
-            }
-        }
-        match object.end {
-            ObjectEnd::Commit => {
-                builder.commit_object().unwrap();
-                committed.extend_from_slice(&object.fragments);
-            }
-            ObjectEnd::Rollback => builder.rollback_object().unwrap(),
-        }
-    }
-    Outcome { plans: builder.finish().unwrap(), committed }
 }
 
 proptest! {

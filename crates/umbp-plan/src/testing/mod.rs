@@ -28,7 +28,7 @@ use proptest::prelude::*;
 
 use crate::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointRegistry, Error, Fragment,
-    PlanBuilder, PlanSet, Tag,
+    IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Tag,
 };
 
 /// Shapes of the random scenarios.
@@ -231,6 +231,42 @@ pub fn drive(builder: &mut dyn PlanBuilder, scenario: &Scenario) -> Result<Outco
             match builder.push(f) {
                 Ok(()) | Err(Error::Rejected { .. } | Error::ObjectRejected { .. }) => {}
                 Err(other) => return Err(other),
+            }
+        }
+        match object.end {
+            ObjectEnd::Commit => {
+                builder.commit_object()?;
+                committed.extend_from_slice(&object.fragments);
+            }
+            ObjectEnd::Rollback => builder.rollback_object()?,
+        }
+    }
+    Ok(Outcome { plans: builder.finish()?, committed })
+}
+
+/// Plays `scenario` into an incremental builder through its fast path: one
+/// [`Run`](crate::Run) per stretch of fragments that share an endpoint pair. Rejections are
+/// expected; any other error (misuse of the builder) is returned.
+pub fn drive_runs<R: PlanRules>(
+    builder: &mut IncrementalBuilder<R>,
+    scenario: &Scenario,
+) -> Result<Outcome, Error> {
+    let mut committed = Vec::new();
+    for object in &scenario.objects {
+        builder.begin_object(object.tag)?;
+        for stretch in object.fragments.chunk_by(|a, b| (a.src, a.dst) == (b.src, b.dst)) {
+            let mut run = match builder.begin_run(stretch[0].src, stretch[0].dst) {
+                Ok(run) => run,
+                // Poisoned by an earlier stretch: the object is rejected.
+                Err(Error::ObjectRejected { .. }) => continue,
+                Err(other) => return Err(other),
+            };
+            for f in stretch {
+                match run.push(f.src_offset, f.dst_offset, f.len) {
+                    Ok(()) => {}
+                    Err(Error::Rejected { .. } | Error::ObjectRejected { .. }) => break,
+                    Err(other) => return Err(other),
+                }
             }
         }
         match object.end {
