@@ -90,3 +90,7 @@ impl TransferEngine for DownstreamEngine {
         TransferHandle::settled(failures, plans)
     }
 }
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
