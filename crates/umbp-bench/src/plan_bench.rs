@@ -77,28 +77,18 @@ impl RestoreWorkload {
     /// finishes the batch.
     #[inline]
     pub fn plan_with<B: PlanBuilder>(&self, builder: &mut B) -> Result<PlanSet, Error> {
-        let s = &self.shape;
-        for object in 0..s.objects {
-            let tag = Tag::new(object as u32);
-            let walk = PageWalk::new(self.table.object(object), s.page_size, s.object_size())?;
-            builder.begin_object(tag)?;
-            for (range, &dst) in self.destinations.iter().enumerate() {
-                let offset = range as u64 * s.range_len;
-                let dst_offset = object as u64 * s.range_len;
-                walk.walk(offset, s.range_len, dst_offset, |page| {
-                    builder.push(Fragment::new(
-                        self.arena,
-                        page.tier_offset,
-                        dst,
-                        page.dst_offset,
-                        page.len,
-                        tag,
-                    ))
-                })?;
-            }
-            builder.commit_object()?;
-        }
-        builder.finish()
+        self.plan_ranges(builder, |builder, walk, range| {
+            walk.walk(range.offset, range.len, range.dst_offset, |page| {
+                builder.push(Fragment::new(
+                    self.arena,
+                    page.tier_offset,
+                    range.dst,
+                    page.dst_offset,
+                    page.len,
+                    range.tag,
+                ))
+            })
+        })
     }
 
     /// Like [`plan_with`](Self::plan_with), with one [`Run`](umbp_plan::Run) per range: the
@@ -108,20 +98,38 @@ impl RestoreWorkload {
         &self,
         builder: &mut IncrementalBuilder<R>,
     ) -> Result<PlanSet, Error> {
+        self.plan_ranges(builder, |builder, walk, range| {
+            builder.begin_run(self.arena, range.dst)?.push_walk(
+                walk,
+                range.offset,
+                range.len,
+                range.dst_offset,
+            )
+        })
+    }
+
+    /// The loop both ways share: one object scope per object, `range` called for each of its
+    /// ranges with the object's page walk, then finish.
+    #[inline(always)]
+    fn plan_ranges<B: PlanBuilder>(
+        &self,
+        builder: &mut B,
+        mut range: impl FnMut(&mut B, &PageWalk<'_>, RangeJob) -> Result<(), Error>,
+    ) -> Result<PlanSet, Error> {
         let s = &self.shape;
         for object in 0..s.objects {
             let tag = Tag::new(object as u32);
             let walk = PageWalk::new(self.table.object(object), s.page_size, s.object_size())?;
             builder.begin_object(tag)?;
-            for (range, &dst) in self.destinations.iter().enumerate() {
-                let offset = range as u64 * s.range_len;
-                let dst_offset = object as u64 * s.range_len;
-                builder.begin_run(self.arena, dst)?.push_walk(
-                    &walk,
-                    offset,
-                    s.range_len,
-                    dst_offset,
-                )?;
+            for (r, &dst) in self.destinations.iter().enumerate() {
+                let job = RangeJob {
+                    tag,
+                    offset: r as u64 * s.range_len,
+                    len: s.range_len,
+                    dst,
+                    dst_offset: object as u64 * s.range_len,
+                };
+                range(builder, &walk, job)?;
             }
             builder.commit_object()?;
         }
@@ -145,6 +153,16 @@ impl RestoreWorkload {
             }
         }
     }
+}
+
+/// One range of one object: its bytes and where they go.
+#[derive(Copy, Clone, Debug)]
+struct RangeJob {
+    tag: Tag,
+    offset: u64,
+    len: u64,
+    dst: EndpointId,
+    dst_offset: u64,
 }
 
 /// Settings of `umbp-bench plan`.

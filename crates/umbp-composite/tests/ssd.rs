@@ -150,25 +150,7 @@ fn an_injected_ssd_read_error_fails_only_its_object() {
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, per, 16)).collect();
     // Fail the read of object 2's third page.
     t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[2][2], EIO));
-    let ranges: Vec<[ObjectRange; 1]> = (0..4)
-        .map(|o| {
-            [ObjectRange {
-                offset: 0,
-                len: size,
-                endpoint: out_id,
-                endpoint_offset: o as u64 * size,
-            }]
-        })
-        .collect();
-    let batch: Vec<ObjectTransfer> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: Tag::new(o as u32),
-            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
-            ranges: &ranges[o],
-        })
-        .collect();
-    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
-    let states: Vec<ObjectState> = report.objects.iter().map(|r| r.state).collect();
+    let states = restore_file_objects(&t, out_id, &tables);
     assert_eq!(
         states,
         [
@@ -190,22 +172,12 @@ fn an_injected_ssd_read_error_fails_only_its_object() {
 /// `EIO`.
 const EIO: i32 = 5;
 
-/// Restores objects 0..4 from the SSD file straight into device memory (the staged route).
-fn staged_restore(
-    t: &Tiered,
-    dev: umbp_hbm::DeviceRegion,
-    tables: &[Vec<u64>],
-) -> Vec<ObjectState> {
+/// Restores objects 0..4 (pages `tables`) from the SSD file, whole, into `endpoint` at
+/// `o × size`; returns each object's state.
+fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -> Vec<ObjectState> {
     let size = 4 * PAGE;
     let ranges: Vec<[ObjectRange; 1]> = (0..4)
-        .map(|o| {
-            [ObjectRange {
-                offset: 0,
-                len: size,
-                endpoint: dev.id,
-                endpoint_offset: o as u64 * size,
-            }]
-        })
+        .map(|o| [ObjectRange { offset: 0, len: size, endpoint, endpoint_offset: o as u64 * size }])
         .collect();
     let batch: Vec<ObjectTransfer> = (0..4)
         .map(|o| ObjectTransfer {
@@ -223,7 +195,7 @@ fn ssd_to_device_goes_through_the_bounce_region_in_stages() {
     let t = tiered(16, true);
     let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
-    let states = staged_restore(&t, dev, &tables);
+    let states = restore_file_objects(&t, dev.id, &tables);
     assert!(states.iter().all(|&s| s == ObjectState::Completed), "{states:?}");
     let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
     for (o, table) in tables.iter().enumerate() {
@@ -249,7 +221,7 @@ fn a_failure_in_either_hop_fails_only_its_object() {
     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
     t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[1][0], EIO));
-    let states = staged_restore(&t, dev, &tables);
+    let states = restore_file_objects(&t, dev.id, &tables);
     assert_eq!(
         states,
         [
@@ -267,7 +239,7 @@ fn a_failure_in_either_hop_fails_only_its_object() {
     // exactly the objects of that copy fail, the others arrive.
     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     t.hbm.runtime().inject(DeviceFault::Copy);
-    let states = staged_restore(&t, dev, &tables);
+    let states = restore_file_objects(&t, dev.id, &tables);
     let failed: Vec<usize> = (0..4).filter(|&o| states[o] == ObjectState::Failed).collect();
     assert_eq!(failed.len(), 1, "{states:?}");
     let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();

@@ -224,24 +224,15 @@ pub struct Outcome {
 /// Plays `scenario` into `builder` and finishes it. Rejections are expected; any other error
 /// (misuse of the builder) is returned.
 pub fn drive(builder: &mut dyn PlanBuilder, scenario: &Scenario) -> Result<Outcome, Error> {
-    let mut committed = Vec::new();
-    for object in &scenario.objects {
-        builder.begin_object(object.tag)?;
-        for &f in &object.fragments {
+    play(builder, scenario, |builder, fragments| {
+        for &f in fragments {
             match builder.push(f) {
                 Ok(()) | Err(Error::Rejected { .. } | Error::ObjectRejected { .. }) => {}
                 Err(other) => return Err(other),
             }
         }
-        match object.end {
-            ObjectEnd::Commit => {
-                builder.commit_object()?;
-                committed.extend_from_slice(&object.fragments);
-            }
-            ObjectEnd::Rollback => builder.rollback_object()?,
-        }
-    }
-    Ok(Outcome { plans: builder.finish()?, committed })
+        Ok(())
+    })
 }
 
 /// Plays `scenario` into an incremental builder through its fast path: one
@@ -251,10 +242,8 @@ pub fn drive_runs<R: PlanRules>(
     builder: &mut IncrementalBuilder<R>,
     scenario: &Scenario,
 ) -> Result<Outcome, Error> {
-    let mut committed = Vec::new();
-    for object in &scenario.objects {
-        builder.begin_object(object.tag)?;
-        for stretch in object.fragments.chunk_by(|a, b| (a.src, a.dst) == (b.src, b.dst)) {
+    play(builder, scenario, |builder, fragments| {
+        for stretch in fragments.chunk_by(|a, b| (a.src, a.dst) == (b.src, b.dst)) {
             let mut run = match builder.begin_run(stretch[0].src, stretch[0].dst) {
                 Ok(run) => run,
                 // Poisoned by an earlier stretch: the object is rejected.
@@ -269,6 +258,21 @@ pub fn drive_runs<R: PlanRules>(
                 }
             }
         }
+        Ok(())
+    })
+}
+
+/// The object loop both drivers share: open each object, let `push` add its fragments, commit
+/// or roll it back as the scenario says, and finish.
+fn play<B: PlanBuilder + ?Sized>(
+    builder: &mut B,
+    scenario: &Scenario,
+    mut push: impl FnMut(&mut B, &[Fragment]) -> Result<(), Error>,
+) -> Result<Outcome, Error> {
+    let mut committed = Vec::new();
+    for object in &scenario.objects {
+        builder.begin_object(object.tag)?;
+        push(builder, &object.fragments)?;
         match object.end {
             ObjectEnd::Commit => {
                 builder.commit_object()?;
