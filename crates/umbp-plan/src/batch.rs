@@ -22,9 +22,13 @@ pub fn plan_batch<R: PlanRules + ?Sized>(
 ) -> PlanSet {
     let mut poisoned = HashSet::new();
     let mut rejected = Vec::new();
+    let mut reasons = Vec::new();
     for f in fragments.iter().filter(|f| f.len != 0) {
-        if validate(rules, table, f).is_err() && poisoned.insert(f.tag) {
-            rejected.push(f.tag);
+        if let Err(reason) = validate(rules, table, f) {
+            if poisoned.insert(f.tag) {
+                rejected.push(f.tag);
+                reasons.push(reason);
+            }
         }
     }
 
@@ -38,7 +42,7 @@ pub fn plan_batch<R: PlanRules + ?Sized>(
         });
         append(&mut plans[index], f, max_segment);
     }
-    PlanSet { plans, rejected }
+    PlanSet { plans, rejected, reasons }
 }
 
 /// Appends a validated fragment to `plan`, merging into its last segment when allowed.
@@ -49,10 +53,11 @@ fn append(plan: &mut Plan, f: &Fragment, max_segment: u64) {
             && s.dst_offset.checked_add(s.len) == Some(f.dst_offset)
             && s.len.checked_add(f.len).is_some_and(|sum| sum <= max_segment)
     });
-    let segment = match (merges, last, plan.segments.last_mut()) {
+    let (segment, at) = match (merges, last, plan.segments.last_mut()) {
         (true, Some(i), Some(s)) => {
+            let at = s.len;
             s.len += f.len;
-            i
+            (i, at)
         }
         _ => {
             plan.segments.push(Segment {
@@ -60,11 +65,11 @@ fn append(plan: &mut Plan, f: &Fragment, max_segment: u64) {
                 dst_offset: f.dst_offset,
                 len: f.len,
             });
-            plan.segments.len() - 1
+            (plan.segments.len() - 1, 0)
         }
     };
     if plan.tags.last() != Some(&f.tag) {
         plan.tags.push(f.tag);
-        plan.tag_starts.push(TagStart { segment, joined: merges });
+        plan.tag_starts.push(TagStart { segment, at });
     }
 }

@@ -87,6 +87,13 @@ pub enum FailureCause {
     /// The engine refused the plan as a whole.
     #[error("not accepted: {0}")]
     NotAccepted(String),
+    /// The engine panicked while executing; whatever it was doing fails. The message is the
+    /// panic's payload when it was a string.
+    #[error("the engine panicked: {message}")]
+    Panicked {
+        /// The panic message.
+        message: String,
+    },
 }
 
 /// One failed plan, or one failed segment of a plan: the objects whose bytes did not arrive.

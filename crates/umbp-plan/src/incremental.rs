@@ -48,6 +48,8 @@ pub struct IncrementalBuilder<R> {
     /// before `by_pair`, it finds the plan without hashing when a destination has one source.
     dst_hint: Vec<usize>,
     rejected: Vec<Tag>,
+    /// Why each rejected tag was rejected, beside it.
+    reasons: Vec<RejectReason>,
     cursor: Cursor,
     scope: Scope,
     /// Objects opened so far.
@@ -169,6 +171,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             by_pair: HashMap::default(),
             dst_hint: Vec::new(),
             rejected: Vec::new(),
+            reasons: Vec::new(),
             cursor: Cursor::NONE,
             scope: Scope::Closed,
             epoch: 0,
@@ -223,7 +226,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             next_dst: u64::MAX,
             last_len: 0,
             segments_before: 0,
-            first_joined: false,
+            first_join_at: 0,
             live: true,
             builder: self,
         })
@@ -278,8 +281,8 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         if !self.cursor_accepts(&f) {
             return self.reject(f);
         }
-        let joined = self.cursor.merges(&f, self.max_segment);
-        self.note_tag(index, tag, self.plans[index].segments.len(), joined);
+        let at = if self.cursor.merges(&f, self.max_segment) { self.cursor.last_len } else { 0 };
+        self.note_tag(index, tag, self.plans[index].segments.len(), at);
         self.push(f)
     }
 
@@ -314,16 +317,16 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     }
 
     /// Records that object `tag` has bytes in plan `index`, if it is the first time: its first
-    /// fragment either `joined` the plan's segment `segments_before - 1` or opened segment
-    /// `segments_before`.
-    fn note_tag(&mut self, index: usize, tag: Tag, segments_before: usize, joined: bool) {
+    /// fragment either extended the plan's segment `segments_before - 1`, which was `at > 0`
+    /// bytes long then, or (`at == 0`) opened segment `segments_before`.
+    fn note_tag(&mut self, index: usize, tag: Tag, segments_before: usize, at: u64) {
         let state = &mut self.states[index];
         if state.last_tag != Some(tag) {
             state.last_tag = Some(tag);
-            let segment = segments_before - usize::from(joined);
+            let segment = segments_before - usize::from(at != 0);
             let plan = &mut self.plans[index];
             plan.tags.push(tag);
-            plan.tag_starts.push(TagStart { segment, joined });
+            plan.tag_starts.push(TagStart { segment, at });
         }
     }
 
@@ -409,6 +412,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     fn poison(&mut self, tag: Tag, reason: RejectReason) -> Error {
         self.undo_object();
         self.rejected.push(tag);
+        self.reasons.push(reason);
         self.scope = Scope::Poisoned(tag);
         tracing::debug!(tag = tag.get(), %reason, "object rejected");
         Error::Rejected { tag, reason }
@@ -532,6 +536,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         self.open_tag().ok_or(Error::NoOpenObject)?;
         self.undo_object();
         self.rejected.truncate(self.rejected_at_begin);
+        self.reasons.truncate(self.rejected_at_begin);
         self.scope = Scope::Closed;
         Ok(())
     }
@@ -551,18 +556,21 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         Ok(PlanSet {
             plans: std::mem::take(&mut self.plans),
             rejected: std::mem::take(&mut self.rejected),
+            reasons: std::mem::take(&mut self.reasons),
         })
     }
 
     fn recycle(&mut self, plans: PlanSet) {
-        let (mut list, mut rejected) = plans.into_parts();
+        let PlanSet { plans: mut list, mut rejected, mut reasons } = plans;
         self.spare.append(&mut list);
         if self.plans.capacity() < list.capacity() && self.plans.is_empty() {
             self.plans = list;
         }
         if self.rejected.capacity() < rejected.capacity() && self.rejected.is_empty() {
             rejected.clear();
+            reasons.clear();
             self.rejected = rejected;
+            self.reasons = reasons;
         }
     }
 }
@@ -614,10 +622,10 @@ pub struct Run<'a, R: PlanRules> {
     next_src: u64,
     next_dst: u64,
     last_len: u64,
-    /// The plan's segment count when the run bound it, and whether the run's first fragment
-    /// extended the plan's last segment.
+    /// The plan's segment count when the run bound it, and, when the run's first fragment
+    /// extended the plan's last segment, that segment's length then (0 otherwise).
     segments_before: usize,
-    first_joined: bool,
+    first_join_at: u64,
     live: bool,
 }
 
@@ -752,9 +760,10 @@ impl<R: PlanRules> Run<'_, R> {
                 return Err(e);
             }
             // Only the run's first fragment can extend the segment the plan ended with.
-            self.first_joined = src_offset == self.next_src
+            let joins = src_offset == self.next_src
                 && dst_offset == self.next_dst
                 && self.last_len.saturating_add(len) <= self.max_segment;
+            self.first_join_at = if joins { self.last_len } else { 0 };
             return self.push(src_offset, dst_offset, len);
         }
         self.hand_back();
@@ -784,13 +793,13 @@ impl<R: PlanRules> Run<'_, R> {
             return;
         };
         let grew = self.segments.len() > self.segments_before;
-        let joined = self.first_joined;
+        let at = self.first_join_at;
         let state = &mut self.builder.states[index];
         (state.next_src, state.next_dst, state.last_len) =
             (self.next_src, self.next_dst, self.last_len);
         self.builder.plans[index].segments = std::mem::take(&mut self.segments);
-        if grew || joined {
-            self.builder.note_tag(index, self.tag, self.segments_before, joined);
+        if grew || at != 0 {
+            self.builder.note_tag(index, self.tag, self.segments_before, at);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Plans: what one engine executes for one (source, destination) endpoint pair.
 
-use crate::{EndpointId, Tag};
+use crate::{EndpointId, RejectReason, Tag};
 
 /// One contiguous copy inside a plan. The layout is fixed (`repr(C)`, three `u64`s) so that an
 /// engine can hand a plan's segment array to an executor as descriptors without converting it.
@@ -15,12 +15,22 @@ pub struct Segment {
     pub len: u64,
 }
 
-/// Where a tag's fragments start inside a plan: the segment that holds its first fragment, and
-/// whether that fragment extended a segment an earlier tag had opened.
+/// Where a tag's bytes start inside a plan: the segment that holds its first fragment, and the
+/// byte of that segment where they start. `at` is 0 when the fragment opened the segment, and
+/// the segment's length so far when it extended a segment an earlier tag had opened (a
+/// *joined* start), so a plan knows to the byte which object owns which part of a merged
+/// segment.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct TagStart {
     pub(crate) segment: usize,
-    pub(crate) joined: bool,
+    pub(crate) at: u64,
+}
+
+impl TagStart {
+    /// Whether the tag's first bytes extended a segment an earlier tag opened.
+    pub(crate) fn joined(self) -> bool {
+        self.at != 0
+    }
 }
 
 /// Everything one engine executes for one (source endpoint, destination endpoint) pair: its
@@ -93,9 +103,84 @@ impl Plan {
     fn tag_reaches(&self, k: usize, index: usize) -> bool {
         match self.tag_starts.get(k + 1) {
             None => true,
-            Some(next) if next.joined => next.segment >= index,
+            Some(next) if next.joined() => next.segment >= index,
             Some(next) => next.segment > index,
         }
+    }
+
+    /// The pieces of the plan that carry object `tags()[k]`'s bytes, in order: each a segment
+    /// of this plan narrowed to the bytes of that object (nothing if `k` is out of range).
+    ///
+    /// An object's fragments arrive inside one object scope, so in each plan its bytes are one
+    /// run: from where its tag starts to where the next tag starts. Engines use this to re-issue
+    /// a failed merged segment object by object, and layers above engines to take an object's
+    /// bytes out of a plan ([`retain_tags`](Self::retain_tags)).
+    pub fn tag_pieces(&self, k: usize) -> impl Iterator<Item = Segment> + '_ {
+        self.indexed_pieces(k).map(|(_, piece)| piece)
+    }
+
+    /// [`tag_pieces`](Self::tag_pieces), each with the index of the segment it comes from.
+    fn indexed_pieces(&self, k: usize) -> impl Iterator<Item = (usize, Segment)> + '_ {
+        let start = self.tag_starts.get(k).copied();
+        let end = self.tag_starts.get(k + 1).copied();
+        let segments = match (start, end) {
+            (None, _) => 0..0,
+            (Some(s), None) => s.segment..self.segments.len(),
+            // The next tag's first segment is ours too when it joined it.
+            (Some(s), Some(e)) => s.segment..e.segment + usize::from(e.joined()),
+        };
+        segments.filter_map(move |i| {
+            let s = self.segments.get(i)?;
+            let from = start.filter(|t| t.segment == i).map_or(0, |t| t.at);
+            let to = end.filter(|t| t.segment == i && t.joined()).map_or(s.len, |t| t.at);
+            (to > from).then_some((
+                i,
+                Segment {
+                    src_offset: s.src_offset + from,
+                    dst_offset: s.dst_offset + from,
+                    len: to - from,
+                },
+            ))
+        })
+    }
+
+    /// Keeps only the bytes of the objects whose tag `keep` accepts, to the byte: segments
+    /// shared with dropped objects are narrowed, segments of dropped objects alone disappear,
+    /// and kept neighbours that shared a segment still share it. Plans built for one batch then
+    /// describe the batch without those objects, whatever builder made them. Allocates only
+    /// when some tag is dropped.
+    pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {
+        let keeps: Vec<bool> = self.tags.iter().map(|&t| keep(t)).collect();
+        if keeps.iter().all(|&k| k) {
+            return;
+        }
+        let mut plan = Plan::new(self.src, self.dst);
+        // The segment the last kept piece came from: a kept piece of the same segment that
+        // starts where it ended continues it, as it did before.
+        let mut last_from = None;
+        for (k, &tag) in self.tags.iter().enumerate().filter(|&(k, _)| keeps[k]) {
+            for (n, (from, piece)) in self.indexed_pieces(k).enumerate() {
+                let joins = last_from == Some(from)
+                    && plan.segments.last().is_some_and(|l| {
+                        l.src_offset + l.len == piece.src_offset
+                            && l.dst_offset + l.len == piece.dst_offset
+                    });
+                if n == 0 {
+                    let (segment, at) = match plan.segments.last() {
+                        Some(l) if joins => (plan.segments.len() - 1, l.len),
+                        _ => (plan.segments.len(), 0),
+                    };
+                    plan.tags.push(tag);
+                    plan.tag_starts.push(TagStart { segment, at });
+                }
+                match plan.segments.last_mut() {
+                    Some(l) if joins => l.len += piece.len,
+                    _ => plan.segments.push(piece),
+                }
+                last_from = Some(from);
+            }
+        }
+        *self = plan;
     }
 
     pub(crate) fn new(src: EndpointId, dst: EndpointId) -> Self {
@@ -117,6 +202,8 @@ impl Plan {
 pub struct PlanSet {
     pub(crate) plans: Vec<Plan>,
     pub(crate) rejected: Vec<Tag>,
+    /// Why each rejected tag was rejected, beside it.
+    pub(crate) reasons: Vec<RejectReason>,
 }
 
 impl PlanSet {
@@ -128,6 +215,11 @@ impl PlanSet {
     /// Objects rejected while planning, in the order they were rejected.
     pub fn rejected(&self) -> &[Tag] {
         &self.rejected
+    }
+
+    /// Each rejected object with the reason its first refused fragment got.
+    pub fn rejections(&self) -> impl Iterator<Item = (Tag, RejectReason)> + '_ {
+        self.rejected.iter().copied().zip(self.reasons.iter().copied())
     }
 
     /// Total segments over all plans.
@@ -143,6 +235,15 @@ impl PlanSet {
     /// Whether there is nothing to execute and nothing rejected.
     pub fn is_empty(&self) -> bool {
         self.plans.is_empty() && self.rejected.is_empty()
+    }
+
+    /// Keeps only the bytes of the objects whose tag `keep` accepts, in every plan (see
+    /// [`Plan::retain_tags`]); plans left empty go. Rejected tags are left as they are.
+    pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {
+        for plan in &mut self.plans {
+            plan.retain_tags(&mut keep);
+        }
+        self.plans.retain(|p| !p.segments.is_empty());
     }
 
     /// Takes the plans and rejected tags out, for engines that execute plans by value.

@@ -13,6 +13,16 @@ pub enum ObjectState {
     Rejected,
     /// A transfer carrying its bytes failed.
     Failed,
+    /// The batch was cancelled before the object's transfers all started. Transfers that had
+    /// started finished first, so the object's destination ranges may hold some of its bytes.
+    Cancelled,
+}
+
+impl ObjectState {
+    /// Whether the state is final and not [`Completed`](Self::Completed).
+    pub const fn is_unsuccessful(self) -> bool {
+        matches!(self, Self::Rejected | Self::Failed | Self::Cancelled)
+    }
 }
 
 /// The aggregate of a batch.
@@ -54,14 +64,14 @@ impl BatchStatus {
         self.states.is_empty()
     }
 
-    /// Records a new state for object `tag`. Rejected and failed are final; completed only
-    /// replaces in flight.
+    /// Records a new state for object `tag`. Rejected, failed and cancelled are final;
+    /// completed only replaces in flight.
     pub fn set(&mut self, tag: Tag, state: ObjectState) -> Result<(), Error> {
         let objects = self.states.len();
         let slot = self.states.get_mut(tag.index()).ok_or(Error::UnknownTag { tag, objects })?;
         let old = *slot;
         let replace = match (old, state) {
-            (ObjectState::Rejected | ObjectState::Failed, _) => false,
+            (ObjectState::Rejected | ObjectState::Failed | ObjectState::Cancelled, _) => false,
             (ObjectState::Completed, ObjectState::Completed | ObjectState::InFlight) => false,
             _ => old != state,
         };
@@ -107,7 +117,7 @@ impl BatchStatus {
         self.completed
     }
 
-    /// Objects rejected or failed.
+    /// Objects rejected, failed or cancelled.
     pub fn failed_count(&self) -> usize {
         self.states.len() - self.in_flight - self.completed
     }

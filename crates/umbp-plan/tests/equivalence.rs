@@ -68,8 +68,48 @@ fn check(scenario: &Scenario, rules: Rules) {
     assert_eq!(again.plans, expected, "a recycled builder differs");
 }
 
+/// Taking objects out of a finished plan set, to the byte, gives what the batch planner gives
+/// without their fragments: same segments, same tags, same tag boundaries.
+fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
+    let registry = EndpointRegistry::new();
+    // SAFETY: these plans are compared, never executed.
+    unsafe { scenario.register_invented(&registry) };
+    let planner = RulePlanner::new(rules, registry.clone());
+    let mut incremental = IncrementalBuilder::new(rules, registry.clone());
+    let outcome = drive(&mut incremental, scenario).expect("no builder misuse");
+    let dropped = |t: umbp_plan::Tag| drop_mask >> (t.get() % 64) & 1 == 1;
+
+    // Every object's pieces add up to its committed bytes in each plan.
+    for plan in outcome.plans.plans() {
+        let pieces: u64 =
+            (0..plan.tags().len()).flat_map(|k| plan.tag_pieces(k)).map(|s| s.len).sum();
+        assert_eq!(pieces, plan.bytes(), "pieces do not tile the plan");
+    }
+
+    let mut narrowed = outcome.plans.clone();
+    narrowed.retain_tags(|t| !dropped(t));
+    let kept: Vec<Fragment> =
+        outcome.committed.iter().copied().filter(|f| !dropped(f.tag)).collect();
+    let expected = planner.plan_batch(&kept);
+    let sorted = |plans: &[umbp_plan::Plan]| {
+        let mut v = plans.to_vec();
+        v.sort_by_key(|p| (p.src(), p.dst()));
+        v
+    };
+    assert_eq!(sorted(narrowed.plans()), sorted(expected.plans()), "retain_tags differs");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn retaining_tags_equals_planning_without_them(
+        scenario in scenarios(ScenarioConfig::default()),
+        drop_mask in any::<u64>(),
+        max_segment in prop_oneof![Just(u64::MAX), 1u64..20_000],
+    ) {
+        check_retain(&scenario, Rules { max_segment, align: 1 }, drop_mask);
+    }
 
     #[test]
     fn incremental_equals_batch_planner(scenario in scenarios(ScenarioConfig::default())) {
