@@ -16,7 +16,7 @@ use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, Page
 use umbp_hbm::{DeviceRegion, HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    BatchState, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Tag, TransferEngine,
+    BatchState, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, TransferEngine,
 };
 use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
 
@@ -151,11 +151,13 @@ impl Setup {
             .iter()
             .map(|&b| {
                 (0..s.ranges)
-                    .map(|r| ObjectRange {
-                        offset: r as u64 * s.range_len,
-                        len: s.range_len,
-                        endpoint: self.destinations[r].id,
-                        endpoint_offset: b as u64 * s.range_len,
+                    .map(|r| {
+                        ObjectRange::new(
+                            r as u64 * s.range_len,
+                            s.range_len,
+                            self.destinations[r].id,
+                            b as u64 * s.range_len,
+                        )
                     })
                     .collect()
             })
@@ -164,7 +166,7 @@ impl Setup {
             .iter()
             .zip(&ranges)
             .map(|(&b, ranges)| ObjectTransfer {
-                tag: Tag::new(b as u32),
+                tag: b as u64,
                 object: PagedObject {
                     tier: if from_ssd(b) { self.file_id } else { self.arena_id },
                     pages: self.table.object(b),
@@ -178,16 +180,16 @@ impl Setup {
         let mut times = Vec::new();
         let mut completed = true;
         // One untimed restore first: it warms the builders, the pool and the file's path.
-        let warm = restore(composite, &mut builder, &batch);
-        completed &= warm.aggregate == BatchState::Completed;
+        let warm = restore(&mut builder, &batch);
+        completed &= warm.is_ok_and(|r| r.aggregate == BatchState::Completed);
         for _ in 0..iterations.max(1) {
             for d in &self.destinations {
                 let _ = self.hbm.runtime().fill(d.addr, d.len, 0xA5);
             }
             let t = Instant::now();
-            let report = restore(composite, &mut builder, &batch);
+            let report = restore(&mut builder, &batch);
             times.push(t.elapsed().as_secs_f64());
-            completed &= report.aggregate == BatchState::Completed;
+            completed &= report.is_ok_and(|r| r.aggregate == BatchState::Completed);
         }
         times.sort_by(f64::total_cmp);
         (times[times.len() / 2], completed && self.verify(objects))

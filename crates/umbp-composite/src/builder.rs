@@ -1,12 +1,13 @@
-//! The composite builder: one object scope over every engine's own builder.
+//! The composite builder: one object scope over every engine's own builder, per layer group.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use umbp_plan::{
     EndpointId, EndpointTable, Error, Fragment, PlanBuilder, PlanSet, RejectReason, Tag,
 };
 
+use crate::batch::GroupListener;
 use crate::metrics::direction;
 use crate::route::{route, Route};
 use crate::CompositeEngine;
@@ -20,34 +21,74 @@ pub struct StagedFragment {
     pub read: usize,
     /// Engine of the second hop.
     pub write: usize,
+    /// The layer group it belongs to.
+    pub group: u32,
 }
 
-/// One engine's share of a batch.
+/// One engine's share of one layer group of a batch.
 #[derive(Debug)]
 pub struct RoutedPart {
+    /// The layer group.
+    pub group: u32,
     /// The engine's position in the composite.
     pub engine: usize,
     /// The engine's plans, built by the engine's own builder.
     pub plans: PlanSet,
 }
 
-/// Everything a composite builder produced for one batch.
-#[derive(Debug, Default)]
+/// Everything a composite builder produced for one batch, ready for
+/// [`CompositeEngine::submit`]. Only a builder makes one, and only the composite whose builder
+/// made it accepts it.
+#[derive(Default)]
 pub struct RoutedPlans {
-    /// Each engine's plans, marked with the engine that made them.
-    pub parts: Vec<RoutedPart>,
-    /// Fragments for the staged route.
-    pub staged: Vec<StagedFragment>,
-    /// Every rejected object, from routing and from every engine's builder.
-    pub rejected: Vec<Tag>,
+    pub(crate) composite: u64,
+    pub(crate) parts: Vec<RoutedPart>,
+    pub(crate) staged: Vec<StagedFragment>,
+    /// Every object of the batch, in the order it was begun (rolled-back objects are not).
+    pub(crate) objects: Vec<Tag>,
+    /// Every rejected object, from routing and from every engine's builder, with its reason.
+    pub(crate) rejected: Vec<(Tag, Error)>,
+    pub(crate) listener: Option<Arc<dyn GroupListener>>,
 }
 
 impl RoutedPlans {
+    /// Each engine's plans per layer group.
+    pub fn parts(&self) -> &[RoutedPart] {
+        &self.parts
+    }
+
+    /// Fragments for the staged route.
+    pub fn staged(&self) -> &[StagedFragment] {
+        &self.staged
+    }
+
+    /// The batch's objects, in the order they were begun.
+    pub fn objects(&self) -> &[Tag] {
+        &self.objects
+    }
+
+    /// The rejected objects with the reason of each.
+    pub fn rejected(&self) -> &[(Tag, Error)] {
+        &self.rejected
+    }
+
     /// Whether there is nothing to execute and nothing rejected.
     pub fn is_empty(&self) -> bool {
         self.parts.iter().all(|p| p.plans.plans().is_empty())
             && self.staged.is_empty()
             && self.rejected.is_empty()
+    }
+}
+
+impl std::fmt::Debug for RoutedPlans {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoutedPlans")
+            .field("parts", &self.parts)
+            .field("staged", &self.staged)
+            .field("objects", &self.objects)
+            .field("rejected", &self.rejected)
+            .field("listener", &self.listener.is_some())
+            .finish()
     }
 }
 
@@ -58,54 +99,108 @@ enum Scope {
     Poisoned(Tag),
 }
 
+/// One engine's builder for one layer group.
+struct Sub<'a> {
+    group: u32,
+    engine: usize,
+    builder: Box<dyn PlanBuilder + Send + 'a>,
+    /// Whether the open object is open in it.
+    open: bool,
+}
+
+/// The pair, group and route of the last push, so that runs of one pair skip every lookup.
+#[derive(Copy, Clone)]
+struct LastPush {
+    pair: (EndpointId, EndpointId),
+    group: u32,
+    route: Route,
+    /// The sub-builder of a direct route.
+    sub: usize,
+}
+
 /// Routes each fragment to the first engine that claims its pair and pushes it into that
-/// engine's own builder (created on first use), under one object scope: committing, rolling
-/// back or rejecting an object does so in every engine it touched.
+/// engine's own builder (created on first use, one per layer group), under one object scope:
+/// committing, rolling back or rejecting an object does so in every engine and group it
+/// touched.
 ///
 /// It keeps the [`PlanBuilder`] protocol (`begin_object`, `push`, `commit_object`,
-/// `rollback_object`), and its [`finish`](Self::finish) returns every engine's plan set.
+/// `rollback_object`, `finish`, `recycle`) with the same errors; [`set_group`](Self::set_group)
+/// chooses the layer group of the fragments pushed next. Reuse one builder across batches.
 pub struct CompositeBuilder<'a> {
     composite: &'a CompositeEngine,
     table: Arc<EndpointTable>,
-    subs: Vec<Option<Box<dyn PlanBuilder + Send + 'a>>>,
-    /// Whether each sub-builder has the current object open.
-    open_in: Vec<bool>,
+    subs: Vec<Sub<'a>>,
+    /// Sub-builders the open object is open in.
+    touched: Vec<usize>,
     routes: HashMap<(EndpointId, EndpointId), Route>,
-    /// The last pair routed, so that runs of one pair skip the map.
-    last: Option<((EndpointId, EndpointId), Route)>,
+    last: Option<LastPush>,
+    group: u32,
     staged: Vec<StagedFragment>,
     staged_at_begin: usize,
-    rejected: Vec<Tag>,
-    rejected_at_begin: usize,
+    objects: Vec<Tag>,
+    seen: HashSet<Tag>,
+    rejected: Vec<(Tag, Error)>,
+    listener: Option<Arc<dyn GroupListener>>,
     scope: Scope,
 }
 
 impl<'a> CompositeBuilder<'a> {
     pub(crate) fn new(composite: &'a CompositeEngine) -> Self {
-        let engines = composite.engines().len();
         Self {
             composite,
             table: composite.registry().snapshot(),
-            subs: (0..engines).map(|_| None).collect(),
-            open_in: vec![false; engines],
+            subs: Vec::new(),
+            touched: Vec::new(),
             routes: HashMap::new(),
             last: None,
+            group: 0,
             staged: Vec::new(),
             staged_at_begin: 0,
+            objects: Vec::new(),
+            seen: HashSet::new(),
             rejected: Vec::new(),
-            rejected_at_begin: 0,
+            listener: None,
             scope: Scope::Closed,
         }
     }
 
-    /// Opens object `tag`.
+    /// The composite this builder plans for.
+    pub fn composite(&self) -> &'a CompositeEngine {
+        self.composite
+    }
+
+    /// Whether no object is open and none has been begun since the last `finish`.
+    pub fn is_idle(&self) -> bool {
+        self.scope == Scope::Closed && self.objects.is_empty() && self.rejected.is_empty()
+    }
+
+    /// Puts the fragments pushed from now on into layer group `group` (0 until set; back to 0
+    /// after `finish`). The executor starts group `k`'s transfers before group `k + 1`'s on
+    /// every engine, and [`Batch::wait_group`](crate::Batch::wait_group) returns once groups up
+    /// to `k` have landed. An object may span groups (one range per layer group, say): it
+    /// completes when its last group does. May be called inside an object.
+    pub fn set_group(&mut self, group: u32) {
+        self.group = group;
+    }
+
+    /// Tells `listener` of each layer group of the next batch as it settles (see
+    /// [`GroupListener`]). Cleared by `finish`, which hands it to the batch.
+    pub fn set_group_listener(&mut self, listener: Arc<dyn GroupListener>) {
+        self.listener = Some(listener);
+    }
+
+    /// Opens object `tag`. Each tag names one object of the batch: a tag already begun (and
+    /// not rolled back) in this batch is [`Error::DuplicateTag`].
     pub fn begin_object(&mut self, tag: Tag) -> Result<(), Error> {
         match self.scope {
             Scope::Open(open) | Scope::Poisoned(open) => Err(Error::ObjectOpen { open }),
             Scope::Closed => {
+                if !self.seen.insert(tag) {
+                    return Err(Error::DuplicateTag { tag });
+                }
+                self.objects.push(tag);
                 self.scope = Scope::Open(tag);
                 self.staged_at_begin = self.staged.len();
-                self.rejected_at_begin = self.rejected.len();
                 Ok(())
             }
         }
@@ -125,13 +220,13 @@ impl<'a> CompositeBuilder<'a> {
             }
             Scope::Open(tag) => tag,
         };
-        let route = match self.last {
-            Some((pair, route)) if pair == (f.src, f.dst) => route,
-            _ => self.route(f.src, f.dst),
+        let last = match self.last {
+            Some(last) if last.pair == (f.src, f.dst) && last.group == self.group => last,
+            _ => self.lookup(f.src, f.dst),
         };
-        match route {
+        match last.route {
             Route::Direct(i) => {
-                let sub = self.open_sub(i, tag)?;
+                let sub = self.open_sub(last.sub, tag)?;
                 match sub.push(f) {
                     Err(Error::Rejected { reason, .. }) => {
                         Err(self.poison(tag, reason, &f, Some(i)))
@@ -141,7 +236,12 @@ impl<'a> CompositeBuilder<'a> {
             }
             Route::Staged { read, write } => match self.check_staged(&f) {
                 Ok(()) => {
-                    self.staged.push(StagedFragment { fragment: f, read, write });
+                    self.staged.push(StagedFragment {
+                        fragment: f,
+                        read,
+                        write,
+                        group: self.group,
+                    });
                     Ok(())
                 }
                 Err(reason) => Err(self.poison(tag, reason, &f, None)),
@@ -157,65 +257,110 @@ impl<'a> CompositeBuilder<'a> {
         }
     }
 
-    /// Commits the open object in every engine it touched.
+    /// Commits the open object in every engine and group it touched.
     pub fn commit_object(&mut self) -> Result<(), Error> {
         if self.scope == Scope::Closed {
             return Err(Error::NoOpenObject);
         }
-        for i in 0..self.subs.len() {
-            if std::mem::take(&mut self.open_in[i]) {
-                if let Some(sub) = self.subs[i].as_mut() {
-                    sub.commit_object()?;
-                }
+        let mut result = Ok(());
+        for i in self.touched.drain(..) {
+            let sub = &mut self.subs[i];
+            sub.open = false;
+            result = result.and(sub.builder.commit_object());
+        }
+        self.scope = Scope::Closed;
+        result
+    }
+
+    /// Rolls the open object back in every engine and group it touched; it is no longer part
+    /// of the batch.
+    pub fn rollback_object(&mut self) -> Result<(), Error> {
+        let tag = match self.scope {
+            Scope::Closed => return Err(Error::NoOpenObject),
+            Scope::Open(tag) | Scope::Poisoned(tag) => tag,
+        };
+        let result = self.rollback_subs();
+        self.staged.truncate(self.staged_at_begin);
+        if self.scope == Scope::Poisoned(tag) {
+            self.rejected.pop();
+        }
+        self.objects.pop();
+        self.seen.remove(&tag);
+        self.scope = Scope::Closed;
+        result
+    }
+
+    /// Closes the open object as rejected for `reason` (a range or page list the caller's own
+    /// checks refused, say): nothing of it stays in any engine, and the batch reports it
+    /// rejected with `reason`. An object already rejected by a push keeps that push's reason.
+    pub fn reject_object(&mut self, reason: Error) -> Result<(), Error> {
+        match self.scope {
+            Scope::Closed => return Err(Error::NoOpenObject),
+            Scope::Poisoned(_) => {}
+            Scope::Open(tag) => {
+                let _ = self.rollback_subs();
+                self.staged.truncate(self.staged_at_begin);
+                self.rejected.push((tag, reason));
             }
         }
         self.scope = Scope::Closed;
         Ok(())
     }
 
-    /// Rolls the open object back in every engine it touched.
-    pub fn rollback_object(&mut self) -> Result<(), Error> {
-        if self.scope == Scope::Closed {
-            return Err(Error::NoOpenObject);
-        }
-        self.rollback_subs()?;
-        self.staged.truncate(self.staged_at_begin);
-        self.rejected.truncate(self.rejected_at_begin);
-        self.scope = Scope::Closed;
-        Ok(())
-    }
-
-    /// Returns every engine's plans and all rejected tags, and leaves the builder ready for the
-    /// next batch.
+    /// Returns every engine's plans per layer group, the staged fragments, the batch's objects
+    /// and every rejected object, and leaves the builder ready for the next batch.
+    ///
+    /// An object that an engine rejects only here (an engine with a buffered builder validates
+    /// at `finish`) is taken out of every other engine's plans too, to the byte, so no byte of
+    /// a rejected object is ever written.
     pub fn finish(&mut self) -> Result<RoutedPlans, Error> {
         if let Scope::Open(open) | Scope::Poisoned(open) = self.scope {
             return Err(Error::ObjectOpen { open });
         }
         let mut out = RoutedPlans {
+            composite: self.composite.id(),
             parts: Vec::new(),
             staged: std::mem::take(&mut self.staged),
+            objects: std::mem::take(&mut self.objects),
             rejected: std::mem::take(&mut self.rejected),
+            listener: self.listener.take(),
         };
-        for (engine, sub) in self.subs.iter_mut().enumerate() {
-            if let Some(sub) = sub.as_mut() {
-                let plans = sub.finish()?;
-                out.rejected.extend_from_slice(plans.rejected());
-                if !plans.plans().is_empty() || !plans.rejected().is_empty() {
-                    out.parts.push(RoutedPart { engine, plans });
+        let mut late = HashSet::new();
+        for sub in &mut self.subs {
+            let plans = sub.builder.finish()?;
+            for (tag, reason) in plans.rejections() {
+                if late.insert(tag) {
+                    out.rejected.push((tag, Error::Rejected { tag, reason }));
                 }
             }
+            if !plans.plans().is_empty() {
+                out.parts.push(RoutedPart { group: sub.group, engine: sub.engine, plans });
+            }
         }
+        if !late.is_empty() {
+            for part in &mut out.parts {
+                part.plans.retain_tags(|t| !late.contains(&t));
+            }
+            out.parts.retain(|p| !p.plans.plans().is_empty());
+            out.staged.retain(|s| !late.contains(&s.fragment.tag));
+        }
+        out.parts.sort_by_key(|p| (p.group, p.engine));
         self.staged_at_begin = 0;
-        self.rejected_at_begin = 0;
+        self.seen.clear();
+        self.group = 0;
+        self.last = None;
         self.table = self.composite.registry().snapshot();
         Ok(out)
     }
 
-    /// Hands a batch's buffers back to the engines' builders for the next batch.
+    /// Hands a batch's buffers back to the engines' builders for the next batch (from
+    /// [`Batch::into_plans`](crate::Batch::into_plans)).
     pub fn recycle(&mut self, plans: RoutedPlans) {
         for part in plans.parts {
-            if let Some(Some(sub)) = self.subs.get_mut(part.engine) {
-                sub.recycle(part.plans);
+            if let Some(sub) =
+                self.subs.iter_mut().find(|s| (s.group, s.engine) == (part.group, part.engine))
+            {
+                sub.builder.recycle(part.plans);
             }
         }
         let mut staged = plans.staged;
@@ -223,9 +368,15 @@ impl<'a> CompositeBuilder<'a> {
             staged.clear();
             self.staged = staged;
         }
+        let mut objects = plans.objects;
+        if self.objects.is_empty() && objects.capacity() > self.objects.capacity() {
+            objects.clear();
+            self.objects = objects;
+        }
     }
 
-    fn route(&mut self, src: EndpointId, dst: EndpointId) -> Route {
+    /// Routes a pair for the current group: the route, and for a direct one the sub-builder.
+    fn lookup(&mut self, src: EndpointId, dst: EndpointId) -> LastPush {
         let route = match self.routes.get(&(src, dst)) {
             Some(&r) => r,
             None => {
@@ -244,23 +395,38 @@ impl<'a> CompositeBuilder<'a> {
                 r
             }
         };
-        self.last = Some(((src, dst), route));
-        route
+        let sub = match route {
+            Route::Direct(engine) => self.sub_for(self.group, engine),
+            _ => usize::MAX,
+        };
+        let last = LastPush { pair: (src, dst), group: self.group, route, sub };
+        self.last = Some(last);
+        last
     }
 
-    /// Engine `i`'s builder with object `tag` open in it.
+    /// The sub-builder of `engine` for `group`, created on first use.
+    fn sub_for(&mut self, group: u32, engine: usize) -> usize {
+        if let Some(i) = self.subs.iter().position(|s| (s.group, s.engine) == (group, engine)) {
+            return i;
+        }
+        let builder = self.composite.engine_builder(engine);
+        self.subs.push(Sub { group, engine, builder, open: false });
+        self.subs.len() - 1
+    }
+
+    /// Sub-builder `i` with object `tag` open in it.
     fn open_sub(
         &mut self,
         i: usize,
         tag: Tag,
     ) -> Result<&mut Box<dyn PlanBuilder + Send + 'a>, Error> {
-        let composite = self.composite;
-        let sub = self.subs[i].get_or_insert_with(|| composite.engine_builder(i));
-        if !self.open_in[i] {
-            sub.begin_object(tag)?;
-            self.open_in[i] = true;
+        let sub = &mut self.subs[i];
+        if !sub.open {
+            sub.builder.begin_object(tag)?;
+            sub.open = true;
+            self.touched.push(i);
         }
-        Ok(sub)
+        Ok(&mut sub.builder)
     }
 
     /// Bounds of a staged fragment against both endpoints.
@@ -294,7 +460,8 @@ impl<'a> CompositeBuilder<'a> {
     ) -> Error {
         let _ = self.rollback_subs();
         self.staged.truncate(self.staged_at_begin);
-        self.rejected.push(tag);
+        let error = Error::Rejected { tag, reason };
+        self.rejected.push((tag, error));
         self.scope = Scope::Poisoned(tag);
         let name = engine.map_or("unrouted", |i| self.composite.engines()[i].name());
         let dir = match (self.table.get(f.src), self.table.get(f.dst)) {
@@ -303,17 +470,15 @@ impl<'a> CompositeBuilder<'a> {
         };
         self.composite.metrics().record(name, dir, |c| c.rejected_fragments += 1);
         tracing::debug!(tag = tag.get(), %reason, "object rejected");
-        Error::Rejected { tag, reason }
+        error
     }
 
     fn rollback_subs(&mut self) -> Result<(), Error> {
         let mut result = Ok(());
-        for i in 0..self.subs.len() {
-            if std::mem::take(&mut self.open_in[i]) {
-                if let Some(sub) = self.subs[i].as_mut() {
-                    result = result.and(sub.rollback_object());
-                }
-            }
+        for i in self.touched.drain(..) {
+            let sub = &mut self.subs[i];
+            sub.open = false;
+            result = result.and(sub.builder.rollback_object());
         }
         result
     }

@@ -1,5 +1,5 @@
-//! The composite engine of the umbp transfer engines: one builder, one submit, one result per
-//! object for batches that span host memory, device memory and SSD files.
+//! The composite engine of the umbp transfer engines: one builder, one non-blocking submit,
+//! one result per object, for batches that span host memory, device memory and SSD files.
 //!
 //! - [`CompositeEngine`] holds engines (any [`TransferEngine`](umbp_plan::TransferEngine), from
 //!   any crate) in preference order. Registration through it reaches every engine once
@@ -7,21 +7,38 @@
 //! - [`CompositeBuilder`] routes each fragment to the first engine that claims its pair
 //!   ([`route`]) and pushes it into that engine's own builder, created on first use: engines
 //!   with an incremental builder plan incrementally, others get the buffered default. One
-//!   object scope spans every engine: a rejection or a rollback undoes the object everywhere.
+//!   object scope spans every engine: a rejection or a rollback undoes the object everywhere,
+//!   including a rejection a buffered builder only finds at `finish`.
 //! - A pair no engine claims but two engines can carry through a registered host bounce region
-//!   ([`Staging`]) takes the staged route: two hops, pipelined in bounded stages.
-//! - [`CompositeEngine::submit`] runs every engine's part on its own thread so their work
-//!   overlaps, and gathers every failure.
-//! - [`restore`] and [`offload`] take paged objects and the caller's ranges and return one
-//!   result per object.
+//!   ([`Staging`]) takes the staged route: two hops per stage, each stage holding its own slot
+//!   of the bounce region, so concurrent batches never share bounce bytes.
+//! - [`CompositeEngine::submit`] returns a [`Batch`] at once. The composite's executor (threads
+//!   started once, [`CompositeConfig::workers`]) runs each engine's share side by side, layer
+//!   group after layer group; the batch shows each object's state while in flight, and can be
+//!   waited for whole, by layer group ([`Batch::wait_group`]), with a deadline, or cancelled.
+//! - [`start_restore`] / [`start_offload`] take paged objects and the caller's ranges (each
+//!   range in a layer group) and return the batch; [`restore`] and [`offload`] wait for it.
+//!   Results and errors name the caller's own 64-bit tags.
 //!
-//! # Example
+//! # Promises
+//!
+//! - No object is ever partially planned: an object rejected anywhere has no byte in any plan.
+//! - A failure lands on exactly its objects: a failed transfer, an engine that panics (in a
+//!   direct part or either hop of a stage) fail the objects of that work with a typed cause
+//!   naming the engine; nothing reports completed for bytes that did not arrive, and nothing
+//!   panics out of the composite.
+//! - The composite is `Sync`: any number of threads may plan and submit at once.
+//! - Nothing returns while an engine still writes caller memory for a batch that the call
+//!   settles: [`Batch::wait`], [`Batch::cancel`], dropping a batch and dropping the composite
+//!   all wait for the work they end.
+//!
+//! # Example: a layer-wise restore
 //!
 //! ```
 //! use std::sync::Arc;
-//! use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject};
+//! use umbp_composite::{start_restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject};
 //! use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
-//! use umbp_plan::{BatchState, DeviceOrdinal, Endpoint, EndpointRegistry, Tag};
+//! use umbp_plan::{BatchState, DeviceOrdinal, Endpoint, EndpointRegistry};
 //!
 //! let registry = EndpointRegistry::new();
 //! let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), HbmConfig::default()));
@@ -29,17 +46,25 @@
 //!
 //! // A DRAM arena of 4 pages of 4 KiB; one object stored in pages 3 and 1.
 //! let mut arena: Vec<u8> = (0..4 * 4096).map(|i| (i / 4096) as u8).collect();
-//! // SAFETY: `arena` outlives every transfer below.
+//! // SAFETY: `arena` outlives every transfer below (the batch is waited on).
 //! let tier = unsafe { composite.register(Endpoint::host(arena.as_mut_ptr() as u64, arena.len() as u64))? };
 //! let gpu = hbm.alloc_device(DeviceOrdinal::new(0), 8192)?;
 //!
+//! // The object's first page belongs to layer group 0, its second to group 1.
 //! let pages = [3 * 4096, 4096];
-//! let ranges = [ObjectRange { offset: 0, len: 8192, endpoint: gpu.id, endpoint_offset: 0 }];
+//! let ranges = [
+//!     ObjectRange::new(0, 4096, gpu.id, 0),
+//!     ObjectRange::new(4096, 4096, gpu.id, 4096).in_group(1),
+//! ];
 //! let object = PagedObject { tier, pages: &pages, page_size: 4096, size: 8192 };
-//! let batch = [ObjectTransfer { tag: Tag::new(42), object, ranges: &ranges }];
+//! let objects = [ObjectTransfer { tag: 42, object, ranges: &ranges }];
 //!
-//! let report = restore(&composite, &mut composite.builder(), &batch);
+//! let mut builder = composite.builder();
+//! let batch = start_restore(&mut builder, &objects)?; // returns at once
+//! batch.wait_group(0); // layer group 0 is in place; group 1 may still be moving
+//! let report = batch.wait();
 //! assert_eq!(report.aggregate, BatchState::Completed);
+//! assert_eq!(report.objects[0].tag, 42);
 //! let bytes = hbm.runtime().read(gpu.addr, 8192)?;
 //! assert_eq!((bytes[0], bytes[4096]), (3, 1));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -48,21 +73,26 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod batch;
 mod builder;
 mod engine;
 mod error;
+mod executor;
 mod metrics;
 mod restore;
 mod route;
+mod staging;
 
+pub use batch::{Batch, GroupListener, ObjectError, ObjectResult, TransferReport};
 pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
-pub use engine::{CompositeEngine, Outcome, Staging};
+pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;
-pub use metrics::{direction, Counters, Metrics, MetricsSnapshot};
+pub use metrics::{direction, Counters, InFlightSnapshot, Metrics, MetricsSnapshot};
 pub use restore::{
-    offload, restore, ObjectRange, ObjectResult, ObjectTransfer, PagedObject, TransferReport,
+    offload, restore, start_offload, start_restore, ObjectRange, ObjectTransfer, PagedObject,
 };
 pub use route::{route, Route};
+pub use staging::Staging;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -1,7 +1,7 @@
 //! Counters per engine and direction, readable as a snapshot.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 use umbp_plan::{Endpoint, EndpointKind};
 
@@ -57,5 +57,57 @@ impl Metrics {
     /// A copy of every counter.
     pub fn snapshot(&self) -> MetricsSnapshot {
         self.counters.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+}
+
+/// Batches submitted and not yet settled, and the bytes they move.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct InFlightSnapshot {
+    /// Batches not yet settled.
+    pub batches: u64,
+    /// Bytes those batches move.
+    pub bytes: u64,
+}
+
+/// The composite's in-flight counters; dropping the composite waits for them to reach zero.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    now: Mutex<InFlightSnapshot>,
+    idle: Condvar,
+}
+
+impl InFlight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, InFlightSnapshot> {
+        // Two integers updated together: a poisoned lock still guards consistent values.
+        self.now.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A batch of `bytes` started.
+    pub(crate) fn begin(&self, bytes: u64) {
+        let mut now = self.lock();
+        now.batches += 1;
+        now.bytes += bytes;
+    }
+
+    /// A batch of `bytes` settled.
+    pub(crate) fn end(&self, bytes: u64) {
+        let mut now = self.lock();
+        now.batches = now.batches.saturating_sub(1);
+        now.bytes = now.bytes.saturating_sub(bytes);
+        if now.batches == 0 {
+            self.idle.notify_all();
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> InFlightSnapshot {
+        *self.lock()
+    }
+
+    /// Blocks until no batch is in flight.
+    pub(crate) fn wait_idle(&self) {
+        let mut now = self.lock();
+        while now.batches > 0 {
+            now = self.idle.wait(now).unwrap_or_else(PoisonError::into_inner);
+        }
     }
 }

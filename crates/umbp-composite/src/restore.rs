@@ -1,18 +1,18 @@
-//! The restore and offload entry points: paged objects in, one result per object out.
+//! The restore and offload entry points: paged objects in, one result per object out, as a
+//! [`Batch`] to poll or wait on, or blocking.
 
-use umbp_plan::{
-    check_ranges, BatchState, BatchStatus, EndpointId, Error as PlanError, Failure, Fragment,
-    ObjectState, PageWalk, Tag, WalkError,
-};
+use std::collections::HashSet;
 
-use crate::{CompositeBuilder, CompositeEngine, Outcome};
+use umbp_plan::{check_ranges, EndpointId, Error as PlanError, Fragment, PageWalk, Tag, WalkError};
+
+use crate::{Batch, CompositeBuilder, Error, TransferReport};
 
 /// Where an object lives: its pages in a tier (a DRAM arena or an SSD file).
 #[derive(Copy, Clone, Debug)]
 pub struct PagedObject<'a> {
     /// The tier endpoint holding the pages.
     pub tier: EndpointId,
-    /// Tier offsets of the object's pages, in object order.
+    /// Byte offsets of the object's pages inside the tier, in object order.
     pub pages: &'a [u64],
     /// Page size.
     pub page_size: u64,
@@ -31,13 +31,30 @@ pub struct ObjectRange {
     pub endpoint: EndpointId,
     /// Offset inside the caller's endpoint.
     pub endpoint_offset: u64,
+    /// The layer group the range belongs to (see
+    /// [`CompositeBuilder::set_group`](crate::CompositeBuilder::set_group)). Default: 0.
+    pub group: u32,
+}
+
+impl ObjectRange {
+    /// Bytes `offset .. offset + len` of the object, to or from `endpoint` at
+    /// `endpoint_offset`, in layer group 0.
+    pub const fn new(offset: u64, len: u64, endpoint: EndpointId, endpoint_offset: u64) -> Self {
+        Self { offset, len, endpoint, endpoint_offset, group: 0 }
+    }
+
+    /// The same range in layer group `group`.
+    pub const fn in_group(mut self, group: u32) -> Self {
+        self.group = group;
+        self
+    }
 }
 
 /// One object of a restore or offload batch.
 #[derive(Copy, Clone, Debug)]
 pub struct ObjectTransfer<'a> {
-    /// The caller's own tag for the object, given back in its result.
-    pub tag: Tag,
+    /// The caller's own tag for the object, given back in its result; once per batch.
+    pub tag: u64,
     /// Where the object's pages are.
     pub object: PagedObject<'a>,
     /// The ranges to move, sorted by offset and disjoint (for an offload they must tile the
@@ -45,45 +62,52 @@ pub struct ObjectTransfer<'a> {
     pub ranges: &'a [ObjectRange],
 }
 
-/// The result of one object.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ObjectResult {
-    /// The caller's tag.
-    pub tag: Tag,
-    /// Completed, rejected (bad range, page list or fragment) or failed (a transfer failed).
-    pub state: ObjectState,
+/// Starts restoring `objects` (their ranges from the tier into the caller's destinations) in
+/// one batch and returns it at once: validates each object's ranges and pages, walks them into
+/// `builder` with one object scope per object (an object that fails any check is rejected with
+/// its reason and leaves nothing behind), and submits to the builder's composite.
+///
+/// Errors, before anything is planned: [`Error::DuplicateTag`], [`Error::BuilderInUse`] when
+/// `builder` holds an unfinished batch; then those of [`CompositeEngine::submit`](crate::CompositeEngine::submit).
+pub fn start_restore(
+    builder: &mut CompositeBuilder<'_>,
+    objects: &[ObjectTransfer<'_>],
+) -> Result<Batch, Error> {
+    start(builder, objects, Direction::Restore)
 }
 
-/// The result of a batch.
-#[derive(Debug)]
-pub struct TransferReport {
-    /// One result per object, in the batch's order.
-    pub objects: Vec<ObjectResult>,
-    /// The aggregate: completed only if every object completed.
-    pub aggregate: BatchState,
-    /// Every execution failure, for diagnosis.
-    pub failures: Vec<Failure>,
-}
-
-/// Restores `objects` (their ranges from the tier into the caller's destinations) in one
-/// batch: validates ranges, walks pages into `builder` with one object scope per object,
-/// submits once, waits once, and maps rejected and failed objects back to their tags.
+/// [`start_restore`], then waits: blocks until every object has settled, recycles the plans
+/// into `builder` and returns one result per object.
 pub fn restore(
-    composite: &CompositeEngine,
     builder: &mut CompositeBuilder<'_>,
     objects: &[ObjectTransfer<'_>],
-) -> TransferReport {
-    run(composite, builder, objects, Direction::Restore)
+) -> Result<TransferReport, Error> {
+    let batch = start_restore(builder, objects)?;
+    Ok(finish(builder, batch))
 }
 
-/// Offloads `objects`: writes their ranges (which must tile each object) from the caller's
-/// memory into the tier's pages, in one batch, with one result per object.
-pub fn offload(
-    composite: &CompositeEngine,
+/// Starts offloading `objects`: writes their ranges (which must tile each object) from the
+/// caller's memory into the tier's pages, in one batch; as [`start_restore`] otherwise.
+pub fn start_offload(
     builder: &mut CompositeBuilder<'_>,
     objects: &[ObjectTransfer<'_>],
-) -> TransferReport {
-    run(composite, builder, objects, Direction::Offload)
+) -> Result<Batch, Error> {
+    start(builder, objects, Direction::Offload)
+}
+
+/// [`start_offload`], then waits, as [`restore`].
+pub fn offload(
+    builder: &mut CompositeBuilder<'_>,
+    objects: &[ObjectTransfer<'_>],
+) -> Result<TransferReport, Error> {
+    let batch = start_offload(builder, objects)?;
+    Ok(finish(builder, batch))
+}
+
+fn finish(builder: &mut CompositeBuilder<'_>, batch: Batch) -> TransferReport {
+    let report = batch.wait();
+    builder.recycle(batch.into_plans());
+    report
 }
 
 #[derive(Copy, Clone, PartialEq, Eq)]
@@ -92,43 +116,40 @@ enum Direction {
     Offload,
 }
 
-fn run(
-    composite: &CompositeEngine,
+fn start(
     builder: &mut CompositeBuilder<'_>,
     objects: &[ObjectTransfer<'_>],
     direction: Direction,
-) -> TransferReport {
+) -> Result<Batch, Error> {
+    if !builder.is_idle() {
+        return Err(Error::BuilderInUse);
+    }
+    if u32::try_from(objects.len()).is_err() {
+        return Err(Error::TooManyObjects(objects.len()));
+    }
+    let mut seen = HashSet::with_capacity(objects.len());
+    if let Some(o) = objects.iter().find(|o| !seen.insert(o.tag)) {
+        return Err(Error::DuplicateTag(o.tag));
+    }
     let span = tracing::info_span!("umbp.build", objects = objects.len());
-    let mut status = BatchStatus::new(objects.len());
-    {
+    let plans = {
         let _enter = span.enter();
         for (i, o) in objects.iter().enumerate() {
             // Batch-internal tags are positions, so results map back without a lookup.
             let tag = Tag::new(i as u32);
-            if plan_object(builder, tag, o, direction).is_err() {
-                // The object is reported below; its scope is gone either way.
-                let _ = builder.rollback_object();
-                let _ = status.set(tag, ObjectState::Rejected);
+            builder.begin_object(tag)?;
+            match plan_object(builder, tag, o, direction) {
+                Ok(()) => builder.commit_object()?,
+                Err(reason) => builder.reject_object(reason)?,
             }
         }
-    }
-    let plans = match builder.finish() {
-        Ok(plans) => plans,
-        Err(_) => {
-            // Only an object left open can cause this, and every scope above was closed.
-            return report(objects, status, Vec::new());
-        }
+        builder.finish()?
     };
-    let rejected = plans.rejected.clone();
-    let Outcome { failures, plans } = composite.submit(plans);
-    let span = tracing::info_span!("umbp.wait", failures = failures.len());
-    let _enter = span.enter();
-    let _ = status.settle(&rejected, &failures);
-    builder.recycle(plans);
-    report(objects, status, failures)
+    let keys = objects.iter().map(|o| o.tag).collect();
+    builder.composite().start(plans, Some(keys))
 }
 
-/// Checks one object's ranges and pages and pushes its fragments inside one object scope.
+/// Checks one object's ranges and pages and pushes its fragments into the open object.
 fn plan_object(
     builder: &mut CompositeBuilder<'_>,
     tag: Tag,
@@ -146,8 +167,8 @@ fn plan_object(
         }
     }
     let walk = PageWalk::new(o.object.pages, o.object.page_size, o.object.size)?;
-    builder.begin_object(tag)?;
     for r in o.ranges {
+        builder.set_group(r.group);
         walk.walk(r.offset, r.len, r.endpoint_offset, |page| {
             let f = match direction {
                 Direction::Restore => Fragment::new(
@@ -170,18 +191,5 @@ fn plan_object(
             builder.push(f)
         })?;
     }
-    builder.commit_object()
-}
-
-fn report(
-    objects: &[ObjectTransfer<'_>],
-    status: BatchStatus,
-    failures: Vec<Failure>,
-) -> TransferReport {
-    let results = objects
-        .iter()
-        .zip(status.objects())
-        .map(|(o, &state)| ObjectResult { tag: o.tag, state })
-        .collect();
-    TransferReport { objects: results, aggregate: status.aggregate(), failures }
+    Ok(())
 }

@@ -54,31 +54,21 @@ fn a_mixed_batch_into_device_and_host_memory_lands_exactly() {
             let dst = if o % 2 == 0 { dev.id } else { host_id };
             let base = o as u64 * size;
             [
-                ObjectRange {
-                    offset: 100,
-                    len: 2 * PAGE,
-                    endpoint: dst,
-                    endpoint_offset: base + 100,
-                },
-                ObjectRange {
-                    offset: 3 * PAGE + 7,
-                    len: 2 * PAGE,
-                    endpoint: dst,
-                    endpoint_offset: base + 3 * PAGE + 7,
-                },
+                ObjectRange::new(100, 2 * PAGE, dst, base + 100),
+                ObjectRange::new(3 * PAGE + 7, 2 * PAGE, dst, base + 3 * PAGE + 7),
             ]
         })
         .collect();
     let batch: Vec<ObjectTransfer> = (0..objects)
         .map(|o| ObjectTransfer {
-            tag: Tag::new(1000 + o as u32),
+            tag: 1000 + o as u64,
             object: PagedObject { tier: a.id, pages: &a.page_tables[o], page_size: PAGE, size },
             ranges: &ranges[o],
         })
         .collect();
-    let report = restore(&rig.composite, &mut rig.composite.builder(), &batch);
-    assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report.failures);
-    assert!(report.objects.iter().enumerate().all(|(o, r)| r.tag == Tag::new(1000 + o as u32)));
+    let report = restore(&mut rig.composite.builder(), &batch).unwrap();
+    assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report);
+    assert!(report.objects.iter().enumerate().all(|(o, r)| r.tag == 1000 + o as u64));
     let device = rig.read_device(dev);
     for (o, object_ranges) in ranges.iter().enumerate() {
         let out: &[u8] = if o % 2 == 0 { &device } else { &host_out };
@@ -106,29 +96,24 @@ fn a_range_past_the_object_end_fails_that_object_only() {
     let a = arena(&rig, 2, 4, 2);
     let size = 4 * PAGE;
     let dev = rig.device(2 * size);
-    let good = [ObjectRange { offset: 0, len: size, endpoint: dev.id, endpoint_offset: 0 }];
+    let good = [ObjectRange::new(0, size, dev.id, 0)];
     let bad = [
-        ObjectRange { offset: 0, len: PAGE, endpoint: dev.id, endpoint_offset: size },
-        ObjectRange {
-            offset: 2 * PAGE,
-            len: 2 * PAGE + 1,
-            endpoint: dev.id,
-            endpoint_offset: size + 2 * PAGE,
-        },
+        ObjectRange::new(0, PAGE, dev.id, size),
+        ObjectRange::new(2 * PAGE, 2 * PAGE + 1, dev.id, size + 2 * PAGE),
     ];
     let batch = [
         ObjectTransfer {
-            tag: Tag::new(7),
+            tag: 7,
             object: PagedObject { tier: a.id, pages: &a.page_tables[0], page_size: PAGE, size },
             ranges: &good,
         },
         ObjectTransfer {
-            tag: Tag::new(8),
+            tag: 8,
             object: PagedObject { tier: a.id, pages: &a.page_tables[1], page_size: PAGE, size },
             ranges: &bad,
         },
     ];
-    let report = restore(&rig.composite, &mut rig.composite.builder(), &batch);
+    let report = restore(&mut rig.composite.builder(), &batch).unwrap();
     assert_eq!(report.aggregate, BatchState::Failed);
     assert_eq!(report.objects[0].state, ObjectState::Completed);
     assert_eq!(report.objects[1].state, ObjectState::Rejected);
@@ -154,34 +139,32 @@ fn offload_writes_device_ranges_into_pages_and_needs_ranges_that_tile() {
     b.begin_object(Tag::new(0)).unwrap();
     b.push(umbp_plan::Fragment::new(staging, 0, dev.id, 0, 2 * size, Tag::new(0))).unwrap();
     b.commit_object().unwrap();
-    assert!(rig.composite.submit(b.finish().unwrap()).failures.is_empty());
+    assert_eq!(
+        rig.composite.submit(b.finish().unwrap()).unwrap().wait().aggregate,
+        BatchState::Completed
+    );
     let tables = [
         vec![5 * PAGE, 0, 9 * PAGE, 2 * PAGE, 11 * PAGE, 7 * PAGE],
         vec![PAGE, 3 * PAGE, 4 * PAGE, 6 * PAGE, 8 * PAGE, 10 * PAGE],
     ];
     let tiled = [
-        ObjectRange { offset: 0, len: 2 * PAGE + 5, endpoint: dev.id, endpoint_offset: 0 },
-        ObjectRange {
-            offset: 2 * PAGE + 5,
-            len: 4 * PAGE - 5,
-            endpoint: dev.id,
-            endpoint_offset: 2 * PAGE + 5,
-        },
+        ObjectRange::new(0, 2 * PAGE + 5, dev.id, 0),
+        ObjectRange::new(2 * PAGE + 5, 4 * PAGE - 5, dev.id, 2 * PAGE + 5),
     ];
-    let gap = [ObjectRange { offset: 0, len: 5 * PAGE, endpoint: dev.id, endpoint_offset: size }];
+    let gap = [ObjectRange::new(0, 5 * PAGE, dev.id, size)];
     let batch = [
         ObjectTransfer {
-            tag: Tag::new(1),
+            tag: 1,
             object: PagedObject { tier, pages: &tables[0], page_size: PAGE, size },
             ranges: &tiled,
         },
         ObjectTransfer {
-            tag: Tag::new(2),
+            tag: 2,
             object: PagedObject { tier, pages: &tables[1], page_size: PAGE, size },
             ranges: &gap,
         },
     ];
-    let report = offload(&rig.composite, &mut rig.composite.builder(), &batch);
+    let report = offload(&mut rig.composite.builder(), &batch).unwrap();
     assert_eq!(report.objects[0].state, ObjectState::Completed);
     assert_eq!(
         report.objects[1].state,
@@ -225,38 +208,18 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                                 let dst = if (o + t + round) % 2 == 0 { dev.id } else { host_id };
                                 let base = o as u64 * size;
                                 match o % 3 {
-                                    0 => vec![ObjectRange {
-                                        offset: 0,
-                                        len: size,
-                                        endpoint: dst,
-                                        endpoint_offset: base,
-                                    }],
-                                    1 => vec![ObjectRange {
-                                        offset: 0,
-                                        len: PAGE + 1,
-                                        endpoint: dst,
-                                        endpoint_offset: base,
-                                    }],
+                                    0 => vec![ObjectRange::new(0, size, dst, base)],
+                                    1 => vec![ObjectRange::new(0, PAGE + 1, dst, base)],
                                     _ => vec![
-                                        ObjectRange {
-                                            offset: 10,
-                                            len: PAGE,
-                                            endpoint: dst,
-                                            endpoint_offset: base + 10,
-                                        },
-                                        ObjectRange {
-                                            offset: 3 * PAGE,
-                                            len: 2 * PAGE,
-                                            endpoint: dst,
-                                            endpoint_offset: base + 3 * PAGE,
-                                        },
+                                        ObjectRange::new(10, PAGE, dst, base + 10),
+                                        ObjectRange::new(3 * PAGE, 2 * PAGE, dst, base + 3 * PAGE),
                                     ],
                                 }
                             })
                             .collect();
                         let batch: Vec<ObjectTransfer> = (0..objects)
                             .map(|o| ObjectTransfer {
-                                tag: Tag::new(o as u32),
+                                tag: o as u64,
                                 object: PagedObject {
                                     tier: a.id,
                                     pages: &a.page_tables[o],
@@ -266,7 +229,7 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                                 ranges: &ranges[o],
                             })
                             .collect();
-                        let report = restore(&rig.composite, &mut builder, &batch);
+                        let report = restore(&mut builder, &batch).unwrap();
                         let device = rig.read_device(dev);
                         for (o, r) in report.objects.iter().enumerate() {
                             if r.state != ObjectState::Completed {

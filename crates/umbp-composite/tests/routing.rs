@@ -6,10 +6,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use support::*;
-use umbp_composite::{route, CompositeEngine, Route};
+use umbp_composite::{route, CompositeEngine, ObjectError, Route};
 use umbp_example_engine::DownstreamEngine;
 use umbp_plan::{
-    DeviceOrdinal, Endpoint, EndpointRegistry, Error, Fragment, RejectReason, Tag, TransferEngine,
+    BatchState, DeviceOrdinal, Endpoint, EndpointRegistry, Error, Fragment, ObjectState,
+    RejectReason, Tag, TransferEngine,
 };
 
 #[test]
@@ -78,10 +79,10 @@ fn each_engine_gets_one_builder_and_one_submit_per_batch() {
         b.commit_object().unwrap();
     }
     let plans = b.finish().unwrap();
-    assert_eq!(plans.parts.len(), 2, "one part per engine that got fragments");
+    assert_eq!(plans.parts().len(), 2, "one part per engine that got fragments");
     assert_eq!(counting.builders.load(Ordering::Relaxed), 1);
-    let outcome = composite.submit(plans);
-    assert!(outcome.failures.is_empty());
+    let report = composite.submit(plans).unwrap().wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
     assert_eq!(counting.submits.load(Ordering::Relaxed), 1);
     assert_eq!(dst, src);
 }
@@ -109,12 +110,17 @@ fn a_pair_no_engine_claims_rejects_its_object_everywhere() {
     b.push(Fragment::new(src, 2048, dst, 2048, 1024, Tag::new(1))).unwrap();
     b.commit_object().unwrap();
     let plans = b.finish().unwrap();
-    assert_eq!(plans.rejected, vec![Tag::new(0)]);
-    let tags: Vec<Tag> =
-        plans.parts.iter().flat_map(|p| p.plans.plans()).flat_map(|p| p.tags()).copied().collect();
+    assert_eq!(rejected_tags(&plans), vec![Tag::new(0)]);
+    let tags: Vec<Tag> = plans
+        .parts()
+        .iter()
+        .flat_map(|p| p.plans.plans())
+        .flat_map(|p| p.tags())
+        .copied()
+        .collect();
     assert_eq!(tags, vec![Tag::new(1)], "nothing of object 0 reached any engine");
-    let outcome = rig.composite.submit(plans);
-    assert!(outcome.failures.is_empty());
+    let report = rig.composite.submit(plans).unwrap().wait();
+    assert!(report.objects.iter().all(|o| o.state != ObjectState::Failed), "{report:?}");
     assert!(out[..2048].iter().all(|&x| x == POISON));
     assert_eq!(&out[2048..3072], &a[2048..3072]);
     let snapshot = rig.composite.metrics_snapshot();
@@ -143,14 +149,14 @@ fn an_object_spanning_two_engines_whose_last_range_is_invalid_leaves_nothing_in_
         b.commit_object().unwrap();
     }
     let plans = b.finish().unwrap();
-    assert_eq!(plans.rejected, vec![Tag::new(1)]);
-    for part in &plans.parts {
+    assert_eq!(rejected_tags(&plans), vec![Tag::new(1)]);
+    for part in plans.parts() {
         for plan in part.plans.plans() {
             assert!(!plan.tags().contains(&Tag::new(1)), "engine {} kept object 1", part.engine);
         }
     }
-    let outcome = rig.composite.submit(plans);
-    assert!(outcome.failures.is_empty());
+    let report = rig.composite.submit(plans).unwrap().wait();
+    assert!(report.objects.iter().all(|o| o.state != ObjectState::Failed), "{report:?}");
     let device = rig.read_device(dev);
     for t in 0..3usize {
         let off = t * 8192;
@@ -192,10 +198,12 @@ fn an_engine_that_accepts_nothing_fails_exactly_its_tags() {
         b.push(Fragment::new(s, off, to, off, 1024, Tag::new(t))).unwrap();
         b.commit_object().unwrap();
     }
-    let outcome = composite.submit(b.finish().unwrap());
-    let mut failed = outcome.failed_tags();
-    failed.sort();
-    assert_eq!(failed, vec![Tag::new(1), Tag::new(3)]);
+    let report = composite.submit(b.finish().unwrap()).unwrap().wait();
+    let failed: Vec<u64> = report.unsuccessful().map(|o| o.tag).collect();
+    assert_eq!(failed, vec![1, 3]);
+    assert!(report.unsuccessful().all(
+        |o| matches!(&o.error, Some(ObjectError::Failed { engine, .. }) if engine == "refusing")
+    ));
     assert_eq!(&dst[..1024], &src[..1024]);
     assert_eq!(&dst[2048..3072], &src[2048..3072]);
 }
@@ -221,10 +229,14 @@ fn an_engine_from_another_crate_is_routed_to() {
         b.push(Fragment::new(s, (3 - i) * 4096, d, i * 4096, 4096, Tag::new(0))).unwrap();
     }
     b.commit_object().unwrap();
-    let outcome = composite.submit(b.finish().unwrap());
-    assert!(outcome.failures.is_empty());
+    let report = composite.submit(b.finish().unwrap()).unwrap().wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
     assert_eq!(downstream.segments(), 4);
     for i in 0..4usize {
         assert_eq!(&dst[i * 4096..][..4096], &src[(3 - i) * 4096..][..4096]);
     }
+}
+
+fn rejected_tags(plans: &umbp_composite::RoutedPlans) -> Vec<Tag> {
+    plans.rejected().iter().map(|&(t, _)| t).collect()
 }

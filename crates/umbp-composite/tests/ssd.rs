@@ -10,9 +10,7 @@ use support::*;
 use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
 use umbp_hbm::{Fault as DeviceFault, HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
-use umbp_plan::{
-    BatchState, Endpoint, EndpointId, EndpointRegistry, ObjectState, Tag, TransferEngine,
-};
+use umbp_plan::{BatchState, Endpoint, EndpointId, EndpointRegistry, ObjectState, TransferEngine};
 use umbp_ssd::{Fault, FileOptions, SsdConfig, SsdEngine};
 
 const PAGE: u64 = 16 << 10;
@@ -91,17 +89,12 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
     let ranges: Vec<[ObjectRange; 1]> = (0..objects)
         .map(|o| {
             let dst = if o % 4 < 2 { dev.id } else { out_id };
-            [ObjectRange {
-                offset: 1000,
-                len: size - 1000,
-                endpoint: dst,
-                endpoint_offset: o as u64 * size + 1000,
-            }]
+            [ObjectRange::new(1000, size - 1000, dst, o as u64 * size + 1000)]
         })
         .collect();
     let batch: Vec<ObjectTransfer> = (0..objects)
         .map(|o| ObjectTransfer {
-            tag: Tag::new(o as u32),
+            tag: o as u64,
             object: PagedObject {
                 tier: if o % 2 == 0 { t.dram_id } else { t.file_id },
                 pages: &tables[o],
@@ -111,8 +104,8 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
             ranges: &ranges[o],
         })
         .collect();
-    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
-    assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report.failures);
+    let report = restore(&mut t.composite.builder(), &batch).unwrap();
+    assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report);
     let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
     for (o, table) in tables.iter().enumerate() {
         let target: &[u8] = if o % 4 < 2 { &device } else { &out };
@@ -176,17 +169,16 @@ const EIO: i32 = 5;
 /// `o × size`; returns each object's state.
 fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -> Vec<ObjectState> {
     let size = 4 * PAGE;
-    let ranges: Vec<[ObjectRange; 1]> = (0..4)
-        .map(|o| [ObjectRange { offset: 0, len: size, endpoint, endpoint_offset: o as u64 * size }])
-        .collect();
+    let ranges: Vec<[ObjectRange; 1]> =
+        (0..4).map(|o| [ObjectRange::new(0, size, endpoint, o as u64 * size)]).collect();
     let batch: Vec<ObjectTransfer> = (0..4)
         .map(|o| ObjectTransfer {
-            tag: Tag::new(o as u32),
+            tag: o as u64,
             object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
             ranges: &ranges[o],
         })
         .collect();
-    let report = restore(&t.composite, &mut t.composite.builder(), &batch);
+    let report = restore(&mut t.composite.builder(), &batch).unwrap();
     report.objects.iter().map(|r| r.state).collect()
 }
 

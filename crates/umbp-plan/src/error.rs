@@ -156,6 +156,12 @@ pub enum Error {
         /// The id.
         id: EndpointId,
     },
+    /// An object with this tag is already part of the batch; tags name objects, once each.
+    #[error("object {} is already part of this batch", .tag.get())]
+    DuplicateTag {
+        /// The tag.
+        tag: Tag,
+    },
     /// A tag outside the batch's objects.
     #[error("tag {} is outside a batch of {objects} objects", .tag.get())]
     UnknownTag {

@@ -1,0 +1,559 @@
+//! Batches in flight: the handle [`submit`](crate::CompositeEngine::submit) returns at once,
+//! per-object and per-group progress while the executor works, and the report of a settled
+//! batch.
+//!
+//! # How a batch settles
+//!
+//! At submit the batch is cut into *parts*: one engine's plans for one layer group, or one stage
+//! of the staged route. Every object counts the parts that carry its bytes and every group
+//! counts its parts. When a part settles (its engine returned, failed, panicked, or the part was
+//! cancelled before it started) the objects it carried lose one pending part; an object whose
+//! last part settled without failing it is completed. A failure, a rejection or a cancellation
+//! is final: a later part cannot revive the object. Groups settle in order: group `k` is
+//! settled once every part of it and of every earlier group has settled.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use umbp_plan::{
+    BatchState, BatchStatus, EndpointId, Failure, FailureCause, ObjectState, PlanSet, Tag,
+};
+
+use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
+use crate::metrics::InFlight;
+
+/// Why one object did not complete.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ObjectError {
+    /// Refused while planning (a bad range or page list, a fragment no engine carries or one
+    /// the engine refused); no byte of it was written.
+    #[error("rejected: {0}")]
+    Rejected(umbp_plan::Error),
+    /// A transfer carrying its bytes failed. Its destination ranges may hold some of its bytes;
+    /// nothing outside them was written.
+    #[error("{engine} failed endpoint {} -> endpoint {}: {cause}", .src.raw(), .dst.raw())]
+    Failed {
+        /// The engine that ran the transfer (`staged` for a bounce region that went away).
+        engine: String,
+        /// The source endpoint of the failed transfer.
+        src: EndpointId,
+        /// The destination endpoint of the failed transfer.
+        dst: EndpointId,
+        /// What went wrong.
+        cause: FailureCause,
+    },
+    /// The batch was cancelled before all of the object's transfers started; those that had
+    /// started finished first, so its destination ranges may hold some of its bytes.
+    #[error("cancelled before all of its transfers started")]
+    Cancelled,
+}
+
+/// The result of one object of a batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectResult {
+    /// The caller's tag for the object.
+    pub tag: u64,
+    /// Where the object stands.
+    pub state: ObjectState,
+    /// Why it did not complete, once it is rejected, failed or cancelled.
+    pub error: Option<ObjectError>,
+}
+
+/// Where a batch stands: one result per object, in the batch's order, and the aggregate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferReport {
+    /// One result per object.
+    pub objects: Vec<ObjectResult>,
+    /// Completed only when every object completed; failed only once nothing is in flight and
+    /// some object did not complete.
+    pub aggregate: BatchState,
+}
+
+impl TransferReport {
+    /// The objects that did not complete (rejected, failed or cancelled).
+    pub fn unsuccessful(&self) -> impl Iterator<Item = &ObjectResult> {
+        self.objects.iter().filter(|o| o.state.is_unsuccessful())
+    }
+
+    /// The result of the object the caller tagged `tag`.
+    pub fn object(&self, tag: u64) -> Option<&ObjectResult> {
+        self.objects.iter().find(|o| o.tag == tag)
+    }
+}
+
+/// Told when a layer group of a batch has settled: every transfer of that group and of every
+/// earlier group finished (or its objects failed or were cancelled).
+///
+/// Given to [`CompositeBuilder::set_group_listener`](crate::CompositeBuilder::set_group_listener)
+/// before `finish`, it travels with the batch. It is how a layer signals readiness further on:
+/// a server's per-layer counters, or a device event that a compute stream waits on.
+pub trait GroupListener: Send + Sync {
+    /// Group `group` settled; called once per group, in group order, on the executor thread
+    /// that settled it, after the batch's state shows it. Keep it short: it runs on the
+    /// executor.
+    fn group_settled(&self, group: u32);
+}
+
+/// Where a batch's tags sit in its object list.
+enum Positions {
+    /// Tags are the positions `0 .. n` (restore and offload number their objects so).
+    Dense,
+    /// Any tags, looked up.
+    Map(HashMap<Tag, usize>),
+}
+
+/// One part of a batch: the group it belongs to and the objects it carries, each once.
+pub(crate) struct Part {
+    group_slot: usize,
+    tags: Vec<Tag>,
+}
+
+impl Part {
+    /// The tags of the objects the part carries.
+    pub(crate) fn tags(&self) -> &[Tag] {
+        &self.tags
+    }
+}
+
+/// How a part ended.
+pub(crate) enum PartEnd {
+    /// The engine ran it; these are its failures.
+    Ran(Vec<Failure>),
+    /// It never started: the batch was cancelled.
+    Cancelled,
+}
+
+/// Everything the handle and the executor share about one batch.
+pub(crate) struct BatchShared {
+    keys: Vec<u64>,
+    by_key: HashMap<u64, usize>,
+    positions: Positions,
+    /// The batch's distinct groups, ascending; parts name a group by its slot here.
+    groups: Vec<u32>,
+    parts: Vec<Part>,
+    bytes: u64,
+    progress: Mutex<Progress>,
+    /// Signalled on every change of `progress`.
+    changed: Condvar,
+    cancelled: AtomicBool,
+    listener: Option<Arc<dyn GroupListener>>,
+    in_flight: Arc<InFlight>,
+}
+
+struct Progress {
+    status: BatchStatus,
+    errors: Vec<Option<ObjectError>>,
+    /// Parts still to settle, per object.
+    pending: Vec<u32>,
+    /// Parts still to settle, per group slot.
+    group_pending: Vec<usize>,
+    /// Group slots settled so far, as a prefix of `groups` (listener told).
+    groups_settled: usize,
+    parts_pending: usize,
+    /// What the engines gave back, for the builder's next batch.
+    returned: RoutedPlans,
+}
+
+/// What the executor gets for one batch: the shared state and the work, cut into parts.
+pub(crate) struct Prepared {
+    pub(crate) batch: Arc<BatchShared>,
+    /// Each direct part: its part index and engine, and the plans.
+    pub(crate) direct: Vec<(usize, RoutedPart)>,
+    /// Each stage of the staged route: its part index and its fragments.
+    pub(crate) stages: Vec<(usize, Vec<StagedFragment>)>,
+}
+
+impl BatchShared {
+    /// Cuts `plans` into parts and builds the batch's state. `keys` are the caller's tags in
+    /// the batch's order when tags are positions (restore and offload); otherwise each tag is
+    /// its own key. `stages` cuts the staged fragments into stages.
+    pub(crate) fn prepare(
+        mut plans: RoutedPlans,
+        keys: Option<Vec<u64>>,
+        stages: impl FnOnce(Vec<StagedFragment>) -> Vec<Vec<StagedFragment>>,
+        in_flight: Arc<InFlight>,
+    ) -> Prepared {
+        let objects = std::mem::take(&mut plans.objects);
+        let (keys, positions) = match keys {
+            Some(keys) => (keys, Positions::Dense),
+            None => {
+                let map = objects.iter().enumerate().map(|(i, &t)| (t, i)).collect();
+                (objects.iter().map(|t| u64::from(t.get())).collect(), Positions::Map(map))
+            }
+        };
+        let by_key = keys.iter().enumerate().map(|(i, &k)| (k, i)).collect();
+        let position = |tag: Tag| match &positions {
+            Positions::Dense => Some(tag.index()).filter(|&i| i < keys.len()),
+            Positions::Map(map) => map.get(&tag).copied(),
+        };
+
+        let mut groups: Vec<u32> = plans.parts.iter().map(|p| p.group).collect();
+        groups.extend(plans.staged.iter().map(|s| s.group));
+        groups.sort_unstable();
+        groups.dedup();
+        let slot = |g: u32| groups.partition_point(|&x| x < g);
+
+        let n = keys.len();
+        let mut pending = vec![0u32; n];
+        let mut stamp = vec![usize::MAX; n];
+        let mut parts = Vec::new();
+        let mut part_of = |group: u32, tags: &mut dyn Iterator<Item = Tag>| {
+            let index = parts.len();
+            let mut carried = Vec::new();
+            for tag in tags {
+                if let Some(i) = position(tag) {
+                    if stamp[i] != index {
+                        stamp[i] = index;
+                        pending[i] += 1;
+                        carried.push(tag);
+                    }
+                }
+            }
+            parts.push(Part { group_slot: slot(group), tags: carried });
+            index
+        };
+
+        let mut direct = Vec::new();
+        let mut bytes = 0;
+        for part in std::mem::take(&mut plans.parts) {
+            bytes += part.plans.bytes();
+            let index =
+                part_of(part.group, &mut part.plans.plans().iter().flat_map(|p| p.tags()).copied());
+            direct.push((index, part));
+        }
+        let mut staged_parts = Vec::new();
+        for stage in stages(std::mem::take(&mut plans.staged)) {
+            let Some(first) = stage.first() else { continue };
+            bytes += stage.iter().map(|s| s.fragment.len).sum::<u64>();
+            let index = part_of(first.group, &mut stage.iter().map(|s| s.fragment.tag));
+            staged_parts.push((index, stage));
+        }
+
+        let mut status = BatchStatus::new(n);
+        let mut errors = vec![None; n];
+        for (tag, error) in std::mem::take(&mut plans.rejected) {
+            if let Some(i) = position(tag) {
+                let _ = status.set(Tag::new(i as u32), ObjectState::Rejected);
+                errors[i].get_or_insert(ObjectError::Rejected(error));
+            }
+        }
+        // Objects no part carries (nothing but empty ranges) have nothing left to wait for.
+        for (i, &p) in pending.iter().enumerate() {
+            if p == 0 {
+                let _ = status.set(Tag::new(i as u32), ObjectState::Completed);
+            }
+        }
+        let mut group_pending = vec![0; groups.len()];
+        for part in &parts {
+            group_pending[part.group_slot] += 1;
+        }
+        let parts_pending = parts.len();
+        let listener = plans.listener.take();
+        let batch = Arc::new(BatchShared {
+            keys,
+            by_key,
+            positions,
+            groups,
+            parts,
+            bytes,
+            progress: Mutex::new(Progress {
+                status,
+                errors,
+                pending,
+                group_pending,
+                groups_settled: 0,
+                parts_pending,
+                returned: plans,
+            }),
+            changed: Condvar::new(),
+            cancelled: AtomicBool::new(false),
+            listener,
+            in_flight,
+        });
+        batch.in_flight.begin(batch.bytes);
+        if parts_pending == 0 {
+            batch.in_flight.end(batch.bytes);
+        }
+        Prepared { batch, direct, stages: staged_parts }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        // Every update leaves `Progress` consistent before anything that could panic, so a
+        // poisoned lock still guards a usable state.
+        self.progress.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn position(&self, tag: Tag) -> Option<usize> {
+        match &self.positions {
+            Positions::Dense => Some(tag.index()).filter(|&i| i < self.keys.len()),
+            Positions::Map(map) => map.get(&tag).copied(),
+        }
+    }
+
+    /// Part `index`.
+    pub(crate) fn part(&self, index: usize) -> &Part {
+        &self.parts[index]
+    }
+
+    /// Whether the caller cancelled the batch.
+    pub(crate) fn is_cancelled(&self) -> bool {
+        // Relaxed: the flag only makes parts that have not started skip; the batch's state is
+        // published under the progress lock.
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Whether object `tag` already failed, was rejected or cancelled (so later hops can skip
+    /// it).
+    pub(crate) fn has_failed(&self, tag: Tag) -> bool {
+        self.position(tag).is_some_and(|i| self.lock().status.objects()[i].is_unsuccessful())
+    }
+
+    /// Settles part `index`: fails the objects its failures name, cancels its objects if it
+    /// never ran, completes the objects whose last part this was, and advances the groups.
+    pub(crate) fn settle(&self, index: usize, end: PartEnd, returned: Option<ReturnedWork>) {
+        let part = &self.parts[index];
+        let mut newly_settled = Vec::new();
+        let all_done;
+        {
+            let mut p = self.lock();
+            match end {
+                PartEnd::Ran(failures) => {
+                    for f in failures {
+                        for &tag in &f.tags {
+                            let Some(i) = self.position(tag) else { continue };
+                            if !p.status.objects()[i].is_unsuccessful() {
+                                let _ = p.status.set(Tag::new(i as u32), ObjectState::Failed);
+                                p.errors[i] = Some(ObjectError::Failed {
+                                    engine: f.engine.clone(),
+                                    src: f.src,
+                                    dst: f.dst,
+                                    cause: f.cause.clone(),
+                                });
+                            }
+                        }
+                    }
+                }
+                PartEnd::Cancelled => {
+                    for &tag in &part.tags {
+                        let Some(i) = self.position(tag) else { continue };
+                        if !p.status.objects()[i].is_unsuccessful() {
+                            let _ = p.status.set(Tag::new(i as u32), ObjectState::Cancelled);
+                            p.errors[i] = Some(ObjectError::Cancelled);
+                        }
+                    }
+                }
+            }
+            for &tag in &part.tags {
+                let Some(i) = self.position(tag) else { continue };
+                p.pending[i] = p.pending[i].saturating_sub(1);
+                if p.pending[i] == 0 {
+                    let _ = p.status.set(Tag::new(i as u32), ObjectState::Completed);
+                }
+            }
+            match returned {
+                Some(ReturnedWork::Direct(part)) => p.returned.parts.push(part),
+                Some(ReturnedWork::Staged(mut staged)) => p.returned.staged.append(&mut staged),
+                None => {}
+            }
+            p.group_pending[part.group_slot] -= 1;
+            while p.groups_settled < self.groups.len() && p.group_pending[p.groups_settled] == 0 {
+                newly_settled.push(self.groups[p.groups_settled]);
+                p.groups_settled += 1;
+            }
+            p.parts_pending -= 1;
+            all_done = p.parts_pending == 0;
+        }
+        if let Some(listener) = &self.listener {
+            for &group in &newly_settled {
+                let listener = std::panic::AssertUnwindSafe(listener);
+                if std::panic::catch_unwind(|| listener.group_settled(group)).is_err() {
+                    tracing::error!(group, "a group listener panicked");
+                }
+            }
+        }
+        if all_done {
+            self.in_flight.end(self.bytes);
+        }
+        self.changed.notify_all();
+    }
+
+    fn report(&self, p: &Progress) -> TransferReport {
+        let objects = self
+            .keys
+            .iter()
+            .zip(p.status.objects())
+            .zip(&p.errors)
+            .map(|((&tag, &state), error)| ObjectResult { tag, state, error: error.clone() })
+            .collect();
+        TransferReport { objects, aggregate: p.status.aggregate() }
+    }
+
+    /// Blocks until `done` holds of the progress or `deadline` passes; whether it holds.
+    fn wait_until(&self, deadline: Option<Instant>, done: impl Fn(&Progress) -> bool) -> bool {
+        let mut p = self.lock();
+        loop {
+            if done(&p) {
+                return true;
+            }
+            p = match deadline {
+                None => self.changed.wait(p).unwrap_or_else(PoisonError::into_inner),
+                Some(deadline) => {
+                    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                        return false;
+                    };
+                    self.changed.wait_timeout(p, left).unwrap_or_else(PoisonError::into_inner).0
+                }
+            };
+        }
+    }
+
+    /// Group slots at or below `group`.
+    fn groups_through(&self, group: u32) -> usize {
+        self.groups.partition_point(|&g| g <= group)
+    }
+}
+
+/// What a part hands back once its engine is done with it, for the builder's next batch.
+pub(crate) enum ReturnedWork {
+    Direct(RoutedPart),
+    Staged(Vec<StagedFragment>),
+}
+
+/// A submitted batch: poll it, wait for it (whole, by layer group, or with a deadline), or
+/// cancel it.
+///
+/// - Every method takes `&self`: one thread may wait for layer groups while another polls.
+/// - [`wait`](Self::wait) blocks until every object has settled and returns the report; it may
+///   be called again and returns the same report.
+/// - Dropping a batch waits for it, so no memory a transfer reads or writes is freed under it.
+///   [`cancel`](Self::cancel) is the quick way out: work not yet started is skipped.
+#[must_use = "dropping a batch blocks until its transfers finish"]
+pub struct Batch {
+    shared: Arc<BatchShared>,
+}
+
+impl Batch {
+    pub(crate) fn new(shared: Arc<BatchShared>) -> Self {
+        Self { shared }
+    }
+
+    /// Number of objects in the batch.
+    pub fn len(&self) -> usize {
+        self.shared.keys.len()
+    }
+
+    /// Whether the batch has no objects.
+    pub fn is_empty(&self) -> bool {
+        self.shared.keys.is_empty()
+    }
+
+    /// Bytes the batch moves (planned bytes, the staged route's counted once).
+    pub fn bytes(&self) -> u64 {
+        self.shared.bytes
+    }
+
+    /// Whether every object has settled, without blocking.
+    pub fn is_done(&self) -> bool {
+        self.shared.lock().parts_pending == 0
+    }
+
+    /// Where the object the caller tagged `tag` stands now, without blocking.
+    pub fn state(&self, tag: u64) -> Option<ObjectState> {
+        let i = *self.shared.by_key.get(&tag)?;
+        Some(self.shared.lock().status.objects()[i])
+    }
+
+    /// The aggregate state now, without blocking.
+    pub fn aggregate(&self) -> BatchState {
+        self.shared.lock().status.aggregate()
+    }
+
+    /// Every object's state now, without blocking (objects still moving are in flight).
+    pub fn report(&self) -> TransferReport {
+        self.shared.report(&self.shared.lock())
+    }
+
+    /// The layer groups the batch's transfers belong to, ascending (`[0]` when the caller never
+    /// set one).
+    pub fn groups(&self) -> &[u32] {
+        &self.shared.groups
+    }
+
+    /// Whether every transfer of groups up to `group` has settled, without blocking.
+    pub fn is_group_done(&self, group: u32) -> bool {
+        let through = self.shared.groups_through(group);
+        self.shared.lock().groups_settled >= through
+    }
+
+    /// Blocks until every object has settled; returns the report.
+    pub fn wait(&self) -> TransferReport {
+        self.shared.wait_until(None, |p| p.parts_pending == 0);
+        self.report()
+    }
+
+    /// Blocks until every object has settled or `timeout` passes; the report if it settled.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<TransferReport> {
+        let deadline = Instant::now().checked_add(timeout);
+        self.shared.wait_until(deadline, |p| p.parts_pending == 0).then(|| self.report())
+    }
+
+    /// Blocks until every transfer of groups up to `group` has settled, while later groups may
+    /// still be moving. An object whose bytes span several groups is settled only with its last
+    /// group: its earlier ranges are in place (unless the batch reports it failed).
+    pub fn wait_group(&self, group: u32) {
+        let through = self.shared.groups_through(group);
+        self.shared.wait_until(None, |p| p.groups_settled >= through);
+    }
+
+    /// [`wait_group`](Self::wait_group) with a deadline; whether the groups settled.
+    pub fn wait_group_timeout(&self, group: u32, timeout: Duration) -> bool {
+        let through = self.shared.groups_through(group);
+        let deadline = Instant::now().checked_add(timeout);
+        self.shared.wait_until(deadline, |p| p.groups_settled >= through)
+    }
+
+    /// Cancels the batch: parts not yet started are skipped and their objects reported
+    /// [`Cancelled`](ObjectState::Cancelled); parts already running finish. Returns once no
+    /// engine works for the batch any more, with the final report.
+    pub fn cancel(&self) -> TransferReport {
+        // Relaxed: see `BatchShared::is_cancelled`; `wait` synchronises through the lock.
+        self.shared.cancelled.store(true, Ordering::Relaxed);
+        self.wait()
+    }
+
+    /// Waits, then gives back the executed plans, for
+    /// [`CompositeBuilder::recycle`](crate::CompositeBuilder::recycle).
+    pub fn into_plans(self) -> RoutedPlans {
+        self.wait();
+        let mut p = self.shared.lock();
+        let mut plans = std::mem::take(&mut p.returned);
+        plans.parts.sort_by_key(|part| (part.group, part.engine));
+        plans
+    }
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.shared.lock();
+        f.debug_struct("Batch")
+            .field("objects", &self.shared.keys.len())
+            .field("parts_pending", &p.parts_pending)
+            .field("aggregate", &p.status.aggregate())
+            .finish()
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        self.shared.wait_until(None, |p| p.parts_pending == 0);
+    }
+}
+
+/// Plans given back by an engine keep their buffers; an empty set stands in for a part whose
+/// engine panicked with them.
+pub(crate) fn returned_part(group: u32, engine: usize, plans: PlanSet) -> ReturnedWork {
+    ReturnedWork::Direct(RoutedPart { group, engine, plans })
+}

@@ -1,0 +1,300 @@
+//! The composite's executor: a fixed set of threads, started at the first submit, that run the
+//! parts of every batch, and the code that runs one part.
+//!
+//! # What runs where
+//!
+//! - A *direct lane* is one engine's share of one batch: its plans per layer group, run group
+//!   after group on one executor thread, so group `k`'s bytes move before group `k + 1`'s on
+//!   that engine while other engines' lanes move theirs at the same time.
+//! - A *stage* of the staged route leases a bounce slot ([`crate::staging`]), runs its first hop
+//!   (source to slot) and its second (slot to destination), and returns the slot. Stages of one
+//!   batch run on as many threads as there are free slots, so one stage's second hop overlaps
+//!   the next stage's first.
+//! - Every engine call is caught: an engine that panics fails exactly the objects of the part
+//!   it was running, with [`FailureCause::Panicked`], and the executor thread lives on.
+//!
+//! Threads block inside engines (a host copy, an SSD wait), which is why their number is a
+//! configuration ([`CompositeConfig::workers`](crate::CompositeConfig)) and not the core count;
+//! no thread is spawned per submit.
+
+use std::any::Any;
+use std::collections::HashSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use umbp_plan::{Failure, FailureCause, Fragment, PlanSet, Tag};
+
+use crate::batch::{returned_part, BatchShared, PartEnd, ReturnedWork};
+use crate::builder::{RoutedPart, StagedFragment};
+use crate::engine::Shared;
+use crate::staging::{place, Lease, StagePiece};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The executor's threads and the queue they take jobs from.
+pub(crate) struct Executor {
+    sender: Option<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Executor {
+    /// Starts `workers` threads (at least one).
+    pub(crate) fn start(workers: usize) -> std::io::Result<Self> {
+        let (sender, receiver) = crossbeam_channel::unbounded::<Job>();
+        let mut threads = Vec::new();
+        for i in 0..workers.max(1) {
+            let receiver: Receiver<Job> = receiver.clone();
+            let thread =
+                std::thread::Builder::new().name(format!("umbp-composite-{i}")).spawn(move || {
+                    for job in receiver.iter() {
+                        // Jobs catch engine panics themselves; this keeps the thread alive if
+                        // the composite's own code ever panics.
+                        if catch_unwind(AssertUnwindSafe(job)).is_err() {
+                            tracing::error!("an executor job panicked");
+                        }
+                    }
+                });
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(e) if threads.is_empty() => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, started = threads.len(), "fewer executor threads");
+                    break;
+                }
+            }
+        }
+        Ok(Self { sender: Some(sender), threads })
+    }
+
+    /// Queues `job`; jobs start in the order they were queued.
+    pub(crate) fn spawn(&self, job: Job) {
+        if let Some(sender) = &self.sender {
+            // The receivers live as long as the threads, which live as long as `self`.
+            let _ = sender.send(job);
+        }
+    }
+
+    /// Number of threads.
+    pub(crate) fn threads(&self) -> usize {
+        self.threads.len()
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        // Closing the queue ends each thread once the queue is drained.
+        self.sender = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The panic message of `payload`, when it is a string.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".into())
+}
+
+/// Submits `plans` to engine `index`, waits, and records metrics. A panic anywhere in the
+/// engine fails every object of every plan (one failure per plan) and loses the plans.
+fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, PlanSet) {
+    let engine = &shared.engines[index];
+    let carried: Vec<_> =
+        plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect();
+    let t = Instant::now();
+    let settled = catch_unwind(AssertUnwindSafe(|| engine.submit(plans).into_settled()));
+    match settled {
+        Ok(settled) => {
+            shared.record(index, &settled.plans, &settled.failures, t.elapsed().as_secs_f64());
+            (settled.failures, settled.plans)
+        }
+        Err(payload) => {
+            let name = shared.engine_name(index);
+            let message = panic_message(&*payload);
+            tracing::error!(engine = %name, %message, "engine panicked while executing");
+            let failures = carried
+                .into_iter()
+                .map(|(src, dst, tags)| Failure {
+                    engine: name.clone(),
+                    src,
+                    dst,
+                    tags,
+                    cause: FailureCause::Panicked { message: message.clone() },
+                })
+                .collect();
+            (failures, PlanSet::default())
+        }
+    }
+}
+
+/// Runs one engine's lane of a batch: its parts in group order, each settled as it ends.
+pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, RoutedPart)>) {
+    for (index, part) in lane {
+        if batch.is_cancelled() {
+            let returned = returned_part(part.group, part.engine, part.plans);
+            batch.settle(index, PartEnd::Cancelled, Some(returned));
+            continue;
+        }
+        let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
+        let _enter = span.enter();
+        let (failures, plans) = execute(shared, part.engine, part.plans);
+        batch.settle(
+            index,
+            PartEnd::Ran(failures),
+            Some(returned_part(part.group, part.engine, plans)),
+        );
+    }
+}
+
+/// A stage waiting for, or holding, a bounce slot.
+pub(crate) struct StageJob {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) batch: Arc<BatchShared>,
+    pub(crate) part: usize,
+    pub(crate) fragments: Vec<StagedFragment>,
+}
+
+/// Runs a stage when a slot is free (parks it otherwise), then every stage its returned slots
+/// unpark, on this thread.
+pub(crate) fn run_stage(job: StageJob) {
+    let shared = Arc::clone(&job.shared);
+    let Some(pool) = shared.staging.get() else {
+        unreachable!("stages exist only with staging configured")
+    };
+    if job.batch.is_cancelled() {
+        cancel_stage(job);
+        return;
+    }
+    let mut next = pool.lease_or_park(job);
+    while let Some((job, lease)) = next {
+        let lease = if job.batch.is_cancelled() {
+            cancel_stage(job);
+            lease
+        } else {
+            run_leased(job, lease)
+        };
+        next = pool.give_back(lease);
+    }
+}
+
+fn cancel_stage(job: StageJob) {
+    job.batch.settle(job.part, PartEnd::Cancelled, Some(ReturnedWork::Staged(job.fragments)));
+}
+
+/// Both hops of one stage through the slot `lease` holds; gives the lease back to the caller.
+fn run_leased(job: StageJob, lease: Lease) -> Lease {
+    let StageJob { shared, batch, part, fragments } = job;
+    let span = tracing::info_span!("umbp.stage", fragments = fragments.len());
+    let _enter = span.enter();
+    let pieces = place(&fragments);
+    let failures = match shared.registry.get(shared.bounce()) {
+        None => {
+            let bounce = shared.bounce();
+            vec![Failure {
+                engine: "staged".into(),
+                src: bounce,
+                dst: bounce,
+                tags: batch.part(part).tags().to_vec(),
+                cause: FailureCause::EndpointGone(bounce),
+            }]
+        }
+        Some(_) => {
+            let mut failures =
+                hop(&shared, &batch, &pieces, lease.base, Hop::First, &HashSet::new());
+            let failed: HashSet<Tag> =
+                failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
+            failures.extend(hop(&shared, &batch, &pieces, lease.base, Hop::Second, &failed));
+            failures
+        }
+    };
+    batch.settle(part, PartEnd::Ran(failures), Some(ReturnedWork::Staged(fragments)));
+    lease
+}
+
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Hop {
+    /// Source to the slot.
+    First,
+    /// The slot to the destination.
+    Second,
+}
+
+/// One hop of one stage, skipping objects in `skip` and objects the batch already failed. The
+/// stage holds one route, so one engine carries the whole hop.
+fn hop(
+    shared: &Shared,
+    batch: &BatchShared,
+    pieces: &[StagePiece],
+    base: u64,
+    which: Hop,
+    skip: &HashSet<Tag>,
+) -> Vec<Failure> {
+    let Some(first) = pieces.first() else { return Vec::new() };
+    let index = match which {
+        Hop::First => first.fragment.read,
+        Hop::Second => first.fragment.write,
+    };
+    let bounce = shared.bounce();
+    let planned = catch_unwind(AssertUnwindSafe(|| {
+        let mut builder = shared.engine_builder(index);
+        let mut rejected = Vec::new();
+        for run in pieces.chunk_by(|a, b| a.fragment.fragment.tag == b.fragment.fragment.tag) {
+            let tag = run[0].fragment.fragment.tag;
+            if skip.contains(&tag) || batch.has_failed(tag) {
+                continue;
+            }
+            let mut ok = builder.begin_object(tag).is_ok();
+            for p in run {
+                let f = p.fragment.fragment;
+                let hop = match which {
+                    Hop::First => {
+                        Fragment::new(f.src, f.src_offset, bounce, base + p.at, f.len, tag)
+                    }
+                    Hop::Second => {
+                        Fragment::new(bounce, base + p.at, f.dst, f.dst_offset, f.len, tag)
+                    }
+                };
+                ok = ok && builder.push(hop).is_ok();
+            }
+            if !(builder.commit_object().is_ok() && ok) {
+                rejected.push(tag);
+            }
+        }
+        builder.finish().map(|plans| (plans, rejected))
+    }));
+    let name = shared.engine_name(index);
+    let refused = |tags: Vec<Tag>, why: String| Failure {
+        engine: name.clone(),
+        src: bounce,
+        dst: bounce,
+        tags,
+        cause: FailureCause::NotAccepted(why),
+    };
+    match planned {
+        Ok(Ok((plans, mut rejected))) => {
+            rejected.extend_from_slice(plans.rejected());
+            let (mut failures, _) = execute(shared, index, plans);
+            if !rejected.is_empty() {
+                failures.push(refused(rejected, "staged hop refused by its engine".into()));
+            }
+            failures
+        }
+        Ok(Err(e)) => {
+            vec![refused(pieces.iter().map(|p| p.fragment.fragment.tag).collect(), e.to_string())]
+        }
+        Err(payload) => vec![Failure {
+            engine: name.clone(),
+            src: bounce,
+            dst: bounce,
+            tags: pieces.iter().map(|p| p.fragment.fragment.tag).collect(),
+            cause: FailureCause::Panicked { message: panic_message(&*payload) },
+        }],
+    }
+}

@@ -1,0 +1,216 @@
+//! The staged route's bounce memory: a registered host region cut into slots, leased one per
+//! stage, so that concurrent batches never share bounce bytes.
+//!
+//! A stage that finds no free slot is parked, not run: it holds no executor thread while it
+//! waits. Whoever returns a slot hands it straight to the oldest parked stage and runs that
+//! stage on its own thread, so back-pressure never overwrites a slot and never deadlocks the
+//! executor (a stage that holds a slot waits for nothing but its own engines).
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use umbp_plan::EndpointId;
+
+use crate::builder::StagedFragment;
+
+/// The staged route's configuration: a registered host region that carries bytes between two
+/// engines when no single engine claims a pair (SSD to device memory, say).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Staging {
+    /// The bounce region: a registered host endpoint, pinned for the device engine if the
+    /// second hop should use its gather kernel. Only the composite may use it.
+    pub bounce: EndpointId,
+    /// Bytes one stage moves at most, and the size of one slot: the region holds
+    /// `len / stage_bytes` slots (at least one), and that many stages run at once. Default in
+    /// [`Staging::new`]: 8 MiB.
+    pub stage_bytes: u64,
+}
+
+impl Staging {
+    /// Staging through `bounce` in stages of at most 8 MiB.
+    pub const fn new(bounce: EndpointId) -> Self {
+        Self { bounce, stage_bytes: 8 << 20 }
+    }
+}
+
+/// One slot of the bounce region, held by one stage.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    /// Where the slot starts inside the bounce endpoint.
+    pub(crate) base: u64,
+    slot: usize,
+}
+
+/// The bounce region's slots and the stages waiting for one.
+pub(crate) struct BouncePool<T> {
+    pub(crate) staging: Staging,
+    pub(crate) slot_bytes: u64,
+    state: Mutex<PoolState<T>>,
+}
+
+struct PoolState<T> {
+    free: Vec<usize>,
+    parked: VecDeque<T>,
+}
+
+impl<T> BouncePool<T> {
+    /// Cuts a bounce region of `len` bytes into slots of `staging.stage_bytes`.
+    pub(crate) fn new(staging: Staging, len: u64) -> Self {
+        let slot_bytes = staging.stage_bytes.clamp(1, len.max(1));
+        let slots = (len / slot_bytes).max(1) as usize;
+        Self {
+            staging,
+            slot_bytes,
+            state: Mutex::new(PoolState {
+                free: (0..slots).rev().collect(),
+                parked: VecDeque::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState<T>> {
+        // Each critical section is one push or pop: a poisoned lock still guards a valid list.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A free slot for `waiter`, or `None` after parking it until one is returned.
+    pub(crate) fn lease_or_park(&self, waiter: T) -> Option<(T, Lease)> {
+        let mut state = self.lock();
+        match state.free.pop() {
+            Some(slot) => Some((waiter, self.lease(slot))),
+            None => {
+                state.parked.push_back(waiter);
+                None
+            }
+        }
+    }
+
+    /// Returns `lease`'s slot: to the oldest parked stage, which the caller then runs with it,
+    /// or to the free list.
+    pub(crate) fn give_back(&self, lease: Lease) -> Option<(T, Lease)> {
+        let mut state = self.lock();
+        match state.parked.pop_front() {
+            Some(waiter) => Some((waiter, lease)),
+            None => {
+                state.free.push(lease.slot);
+                None
+            }
+        }
+    }
+
+    fn lease(&self, slot: usize) -> Lease {
+        Lease { base: slot as u64 * self.slot_bytes, slot }
+    }
+}
+
+/// A piece of a staged fragment and where it sits inside its stage's slot.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct StagePiece {
+    pub(crate) fragment: StagedFragment,
+    pub(crate) at: u64,
+}
+
+/// Cuts staged fragments into stages of at most `slot` bytes. A stage holds one layer group and
+/// one route (the same two engines), groups in ascending order; a fragment longer than the room
+/// left is cut into pieces of the same object.
+pub(crate) fn cut_stages(mut staged: Vec<StagedFragment>, slot: u64) -> Vec<Vec<StagedFragment>> {
+    staged.sort_by_key(|s| (s.group, s.read, s.write));
+    let mut stages: Vec<Vec<StagedFragment>> = Vec::new();
+    let mut used = slot;
+    let mut key = None;
+    for sf in staged {
+        let this = Some((sf.group, sf.read, sf.write));
+        let mut done = 0;
+        while done < sf.fragment.len {
+            if used == slot || key != this {
+                stages.push(Vec::new());
+                used = 0;
+                key = this;
+            }
+            let n = (sf.fragment.len - done).min(slot - used);
+            let mut piece = sf;
+            piece.fragment.src_offset += done;
+            piece.fragment.dst_offset += done;
+            piece.fragment.len = n;
+            if let Some(stage) = stages.last_mut() {
+                stage.push(piece);
+            }
+            used += n;
+            done += n;
+        }
+    }
+    stages
+}
+
+/// Where each fragment of a stage sits in its slot: one after the other.
+pub(crate) fn place(stage: &[StagedFragment]) -> Vec<StagePiece> {
+    let mut at = 0;
+    stage
+        .iter()
+        .map(|&fragment| {
+            let piece = StagePiece { fragment, at };
+            at += fragment.fragment.len;
+            piece
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_plan::{Fragment, Tag};
+
+    use super::*;
+
+    fn staged(tag: u32, len: u64, group: u32, read: usize) -> StagedFragment {
+        let id = EndpointId::from_raw(0);
+        StagedFragment {
+            fragment: Fragment::new(id, 0, id, 0, len, Tag::new(tag)),
+            read,
+            write: 1,
+            group,
+        }
+    }
+
+    #[test]
+    fn stages_hold_one_group_and_route_and_fit_a_slot() {
+        let stages =
+            cut_stages(vec![staged(0, 100, 1, 0), staged(1, 250, 0, 0), staged(2, 30, 0, 2)], 100);
+        let shape: Vec<Vec<(u32, u64, u32)>> = stages
+            .iter()
+            .map(|s| s.iter().map(|p| (p.fragment.tag.get(), p.fragment.len, p.group)).collect())
+            .collect();
+        // Group 0 first: object 1 cut into 100 + 100 + 50, then the other route's object 2,
+        // then group 1.
+        assert_eq!(
+            shape,
+            vec![
+                vec![(1, 100, 0)],
+                vec![(1, 100, 0)],
+                vec![(1, 50, 0)],
+                vec![(2, 30, 0)],
+                vec![(0, 100, 1)]
+            ]
+        );
+        let offsets: Vec<u64> = stages[1].iter().map(|p| p.fragment.src_offset).collect();
+        assert_eq!(offsets, [100]);
+    }
+
+    #[test]
+    fn slots_are_leased_once_and_parked_waiters_get_them_in_order() {
+        let pool: BouncePool<u32> =
+            BouncePool::new(Staging { bounce: EndpointId::from_raw(0), stage_bytes: 40 }, 100);
+        assert_eq!(pool.slot_bytes, 40);
+        let (_, a) = pool.lease_or_park(1).unwrap();
+        let (_, b) = pool.lease_or_park(2).unwrap();
+        assert_ne!(a.base, b.base);
+        assert!(a.base + 40 <= 100 && b.base + 40 <= 100, "slots lie inside the region");
+        assert!(pool.lease_or_park(3).is_none(), "two slots of 40 in 100 bytes");
+        assert!(pool.lease_or_park(4).is_none());
+        let base = a.base;
+        let (waiter, handed) = pool.give_back(a).unwrap();
+        assert_eq!((waiter, handed.base), (3, base), "the oldest waiter gets the slot");
+        let (waiter, _) = pool.give_back(handed).unwrap();
+        assert_eq!(waiter, 4);
+        assert!(pool.give_back(b).is_none());
+    }
+}
