@@ -3,72 +3,12 @@
 
 mod support;
 
-use std::io::Write;
-use std::sync::Arc;
-
+use support::tiered::*;
 use support::*;
-use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
-use umbp_hbm::{Fault as DeviceFault, HbmConfig, HbmEngine, SimDevice};
-use umbp_localcopy::LocalCopyEngine;
-use umbp_plan::{BatchState, Endpoint, EndpointId, EndpointRegistry, ObjectState, TransferEngine};
-use umbp_ssd::{Fault, FileOptions, SsdConfig, SsdEngine};
-
-const PAGE: u64 = 16 << 10;
-
-struct Tiered {
-    composite: CompositeEngine,
-    hbm: Arc<HbmEngine<SimDevice>>,
-    ssd: Arc<SsdEngine>,
-    _dir: tempfile::TempDir,
-    dram: Vec<u8>,
-    dram_id: EndpointId,
-    file: Vec<u8>,
-    file_id: EndpointId,
-    _bounce: Vec<u8>,
-}
-
-/// DRAM arena and SSD file of `pages` pages each (distinct patterns), engines
-/// [host copies, device, SSD], and a 256 KiB bounce region (pinned for the GPU when `pin`).
-fn tiered(pages: usize, pin: bool) -> Tiered {
-    let registry = EndpointRegistry::new();
-    let host = Arc::new(LocalCopyEngine::new(registry.clone()));
-    let config = HbmConfig { pin_registered_host: pin.then_some(GPU), ..HbmConfig::default() };
-    let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
-    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let len = pages * PAGE as usize;
-    let file = pattern(len, 77);
-    let path = dir.path().join("tier.bin");
-    std::fs::File::create(&path).unwrap().write_all(&file).unwrap();
-    let file_id = ssd.open_file(&path, 0, len as u64, FileOptions::new()).unwrap();
-    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd.clone()];
-    let mut composite = CompositeEngine::new(registry, engines);
-    let mut dram = pattern(len, 11);
-    let mut bounce = vec![0u8; 256 << 10];
-    // SAFETY: the buffers live in the returned struct, alive for every transfer of the test.
-    let (dram_id, bounce_id) = unsafe {
-        (
-            composite.register(Endpoint::host(dram.as_mut_ptr() as u64, len as u64)).unwrap(),
-            composite
-                .register(Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64))
-                .unwrap(),
-        )
-    };
-    composite =
-        composite.with_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
-    Tiered { composite, hbm, ssd, _dir: dir, dram, dram_id, file, file_id, _bounce: bounce }
-}
-
-/// Object `o` of a tier: pages `perm(o, k)` scattered over the tier.
-fn page_table(o: usize, pages_per_object: usize, tier_pages: usize) -> Vec<u64> {
-    (0..pages_per_object)
-        .map(|k| (((o * pages_per_object + k) * 7 + 3) % tier_pages) as u64 * PAGE)
-        .collect()
-}
-
-fn object_bytes(tier: &[u8], table: &[u64], offset: u64, len: u64) -> Vec<u8> {
-    (offset..offset + len).map(|b| tier[(table[(b / PAGE) as usize] + b % PAGE) as usize]).collect()
-}
+use umbp_composite::{restore, ObjectRange, ObjectTransfer, PagedObject};
+use umbp_hbm::Fault as DeviceFault;
+use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState};
+use umbp_ssd::Fault;
 
 #[test]
 fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {

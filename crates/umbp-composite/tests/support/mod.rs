@@ -5,6 +5,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+pub(crate) mod tiered;
+pub(crate) mod wrapped;
+
 use umbp_composite::CompositeEngine;
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;

@@ -1,0 +1,355 @@
+//! The non-blocking batch: submit returns at once, layer groups settle in order, deadlines,
+//! cancel and drop; engine panics fail exactly their objects; misuse gets typed errors.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::tiered::*;
+use support::wrapped::Wrapped;
+use support::*;
+use umbp_composite::{
+    restore, CompositeEngine, Error, ObjectError, ObjectRange, ObjectTransfer, PagedObject,
+};
+use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::{
+    BatchState, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, ObjectState, Tag,
+    TransferEngine,
+};
+
+const OBJECT: u64 = 4096;
+
+/// One composite over a wrapped host copy engine, a source pattern and a poisoned destination
+/// of `objects` objects.
+struct HostRig {
+    composite: CompositeEngine,
+    engine: Arc<Wrapped>,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    ids: (EndpointId, EndpointId),
+}
+
+fn host_rig(objects: usize, wrap: impl FnOnce(Wrapped) -> Wrapped) -> HostRig {
+    let registry = EndpointRegistry::new();
+    let host: Arc<dyn TransferEngine> = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let engine = Arc::new(wrap(Wrapped::new(host, registry.clone(), "wrapped")));
+    let composite = CompositeEngine::new(registry, vec![engine.clone()]);
+    let len = objects * OBJECT as usize;
+    let mut src = pattern(len, 3);
+    let mut dst = vec![POISON; len];
+    // SAFETY: both buffers live in the rig, which outlives every batch of each test (batches
+    // are waited on or dropped, which waits, before the rig goes).
+    let ids = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, len as u64)).unwrap(),
+            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, len as u64)).unwrap(),
+        )
+    };
+    HostRig { composite, engine, src, dst, ids }
+}
+
+impl HostRig {
+    /// Object `o` copies its 4 KiB in layer group `group(o)`.
+    fn plans(&self, objects: usize, group: impl Fn(usize) -> u32) -> umbp_composite::RoutedPlans {
+        let mut b = self.composite.builder();
+        for o in 0..objects {
+            let tag = Tag::new(o as u32);
+            b.set_group(group(o));
+            b.begin_object(tag).unwrap();
+            let at = o as u64 * OBJECT;
+            b.push(Fragment::new(self.ids.0, at, self.ids.1, at, OBJECT, tag)).unwrap();
+            b.commit_object().unwrap();
+        }
+        b.finish().unwrap()
+    }
+
+    fn object_arrived(&self, o: usize) -> bool {
+        let r = o * OBJECT as usize..(o + 1) * OBJECT as usize;
+        self.dst[r.clone()] == self.src[r]
+    }
+
+    fn object_untouched(&self, o: usize) -> bool {
+        self.dst[o * OBJECT as usize..(o + 1) * OBJECT as usize].iter().all(|&x| x == POISON)
+    }
+}
+
+#[test]
+fn submit_returns_before_a_slow_engine_finishes_and_a_deadline_can_pass() {
+    let rig = host_rig(2, |w| w.slow(Duration::from_millis(300)));
+    let plans = rig.plans(2, |_| 0);
+    let t = Instant::now();
+    let batch = rig.composite.submit(plans).unwrap();
+    let returned = t.elapsed();
+    assert!(returned < Duration::from_millis(150), "submit took {returned:?}");
+    assert!(!batch.is_done());
+    assert_eq!(batch.state(0), Some(ObjectState::InFlight));
+    assert_eq!(batch.aggregate(), BatchState::InFlight);
+    assert_eq!(rig.composite.in_flight().batches, 1);
+    assert_eq!(rig.composite.in_flight().bytes, 2 * OBJECT);
+
+    assert!(batch.wait_timeout(Duration::from_millis(20)).is_none(), "the engine is still busy");
+    let report = batch.wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+    assert!(t.elapsed() >= Duration::from_millis(300));
+    assert_eq!(batch.wait(), report, "wait is idempotent");
+    assert!(batch.wait_timeout(Duration::ZERO).is_some());
+    assert_eq!(rig.composite.in_flight().batches, 0);
+    assert!(rig.object_arrived(0) && rig.object_arrived(1));
+}
+
+#[test]
+fn layer_groups_run_in_order_and_group_zero_is_ready_while_the_last_is_in_flight() {
+    let rig = host_rig(4, |w| w.slow(Duration::from_millis(120)));
+    let batch = rig.composite.submit(rig.plans(4, |o| o as u32 * 10)).unwrap();
+    assert_eq!(batch.groups(), &[0, 10, 20, 30]);
+    batch.wait_group(0);
+    assert!(batch.is_group_done(0) && batch.is_group_done(5), "no group between 0 and 10");
+    assert!(!batch.is_group_done(30), "the last group is still in flight");
+    assert_eq!(batch.state(0), Some(ObjectState::Completed));
+    assert_eq!(batch.state(3), Some(ObjectState::InFlight));
+    assert!(rig.object_arrived(0));
+    assert!(!batch.wait_group_timeout(30, Duration::from_millis(10)));
+    assert!(batch.wait_group_timeout(20, Duration::from_secs(10)));
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+
+    let records = rig.engine.records();
+    let order: Vec<Vec<Tag>> = records.iter().map(|r| r.tags.clone()).collect();
+    let expected: Vec<Vec<Tag>> = (0..4).map(|o| vec![Tag::new(o)]).collect();
+    assert_eq!(order, expected, "one submit per group, in group order");
+    for pair in records.windows(2) {
+        assert!(pair[1].started >= pair[0].ended, "group k+1 started before group k ended");
+    }
+    assert!((0..4).all(|o| rig.object_arrived(o)));
+}
+
+#[test]
+fn cancel_skips_groups_not_started_and_returns_once_the_engine_is_idle() {
+    let rig = host_rig(8, |w| w.slow(Duration::from_millis(80)));
+    let batch = rig.composite.submit(rig.plans(8, |o| o as u32)).unwrap();
+    batch.wait_group(0);
+    let t = Instant::now();
+    let report = batch.cancel();
+    assert!(t.elapsed() < Duration::from_millis(500), "cancel waited for the whole batch");
+    assert!(batch.is_done());
+    let submits = rig.engine.records().len();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(rig.engine.records().len(), submits, "nothing ran after cancel returned");
+
+    let cancelled: Vec<usize> =
+        (0..8).filter(|&o| report.objects[o].state == ObjectState::Cancelled).collect();
+    assert!(cancelled.len() >= 5, "{report:?}");
+    assert_eq!(report.aggregate, BatchState::Failed);
+    for o in 0..8 {
+        match report.objects[o].state {
+            ObjectState::Completed => assert!(rig.object_arrived(o), "object {o}"),
+            ObjectState::Cancelled => {
+                assert_eq!(report.objects[o].error, Some(ObjectError::Cancelled));
+                assert!(rig.object_untouched(o), "cancelled object {o} was written");
+            }
+            other => panic!("object {o}: {other:?}"),
+        }
+    }
+    assert_eq!(report.objects[0].state, ObjectState::Completed);
+}
+
+#[test]
+fn dropping_a_pending_batch_or_the_composite_waits_for_the_engine() {
+    let rig = host_rig(2, |w| w.slow(Duration::from_millis(200)));
+    let batch = rig.composite.submit(rig.plans(1, |_| 0)).unwrap();
+    let t = Instant::now();
+    drop(batch);
+    assert!(t.elapsed() >= Duration::from_millis(150), "drop returned before the engine ran");
+    assert!(rig.object_arrived(0));
+
+    let HostRig { composite, engine, src, dst, ids } = rig;
+    let mut b = composite.builder();
+    b.begin_object(Tag::new(1)).unwrap();
+    b.push(Fragment::new(ids.0, OBJECT, ids.1, OBJECT, OBJECT, Tag::new(1))).unwrap();
+    b.commit_object().unwrap();
+    let plans = b.finish().unwrap();
+    drop(b);
+    let batch = composite.submit(plans).unwrap();
+    let t = Instant::now();
+    drop(composite);
+    assert!(t.elapsed() >= Duration::from_millis(150), "the composite went with work in flight");
+    assert!(batch.is_done());
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+    assert_eq!(dst[OBJECT as usize..], src[OBJECT as usize..]);
+    drop(engine);
+}
+
+#[test]
+fn a_panicking_engine_in_a_direct_part_fails_exactly_that_part() {
+    let rig = Rig::new();
+    let registry = rig.registry.clone();
+    let host: Arc<dyn TransferEngine> = rig.host.clone();
+    let wrapped = Arc::new(Wrapped::new(host, registry.clone(), "panicky").panicking_on(&[0]));
+    let composite = CompositeEngine::new(registry, vec![wrapped, rig.hbm.clone()]);
+    let mut src = pattern(3 * OBJECT as usize, 5);
+    let mut out = vec![POISON; 3 * OBJECT as usize];
+    // SAFETY: the buffers outlive the batch, which is waited on below.
+    let (s, d) = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 3 * OBJECT)).unwrap(),
+            composite.register(Endpoint::host(out.as_mut_ptr() as u64, 3 * OBJECT)).unwrap(),
+        )
+    };
+    let dev = rig.device(3 * OBJECT);
+    let mut b = composite.builder();
+    // Object 0: host -> host (the panicking engine), object 1: host -> device, object 2: host
+    // -> host in layer group 1 (another part of the same engine).
+    for (o, to, group) in [(0u32, d, 0), (1, dev.id, 0), (2, d, 1)] {
+        let at = u64::from(o) * OBJECT;
+        b.set_group(group);
+        b.begin_object(Tag::new(o)).unwrap();
+        b.push(Fragment::new(s, at, to, at, OBJECT, Tag::new(o))).unwrap();
+        b.commit_object().unwrap();
+    }
+    let report = composite.submit(b.finish().unwrap()).unwrap().wait();
+    let states: Vec<ObjectState> = report.objects.iter().map(|o| o.state).collect();
+    assert_eq!(states, [ObjectState::Failed, ObjectState::Completed, ObjectState::Completed]);
+    match &report.objects[0].error {
+        Some(ObjectError::Failed { engine, cause: FailureCause::Panicked { message }, .. }) => {
+            assert_eq!(engine, "panicky");
+            assert!(message.contains("told to panic on object 0"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(out[..OBJECT as usize].iter().all(|&x| x == POISON));
+    assert_eq!(&out[2 * OBJECT as usize..], &src[2 * OBJECT as usize..]);
+    let device = rig.read_device(dev);
+    assert_eq!(
+        &device[OBJECT as usize..2 * OBJECT as usize],
+        &src[OBJECT as usize..2 * OBJECT as usize]
+    );
+    // The composite still works after the panic.
+    let mut b = composite.builder();
+    b.begin_object(Tag::new(7)).unwrap();
+    b.push(Fragment::new(s, 0, d, 0, OBJECT, Tag::new(7))).unwrap();
+    b.commit_object().unwrap();
+    assert_eq!(
+        composite.submit(b.finish().unwrap()).unwrap().wait().aggregate,
+        BatchState::Completed
+    );
+}
+
+/// Restores four 64 KiB objects from the file into the device through the staged route (one
+/// object per 64 KiB stage) with engine `which` (1: device, the second hop; 2: SSD, the first)
+/// panicking on object `victim`.
+fn staged_restore_with_a_panic(which: usize, victim: u32) -> (Vec<ObjectState>, String) {
+    let t = tiered_with(16, true, |i, engine, registry| {
+        if i == which {
+            Arc::new(Wrapped::new(engine, registry.clone(), "panicky").panicking_on(&[victim]))
+        } else {
+            engine
+        }
+    });
+    let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
+    t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
+    let size = 4 * PAGE;
+    let ranges: Vec<[ObjectRange; 1]> =
+        (0..4).map(|o| [ObjectRange::new(0, size, dev.id, o as u64 * size)]).collect();
+    let objects: Vec<ObjectTransfer> = (0..4)
+        .map(|o| ObjectTransfer {
+            tag: 100 + o as u64,
+            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let report = restore(&mut t.composite.builder(), &objects).unwrap();
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    for (o, r) in report.objects.iter().enumerate() {
+        assert_eq!(r.tag, 100 + o as u64);
+        let got = &device[o * size as usize..(o + 1) * size as usize];
+        match r.state {
+            ObjectState::Completed => {
+                assert_eq!(got, object_bytes(&t.file, &tables[o], 0, size), "object {o}")
+            }
+            _ => assert!(got.iter().all(|&x| x == POISON), "failed object {o} reached the device"),
+        }
+    }
+    let cause =
+        report.unsuccessful().map(|o| format!("{:?}", o.error)).collect::<Vec<_>>().join("; ");
+    (report.objects.iter().map(|o| o.state).collect(), cause)
+}
+
+#[test]
+fn a_panic_in_either_hop_of_a_stage_fails_exactly_that_stage_s_object() {
+    use ObjectState::{Completed as C, Failed as F};
+    let (states, cause) = staged_restore_with_a_panic(2, 1);
+    assert_eq!(states, [C, F, C, C], "first hop: {cause}");
+    assert!(cause.contains("Panicked") && cause.contains("panicky"), "{cause}");
+    let (states, cause) = staged_restore_with_a_panic(1, 2);
+    assert_eq!(states, [C, C, F, C], "second hop: {cause}");
+    assert!(cause.contains("Panicked"), "{cause}");
+}
+
+#[test]
+fn plans_from_another_composite_and_duplicate_tags_are_typed_errors() {
+    let a = host_rig(2, |w| w);
+    let b = host_rig(2, |w| w);
+    let plans = a.plans(1, |_| 0);
+    assert!(matches!(b.composite.submit(plans), Err(Error::ForeignPlans)));
+
+    let mut builder = a.composite.builder();
+    builder.begin_object(Tag::new(3)).unwrap();
+    builder.commit_object().unwrap();
+    assert_eq!(
+        builder.begin_object(Tag::new(3)),
+        Err(umbp_plan::Error::DuplicateTag { tag: Tag::new(3) })
+    );
+    // A rolled-back object leaves the batch, and its tag may be used again.
+    builder.begin_object(Tag::new(4)).unwrap();
+    builder.rollback_object().unwrap();
+    builder.begin_object(Tag::new(4)).unwrap();
+    builder.commit_object().unwrap();
+    let plans = builder.finish().unwrap();
+    assert_eq!(plans.objects(), &[Tag::new(3), Tag::new(4)]);
+
+    let pages = [0u64];
+    let ranges = [ObjectRange::new(0, OBJECT, a.ids.1, 0)];
+    let object = PagedObject { tier: a.ids.0, pages: &pages, page_size: OBJECT, size: OBJECT };
+    let twice = [
+        ObjectTransfer { tag: 9, object, ranges: &ranges },
+        ObjectTransfer { tag: 9, object, ranges: &ranges },
+    ];
+    let mut builder = a.composite.builder();
+    assert!(matches!(restore(&mut builder, &twice), Err(Error::DuplicateTag(9))));
+    assert!(a.object_untouched(0), "nothing was planned or written");
+    builder.begin_object(Tag::new(0)).unwrap();
+    assert!(matches!(restore(&mut builder, &twice[..1]), Err(Error::BuilderInUse)));
+}
+
+#[test]
+fn a_rejected_object_carries_its_reason() {
+    let rig = host_rig(2, |w| w);
+    let pages = [0u64, OBJECT];
+    let good = [ObjectRange::new(0, OBJECT, rig.ids.1, 0)];
+    let past_end = [ObjectRange::new(0, OBJECT, rig.ids.1, 2 * OBJECT - 10)];
+    let bad_range = [ObjectRange::new(OBJECT, 2 * OBJECT, rig.ids.1, 0)];
+    let object =
+        PagedObject { tier: rig.ids.0, pages: &pages, page_size: OBJECT, size: 2 * OBJECT };
+    let objects = [
+        ObjectTransfer { tag: 1 << 40, object, ranges: &good },
+        ObjectTransfer { tag: 7, object, ranges: &past_end },
+        ObjectTransfer { tag: u64::MAX, object, ranges: &bad_range },
+    ];
+    let report = restore(&mut rig.composite.builder(), &objects).unwrap();
+    assert_eq!(report.objects[0].tag, 1 << 40);
+    assert_eq!(report.objects[0].state, ObjectState::Completed);
+    assert!(matches!(
+        report.object(7).and_then(|o| o.error.clone()),
+        Some(ObjectError::Rejected(umbp_plan::Error::Rejected {
+            reason: umbp_plan::RejectReason::OutOfBounds { .. },
+            ..
+        }))
+    ));
+    assert!(matches!(
+        report.object(u64::MAX).and_then(|o| o.error.clone()),
+        Some(ObjectError::Rejected(umbp_plan::Error::Walk(
+            umbp_plan::WalkError::RangePastEnd { .. }
+        )))
+    ));
+}

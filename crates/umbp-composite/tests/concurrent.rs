@@ -1,0 +1,147 @@
+//! One composite shared by 16 threads, each restoring its own objects 20 times: staged file ->
+//! device, DRAM -> device and file -> host in every batch. Every completed object is byte-exact,
+//! bytes outside the ranges stay poisoned, and the process's thread count stays bounded during
+//! the run and returns to where it was (no submit spawns threads).
+//!
+//! Its own test binary, so that no other test's threads disturb the count.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use support::tiered::*;
+use support::*;
+use umbp_composite::{restore, ObjectRange, ObjectTransfer, PagedObject};
+use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState};
+
+const THREADS: usize = 16;
+const ROUNDS: usize = 20;
+/// Objects per restore; object `o` comes from the file through the bounce region into the
+/// device (`o % 3 == 0`), from DRAM into the device (1) or from the file into host memory (2).
+const OBJECTS: usize = 6;
+/// 256 KiB objects of 16 KiB pages, staged in 64 KiB stages (four slots of a 256 KiB bounce).
+const PAGES: usize = 16;
+const TIER_PAGES: usize = 64;
+/// Each range leaves the first bytes of its object out, to check nothing is written there.
+const SKIP: u64 = 1000;
+
+/// The process's threads, less io_uring's kernel workers (`iou-wrk-*`, `iou-sqp-*`), which
+/// the kernel starts and retires on its own as reads block.
+fn threads_now() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .filter_map(Result::ok)
+        .filter(|task| {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            !comm.starts_with("iou-")
+        })
+        .count()
+}
+
+#[test]
+fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
+    let t = tiered(TIER_PAGES, true);
+    let size = PAGES as u64 * PAGE;
+    let tables: Vec<Vec<u64>> =
+        (0..OBJECTS * THREADS).map(|o| page_table(o, PAGES, TIER_PAGES)).collect();
+
+    // Warm up: the executor and every engine's workers start here.
+    let warm_dev = t.hbm.alloc_device(GPU, size).unwrap();
+    let warm = [ObjectRange::new(0, size, warm_dev.id, 0)];
+    let object = PagedObject { tier: t.file_id, pages: &tables[0], page_size: PAGE, size };
+    let report =
+        restore(&mut t.composite.builder(), &[ObjectTransfer { tag: 0, object, ranges: &warm }]);
+    assert_eq!(report.unwrap().aggregate, BatchState::Completed);
+    let baseline = threads_now();
+
+    let running = AtomicBool::new(true);
+    let peak = AtomicUsize::new(baseline);
+    let wrong = AtomicUsize::new(0);
+    let completed = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            while running.load(Ordering::Relaxed) {
+                peak.fetch_max(threads_now(), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        });
+        let callers: Vec<_> = (0..THREADS)
+            .map(|thread| {
+                let (t, tables, wrong, completed) = (&t, &tables, &wrong, &completed);
+                scope.spawn(move || {
+                    let dev = t.hbm.alloc_device(GPU, OBJECTS as u64 * size).unwrap();
+                    let mut out = vec![POISON; OBJECTS * size as usize];
+                    // SAFETY: `out` outlives every restore of this thread (each is waited on).
+                    let out_id: EndpointId = unsafe {
+                        t.composite
+                            .register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64))
+                            .unwrap()
+                    };
+                    let mut builder = t.composite.builder();
+                    for round in 0..ROUNDS {
+                        t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+                        out.fill(POISON);
+                        let ranges: Vec<[ObjectRange; 1]> = (0..OBJECTS)
+                            .map(|o| {
+                                let to = if o % 3 == 2 { out_id } else { dev.id };
+                                let at = o as u64 * size + SKIP;
+                                [ObjectRange::new(SKIP, size - SKIP, to, at)]
+                            })
+                            .collect();
+                        let objects: Vec<ObjectTransfer> = (0..OBJECTS)
+                            .map(|o| ObjectTransfer {
+                                tag: (thread * 1000 + round * 10 + o) as u64,
+                                object: PagedObject {
+                                    tier: if o % 3 == 1 { t.dram_id } else { t.file_id },
+                                    pages: &tables[thread * OBJECTS + o],
+                                    page_size: PAGE,
+                                    size,
+                                },
+                                ranges: &ranges[o],
+                            })
+                            .collect();
+                        let report = restore(&mut builder, &objects).unwrap();
+                        assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+                        let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+                        for (o, r) in report.objects.iter().enumerate() {
+                            assert_eq!(r.tag, objects[o].tag);
+                            if r.state != ObjectState::Completed {
+                                continue;
+                            }
+                            completed.fetch_add(1, Ordering::Relaxed);
+                            let target: &[u8] = if o % 3 == 2 { &out } else { &device };
+                            let tier: &[u8] = if o % 3 == 1 { &t.dram } else { &t.file };
+                            let base = o * size as usize;
+                            let expect = object_bytes(
+                                tier,
+                                &tables[thread * OBJECTS + o],
+                                SKIP,
+                                size - SKIP,
+                            );
+                            if target[base + SKIP as usize..base + size as usize] != expect[..]
+                                || target[base..base + SKIP as usize].iter().any(|&x| x != POISON)
+                            {
+                                wrong.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    t.composite.deregister(out_id).unwrap();
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap();
+        }
+        running.store(false, Ordering::Relaxed);
+        sampler.join().unwrap();
+    });
+    assert_eq!(wrong.load(Ordering::Relaxed), 0, "completed objects with wrong bytes");
+    assert_eq!(completed.load(Ordering::Relaxed), THREADS * ROUNDS * OBJECTS);
+    let peak = peak.load(Ordering::Relaxed);
+    assert!(
+        peak <= baseline + THREADS + 1,
+        "threads peaked at {peak}, from {baseline} with {THREADS} callers and a sampler"
+    );
+    assert_eq!(threads_now(), baseline, "threads left behind by the run");
+    assert_eq!(t.composite.in_flight().batches, 0);
+}

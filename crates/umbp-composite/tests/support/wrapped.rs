@@ -1,0 +1,148 @@
+//! An engine that wraps a real one and misbehaves on demand: slow submits, panics on chosen
+//! objects, refusals at `finish` (a buffered builder), and a log of what each submit carried.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use umbp_plan::{
+    plan_batch, BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, EngineError, Fragment,
+    PlanBuilder, PlanRules, PlanSet, RejectReason, Tag, TransferEngine, TransferHandle,
+};
+
+/// What one submit carried and when it started and ended.
+#[derive(Clone, Debug)]
+pub(crate) struct SubmitRecord {
+    pub(crate) tags: Vec<Tag>,
+    pub(crate) started: Instant,
+    pub(crate) ended: Instant,
+}
+
+pub(crate) struct Wrapped {
+    pub(crate) inner: Arc<dyn TransferEngine>,
+    /// The registry the inner engine names endpoints in.
+    pub(crate) registry: Arc<EndpointRegistry>,
+    pub(crate) name: String,
+    /// Each submit sleeps this long before the inner engine runs.
+    pub(crate) delay: Duration,
+    /// A submit whose plans carry one of these objects panics (before any byte moves).
+    pub(crate) panic_on: Mutex<HashSet<Tag>>,
+    /// When set, the engine plans with a buffered builder whose planner refuses the fragments
+    /// this length divides evenly (so rejections appear only at `finish`).
+    pub(crate) refuse_len_multiple_of: Option<u64>,
+    pub(crate) log: Mutex<Vec<SubmitRecord>>,
+}
+
+impl Wrapped {
+    pub(crate) fn new(
+        inner: Arc<dyn TransferEngine>,
+        registry: Arc<EndpointRegistry>,
+        name: &str,
+    ) -> Self {
+        Self {
+            inner,
+            registry,
+            name: name.into(),
+            delay: Duration::ZERO,
+            panic_on: Mutex::new(HashSet::new()),
+            refuse_len_multiple_of: None,
+            log: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn slow(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    pub(crate) fn panicking_on(self, tags: &[u32]) -> Self {
+        self.panic_on.lock().unwrap().extend(tags.iter().map(|&t| Tag::new(t)));
+        self
+    }
+
+    pub(crate) fn buffered_refusing(mut self, multiple_of: u64) -> Self {
+        self.refuse_len_multiple_of = Some(multiple_of);
+        self
+    }
+
+    pub(crate) fn records(&self) -> Vec<SubmitRecord> {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+/// The inner engine's pairs, refusing fragments whose length is a multiple of `refuse`.
+struct Refusing<'a> {
+    inner: &'a dyn TransferEngine,
+    refuse: u64,
+}
+
+impl PlanRules for Refusing<'_> {
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.inner.can_handle(src, dst)
+    }
+
+    fn check_fragment(&self, _: &Endpoint, _: &Endpoint, f: &Fragment) -> Result<(), RejectReason> {
+        if f.len % self.refuse == 0 {
+            Err(RejectReason::Misaligned {
+                endpoint: f.dst,
+                offset: f.dst_offset,
+                len: f.len,
+                align: self.refuse,
+            })
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl TransferEngine for Wrapped {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.inner.can_handle(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        match self.refuse_len_multiple_of {
+            Some(refuse) => {
+                let rules = Refusing { inner: &*self.inner, refuse };
+                plan_batch(&rules, &self.registry.snapshot(), fragments)
+            }
+            None => self.inner.plan(fragments),
+        }
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        match self.refuse_len_multiple_of {
+            Some(_) => Box::new(BufferedPlanBuilder::new(self)),
+            None => self.inner.builder(),
+        }
+    }
+
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        self.inner.endpoint_registered(id, endpoint)
+    }
+
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        self.inner.endpoint_deregistering(id)
+    }
+
+    fn submit(&self, plans: PlanSet) -> TransferHandle {
+        let started = Instant::now();
+        let tags: Vec<Tag> = plans.plans().iter().flat_map(|p| p.tags()).copied().collect();
+        std::thread::sleep(self.delay);
+        let boom = {
+            let panic_on = self.panic_on.lock().unwrap();
+            tags.iter().find(|t| panic_on.contains(t)).copied()
+        };
+        if let Some(tag) = boom {
+            self.log.lock().unwrap().push(SubmitRecord { tags, started, ended: Instant::now() });
+            panic!("{} was told to panic on object {}", self.name, tag.get());
+        }
+        let settled = self.inner.submit(plans).into_settled();
+        self.log.lock().unwrap().push(SubmitRecord { tags, started, ended: Instant::now() });
+        TransferHandle::settled(settled.failures, settled.plans)
+    }
+}
