@@ -8,6 +8,7 @@
 pub mod batch_bench;
 pub mod copy_bench;
 pub mod hbm_bench;
+pub mod layers_bench;
 pub mod plan_bench;
 pub mod restore_bench;
 pub mod ssd_bench;

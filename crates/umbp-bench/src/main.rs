@@ -13,6 +13,7 @@ use umbp_bench::alloc_count::CountingAllocator;
 use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
 use umbp_bench::hbm_bench::{self, HbmBenchConfig};
+use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
 use umbp_bench::progress::Progress;
 use umbp_bench::report::Report;
@@ -84,6 +85,13 @@ enum Command {
     /// Every restore is verified byte for byte after timing. Target: the mixed restore takes at
     /// most 1.1x the slower of its two halves run alone (the engines overlap).
     Restore(RestoreArgs),
+    /// A layer-wise restore: 61 layers in groups of 8, a forward pass that waits for each
+    /// group and computes (spins) per layer, from DRAM, SSD and mixed into the simulated device.
+    ///
+    /// Blocking (restore, then forward) against layered (forward waits per group while the
+    /// restore runs). Targets: layered time to the first group at most 0.25x the blocking
+    /// restore; layered stall at most half the blocking stall.
+    Layers(LayersArgs),
     /// One batch submit against one submit per transfer, for the host, simulated-device and
     /// SSD engines.
     ///
@@ -214,6 +222,35 @@ struct RestoreArgs {
     #[arg(long, default_value = "64KiB", value_parser = page_size)]
     page_size: ByteSize,
     /// Timed iterations per run; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    iterations: u32,
+    /// Caller counts of the many-callers sweep, comma-separated: N threads share one
+    /// composite, each restoring its own share of the objects (counts above 1 add DRAM and
+    /// mixed rows). Target: 16 callers reach at least 0.9x one caller's GiB/s.
+    #[arg(long, value_delimiter = ',', default_values = ["1", "4", "16"], value_parser = clap::value_parser!(u32).range(1..=64))]
+    callers: Vec<u32>,
+    /// Directory for the SSD tier's file (a temporary directory is created in it and removed
+    /// afterwards).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct LayersArgs {
+    /// Objects of 24 MiB to restore.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=651))]
+    scale: u32,
+    /// Fraction of objects the mixed run reads from SSD (0 to 1).
+    #[arg(long, default_value_t = 0.5, value_parser = unit_fraction)]
+    ssd_fraction: f64,
+    /// Page size of both tiers (units allowed; a power of two from 4KiB to 1MiB).
+    #[arg(long, default_value = "64KiB", value_parser = page_size)]
+    page_size: ByteSize,
+    /// Compute per layer in microseconds. Default: each source's blocking restore time over
+    /// 61, measured in the same run, so the forward pass is as long as the blocking restore.
+    #[arg(long)]
+    compute_us: Option<f64>,
+    /// Timed iterations of each mode (alternating); medians are reported.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     iterations: u32,
     /// Directory for the SSD tier's file (a temporary directory is created in it and removed
@@ -354,6 +391,7 @@ fn main() -> ExitCode {
         Some(Command::Hbm(args)) => hbm(&args, &out),
         Some(Command::Ssd(args)) => ssd(&args, &out),
         Some(Command::Restore(args)) => restore(&args, &out),
+        Some(Command::Layers(args)) => layers(&args, &out),
         Some(Command::Batch(args)) => batch(&args, &out),
     };
     drop(progress);
@@ -518,6 +556,7 @@ fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
         ssd_fraction: args.ssd_fraction,
         iterations: args.iterations as usize,
         dir: args.dir.clone(),
+        callers: args.callers.iter().map(|&c| c as usize).collect(),
         ..RestoreBenchConfig::default()
     };
     // The DRAM tier, the destinations in simulated device memory, and a read-back for
@@ -529,6 +568,33 @@ fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
         &rows,
         restore_bench::table(&rows),
         Some(restore_bench::chart(&rows)),
+    )?)
+}
+
+fn layers(args: &LayersArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    if args.compute_us.is_some_and(|us| !(0.0..=1e7).contains(&us)) {
+        usage_error("--compute-us must be between 0 and 10,000,000");
+    }
+    let config = LayersBenchConfig {
+        restore: RestoreBenchConfig {
+            objects: args.scale as usize,
+            page_size: args.page_size.0,
+            ssd_fraction: args.ssd_fraction,
+            iterations: args.iterations as usize,
+            dir: args.dir.clone(),
+            ..RestoreBenchConfig::default()
+        },
+        compute_us: args.compute_us,
+        ..LayersBenchConfig::default()
+    };
+    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (64 << 20), "--scale");
+    let rows = layers_bench::run(&config, out.progress)?;
+    out.emit(&Report::new(
+        "layers",
+        &rows,
+        layers_bench::table(&rows),
+        Some(layers_bench::chart(&rows)),
     )?)
 }
 
@@ -607,6 +673,9 @@ mod tests {
         assert_eq!((s.repeats, s.no_fio), (3, false));
         let Some(Command::Restore(r)) = parse(&["restore"]).unwrap().command else { panic!() };
         assert_eq!((r.scale, r.ssd_fraction, r.page_size), (43, 0.5, ByteSize(64 << 10)));
+        assert_eq!(r.callers, [1, 4, 16]);
+        let Some(Command::Layers(l)) = parse(&["layers"]).unwrap().command else { panic!() };
+        assert_eq!((l.scale, l.ssd_fraction, l.compute_us, l.iterations), (16, 0.5, None, 3));
         let Some(Command::Batch(b)) = parse(&["batch"]).unwrap().command else { panic!() };
         assert_eq!(b.engines, BatchEngine::ALL);
         assert_eq!((b.transfers, b.transfer_size), (4096, ByteSize(4096)));

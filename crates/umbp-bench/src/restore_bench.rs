@@ -39,6 +39,9 @@ pub struct RestoreBenchConfig {
     pub iterations: usize,
     /// Where the SSD file is created (a directory on the filesystem to measure).
     pub dir: std::path::PathBuf,
+    /// Caller counts of the many-callers sweep (each shares one composite and restores its
+    /// own share of the objects); counts above 1 add rows for the DRAM and mixed sources.
+    pub callers: Vec<usize>,
 }
 
 impl Default for RestoreBenchConfig {
@@ -50,6 +53,7 @@ impl Default for RestoreBenchConfig {
             contiguity: 0.1,
             iterations: 3,
             dir: std::env::temp_dir(),
+            callers: vec![1, 4, 16],
         }
     }
 }
@@ -65,19 +69,44 @@ pub struct RestoreRow {
     pub objects: usize,
     /// Bytes restored.
     pub bytes: u64,
-    /// Median wall time of plan + submit + wait.
+    /// Threads sharing the composite, each restoring its own share of the objects.
+    pub callers: usize,
+    /// Median wall time of plan + submit + wait (all callers: first start to last finish).
     pub seconds: f64,
+    /// Spread of the timed iterations: (slowest - fastest) / median.
+    pub spread: f64,
     /// Bytes per second in GiB/s.
     pub gib_s: f64,
     /// Every object completed and every destination byte matched after timing.
     pub verified: bool,
     /// Mixed runs: time over the slower of the two halves run alone; `null` on other rows.
     pub ratio_to_slower_half: Option<f64>,
+    /// Rows of several callers: aggregate GiB/s over the same source's one-caller GiB/s;
+    /// `null` on other rows and when the difference is within the runs' spread.
+    pub ratio_to_one_caller: Option<f64>,
+}
+
+/// A timed run: the median, the spread of its iterations, and whether it was verified.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Timing {
+    pub(crate) seconds: f64,
+    pub(crate) spread: f64,
+    pub(crate) verified: bool,
+}
+
+impl Timing {
+    /// The median and spread of `times` (not empty).
+    pub(crate) fn of(mut times: Vec<f64>, verified: bool) -> Self {
+        times.sort_by(f64::total_cmp);
+        let seconds = times[times.len() / 2];
+        let spread = (times[times.len() - 1] - times[0]) / seconds;
+        Self { seconds, spread, verified }
+    }
 }
 
 /// The tiers, engines and destinations of a restore.
-struct Setup {
-    shape: RestoreShape,
+pub(crate) struct Setup {
+    pub(crate) shape: RestoreShape,
     table: PageTable,
     arena: Vec<u8>,
     arena_id: EndpointId,
@@ -88,7 +117,10 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
-fn setup(config: &RestoreBenchConfig, buffered: bool) -> anyhow::Result<(Setup, CompositeEngine)> {
+pub(crate) fn setup(
+    config: &RestoreBenchConfig,
+    buffered: bool,
+) -> anyhow::Result<(Setup, CompositeEngine)> {
     let shape = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(config.page_size) };
     let table = PageTable::scatter(&shape, config.contiguity, 7);
     let tier_len = table.tier_pages * shape.page_size;
@@ -138,16 +170,15 @@ fn setup(config: &RestoreBenchConfig, buffered: bool) -> anyhow::Result<(Setup, 
 }
 
 impl Setup {
-    /// Restores `objects` (each from SSD when `from_ssd(object)`), timed, then verified.
-    fn run(
+    /// The ranges of `objects`: range `r` of object `b` to destination `r` at `b × range_len`,
+    /// in layer group `group(r)`.
+    pub(crate) fn ranges(
         &self,
-        composite: &CompositeEngine,
         objects: &[usize],
-        from_ssd: impl Fn(usize) -> bool,
-        iterations: usize,
-    ) -> (f64, bool) {
+        group: impl Fn(usize) -> u32,
+    ) -> Vec<Vec<ObjectRange>> {
         let s = &self.shape;
-        let ranges: Vec<Vec<ObjectRange>> = objects
+        objects
             .iter()
             .map(|&b| {
                 (0..s.ranges)
@@ -158,13 +189,25 @@ impl Setup {
                             self.destinations[r].id,
                             b as u64 * s.range_len,
                         )
+                        .in_group(group(r))
                     })
                     .collect()
             })
-            .collect();
-        let batch: Vec<ObjectTransfer> = objects
+            .collect()
+    }
+
+    /// The batch restoring `objects` over `ranges` (from [`ranges`](Self::ranges)), each from
+    /// SSD when `from_ssd(object)`.
+    pub(crate) fn transfers<'a>(
+        &'a self,
+        objects: &[usize],
+        ranges: &'a [Vec<ObjectRange>],
+        from_ssd: impl Fn(usize) -> bool,
+    ) -> Vec<ObjectTransfer<'a>> {
+        let s = &self.shape;
+        objects
             .iter()
-            .zip(&ranges)
+            .zip(ranges)
             .map(|(&b, ranges)| ObjectTransfer {
                 tag: b as u64,
                 object: PagedObject {
@@ -175,28 +218,74 @@ impl Setup {
                 },
                 ranges,
             })
-            .collect();
-        let mut builder = composite.builder();
-        let mut times = Vec::new();
-        let mut completed = true;
-        // One untimed restore first: it warms the builders, the pool and the file's path.
-        let warm = restore(&mut builder, &batch);
-        completed &= warm.is_ok_and(|r| r.aggregate == BatchState::Completed);
-        for _ in 0..iterations.max(1) {
-            for d in &self.destinations {
-                let _ = self.hbm.runtime().fill(d.addr, d.len, 0xA5);
-            }
-            let t = Instant::now();
-            let report = restore(&mut builder, &batch);
-            times.push(t.elapsed().as_secs_f64());
-            completed &= report.is_ok_and(|r| r.aggregate == BatchState::Completed);
+            .collect()
+    }
+
+    /// Poisons every destination.
+    pub(crate) fn poison(&self) {
+        for d in &self.destinations {
+            let _ = self.hbm.runtime().fill(d.addr, d.len, 0xA5);
         }
-        times.sort_by(f64::total_cmp);
-        (times[times.len() / 2], completed && self.verify(objects))
+    }
+
+    /// Restores `objects` (each from SSD when `from_ssd(object)`), timed, then verified.
+    fn run(
+        &self,
+        composite: &CompositeEngine,
+        objects: &[usize],
+        from_ssd: impl Fn(usize) -> bool + Sync,
+        iterations: usize,
+    ) -> Timing {
+        self.run_callers(composite, objects, from_ssd, 1, iterations)
+    }
+
+    /// Restores `objects` from `callers` threads sharing `composite`, each restoring its own
+    /// share of the objects with its own builder, timed from the first start to the last
+    /// finish, then verified.
+    fn run_callers(
+        &self,
+        composite: &CompositeEngine,
+        objects: &[usize],
+        from_ssd: impl Fn(usize) -> bool + Sync,
+        callers: usize,
+        iterations: usize,
+    ) -> Timing {
+        let shares: Vec<&[usize]> =
+            objects.chunks(objects.len().div_ceil(callers.max(1)).max(1)).collect();
+        let batches: Vec<Vec<Vec<ObjectRange>>> =
+            shares.iter().map(|s| self.ranges(s, |_| 0)).collect();
+        let mut builders: Vec<_> = shares.iter().map(|_| composite.builder()).collect();
+        let restore_all = |builders: &mut [umbp_composite::CompositeBuilder<'_>]| {
+            std::thread::scope(|scope| {
+                let workers: Vec<_> = builders
+                    .iter_mut()
+                    .zip(shares.iter().zip(&batches))
+                    .map(|(builder, (share, ranges))| {
+                        let from_ssd = &from_ssd;
+                        scope.spawn(move || {
+                            let batch = self.transfers(share, ranges, from_ssd);
+                            restore(builder, &batch)
+                                .is_ok_and(|r| r.aggregate == BatchState::Completed)
+                        })
+                    })
+                    .collect();
+                workers.into_iter().all(|w| w.join().unwrap_or(false))
+            })
+        };
+        let mut times = Vec::new();
+        // One untimed restore first: it warms the builders, the pool and the file's path.
+        let mut completed = restore_all(&mut builders);
+        for _ in 0..iterations.max(1) {
+            self.poison();
+            let t = Instant::now();
+            completed &= restore_all(&mut builders);
+            times.push(t.elapsed().as_secs_f64());
+        }
+        Timing::of(times, completed && self.verify(objects))
     }
 
     /// Whether every restored range holds its object's bytes.
-    fn verify(&self, objects: &[usize]) -> bool {
+    pub(crate) fn verify(&self, objects: &[usize]) -> bool {
         let s = &self.shape;
         let page = s.page_size as usize;
         self.destinations.iter().enumerate().all(|(r, d)| {
@@ -234,36 +323,56 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     progress.step("writing the tiers");
     let (setup_inc, composite) = setup(config, false)?;
     let shape = setup_inc.shape;
-    let row = |source, builder, objects: &[usize], (seconds, verified): (f64, bool)| {
+    let row = |source, builder, objects: &[usize], callers, t: Timing| {
         let bytes = bytes_of(objects, &shape);
         RestoreRow {
             source,
             builder,
             objects: objects.len(),
             bytes,
-            seconds,
-            gib_s: bytes as f64 / seconds / (1u64 << 30) as f64,
-            verified,
+            callers,
+            seconds: t.seconds,
+            spread: t.spread,
+            gib_s: bytes as f64 / t.seconds / (1u64 << 30) as f64,
+            verified: t.verified,
             ratio_to_slower_half: None,
+            ratio_to_one_caller: None,
         }
     };
     let it = config.iterations;
     progress.step("dram");
-    rows.push(row("dram", "incremental", &all, setup_inc.run(&composite, &all, |_| false, it)));
+    let dram = setup_inc.run(&composite, &all, |_| false, it);
+    rows.push(row("dram", "incremental", &all, 1, dram));
     progress.step("ssd");
-    rows.push(row("ssd", "incremental", &all, setup_inc.run(&composite, &all, |_| true, it)));
+    rows.push(row("ssd", "incremental", &all, 1, setup_inc.run(&composite, &all, |_| true, it)));
     progress.step("dram half alone");
     let dram_alone = setup_inc.run(&composite, &dram_half, |_| false, it);
     progress.step("ssd half alone");
     let ssd_alone = setup_inc.run(&composite, &ssd_half, |_| true, it);
     progress.step("mixed");
     let mixed = setup_inc.run(&composite, &all, on_ssd, it);
-    let slower = dram_alone.0.max(ssd_alone.0);
-    rows.push(row("dram-half", "incremental", &dram_half, dram_alone));
-    rows.push(row("ssd-half", "incremental", &ssd_half, ssd_alone));
-    let mut mixed_row = row("mixed", "incremental", &all, mixed);
-    mixed_row.ratio_to_slower_half = Some(mixed.0 / slower);
+    let slower = dram_alone.seconds.max(ssd_alone.seconds);
+    rows.push(row("dram-half", "incremental", &dram_half, 1, dram_alone));
+    rows.push(row("ssd-half", "incremental", &ssd_half, 1, ssd_alone));
+    let mut mixed_row = row("mixed", "incremental", &all, 1, mixed);
+    mixed_row.ratio_to_slower_half = Some(mixed.seconds / slower);
     rows.push(mixed_row);
+    for &callers in config.callers.iter().filter(|&&c| c > 1) {
+        for (source, one, from_ssd) in [
+            ("dram", dram, &(|_| false) as &(dyn Fn(usize) -> bool + Sync)),
+            ("mixed", mixed, &on_ssd),
+        ] {
+            progress.step(format!("{source}, {callers} callers"));
+            let t = setup_inc.run_callers(&composite, &all, from_ssd, callers, it);
+            let mut r = row(source, "incremental", &all, callers, t);
+            // GiB/s ratio = time ratio inverted; within the spread of either run it is noise.
+            let ratio = one.seconds / t.seconds;
+            if (ratio - 1.0).abs() > one.spread.max(t.spread) {
+                r.ratio_to_one_caller = Some(ratio);
+            }
+            rows.push(r);
+        }
+    }
     drop(composite);
     drop(setup_inc);
 
@@ -271,8 +380,8 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     let (setup_buf, composite) = setup(config, true)?;
     progress.step("mixed, buffered builders");
     let mixed_buffered = setup_buf.run(&composite, &all, on_ssd, it);
-    let mut buffered_row = row("mixed", "buffered", &all, mixed_buffered);
-    buffered_row.ratio_to_slower_half = Some(mixed_buffered.0 / slower);
+    let mut buffered_row = row("mixed", "buffered", &all, 1, mixed_buffered);
+    buffered_row.ratio_to_slower_half = Some(mixed_buffered.seconds / slower);
     rows.push(buffered_row);
     Ok(rows)
 }
@@ -284,20 +393,37 @@ pub fn table(rows: &[RestoreRow]) -> String {
         "restore of the Kimi-K3 shape into the simulated device, {objects} objects of 24 MiB\n\n"
     );
     out += &format!(
-        "{:<10} {:<12} {:>7} {:>9} {:>8} {:>8} {:>13}\n",
-        "source", "builder", "objects", "seconds", "GiB/s", "verified", "x slower half"
+        "{:<10} {:<12} {:>7} {:>7} {:>9} {:>7} {:>8} {:>8} {:>13} {:>12}\n",
+        "source",
+        "builder",
+        "objects",
+        "callers",
+        "seconds",
+        "spread",
+        "GiB/s",
+        "verified",
+        "x slower half",
+        "x 1 caller"
     );
     for r in rows {
         let ratio = r.ratio_to_slower_half.map_or(String::new(), |x| format!("{x:.2}"));
+        let callers = match (r.callers, r.ratio_to_one_caller) {
+            (1, _) => String::new(),
+            (_, Some(x)) => format!("{x:.2}"),
+            (_, None) => "within noise".into(),
+        };
         out += &format!(
-            "{:<10} {:<12} {:>7} {:>9.3} {:>8.2} {:>8} {:>13}\n",
+            "{:<10} {:<12} {:>7} {:>7} {:>9.3} {:>6.0}% {:>8.2} {:>8} {:>13} {:>12}\n",
             r.source,
             r.builder,
             r.objects,
+            r.callers,
             r.seconds,
+            r.spread * 100.0,
             r.gib_s,
             if r.verified { "yes" } else { "NO" },
-            ratio
+            ratio,
+            callers
         );
     }
     if let Some(mixed) = rows.iter().find(|r| r.source == "mixed" && r.builder == "incremental") {
@@ -306,6 +432,15 @@ pub fn table(rows: &[RestoreRow]) -> String {
                 "\nmixed DRAM + SSD restore: {ratio:.2}x the slower half run alone (target: at most 1.1x)\n"
             );
         }
+    }
+    for r in rows.iter().filter(|r| r.callers > 1) {
+        let figure = r
+            .ratio_to_one_caller
+            .map_or("within the runs' noise of".into(), |x| format!("{x:.2}x"));
+        out += &format!(
+            "{} callers ({}): {figure} one caller's GiB/s (target: at least 0.9x)\n",
+            r.callers, r.source
+        );
     }
     out
 }
@@ -318,7 +453,8 @@ pub fn chart(rows: &[RestoreRow]) -> BarChart {
         "Kimi-K3 shape, {objects} objects of 24 MiB; halves: the mixed run's DRAM and SSD objects alone"
     );
     let mut sources: Vec<&'static str> = Vec::new();
-    for r in rows {
+    let rows: Vec<&RestoreRow> = rows.iter().filter(|r| r.callers == 1).collect();
+    for r in &rows {
         if !sources.contains(&r.source) {
             sources.push(r.source);
         }
@@ -351,15 +487,32 @@ mod tests {
 
     #[test]
     fn every_restore_of_a_small_scale_is_verified() {
-        let config =
-            RestoreBenchConfig { objects: 2, iterations: 1, ..RestoreBenchConfig::default() };
+        let config = RestoreBenchConfig {
+            objects: 2,
+            iterations: 1,
+            callers: vec![1, 2],
+            ..RestoreBenchConfig::default()
+        };
         let rows = run(&config, &Progress::quiet()).unwrap();
-        let sources: Vec<&str> = rows.iter().map(|r| r.source).collect();
-        assert_eq!(sources, ["dram", "ssd", "dram-half", "ssd-half", "mixed", "mixed"]);
+        let sources: Vec<(&str, usize)> = rows.iter().map(|r| (r.source, r.callers)).collect();
+        assert_eq!(
+            sources,
+            [
+                ("dram", 1),
+                ("ssd", 1),
+                ("dram-half", 1),
+                ("ssd-half", 1),
+                ("mixed", 1),
+                ("dram", 2),
+                ("mixed", 2),
+                ("mixed", 1)
+            ]
+        );
         for r in &rows {
             assert!(r.verified, "{r:?}");
+            assert!(r.spread >= 0.0 && r.seconds > 0.0);
         }
         assert!(rows[4].ratio_to_slower_half.is_some());
-        assert_eq!(rows[5].builder, "buffered");
+        assert_eq!(rows[7].builder, "buffered");
     }
 }

@@ -57,6 +57,8 @@ impl TourConfig {
             objects,
             iterations,
             dir: self.dir.clone(),
+            // The many-callers sweep is `umbp-bench restore`'s; the tour keeps to one caller.
+            callers: vec![1],
             ..RestoreBenchConfig::default()
         }
     }

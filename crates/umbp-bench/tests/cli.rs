@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 use serde_json::{Map, Value};
 
-const SUBCOMMANDS: [&str; 7] = ["tour", "plan", "copy", "hbm", "ssd", "restore", "batch"];
+const SUBCOMMANDS: [&str; 8] = ["tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch"];
 
 fn umbp_bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
@@ -328,6 +328,8 @@ fn restore_json_fields() {
         "1",
         "--iterations",
         "1",
+        "--callers",
+        "1,2",
         "--dir",
         dir.path().to_str().unwrap(),
         "--json",
@@ -337,17 +339,23 @@ fn restore_json_fields() {
         "builder",
         "objects",
         "bytes",
+        "callers",
         "seconds",
+        "spread",
         "gib_s",
         "verified",
         "ratio_to_slower_half",
+        "ratio_to_one_caller",
     ];
     check_fields("restore", &lines, &fields);
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
-    let mixed = lines.iter().filter(|l| l["source"] == "mixed");
+    let mixed = lines.iter().filter(|l| l["source"] == "mixed" && l["callers"] == 1);
     assert!(
         mixed.clone().count() == 2 && mixed.clone().all(|l| l["ratio_to_slower_half"].is_f64())
     );
+    let two = lines.iter().filter(|l| l["callers"] == 2);
+    assert_eq!(two.clone().count(), 2, "DRAM and mixed with two callers");
+    assert!(two.clone().all(|l| l["ratio_to_slower_half"].is_null()));
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD tier is removed");
 }
 
@@ -433,4 +441,28 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
     assert!(correct.iter().all(|l| l["met"] == true), "{correct:?}");
     let restored = lines.iter().find(|l| l["figure"] == "restores byte-correct (of 6)").unwrap();
     assert_eq!((&restored["value"], &restored["target"]), (&6.0.into(), &6.0.into()));
+}
+
+#[test]
+fn layers_json_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = json_lines(&[
+        "layers",
+        "--scale",
+        "1",
+        "--iterations",
+        "1",
+        "--compute-us",
+        "100",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let fields =
+        ["source", "mode", "restore_ms", "ttfg_ms", "stall_ms", "compute_us", "spread", "verified"];
+    check_fields("layers", &lines, &fields);
+    assert_eq!(lines.len(), 6, "three sources, two modes");
+    assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
+    assert!(lines.iter().all(|l| l["compute_us"] == 100.0));
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD tier is removed");
 }
