@@ -123,6 +123,38 @@ fn layer_groups_run_in_order_and_group_zero_is_ready_while_the_last_is_in_flight
     assert!((0..4).all(|o| rig.object_arrived(o)));
 }
 
+/// Records each group it is told of.
+struct Recorder {
+    told: std::sync::Mutex<Vec<u32>>,
+}
+
+impl umbp_composite::GroupListener for Recorder {
+    fn group_settled(&self, group: u32) {
+        self.told.lock().unwrap().push(group);
+    }
+}
+
+#[test]
+fn a_group_listener_hears_each_group_once_in_order() {
+    let rig = host_rig(4, |w| w.slow(Duration::from_millis(30)));
+    let recorder = Arc::new(Recorder { told: std::sync::Mutex::new(Vec::new()) });
+    let mut b = rig.composite.builder();
+    b.set_group_listener(recorder.clone());
+    for o in 0..4u32 {
+        // Groups 7, 5, 3, 1: the listener hears them sorted, whatever the push order.
+        b.set_group(7 - 2 * o);
+        b.begin_object(Tag::new(o)).unwrap();
+        let at = u64::from(o) * OBJECT;
+        b.push(Fragment::new(rig.ids.0, at, rig.ids.1, at, OBJECT, Tag::new(o))).unwrap();
+        b.commit_object().unwrap();
+    }
+    let batch = rig.composite.submit(b.finish().unwrap()).unwrap();
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+    assert_eq!(*recorder.told.lock().unwrap(), [1, 3, 5, 7]);
+    let tags: Vec<Vec<Tag>> = rig.engine.records().iter().map(|r| r.tags.clone()).collect();
+    assert_eq!(tags, [[Tag::new(3)], [Tag::new(2)], [Tag::new(1)], [Tag::new(0)]]);
+}
+
 #[test]
 fn cancel_skips_groups_not_started_and_returns_once_the_engine_is_idle() {
     let rig = host_rig(8, |w| w.slow(Duration::from_millis(80)));
