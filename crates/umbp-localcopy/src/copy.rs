@@ -20,7 +20,6 @@
 //! So a task's two ranges are valid memory for as long as the task can run, and no other access
 //! races with it.
 
-use std::ops::Range;
 use std::ptr;
 
 use umbp_plan::{Endpoint, EndpointId, Segment};
@@ -42,8 +41,9 @@ impl LocalCopyEngine {
     ///   returns, but an engine that wraps this one may hold them longer);
     /// - while a transfer runs, nothing else reads or writes the bytes it writes, and nothing
     ///   else writes the bytes it reads. "Anything else" includes transfers submitted
-    ///   concurrently from other threads. Overlap between the segments of one submit is not the
-    ///   caller's concern: the engine detects it and copies that submit serially, in plan order.
+    ///   concurrently from other threads. Overlap between the fragments of one submit is not the
+    ///   caller's concern: the engine detects it and fails the objects involved
+    ///   ([`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap)) before anything runs.
     ///
     /// [`TransferHandle`]: umbp_plan::TransferHandle
     pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> EndpointId {
@@ -122,13 +122,6 @@ impl Task {
         self.len
     }
 
-    /// The addresses the task reads and writes, as `start .. end` ranges (no overflow: both
-    /// lie inside regions that fit the address space).
-    pub(crate) fn ranges(&self) -> (Range<usize>, Range<usize>) {
-        let (src, dst) = (self.src.addr(), self.dst.addr());
-        (src..src + self.len, dst..dst + self.len)
-    }
-
     /// Splits the task into consecutive pieces of at most `piece` bytes, in order.
     pub(crate) fn split(self, piece: usize, mut each: impl FnMut(Task)) {
         let piece = piece.max(1);
@@ -145,8 +138,9 @@ impl Task {
     /// non-temporal stores, which the caller must fence with [`store_fence`] before it publishes
     /// completion.
     ///
-    /// A task whose two ranges overlap (an endpoint copied onto itself) is copied as by
-    /// `memmove`.
+    /// A task whose two ranges overlap is copied as by `memmove`. The engine never runs one
+    /// (the overlap rule fails such objects first); the check keeps this function sound on
+    /// its own.
     #[inline]
     pub(crate) fn run(&self, kernel: Kernel) -> bool {
         if self.len == 0 {

@@ -3,13 +3,12 @@
 //! The steps of a submit are documented on [`LocalCopyEngine`], where callers read them.
 
 use std::num::NonZeroUsize;
-use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use umbp_plan::{
     plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointTable, Failure, FailureCause,
-    Fragment, IncrementalBuilder, Plan, PlanBuilder, PlanRules, PlanSet, TransferEngine,
-    TransferHandle,
+    Fragment, IncrementalBuilder, OverlapCheck, Plan, PlanBuilder, PlanRules, PlanSet, Space,
+    TransferEngine, TransferHandle,
 };
 
 use crate::copy::{run_tasks, HostRegion, Kernel, Task};
@@ -47,12 +46,12 @@ const SCRATCH_KEPT: usize = 8;
 ///    a device or file endpoint fails with [`FailureCause::NotAccepted`].
 /// 2. Bounds-check every segment against its endpoints and turn it into a copy task; a plan
 ///    with one bad segment fails whole (`NotAccepted`, nothing of it written).
-/// 3. Look for overlap: a byte written by two segments, or read by one and written by another
-///    (an endpoint copied onto itself). Two ranges per plan (what it reads, what it writes)
-///    settle the usual case; only when those overlap, or a plan's writes go backwards, is every
-///    segment checked. A submit with overlap runs serially on the calling thread, plan by plan
-///    and segment by segment with `memmove` semantics: the bytes are then those of copying the
-///    segments one by one in the plan set's order.
+/// 3. Before any of that, apply the overlap rule ([`OverlapCheck`]): an object whose bytes
+///    are written by two fragments of the submit, or written by one and read by another (an
+///    endpoint copied onto itself), fails with [`FailureCause::Overlap`] and nothing of it is
+///    written; the other objects run. Two ranges per plan settle the usual case; only when
+///    those meet is every object's share checked. So the tasks that run never share a written
+///    byte, which is what lets them run in any order, on any thread.
 /// 4. Otherwise run the tasks: on the calling thread alone when the submit is small (fewer
 ///    bytes than [`LocalCopyConfig::parallel_threshold`], or fewer than two pieces of work),
 ///    else on the calling thread and the pool's workers together. Pieces are the segments,
@@ -76,7 +75,7 @@ struct Scratch {
     tasks: Vec<Task>,
     /// Tasks on their way to being split into pieces.
     pieces: Vec<Task>,
-    spans: Vec<Span>,
+    overlap: OverlapCheck,
 }
 
 impl LocalCopyEngine {
@@ -143,43 +142,27 @@ impl LocalCopyEngine {
         }
     }
 
-    /// Steps 1 to 4 of a submit (see the type's doc): copies every plan it can and returns the
-    /// failures.
-    fn execute(&self, plans: &PlanSet, scratch: &mut Scratch) -> Vec<Failure> {
+    /// Steps 1 to 4 of a submit (see the type's doc): takes overlapping objects out of `plans`,
+    /// copies every plan it can and returns the failures.
+    fn execute(&self, plans: &mut PlanSet, scratch: &mut Scratch) -> Vec<Failure> {
         let table = self.registry.snapshot();
-        let mut failures = Vec::new();
+        let mut failures = scratch.overlap.exclude(plans, NAME, |id| {
+            table.get(id).filter(|e| e.is_host()).map(|e| (Space::Host, e.addr()))
+        });
         let mut bytes = 0usize;
-        let mut ordered = true;
         for plan in plans.plans() {
-            let shape = regions_of(&table, plan.src(), plan.dst())
+            let pushed = regions_of(&table, plan.src(), plan.dst())
                 .and_then(|(src, dst)| push_tasks(plan, &src, &dst, &mut scratch.tasks));
-            match shape {
-                Ok(shape) => {
-                    bytes = bytes.saturating_add(shape.bytes);
-                    ordered &= shape.ordered;
-                    scratch.spans.extend([shape.read, shape.written]);
-                }
+            match pushed {
+                Ok(plan_bytes) => bytes = bytes.saturating_add(plan_bytes),
                 Err(cause) => failures.push(failure(plan, cause)),
             }
         }
-        // Extents first (two per plan); only when they cannot rule a hazard out, every task.
-        let hazard = (!ordered || hazard(&mut scratch.spans)) && {
-            scratch.spans.clear();
-            for task in &scratch.tasks {
-                let (read, written) = task.ranges();
-                scratch.spans.extend([Span::new(read, false), Span::new(written, true)]);
-            }
-            hazard(&mut scratch.spans)
-        };
-        scratch.spans.clear();
 
         let tasks = scratch.tasks.len();
         let splits = scratch.tasks.iter().any(|t| t.len() > PIECE_BYTES);
         let pieces = if splits { bytes.div_ceil(PIECE_BYTES).max(tasks) } else { tasks };
-        if hazard {
-            tracing::debug!(tasks, bytes, "segments overlap: copying serially in plan order");
-            run_tasks(&scratch.tasks, Kernel::PLAIN);
-        } else if pieces < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
+        if pieces < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
             run_tasks(&scratch.tasks, self.kernel);
         } else {
             if splits {
@@ -222,9 +205,9 @@ impl TransferEngine for LocalCopyEngine {
     /// Copies every segment of `plans` before returning; see [the steps](LocalCopyEngine#submit)
     /// for the checks. The handle is settled: [`TransferHandle::wait`] returns the failures at once
     /// and as often as asked, and dropping the handle does not block.
-    fn submit(&self, plans: PlanSet) -> TransferHandle {
+    fn submit(&self, mut plans: PlanSet) -> TransferHandle {
         let mut scratch = self.take_scratch();
-        let failures = self.execute(&plans, &mut scratch);
+        let failures = self.execute(&mut plans, &mut scratch);
         self.keep_scratch(scratch);
         TransferHandle::settled(failures, plans)
     }
@@ -245,29 +228,16 @@ fn regions_of(
     Ok((region(src)?, region(dst)?))
 }
 
-/// What [`push_tasks`] learnt about one plan.
-#[derive(Copy, Clone, Debug)]
-struct PlanShape {
-    bytes: usize,
-    /// Whether every segment writes at or after the end of the one before it, so that no two
-    /// segments of the plan write the same byte.
-    ordered: bool,
-    /// The smallest address ranges covering everything the plan reads and writes.
-    read: Span,
-    written: Span,
-}
-
-/// Appends a task for every segment of `plan` and returns the plan's shape. A segment outside
+/// Appends a task for every segment of `plan` and returns the plan's bytes. A segment outside
 /// its endpoints takes the plan's tasks back out: a plan runs whole or not at all.
 fn push_tasks(
     plan: &Plan,
     src: &HostRegion,
     dst: &HostRegion,
     tasks: &mut Vec<Task>,
-) -> Result<PlanShape, FailureCause> {
+) -> Result<usize, FailureCause> {
     let start = tasks.len();
-    let mut shape =
-        PlanShape { bytes: 0, ordered: true, read: Span::empty(false), written: Span::empty(true) };
+    let mut bytes = 0usize;
     for segment in plan.segments() {
         let Some(task) = Task::resolve(src, dst, segment) else {
             tasks.truncate(start);
@@ -280,14 +250,10 @@ fn push_tasks(
             };
             return Err(FailureCause::NotAccepted(error.to_string()));
         };
-        let (read, written) = task.ranges();
-        shape.bytes = shape.bytes.saturating_add(task.len());
-        shape.ordered &= written.start >= shape.written.end;
-        shape.read.cover(read);
-        shape.written.cover(written);
+        bytes = bytes.saturating_add(task.len());
         tasks.push(task);
     }
-    Ok(shape)
+    Ok(bytes)
 }
 
 /// The failure of `plan`: every object it carries.
@@ -300,76 +266,5 @@ fn failure(plan: &Plan, cause: FailureCause) -> Failure {
         dst: plan.dst(),
         tags: plan.tags().to_vec(),
         cause,
-    }
-}
-
-/// A range of addresses that a task or a plan reads or writes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Span {
-    start: usize,
-    end: usize,
-    written: bool,
-}
-
-impl Span {
-    fn new(range: Range<usize>, written: bool) -> Self {
-        Self { start: range.start, end: range.end, written }
-    }
-
-    /// A span that covers nothing and becomes the first range it [covers](Self::cover).
-    fn empty(written: bool) -> Self {
-        Self { start: usize::MAX, end: 0, written }
-    }
-
-    /// Grows the span to cover `range` as well.
-    fn cover(&mut self, range: Range<usize>) {
-        self.start = self.start.min(range.start);
-        self.end = self.end.max(range.end);
-    }
-}
-
-/// Whether two of `spans` overlap where at least one of them is written: a byte written twice,
-/// or read and written. Overlapping reads are fine. Empty spans are ignored.
-fn hazard(spans: &mut [Span]) -> bool {
-    spans.sort_unstable_by_key(|s| s.start);
-    let (mut read_end, mut written_end) = (0usize, 0usize);
-    for s in spans.iter().filter(|s| s.start < s.end) {
-        // Every span before `s` starts at or before it, so it overlaps `s` iff it ends after
-        // `s` starts.
-        if s.start < written_end || (s.written && s.start < read_end) {
-            return true;
-        }
-        if s.written {
-            written_end = written_end.max(s.end);
-        } else {
-            read_end = read_end.max(s.end);
-        }
-    }
-    false
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn span(start: usize, end: usize, written: bool) -> Span {
-        Span { start, end, written }
-    }
-
-    #[test]
-    fn overlaps_with_a_write_are_hazards_and_shared_reads_are_not() {
-        let cases = [
-            (vec![span(0, 10, false), span(10, 20, true)], false),
-            (vec![span(0, 10, false), span(0, 10, false), span(20, 30, true)], false),
-            (vec![span(20, 30, true), span(30, 35, true), span(0, 10, false)], false),
-            (vec![span(20, 30, true), span(25, 35, true)], true),
-            (vec![span(0, 10, false), span(0, 10, true)], true),
-            (vec![span(5, 15, true), span(0, 10, false)], true),
-            (vec![span(0, 100, true), span(40, 50, false)], true),
-            (vec![span(3, 3, false), span(0, 10, true), span(usize::MAX, 0, true)], false),
-        ];
-        for (mut spans, want) in cases {
-            assert_eq!(hazard(&mut spans), want, "{spans:?}");
-        }
     }
 }

@@ -61,7 +61,8 @@
 //! # Unsafe code
 //!
 //! All of it is in one private module (`copy.rs`): the copy kernels (plain, `memmove` for a
-//! segment copied onto itself, and SSE2 streaming stores) and the `Send`/`Sync` of a copy task.
+//! task whose ranges overlap, which the overlap rule never lets run but which keeps the kernel
+//! sound on its own, and SSE2 streaming stores) and the `Send`/`Sync` of a copy task.
 //! The one `unsafe` item of the API is [`LocalCopyEngine::register_host`], where the caller
 //! promises that registered memory stays valid; every access after it is bounds-checked.
 

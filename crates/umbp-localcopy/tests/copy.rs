@@ -7,7 +7,7 @@ use support::{pattern, HostBuf, Rng, POISON};
 use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::{
     DeviceOrdinal, Endpoint, EndpointRegistry, Error, FailureCause, Fragment, IncrementalBuilder,
-    PlanBuilder, PlanRules, RejectReason, Tag, TransferEngine,
+    ObjectState, PlanBuilder, PlanRules, RejectReason, Tag, TransferEngine,
 };
 
 const PAGE: usize = 4096;
@@ -430,24 +430,41 @@ fn large_submits_spread_over_the_pool_and_huge_segments_split() {
 }
 
 #[test]
-fn an_endpoint_copied_onto_itself_runs_serially_as_memmove() {
+fn objects_whose_bytes_overlap_fail_whole_and_the_others_run() {
     for config in configs() {
         let engine = engine(config);
-        let buf = HostBuf::new(64 << 10, |i| pattern(12, i));
-        let other = HostBuf::poisoned(64 << 10);
+        let n = 16usize << 10;
+        let buf = HostBuf::new(8 * n, |i| pattern(12, i));
+        let other = HostBuf::poisoned(8 * n);
         let (b, x) = (buf.register(&engine), other.register(&engine));
-        let mut want = buf.bytes();
+        let before = buf.bytes();
+        let n64 = n as u64;
 
-        // Plan 1 shifts 40 KiB of `buf` up by 8 KiB onto itself; plan 2 copies the shifted
-        // region out. Plan order decides the bytes, as in the reference executor.
         let transfers = [
-            Fragment::new(b, 0, b, 8 << 10, 40 << 10, tag(0)),
-            Fragment::new(b, 16 << 10, x, 0, 16 << 10, tag(1)),
+            // Object 0: b[0..n) -> b[n..2n) and b[n..2n) -> b[2n..3n). Adjacent on both sides,
+            // so they merge into one segment whose meaning (a memmove) differs from copying
+            // them one by one: the object fails, nothing of it is written.
+            Fragment::new(b, 0, b, n64, n64, tag(0)),
+            Fragment::new(b, n64, b, 2 * n64, n64, tag(0)),
+            // Object 1 reads b[4n..5n), which object 2 writes: both fail.
+            Fragment::new(b, 4 * n64, x, 0, n64, tag(1)),
+            Fragment::new(b, 6 * n64, b, 4 * n64, n64, tag(2)),
+            // Object 3 reads what object 0 would have written, but object 0 is out: it only
+            // meets a failed object's bytes, and still fails (the rule is checked on the batch
+            // as submitted).
+            Fragment::new(b, 2 * n64, x, 2 * n64, 100, tag(3)),
+            // Object 4 shares nothing: it runs, alone, on the pool or not.
+            Fragment::new(b, 7 * n64, x, 4 * n64, n64, tag(4)),
         ];
-        let report = engine.transfer_batch(2, &transfers).unwrap();
-        assert!(report.failures.is_empty());
-        want.copy_within(0..40 << 10, 8 << 10);
-        assert!(buf.bytes() == want);
-        assert!(other.bytes()[..16 << 10] == want[16 << 10..32 << 10]);
+        let report = engine.transfer_batch(5, &transfers).unwrap();
+        let states: Vec<ObjectState> =
+            (0..5).map(|t| report.status.object(tag(t)).unwrap()).collect();
+        use ObjectState::{Completed as C, Failed as F};
+        assert_eq!(states, [F, F, F, F, C]);
+        assert!(report.failures.iter().all(|f| f.cause == FailureCause::Overlap));
+        assert!(buf.bytes() == before, "no byte of an overlapping object was written");
+        let out = other.bytes();
+        assert!(out[..4 * n].iter().all(|&v| v == POISON));
+        assert!(out[4 * n..5 * n] == before[7 * n..8 * n]);
     }
 }

@@ -12,7 +12,10 @@ use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::testing::{
     drive, drive_runs, pattern_byte, scenarios, ReferenceMemory, Scenario, ScenarioConfig, POISON,
 };
-use umbp_plan::{EndpointId, EndpointKind, EndpointRegistry, PlanBuilder, TransferEngine};
+use umbp_plan::{
+    EndpointId, EndpointKind, EndpointRegistry, FailureCause, Fragment, PlanBuilder, Tag,
+    TransferEngine,
+};
 
 fn builder_equals_planner(scenario: &Scenario) {
     let registry = EndpointRegistry::new();
@@ -76,11 +79,38 @@ fn engine_bytes_equal_reference(scenario: &Scenario, config: LocalCopyConfig) {
     let engine = LocalCopyEngine::with_config(registry, config);
 
     let outcome = drive(&mut engine.incremental_builder(), scenario).expect("no builder misuse");
+    // The overlap rule: objects that write a byte another planned object writes fail whole
+    // (sources and destinations are distinct endpoints here, so only writes can meet).
+    let planned: Vec<&Fragment> = outcome
+        .committed
+        .iter()
+        .filter(|f| f.len > 0 && !outcome.plans.rejected().contains(&f.tag))
+        .collect();
+    let mut overlapping = Vec::new();
+    for (i, a) in planned.iter().enumerate() {
+        for b in &planned[i + 1..] {
+            let meet = a.dst == b.dst
+                && a.dst_offset.max(b.dst_offset)
+                    < (a.dst_offset + a.len).min(b.dst_offset + b.len);
+            if meet {
+                overlapping.extend([a.tag, b.tag]);
+            }
+        }
+    }
+    overlapping.sort_unstable();
+    overlapping.dedup();
+    let mut skipped = outcome.plans.rejected().to_vec();
+    skipped.extend_from_slice(&overlapping);
     let mut reference = ReferenceMemory::for_scenario(scenario);
-    reference.execute_fragments(&outcome.committed, outcome.plans.rejected());
+    reference.execute_fragments(&outcome.committed, &skipped);
 
     let mut handle = engine.submit(outcome.plans);
-    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    let failures = handle.wait();
+    assert!(failures.iter().all(|f| f.cause == FailureCause::Overlap), "{failures:?}");
+    let mut failed: Vec<Tag> = failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
+    failed.sort_unstable();
+    failed.dedup();
+    assert_eq!(failed, overlapping, "exactly the overlapping objects fail");
     for (i, buf) in buffers.iter().enumerate() {
         let id = EndpointId::from_raw(i as u32);
         let want = reference.get(id).expect("every endpoint has memory");

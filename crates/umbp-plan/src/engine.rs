@@ -87,6 +87,12 @@ pub enum FailureCause {
     /// The engine refused the plan as a whole.
     #[error("not accepted: {0}")]
     NotAccepted(String),
+    /// The object's bytes overlap bytes another fragment of the same submit (or the object
+    /// itself) writes, or it writes bytes another fragment reads: the batch has no single
+    /// meaning there, so the object did not run and nothing of it was written (see
+    /// [`OverlapCheck`](crate::OverlapCheck)).
+    #[error("its bytes overlap bytes another transfer of the same submit writes")]
+    Overlap,
     /// The engine panicked while executing; whatever it was doing fails. The message is the
     /// panic's payload when it was a string.
     #[error("the engine panicked: {message}")]

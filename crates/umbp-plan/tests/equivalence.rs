@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use umbp_plan::testing::{drive, drive_runs, scenarios, ReferenceMemory, Scenario, ScenarioConfig};
 use umbp_plan::{
     BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointRegistry, Fragment, IncrementalBuilder,
-    PlanBuilder, PlanRules, RejectReason, RulePlanner,
+    OverlapCheck, PlanBuilder, PlanRules, RejectReason, RulePlanner, Space,
 };
 
 /// Host to host only, with an optional segment cap and an optional alignment rule.
@@ -99,8 +99,68 @@ fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
     assert_eq!(sorted(narrowed.plans()), sorted(expected.plans()), "retain_tags differs");
 }
 
+/// The overlap check names exactly the planned objects that share a written byte with any
+/// fragment of the batch, as checking every pair of committed fragments does.
+fn check_overlap(scenario: &Scenario, rules: Rules) {
+    let registry = EndpointRegistry::new();
+    // SAFETY: these plans are checked, never executed.
+    unsafe { scenario.register_invented(&registry) };
+    let table = registry.snapshot();
+    let locate = |id: umbp_plan::EndpointId| {
+        let e = table.get(id)?;
+        let space = match e.device_ordinal() {
+            Some(d) => Space::Device(d),
+            None => Space::Host,
+        };
+        Some((space, e.addr()))
+    };
+    let mut builder = IncrementalBuilder::new(rules, registry.clone());
+    let outcome = drive(&mut builder, scenario).expect("no builder misuse");
+    let planned: Vec<&Fragment> = outcome
+        .committed
+        .iter()
+        .filter(|f| f.len > 0 && !outcome.plans.rejected().contains(&f.tag))
+        .collect();
+    let mut want = Vec::new();
+    for (i, a) in planned.iter().enumerate() {
+        for b in &planned[i..] {
+            let ranges = |f: &Fragment| {
+                let (s, d) = (locate(f.src).unwrap(), locate(f.dst).unwrap());
+                [(s.0, s.1 + f.src_offset, false), (d.0, d.1 + f.dst_offset, true)]
+                    .map(|(space, start, write)| (space, start, start + f.len, write))
+            };
+            let meet = ranges(a).iter().any(|x| {
+                ranges(b).iter().enumerate().any(|(j, y)| {
+                    // A fragment's read and write are two accesses; with itself, only the
+                    // read against the write counts (j == 1 is its own write).
+                    let same = std::ptr::eq(*a, *b);
+                    (!same || (!x.3 && j == 1))
+                        && x.0 == y.0
+                        && x.1.max(y.1) < x.2.min(y.2)
+                        && (x.3 || y.3)
+                })
+            });
+            if meet {
+                want.extend([a.tag, b.tag]);
+            }
+        }
+    }
+    want.sort_unstable();
+    want.dedup();
+    let got = OverlapCheck::new().conflicts(&outcome.plans, locate);
+    assert_eq!(got, want);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn the_overlap_check_names_exactly_the_objects_that_meet(
+        scenario in scenarios(ScenarioConfig::default()),
+        max_segment in prop_oneof![Just(u64::MAX), 1u64..20_000],
+    ) {
+        check_overlap(&scenario, Rules { max_segment, align: 1 });
+    }
 
     #[test]
     fn retaining_tags_equals_planning_without_them(
