@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::{
     plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EngineError, Failure,
-    FailureCause, Fragment, IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Tag,
-    TransferEngine, TransferHandle,
+    FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules, PlanSet,
+    Space, Tag, TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -106,6 +106,7 @@ struct Scratch {
     buckets: BTreeMap<DeviceOrdinal, Bucket>,
     descriptors: Vec<GatherDescriptor>,
     table: LaunchTable,
+    overlap: OverlapCheck,
 }
 
 impl<D: DeviceRuntime> HbmEngine<D> {
@@ -430,12 +431,26 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     /// Moves every segment of `plans`, per device: one gather launch per chunk of a bucket of
     /// many small fragments, one copy per segment otherwise; then synchronizes each device and
     /// restores the caller's current device. The handle is settled on return.
-    fn submit(&self, plans: PlanSet) -> TransferHandle {
+    ///
+    /// First the overlap rule ([`OverlapCheck`]): objects whose bytes another fragment of the
+    /// submit writes (or that write what another reads) fail with [`FailureCause::Overlap`]
+    /// and never reach a launch or a copy, so no kernel ever runs over descriptors whose
+    /// destinations overlap a source or each other.
+    fn submit(&self, mut plans: PlanSet) -> TransferHandle {
         let caller_device = self.runtime.current_device().ok();
         let mut failed = Vec::new();
+        let overlapping;
         {
             let mut guard = lock(&self.scratch);
             let scratch = &mut *guard;
+            let table = self.registry.snapshot();
+            overlapping = scratch.overlap.exclude(&mut plans, self.name(), |id| {
+                let e = table.get(id)?;
+                match e.device_ordinal() {
+                    Some(d) => Some((Space::Device(d), e.addr())),
+                    None => e.is_host().then_some((Space::Host, e.addr())),
+                }
+            });
             scratch.buckets.values_mut().for_each(|b| {
                 b.kernel.clear();
                 b.copies.clear();
@@ -459,7 +474,8 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                 tracing::warn!(device = device.get(), error = %e, "could not restore the caller's device");
             }
         }
-        let failures = failures(self.name(), &plans, failed);
+        let mut failures = failures(self.name(), &plans, failed);
+        failures.extend(overlapping);
         TransferHandle::settled(failures, plans)
     }
 }

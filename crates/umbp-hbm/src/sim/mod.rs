@@ -26,7 +26,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::DeviceOrdinal;
 
-use crate::{DeviceError, DeviceRuntime, LaunchTable};
+use crate::{DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable};
 use memory::Allocation;
 
 /// An operation the simulator can be told to fail once.
@@ -62,6 +62,8 @@ struct State {
     faults: Vec<Fault>,
     /// The "uploaded" launch table, reused across launches as the GPU's descriptor buffer is.
     uploaded: LaunchTable,
+    /// The overlap check's scratch: (start, end, is a destination, descriptor index).
+    ranges: Vec<(u64, u64, bool, usize)>,
 }
 
 impl SimDevice {
@@ -260,12 +262,18 @@ impl DeviceRuntime for SimDevice {
                 }
             }
         }
+        // The kernel's blocks run in no order: a destination that overlaps a source or another
+        // destination has no defined result (a race on the GPU). The engine never launches
+        // one; a caller of this trait that does gets an error, not undefined behaviour.
+        if let Some(d) = first_overlap(&table.descriptors, &mut state.ranges) {
+            return Err(DeviceError::InvalidAddress { device, addr: d.dst, len: d.len });
+        }
         // The upload the GPU backend does into its descriptor buffer.
         state.uploaded.descriptors.clone_from(&table.descriptors);
         state.uploaded.block_starts.clone_from(&table.block_starts);
         // SAFETY: every descriptor side lies in memory visible to this device (checked above):
         // allocations the lock keeps alive, or pinned host regions valid by `register_host`'s
-        // contract; the caller promises destinations overlap nothing else.
+        // contract; no destination overlaps a source or another destination (checked above).
         unsafe { kernel::run(&state.uploaded) };
         Ok(())
     }
@@ -274,4 +282,31 @@ impl DeviceRuntime for SimDevice {
         self.check_device(device)?;
         self.lock().take_fault(Fault::Synchronize)
     }
+}
+
+/// A descriptor whose destination shares a byte with another descriptor's source or
+/// destination (or its own source), if any: one sort and one sweep over the launch's ranges.
+fn first_overlap(
+    descriptors: &[GatherDescriptor],
+    ranges: &mut Vec<(u64, u64, bool, usize)>,
+) -> Option<GatherDescriptor> {
+    ranges.clear();
+    for (i, d) in descriptors.iter().enumerate().filter(|(_, d)| d.len > 0) {
+        ranges.push((d.src, d.src.saturating_add(d.len), false, i));
+        ranges.push((d.dst, d.dst.saturating_add(d.len), true, i));
+    }
+    ranges.sort_unstable_by_key(|r| r.0);
+    let (mut read_end, mut written_end) = (0u64, 0u64);
+    for &(start, end, written, i) in ranges.iter() {
+        // Sorted by start: an earlier range meets this one exactly when it ends after it starts.
+        if start < written_end || (written && start < read_end) {
+            return Some(descriptors[i]);
+        }
+        if written {
+            written_end = written_end.max(end);
+        } else {
+            read_end = read_end.max(end);
+        }
+    }
+    None
 }
