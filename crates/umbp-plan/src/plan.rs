@@ -85,8 +85,13 @@ impl Plan {
 
     /// The tags of the objects whose bytes ride in segment `index` (empty if out of range).
     pub fn segment_tags(&self, index: usize) -> &[Tag] {
+        &self.tags[self.segment_tag_range(index)]
+    }
+
+    /// The indices into `tags` of the objects whose bytes ride in segment `index`.
+    fn segment_tag_range(&self, index: usize) -> std::ops::Range<usize> {
         if index >= self.segments.len() {
-            return &[];
+            return 0..0;
         }
         // Tags start in segment order, so the tags starting at or before `index` form a prefix.
         let end = self.tag_starts.partition_point(|s| s.segment <= index);
@@ -95,7 +100,7 @@ impl Plan {
         while begin > 0 && self.tag_reaches(begin - 1, index) {
             begin -= 1;
         }
-        &self.tags[begin..end]
+        begin..end
     }
 
     /// Whether tag `k` (which starts at or before `index`) still has bytes in segment `index`.
@@ -117,6 +122,17 @@ impl Plan {
     /// bytes out of a plan ([`retain_tags`](Self::retain_tags)).
     pub fn tag_pieces(&self, k: usize) -> impl Iterator<Item = Segment> + '_ {
         self.indexed_pieces(k).map(|(_, piece)| piece)
+    }
+
+    /// Segment `index` cut at object boundaries: each object it carries, with the part of the
+    /// segment that holds that object's bytes, in order (nothing if `index` is out of range).
+    /// An engine whose merged segment failed re-issues these, so that only the objects whose
+    /// bytes really did not arrive fail.
+    pub fn segment_pieces(&self, index: usize) -> impl Iterator<Item = (Tag, Segment)> + '_ {
+        self.segment_tag_range(index).flat_map(move |k| {
+            let tag = self.tags[k];
+            self.indexed_pieces(k).filter(move |&(i, _)| i == index).map(move |(_, p)| (tag, p))
+        })
     }
 
     /// [`tag_pieces`](Self::tag_pieces), each with the index of the segment it comes from.

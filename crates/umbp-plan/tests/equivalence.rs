@@ -79,11 +79,23 @@ fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
     let outcome = drive(&mut incremental, scenario).expect("no builder misuse");
     let dropped = |t: umbp_plan::Tag| drop_mask >> (t.get() % 64) & 1 == 1;
 
-    // Every object's pieces add up to its committed bytes in each plan.
+    // Every object's pieces add up to its committed bytes in each plan, and each segment's
+    // pieces tile it, in order, with the objects `segment_tags` names.
     for plan in outcome.plans.plans() {
         let pieces: u64 =
             (0..plan.tags().len()).flat_map(|k| plan.tag_pieces(k)).map(|s| s.len).sum();
         assert_eq!(pieces, plan.bytes(), "pieces do not tile the plan");
+        for (i, segment) in plan.segments().iter().enumerate() {
+            let mut at = (segment.src_offset, segment.dst_offset);
+            let mut tags = Vec::new();
+            for (tag, piece) in plan.segment_pieces(i) {
+                assert_eq!((piece.src_offset, piece.dst_offset), at, "a gap in segment {i}");
+                at = (at.0 + piece.len, at.1 + piece.len);
+                tags.push(tag);
+            }
+            assert_eq!(at.0, segment.src_offset + segment.len, "segment {i} not covered");
+            assert_eq!(tags, plan.segment_tags(i));
+        }
     }
 
     let mut narrowed = outcome.plans.clone();

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use umbp_plan::{EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PlanSet};
+use umbp_plan::{EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PlanSet, Tag};
 
 use crate::fault::Faults;
 use crate::file::{FileEntry, FileTable};
@@ -45,17 +45,51 @@ pub(crate) struct Limits {
     pub(crate) bounce_budget: u64,
 }
 
-/// A failure before it is mapped to tags: of a whole plan (`segment: None`) or one segment.
+/// A failure before it is mapped to tags: of a whole plan (`segment: None`), one segment, or
+/// one object's share of a segment (`tag`).
 #[derive(Debug)]
 struct Failed {
     plan: u32,
     segment: Option<u32>,
+    tag: Option<Tag>,
     cause: FailureCause,
+}
+
+impl Failed {
+    fn plan(plan: u32, cause: FailureCause) -> Self {
+        Self { plan, segment: None, tag: None, cause }
+    }
+
+    fn segment(plan: u32, segment: u32, cause: FailureCause) -> Self {
+        Self { plan, segment: Some(segment), tag: None, cause }
+    }
+}
+
+/// The file entry of each plan of a plan set, taken at submit so that the batch keeps its
+/// files open (and their ids valid) until it settles, whatever is deregistered meanwhile:
+/// `None` for a plan with no file endpoint in `table`.
+pub(crate) type PlanFiles = Vec<Option<Result<Arc<FileEntry>, FailureCause>>>;
+
+/// Looks up the file of every plan of `plans` (see [`PlanFiles`]).
+pub(crate) fn plan_files(plans: &PlanSet, table: &EndpointTable, files: &FileTable) -> PlanFiles {
+    plans
+        .plans()
+        .iter()
+        .map(|plan| {
+            let kind = |id| table.get(id).map(|e| e.kind());
+            match (kind(plan.src()), kind(plan.dst())) {
+                (Some(EndpointKind::File(range)), _) => Some(files.get(plan.src(), range)),
+                (_, Some(EndpointKind::File(range))) => Some(files.get(plan.dst(), range)),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// The ops of one plan set, and where each stands.
 #[derive(Debug)]
 pub(crate) struct Batch<'a> {
+    plans: &'a PlanSet,
     ops: Vec<Op>,
     /// The file endpoint of each plan (for fault rules).
     plan_files: Vec<EndpointId>,
@@ -77,16 +111,18 @@ pub(crate) struct Batch<'a> {
 const DEFERRED_SCAN: usize = 8;
 
 impl<'a> Batch<'a> {
-    /// Resolves `plans` against `table` (the registry at submit) and the engine's `files`.
+    /// Resolves `plans` against `table` (the registry at submit) and their files (from
+    /// [`plan_files`], at submit).
     pub(crate) fn new(
-        plans: &PlanSet,
+        plans: &'a PlanSet,
         table: &EndpointTable,
-        files: &FileTable,
+        files: &PlanFiles,
         limits: Limits,
         pool: &'a mut BouncePool,
         faults: &'a Faults,
     ) -> Self {
         let mut batch = Self {
+            plans,
             ops: Vec::with_capacity(plans.segment_count()),
             plan_files: Vec::with_capacity(plans.plans().len()),
             _files: Vec::new(),
@@ -123,21 +159,25 @@ impl<'a> Batch<'a> {
                 Ok(resolved) => resolved,
                 Err(cause) => {
                     batch.plan_files.push(plan.src());
-                    batch.failed.push(Failed { plan: index, segment: None, cause });
+                    batch.failed.push(Failed::plan(index, cause));
                     continue;
                 }
             };
             batch.plan_files.push(file_id);
-            let entry = match files.get(file_id, range) {
-                Ok(entry) => entry,
-                Err(cause) => {
-                    batch.failed.push(Failed { plan: index, segment: None, cause });
+            let entry = match files.get(index as usize) {
+                Some(Some(Ok(entry))) => Arc::clone(entry),
+                Some(Some(Err(cause))) => {
+                    batch.failed.push(Failed::plan(index, cause.clone()));
+                    continue;
+                }
+                _ => {
+                    batch.failed.push(Failed::plan(index, FailureCause::EndpointGone(file_id)));
                     continue;
                 }
             };
             if dir == Dir::Write && !entry.info.writable {
                 let cause = FailureCause::Io { errno: libc::EBADF };
-                batch.failed.push(Failed { plan: index, segment: None, cause });
+                batch.failed.push(Failed::plan(index, cause));
                 continue;
             }
             // Reads past the end of the file fail before any byte moves.
@@ -147,7 +187,7 @@ impl<'a> Batch<'a> {
                     Err(e) => {
                         let cause =
                             FailureCause::Io { errno: e.raw_os_error().unwrap_or(libc::EBADF) };
-                        batch.failed.push(Failed { plan: index, segment: None, cause });
+                        batch.failed.push(Failed::plan(index, cause));
                         continue;
                     }
                 },
@@ -178,40 +218,67 @@ impl<'a> Batch<'a> {
                             file_id.raw(),
                             host_id.raw()
                         ));
-                        batch.failed.push(Failed { plan: index, segment: Some(s), cause });
+                        batch.failed.push(Failed::segment(index, s, cause));
                         continue;
                     }
                 };
-                if let Some(size) = size {
-                    if absolute + len > size {
-                        let got = size.saturating_sub(absolute);
-                        let cause =
-                            FailureCause::ShortFile { offset: absolute, expected: len, got };
-                        batch.failed.push(Failed { plan: index, segment: Some(s), cause });
-                        continue;
-                    }
-                }
-                let mut at = 0;
-                while at < len {
-                    let n = chunk.min(len - at);
-                    let piece = host.sub(at as usize, n as usize);
-                    let key = (index, s, file_offset + at);
-                    match Op::new(key, entry.fd(), dir, absolute + at, piece, align) {
-                        Some(op) => batch.ops.push(op),
-                        None => {
-                            let cause = FailureCause::NotAccepted(format!(
-                                "file offset {absolute}..+{len} overflows at block alignment"
-                            ));
-                            batch.failed.push(Failed { plan: index, segment: Some(s), cause });
-                            break;
+                let whole =
+                    Op::new((index, s, file_offset), entry.fd(), dir, absolute, host, align);
+                let Some(whole) = whole else {
+                    let cause = FailureCause::NotAccepted(format!(
+                        "file offset {absolute}..+{len} overflows at block alignment"
+                    ));
+                    batch.failed.push(Failed::segment(index, s, cause));
+                    continue;
+                };
+                match size.filter(|&size| absolute + len > size) {
+                    // Reads past the end of the file fail before any byte moves: the objects
+                    // whose bytes lie past it, each on its own when the segment carries several.
+                    Some(size) => {
+                        let plan = &plans.plans()[index as usize];
+                        if plan.segment_tags(s as usize).len() < 2 {
+                            let got = size.saturating_sub(absolute);
+                            let cause =
+                                FailureCause::ShortFile { offset: absolute, expected: len, got };
+                            batch.failed.push(Failed::segment(index, s, cause));
+                            continue;
+                        }
+                        for (tag, from, n) in shares(plan, s as usize, dir, 0, len) {
+                            let at = absolute + from;
+                            if at + n > size {
+                                let got = size.saturating_sub(at);
+                                let cause =
+                                    FailureCause::ShortFile { offset: at, expected: n, got };
+                                let failed =
+                                    Failed { tag: Some(tag), ..Failed::segment(index, s, cause) };
+                                batch.failed.push(failed);
+                            } else if let Some(op) = whole.part(from, n, Some(tag)) {
+                                batch.push_chunks(op, chunk);
+                            }
                         }
                     }
-                    at += n;
+                    None => batch.push_chunks(whole, chunk),
                 }
             }
             batch._files.push(entry);
         }
         batch
+    }
+
+    /// Queues `op`, cut into ops of at most `chunk` bytes.
+    fn push_chunks(&mut self, op: Op, chunk: u64) {
+        let len = op.len();
+        if len <= chunk {
+            self.ops.push(op);
+            return;
+        }
+        let mut at = 0;
+        while at < len {
+            let n = chunk.min(len - at);
+            // In range by construction.
+            self.ops.extend(op.part(at, n, op.only));
+            at += n;
+        }
     }
 
     /// Whether op `index` may start now.
@@ -277,27 +344,54 @@ impl<'a> Batch<'a> {
                 }
                 op.finish(self.pool);
                 if let Err(cause) = outcome {
-                    let (plan, segment) = (op.plan, Some(op.segment));
-                    self.failed.push(Failed { plan, segment, cause });
+                    self.fail_op(index, cause);
                 }
             }
         }
     }
 
-    /// The failures of the settled batch, one per failed plan or segment, each with the tags of
-    /// exactly the objects it cost.
-    pub(crate) fn failures(mut self, plans: &PlanSet, engine: &str) -> Vec<Failure> {
+    /// Op `index` failed with `cause`. An op of a segment that carries several objects is
+    /// re-issued as one op per object's share of its bytes, so that only the objects whose
+    /// bytes really did not arrive fail; an op that carries one object fails it.
+    fn fail_op(&mut self, index: usize, cause: FailureCause) {
+        let op = &self.ops[index];
+        let (plan_index, s) = (op.plan, op.segment);
+        let plan = &self.plans.plans()[plan_index as usize];
+        if op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
+            let failed = Failed { tag: op.only, ..Failed::segment(plan_index, s, cause) };
+            self.failed.push(failed);
+            return;
+        }
+        let segment = plan.segments()[s as usize];
+        let file_start = match op.dir() {
+            Dir::Read => segment.src_offset,
+            Dir::Write => segment.dst_offset,
+        };
+        // The op covers bytes `from .. from + len` of its segment.
+        let (from, len) = (op.endpoint_offset - file_start, op.len());
+        let parts: Vec<Op> = shares(plan, s as usize, op.dir(), from, len)
+            .filter_map(|(tag, at, n)| op.part(at - from, n, Some(tag)))
+            .collect();
+        tracing::debug!(plan = plan_index, segment = s, parts = parts.len(), %cause, "re-issuing a failed segment per object");
+        self.ops.extend(parts);
+    }
+
+    /// The failures of the settled batch, one per failed plan, segment or object's share of a
+    /// segment, each with the tags of exactly the objects it cost.
+    pub(crate) fn failures(mut self, engine: &str) -> Vec<Failure> {
         debug_assert!(self.ready.is_empty() && self.deferred.is_empty());
+        let plans = self.plans;
         // A segment split into several ops fails once, with its first cause.
-        self.failed.sort_by_key(|f| (f.plan, f.segment));
-        self.failed.dedup_by_key(|f| (f.plan, f.segment));
+        self.failed.sort_by_key(|f| (f.plan, f.segment, f.tag));
+        self.failed.dedup_by_key(|f| (f.plan, f.segment, f.tag));
         self.failed
             .into_iter()
             .map(|f| {
                 let plan = &plans.plans()[f.plan as usize];
-                let tags = match f.segment {
-                    None => plan.tags(),
-                    Some(s) => plan.segment_tags(s as usize),
+                let tags = match (f.segment, &f.tag) {
+                    (_, Some(tag)) => std::slice::from_ref(tag),
+                    (None, None) => plan.tags(),
+                    (Some(s), None) => plan.segment_tags(s as usize),
                 };
                 Failure {
                     engine: engine.to_owned(),
@@ -311,6 +405,27 @@ impl<'a> Batch<'a> {
     }
 }
 
+/// The objects of segment `s` of `plan` whose bytes fall in `from .. from + len` of the
+/// segment: each with where its share starts (from the segment's start) and its length.
+fn shares(
+    plan: &umbp_plan::Plan,
+    s: usize,
+    dir: Dir,
+    from: u64,
+    len: u64,
+) -> impl Iterator<Item = (Tag, u64, u64)> + '_ {
+    let segment = plan.segments().get(s).copied();
+    plan.segment_pieces(s).filter_map(move |(tag, piece)| {
+        let segment = segment?;
+        let start = match dir {
+            Dir::Read => piece.src_offset - segment.src_offset,
+            Dir::Write => piece.dst_offset - segment.dst_offset,
+        };
+        let (a, b) = (start.max(from), (start + piece.len).min(from + len));
+        (a < b).then_some((tag, a, b - a))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
@@ -321,7 +436,7 @@ mod tests {
         PlanBuilder, PlanSet, Tag,
     };
 
-    use super::{Batch, Limits};
+    use super::{plan_files, Batch, Limits};
     use crate::fault::Faults;
     use crate::file::{self, FileTable};
     use crate::op::BouncePool;
@@ -438,9 +553,16 @@ mod tests {
             let writes = pieces(file, source.id, false);
             let plans = fx.plan(&writes);
             let table = fx.registry.snapshot();
-            let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+            let mut batch = Batch::new(
+                &plans,
+                &table,
+                &plan_files(&plans, &table, &fx.files),
+                LIMITS,
+                &mut pool,
+                &faults,
+            );
             sys::run_blocking_in_pieces(&mut batch, piece);
-            assert!(batch.failures(&plans, "t").is_empty());
+            assert!(batch.failures("t").is_empty());
             for f in &writes {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
                 model[at..at + f.len as usize]
@@ -452,9 +574,16 @@ mod tests {
             let reads = pieces(file, destination.id, true);
             let plans = fx.plan(&reads);
             let table = fx.registry.snapshot();
-            let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+            let mut batch = Batch::new(
+                &plans,
+                &table,
+                &plan_files(&plans, &table, &fx.files),
+                LIMITS,
+                &mut pool,
+                &faults,
+            );
             sys::run_blocking_in_pieces(&mut batch, piece);
-            assert!(batch.failures(&plans, "t").is_empty());
+            assert!(batch.failures("t").is_empty());
             for f in &reads {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
                 let got = &destination.bytes()[at..at + f.len as usize];
@@ -490,7 +619,14 @@ mod tests {
                 let plans = fx.plan(&reads);
                 let table = fx.registry.snapshot();
                 let (mut pool, faults) = (BouncePool::default(), Faults::new());
-                let mut batch = Batch::new(&plans, &table, &fx.files, LIMITS, &mut pool, &faults);
+                let mut batch = Batch::new(
+                    &plans,
+                    &table,
+                    &plan_files(&plans, &table, &fx.files),
+                    LIMITS,
+                    &mut pool,
+                    &faults,
+                );
                 // Resolved against 16 pages; the file now ends inside page 5, off any block
                 // boundary (an O_DIRECT read stops there, short of a block).
                 std::fs::OpenOptions::new()
@@ -510,7 +646,7 @@ mod tests {
                 } else {
                     sys::run_blocking(&mut batch);
                 }
-                let failures = batch.failures(&plans, "t");
+                let failures = batch.failures("t");
                 let failed: Vec<u32> =
                     failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
                 assert_eq!(failed, [5, 6, 7], "direct: {direct}, ring: {ring}");

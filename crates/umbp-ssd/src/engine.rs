@@ -83,6 +83,7 @@ impl SsdEngine {
             limits,
             name: config.name,
             direct_refusal_logged: AtomicBool::new(false),
+            overlap: Default::default(),
         });
         let workers =
             Workers::start(Arc::clone(&shared), backend, config.queue_depth, config.workers)?;
@@ -234,6 +235,6 @@ impl TransferEngine for SsdEngine {
 
     /// Queues `plans` for a worker; see [`TransferHandle`] for waiting and dropping.
     fn submit(&self, plans: PlanSet) -> TransferHandle {
-        self.workers.submit(plans, self.shared.registry.snapshot())
+        self.workers.submit(plans)
     }
 }

@@ -19,11 +19,21 @@
 //!   aligned to the file's logical block size goes through an aligned bounce buffer (a
 //!   read-modify-write of the whole blocks for writes); aligned pieces move straight between the
 //!   file and the caller's memory.
-//! - **Failures.** One [`Failure`](umbp_plan::Failure) per failed plan or segment, with exactly
-//!   the tags of the objects it carried. A segment that fails before its I/O is issued (a
-//!   deregistered endpoint, a read past the end of the file, an injected fault) leaves its
+//! - **Failures.** One [`Failure`](umbp_plan::Failure) per failed plan, segment or object's
+//!   share of a segment, with exactly the tags of the objects whose bytes did not arrive: a
+//!   failed read or write of a segment that merged several objects is re-issued once per
+//!   object's share, and only the shares that fail again cost their objects (a read past the
+//!   end of the file is narrowed the same way before any byte moves). A failure before the I/O
+//!   is issued (a deregistered endpoint, the end of the file, an injected fault) leaves the
 //!   destination untouched; a device error in the middle of a transfer may leave part of the
-//!   failed segment's destination written.
+//!   failed object's own destination written, never anything outside it.
+//! - **Overlap.** Objects whose bytes meet a write of the same submit (two reads into the same
+//!   memory, a write and a read of the same file bytes) fail with
+//!   [`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap) at submit and move nothing
+//!   ([`OverlapCheck`](umbp_plan::OverlapCheck)).
+//! - **Lifetimes.** `submit` takes each file the batch uses: deregistering a file endpoint right
+//!   after submit does not fail the batch, and a file the engine opened closes only once no
+//!   batch uses it.
 //!
 //! # Example
 //!

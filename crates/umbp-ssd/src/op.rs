@@ -12,7 +12,7 @@
 
 use std::os::fd::RawFd;
 
-use umbp_plan::FailureCause;
+use umbp_plan::{FailureCause, Tag};
 
 use crate::sys::{BounceBuf, Dir, HostSlice, Request};
 
@@ -45,6 +45,9 @@ pub(crate) struct Op {
     align: u64,
     mode: Mode,
     retries: u32,
+    /// Set on an op re-issued for one object's share of a failed segment: its failure costs
+    /// that object only.
+    pub(crate) only: Option<Tag>,
 }
 
 #[derive(Debug)]
@@ -115,10 +118,23 @@ impl Op {
             align,
             mode,
             retries: 0,
+            only: None,
         })
     }
 
-    #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
+    /// A fresh op for bytes `from .. from + len` of this one (the same file, direction and
+    /// memory), carrying only object `only` when set; `None` if the range leaves the op.
+    pub(crate) fn part(&self, from: u64, len: u64, only: Option<Tag>) -> Option<Self> {
+        if from.checked_add(len)? > self.len() || len == 0 {
+            return None;
+        }
+        let host = self.host.sub(from as usize, len as usize);
+        let key = (self.plan, self.segment, self.endpoint_offset + from);
+        let mut op = Self::new(key, self.fd, self.dir, self.file_offset + from, host, self.align)?;
+        op.only = only;
+        Some(op)
+    }
+
     pub(crate) fn dir(&self) -> Dir {
         self.dir
     }

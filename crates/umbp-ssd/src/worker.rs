@@ -9,11 +9,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use umbp_plan::{
-    Completion, EndpointRegistry, EndpointTable, Failure, FailureCause, PlanSet, Settled,
-    TransferHandle,
+    Completion, EndpointKind, EndpointRegistry, EndpointTable, Failure, FailureCause, OverlapCheck,
+    PlanSet, Settled, Space, TransferHandle,
 };
 
-use crate::batch::{Batch, Limits};
+use crate::batch::{plan_files, Batch, Limits, PlanFiles};
 use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::op::BouncePool;
@@ -30,6 +30,8 @@ pub(crate) struct Shared {
     pub(crate) name: String,
     /// Whether the `O_DIRECT` fallback has been logged.
     pub(crate) direct_refusal_logged: AtomicBool,
+    /// The overlap rule's buffers, shared by submitting threads.
+    pub(crate) overlap: Mutex<OverlapCheck>,
 }
 
 /// How a worker moves bytes.
@@ -44,13 +46,18 @@ struct Job {
     /// `None` once settled.
     plans: Option<PlanSet>,
     table: Arc<EndpointTable>,
+    /// Each plan's file, held open from submit until the job settles.
+    files: PlanFiles,
+    /// Failures found at submit (the overlap rule), reported with the job's own.
+    early: Vec<Failure>,
     slot: Arc<Slot>,
     engine: Arc<Shared>,
 }
 
 impl Job {
-    fn settle(&mut self, failures: Vec<Failure>) {
+    fn settle(&mut self, mut failures: Vec<Failure>) {
         let plans = self.plans.take().unwrap_or_default();
+        failures.append(&mut self.early);
         self.slot.fill(Settled { failures, plans });
     }
 }
@@ -125,7 +132,7 @@ impl Completion for Pending {
 /// The worker threads and the queue that feeds them.
 #[derive(Debug)]
 pub(crate) struct Workers {
-    sender: Option<Sender<Job>>,
+    sender: Option<Sender<Box<Job>>>,
     threads: Vec<JoinHandle<()>>,
     shared: Arc<Shared>,
 }
@@ -141,7 +148,7 @@ impl Workers {
         depth: u32,
         count: usize,
     ) -> Result<Self, Error> {
-        let (sender, receiver) = channel::<Job>();
+        let (sender, receiver) = channel::<Box<Job>>();
         let receiver = Arc::new(Mutex::new(receiver));
         let (ready, started) = channel::<std::io::Result<()>>();
         let mut workers = Self { sender: Some(sender), threads: Vec::new(), shared };
@@ -177,17 +184,34 @@ impl Workers {
     }
 
     /// Queues `plans` for the next free worker.
-    pub(crate) fn submit(&self, plans: PlanSet, table: Arc<EndpointTable>) -> TransferHandle {
+    /// Queues `plans` for a worker, after the overlap rule and with every file it uses taken
+    /// (so a deregistration after submit cannot fail the batch or close its files under it).
+    pub(crate) fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        let table = self.shared.registry.snapshot();
+        let early = {
+            let mut overlap = self.shared.overlap.lock().unwrap_or_else(PoisonError::into_inner);
+            overlap.exclude(&mut plans, &self.shared.name, |id| {
+                let e = table.get(id)?;
+                match e.kind() {
+                    EndpointKind::Host => Some((Space::Host, e.addr())),
+                    EndpointKind::File(range) => Some((Space::File(range.fd), range.file_offset)),
+                    EndpointKind::Device(_) => None,
+                }
+            })
+        };
         if plans.plans().is_empty() {
-            return TransferHandle::settled(Vec::new(), plans);
+            return TransferHandle::settled(early, plans);
         }
+        let files = plan_files(&plans, &table, &self.shared.files);
         let slot = Arc::new(Slot::default());
-        let job = Job {
+        let job = Box::new(Job {
             plans: Some(plans),
             table,
+            files,
+            early,
             slot: Arc::clone(&slot),
             engine: Arc::clone(&self.shared),
-        };
+        });
         match self.sender.as_ref().map(|s| s.send(job)) {
             Some(Ok(())) => TransferHandle::pending(Box::new(Pending(slot))),
             // No worker left to take it: the job came back and settles as failed when dropped.
@@ -195,7 +219,8 @@ impl Workers {
                 let mut job = returned.0;
                 let plans = job.plans.take().unwrap_or_default();
                 let cause = FailureCause::NotAccepted("the engine has no running worker".into());
-                let failures = fail_all(&plans, &self.shared.name, cause);
+                let mut failures = fail_all(&plans, &self.shared.name, cause);
+                failures.append(&mut job.early);
                 TransferHandle::settled(failures, plans)
             }
             None => unreachable!("the sender lives until the workers are dropped"),
@@ -214,7 +239,7 @@ impl Drop for Workers {
 }
 
 /// A worker's loop: take a job, run it, settle it, until the queue closes.
-fn work(receiver: &Mutex<Receiver<Job>>, mut executor: Executor) {
+fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor) {
     let mut pool = BouncePool::default();
     loop {
         let job = receiver.lock().unwrap_or_else(PoisonError::into_inner).recv();
@@ -222,19 +247,13 @@ fn work(receiver: &Mutex<Receiver<Job>>, mut executor: Executor) {
         let Some(plans) = job.plans.as_ref() else { continue };
         let shared = Arc::clone(&job.engine);
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            let mut batch = Batch::new(
-                plans,
-                &job.table,
-                &shared.files,
-                shared.limits,
-                &mut pool,
-                &shared.faults,
-            );
+            let mut batch =
+                Batch::new(plans, &job.table, &job.files, shared.limits, &mut pool, &shared.faults);
             match &mut executor {
                 Executor::Ring(ring) => ring.run(&mut batch),
                 Executor::Blocking => sys::run_blocking(&mut batch),
             }
-            batch.failures(plans, &shared.name)
+            batch.failures(&shared.name)
         }));
         match outcome {
             Ok(failures) => job.settle(failures),

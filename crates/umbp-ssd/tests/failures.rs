@@ -260,3 +260,121 @@ fn pairs_other_than_file_and_host_are_rejected() {
     assert!(outcome.failures.is_empty());
     assert!(b.bytes().iter().all(|&x| x == POISON));
 }
+
+/// Objects `0 .. pages` read consecutive file pages into consecutive destination pages, so the
+/// builder merges all of them into one segment (segments of up to 1 MiB: 16 pages).
+fn merged_reads(file: EndpointId, dst: EndpointId, pages: u64) -> Vec<Vec<Fragment>> {
+    (0..pages)
+        .map(|i| vec![Fragment::new(file, i * PAGE, dst, i * PAGE, PAGE, Tag::new(i as u32))])
+        .collect()
+}
+
+fn failure_inside_a_merged_segment(dir: &Path, backend: Backend, direct: bool) {
+    let registry = EndpointRegistry::new();
+    let engine = support::engine(&registry, backend);
+    let path = dir.join(format!("merged_{backend:?}_{direct}.bin"));
+    let file_bytes = support::pattern(21, (8 * PAGE) as usize);
+    support::write_file(&path, &file_bytes);
+    let file = engine.open_file(&path, 0, 8 * PAGE, FileOptions::new().direct(direct)).unwrap();
+
+    // An EIO on object 2's bytes, in a segment that carries objects 0 to 3.
+    engine.inject_fault(Fault::read_covering(file, 2 * PAGE + 4096, libc::EIO));
+    let destination = HostBuf::new(&registry, (4 * PAGE) as usize, 0, POISON);
+    let outcome = support::transfer(&engine, &merged_reads(file, destination.id, 4));
+    assert_eq!(outcome.failed_tags(), tags(&[2]), "{outcome:?}");
+    assert_eq!(outcome.failures[0].cause, FailureCause::Io { errno: libc::EIO });
+    for i in [0u64, 1, 3] {
+        let at = (i * PAGE) as usize..((i + 1) * PAGE) as usize;
+        assert!(destination.bytes()[at.clone()] == file_bytes[at], "object {i}");
+    }
+    let failed = (2 * PAGE) as usize..(3 * PAGE) as usize;
+    assert!(destination.bytes()[failed].iter().all(|&b| b == POISON), "failed object written");
+    engine.clear_faults();
+
+    // The file ends inside object 5 of a segment carrying objects 4 to 7, seen at submit: only
+    // the objects whose bytes lie past the end fail.
+    let short = dir.join(format!("merged_short_{backend:?}_{direct}.bin"));
+    support::write_file(&short, &file_bytes[..(5 * PAGE + PAGE / 2) as usize]);
+    let file = engine.open_file(&short, 0, 8 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let destination = HostBuf::new(&registry, (8 * PAGE) as usize, 0, POISON);
+    let reads: Vec<Vec<Fragment>> = merged_reads(file, destination.id, 8)[4..].to_vec();
+    let outcome = support::transfer(&engine, &reads);
+    assert_eq!(outcome.failed_tags(), tags(&[5, 6, 7]), "{outcome:?}");
+    assert!(outcome.failures.iter().all(|f| matches!(f.cause, FailureCause::ShortFile { .. })));
+    let at = (4 * PAGE) as usize..(5 * PAGE) as usize;
+    assert!(destination.bytes()[at.clone()] == file_bytes[at], "object 4");
+}
+
+#[test]
+fn a_failure_inside_a_merged_segment_fails_only_the_objects_whose_bytes_failed() {
+    let name = "a_failure_inside_a_merged_segment";
+    let buffered = support::temp_dir();
+    let direct = support::direct_dir(name);
+    for backend in support::backends(name) {
+        failure_inside_a_merged_segment(buffered.path(), backend, false);
+        if let Some(dir) = &direct {
+            failure_inside_a_merged_segment(dir.path(), backend, true);
+        }
+    }
+}
+
+#[test]
+fn deregistering_a_file_right_after_submit_does_not_fail_the_submitted_batch() {
+    let dir = support::temp_dir();
+    for backend in support::backends("deregistering_a_file_right_after_submit") {
+        let registry = EndpointRegistry::new();
+        let engine = support::engine(&registry, backend);
+        let path = dir.path().join(format!("pinned_{backend:?}.bin"));
+        let file_bytes = support::pattern(13, (16 * PAGE) as usize);
+        support::write_file(&path, &file_bytes);
+        let file = engine.open_file(&path, 0, 16 * PAGE, FileOptions::new()).unwrap();
+        let destination = HostBuf::new(&registry, (32 * PAGE) as usize, 0, POISON);
+        let mut builder = engine.builder();
+        for (i, object) in page_reads(file, destination.id, 16).iter().enumerate() {
+            builder.begin_object(Tag::new(i as u32)).unwrap();
+            builder.push(object[0]).unwrap();
+            builder.commit_object().unwrap();
+        }
+        let plans = builder.finish().unwrap();
+        drop(builder);
+        let mut handle = engine.submit(plans);
+        // The engine closes the file it opened once no batch uses it: this one still does.
+        engine.deregister(file).unwrap();
+        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+        check_pages(&destination, &file_bytes, 16, &[]);
+        // Later batches see it gone.
+        let outcome = support::transfer(
+            &engine,
+            &[vec![Fragment::new(file, 0, destination.id, 0, PAGE, Tag::new(0))]],
+        );
+        assert_eq!(outcome.rejected, tags(&[0]));
+    }
+}
+
+#[test]
+fn reads_that_land_on_the_same_memory_fail_with_overlap_and_write_nothing() {
+    let dir = support::temp_dir();
+    for backend in support::backends("reads_that_land_on_the_same_memory") {
+        let registry = EndpointRegistry::new();
+        let engine = support::engine(&registry, backend);
+        let path = dir.path().join(format!("overlap_{backend:?}.bin"));
+        let file_bytes = support::pattern(17, (4 * PAGE) as usize);
+        support::write_file(&path, &file_bytes);
+        let file = engine.open_file(&path, 0, 4 * PAGE, FileOptions::new()).unwrap();
+        let destination = HostBuf::new(&registry, (4 * PAGE) as usize, 0, POISON);
+        // Objects 0 and 1 both write destination bytes PAGE/2 .. PAGE; object 2 is alone.
+        let objects = vec![
+            vec![Fragment::new(file, 0, destination.id, 0, PAGE, Tag::new(0))],
+            vec![Fragment::new(file, PAGE, destination.id, PAGE / 2, PAGE, Tag::new(1))],
+            vec![Fragment::new(file, 2 * PAGE, destination.id, 3 * PAGE, PAGE, Tag::new(2))],
+        ];
+        let outcome = support::transfer(&engine, &objects);
+        assert_eq!(outcome.failed_tags(), tags(&[0, 1]), "{outcome:?}");
+        assert!(outcome.failures.iter().all(|f| f.cause == FailureCause::Overlap));
+        let bytes = destination.bytes();
+        assert!(bytes[..(3 * PAGE) as usize].iter().all(|&b| b == POISON));
+        assert!(
+            bytes[(3 * PAGE) as usize..] == file_bytes[(2 * PAGE) as usize..(3 * PAGE) as usize]
+        );
+    }
+}
