@@ -18,7 +18,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    BatchState, BatchStatus, EndpointId, Failure, FailureCause, ObjectState, PlanSet, Tag,
+    BatchState, BatchStatus, EndpointId, EndpointPins, Failure, FailureCause, ObjectState, PlanSet,
+    Tag,
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
@@ -141,6 +142,8 @@ pub(crate) struct BatchShared {
     cancelled: AtomicBool,
     listener: Option<Arc<dyn GroupListener>>,
     in_flight: Arc<InFlight>,
+    /// The batch's endpoints, pinned until it settles.
+    pins: Mutex<Option<EndpointPins>>,
 }
 
 struct Progress {
@@ -175,6 +178,7 @@ impl BatchShared {
         keys: Option<Vec<u64>>,
         stages: impl FnOnce(Vec<StagedFragment>) -> Vec<Vec<StagedFragment>>,
         in_flight: Arc<InFlight>,
+        pins: EndpointPins,
     ) -> Prepared {
         let objects = std::mem::take(&mut plans.objects);
         let (keys, positions) = match keys {
@@ -272,10 +276,11 @@ impl BatchShared {
             cancelled: AtomicBool::new(false),
             listener,
             in_flight,
+            pins: Mutex::new(Some(pins)),
         });
         batch.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
-            batch.in_flight.end(batch.bytes);
+            batch.finished();
         }
         Prepared { batch, direct, stages: staged_parts }
     }
@@ -375,9 +380,15 @@ impl BatchShared {
             }
         }
         if all_done {
-            self.in_flight.end(self.bytes);
+            self.finished();
         }
         self.changed.notify_all();
+    }
+
+    /// The last part settled: the endpoints go free and the batch leaves the in-flight count.
+    fn finished(&self) {
+        drop(self.pins.lock().unwrap_or_else(PoisonError::into_inner).take());
+        self.in_flight.end(self.bytes);
     }
 
     fn report(&self, p: &Progress) -> TransferReport {

@@ -245,15 +245,15 @@ impl CompositeEngine {
         Ok(id)
     }
 
-    /// Tells every engine that `id` goes, then deregisters it.
+    /// Deregisters `id` once no batch in flight uses it (it waits for them to settle: every
+    /// batch pins its endpoints from submit until it settles), then tells every engine, which
+    /// releases what it held for it (a pinning, a file).
     pub fn deregister(&self, id: EndpointId) -> Result<(), Error> {
-        if self.shared.registry.get(id).is_none() {
-            return Err(Error::UnknownEndpoint(id));
-        }
+        self.shared.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
         for e in &self.shared.engines {
             e.endpoint_deregistering(id);
         }
-        self.shared.registry.deregister(id).map(drop).map_err(|_| Error::UnknownEndpoint(id))
+        Ok(())
     }
 
     fn fan_out(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), Error> {
@@ -300,8 +300,19 @@ impl CompositeEngine {
         tracing::trace!(threads = executor.threads(), "executor");
         let slot = self.shared.staging.get().map_or(u64::MAX, |p| p.slot_bytes);
         let in_flight = Arc::clone(&self.shared.in_flight);
+        // Every endpoint the batch uses stays registered until the batch settles.
+        let staged_endpoints = plans.staged.iter().flat_map(|s| [s.fragment.src, s.fragment.dst]);
+        let bounce = self.bounce().filter(|_| !plans.staged.is_empty());
+        let pins = self.shared.registry.pin(
+            plans
+                .parts
+                .iter()
+                .flat_map(|p| p.plans.endpoints())
+                .chain(staged_endpoints)
+                .chain(bounce),
+        );
         let Prepared { batch, direct, stages } =
-            BatchShared::prepare(plans, keys, |staged| cut_stages(staged, slot), in_flight);
+            BatchShared::prepare(plans, keys, |staged| cut_stages(staged, slot), in_flight, pins);
 
         // One lane per engine, its parts in group order (the builder sorted them so).
         let mut lanes: Vec<Vec<(usize, RoutedPart)>> = Vec::new();

@@ -385,3 +385,18 @@ fn a_rejected_object_carries_its_reason() {
         )))
     ));
 }
+
+#[test]
+fn deregistering_an_endpoint_of_a_batch_in_flight_waits_for_the_batch() {
+    let rig = host_rig(2, |w| w.slow(Duration::from_millis(200)));
+    let batch = rig.composite.submit(rig.plans(2, |o| o as u32)).unwrap();
+    let t = Instant::now();
+    // The destination goes while the engine is still sleeping before its copy.
+    rig.composite.deregister(rig.ids.1).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(150), "deregister did not wait for the batch");
+    assert!(batch.is_done());
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+    assert!(rig.object_arrived(0) && rig.object_arrived(1));
+    // A batch planned after it fails that object with a typed cause, never a wrong byte.
+    assert!(matches!(rig.composite.deregister(rig.ids.1), Err(Error::UnknownEndpoint(_))));
+}

@@ -25,17 +25,20 @@ const TIER_PAGES: usize = 64;
 /// Each range leaves the first bytes of its object out, to check nothing is written there.
 const SKIP: u64 = 1000;
 
-/// The process's threads, less io_uring's kernel workers (`iou-wrk-*`, `iou-sqp-*`), which
-/// the kernel starts and retires on its own as reads block.
-fn threads_now() -> usize {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+/// The names of the process's threads, less io_uring's kernel workers (`iou-wrk-*`,
+/// `iou-sqp-*`), which the kernel starts and retires on its own as reads block, and less the
+/// tasks that exited between listing and reading their name.
+fn thread_names() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return Vec::new() };
     tasks
         .filter_map(Result::ok)
-        .filter(|task| {
-            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-            !comm.starts_with("iou-")
-        })
-        .count()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|comm| !comm.is_empty() && !comm.starts_with("iou-"))
+        .collect()
+}
+
+fn threads_now() -> usize {
+    thread_names().len()
 }
 
 #[test]
@@ -56,12 +59,16 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
 
     let running = AtomicBool::new(true);
     let peak = AtomicUsize::new(baseline);
+    let peak_names = std::sync::Mutex::new(Vec::new());
     let wrong = AtomicUsize::new(0);
     let completed = AtomicUsize::new(0);
     std::thread::scope(|scope| {
         let sampler = scope.spawn(|| {
             while running.load(Ordering::Relaxed) {
-                peak.fetch_max(threads_now(), Ordering::Relaxed);
+                let names = thread_names();
+                if names.len() > peak.fetch_max(names.len(), Ordering::Relaxed) {
+                    *peak_names.lock().unwrap() = names;
+                }
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
         });
@@ -140,7 +147,8 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
     let peak = peak.load(Ordering::Relaxed);
     assert!(
         peak <= baseline + THREADS + 1,
-        "threads peaked at {peak}, from {baseline} with {THREADS} callers and a sampler"
+        "threads peaked at {peak}, from {baseline} with {THREADS} callers and a sampler: {:?}",
+        peak_names.lock().unwrap()
     );
     assert_eq!(threads_now(), baseline, "threads left behind by the run");
     assert_eq!(t.composite.in_flight().batches, 0);

@@ -2,12 +2,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use umbp_plan::{
-    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EngineError, Failure,
-    FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules, PlanSet,
-    Space, Tag, TransferEngine, TransferHandle,
+    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointTable, EngineError,
+    Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules,
+    PlanSet, Space, Tag, TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -75,6 +75,9 @@ pub struct HbmEngine<D: DeviceRuntime> {
     pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
     /// Device memory this engine allocated: (device, address).
     owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
+    /// Held shared by every running submit and exclusively by whatever releases memory a
+    /// submit may touch (unpin, free).
+    lifetimes: RwLock<()>,
     /// Set once a synchronization after a launch failed: later submits use copies only.
     kernel_disabled: AtomicBool,
     /// Gather launches so far.
@@ -118,6 +121,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             config,
             pinned: Mutex::new(HashMap::new()),
             owned: Mutex::new(HashMap::new()),
+            lifetimes: RwLock::new(()),
             kernel_disabled: AtomicBool::new(false),
             launches: AtomicU64::new(0),
             scratch: Mutex::new(Scratch::default()),
@@ -166,14 +170,24 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         Ok(DeviceRegion { id, device, addr, len })
     }
 
-    /// Deregisters and frees memory from [`alloc_device`](Self::alloc_device). Submits are
-    /// synchronous, so no transfer of this engine still touches it once its handle exists.
+    /// Deregisters and frees memory from [`alloc_device`](Self::alloc_device), once no
+    /// submitted batch uses it (it waits for them: [`EndpointRegistry::deregister`]).
     pub fn free_device(&self, region: DeviceRegion) -> Result<(), Error> {
-        let (device, addr) =
-            lock(&self.owned).remove(&region.id).ok_or(Error::UnknownEndpoint(region.id))?;
+        if !lock(&self.owned).contains_key(&region.id) {
+            return Err(Error::UnknownEndpoint(region.id));
+        }
         self.registry.deregister(region.id).map_err(|_| Error::UnknownEndpoint(region.id))?;
-        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; every submit
-        // synchronizes its devices before returning its handle.
+        self.release_owned(region.id)
+    }
+
+    /// Frees memory from `alloc_device` whose endpoint is already deregistered.
+    fn release_owned(&self, id: EndpointId) -> Result<(), Error> {
+        let (device, addr) = lock(&self.owned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
+        // Every submit that could use it pinned it and has settled (the deregistration waited
+        // for them), and a later submit cannot resolve it; wait out any submit still running.
+        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no submit
+        // uses it (above), and every submit synchronizes its devices before returning.
         unsafe { self.runtime.free(device, addr)? };
         Ok(())
     }
@@ -235,41 +249,47 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         Ok(())
     }
 
-    /// Undoes [`pin`](Self::pin); the endpoint stays registered and moves by copies.
+    /// Undoes [`pin`](Self::pin); the endpoint stays registered and moves by copies. Waits
+    /// for the submits running now, which may be using the pinned alias.
     pub fn unpin(&self, id: EndpointId) -> Result<(), Error> {
+        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
         let (device, _, addr) = lock(&self.pinned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
-        // SAFETY: pinned by `pin`; submits synchronize before returning, so no work touches it.
+        // SAFETY: pinned by `pin`; no submit runs (the write lock above) and a later one sees
+        // it unpinned; submits synchronize before returning, so no work touches it.
         unsafe { self.runtime.unregister_host(device, addr)? };
         Ok(())
     }
 
-    /// Deregisters an endpoint, unpinning it first if pinned. Memory from
-    /// [`alloc_device`](Self::alloc_device) goes through [`free_device`](Self::free_device).
+    /// Deregisters an endpoint once no submitted batch uses it (it waits for them), then
+    /// unpins it if pinned, and frees it if it came from [`alloc_device`](Self::alloc_device).
     pub fn deregister(&self, id: EndpointId) -> Result<(), Error> {
+        self.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
+        self.forget(id)
+    }
+
+    /// What follows a deregistration: unpin, free.
+    fn forget(&self, id: EndpointId) -> Result<(), Error> {
         if lock(&self.pinned).contains_key(&id) {
             self.unpin(id)?;
         }
-        if let Some(&(device, addr)) = lock(&self.owned).get(&id) {
-            let len = self.registry.get(id).map_or(0, |e| e.len());
-            return self.free_device(DeviceRegion { id, device, addr, len });
+        if lock(&self.owned).contains_key(&id) {
+            self.release_owned(id)?;
         }
-        self.registry.deregister(id).map(drop).map_err(|_| Error::UnknownEndpoint(id))
+        Ok(())
     }
 
     /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only.
     fn bucket(
         &self,
         plans: &PlanSet,
+        table: &EndpointTable,
         scratch: &mut Scratch,
         failed: &mut Vec<(usize, Option<usize>, FailureCause)>,
     ) {
         let pinned = lock(&self.pinned);
         for (pi, plan) in plans.plans().iter().enumerate() {
-            let (Some(src), Some(dst)) =
-                (self.registry.get(plan.src()), self.registry.get(plan.dst()))
-            else {
-                let gone =
-                    if self.registry.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
+            let (Some(&src), Some(&dst)) = (table.get(plan.src()), table.get(plan.dst())) else {
+                let gone = if table.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
                 failed.push((pi, None, FailureCause::EndpointGone(gone)));
                 continue;
             };
@@ -421,10 +441,10 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
         }
     }
 
-    /// Unpins the endpoint if this engine pinned it.
+    /// Unpins the endpoint if this engine pinned it (and frees it if this engine allocated it).
     fn endpoint_deregistering(&self, id: EndpointId) {
-        if lock(&self.pinned).contains_key(&id) {
-            let _ = self.unpin(id);
+        if let Err(error) = self.forget(id) {
+            tracing::warn!(id = id.raw(), %error, "could not release a deregistered endpoint");
         }
     }
 
@@ -437,13 +457,17 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     /// and never reach a launch or a copy, so no kernel ever runs over descriptors whose
     /// destinations overlap a source or each other.
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        // Pinned before any lookup: a deregistration waits for this submit. The read lock keeps
+        // `unpin` and `free_device` out while it runs.
+        let pins = self.registry.pin(plans.endpoints());
+        let table = pins.table();
+        let _running = self.lifetimes.read().unwrap_or_else(PoisonError::into_inner);
         let caller_device = self.runtime.current_device().ok();
         let mut failed = Vec::new();
         let overlapping;
         {
             let mut guard = lock(&self.scratch);
             let scratch = &mut *guard;
-            let table = self.registry.snapshot();
             overlapping = scratch.overlap.exclude(&mut plans, self.name(), |id| {
                 let e = table.get(id)?;
                 match e.device_ordinal() {
@@ -455,7 +479,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                 b.kernel.clear();
                 b.copies.clear();
             });
-            self.bucket(&plans, scratch, &mut failed);
+            self.bucket(&plans, table, scratch, &mut failed);
             for (&device, bucket) in &scratch.buckets {
                 if bucket.kernel.is_empty() && bucket.copies.is_empty() {
                     continue;

@@ -41,7 +41,9 @@ const SCRATCH_KEPT: usize = 8;
 ///
 /// # Submit
 ///
-/// 1. Look every plan's endpoints up in the registry as it is *now* (one snapshot). A plan
+/// 1. Pin every endpoint the plans use ([`EndpointRegistry::pin`]: a deregistration waits
+///    until the copy is done), then look them up in the registry as it is *now* (one
+///    snapshot). A plan
 ///    whose endpoint was deregistered fails with [`FailureCause::EndpointGone`]; one that names
 ///    a device or file endpoint fails with [`FailureCause::NotAccepted`].
 /// 2. Bounds-check every segment against its endpoints and turn it into a copy task; a plan
@@ -144,14 +146,18 @@ impl LocalCopyEngine {
 
     /// Steps 1 to 4 of a submit (see the type's doc): takes overlapping objects out of `plans`,
     /// copies every plan it can and returns the failures.
-    fn execute(&self, plans: &mut PlanSet, scratch: &mut Scratch) -> Vec<Failure> {
-        let table = self.registry.snapshot();
+    fn execute(
+        &self,
+        plans: &mut PlanSet,
+        table: &EndpointTable,
+        scratch: &mut Scratch,
+    ) -> Vec<Failure> {
         let mut failures = scratch.overlap.exclude(plans, NAME, |id| {
             table.get(id).filter(|e| e.is_host()).map(|e| (Space::Host, e.addr()))
         });
         let mut bytes = 0usize;
         for plan in plans.plans() {
-            let pushed = regions_of(&table, plan.src(), plan.dst())
+            let pushed = regions_of(table, plan.src(), plan.dst())
                 .and_then(|(src, dst)| push_tasks(plan, &src, &dst, &mut scratch.tasks));
             match pushed {
                 Ok(plan_bytes) => bytes = bytes.saturating_add(plan_bytes),
@@ -206,8 +212,10 @@ impl TransferEngine for LocalCopyEngine {
     /// for the checks. The handle is settled: [`TransferHandle::wait`] returns the failures at once
     /// and as often as asked, and dropping the handle does not block.
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        // A deregistration waits for this copy; the plans resolve in the pinned table.
+        let pins = self.registry.pin(plans.endpoints());
         let mut scratch = self.take_scratch();
-        let failures = self.execute(&mut plans, &mut scratch);
+        let failures = self.execute(&mut plans, pins.table(), &mut scratch);
         self.keep_scratch(scratch);
         TransferHandle::settled(failures, plans)
     }

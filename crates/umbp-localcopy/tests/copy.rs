@@ -468,3 +468,24 @@ fn objects_whose_bytes_overlap_fail_whole_and_the_others_run() {
         assert!(out[4 * n..5 * n] == before[7 * n..8 * n]);
     }
 }
+
+#[test]
+fn deregistering_during_a_copy_waits_for_it() {
+    let engine = engine(LocalCopyConfig::default().with_threads(2).with_parallel_threshold(0));
+    let len = 64usize << 20;
+    let src = HostBuf::new(len, |i| pattern(3, i));
+    let dst = HostBuf::poisoned(len);
+    let (s, d) = (src.register(&engine), dst.register(&engine));
+    let transfers: Vec<Fragment> =
+        (0..64u64).map(|k| Fragment::new(s, k << 20, d, k << 20, 1 << 20, tag(0))).collect();
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| engine.transfer_batch(1, &transfers).unwrap());
+        // Wait until the copy has pinned its endpoints, then deregister the destination.
+        while !engine.registry().is_pinned(d) && !copier.is_finished() {
+            std::hint::spin_loop();
+        }
+        engine.registry().deregister(d).unwrap();
+        assert!(dst.bytes() == src.bytes(), "deregister returned before the copy finished");
+        assert_eq!(copier.join().unwrap().aggregate(), umbp_plan::BatchState::Completed);
+    });
+}

@@ -5,7 +5,8 @@
 //! dereferences an address. The engines do, which is why registering a memory endpoint is
 //! `unsafe` (see [`EndpointRegistry::register`]).
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::Error;
 
@@ -197,9 +198,73 @@ impl EndpointTable {
 /// Registration is copy-on-write: each change publishes a new [`EndpointTable`], and
 /// [`snapshot`](Self::snapshot) hands out the current one without copying. Registration is rare
 /// (once per arena, buffer or file); lookups are constant.
+///
+/// # Lifetimes
+///
+/// A submitted batch [pins](Self::pin) the endpoints it uses until it settles and resolves
+/// them in the table the pin hands out ([`EndpointPins::table`]); [`deregister`](Self::deregister)
+/// waits until nothing pins the endpoint. So once deregister returns, no engine still reads or
+/// writes the region, and its memory may be freed.
+///
+/// While a deregistration waits, batches that already pin the endpoint may pin it again (a
+/// composite's batch, then the engine running its part); a batch that starts after the
+/// endpoint's last pin went finds it gone
+/// ([`FailureCause::EndpointGone`](crate::FailureCause::EndpointGone)), so a stream of batches
+/// one after another cannot hold a deregistration off.
 #[derive(Debug, Default)]
 pub struct EndpointRegistry {
     current: Mutex<Arc<EndpointTable>>,
+    pins: Mutex<Pins>,
+    /// Signalled when an endpoint's pin count drops to zero.
+    unpinned: Condvar,
+}
+
+/// Pin counts, and the endpoints whose deregistration is waiting for theirs to drain.
+#[derive(Debug, Default)]
+struct Pins {
+    counts: HashMap<EndpointId, usize>,
+    dying: Vec<EndpointId>,
+}
+
+/// Endpoints pinned by one batch, and the table to resolve them in; unpinned when dropped.
+/// See [`EndpointRegistry::pin`].
+#[derive(Debug)]
+#[must_use = "the endpoints are unpinned when this is dropped"]
+pub struct EndpointPins {
+    registry: Arc<EndpointRegistry>,
+    ids: Vec<EndpointId>,
+    table: Arc<EndpointTable>,
+}
+
+impl EndpointPins {
+    /// The endpoints as the batch must see them: every pinned endpoint that was registered
+    /// when pinned, and none that was on its way out.
+    pub fn table(&self) -> &Arc<EndpointTable> {
+        &self.table
+    }
+}
+
+impl Drop for EndpointPins {
+    fn drop(&mut self) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let mut pins = self.registry.lock_pins();
+        let mut released = false;
+        for id in &self.ids {
+            if let Some(n) = pins.counts.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    pins.counts.remove(id);
+                    released = true;
+                }
+            }
+        }
+        drop(pins);
+        if released {
+            self.registry.unpinned.notify_all();
+        }
+    }
 }
 
 impl EndpointRegistry {
@@ -243,13 +308,77 @@ impl EndpointRegistry {
         })
     }
 
-    /// Removes an endpoint and returns its description. Builders that already hold a snapshot
-    /// may still plan against it; engines look endpoints up again at submit and fail plans whose
-    /// endpoint is gone.
+    /// Removes an endpoint and returns its description, once no submitted batch pins it (it
+    /// waits for those batches to settle). Builders that already hold a snapshot may still plan
+    /// against it; engines look endpoints up again at submit and fail plans whose endpoint is
+    /// gone.
+    ///
+    /// Waiting for a batch from a thread that batch needs (a callback it runs, say) deadlocks;
+    /// deregister from elsewhere.
     pub fn deregister(&self, id: EndpointId) -> Result<Endpoint, Error> {
+        let mut pins = self.lock_pins();
+        if self.get(id).is_none() {
+            return Err(Error::UnknownEndpoint { id });
+        }
+        pins.dying.push(id);
+        while pins.counts.contains_key(&id) {
+            pins = self.unpinned.wait(pins).unwrap_or_else(PoisonError::into_inner);
+        }
+        if let Some(at) = pins.dying.iter().position(|&d| d == id) {
+            pins.dying.swap_remove(at);
+        }
+        // Published while the pins are locked: a batch pinning now finds it gone.
         self.publish(|slots| {
             slots.get_mut(id.index()).and_then(Option::take).ok_or(Error::UnknownEndpoint { id })
         })
+    }
+
+    /// Pins `ids` until the returned guard is dropped, and returns the table to resolve them
+    /// in: [`deregister`](Self::deregister) of any of them waits until the guard goes. An
+    /// engine pins the endpoints of a plan set when it is submitted
+    /// ([`PlanSet::endpoints`](crate::PlanSet::endpoints)), resolves its plans in
+    /// [`EndpointPins::table`], and drops the guard when the batch settles.
+    ///
+    /// An endpoint whose deregistration is waiting is pinned again only while something still
+    /// pins it (the same batch, one layer down); otherwise it is left out of the table, as if
+    /// already gone.
+    pub fn pin(self: &Arc<Self>, ids: impl IntoIterator<Item = EndpointId>) -> EndpointPins {
+        let mut ids: Vec<EndpointId> = ids.into_iter().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut pins = self.lock_pins();
+        let mut refused = Vec::new();
+        ids.retain(|&id| {
+            let held = pins.counts.get(&id).copied().unwrap_or(0);
+            if held == 0 && pins.dying.contains(&id) {
+                refused.push(id);
+                return false;
+            }
+            *pins.counts.entry(id).or_insert(0) += 1;
+            true
+        });
+        let mut table = self.snapshot();
+        drop(pins);
+        if !refused.is_empty() {
+            let mut without = EndpointTable::clone(&table);
+            for id in refused {
+                if let Some(slot) = without.slots.get_mut(id.index()) {
+                    *slot = None;
+                }
+            }
+            table = Arc::new(without);
+        }
+        EndpointPins { registry: Arc::clone(self), ids, table }
+    }
+
+    /// Whether a submitted batch pins `id` now.
+    pub fn is_pinned(&self, id: EndpointId) -> bool {
+        self.lock_pins().counts.contains_key(&id)
+    }
+
+    fn lock_pins(&self) -> MutexGuard<'_, Pins> {
+        // Counts change by one under the lock: a poisoned map is still consistent.
+        self.pins.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The description of `id` as currently registered.
@@ -297,6 +426,47 @@ mod tests {
         assert_eq!(c.raw(), 2, "deregistered ids are not reused");
         let file = registry.get(b).and_then(|e| e.file_range());
         assert_eq!(file, Some(FileRange { fd: 4, file_offset: 4096, direct: false }));
+    }
+
+    #[test]
+    fn deregister_waits_for_the_batches_that_pin_an_endpoint() {
+        let registry = EndpointRegistry::new();
+        let (a, b) =
+            (registry.register_file(3, 0, 10, false), registry.register_file(4, 0, 10, false));
+        let pins = registry.pin([a, a, b]);
+        assert!(registry.is_pinned(a) && registry.is_pinned(b));
+        assert!(pins.table().get(a).is_some());
+        let second = registry.pin([a]);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let waiter = scope.spawn(|| {
+                let out = registry.deregister(a);
+                done.store(true, std::sync::atomic::Ordering::SeqCst);
+                out
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(
+                !done.load(std::sync::atomic::Ordering::SeqCst),
+                "deregister returned while pinned"
+            );
+            drop(pins);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert!(
+                !done.load(std::sync::atomic::Ordering::SeqCst),
+                "the second batch still pins it"
+            );
+            assert!(registry.get(a).is_some());
+            drop(second);
+            assert_eq!(waiter.join().unwrap().map(|e| e.len()), Ok(10));
+        });
+        // A batch that pins it once the last pin went and before it was removed would see it
+        // gone; after removal it is simply unknown.
+        let late = registry.pin([a]);
+        assert!(late.table().get(a).is_none());
+        drop(late);
+        assert!(!registry.is_pinned(a) && !registry.is_pinned(b));
+        assert!(registry.get(a).is_none());
+        assert!(registry.deregister(b).is_ok(), "nothing pins b any more");
     }
 
     #[test]

@@ -35,8 +35,11 @@ pub trait TransferEngine: Send + Sync {
         Ok(())
     }
 
-    /// Tells the engine that `id` is about to be deregistered: it undoes what
-    /// [`endpoint_registered`](Self::endpoint_registered) did. Default: nothing to do.
+    /// Tells the engine that `id` was deregistered through a composite: no submitted batch uses
+    /// it any more and none can (the registry waited for them, see
+    /// [`EndpointRegistry::deregister`](crate::EndpointRegistry::deregister)), so the engine
+    /// undoes what [`endpoint_registered`](Self::endpoint_registered) did (unpins, closes).
+    /// Default: nothing to do.
     fn endpoint_deregistering(&self, id: EndpointId) {
         let _ = id;
     }

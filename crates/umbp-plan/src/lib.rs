@@ -97,8 +97,8 @@ pub mod testing;
 pub use batch::plan_batch;
 pub use builder::{BatchPlanner, BufferedPlanBuilder, PlanBuilder, RulePlanner};
 pub use endpoint::{
-    DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointRegistry, EndpointTable, FileRange,
-    Tag,
+    DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointPins, EndpointRegistry,
+    EndpointTable, FileRange, Tag,
 };
 pub use engine::{
     Completion, EngineError, Failure, FailureCause, Settled, TransferEngine, TransferHandle,

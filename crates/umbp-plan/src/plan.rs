@@ -253,6 +253,12 @@ impl PlanSet {
         self.plans.is_empty() && self.rejected.is_empty()
     }
 
+    /// Every endpoint the plans read or write (an endpoint may appear more than once): what a
+    /// submit [pins](crate::EndpointRegistry::pin).
+    pub fn endpoints(&self) -> impl Iterator<Item = EndpointId> + '_ {
+        self.plans.iter().flat_map(|p| [p.src, p.dst])
+    }
+
     /// Keeps only the bytes of the objects whose tag `keep` accepts, in every plan (see
     /// [`Plan::retain_tags`]); plans left empty go. Rejected tags are left as they are.
     pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {

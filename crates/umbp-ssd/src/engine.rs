@@ -177,9 +177,9 @@ impl SsdEngine {
         Ok(id)
     }
 
-    /// Deregisters endpoint `id` (of any kind) and returns its description. A file the engine
-    /// opened is closed once no running batch uses it; batches submitted later fail their plans
-    /// with `EndpointGone`.
+    /// Deregisters endpoint `id` (of any kind) and returns its description, once no submitted
+    /// batch uses it (it waits for them). A file the engine opened is closed then; batches
+    /// submitted later fail their plans with `EndpointGone`.
     pub fn deregister(&self, id: EndpointId) -> Result<Endpoint, Error> {
         let endpoint =
             self.shared.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;

@@ -9,8 +9,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use umbp_plan::{
-    Completion, EndpointKind, EndpointRegistry, EndpointTable, Failure, FailureCause, OverlapCheck,
-    PlanSet, Settled, Space, TransferHandle,
+    Completion, EndpointKind, EndpointPins, EndpointRegistry, EndpointTable, Failure, FailureCause,
+    OverlapCheck, PlanSet, Settled, Space, TransferHandle,
 };
 
 use crate::batch::{plan_files, Batch, Limits, PlanFiles};
@@ -50,6 +50,8 @@ struct Job {
     files: PlanFiles,
     /// Failures found at submit (the overlap rule), reported with the job's own.
     early: Vec<Failure>,
+    /// The endpoints the job uses, pinned from submit until it settles.
+    pins: Option<EndpointPins>,
     slot: Arc<Slot>,
     engine: Arc<Shared>,
 }
@@ -58,6 +60,9 @@ impl Job {
     fn settle(&mut self, mut failures: Vec<Failure>) {
         let plans = self.plans.take().unwrap_or_default();
         failures.append(&mut self.early);
+        // Unpinned before the handle sees the batch settled, so a deregistration right after
+        // the wait does not wait again.
+        drop(self.pins.take());
         self.slot.fill(Settled { failures, plans });
     }
 }
@@ -187,7 +192,9 @@ impl Workers {
     /// Queues `plans` for a worker, after the overlap rule and with every file it uses taken
     /// (so a deregistration after submit cannot fail the batch or close its files under it).
     pub(crate) fn submit(&self, mut plans: PlanSet) -> TransferHandle {
-        let table = self.shared.registry.snapshot();
+        // A deregistration waits until the batch settles; the plans resolve in the pinned table.
+        let pins = self.shared.registry.pin(plans.endpoints());
+        let table = Arc::clone(pins.table());
         let early = {
             let mut overlap = self.shared.overlap.lock().unwrap_or_else(PoisonError::into_inner);
             overlap.exclude(&mut plans, &self.shared.name, |id| {
@@ -209,6 +216,7 @@ impl Workers {
             table,
             files,
             early,
+            pins: Some(pins),
             slot: Arc::clone(&slot),
             engine: Arc::clone(&self.shared),
         });

@@ -338,11 +338,14 @@ fn deregistering_a_file_right_after_submit_does_not_fail_the_submitted_batch() {
         let plans = builder.finish().unwrap();
         drop(builder);
         let mut handle = engine.submit(plans);
-        // The engine closes the file it opened once no batch uses it: this one still does.
+        // The engine closes the file it opened once no batch uses it: this one still does, so
+        // the deregistration waits for it; so does the host memory's.
         engine.deregister(file).unwrap();
-        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+        registry.deregister(destination.id).unwrap();
+        // Every byte landed before the deregistrations returned.
         check_pages(&destination, &file_bytes, 16, &[]);
-        // Later batches see it gone.
+        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+        // Later batches see them gone.
         let outcome = support::transfer(
             &engine,
             &[vec![Fragment::new(file, 0, destination.id, 0, PAGE, Tag::new(0))]],
