@@ -144,6 +144,7 @@ pub(crate) struct BatchShared {
     in_flight: Arc<InFlight>,
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
+    deadline: Option<Instant>,
 }
 
 struct Progress {
@@ -256,6 +257,7 @@ impl BatchShared {
         }
         let parts_pending = parts.len();
         let listener = plans.listener.take();
+        let deadline = plans.deadline;
         let batch = Arc::new(BatchShared {
             keys,
             by_key,
@@ -277,6 +279,7 @@ impl BatchShared {
             listener,
             in_flight,
             pins: Mutex::new(Some(pins)),
+            deadline,
         });
         batch.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
@@ -308,6 +311,16 @@ impl BatchShared {
         // Relaxed: the flag only makes parts that have not started skip; the batch's state is
         // published under the progress lock.
         self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// The batch's deadline, if any.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// Whether the batch's deadline has passed.
+    pub(crate) fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
     }
 
     /// Whether object `tag` already failed, was rejected or cancelled (so later hops can skip

@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 use umbp_plan::{
     EndpointId, EndpointTable, Error, Fragment, PlanBuilder, PlanSet, RejectReason, Tag,
@@ -49,6 +50,7 @@ pub struct RoutedPlans {
     /// Every rejected object, from routing and from every engine's builder, with its reason.
     pub(crate) rejected: Vec<(Tag, Error)>,
     pub(crate) listener: Option<Arc<dyn GroupListener>>,
+    pub(crate) deadline: Option<Instant>,
 }
 
 impl RoutedPlans {
@@ -70,6 +72,11 @@ impl RoutedPlans {
     /// The rejected objects with the reason of each.
     pub fn rejected(&self) -> &[(Tag, Error)] {
         &self.rejected
+    }
+
+    /// When the batch must be over (see [`CompositeBuilder::set_deadline`]).
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
     }
 
     /// Whether there is nothing to execute and nothing rejected.
@@ -141,6 +148,7 @@ pub struct CompositeBuilder<'a> {
     seen: HashSet<Tag>,
     rejected: Vec<(Tag, Error)>,
     listener: Option<Arc<dyn GroupListener>>,
+    deadline: Option<Instant>,
     scope: Scope,
 }
 
@@ -160,6 +168,7 @@ impl<'a> CompositeBuilder<'a> {
             seen: HashSet::new(),
             rejected: Vec::new(),
             listener: None,
+            deadline: None,
             scope: Scope::Closed,
         }
     }
@@ -187,6 +196,15 @@ impl<'a> CompositeBuilder<'a> {
     /// [`GroupListener`]). Cleared by `finish`, which hands it to the batch.
     pub fn set_group_listener(&mut self, listener: Arc<dyn GroupListener>) {
         self.listener = Some(listener);
+    }
+
+    /// Gives the next batch a deadline: work not started by then is skipped and its objects
+    /// fail with [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut); work running
+    /// then gets it as its plan set's [deadline](umbp_plan::PlanSet::deadline), which engines
+    /// that can cancel honour (the SSD engine cancels its reads). Cleared by `finish`, which
+    /// hands it to the batch.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
     }
 
     /// Opens object `tag`. Each tag names one object of the batch: a tag already begun (and
@@ -324,6 +342,7 @@ impl<'a> CompositeBuilder<'a> {
             objects: std::mem::take(&mut self.objects),
             rejected: std::mem::take(&mut self.rejected),
             listener: self.listener.take(),
+            deadline: self.deadline.take(),
         };
         let mut late = HashSet::new();
         for sub in &mut self.subs {

@@ -136,12 +136,20 @@ fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, Plan
 
 /// Runs one engine's lane of a batch: its parts in group order, each settled as it ends.
 pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, RoutedPart)>) {
-    for (index, part) in lane {
+    for (index, mut part) in lane {
         if batch.is_cancelled() {
             let returned = returned_part(part.group, part.engine, part.plans);
             batch.settle(index, PartEnd::Cancelled, Some(returned));
             continue;
         }
+        if batch.expired() {
+            let failures =
+                part.plans.fail_all(&shared.engine_name(part.engine), FailureCause::TimedOut);
+            let returned = returned_part(part.group, part.engine, part.plans);
+            batch.settle(index, PartEnd::Ran(failures), Some(returned));
+            continue;
+        }
+        part.plans.set_deadline(batch.deadline());
         let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
         let _enter = span.enter();
         let (failures, plans) = execute(shared, part.engine, part.plans);
@@ -177,6 +185,9 @@ pub(crate) fn run_stage(job: StageJob) {
         let lease = if job.batch.is_cancelled() {
             cancel_stage(job);
             lease
+        } else if job.batch.expired() {
+            time_out_stage(job);
+            lease
         } else {
             run_leased(job, lease)
         };
@@ -186,6 +197,23 @@ pub(crate) fn run_stage(job: StageJob) {
 
 fn cancel_stage(job: StageJob) {
     job.batch.settle(job.part, PartEnd::Cancelled, Some(ReturnedWork::Staged(job.fragments)));
+}
+
+/// A stage that had not started by the batch's deadline: its objects fail with `TimedOut`.
+fn time_out_stage(job: StageJob) {
+    let bounce = job.shared.bounce();
+    let failure = Failure {
+        engine: "staged".into(),
+        src: bounce,
+        dst: bounce,
+        tags: job.batch.part(job.part).tags().to_vec(),
+        cause: FailureCause::TimedOut,
+    };
+    job.batch.settle(
+        job.part,
+        PartEnd::Ran(vec![failure]),
+        Some(ReturnedWork::Staged(job.fragments)),
+    );
 }
 
 /// Both hops of one stage through the slot `lease` holds; gives the lease back to the caller.
@@ -278,8 +306,9 @@ fn hop(
         cause: FailureCause::NotAccepted(why),
     };
     match planned {
-        Ok(Ok((plans, mut rejected))) => {
+        Ok(Ok((mut plans, mut rejected))) => {
             rejected.extend_from_slice(plans.rejected());
+            plans.set_deadline(batch.deadline());
             let (mut failures, _) = execute(shared, index, plans);
             if !rejected.is_empty() {
                 failures.push(refused(rejected, "staged hop refused by its engine".into()));

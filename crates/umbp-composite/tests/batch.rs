@@ -400,3 +400,36 @@ fn deregistering_an_endpoint_of_a_batch_in_flight_waits_for_the_batch() {
     // A batch planned after it fails that object with a typed cause, never a wrong byte.
     assert!(matches!(rig.composite.deregister(rig.ids.1), Err(Error::UnknownEndpoint(_))));
 }
+
+#[test]
+fn a_deadline_times_out_the_work_not_done_by_then() {
+    let rig = host_rig(4, |w| w.slow(Duration::from_millis(100)));
+    let mut b = rig.composite.builder();
+    for o in 0..4u32 {
+        b.set_group(o);
+        b.begin_object(Tag::new(o)).unwrap();
+        let at = u64::from(o) * OBJECT;
+        b.push(Fragment::new(rig.ids.0, at, rig.ids.1, at, OBJECT, Tag::new(o))).unwrap();
+        b.commit_object().unwrap();
+    }
+    let start = Instant::now();
+    b.set_deadline(Some(start + Duration::from_millis(150)));
+    let plans = b.finish().unwrap();
+    assert!(plans.deadline().is_some());
+    let report = rig.composite.submit(plans).unwrap().wait();
+    assert!(start.elapsed() < Duration::from_millis(400), "took {:?}", start.elapsed());
+    assert_eq!(report.objects[0].state, ObjectState::Completed);
+    for o in 2..4 {
+        assert!(
+            matches!(
+                report.objects[o].error,
+                Some(ObjectError::Failed { cause: FailureCause::TimedOut, .. })
+            ),
+            "{report:?}"
+        );
+        assert!(rig.object_untouched(o));
+    }
+    assert!(rig.object_arrived(0));
+    // Group 1 started before the deadline: the copy engine found it passed when it got there.
+    assert_ne!(report.objects[1].state, ObjectState::InFlight);
+}

@@ -457,6 +457,11 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     /// and never reach a launch or a copy, so no kernel ever runs over descriptors whose
     /// destinations overlap a source or each other.
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        // Copies and launches are not cancelled once queued: the deadline is checked here.
+        if plans.expired() {
+            let failures = plans.fail_all(self.name(), FailureCause::TimedOut);
+            return TransferHandle::settled(failures, plans);
+        }
         // Pinned before any lookup: a deregistration waits for this submit. The read lock keeps
         // `unpin` and `free_device` out while it runs.
         let pins = self.registry.pin(plans.endpoints());

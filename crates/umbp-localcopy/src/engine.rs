@@ -212,6 +212,10 @@ impl TransferEngine for LocalCopyEngine {
     /// for the checks. The handle is settled: [`TransferHandle::wait`] returns the failures at once
     /// and as often as asked, and dropping the handle does not block.
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        if plans.expired() {
+            let failures = plans.fail_all(NAME, FailureCause::TimedOut);
+            return TransferHandle::settled(failures, plans);
+        }
         // A deregistration waits for this copy; the plans resolve in the pinned table.
         let pins = self.registry.pin(plans.endpoints());
         let mut scratch = self.take_scratch();

@@ -96,6 +96,11 @@ pub enum FailureCause {
     /// [`OverlapCheck`](crate::OverlapCheck)).
     #[error("its bytes overlap bytes another transfer of the same submit writes")]
     Overlap,
+    /// The plan set's [deadline](crate::PlanSet::deadline) passed before the object's bytes
+    /// arrived; what was in flight was cancelled, and the object's destination may hold some
+    /// of its bytes.
+    #[error("the batch's deadline passed")]
+    TimedOut,
     /// The engine panicked while executing; whatever it was doing fails. The message is the
     /// panic's payload when it was a string.
     #[error("the engine panicked: {message}")]

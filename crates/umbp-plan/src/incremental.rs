@@ -557,11 +557,12 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
             plans: std::mem::take(&mut self.plans),
             rejected: std::mem::take(&mut self.rejected),
             reasons: std::mem::take(&mut self.reasons),
+            deadline: None,
         })
     }
 
     fn recycle(&mut self, plans: PlanSet) {
-        let PlanSet { plans: mut list, mut rejected, mut reasons } = plans;
+        let PlanSet { plans: mut list, mut rejected, mut reasons, .. } = plans;
         self.spare.append(&mut list);
         if self.plans.capacity() < list.capacity() && self.plans.is_empty() {
             self.plans = list;

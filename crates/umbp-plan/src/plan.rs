@@ -1,6 +1,8 @@
 //! Plans: what one engine executes for one (source, destination) endpoint pair.
 
-use crate::{EndpointId, RejectReason, Tag};
+use std::time::Instant;
+
+use crate::{EndpointId, Failure, FailureCause, RejectReason, Tag};
 
 /// One contiguous copy inside a plan. The layout is fixed (`repr(C)`, three `u64`s) so that an
 /// engine can hand a plan's segment array to an executor as descriptors without converting it.
@@ -220,6 +222,7 @@ pub struct PlanSet {
     pub(crate) rejected: Vec<Tag>,
     /// Why each rejected tag was rejected, beside it.
     pub(crate) reasons: Vec<RejectReason>,
+    pub(crate) deadline: Option<Instant>,
 }
 
 impl PlanSet {
@@ -231,6 +234,39 @@ impl PlanSet {
     /// Objects rejected while planning, in the order they were rejected.
     pub fn rejected(&self) -> &[Tag] {
         &self.rejected
+    }
+
+    /// When the batch must be over: transfers that have not finished by then are cancelled
+    /// and fail their objects with [`FailureCause::TimedOut`](crate::FailureCause::TimedOut).
+    /// `None` (the default, and what builders produce) waits as long as the transfers take.
+    /// Engines that cannot cancel a transfer once issued check it before issuing.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// Sets (or clears) the [deadline](Self::deadline).
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// Whether the deadline has passed.
+    pub fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// One [`Failure`] per plan, naming all of its objects, with `cause`: what an engine
+    /// reports for a plan set it does not run at all (an expired deadline, a lost worker).
+    pub fn fail_all(&self, engine: &str, cause: FailureCause) -> Vec<Failure> {
+        self.plans
+            .iter()
+            .map(|plan| Failure {
+                engine: engine.to_owned(),
+                src: plan.src,
+                dst: plan.dst,
+                tags: plan.tags.clone(),
+                cause: cause.clone(),
+            })
+            .collect()
     }
 
     /// Each rejected object with the reason its first refused fragment got.

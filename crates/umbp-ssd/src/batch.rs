@@ -105,6 +105,9 @@ pub(crate) struct Batch<'a> {
     /// The blocks each running read-modify-write rewrites: (descriptor, start, end).
     rmw_windows: Vec<(RawFd, u64, u64)>,
     bounce_budget: u64,
+    /// Whether the plan set's deadline passed: nothing more is issued, and what completes
+    /// without its bytes fails with `TimedOut`.
+    timed_out: bool,
 }
 
 /// Waiting ops looked at per issue, so that a long queue of them costs a bounded scan.
@@ -135,6 +138,7 @@ impl<'a> Batch<'a> {
             bounce_in_use: 0,
             rmw_windows: Vec::new(),
             bounce_budget: limits.bounce_budget,
+            timed_out: false,
         };
         for (index, plan) in plans.plans().iter().enumerate() {
             let index = index as u32;
@@ -332,21 +336,60 @@ impl<'a> Batch<'a> {
 
     /// Hands op `index` the result of its last request.
     pub(crate) fn complete(&mut self, index: usize, result: i32) {
-        let op = &mut self.ops[index];
-        match op.complete(result) {
+        let step = match self.ops[index].complete(result) {
+            // After the deadline an op that is not done (cancelled, or wanting another request)
+            // is over.
+            Step::Again | Step::Done(Err(_)) if self.timed_out => {
+                Step::Done(Err(FailureCause::TimedOut))
+            }
+            step => step,
+        };
+        match step {
             Step::Again => self.ready.push(index),
             Step::Done(outcome) => {
-                self.bounce_in_use -= op.bounce_bytes();
-                if let Some(window) = op.rmw_window() {
-                    if let Some(at) = self.rmw_windows.iter().position(|w| *w == window) {
-                        self.rmw_windows.swap_remove(at);
-                    }
-                }
-                op.finish(self.pool);
+                self.retire(index);
                 if let Err(cause) = outcome {
                     self.fail_op(index, cause);
                 }
             }
+        }
+    }
+
+    /// Releases what started op `index` holds (bounce buffer, read-modify-write window).
+    fn retire(&mut self, index: usize) {
+        let op = &mut self.ops[index];
+        self.bounce_in_use -= op.bounce_bytes();
+        if let Some(window) = op.rmw_window() {
+            if let Some(at) = self.rmw_windows.iter().position(|w| *w == window) {
+                self.rmw_windows.swap_remove(at);
+            }
+        }
+        op.finish(self.pool);
+    }
+
+    /// The plan set's deadline, if any.
+    pub(crate) fn deadline(&self) -> Option<std::time::Instant> {
+        self.plans.deadline()
+    }
+
+    /// Whether the deadline has passed (and [`time_out`](Self::time_out) is due).
+    pub(crate) fn expired(&self) -> bool {
+        !self.timed_out && self.plans.expired()
+    }
+
+    /// The deadline passed: every op not in flight fails with `TimedOut` and nothing more is
+    /// issued. The executor cancels what is in flight; those ops fail as they complete.
+    pub(crate) fn time_out(&mut self) {
+        self.timed_out = true;
+        let unstarted: Vec<usize> =
+            (self.next..self.ops.len()).chain(self.deferred.drain(..)).collect();
+        self.next = self.ops.len();
+        for index in unstarted {
+            self.fail_op(index, FailureCause::TimedOut);
+        }
+        for index in std::mem::take(&mut self.ready) {
+            self.retire(index);
+            self.fail_op(index, FailureCause::TimedOut);
         }
     }
 
@@ -357,7 +400,7 @@ impl<'a> Batch<'a> {
         let op = &self.ops[index];
         let (plan_index, s) = (op.plan, op.segment);
         let plan = &self.plans.plans()[plan_index as usize];
-        if op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
+        if self.timed_out || op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
             let failed = Failed { tag: op.only, ..Failed::segment(plan_index, s, cause) };
             self.failed.push(failed);
             return;

@@ -31,6 +31,10 @@
 //!   memory, a write and a read of the same file bytes) fail with
 //!   [`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap) at submit and move nothing
 //!   ([`OverlapCheck`](umbp_plan::OverlapCheck)).
+//! - **Deadlines.** A plan set with a [deadline](umbp_plan::PlanSet::deadline) ends by it: the
+//!   ring cancels the requests in flight, nothing more is issued, and the objects whose bytes
+//!   did not arrive fail with [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut).
+//!   The blocking fallback checks the deadline between calls (a `pread` cannot be cancelled).
 //! - **Lifetimes.** `submit` takes each file the batch uses: deregistering a file endpoint right
 //!   after submit does not fail the batch, and a file the engine opened closes only once no
 //!   batch uses it.

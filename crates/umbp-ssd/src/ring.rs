@@ -16,9 +16,19 @@ use crate::sys::{Dir, Request};
 pub(crate) struct Ring {
     ring: IoUring,
     depth: usize,
-    /// Requests pushed and not yet completed (queued or in the kernel).
+    /// Entries pushed and not yet completed (queued or in the kernel): requests, and the
+    /// cancellations of a batch whose deadline passed.
     in_flight: usize,
+    /// The user data of the requests in flight, kept while the batch has a deadline (to cancel
+    /// them when it passes).
+    flying: Vec<u64>,
+    /// Whether `io_uring_enter` takes a timeout (Linux 5.11); without it a deadline is checked
+    /// only when completions arrive.
+    timed_waits: bool,
 }
+
+/// The user data of a cancellation entry (ops are numbered from 0 and never reach it).
+const CANCEL: u64 = u64::MAX;
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,7 +68,8 @@ impl Ring {
                 "the kernel's io_uring lacks IORING_OP_READ or IORING_OP_WRITE",
             ));
         }
-        Ok(Self { ring, depth: depth as usize, in_flight: 0 })
+        let timed_waits = ring.params().is_feature_ext_arg();
+        Ok(Self { ring, depth: depth as usize, in_flight: 0, flying: Vec::new(), timed_waits })
     }
 
     /// Runs `batch` to the end. Returns only when no request of the batch is in flight, also
@@ -70,7 +81,15 @@ impl Ring {
     }
 
     fn pump(&mut self, batch: &mut Batch<'_>) {
+        let mut deadline = batch.deadline();
+        self.flying.clear();
         loop {
+            if batch.expired() {
+                batch.time_out();
+                self.cancel_flying();
+                // From here on the ring only waits for the cancelled requests to complete.
+                deadline = None;
+            }
             while self.in_flight < self.depth {
                 let Some((index, issue)) = batch.issue() else { break };
                 match issue {
@@ -88,24 +107,65 @@ impl Ring {
                             "at most `depth` requests are queued, and the queue holds them",
                         );
                         self.in_flight += 1;
+                        if deadline.is_some() {
+                            self.flying.push(index as u64);
+                        }
                     }
                 }
             }
             if self.in_flight == 0 {
                 return;
             }
-            self.enter();
+            self.enter(deadline);
             for cqe in self.ring.completion() {
                 self.in_flight -= 1;
-                batch.complete(cqe.user_data() as usize, cqe.result());
+                let data = cqe.user_data();
+                if data == CANCEL {
+                    continue;
+                }
+                if let Some(at) = self.flying.iter().position(|&f| f == data) {
+                    self.flying.swap_remove(at);
+                }
+                batch.complete(data as usize, cqe.result());
             }
         }
     }
 
-    /// Submits everything queued and waits for at least one completion.
-    fn enter(&mut self) {
-        match self.ring.submit_and_wait(1) {
+    /// Asks the kernel to cancel every request in flight (a read blocked on a pipe, a device
+    /// that stopped answering); each then completes, usually with `ECANCELED` or `EINTR`.
+    fn cancel_flying(&mut self) {
+        for data in std::mem::take(&mut self.flying) {
+            let entry = opcode::AsyncCancel::new(data).build().user_data(CANCEL);
+            // SAFETY: a cancellation carries no buffer; it names a request by its user data.
+            let pushed = unsafe { self.ring.submission().push(&entry) };
+            if pushed.is_err() {
+                // The queue is full of requests not yet submitted: submit them (they are then
+                // in flight and cancellable) and try once more.
+                let _ = self.ring.submit();
+                // SAFETY: as above.
+                if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                    continue;
+                }
+            }
+            self.in_flight += 1;
+        }
+    }
+
+    /// Submits everything queued and waits for at least one completion, or until `deadline`.
+    fn enter(&mut self, deadline: Option<std::time::Instant>) {
+        let result = match deadline {
+            Some(deadline) if self.timed_waits => {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let timespec = types::Timespec::from(left);
+                let args = types::SubmitArgs::new().timespec(&timespec);
+                self.ring.submitter().submit_with_args(1, &args)
+            }
+            _ => self.ring.submit_and_wait(1),
+        };
+        match result {
             Ok(_) => {}
+            // The deadline passed without a completion; the caller's loop sees it.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME)) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR)) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY)) => {
                 std::thread::yield_now();
@@ -127,7 +187,7 @@ struct Drain<'r>(&'r mut Ring);
 impl Drop for Drain<'_> {
     fn drop(&mut self) {
         while self.0.in_flight > 0 {
-            self.0.enter();
+            self.0.enter(None);
             let reaped = self.0.ring.completion().count();
             self.0.in_flight -= reaped;
         }

@@ -219,7 +219,12 @@ impl Drop for BounceBuf {
 
 /// Runs a batch on the calling thread with `pread`/`pwrite`, one request at a time.
 pub(crate) fn run_blocking(batch: &mut Batch<'_>) {
-    while let Some((index, issue)) = batch.issue() {
+    loop {
+        // A blocking call cannot be cancelled: the deadline is checked between calls.
+        if batch.expired() {
+            batch.time_out();
+        }
+        let Some((index, issue)) = batch.issue() else { break };
         let result = match issue {
             // SAFETY: `request` was just issued by `batch`, which this call keeps borrowed, and
             // `perform` returns only once the kernel is done with the bytes (module invariant).

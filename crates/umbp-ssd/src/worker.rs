@@ -73,24 +73,9 @@ impl Drop for Job {
     fn drop(&mut self) {
         let Some(plans) = &self.plans else { return };
         let cause = FailureCause::NotAccepted("the worker running this batch panicked".into());
-        let failures = fail_all(plans, &self.engine.name, cause);
+        let failures = plans.fail_all(&self.engine.name, cause);
         self.settle(failures);
     }
-}
-
-/// One failure per plan, with all of its tags.
-fn fail_all(plans: &PlanSet, engine: &str, cause: FailureCause) -> Vec<Failure> {
-    plans
-        .plans()
-        .iter()
-        .map(|plan| Failure {
-            engine: engine.to_owned(),
-            src: plan.src(),
-            dst: plan.dst(),
-            tags: plan.tags().to_vec(),
-            cause: cause.clone(),
-        })
-        .collect()
 }
 
 /// Where a worker leaves a settled batch for its handle.
@@ -227,7 +212,7 @@ impl Workers {
                 let mut job = returned.0;
                 let plans = job.plans.take().unwrap_or_default();
                 let cause = FailureCause::NotAccepted("the engine has no running worker".into());
-                let mut failures = fail_all(&plans, &self.shared.name, cause);
+                let mut failures = plans.fail_all(&self.shared.name, cause);
                 failures.append(&mut job.early);
                 TransferHandle::settled(failures, plans)
             }

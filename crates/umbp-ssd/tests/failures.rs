@@ -381,3 +381,51 @@ fn reads_that_land_on_the_same_memory_fail_with_overlap_and_write_nothing() {
         );
     }
 }
+
+#[test]
+fn a_read_that_never_completes_ends_at_the_deadline_and_only_its_object_fails() {
+    let dir = support::temp_dir();
+    for backend in support::backends("a_read_that_never_completes") {
+        let registry = EndpointRegistry::new();
+        let engine = support::engine(&registry, backend);
+        // A FIFO nobody writes to: a read of it waits forever.
+        let fifo = dir.path().join(format!("never_{backend:?}.fifo"));
+        let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
+        // Opened for reading and writing, which does not wait for a writer.
+        let stuck = engine.open_file(&fifo, 0, 1 << 20, FileOptions::new().direct(false)).unwrap();
+        let path = dir.path().join(format!("fine_{backend:?}.bin"));
+        let file_bytes = support::pattern(23, PAGE as usize);
+        support::write_file(&path, &file_bytes);
+        let fine = engine.open_file(&path, 0, PAGE, FileOptions::new()).unwrap();
+        let destination = HostBuf::new(&registry, (2 * PAGE) as usize, 0, POISON);
+
+        let mut builder = engine.builder();
+        for (tag, file, at) in [(0u32, stuck, 0), (1, fine, PAGE)] {
+            builder.begin_object(Tag::new(tag)).unwrap();
+            builder.push(Fragment::new(file, 0, destination.id, at, 4096, Tag::new(tag))).unwrap();
+            builder.commit_object().unwrap();
+        }
+        let mut plans = builder.finish().unwrap();
+        drop(builder);
+        let start = std::time::Instant::now();
+        plans.set_deadline(Some(start + std::time::Duration::from_millis(200)));
+        let failures = engine.submit(plans).into_settled().failures;
+        let took = start.elapsed();
+        assert!(took < std::time::Duration::from_secs(2), "{backend:?}: took {took:?}");
+        assert_eq!(failures.len(), 1, "{backend:?}: {failures:?}");
+        assert_eq!(failures[0].tags, tags(&[0]));
+        match backend {
+            // The ring issues the read and cancels it at the deadline.
+            Backend::IoUring => assert_eq!(failures[0].cause, FailureCause::TimedOut),
+            // `pread` refuses a FIFO at once (it cannot seek).
+            _ => assert!(matches!(failures[0].cause, FailureCause::Io { .. })),
+        }
+        assert!(destination.bytes()[PAGE as usize..][..4096] == file_bytes[..4096]);
+        // The engine (its workers, the ring with the cancelled read) goes in bounded time.
+        let start = std::time::Instant::now();
+        drop(engine);
+        assert!(start.elapsed() < std::time::Duration::from_secs(2));
+    }
+}
