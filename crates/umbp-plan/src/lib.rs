@@ -106,7 +106,7 @@ pub use engine::{
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;
 pub use incremental::{IncrementalBuilder, Run};
-pub use overlap::{Access, OverlapCheck, Space};
+pub use overlap::{OverlapCheck, Space};
 pub use page_walk::{check_ranges, PageFragment, PageWalk};
 pub use plan::{Plan, PlanSet, Segment};
 pub use rules::{validate, PlanRules};

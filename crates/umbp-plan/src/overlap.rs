@@ -1,22 +1,4 @@
-//! The overlap rule, and the check every engine runs at submit.
-//!
-//! **Rule.** In one submitted plan set, no byte that a fragment writes may be read or written by
-//! any fragment of the set, itself included. Reads may overlap reads freely (one page restored
-//! to many places is fine). A plan set that breaks the rule has no single meaning (copying its
-//! fragments in another order, merged or in parallel, gives other bytes) and, for a kernel that
-//! copies without ordering, no defined behaviour; so the objects whose bytes take part in an
-//! overlap fail with [`FailureCause::Overlap`](crate::FailureCause::Overlap) before anything
-//! runs, and nothing of them is written. The other objects run as usual. Because a merged
-//! segment covers exactly the bytes of its fragments, checking segments (or their object
-//! pieces) is checking fragments: merging never changes what a batch means.
-//!
-//! **Where bytes are.** Endpoint ids can alias (two registrations of one buffer), so the check
-//! works on [`Space`]s and addresses the engine resolves at submit, not on ids.
-//!
-//! **Cost.** [`OverlapCheck::conflicts`] first looks at two ranges per plan (what it reads,
-//! what it writes) and whether each plan's writes move forward; a restore, whose destinations
-//! grow and never alias its sources, is settled there, allocation-free once the check's buffers
-//! are warm. Only when those ranges meet does it sort every object's pieces and sweep them.
+//! The overlap rule, and the check every engine runs at submit (see [`OverlapCheck`]).
 
 use crate::{DeviceOrdinal, EndpointId, Failure, FailureCause, PlanSet, Tag};
 
@@ -33,20 +15,44 @@ pub enum Space {
 
 /// One range a fragment (or a piece of one) reads or writes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Access {
+struct Access {
     /// Where.
-    pub space: Space,
+    space: Space,
     /// First address.
-    pub start: u64,
+    start: u64,
     /// One past the last address.
-    pub end: u64,
+    end: u64,
     /// Whether the range is written (else read).
-    pub write: bool,
+    write: bool,
     /// The object it belongs to.
-    pub tag: Tag,
+    tag: Tag,
 }
 
-/// Reusable buffers for checking plan sets against the overlap rule; see the [module](self).
+/// Checks plan sets against the overlap rule, with buffers reused from one check to the next.
+///
+/// # The rule
+///
+/// In one submitted plan set, no byte that a fragment writes may be read or written by
+/// any fragment of the set, itself included. Reads may overlap reads freely (one page restored
+/// to many places is fine). A plan set that breaks the rule has no single meaning (copying its
+/// fragments in another order, merged or in parallel, gives other bytes) and, for a kernel that
+/// copies without ordering, no defined behaviour; so the objects whose bytes take part in an
+/// overlap fail with [`FailureCause::Overlap`](crate::FailureCause::Overlap) before anything
+/// runs, and nothing of them is written. The other objects run as usual. Because a merged
+/// segment covers exactly the bytes of its fragments, checking segments (or their object
+/// pieces) is checking fragments: merging never changes what a batch means.
+///
+/// # Where bytes are
+///
+/// Endpoint ids can alias (two registrations of one buffer), so the check
+/// works on [`Space`]s and addresses the engine resolves at submit, not on ids.
+///
+/// # Cost
+///
+/// [`conflicts`](Self::conflicts) first looks at two ranges per plan (what it reads,
+/// what it writes) and whether each plan's writes move forward; a restore, whose destinations
+/// grow and never alias its sources, is settled there, allocation-free once the check's buffers
+/// are warm. Only when those ranges meet does it sort every object's pieces and sweep them.
 #[derive(Debug, Default)]
 pub struct OverlapCheck {
     accesses: Vec<Access>,
