@@ -43,7 +43,10 @@ impl LocalCopyEngine {
     /// pass without sorting. An object without transfers completes.
     ///
     /// Errors, with nothing planned or copied: [`Error::UnknownTag`] when a transfer's tag is
-    /// `objects` or more; [`Error::TooManyObjects`] when `objects` passes 2^32, one per tag. Per-object outcomes are in the report, never an error.
+    /// `objects` or more; [`Error::TooManyObjects`] when `objects` passes 2^32, one per tag.
+    /// Per-object outcomes are in the report, never an error. Memory: the report holds one
+    /// state per object (`objects` bytes); planning takes memory in proportion to `transfers`
+    /// only, whatever their tags.
     ///
     /// ```
     /// use umbp_localcopy::LocalCopyEngine;
@@ -85,7 +88,7 @@ impl LocalCopyEngine {
         if transfers.windows(2).all(|w| w[0].tag <= w[1].tag) {
             plan_objects(&mut builder, transfers.iter(), &mut rejections)?;
         } else {
-            let order = by_tag(transfers, objects);
+            let order = by_tag(transfers);
             let sorted = order.iter().map(|&i| &transfers[i]);
             plan_objects(&mut builder, sorted, &mut rejections)?;
         }
@@ -125,22 +128,12 @@ fn plan_objects<'a>(
     Ok(())
 }
 
-/// The indices of `transfers` ordered by tag, stable within a tag (a counting sort; every tag
-/// is below `objects`).
-fn by_tag(transfers: &[Fragment], objects: usize) -> Vec<usize> {
-    let mut starts = vec![0usize; objects + 1];
-    for f in transfers {
-        starts[f.tag.index() + 1] += 1;
-    }
-    for i in 0..objects {
-        starts[i + 1] += starts[i];
-    }
-    let mut order = vec![0usize; transfers.len()];
-    for (i, f) in transfers.iter().enumerate() {
-        let slot = &mut starts[f.tag.index()];
-        order[*slot] = i;
-        *slot += 1;
-    }
+/// The indices of `transfers` ordered by tag, stable within a tag. A comparison sort, so the
+/// memory it takes follows the number of transfers, never the values of their tags (a
+/// counting sort over tags up to 2^32 would take 32 GiB).
+fn by_tag(transfers: &[Fragment]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..transfers.len()).collect();
+    order.sort_by_key(|&i| transfers[i].tag);
     order
 }
 
@@ -155,7 +148,7 @@ mod tests {
             Fragment::new(EndpointId::from_raw(0), 0, EndpointId::from_raw(1), 0, 1, Tag::new(tag))
         };
         let transfers = [f(2), f(0), f(2), f(1), f(0)];
-        assert_eq!(by_tag(&transfers, 4), [1, 4, 3, 0, 2]);
-        assert!(by_tag(&[], 0).is_empty());
+        assert_eq!(by_tag(&transfers), [1, 4, 3, 0, 2]);
+        assert!(by_tag(&[]).is_empty());
     }
 }
