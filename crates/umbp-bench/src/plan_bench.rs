@@ -17,7 +17,8 @@ use std::time::Instant;
 use serde::Serialize;
 use umbp_plan::{
     BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Error, Fragment,
-    IncrementalBuilder, PageWalk, PlanBuilder, PlanRules, PlanSet, RulePlanner, Tag,
+    IncrementalBuilder, OverlapCheck, PageWalk, PlanBuilder, PlanRules, PlanSet, RulePlanner,
+    Space, Tag,
 };
 
 use crate::alloc_count::{allocations, minor_faults};
@@ -201,7 +202,9 @@ impl Default for PlanBenchConfig {
 /// One measured builder at one page size.
 #[derive(Clone, Debug, Serialize)]
 pub struct PlanRow {
-    /// `buffered`, `incremental`, `incremental-push` or `floor`.
+    /// `buffered`, `incremental`, `incremental-push`, `floor`, or `overlap-check` (not a
+    /// builder: the overlap rule every engine checks at submit, timed over the incremental
+    /// builder's finished plan set).
     pub builder: &'static str,
     /// Page size in bytes.
     pub page_size: u64,
@@ -259,7 +262,7 @@ fn measure(
 
 /// Measures every builder at every configured page size.
 pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>, Error> {
-    let builders = if config.skip_buffered { 4 } else { 5 };
+    let builders = if config.skip_buffered { 5 } else { 6 };
     progress.section("plan", config.page_sizes.len() * builders);
     let mut rows = Vec::new();
     for &page_size in &config.page_sizes {
@@ -313,12 +316,28 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
             return Err(e);
         }
 
+        // What every engine adds at submit: the overlap rule over the finished plan set.
+        progress.step(format!("{page} overlap check"));
+        let plans = work.plan_with_runs(&mut incremental_builder)?;
+        let table = work.registry.snapshot();
+        let locate = |id| table.get(id).map(|e: &Endpoint| (Space::Host, e.addr()));
+        let mut check = OverlapCheck::new();
+        let no_overlap = check.conflicts(&plans, locate).is_empty();
+        let overlap = measure(config.warmup, config.iterations, || {
+            let t = Instant::now();
+            let conflicts = check.conflicts(&plans, locate);
+            let nanos = t.elapsed().as_nanos();
+            black_box(&conflicts);
+            Sample { nanos, plans: plans.plans().len(), segments: plans.segment_count() }
+        });
+
         let floor_nanos = floor.0.nanos.max(1) as f64;
         let measured = [
             ("floor", Some(floor)),
             ("buffered", buffered),
             ("incremental", Some(incremental)),
             ("incremental-push", Some(incremental_push)),
+            ("overlap-check", Some(overlap)),
         ];
         for (name, (s, allocs, faults)) in
             measured.into_iter().filter_map(|(name, m)| Some((name, m?)))
@@ -335,7 +354,12 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
                 minor_faults_per_iter: faults,
                 vs_floor: s.nanos as f64 / floor_nanos,
                 adjacent_fraction: work.table.adjacent_fraction,
-                verified: name == "floor" || verified,
+                verified: match name {
+                    "floor" => true,
+                    // The restore's plans overlap nowhere, so the check must find nothing.
+                    "overlap-check" => no_overlap,
+                    _ => verified,
+                },
             });
         }
     }
@@ -487,7 +511,7 @@ mod tests {
             ..PlanBenchConfig::default()
         };
         let rows = run(&config, &Progress::quiet()).unwrap();
-        assert_eq!(rows.len(), 8, "four builders at two page sizes");
+        assert_eq!(rows.len(), 10, "four builders and the overlap check at two page sizes");
         for r in &rows {
             assert!(
                 r.verified,
