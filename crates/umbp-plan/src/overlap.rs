@@ -56,6 +56,8 @@ struct Access {
 #[derive(Debug, Default)]
 pub struct OverlapCheck {
     accesses: Vec<Access>,
+    /// The sweep's live writes and reads.
+    live: (Vec<Access>, Vec<Access>),
 }
 
 impl OverlapCheck {
@@ -99,7 +101,7 @@ impl OverlapCheck {
                 tag,
             });
         }
-        if ordered && sweep(&mut self.accesses, |_, _| {}) == 0 {
+        if ordered && sweep(&mut self.accesses, &mut self.live, |_, _| {}) == 0 {
             return Vec::new();
         }
         // Pass two: every object's pieces, swept for the objects that really meet.
@@ -130,7 +132,7 @@ impl OverlapCheck {
             }
         }
         let mut tags = Vec::new();
-        sweep(&mut self.accesses, |a, b| tags.extend([a, b]));
+        sweep(&mut self.accesses, &mut self.live, |a, b| tags.extend([a, b]));
         tags.sort_unstable();
         tags.dedup();
         tags
@@ -173,14 +175,19 @@ impl OverlapCheck {
 
 /// Sorts `accesses` and calls `meet` for every pair that shares a byte where at least one of
 /// the two writes; returns how many pairs met. Reads that meet reads are not scanned: the cost
-/// is the sort plus one step per real meeting.
-fn sweep(accesses: &mut [Access], mut meet: impl FnMut(Tag, Tag)) -> usize {
+/// is the sort plus one step per real meeting. `live` is scratch for the accesses still open.
+fn sweep(
+    accesses: &mut [Access],
+    live: &mut (Vec<Access>, Vec<Access>),
+    mut meet: impl FnMut(Tag, Tag),
+) -> usize {
     accesses.sort_unstable_by_key(|a| (a.space, a.start));
     let mut met = 0;
     // Accesses seen in the current space that may still reach the next one: writes (checked
     // against every later access) and reads (checked against later writes only).
-    let mut writes: Vec<Access> = Vec::new();
-    let mut reads: Vec<Access> = Vec::new();
+    let (writes, reads) = live;
+    writes.clear();
+    reads.clear();
     let mut space = None;
     for &a in accesses.iter().filter(|a| a.start < a.end) {
         if space != Some(a.space) {
@@ -190,13 +197,13 @@ fn sweep(accesses: &mut [Access], mut meet: impl FnMut(Tag, Tag)) -> usize {
         }
         // Sorted by start: an earlier access meets `a` exactly when it ends after `a` starts.
         writes.retain(|w| w.end > a.start);
-        for w in &writes {
+        for w in writes.iter() {
             met += 1;
             meet(w.tag, a.tag);
         }
         if a.write {
             reads.retain(|r| r.end > a.start);
-            for r in &reads {
+            for r in reads.iter() {
                 met += 1;
                 meet(r.tag, a.tag);
             }
@@ -218,7 +225,7 @@ mod tests {
 
     fn meetings(mut accesses: Vec<Access>) -> Vec<(u32, u32)> {
         let mut pairs = Vec::new();
-        sweep(&mut accesses, |a, b| {
+        sweep(&mut accesses, &mut Default::default(), |a, b| {
             let (a, b) = (a.get().min(b.get()), a.get().max(b.get()));
             pairs.push((a, b));
         });
