@@ -284,13 +284,13 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         plans: &PlanSet,
         table: &EndpointTable,
         scratch: &mut Scratch,
-        failed: &mut Vec<(usize, Option<usize>, FailureCause)>,
+        failed: &mut Vec<Failed>,
     ) {
         let pinned = lock(&self.pinned);
         for (pi, plan) in plans.plans().iter().enumerate() {
             let (Some(&src), Some(&dst)) = (table.get(plan.src()), table.get(plan.dst())) else {
                 let gone = if table.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
-                failed.push((pi, None, FailureCause::EndpointGone(gone)));
+                failed.push(Failed::plan(pi, FailureCause::EndpointGone(gone)));
                 continue;
             };
             let Some(device) = dst
@@ -298,7 +298,8 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 .or(src.device_ordinal())
                 .filter(|_| HbmRules.carries(&src, &dst))
             else {
-                failed.push((pi, None, FailureCause::NotAccepted("not a device pair".into())));
+                failed
+                    .push(Failed::plan(pi, FailureCause::NotAccepted("not a device pair".into())));
                 continue;
             };
             // The addresses the kernel would use: device memory of this device, or host memory
@@ -313,11 +314,8 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 // The plan was checked against these endpoints; check again against the ones
                 // registered now, so that nothing is ever written outside a destination.
                 if !src.contains(s.src_offset, s.len) || !dst.contains(s.dst_offset, s.len) {
-                    failed.push((
-                        pi,
-                        Some(si),
-                        FailureCause::NotAccepted("segment outside its endpoints".into()),
-                    ));
+                    let cause = FailureCause::NotAccepted("segment outside its endpoints".into());
+                    failed.push(Failed::segment(pi, si, cause));
                     continue;
                 }
                 let job = Job {
@@ -345,15 +343,17 @@ impl<D: DeviceRuntime> HbmEngine<D> {
     /// Moves one device's bucket; returns the jobs that failed with their cause.
     fn run_bucket(
         &self,
+        plans: &PlanSet,
         device: DeviceOrdinal,
         bucket: &Bucket,
         descriptors: &mut Vec<GatherDescriptor>,
         table: &mut LaunchTable,
-        failed: &mut Vec<(usize, Option<usize>, FailureCause)>,
+        failed: &mut Vec<Failed>,
     ) {
         let fail_all = |failed: &mut Vec<_>, e: &DeviceError| {
             let jobs = bucket.copies.iter().chain(bucket.kernel.iter().map(|(j, _)| j));
-            failed.extend(jobs.map(|j| (j.plan, Some(j.segment), device_cause(device, e))));
+            failed
+                .extend(jobs.map(|j| Failed::segment(j.plan, j.segment, device_cause(device, e))));
         };
         if let Err(e) = self.runtime.set_device(device) {
             fail_all(failed, &e);
@@ -385,12 +385,12 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 }
             }
         }
-        let copy = |jobs: &mut dyn Iterator<Item = &Job>, failed: &mut Vec<_>| {
+        let copy = |jobs: &mut dyn Iterator<Item = &Job>, failed: &mut Vec<Failed>| {
             for j in jobs {
                 // SAFETY: both sides lie inside their registered endpoints (checked in
                 // `bucket`), valid until this submit synchronizes.
                 if let Err(e) = unsafe { self.runtime.copy(device, j.dst, j.src, j.len) } {
-                    failed.push((j.plan, Some(j.segment), device_cause(device, &e)));
+                    self.recopy_per_object(plans, device, j, e, failed);
                 }
             }
         };
@@ -413,6 +413,56 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 fail_all(failed, &e);
             }
         }
+    }
+}
+
+impl<D: DeviceRuntime> HbmEngine<D> {
+    /// Job `j`'s copy failed with `error`. A segment that carries several objects is copied
+    /// again object by object, so only the objects whose bytes still do not arrive fail; a
+    /// segment of one object fails it.
+    fn recopy_per_object(
+        &self,
+        plans: &PlanSet,
+        device: DeviceOrdinal,
+        j: &Job,
+        error: DeviceError,
+        failed: &mut Vec<Failed>,
+    ) {
+        let plan = &plans.plans()[j.plan];
+        let segment = plan.segments()[j.segment];
+        if plan.segment_tags(j.segment).len() < 2 {
+            failed.push(Failed::segment(j.plan, j.segment, device_cause(device, &error)));
+            return;
+        }
+        for (tag, piece) in plan.segment_pieces(j.segment) {
+            let at = piece.src_offset - segment.src_offset;
+            // SAFETY: a sub-range of the job's two ranges (which lie inside their endpoints,
+            // valid until this submit synchronizes).
+            let copied = unsafe { self.runtime.copy(device, j.dst + at, j.src + at, piece.len) };
+            if let Err(e) = copied {
+                let cause = device_cause(device, &e);
+                failed.push(Failed { tag: Some(tag), ..Failed::segment(j.plan, j.segment, cause) });
+            }
+        }
+    }
+}
+
+/// A failure before it is mapped to tags: of a whole plan, one segment, or one object's share
+/// of a segment.
+struct Failed {
+    plan: usize,
+    segment: Option<usize>,
+    tag: Option<Tag>,
+    cause: FailureCause,
+}
+
+impl Failed {
+    fn plan(plan: usize, cause: FailureCause) -> Self {
+        Self { plan, segment: None, tag: None, cause }
+    }
+
+    fn segment(plan: usize, segment: usize, cause: FailureCause) -> Self {
+        Self { plan, segment: Some(segment), tag: None, cause }
     }
 }
 
@@ -490,6 +540,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                     continue;
                 }
                 self.run_bucket(
+                    &plans,
                     device,
                     bucket,
                     &mut scratch.descriptors,
@@ -511,19 +562,16 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
 
 /// One [`Failure`] per failed plan, naming the tags of exactly its failed segments (all its
 /// tags when the whole plan failed), with the first cause seen.
-fn failures(
-    engine: &str,
-    plans: &PlanSet,
-    mut failed: Vec<(usize, Option<usize>, FailureCause)>,
-) -> Vec<Failure> {
-    failed.sort_by_key(|f| (f.0, f.1));
+fn failures(engine: &str, plans: &PlanSet, mut failed: Vec<Failed>) -> Vec<Failure> {
+    failed.sort_by_key(|f| (f.plan, f.segment, f.tag));
     let mut out: Vec<Failure> = Vec::new();
     let mut current: Option<usize> = None;
-    for (pi, segment, cause) in failed {
+    for Failed { plan: pi, segment, tag, cause } in failed {
         let plan = &plans.plans()[pi];
-        let tags: &[Tag] = match segment {
-            Some(si) => plan.segment_tags(si),
-            None => plan.tags(),
+        let tags: &[Tag] = match (segment, &tag) {
+            (_, Some(tag)) => std::slice::from_ref(tag),
+            (Some(si), None) => plan.segment_tags(si),
+            (None, None) => plan.tags(),
         };
         if current != Some(pi) {
             current = Some(pi);

@@ -409,3 +409,35 @@ proptest! {
         prop_assert_eq!(outcome.plans, e.plan(&outcome.committed));
     }
 }
+
+#[test]
+fn a_failed_copy_of_a_merged_segment_is_copied_again_object_by_object() {
+    let e = engine(HbmConfig::default());
+    let len = 3 * 4096;
+    let src = host(&e, pattern(len, 4), false);
+    let dev = e.alloc_device(GPU, len as u64).unwrap();
+    // Objects 0, 1, 2: adjacent on both sides, so one merged segment, moved by one copy.
+    let fragments: Vec<Fragment> = (0..3u32)
+        .map(|o| {
+            let at = u64::from(o) * 4096;
+            Fragment::new(src.id, at, dev.id, at, 4096, Tag::new(o))
+        })
+        .collect();
+
+    // The segment's copy fails once: each object's share is copied again, and all arrive.
+    e.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    e.runtime().inject(Fault::Copy);
+    let (failed, rejected) = transfer(&e, &fragments);
+    assert!(failed.is_empty() && rejected.is_empty(), "{failed:?}");
+    assert_eq!(e.runtime().read(dev.addr, dev.len).unwrap(), src.bytes);
+
+    // The segment's copy fails, then object 0's own copy fails too: only object 0 fails.
+    e.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    e.runtime().inject(Fault::Copy);
+    e.runtime().inject(Fault::Copy);
+    let (failed, _) = transfer(&e, &fragments);
+    assert_eq!(failed, [Tag::new(0)]);
+    let got = e.runtime().read(dev.addr, dev.len).unwrap();
+    assert!(got[..4096].iter().all(|&b| b == POISON), "the failed object was written");
+    assert_eq!(got[4096..], src.bytes[4096..]);
+}
