@@ -185,7 +185,11 @@ fn plan_json_fields() {
         "verified",
     ];
     check_fields("plan", &lines, &fields);
-    assert_eq!(lines.len(), 8, "four builders at the two default page sizes");
+    assert_eq!(
+        lines.len(),
+        10,
+        "four builders and the overlap check at the two default page sizes"
+    );
     assert!(lines.iter().all(|l| l["verified"] == true));
 }
 
