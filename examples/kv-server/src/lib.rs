@@ -11,6 +11,11 @@ use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::{DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, TransferEngine};
 use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
 
+// The repository's README example runs as a doctest here, where its crates are at hand.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
+
 /// The device the examples restore into.
 pub const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
