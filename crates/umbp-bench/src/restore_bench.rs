@@ -212,7 +212,7 @@ impl Setup {
                 tag: b as u64,
                 object: PagedObject {
                     tier: if from_ssd(b) { self.file_id } else { self.arena_id },
-                    pages: self.table.object(b),
+                    page_offsets: self.table.object(b),
                     page_size: s.page_size,
                     size: s.object_size(),
                 },

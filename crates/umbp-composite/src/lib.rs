@@ -56,7 +56,7 @@
 //!     ObjectRange::new(0, 4096, gpu.id, 0),
 //!     ObjectRange::new(4096, 4096, gpu.id, 4096).in_group(1),
 //! ];
-//! let object = PagedObject { tier, pages: &pages, page_size: 4096, size: 8192 };
+//! let object = PagedObject { tier, page_offsets: &pages, page_size: 4096, size: 8192 };
 //! let objects = [ObjectTransfer { tag: 42, object, ranges: &ranges }];
 //!
 //! let mut builder = composite.builder();

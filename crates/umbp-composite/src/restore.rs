@@ -13,7 +13,7 @@ pub struct PagedObject<'a> {
     /// The tier endpoint holding the pages.
     pub tier: EndpointId,
     /// Byte offsets of the object's pages inside the tier, in object order.
-    pub pages: &'a [u64],
+    pub page_offsets: &'a [u64],
     /// Page size.
     pub page_size: u64,
     /// Stored object size (the last page may be short).
@@ -166,7 +166,7 @@ fn plan_object(
             );
         }
     }
-    let walk = PageWalk::new(o.object.pages, o.object.page_size, o.object.size)?;
+    let walk = PageWalk::new(o.object.page_offsets, o.object.page_size, o.object.size)?;
     for r in o.ranges {
         builder.set_group(r.group);
         walk.walk(r.offset, r.len, r.endpoint_offset, |page| {

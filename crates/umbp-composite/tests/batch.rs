@@ -286,7 +286,12 @@ fn staged_restore_with_a_panic(which: usize, victim: u32) -> (Vec<ObjectState>, 
     let objects: Vec<ObjectTransfer> = (0..4)
         .map(|o| ObjectTransfer {
             tag: 100 + o as u64,
-            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
+            object: PagedObject {
+                tier: t.file_id,
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
             ranges: &ranges[o],
         })
         .collect();
@@ -342,7 +347,8 @@ fn plans_from_another_composite_and_duplicate_tags_are_typed_errors() {
 
     let pages = [0u64];
     let ranges = [ObjectRange::new(0, OBJECT, a.ids.1, 0)];
-    let object = PagedObject { tier: a.ids.0, pages: &pages, page_size: OBJECT, size: OBJECT };
+    let object =
+        PagedObject { tier: a.ids.0, page_offsets: &pages, page_size: OBJECT, size: OBJECT };
     let twice = [
         ObjectTransfer { tag: 9, object, ranges: &ranges },
         ObjectTransfer { tag: 9, object, ranges: &ranges },
@@ -362,7 +368,7 @@ fn a_rejected_object_carries_its_reason() {
     let past_end = [ObjectRange::new(0, OBJECT, rig.ids.1, 2 * OBJECT - 10)];
     let bad_range = [ObjectRange::new(OBJECT, 2 * OBJECT, rig.ids.1, 0)];
     let object =
-        PagedObject { tier: rig.ids.0, pages: &pages, page_size: OBJECT, size: 2 * OBJECT };
+        PagedObject { tier: rig.ids.0, page_offsets: &pages, page_size: OBJECT, size: 2 * OBJECT };
     let objects = [
         ObjectTransfer { tag: 1 << 40, object, ranges: &good },
         ObjectTransfer { tag: 7, object, ranges: &past_end },

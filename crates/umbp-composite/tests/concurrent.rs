@@ -51,7 +51,7 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
     // Warm up: the executor and every engine's workers start here.
     let warm_dev = t.hbm.alloc_device(GPU, size).unwrap();
     let warm = [ObjectRange::new(0, size, warm_dev.id, 0)];
-    let object = PagedObject { tier: t.file_id, pages: &tables[0], page_size: PAGE, size };
+    let object = PagedObject { tier: t.file_id, page_offsets: &tables[0], page_size: PAGE, size };
     let report =
         restore(&mut t.composite.builder(), &[ObjectTransfer { tag: 0, object, ranges: &warm }]);
     assert_eq!(report.unwrap().aggregate, BatchState::Completed);
@@ -100,7 +100,7 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
                                 tag: (thread * 1000 + round * 10 + o) as u64,
                                 object: PagedObject {
                                     tier: if o % 3 == 1 { t.dram_id } else { t.file_id },
-                                    pages: &tables[thread * OBJECTS + o],
+                                    page_offsets: &tables[thread * OBJECTS + o],
                                     page_size: PAGE,
                                     size,
                                 },

@@ -62,7 +62,12 @@ fn a_mixed_batch_into_device_and_host_memory_lands_exactly() {
     let batch: Vec<ObjectTransfer> = (0..objects)
         .map(|o| ObjectTransfer {
             tag: 1000 + o as u64,
-            object: PagedObject { tier: a.id, pages: &a.page_tables[o], page_size: PAGE, size },
+            object: PagedObject {
+                tier: a.id,
+                page_offsets: &a.page_tables[o],
+                page_size: PAGE,
+                size,
+            },
             ranges: &ranges[o],
         })
         .collect();
@@ -104,12 +109,22 @@ fn a_range_past_the_object_end_fails_that_object_only() {
     let batch = [
         ObjectTransfer {
             tag: 7,
-            object: PagedObject { tier: a.id, pages: &a.page_tables[0], page_size: PAGE, size },
+            object: PagedObject {
+                tier: a.id,
+                page_offsets: &a.page_tables[0],
+                page_size: PAGE,
+                size,
+            },
             ranges: &good,
         },
         ObjectTransfer {
             tag: 8,
-            object: PagedObject { tier: a.id, pages: &a.page_tables[1], page_size: PAGE, size },
+            object: PagedObject {
+                tier: a.id,
+                page_offsets: &a.page_tables[1],
+                page_size: PAGE,
+                size,
+            },
             ranges: &bad,
         },
     ];
@@ -155,12 +170,12 @@ fn offload_writes_device_ranges_into_pages_and_needs_ranges_that_tile() {
     let batch = [
         ObjectTransfer {
             tag: 1,
-            object: PagedObject { tier, pages: &tables[0], page_size: PAGE, size },
+            object: PagedObject { tier, page_offsets: &tables[0], page_size: PAGE, size },
             ranges: &tiled,
         },
         ObjectTransfer {
             tag: 2,
-            object: PagedObject { tier, pages: &tables[1], page_size: PAGE, size },
+            object: PagedObject { tier, page_offsets: &tables[1], page_size: PAGE, size },
             ranges: &gap,
         },
     ];
@@ -222,7 +237,7 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                                 tag: o as u64,
                                 object: PagedObject {
                                     tier: a.id,
-                                    pages: &a.page_tables[o],
+                                    page_offsets: &a.page_tables[o],
                                     page_size: PAGE,
                                     size,
                                 },

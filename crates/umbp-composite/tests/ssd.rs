@@ -6,7 +6,7 @@ mod support;
 use support::tiered::*;
 use support::*;
 use umbp_composite::{restore, ObjectRange, ObjectTransfer, PagedObject};
-use umbp_hbm::Fault as DeviceFault;
+use umbp_hbm::DeviceFault;
 use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState};
 use umbp_ssd::Fault;
 
@@ -37,7 +37,7 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
             tag: o as u64,
             object: PagedObject {
                 tier: if o % 2 == 0 { t.dram_id } else { t.file_id },
-                pages: &tables[o],
+                page_offsets: &tables[o],
                 page_size: PAGE,
                 size,
             },
@@ -114,7 +114,12 @@ fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -
     let batch: Vec<ObjectTransfer> = (0..4)
         .map(|o| ObjectTransfer {
             tag: o as u64,
-            object: PagedObject { tier: t.file_id, pages: &tables[o], page_size: PAGE, size },
+            object: PagedObject {
+                tier: t.file_id,
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
             ranges: &ranges[o],
         })
         .collect();

@@ -48,7 +48,7 @@ pub enum DeviceError {
     },
     /// A fault injected into the simulated device.
     #[error("injected fault: {0:?}")]
-    Injected(crate::sim::Fault),
+    Injected(crate::sim::DeviceFault),
 }
 
 impl DeviceError {

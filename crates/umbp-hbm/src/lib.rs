@@ -72,7 +72,7 @@ pub use descriptor::{chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREAD
 pub use engine::{DeviceRegion, HbmConfig, HbmEngine, HbmRules};
 pub use error::{DeviceError, Error};
 pub use runtime::DeviceRuntime;
-pub use sim::{Fault, SimDevice};
+pub use sim::{DeviceFault, SimDevice};
 
 #[cfg(hip_backend)]
 pub use hip::HipRuntime;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use umbp_hbm::{Fault, HbmConfig, HbmEngine, HbmRules, SimDevice};
+use umbp_hbm::{DeviceFault, HbmConfig, HbmEngine, HbmRules, SimDevice};
 use umbp_plan::testing::{drive, scenarios, ScenarioConfig};
 use umbp_plan::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointRegistry, Error, FailureCause,
@@ -314,7 +314,7 @@ fn a_failed_launch_falls_back_to_copies() {
     let src = host(&e, pattern(128 << 10, 2), true);
     let dev = e.alloc_device(GPU, 128 << 10).unwrap();
     let fragments = two_objects(&e, &src, dev);
-    e.runtime().inject(Fault::Launch);
+    e.runtime().inject(DeviceFault::Launch);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
     assert_two_objects(&e, &src, dev, [true, true]);
     assert_eq!(e.launches(), 0);
@@ -329,7 +329,7 @@ fn a_failed_synchronization_disables_the_kernel_for_good() {
     let src = host(&e, pattern(128 << 10, 6), true);
     let dev = e.alloc_device(GPU, 128 << 10).unwrap();
     let fragments = two_objects(&e, &src, dev);
-    e.runtime().inject(Fault::Synchronize);
+    e.runtime().inject(DeviceFault::Synchronize);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]), "the bucket was copied again");
     assert_two_objects(&e, &src, dev, [true, true]);
     assert!(!e.kernel_enabled());
@@ -346,7 +346,7 @@ fn a_failed_copy_fails_only_its_objects_with_the_device_error() {
     let src = host(&e, pattern(128 << 10, 7), false); // unpinned: every segment is a copy
     let dev = e.alloc_device(GPU, 128 << 10).unwrap();
     let fragments = two_objects(&e, &src, dev);
-    e.runtime().inject(Fault::Copy);
+    e.runtime().inject(DeviceFault::Copy);
     let mut b = e.builder();
     for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
         b.begin_object(group[0].tag).unwrap();
@@ -426,15 +426,15 @@ fn a_failed_copy_of_a_merged_segment_is_copied_again_object_by_object() {
 
     // The segment's copy fails once: each object's share is copied again, and all arrive.
     e.runtime().fill(dev.addr, dev.len, POISON).unwrap();
-    e.runtime().inject(Fault::Copy);
+    e.runtime().inject(DeviceFault::Copy);
     let (failed, rejected) = transfer(&e, &fragments);
     assert!(failed.is_empty() && rejected.is_empty(), "{failed:?}");
     assert_eq!(e.runtime().read(dev.addr, dev.len).unwrap(), src.bytes);
 
     // The segment's copy fails, then object 0's own copy fails too: only object 0 fails.
     e.runtime().fill(dev.addr, dev.len, POISON).unwrap();
-    e.runtime().inject(Fault::Copy);
-    e.runtime().inject(Fault::Copy);
+    e.runtime().inject(DeviceFault::Copy);
+    e.runtime().inject(DeviceFault::Copy);
     let (failed, _) = transfer(&e, &fragments);
     assert_eq!(failed, [Tag::new(0)]);
     let got = e.runtime().read(dev.addr, dev.len).unwrap();

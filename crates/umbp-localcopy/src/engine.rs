@@ -81,15 +81,10 @@ struct Scratch {
 }
 
 impl LocalCopyEngine {
-    /// An engine over `registry` configured by [`LocalCopyConfig::from_env`]. A variable that
-    /// cannot be read is logged as a warning and the defaults are used; call
-    /// [`with_config`](Self::with_config) to handle that error yourself.
+    /// An engine over `registry` with the default [`LocalCopyConfig`]. To take the settings
+    /// from the environment, say so: `with_config(registry, LocalCopyConfig::from_env()?)`.
     pub fn new(registry: Arc<EndpointRegistry>) -> Self {
-        let config = LocalCopyConfig::from_env().unwrap_or_else(|error| {
-            tracing::warn!(%error, "ignoring the environment's copy settings; using defaults");
-            LocalCopyConfig::default()
-        });
-        Self::with_config(registry, config)
+        Self::with_config(registry, LocalCopyConfig::default())
     }
 
     /// An engine over `registry` with `config`. Starts `threads - 1` worker threads (after

@@ -37,7 +37,7 @@ impl SsdConfig {
     pub const DEFAULT_MAX_SEGMENT: u64 = 1 << 20;
 
     /// The defaults: queue depth 64, 1 MiB segments, 2 workers, [`Backend::Auto`], 16 MiB of
-    /// bounce buffers in use per worker, name `umbp-ssd`.
+    /// bounce buffers in use per worker, name `ssd`.
     pub fn new() -> Self {
         Self {
             queue_depth: Self::DEFAULT_QUEUE_DEPTH,
@@ -45,7 +45,7 @@ impl SsdConfig {
             workers: 2,
             backend: Backend::Auto,
             bounce_budget: 16 << 20,
-            name: "umbp-ssd".to_owned(),
+            name: "ssd".to_owned(),
         }
     }
 
@@ -82,7 +82,8 @@ impl SsdConfig {
         self
     }
 
-    /// The engine's name in failures and logs (default `umbp-ssd`).
+    /// The engine's name in failures, logs and metrics (default `ssd`, beside `localcopy` and
+    /// `hbm`).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
         self

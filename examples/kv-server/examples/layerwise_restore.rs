@@ -47,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tag: o as u64,
             object: PagedObject {
                 tier: if o % 4 == 3 { pool.file_id } else { pool.dram_id },
-                pages: &tables[o],
+                page_offsets: &tables[o],
                 page_size: PAGE as u64,
                 size: SIZE,
             },

@@ -43,7 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tag: 9000 + o as u64,
             object: PagedObject {
                 tier: tier(o),
-                pages: &tables[o],
+                page_offsets: &tables[o],
                 page_size: PAGE as u64,
                 size: SIZE,
             },

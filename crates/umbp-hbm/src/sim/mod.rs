@@ -31,7 +31,7 @@ use memory::Allocation;
 
 /// An operation the simulator can be told to fail once.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Fault {
+pub enum DeviceFault {
     /// The next gather launch.
     Launch,
     /// The next synchronization.
@@ -59,7 +59,7 @@ struct State {
     /// Pinned host regions by start address: (device, length).
     pinned: BTreeMap<u64, (DeviceOrdinal, u64)>,
     /// Faults armed for the next operation of their kind.
-    faults: Vec<Fault>,
+    faults: Vec<DeviceFault>,
     /// The "uploaded" launch table, reused across launches as the GPU's descriptor buffer is.
     uploaded: LaunchTable,
     /// The overlap check's scratch: (start, end, is a destination, descriptor index).
@@ -73,7 +73,7 @@ impl SimDevice {
     }
 
     /// Fails the next operation of kind `fault` with [`DeviceError::Injected`].
-    pub fn inject(&self, fault: Fault) {
+    pub fn inject(&self, fault: DeviceFault) {
         self.lock().faults.push(fault);
     }
 
@@ -141,7 +141,7 @@ impl State {
         (d == device && fits).then_some((start, start + region_len))
     }
 
-    fn take_fault(&mut self, fault: Fault) -> Result<(), DeviceError> {
+    fn take_fault(&mut self, fault: DeviceFault) -> Result<(), DeviceError> {
         match self.faults.iter().position(|&f| f == fault) {
             Some(i) => Err(DeviceError::Injected(self.faults.remove(i))),
             None => Ok(()),
@@ -225,7 +225,7 @@ impl DeviceRuntime for SimDevice {
     ) -> Result<(), DeviceError> {
         self.check_device(device)?;
         let mut state = self.lock();
-        state.take_fault(Fault::Copy)?;
+        state.take_fault(DeviceFault::Copy)?;
         // Each side lies wholly in one allocation, or (host memory) overlaps none; and at least
         // one side is memory of this simulator.
         let side_ok = |addr: u64| {
@@ -247,7 +247,7 @@ impl DeviceRuntime for SimDevice {
     unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError> {
         self.check_device(device)?;
         let mut state = self.lock();
-        state.take_fault(Fault::Launch)?;
+        state.take_fault(DeviceFault::Launch)?;
         // Descriptors of one launch mostly fall in the same few regions: try the region the
         // previous descriptor's side fell in before searching.
         let mut last = [(0u64, 0u64); 2];
@@ -280,7 +280,7 @@ impl DeviceRuntime for SimDevice {
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
         self.check_device(device)?;
-        self.lock().take_fault(Fault::Synchronize)
+        self.lock().take_fault(DeviceFault::Synchronize)
     }
 }
 
