@@ -176,8 +176,13 @@ pub(crate) fn run_stage(job: StageJob) {
     let Some(pool) = shared.staging.get() else {
         unreachable!("stages exist only with staging configured")
     };
+    // A stage that will not run does not wait for a slot.
     if job.batch.is_cancelled() {
         cancel_stage(job);
+        return;
+    }
+    if job.batch.expired() {
+        time_out_stage(job);
         return;
     }
     let mut next = pool.lease_or_park(job);
