@@ -59,7 +59,7 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
         for thread in 0..THREADS {
             let (t, tables, outcomes) = (&t, &tables, &outcomes);
             scope.spawn(move || {
-                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (thread as u64 + 1) * 0x2545_f491);
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((thread as u64 + 1) * 0x2545_f491));
                 let dev = t.hbm.alloc_device(GPU, OBJECTS as u64 * size).unwrap();
                 let mut builder = t.composite.builder();
                 for round in 0..ROUNDS {
