@@ -1,6 +1,7 @@
 //! The composite builder: one object scope over every engine's own builder, per layer group.
 
 use std::collections::{HashMap, HashSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -110,9 +111,15 @@ enum Scope {
 struct Sub<'a> {
     group: u32,
     engine: usize,
-    builder: Box<dyn PlanBuilder + Send + 'a>,
+    /// `None` once the engine failed to make a builder (it panicked): objects routed here are
+    /// rejected.
+    builder: Option<Box<dyn PlanBuilder + Send + 'a>>,
     /// Whether the open object is open in it.
     open: bool,
+    /// The objects begun in it this batch: what a panic of it would lose.
+    objects: Vec<Tag>,
+    /// Objects a panic of it lost this batch.
+    lost: Vec<Tag>,
 }
 
 /// The pair, group and route of the last push, so that runs of one pair skip every lookup.
@@ -244,8 +251,11 @@ impl<'a> CompositeBuilder<'a> {
         };
         match last.route {
             Route::Direct(i) => {
-                let sub = self.open_sub(last.sub, tag)?;
-                match sub.push(f) {
+                let pushed = self.open_sub(last.sub, tag).and_then(|()| {
+                    let sub = &mut self.subs[last.sub];
+                    guarded(sub, |b| b.push(f))
+                });
+                match pushed {
                     Err(Error::Rejected { reason, .. }) => {
                         Err(self.poison(tag, reason, &f, Some(i)))
                     }
@@ -281,10 +291,14 @@ impl<'a> CompositeBuilder<'a> {
             return Err(Error::NoOpenObject);
         }
         let mut result = Ok(());
-        for i in self.touched.drain(..) {
+        for i in std::mem::take(&mut self.touched) {
             let sub = &mut self.subs[i];
             sub.open = false;
-            result = result.and(sub.builder.commit_object());
+            match guarded(sub, |b| b.commit_object()) {
+                // The engine's builder panicked: `guarded` counted the object lost.
+                Err(Error::Rejected { .. }) => {}
+                other => result = result.and(other),
+            }
         }
         self.scope = Scope::Closed;
         result
@@ -344,19 +358,35 @@ impl<'a> CompositeBuilder<'a> {
             listener: self.listener.take(),
             deadline: self.deadline.take(),
         };
-        let mut late = HashSet::new();
+        // Objects rejected at push are out of every plan already; seen here so that a rejection
+        // found below is not listed twice.
+        let mut late: HashSet<Tag> = out.rejected.iter().map(|&(t, _)| t).collect();
+        let rejected_at_push = late.len();
         for sub in &mut self.subs {
-            let plans = sub.builder.finish()?;
-            for (tag, reason) in plans.rejections() {
+            match guarded(sub, |b| b.finish()) {
+                Ok(plans) => {
+                    for (tag, reason) in plans.rejections() {
+                        if late.insert(tag) {
+                            out.rejected.push((tag, Error::Rejected { tag, reason }));
+                        }
+                    }
+                    if !plans.plans().is_empty() {
+                        out.parts.push(RoutedPart { group: sub.group, engine: sub.engine, plans });
+                    }
+                }
+                // Its plans went with the panic; `guarded` counted its objects lost.
+                Err(Error::Rejected { .. }) => {}
+                Err(other) => return Err(other),
+            }
+            sub.objects.clear();
+            for tag in sub.lost.drain(..) {
                 if late.insert(tag) {
+                    let reason = RejectReason::BuilderPanicked;
                     out.rejected.push((tag, Error::Rejected { tag, reason }));
                 }
             }
-            if !plans.plans().is_empty() {
-                out.parts.push(RoutedPart { group: sub.group, engine: sub.engine, plans });
-            }
         }
-        if !late.is_empty() {
+        if late.len() > rejected_at_push {
             for part in &mut out.parts {
                 part.plans.retain_tags(|t| !late.contains(&t));
             }
@@ -379,7 +409,10 @@ impl<'a> CompositeBuilder<'a> {
             if let Some(sub) =
                 self.subs.iter_mut().find(|s| (s.group, s.engine) == (part.group, part.engine))
             {
-                sub.builder.recycle(part.plans);
+                let _ = guarded(sub, |b| {
+                    b.recycle(part.plans);
+                    Ok(())
+                });
             }
         }
         let mut staged = plans.staged;
@@ -403,8 +436,13 @@ impl<'a> CompositeBuilder<'a> {
                     self.table = self.composite.registry().snapshot();
                 }
                 let bounce = self.composite.bounce().and_then(|b| self.table.get(b)).copied();
+                let engines = self.composite.engines();
                 let r = match (self.table.get(src), self.table.get(dst)) {
-                    (Some(s), Some(d)) => route(self.composite.engines(), bounce.as_ref(), s, d),
+                    // An engine whose `can_handle` panics carries nothing.
+                    (Some(s), Some(d)) => {
+                        catch_unwind(AssertUnwindSafe(|| route(engines, bounce.as_ref(), s, d)))
+                            .unwrap_or(Route::Unrouted)
+                    }
                     _ => Route::Unrouted,
                 };
                 // Unknown endpoints may be registered later: only cache known pairs.
@@ -428,24 +466,33 @@ impl<'a> CompositeBuilder<'a> {
         if let Some(i) = self.subs.iter().position(|s| (s.group, s.engine) == (group, engine)) {
             return i;
         }
-        let builder = self.composite.engine_builder(engine);
-        self.subs.push(Sub { group, engine, builder, open: false });
+        let builder = new_builder(self.composite, engine);
+        self.subs.push(Sub {
+            group,
+            engine,
+            builder,
+            open: false,
+            objects: Vec::new(),
+            lost: Vec::new(),
+        });
         self.subs.len() - 1
     }
 
-    /// Sub-builder `i` with object `tag` open in it.
-    fn open_sub(
-        &mut self,
-        i: usize,
-        tag: Tag,
-    ) -> Result<&mut Box<dyn PlanBuilder + Send + 'a>, Error> {
+    /// Opens object `tag` in sub-builder `i`, if not yet (giving it a fresh builder if a panic
+    /// took its last one).
+    fn open_sub(&mut self, i: usize, tag: Tag) -> Result<(), Error> {
+        let composite = self.composite;
         let sub = &mut self.subs[i];
+        if sub.builder.is_none() {
+            sub.builder = new_builder(composite, sub.engine);
+        }
         if !sub.open {
-            sub.builder.begin_object(tag)?;
+            sub.objects.push(tag);
+            guarded(sub, |b| b.begin_object(tag))?;
             sub.open = true;
             self.touched.push(i);
         }
-        Ok(&mut sub.builder)
+        Ok(())
     }
 
     /// Bounds of a staged fragment against both endpoints.
@@ -494,11 +541,57 @@ impl<'a> CompositeBuilder<'a> {
 
     fn rollback_subs(&mut self) -> Result<(), Error> {
         let mut result = Ok(());
-        for i in self.touched.drain(..) {
+        for i in std::mem::take(&mut self.touched) {
             let sub = &mut self.subs[i];
             sub.open = false;
-            result = result.and(sub.builder.rollback_object());
+            // The object leaves the batch, so it is not among what a later panic loses.
+            if let Scope::Open(tag) | Scope::Poisoned(tag) = self.scope {
+                if sub.objects.last() == Some(&tag) {
+                    sub.objects.pop();
+                }
+            }
+            match guarded(sub, |b| b.rollback_object()) {
+                Err(Error::Rejected { .. }) => {}
+                other => result = result.and(other),
+            }
         }
         result
+    }
+}
+
+/// Engine `engine`'s builder from `composite`, or `None` if making it panics.
+fn new_builder<'a>(
+    composite: &'a CompositeEngine,
+    engine: usize,
+) -> Option<Box<dyn PlanBuilder + Send + 'a>> {
+    catch_unwind(AssertUnwindSafe(|| composite.engine_builder(engine))).ok()
+}
+
+/// Runs `call` on the sub-builder, catching a panic of the engine's builder: the sub-builder
+/// is dropped (the next object that needs it gets a fresh one), every object it held for the
+/// batch is lost (rejected at `finish` with `BuilderPanicked` and taken out of every other
+/// engine's plans), and the call fails with `Rejected { reason: BuilderPanicked }` for the
+/// open object.
+fn guarded<T>(
+    sub: &mut Sub<'_>,
+    call: impl FnOnce(&mut (dyn PlanBuilder + Send + '_)) -> Result<T, Error>,
+) -> Result<T, Error> {
+    let tag = sub.objects.last().copied().unwrap_or(Tag::new(0));
+    let Some(builder) = sub.builder.as_mut() else {
+        return Err(Error::Rejected { tag, reason: RejectReason::BuilderPanicked });
+    };
+    match catch_unwind(AssertUnwindSafe(|| call(&mut **builder))) {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::error!(
+                engine = sub.engine,
+                "an engine's plan builder panicked; its objects of this batch are rejected"
+            );
+            sub.builder = None;
+            sub.open = false;
+            let mut objects = std::mem::take(&mut sub.objects);
+            sub.lost.append(&mut objects);
+            Err(Error::Rejected { tag, reason: RejectReason::BuilderPanicked })
+        }
     }
 }

@@ -439,3 +439,71 @@ fn a_deadline_times_out_the_work_not_done_by_then() {
     // Group 1 started before the deadline: the copy engine found it passed when it got there.
     assert_ne!(report.objects[1].state, ObjectState::InFlight);
 }
+
+#[test]
+fn a_panicking_engine_builder_loses_its_objects_of_the_batch_and_nothing_panics_out() {
+    let rig = Rig::new();
+    let registry = rig.registry.clone();
+    let host: Arc<dyn TransferEngine> = rig.host.clone();
+    let panicky = Wrapped::new(host, registry.clone(), "panicky-builder").builder_panicking_on(2);
+    let composite = CompositeEngine::new(registry, vec![Arc::new(panicky), rig.hbm.clone()]);
+    let len = 4 * OBJECT as usize;
+    let mut src = pattern(len, 8);
+    let mut out = vec![POISON; len];
+    // SAFETY: the buffers outlive the batch, which is waited on below.
+    let (s, d) = unsafe {
+        (
+            composite.register(Endpoint::host(src.as_mut_ptr() as u64, len as u64)).unwrap(),
+            composite.register(Endpoint::host(out.as_mut_ptr() as u64, len as u64)).unwrap(),
+        )
+    };
+    let dev = rig.device(len as u64);
+    let mut b = composite.builder();
+    // Each object: half to host memory (the panicking engine), half to the device.
+    for o in 0..4u32 {
+        let (tag, at) = (Tag::new(o), u64::from(o) * OBJECT);
+        b.begin_object(tag).unwrap();
+        match b.push(Fragment::new(s, at, d, at, OBJECT / 2, tag)) {
+            Ok(()) => {
+                b.push(Fragment::new(s, at + OBJECT / 2, dev.id, at, OBJECT / 2, tag)).unwrap();
+                b.commit_object().unwrap();
+            }
+            Err(e) => {
+                assert_eq!(o, 2, "only object 2's push panics");
+                let panicked = umbp_plan::RejectReason::BuilderPanicked;
+                assert!(
+                    matches!(e, umbp_plan::Error::Rejected { reason, .. } if reason == panicked)
+                );
+                b.reject_object(e).unwrap();
+            }
+        }
+    }
+    let plans = b.finish().unwrap();
+    let mut rejected: Vec<u32> = plans.rejected().iter().map(|(t, _)| t.get()).collect();
+    rejected.sort_unstable();
+    // Objects 0 and 1 lived in the builder that panicked on object 2: all three are lost.
+    assert_eq!(rejected, [0, 1, 2]);
+    for part in plans.parts() {
+        for plan in part.plans.plans() {
+            assert!(
+                plan.tags().iter().all(|t| t.get() == 3),
+                "engine {} kept a lost object",
+                part.engine
+            );
+        }
+    }
+    let report = composite.submit(plans).unwrap().wait();
+    let states: Vec<ObjectState> = report.objects.iter().map(|o| o.state).collect();
+    use ObjectState::{Completed as C, Rejected as R};
+    assert_eq!(states, [R, R, R, C]);
+    let device = rig.read_device(dev);
+    let half = OBJECT as usize / 2;
+    for o in 0..3usize {
+        let at = o * OBJECT as usize;
+        assert!(out[at..at + half].iter().all(|&x| x == POISON), "object {o} on the host");
+        assert!(device[at..at + half].iter().all(|&x| x == POISON), "object {o} on the device");
+    }
+    let at = 3 * OBJECT as usize;
+    assert_eq!(out[at..at + half], src[at..at + half]);
+    assert_eq!(device[at..at + half], src[at + half..at + 2 * half]);
+}

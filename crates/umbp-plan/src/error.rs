@@ -48,6 +48,11 @@ pub enum RejectReason {
         /// The engine's maximum segment length.
         max: u64,
     },
+    /// The engine's plan builder panicked while planning the object (or an object planned with
+    /// it in the same batch); what it held for the batch is lost, so the object was taken out
+    /// everywhere.
+    #[error("the engine's plan builder panicked")]
+    BuilderPanicked,
     /// The engine needs `offset` and `len` aligned to `align` on this endpoint.
     #[error("bytes {offset}..+{len} of endpoint {} are not aligned to {align}", .endpoint.raw())]
     Misaligned {

@@ -164,7 +164,10 @@ impl Plan {
 
     /// Keeps only the bytes of the objects whose tag `keep` accepts, to the byte: segments
     /// shared with dropped objects are narrowed, segments of dropped objects alone disappear,
-    /// and kept neighbours that shared a segment still share it. Plans built for one batch then
+    /// and kept neighbours that shared a segment still share it. Pieces that only a dropped
+    /// object kept in separate segments stay separate (joining them could pass the engine's
+    /// maximum segment), so the bytes moved are exactly those of planning without the dropped
+    /// objects, and without a segment limit so are the plans. Plans built for one batch then
     /// describe the batch without those objects, whatever builder made them. Allocates only
     /// when some tag is dropped.
     pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {

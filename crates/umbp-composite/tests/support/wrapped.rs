@@ -30,6 +30,8 @@ pub(crate) struct Wrapped {
     /// When set, the engine plans with a buffered builder whose planner refuses the fragments
     /// this length divides evenly (so rejections appear only at `finish`).
     pub(crate) refuse_len_multiple_of: Option<u64>,
+    /// When set, the engine's builder panics on the first push of this object.
+    pub(crate) builder_panics_on: Option<Tag>,
     pub(crate) log: Mutex<Vec<SubmitRecord>>,
 }
 
@@ -46,6 +48,7 @@ impl Wrapped {
             delay: Duration::ZERO,
             panic_on: Mutex::new(HashSet::new()),
             refuse_len_multiple_of: None,
+            builder_panics_on: None,
             log: Mutex::new(Vec::new()),
         }
     }
@@ -62,6 +65,11 @@ impl Wrapped {
 
     pub(crate) fn buffered_refusing(mut self, multiple_of: u64) -> Self {
         self.refuse_len_multiple_of = Some(multiple_of);
+        self
+    }
+
+    pub(crate) fn builder_panicking_on(mut self, tag: u32) -> Self {
+        self.builder_panics_on = Some(Tag::new(tag));
         self
     }
 
@@ -115,9 +123,13 @@ impl TransferEngine for Wrapped {
     }
 
     fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
-        match self.refuse_len_multiple_of {
+        let inner: Box<dyn PlanBuilder + Send + '_> = match self.refuse_len_multiple_of {
             Some(_) => Box::new(BufferedPlanBuilder::new(self)),
             None => self.inner.builder(),
+        };
+        match self.builder_panics_on {
+            Some(tag) => Box::new(PanickyBuilder { inner, tag }),
+            None => inner,
         }
     }
 
@@ -144,5 +156,40 @@ impl TransferEngine for Wrapped {
         let settled = self.inner.submit(plans).into_settled();
         self.log.lock().unwrap().push(SubmitRecord { tags, started, ended: Instant::now() });
         TransferHandle::settled(settled.failures, settled.plans)
+    }
+}
+
+/// A builder that panics on a push of one object, as a broken engine's builder would.
+struct PanickyBuilder<'a> {
+    inner: Box<dyn PlanBuilder + Send + 'a>,
+    tag: Tag,
+}
+
+impl PlanBuilder for PanickyBuilder<'_> {
+    fn begin_object(&mut self, tag: Tag) -> Result<(), umbp_plan::Error> {
+        self.inner.begin_object(tag)
+    }
+
+    fn push(&mut self, f: Fragment) -> Result<(), umbp_plan::Error> {
+        if f.tag == self.tag {
+            panic!("the builder was told to panic on object {}", f.tag.get());
+        }
+        self.inner.push(f)
+    }
+
+    fn commit_object(&mut self) -> Result<(), umbp_plan::Error> {
+        self.inner.commit_object()
+    }
+
+    fn rollback_object(&mut self) -> Result<(), umbp_plan::Error> {
+        self.inner.rollback_object()
+    }
+
+    fn finish(&mut self) -> Result<PlanSet, umbp_plan::Error> {
+        self.inner.finish()
+    }
+
+    fn recycle(&mut self, plans: PlanSet) {
+        self.inner.recycle(plans)
     }
 }
