@@ -195,9 +195,15 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
         let figure = "allocations per warm incremental build";
         lines.push(Headline::new("plan", figure, allocs, "allocations", "==", 0.0));
     }
-    let verified = plan.iter().filter(|r| r.verified).count();
-    let figure = format!("plan sets equal to the batch planner's (of {})", plan.len());
-    lines.push(Headline::new("plan", figure, verified as f64, "rows", "==", plan.len() as f64));
+    // The overlap-check rows are not builders: their `verified` says the check found nothing.
+    let built: Vec<&PlanRow> = plan.iter().filter(|r| r.builder != "overlap-check").collect();
+    let verified = built.iter().filter(|r| r.verified).count();
+    let figure = format!("plan sets equal to the batch planner's (of {})", built.len());
+    lines.push(Headline::new("plan", figure, verified as f64, "rows", "==", built.len() as f64));
+    let checks = plan.len() - built.len();
+    let clean = plan.iter().filter(|r| r.builder == "overlap-check" && r.verified).count();
+    let figure = format!("overlap checks finding no overlap in the restore (of {checks})");
+    lines.push(Headline::new("plan", figure, clean as f64, "rows", "==", checks as f64));
 
     if let Some(ratio) = restore
         .iter()
@@ -341,7 +347,8 @@ mod tests {
         }
         let correct =
             tour.summary.iter().filter(|h| h.comparison == "==" && h.unit != "allocations");
-        assert!(correct.clone().count() == 3 && correct.clone().all(|h| h.met));
+        // Plan sets, overlap checks, restores, batch engines.
+        assert!(correct.clone().count() == 4 && correct.clone().all(|h| h.met));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary files removed");
         let svg = chart(&tour).to_svg();
         assert!(svg.contains("batch ssd"));
