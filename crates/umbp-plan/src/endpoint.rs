@@ -5,7 +5,6 @@
 //! dereferences an address. The engines do, which is why registering a memory endpoint is
 //! `unsafe` (see [`EndpointRegistry::register`]).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::Error;
@@ -222,8 +221,16 @@ pub struct EndpointRegistry {
 /// Pin counts, and the endpoints whose deregistration is waiting for theirs to drain.
 #[derive(Debug, Default)]
 struct Pins {
-    counts: HashMap<EndpointId, usize>,
+    /// Pin count per endpoint, indexed by id (ids are dense and never reused): an array
+    /// index per pin, no hashing, on every submit's path.
+    counts: Vec<u32>,
     dying: Vec<EndpointId>,
+}
+
+impl Pins {
+    fn count(&self, id: EndpointId) -> u32 {
+        self.counts.get(id.index()).copied().unwrap_or(0)
+    }
 }
 
 /// Endpoints pinned by one batch, and the table to resolve them in; unpinned when dropped.
@@ -252,12 +259,9 @@ impl Drop for EndpointPins {
         let mut pins = self.registry.lock_pins();
         let mut released = false;
         for id in &self.ids {
-            if let Some(n) = pins.counts.get_mut(id) {
-                *n -= 1;
-                if *n == 0 {
-                    pins.counts.remove(id);
-                    released = true;
-                }
+            if let Some(n) = pins.counts.get_mut(id.index()) {
+                *n = n.saturating_sub(1);
+                released |= *n == 0;
             }
         }
         drop(pins);
@@ -321,7 +325,7 @@ impl EndpointRegistry {
             return Err(Error::UnknownEndpoint { id });
         }
         pins.dying.push(id);
-        while pins.counts.contains_key(&id) {
+        while pins.count(id) > 0 {
             pins = self.unpinned.wait(pins).unwrap_or_else(PoisonError::into_inner);
         }
         if let Some(at) = pins.dying.iter().position(|&d| d == id) {
@@ -348,13 +352,16 @@ impl EndpointRegistry {
         ids.dedup();
         let mut pins = self.lock_pins();
         let mut refused = Vec::new();
+        let Pins { counts, dying } = &mut *pins;
         ids.retain(|&id| {
-            let held = pins.counts.get(&id).copied().unwrap_or(0);
-            if held == 0 && pins.dying.contains(&id) {
+            if dying.contains(&id) && counts.get(id.index()).is_none_or(|&n| n == 0) {
                 refused.push(id);
                 return false;
             }
-            *pins.counts.entry(id).or_insert(0) += 1;
+            if counts.len() <= id.index() {
+                counts.resize(id.index() + 1, 0);
+            }
+            counts[id.index()] += 1;
             true
         });
         let mut table = self.snapshot();
@@ -373,7 +380,7 @@ impl EndpointRegistry {
 
     /// Whether a submitted batch pins `id` now.
     pub fn is_pinned(&self, id: EndpointId) -> bool {
-        self.lock_pins().counts.contains_key(&id)
+        self.lock_pins().count(id) > 0
     }
 
     fn lock_pins(&self) -> MutexGuard<'_, Pins> {

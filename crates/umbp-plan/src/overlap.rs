@@ -101,7 +101,12 @@ impl OverlapCheck {
                 tag,
             });
         }
-        if ordered && sweep(&mut self.accesses, &mut self.live, |_, _| {}) == 0 {
+        // One plan (a single transfer, say): its two ranges meet only in one space.
+        let alone = match &self.accesses[..] {
+            [read, write] => read.space != write.space || !meet(read, write),
+            _ => false,
+        };
+        if ordered && (alone || sweep(&mut self.accesses, &mut self.live, |_, _| {}) == 0) {
             return Vec::new();
         }
         // Pass two: every object's pieces, swept for the objects that really meet.
@@ -171,6 +176,11 @@ impl OverlapCheck {
         plans.retain_tags(|t| !failed(&t));
         failures
     }
+}
+
+/// Whether two ranges share a byte.
+fn meet(a: &Access, b: &Access) -> bool {
+    a.start.max(b.start) < a.end.min(b.end)
 }
 
 /// Sorts `accesses` and calls `meet` for every pair that shares a byte where at least one of
