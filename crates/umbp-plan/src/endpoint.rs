@@ -351,9 +351,17 @@ impl EndpointRegistry {
         ids.sort_unstable();
         ids.dedup();
         let mut pins = self.lock_pins();
+        // Taken under the pin lock, which deregistration publishes under: consistent with the
+        // counts below.
+        let mut table = self.snapshot();
         let mut refused = Vec::new();
         let Pins { counts, dying } = &mut *pins;
         ids.retain(|&id| {
+            // An id the registry does not hold needs no pin (its plans fail as gone), and
+            // counting it would size the counts by a caller's number.
+            if table.get(id).is_none() {
+                return false;
+            }
             if dying.contains(&id) && counts.get(id.index()).is_none_or(|&n| n == 0) {
                 refused.push(id);
                 return false;
@@ -364,7 +372,6 @@ impl EndpointRegistry {
             counts[id.index()] += 1;
             true
         });
-        let mut table = self.snapshot();
         drop(pins);
         if !refused.is_empty() {
             let mut without = EndpointTable::clone(&table);
@@ -467,9 +474,11 @@ mod tests {
             assert_eq!(waiter.join().unwrap().map(|e| e.len()), Ok(10));
         });
         // A batch that pins it once the last pin went and before it was removed would see it
-        // gone; after removal it is simply unknown.
-        let late = registry.pin([a]);
+        // gone; after removal it is simply unknown, and so is an id never handed out: neither
+        // is pinned (nor sizes anything).
+        let late = registry.pin([a, EndpointId::from_raw(u32::MAX)]);
         assert!(late.table().get(a).is_none());
+        assert!(!registry.is_pinned(a) && !registry.is_pinned(EndpointId::from_raw(u32::MAX)));
         drop(late);
         assert!(!registry.is_pinned(a) && !registry.is_pinned(b));
         assert!(registry.get(a).is_none());
