@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use umbp_plan::{
     plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointTable, EngineError,
-    Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules,
-    PlanSet, Space, Tag, TransferEngine, TransferHandle,
+    FailedAt, Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder,
+    PlanRules, PlanSet, Space, TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -441,28 +441,25 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             let copied = unsafe { self.runtime.copy(device, j.dst + at, j.src + at, piece.len) };
             if let Err(e) = copied {
                 let cause = device_cause(device, &e);
-                failed.push(Failed { tag: Some(tag), ..Failed::segment(j.plan, j.segment, cause) });
+                failed.push(Failed { at: FailedAt::share(j.plan, j.segment, tag), cause });
             }
         }
     }
 }
 
-/// A failure before it is mapped to tags: of a whole plan, one segment, or one object's share
-/// of a segment.
+/// A failure before it is mapped to the objects it costs.
 struct Failed {
-    plan: usize,
-    segment: Option<usize>,
-    tag: Option<Tag>,
+    at: FailedAt,
     cause: FailureCause,
 }
 
 impl Failed {
     fn plan(plan: usize, cause: FailureCause) -> Self {
-        Self { plan, segment: None, tag: None, cause }
+        Self { at: FailedAt::plan(plan), cause }
     }
 
     fn segment(plan: usize, segment: usize, cause: FailureCause) -> Self {
-        Self { plan, segment: Some(segment), tag: None, cause }
+        Self { at: FailedAt::segment(plan, segment), cause }
     }
 }
 
@@ -563,16 +560,13 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
 /// One [`Failure`] per failed plan, naming the tags of exactly its failed segments (all its
 /// tags when the whole plan failed), with the first cause seen.
 fn failures(engine: &str, plans: &PlanSet, mut failed: Vec<Failed>) -> Vec<Failure> {
-    failed.sort_by_key(|f| (f.plan, f.segment, f.tag));
+    failed.sort_by_key(|f| f.at);
     let mut out: Vec<Failure> = Vec::new();
     let mut current: Option<usize> = None;
-    for Failed { plan: pi, segment, tag, cause } in failed {
+    for Failed { at, cause } in failed {
+        let pi = at.plan;
         let plan = &plans.plans()[pi];
-        let tags: &[Tag] = match (segment, &tag) {
-            (_, Some(tag)) => std::slice::from_ref(tag),
-            (Some(si), None) => plan.segment_tags(si),
-            (None, None) => plan.tags(),
-        };
+        let tags = plans.tags_at(at);
         if current != Some(pi) {
             current = Some(pi);
             out.push(Failure {

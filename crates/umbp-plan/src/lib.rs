@@ -108,7 +108,7 @@ pub use fragment::Fragment;
 pub use incremental::{IncrementalBuilder, Run};
 pub use overlap::{OverlapCheck, Space};
 pub use page_walk::{check_ranges, PageFragment, PageWalk};
-pub use plan::{Plan, PlanSet, Segment};
+pub use plan::{FailedAt, Plan, PlanSet, Segment};
 pub use rules::{validate, PlanRules};
 pub use status::{BatchState, BatchStatus, ObjectState};
 

@@ -217,6 +217,36 @@ impl Plan {
     }
 }
 
+/// Where in a plan set a failure lies: a whole plan, one segment of it, or one object's share
+/// of a segment. Engines record these while executing, and [`PlanSet::tags_at`] maps each to
+/// the objects it costs. The order (plan, segment, object) groups a plan's failures together.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FailedAt {
+    /// Index of the plan in [`PlanSet::plans`].
+    pub plan: usize,
+    /// Index of the segment in [`Plan::segments`], or `None` for the whole plan.
+    pub segment: Option<usize>,
+    /// The one object whose share of the segment failed, or `None` for every object there.
+    pub tag: Option<Tag>,
+}
+
+impl FailedAt {
+    /// The whole of plan `plan`.
+    pub const fn plan(plan: usize) -> Self {
+        Self { plan, segment: None, tag: None }
+    }
+
+    /// Segment `segment` of plan `plan`.
+    pub const fn segment(plan: usize, segment: usize) -> Self {
+        Self { plan, segment: Some(segment), tag: None }
+    }
+
+    /// Object `tag`'s share of segment `segment` of plan `plan`.
+    pub const fn share(plan: usize, segment: usize, tag: Tag) -> Self {
+        Self { plan, segment: Some(segment), tag: Some(tag) }
+    }
+}
+
 /// Everything a builder produced for one batch: the plans, and the tags of objects that can never
 /// succeed. A rejected tag is never silently dropped: the caller must report its object failed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -305,6 +335,20 @@ impl PlanSet {
             plan.retain_tags(&mut keep);
         }
         self.plans.retain(|p| !p.segments.is_empty());
+    }
+
+    /// The objects a failure at `at` costs: every object of the plan, of the segment, or the
+    /// one object named (nothing if `at` is out of range).
+    pub fn tags_at(&self, at: FailedAt) -> &[Tag] {
+        let Some(plan) = self.plans.get(at.plan) else { return &[] };
+        match (at.segment, at.tag) {
+            (None, _) => plan.tags(),
+            (Some(s), None) => plan.segment_tags(s),
+            (Some(s), Some(tag)) => {
+                let tags = plan.segment_tags(s);
+                tags.iter().position(|&t| t == tag).map_or(&[], |k| &tags[k..=k])
+            }
+        }
     }
 
     /// Takes the plans and rejected tags out, for engines that execute plans by value.

@@ -6,8 +6,8 @@
 use proptest::prelude::*;
 use umbp_plan::testing::{drive, drive_runs, scenarios, ReferenceMemory, Scenario, ScenarioConfig};
 use umbp_plan::{
-    BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointRegistry, Fragment, IncrementalBuilder,
-    OverlapCheck, PlanBuilder, PlanRules, RejectReason, RulePlanner, Space,
+    BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointRegistry, FailedAt, Fragment,
+    IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules, RejectReason, RulePlanner, Space,
 };
 
 /// Host to host only, with an optional segment cap and an optional alignment rule.
@@ -83,14 +83,17 @@ fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
 
     // Every object's pieces add up to its committed bytes in each plan, and each segment's
     // pieces tile it, in order, with the objects `segment_tags` names.
-    for plan in outcome.plans.plans() {
+    for (p, plan) in outcome.plans.plans().iter().enumerate() {
+        assert_eq!(outcome.plans.tags_at(FailedAt::plan(p)), plan.tags());
         let pieces: u64 =
             (0..plan.tags().len()).flat_map(|k| plan.tag_pieces(k)).map(|s| s.len).sum();
         assert_eq!(pieces, plan.bytes(), "pieces do not tile the plan");
         for (i, segment) in plan.segments().iter().enumerate() {
             let mut at = (segment.src_offset, segment.dst_offset);
             let mut tags = Vec::new();
+            assert_eq!(outcome.plans.tags_at(FailedAt::segment(p, i)), plan.segment_tags(i));
             for (tag, piece) in plan.segment_pieces(i) {
+                assert_eq!(outcome.plans.tags_at(FailedAt::share(p, i, tag)), [tag]);
                 assert_eq!((piece.src_offset, piece.dst_offset), at, "a gap in segment {i}");
                 at = (at.0 + piece.len, at.1 + piece.len);
                 tags.push(tag);

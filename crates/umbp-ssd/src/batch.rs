@@ -17,7 +17,9 @@ use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use umbp_plan::{EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PlanSet, Tag};
+use umbp_plan::{
+    EndpointId, EndpointKind, EndpointTable, FailedAt, Failure, FailureCause, PlanSet, Tag,
+};
 
 use crate::fault::Faults;
 use crate::file::{FileEntry, FileTable};
@@ -45,23 +47,26 @@ pub(crate) struct Limits {
     pub(crate) bounce_budget: u64,
 }
 
-/// A failure before it is mapped to tags: of a whole plan (`segment: None`), one segment, or
-/// one object's share of a segment (`tag`).
+/// A failure before it is mapped to the objects it costs.
 #[derive(Debug)]
 struct Failed {
-    plan: u32,
-    segment: Option<u32>,
-    tag: Option<Tag>,
+    at: FailedAt,
     cause: FailureCause,
 }
 
 impl Failed {
     fn plan(plan: u32, cause: FailureCause) -> Self {
-        Self { plan, segment: None, tag: None, cause }
+        Self { at: FailedAt::plan(plan as usize), cause }
     }
 
     fn segment(plan: u32, segment: u32, cause: FailureCause) -> Self {
-        Self { plan, segment: Some(segment), tag: None, cause }
+        Self { at: FailedAt::segment(plan as usize, segment as usize), cause }
+    }
+
+    /// Of object `only`'s share of the segment when set, of the whole segment otherwise.
+    fn share(plan: u32, segment: u32, only: Option<Tag>, cause: FailureCause) -> Self {
+        let at = FailedAt { tag: only, ..FailedAt::segment(plan as usize, segment as usize) };
+        Self { at, cause }
     }
 }
 
@@ -253,9 +258,7 @@ impl<'a> Batch<'a> {
                                 let got = size.saturating_sub(at);
                                 let cause =
                                     FailureCause::ShortFile { offset: at, expected: n, got };
-                                let failed =
-                                    Failed { tag: Some(tag), ..Failed::segment(index, s, cause) };
-                                batch.failed.push(failed);
+                                batch.failed.push(Failed::share(index, s, Some(tag), cause));
                             } else if let Some(op) = whole.part(from, n, Some(tag)) {
                                 batch.push_chunks(op, chunk);
                             }
@@ -401,8 +404,7 @@ impl<'a> Batch<'a> {
         let (plan_index, s) = (op.plan, op.segment);
         let plan = &self.plans.plans()[plan_index as usize];
         if self.timed_out || op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
-            let failed = Failed { tag: op.only, ..Failed::segment(plan_index, s, cause) };
-            self.failed.push(failed);
+            self.failed.push(Failed::share(plan_index, s, op.only, cause));
             return;
         }
         let segment = plan.segments()[s as usize];
@@ -425,22 +427,17 @@ impl<'a> Batch<'a> {
         debug_assert!(self.ready.is_empty() && self.deferred.is_empty());
         let plans = self.plans;
         // A segment split into several ops fails once, with its first cause.
-        self.failed.sort_by_key(|f| (f.plan, f.segment, f.tag));
-        self.failed.dedup_by_key(|f| (f.plan, f.segment, f.tag));
+        self.failed.sort_by_key(|f| f.at);
+        self.failed.dedup_by_key(|f| f.at);
         self.failed
             .into_iter()
             .map(|f| {
-                let plan = &plans.plans()[f.plan as usize];
-                let tags = match (f.segment, &f.tag) {
-                    (_, Some(tag)) => std::slice::from_ref(tag),
-                    (None, None) => plan.tags(),
-                    (Some(s), None) => plan.segment_tags(s as usize),
-                };
+                let plan = &plans.plans()[f.at.plan];
                 Failure {
                     engine: engine.to_owned(),
                     src: plan.src(),
                     dst: plan.dst(),
-                    tags: tags.to_vec(),
+                    tags: plans.tags_at(f.at).to_vec(),
                     cause: f.cause,
                 }
             })
