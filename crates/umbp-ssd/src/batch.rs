@@ -547,6 +547,17 @@ mod tests {
             Some(id)
         }
 
+        /// `plans` resolved as a submit would, against the registry and the files as they are.
+        fn batch<'a>(
+            &self,
+            plans: &'a PlanSet,
+            pool: &'a mut BouncePool,
+            faults: &'a Faults,
+        ) -> Batch<'a> {
+            let table = self.registry.snapshot();
+            Batch::new(plans, &table, &plan_files(plans, &table, &self.files), LIMITS, pool, faults)
+        }
+
         fn plan(&self, fragments: &[Fragment]) -> PlanSet {
             let mut builder =
                 IncrementalBuilder::new(SsdRules::new(1 << 20), self.registry.clone());
@@ -592,15 +603,7 @@ mod tests {
             let source = Host::new(&fx.registry, (4 * PAGE) as usize, 0, 0);
             let writes = pieces(file, source.id, false);
             let plans = fx.plan(&writes);
-            let table = fx.registry.snapshot();
-            let mut batch = Batch::new(
-                &plans,
-                &table,
-                &plan_files(&plans, &table, &fx.files),
-                LIMITS,
-                &mut pool,
-                &faults,
-            );
+            let mut batch = fx.batch(&plans, &mut pool, &faults);
             sys::run_blocking_in_pieces(&mut batch, piece);
             assert!(batch.failures("t").is_empty());
             for f in &writes {
@@ -613,15 +616,7 @@ mod tests {
             let destination = Host::new(&fx.registry, (4 * PAGE) as usize, 1, 0xA5);
             let reads = pieces(file, destination.id, true);
             let plans = fx.plan(&reads);
-            let table = fx.registry.snapshot();
-            let mut batch = Batch::new(
-                &plans,
-                &table,
-                &plan_files(&plans, &table, &fx.files),
-                LIMITS,
-                &mut pool,
-                &faults,
-            );
+            let mut batch = fx.batch(&plans, &mut pool, &faults);
             sys::run_blocking_in_pieces(&mut batch, piece);
             assert!(batch.failures("t").is_empty());
             for f in &reads {
@@ -657,16 +652,8 @@ mod tests {
                     })
                     .collect();
                 let plans = fx.plan(&reads);
-                let table = fx.registry.snapshot();
                 let (mut pool, faults) = (BouncePool::default(), Faults::new());
-                let mut batch = Batch::new(
-                    &plans,
-                    &table,
-                    &plan_files(&plans, &table, &fx.files),
-                    LIMITS,
-                    &mut pool,
-                    &faults,
-                );
+                let mut batch = fx.batch(&plans, &mut pool, &faults);
                 // Resolved against 16 pages; the file now ends inside page 5, off any block
                 // boundary (an O_DIRECT read stops there, short of a block).
                 std::fs::OpenOptions::new()
