@@ -50,15 +50,12 @@ impl LocalCopyEngine {
     ///
     /// ```
     /// use umbp_localcopy::LocalCopyEngine;
-    /// use umbp_plan::{BatchState, EndpointRegistry, Fragment, ObjectState, Tag};
+    /// use umbp_plan::{BatchState, EndpointRegistry, Fragment, ObjectState, Register, Tag};
     ///
     /// let engine = LocalCopyEngine::new(EndpointRegistry::new());
-    /// let mut src: Vec<u8> = (0..=255).collect();
-    /// let mut dst = vec![0u8; 256];
-    /// // SAFETY: both buffers outlive the transfer below and nothing else touches them meanwhile.
-    /// let (s, d) = unsafe {
-    ///     (engine.register_host(src.as_mut_ptr(), 256), engine.register_host(dst.as_mut_ptr(), 256))
-    /// };
+    /// let src = engine.register_memory((0..=255).collect::<Vec<u8>>())?;
+    /// let dst = engine.register_memory(vec![0u8; 256])?;
+    /// let (s, d) = (src.id(), dst.id());
     /// let transfers = [
     ///     Fragment::new(s, 128, d, 0, 128, Tag::new(0)),
     ///     Fragment::new(s, 0, d, 128, 128, Tag::new(1)),
@@ -68,9 +65,9 @@ impl LocalCopyEngine {
     /// assert_eq!(report.status.object(Tag::new(0)), Some(ObjectState::Completed));
     /// assert_eq!(report.status.object(Tag::new(2)), Some(ObjectState::Rejected));
     /// assert_eq!(report.aggregate(), BatchState::Failed);
-    /// assert_eq!(dst[0], 128);
-    /// assert_eq!(dst[128], 0);
-    /// # Ok::<(), umbp_localcopy::Error>(())
+    /// let dst = dst.deregister();
+    /// assert_eq!((dst[0], dst[128]), (128, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn transfer_batch(
         &self,

@@ -4,11 +4,12 @@
 //! Every `unsafe` operation of the crate lives in this module. The argument is the same for all
 //! of them:
 //!
-//! 1. [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register) (and
-//!    [`LocalCopyEngine::register_host`], which forwards to it) obliges whoever registers a
-//!    host endpoint to keep `addr .. addr + len` valid for reads and writes until the endpoint
+//! 1. every way to register a host endpoint ([`Register`](umbp_plan::Register), and beneath it
+//!    [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register)) obliges whoever
+//!    registers it to keep `addr .. addr + len` valid for reads and writes until the endpoint
 //!    is deregistered and every handle that used it was waited on, and to let nothing outside
-//!    the transfer touch the bytes it writes (or write the bytes it reads) while it runs;
+//!    the transfer touch the bytes it writes (or write the bytes it reads) while it runs; a
+//!    [`Registration`](umbp_plan::Registration) that owns its buffer keeps that promise itself;
 //! 2. a [`Task`] is only made by [`Task::resolve`], from a [`HostRegion`] looked up in the
 //!    registry at submit, after checking that both of its ranges lie inside their regions;
 //! 3. the engine runs every task before `submit` returns, while the caller still holds the plan
@@ -22,38 +23,7 @@
 
 use std::ptr;
 
-use umbp_plan::{Endpoint, EndpointId, Segment};
-
-use crate::LocalCopyEngine;
-
-impl LocalCopyEngine {
-    /// Registers `len` bytes of host memory at `ptr` in the engine's registry and returns the
-    /// endpoint id that fragments use to name it.
-    ///
-    /// # Safety
-    ///
-    /// The engine reads and writes the region through `ptr` after checking only that every
-    /// access lies inside `0 .. len`. The caller promises, as for
-    /// [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register):
-    /// - `ptr .. ptr + len` is host memory of this process, valid for reads and writes;
-    /// - it stays valid until the endpoint is deregistered and every [`TransferHandle`] that
-    ///   used it has been waited on or dropped (handles of this engine are settled when `submit`
-    ///   returns, but an engine that wraps this one may hold them longer);
-    /// - while a transfer runs, nothing else reads or writes the bytes it writes, and nothing
-    ///   else writes the bytes it reads. "Anything else" includes transfers submitted
-    ///   concurrently from other threads. Overlap between the fragments of one submit is not the
-    ///   caller's concern: the engine detects it and fails the objects involved
-    ///   ([`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap)) before anything runs.
-    ///
-    /// [`TransferHandle`]: umbp_plan::TransferHandle
-    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> EndpointId {
-        // Exposing the provenance lets the executor rebuild the pointer from the plain address
-        // the endpoint stores (see `Task::resolve`).
-        let endpoint = Endpoint::host(ptr.expose_provenance() as u64, len as u64);
-        // SAFETY: the caller keeps the obligations of `register`, which this method repeats.
-        unsafe { self.registry().register(endpoint) }
-    }
-}
+use umbp_plan::{Endpoint, Segment};
 
 /// A registered host endpoint as a range of addresses of this process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

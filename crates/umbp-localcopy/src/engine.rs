@@ -6,9 +6,9 @@ use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use umbp_plan::{
-    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointTable, Failure, FailureCause,
-    Fragment, IncrementalBuilder, OverlapCheck, Plan, PlanBuilder, PlanRules, PlanSet, Space,
-    TransferEngine, TransferHandle,
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, EndpointTable, Failure,
+    FailureCause, Fragment, IncrementalBuilder, OverlapCheck, Plan, PlanBuilder, PlanRules,
+    PlanSet, Register, RegisterError, Space, TransferEngine, TransferHandle,
 };
 
 use crate::copy::{run_tasks, HostRegion, Kernel, Task};
@@ -35,9 +35,8 @@ const SCRATCH_KEPT: usize = 8;
 /// idempotent, dropping it is free). [`transfer_batch`](Self::transfer_batch) plans and
 /// copies a list of transfers in one call.
 ///
-/// Host memory enters through [`register_host`](Self::register_host) (or
-/// [`EndpointRegistry::register`] on the shared registry), which is where the caller promises
-/// that the memory stays valid; every later access is bounds-checked against it.
+/// Host memory enters through [`Register`] (safely for buffers Rust owns, with a promise for
+/// raw memory) and every later access is bounds-checked against the registered region.
 ///
 /// # Submit
 ///
@@ -183,6 +182,23 @@ impl LocalCopyEngine {
             "copied"
         );
         failures
+    }
+}
+
+/// Host memory registers as everywhere else ([`Register`]); the engine prepares nothing for it.
+/// Memory it cannot copy (device memory, files) registers too, and its transfers are refused at
+/// planning.
+impl Register for LocalCopyEngine {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.registry
+    }
+
+    fn prepare(
+        &self,
+        _: EndpointId,
+        _: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        Ok(None)
     }
 }
 

@@ -31,16 +31,13 @@
 //!
 //! ```
 //! use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
-//! use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+//! use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
 //!
 //! let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), LocalCopyConfig::default());
-//! let mut arena: Vec<u8> = (0..16 * 1024).map(|i| (i / 1024) as u8).collect();
-//! let mut out = vec![0u8; 3 * 1024];
-//! // SAFETY: both buffers outlive every transfer below and nothing else touches them meanwhile.
-//! let (a, o) = unsafe {
-//!     (engine.register_host(arena.as_mut_ptr(), arena.len()),
-//!      engine.register_host(out.as_mut_ptr(), out.len()))
-//! };
+//! // Registrations own their buffers until they end; dropping one deregisters it.
+//! let arena = engine.register_memory((0..16 * 1024).map(|i| (i / 1024) as u8).collect::<Vec<u8>>())?;
+//! let out = engine.register_memory(vec![0u8; 3 * 1024])?;
+//! let (a, o) = (arena.id(), out.id());
 //!
 //! // Object 0 is stored in 1 KiB pages 9, 10 and 2 of the arena.
 //! let mut builder = engine.incremental_builder();
@@ -54,8 +51,9 @@
 //!
 //! let mut handle = engine.submit(plans);
 //! assert!(handle.wait().is_empty());
+//! let out = out.deregister(); // the buffer back, once no transfer uses it
 //! assert_eq!((out[0], out[1024], out[2048]), (9, 10, 2));
-//! # Ok::<(), umbp_plan::Error>(())
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # Unsafe code
@@ -63,8 +61,12 @@
 //! All of it is in one private module (`copy.rs`): the copy kernels (plain, `memmove` for a
 //! task whose ranges overlap, which the overlap rule never lets run but which keeps the kernel
 //! sound on its own, and SSE2 streaming stores) and the `Send`/`Sync` of a copy task.
-//! The one `unsafe` item of the API is [`LocalCopyEngine::register_host`], where the caller
-//! promises that registered memory stays valid; every access after it is bounds-checked.
+//! The API needs no `unsafe` for memory Rust owns ([`Register::register_memory`]); raw memory
+//! goes through [`Register::register_raw_memory`], where the caller promises that it stays
+//! valid. Every access after registration is bounds-checked.
+//!
+//! [`Register::register_memory`]: umbp_plan::Register::register_memory
+//! [`Register::register_raw_memory`]: umbp_plan::Register::register_raw_memory
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]

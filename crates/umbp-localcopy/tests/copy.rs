@@ -213,7 +213,7 @@ fn device_and_file_endpoints_are_refused_with_a_typed_error() {
     let device = unsafe {
         engine.registry().register(Endpoint::device(DeviceOrdinal::new(0), 0x7000_0000, 1 << 20))
     };
-    let file = engine.registry().register_file(-1, 0, 1 << 20, false);
+    let file = umbp_plan::testing::invent_file(engine.registry(), -1, 0, 1 << 20, false);
 
     let mut builder = engine.incremental_builder();
     for (t, (src, dst)) in [(a, device), (device, o), (file, o), (a, file)].into_iter().enumerate()

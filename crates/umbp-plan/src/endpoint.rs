@@ -277,7 +277,10 @@ impl EndpointRegistry {
         Arc::new(Self::default())
     }
 
-    /// Registers an endpoint of any kind and returns its id.
+    /// Registers an endpoint of any kind and returns its id: the layer beneath
+    /// [`Register`](crate::Register), which callers use instead (it returns a guard that
+    /// deregisters, and prepares the engines). Nothing deregisters an id registered here but
+    /// [`deregister`](Self::deregister).
     ///
     /// # Safety
     ///
@@ -289,23 +292,15 @@ impl EndpointRegistry {
     ///   transfer handle that used it has been waited on (or dropped, which waits);
     /// - while a transfer runs, nothing else may access the bytes it writes.
     ///
-    /// File endpoints carry no memory obligation; [`register_file`](Self::register_file) is the
-    /// safe way to add one.
+    /// File endpoints carry no memory obligation: a wrong descriptor fails transfers or reaches
+    /// the wrong file, never memory.
     #[allow(unsafe_code)] // Declares the obligation; umbp-plan itself never dereferences it.
     pub unsafe fn register(&self, endpoint: Endpoint) -> EndpointId {
-        self.publish(|slots| {
-            slots.push(Some(endpoint));
-            EndpointId((slots.len() - 1) as u32)
-        })
+        self.insert(endpoint)
     }
 
-    /// Registers `len` bytes of the open file `fd` starting at `file_offset`.
-    ///
-    /// The descriptor must stay open until the endpoint is deregistered and every handle that
-    /// used it has been waited on; a closed descriptor fails transfers, it does not corrupt
-    /// memory.
-    pub fn register_file(&self, fd: i32, file_offset: u64, len: u64, direct: bool) -> EndpointId {
-        let endpoint = Endpoint::file(fd, file_offset, len, direct);
+    /// Adds `endpoint` to the table; the caller has checked what `register` asks.
+    pub(crate) fn insert(&self, endpoint: Endpoint) -> EndpointId {
         self.publish(|slots| {
             slots.push(Some(endpoint));
             EndpointId((slots.len() - 1) as u32)
@@ -424,19 +419,25 @@ impl EndpointRegistry {
 mod tests {
     use super::*;
 
+    impl EndpointRegistry {
+        fn insert_file(&self, fd: i32, file_offset: u64, len: u64, direct: bool) -> EndpointId {
+            self.insert(Endpoint::file(fd, file_offset, len, direct))
+        }
+    }
+
     #[test]
     fn ids_are_dense_never_reused_and_snapshots_do_not_change() {
         let registry = EndpointRegistry::new();
-        let a = registry.register_file(3, 0, 100, true);
+        let a = registry.insert_file(3, 0, 100, true);
         let before = registry.snapshot();
-        let b = registry.register_file(4, 4096, 200, false);
+        let b = registry.insert_file(4, 4096, 200, false);
         assert_eq!((a.raw(), b.raw()), (0, 1));
         assert!(before.get(b).is_none(), "a snapshot does not see later registrations");
         assert_eq!(registry.deregister(a).map(|e| e.len()), Ok(100));
         assert_eq!(registry.deregister(a), Err(Error::UnknownEndpoint { id: a }));
         assert!(registry.get(a).is_none());
         assert!(before.get(a).is_some(), "an old snapshot still describes it");
-        let c = registry.register_file(5, 0, 1, false);
+        let c = registry.insert_file(5, 0, 1, false);
         assert_eq!(c.raw(), 2, "deregistered ids are not reused");
         let file = registry.get(b).and_then(|e| e.file_range());
         assert_eq!(file, Some(FileRange { fd: 4, file_offset: 4096, direct: false }));
@@ -445,8 +446,7 @@ mod tests {
     #[test]
     fn deregister_waits_for_the_batches_that_pin_an_endpoint() {
         let registry = EndpointRegistry::new();
-        let (a, b) =
-            (registry.register_file(3, 0, 10, false), registry.register_file(4, 0, 10, false));
+        let (a, b) = (registry.insert_file(3, 0, 10, false), registry.insert_file(4, 0, 10, false));
         let pins = registry.pin([a, a, b]);
         assert!(registry.is_pinned(a) && registry.is_pinned(b));
         assert!(pins.table().get(a).is_some());

@@ -78,6 +78,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod aligned;
 mod batch;
 mod builder;
 mod endpoint;
@@ -88,12 +89,14 @@ mod incremental;
 mod overlap;
 mod page_walk;
 mod plan;
+mod register;
 mod rules;
 mod status;
 
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use aligned::AlignedBuffer;
 pub use batch::plan_batch;
 pub use builder::{BatchPlanner, BufferedPlanBuilder, PlanBuilder, RulePlanner};
 pub use endpoint::{
@@ -109,6 +112,9 @@ pub use incremental::{IncrementalBuilder, Run};
 pub use overlap::{OverlapCheck, Space};
 pub use page_walk::{check_ranges, PageFragment, PageWalk};
 pub use plan::{FailedAt, Plan, PlanSet, Segment};
+pub use register::{
+    EndpointRelease, FileOptions, FileSource, HostMemory, Register, RegisterError, Registration,
+};
 pub use rules::{validate, PlanRules};
 pub use status::{BatchState, BatchStatus, ObjectState};
 

@@ -36,15 +36,15 @@ impl HostBuf {
 
     /// Registers the buffer with `engine`.
     pub(crate) fn register(&self, engine: &LocalCopyEngine) -> EndpointId {
-        // SAFETY: the buffer lives until dropped, after the tests' last transfer on it, and the
-        // tests touch it only between transfers.
-        unsafe { engine.register_host(self.ptr, self.len) }
+        self.register_in(engine.registry())
     }
 
     /// Registers the buffer in `registry`.
     pub(crate) fn register_in(&self, registry: &Arc<EndpointRegistry>) -> EndpointId {
         let endpoint = Endpoint::host(self.ptr.expose_provenance() as u64, self.len as u64);
-        // SAFETY: as in `register`.
+        // SAFETY: the buffer lives until dropped, after the tests' last transfer on it, and the
+        // tests touch it only between transfers. (Raw and unguarded, so that tests can
+        // deregister by id, mid-flight.)
         unsafe { registry.register(endpoint) }
     }
 

@@ -207,6 +207,21 @@ impl Scenario {
     }
 }
 
+/// Registers a file endpoint on descriptor number `fd`, open or not, for tests that plan
+/// against files without opening any; nothing deregisters it but
+/// [`EndpointRegistry::deregister`]. Real files go through [`Register::register_file`].
+///
+/// [`Register::register_file`]: crate::Register::register_file
+pub fn invent_file(
+    registry: &EndpointRegistry,
+    fd: i32,
+    file_offset: u64,
+    len: u64,
+    direct: bool,
+) -> EndpointId {
+    registry.insert(Endpoint::file(fd, file_offset, len, direct))
+}
+
 /// A proptest strategy for scenarios under `config`.
 pub fn scenarios(config: ScenarioConfig) -> impl Strategy<Value = Scenario> {
     any::<u64>().prop_map(move |seed| Scenario::generate(seed, &config))

@@ -1,0 +1,550 @@
+//! Registration: the one way to hand memory and files to an engine or a composite.
+//!
+//! Every engine and the composite implement [`Register`], so registering looks the same
+//! everywhere: [`register_memory`](Register::register_memory) for host memory Rust owns (safe),
+//! [`register_raw_memory`](Register::register_raw_memory) for memory only the caller can vouch
+//! for (`unsafe`: a raw pointer, device memory, a tensor), and
+//! [`register_file`](Register::register_file) for a file, by path or by descriptor. Each returns
+//! a [`Registration`]: it names the endpoint ([`Registration::id`]) and keeps what backs it alive
+//! (the buffer, the descriptor). Dropping it deregisters the endpoint, which waits for the
+//! batches in flight that use it ([`EndpointRegistry::deregister`]), lets the engines release
+//! what they held for it (a pinning, a file entry), and only then frees the buffer or closes
+//! the descriptor. [`Registration::deregister`] does the same and hands the buffer back.
+//!
+//! Why registrations own their memory instead of borrowing it: a guard that borrowed a buffer
+//! could be leaked with `std::mem::forget`, ending the borrow while the endpoint stays
+//! registered, and a later transfer would write into freed memory from safe code. An owned
+//! buffer cannot be freed while the guard that owns it exists, leaked or not.
+#![allow(unsafe_code)] // `HostMemory` and `register_raw_memory` state promises; one `fcntl`.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::{Endpoint, EndpointId, EndpointRegistry, EngineError};
+
+/// Host memory that can be registered without `unsafe`: a buffer that owns its bytes in one
+/// heap allocation.
+///
+/// # Safety
+///
+/// An implementation promises that, for as long as the value exists and is not accessed
+/// through `&mut` (the registration holds it and touches nothing):
+/// - `as_mut_ptr() .. + len()` is one allocation of initialised bytes, valid for reads and
+///   writes through the returned pointer, and
+/// - moving the value does not move those bytes and does not invalidate the pointer (so inline
+///   arrays and `Box`, whose moves assert uniqueness, do not qualify; `Vec<u8>` does).
+pub unsafe trait HostMemory: Send + 'static {
+    /// The first byte.
+    fn as_mut_ptr(&mut self) -> *mut u8;
+    /// How many bytes from [`as_mut_ptr`](Self::as_mut_ptr) are registered.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: a `Vec`'s elements live in one heap allocation that moving the `Vec` leaves in place
+// and that is not reallocated while nothing calls `&mut` methods on it; `len` bytes are
+// initialised.
+unsafe impl HostMemory for Vec<u8> {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        Vec::as_mut_ptr(self)
+    }
+
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
+/// How [`FileSource::open`] opens a file. Defaults: readable and writable, not created,
+/// `O_DIRECT`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FileOptions {
+    writable: bool,
+    create: bool,
+    direct: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FileOptions {
+    /// Read-write, existing file, `O_DIRECT`.
+    pub const fn new() -> Self {
+        Self { writable: true, create: false, direct: true }
+    }
+
+    /// Whether the file is opened for writing as well as reading (default `true`). Writes into
+    /// a read-only file endpoint fail with `EBADF`.
+    pub const fn writable(mut self, writable: bool) -> Self {
+        self.writable = writable;
+        self
+    }
+
+    /// Whether a missing file is created (default `false`; needs `writable`).
+    pub const fn create(mut self, create: bool) -> Self {
+        self.create = create;
+        self
+    }
+
+    /// Whether to open with `O_DIRECT` (default `true`). Where the filesystem refuses it
+    /// (`EINVAL`, as tmpfs does), the file is opened buffered instead; the registration's
+    /// endpoint says which ([`FileRange::direct`](crate::FileRange::direct)).
+    pub const fn direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
+    }
+}
+
+/// The file behind a file registration: a path to open, or a descriptor the caller opened
+/// (a [`File`] or an [`OwnedFd`]; `try_clone_to_owned` makes one from a borrowed descriptor).
+/// Either way the registration owns the descriptor and closes it when it ends.
+#[derive(Debug)]
+pub struct FileSource(Source);
+
+#[derive(Debug)]
+enum Source {
+    Path(PathBuf, FileOptions),
+    Open(File),
+}
+
+impl FileSource {
+    /// `path`, opened as `options` say.
+    pub fn open(path: impl Into<PathBuf>, options: FileOptions) -> Self {
+        Self(Source::Path(path.into(), options))
+    }
+
+    /// The open file and whether its descriptor has `O_DIRECT`.
+    fn into_file(self) -> Result<(File, bool), RegisterError> {
+        match self.0 {
+            Source::Path(path, options) => {
+                open(&path, &options).map_err(|source| RegisterError::Open { path, source })
+            }
+            Source::Open(file) => {
+                let fd = file.as_raw_fd();
+                // SAFETY: `F_GETFL` reads the descriptor's status flags and touches no memory;
+                // `fd` is open for as long as `file` lives.
+                let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+                if flags < 0 {
+                    return Err(RegisterError::Inspect { fd, source: io::Error::last_os_error() });
+                }
+                Ok((file, flags & libc::O_DIRECT != 0))
+            }
+        }
+    }
+}
+
+impl From<&Path> for FileSource {
+    /// The path, opened with the default [`FileOptions`].
+    fn from(path: &Path) -> Self {
+        Self::open(path, FileOptions::new())
+    }
+}
+
+impl From<PathBuf> for FileSource {
+    /// The path, opened with the default [`FileOptions`].
+    fn from(path: PathBuf) -> Self {
+        Self::open(path, FileOptions::new())
+    }
+}
+
+impl From<File> for FileSource {
+    fn from(file: File) -> Self {
+        Self(Source::Open(file))
+    }
+}
+
+impl From<OwnedFd> for FileSource {
+    fn from(fd: OwnedFd) -> Self {
+        Self(Source::Open(File::from(fd)))
+    }
+}
+
+/// Opens `path`; with `O_DIRECT` refused by the filesystem, opens it buffered. Returns the file
+/// and whether it has `O_DIRECT`.
+fn open(path: &Path, options: &FileOptions) -> io::Result<(File, bool)> {
+    let mut open = OpenOptions::new();
+    open.read(true).write(options.writable).create(options.create);
+    if options.direct {
+        open.custom_flags(libc::O_DIRECT);
+        match open.open(path) {
+            Ok(file) => return Ok((file, true)),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::info!(path = %path.display(), "the filesystem refuses O_DIRECT; buffered");
+                open.custom_flags(0);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    open.open(path).map(|file| (file, false))
+}
+
+/// Why a registration was refused. Nothing of it remains registered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// [`register_raw_memory`](Register::register_raw_memory) was given a file endpoint.
+    #[error("a file endpoint is registered with register_file, not as memory")]
+    NotMemory,
+    /// The memory region wraps around the address space.
+    #[error("the region at {addr:#x} of {len} bytes wraps around the address space")]
+    RegionOverflow {
+        /// Start address.
+        addr: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// The file range's end overflows `u64`.
+    #[error("the file range at {file_offset} of {len} bytes overflows")]
+    RangeOverflow {
+        /// Start offset.
+        file_offset: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// The file could not be opened.
+    #[error("could not open {path}: {source}")]
+    Open {
+        /// The path.
+        path: PathBuf,
+        /// What the system said.
+        source: io::Error,
+    },
+    /// A descriptor could not be inspected (its flags, its block size).
+    #[error("could not inspect descriptor {fd}: {source}")]
+    Inspect {
+        /// The descriptor.
+        fd: i32,
+        /// What the system said.
+        source: io::Error,
+    },
+    /// An engine refused to prepare the endpoint (pinning failed, say).
+    #[error("engine `{engine}` refused the endpoint: {source}")]
+    Engine {
+        /// The engine's name.
+        engine: String,
+        /// The engine's own error; downcast it for details.
+        source: EngineError,
+    },
+}
+
+/// Undoes what an engine prepared for an endpoint; see [`Register::prepare`].
+pub trait EndpointRelease: Send + Sync {
+    /// Called once, after endpoint `id` was deregistered and no batch uses it any more.
+    fn release(&self, id: EndpointId);
+}
+
+/// A registered endpoint and what backs it (`K`: the buffer, the file, or `()` for raw
+/// memory). Dropping it deregisters the endpoint; see the [module docs](self).
+#[must_use = "dropping a registration deregisters the endpoint at once"]
+pub struct Registration<K = ()> {
+    id: EndpointId,
+    endpoint: Endpoint,
+    registry: Arc<EndpointRegistry>,
+    release: Option<Arc<dyn EndpointRelease>>,
+    /// `None` only after `deregister` took it.
+    keep: Option<K>,
+}
+
+impl<K> Registration<K> {
+    /// The endpoint's id: what fragments and objects name it by. Once the registration ends,
+    /// the id is unknown (ids are never reused), so transfers naming it fail as
+    /// [`EndpointGone`](crate::FailureCause::EndpointGone) and never touch other memory.
+    pub fn id(&self) -> EndpointId {
+        self.id
+    }
+
+    /// The endpoint as registered: kind, address and length.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Ends the registration (waiting for the batches in flight that use it, then releasing
+    /// what engines held for it) and hands back what backed it: the buffer, to read what the
+    /// transfers wrote, or the file.
+    pub fn deregister(mut self) -> K {
+        self.end();
+        self.keep.take().expect("a registration is deregistered once")
+    }
+
+    fn end(&mut self) {
+        // Fails only if the id was already deregistered through the registry directly; no
+        // batch uses it either way.
+        let _ = self.registry.deregister(self.id);
+        if let Some(release) = self.release.take() {
+            release.release(self.id);
+        }
+    }
+}
+
+impl<K> Drop for Registration<K> {
+    fn drop(&mut self) {
+        if self.keep.is_some() {
+            self.end();
+        }
+        // `keep` (the buffer, the descriptor) is dropped after this, once nothing uses it.
+    }
+}
+
+impl<K> std::fmt::Debug for Registration<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.id)
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
+}
+
+/// Registration, the same for every engine and the composite; see the [module docs](self).
+///
+/// An engine implements [`registry`](Self::registry) and [`prepare`](Self::prepare); callers
+/// use the three `register_*` methods.
+pub trait Register {
+    /// The registry the endpoints are named in.
+    fn registry(&self) -> &Arc<EndpointRegistry>;
+
+    /// Prepares for endpoint `id`, just registered (pins host memory for a device, inspects a
+    /// file), and returns what undoes that when the registration ends, if anything does. An
+    /// error undoes the registration. Called by the `register_*` methods, not by callers.
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError>;
+
+    /// Registers host memory Rust owns ([`Vec<u8>`], [`AlignedBuffer`](crate::AlignedBuffer)).
+    /// The registration keeps it until it ends; [`Registration::deregister`] hands it back.
+    fn register_memory<M: HostMemory>(
+        &self,
+        mut memory: M,
+    ) -> Result<Registration<M>, RegisterError>
+    where
+        Self: Sized,
+    {
+        let len = memory.len() as u64;
+        // Exposed, so that engines can rebuild a pointer from the plain address.
+        let addr = memory.as_mut_ptr().expose_provenance() as u64;
+        let endpoint = Endpoint::host(addr, len);
+        // SAFETY: `HostMemory` promises `addr .. + len` valid for reads and writes while
+        // `memory` lives untouched; the registration owns it, touches nothing, and drops it
+        // only after deregistering (which waits for every batch that uses it).
+        let id = unsafe { self.registry().register(endpoint) };
+        finish(self, id, endpoint, memory)
+    }
+
+    /// Registers memory described by `endpoint` (host or device) that only the caller can
+    /// vouch for: a raw pointer, device memory, a tensor's storage.
+    ///
+    /// # Safety
+    ///
+    /// Engines read and write `addr .. addr + len` after checking only that each access lies
+    /// inside it. The caller promises that it is memory of the endpoint's kind, valid for
+    /// reads and writes until the registration has ended (dropped or
+    /// [deregistered](Registration::deregister)), and that while a transfer runs nothing else
+    /// accesses the bytes it writes or writes the bytes it reads.
+    unsafe fn register_raw_memory(&self, endpoint: Endpoint) -> Result<Registration, RegisterError>
+    where
+        Self: Sized,
+    {
+        if endpoint.file_range().is_some() {
+            return Err(RegisterError::NotMemory);
+        }
+        let (addr, len) = (endpoint.addr(), endpoint.len());
+        if addr.checked_add(len).is_none() {
+            return Err(RegisterError::RegionOverflow { addr, len });
+        }
+        // SAFETY: the caller's promise is the registry's.
+        let id = unsafe { self.registry().register(endpoint) };
+        finish(self, id, endpoint, ())
+    }
+
+    /// Registers bytes `file_offset .. file_offset + len` of a file: a path (opened with the
+    /// default [`FileOptions`], or as [`FileSource::open`] says) or a descriptor. The
+    /// registration owns the descriptor and closes it when it ends; whether transfers align for
+    /// `O_DIRECT` follows the descriptor's flags.
+    fn register_file(
+        &self,
+        file: impl Into<FileSource>,
+        file_offset: u64,
+        len: u64,
+    ) -> Result<Registration<File>, RegisterError>
+    where
+        Self: Sized,
+    {
+        if file_offset.checked_add(len).is_none() {
+            return Err(RegisterError::RangeOverflow { file_offset, len });
+        }
+        let (file, direct) = file.into().into_file()?;
+        let endpoint = Endpoint::file(file.as_raw_fd(), file_offset, len, direct);
+        let id = self.registry().insert(endpoint);
+        finish(self, id, endpoint, file)
+    }
+}
+
+/// Prepares the engines for `id` and wraps it in its guard, or undoes the registration.
+fn finish<R: Register, K>(
+    this: &R,
+    id: EndpointId,
+    endpoint: Endpoint,
+    keep: K,
+) -> Result<Registration<K>, RegisterError> {
+    let registry = Arc::clone(this.registry());
+    match this.prepare(id, &endpoint) {
+        Ok(release) => Ok(Registration { id, endpoint, registry, release, keep: Some(keep) }),
+        Err(e) => {
+            // Nothing was submitted against it yet; `keep` goes after this.
+            let _ = registry.deregister(id);
+            Err(e)
+        }
+    }
+}
+
+/// The registry alone registers without preparing any engine: for engines that need no
+/// preparation, and for tests.
+impl Register for Arc<EndpointRegistry> {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        self
+    }
+
+    fn prepare(
+        &self,
+        _: EndpointId,
+        _: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::AlignedBuffer;
+
+    /// An engine that refuses endpoints longer than its limit and counts releases.
+    struct Picky {
+        registry: Arc<EndpointRegistry>,
+        limit: u64,
+        released: Arc<Released>,
+    }
+
+    #[derive(Default)]
+    struct Released(Mutex<Vec<EndpointId>>);
+
+    impl EndpointRelease for Released {
+        fn release(&self, id: EndpointId) {
+            self.0.lock().unwrap().push(id);
+        }
+    }
+
+    impl Register for Picky {
+        fn registry(&self) -> &Arc<EndpointRegistry> {
+            &self.registry
+        }
+
+        fn prepare(
+            &self,
+            _: EndpointId,
+            endpoint: &Endpoint,
+        ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+            if endpoint.len() > self.limit {
+                let source: EngineError = "too long".into();
+                return Err(RegisterError::Engine { engine: "picky".into(), source });
+            }
+            Ok(Some(self.released.clone()))
+        }
+    }
+
+    #[test]
+    fn a_registration_ends_once_and_hands_its_memory_back() {
+        let picky =
+            Picky { registry: EndpointRegistry::new(), limit: 4096, released: Default::default() };
+        let reg = picky.register_memory(vec![7u8; 64]).unwrap();
+        let (id, addr) = (reg.id(), reg.endpoint().addr());
+        assert_eq!(picky.registry.get(id).map(|e| (e.addr(), e.len())), Some((addr, 64)));
+        let back = reg.deregister();
+        assert_eq!((back.as_ptr() as u64, back.len()), (addr, 64), "the same buffer, unmoved");
+        assert!(picky.registry.get(id).is_none());
+        assert_eq!(*picky.released.0.lock().unwrap(), [id], "released once");
+
+        let dropped = picky.register_memory(AlignedBuffer::for_direct_io(4096)).unwrap();
+        let id = dropped.id();
+        drop(dropped);
+        assert!(picky.registry.get(id).is_none());
+        assert_eq!(picky.released.0.lock().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_refused_registration_leaves_nothing() {
+        let picky =
+            Picky { registry: EndpointRegistry::new(), limit: 10, released: Default::default() };
+        let err = picky.register_memory(vec![0u8; 11]).unwrap_err();
+        assert!(matches!(err, RegisterError::Engine { .. }), "{err}");
+        assert_eq!(picky.registry.snapshot().iter().count(), 0);
+        // SAFETY: refused before anything could use it.
+        let raw = unsafe { picky.register_raw_memory(Endpoint::host(u64::MAX - 1, 4)) };
+        assert!(matches!(raw, Err(RegisterError::RegionOverflow { .. })));
+        // SAFETY: refused: not memory.
+        let file = unsafe { picky.register_raw_memory(Endpoint::file(0, 0, 1, false)) };
+        assert!(matches!(file, Err(RegisterError::NotMemory)));
+        let overflow = picky.register_file(Path::new("/nonexistent"), u64::MAX, 1);
+        assert!(matches!(overflow, Err(RegisterError::RangeOverflow { .. })));
+        let missing = picky.register_file(Path::new("/nonexistent/umbp"), 0, 1);
+        assert!(matches!(missing, Err(RegisterError::Open { .. })));
+        assert_eq!(picky.registry.snapshot().iter().count(), 0);
+        assert!(picky.released.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_file_registration_owns_its_descriptor_until_it_ends() {
+        let dir = std::env::temp_dir().join(format!("umbp-register-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, [1u8; 8192]).unwrap();
+        let registry = EndpointRegistry::new();
+        let reg = registry
+            .register_file(FileSource::open(&path, FileOptions::new().direct(false)), 4096, 4096)
+            .unwrap();
+        let range = reg.endpoint().file_range().unwrap();
+        assert_eq!((range.file_offset, range.direct), (4096, false));
+        assert_eq!(registry.get(reg.id()).and_then(|e| e.file_range()), Some(range));
+        let file = reg.deregister();
+        assert_eq!(file.as_raw_fd(), range.fd, "the descriptor comes back open");
+        assert_eq!(file.metadata().unwrap().len(), 8192);
+
+        // From a descriptor the caller opened: its own flags decide.
+        let opened = File::open(&path).unwrap();
+        let reg = registry.register_file(opened, 0, 8192).unwrap();
+        assert!(!reg.endpoint().file_range().unwrap().direct);
+        drop(reg);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn dropping_a_registration_waits_for_the_batch_that_pins_it() {
+        let registry = EndpointRegistry::new();
+        let reg = registry.register_memory(vec![0u8; 16]).unwrap();
+        let pins = registry.pin([reg.id()]);
+        let ended = AtomicU32::new(0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                drop(reg);
+                ended.store(1, Ordering::SeqCst);
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert_eq!(ended.load(Ordering::SeqCst), 0, "ended while a batch pins it");
+            drop(pins);
+        });
+        assert_eq!(ended.load(Ordering::SeqCst), 1);
+    }
+}
