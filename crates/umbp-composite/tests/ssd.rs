@@ -8,7 +8,7 @@ use support::*;
 use umbp_composite::{restore, ObjectRange, ObjectTransfer, PagedObject};
 use umbp_hbm::DeviceFault;
 use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState};
-use umbp_ssd::Fault;
+use umbp_ssd::IoFault;
 
 #[test]
 fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
@@ -82,7 +82,7 @@ fn an_injected_ssd_read_error_fails_only_its_object() {
     };
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, per, 16)).collect();
     // Fail the read of object 2's third page.
-    t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[2][2], EIO));
+    t.ssd.inject_fault(IoFault::read_covering(t.file_id, tables[2][2], EIO));
     let states = restore_file_objects(&t, out_id, &tables);
     assert_eq!(
         states,
@@ -157,7 +157,7 @@ fn a_failure_in_either_hop_fails_only_its_object() {
     let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
-    t.ssd.inject_fault(Fault::read_covering(t.file_id, tables[1][0], EIO));
+    t.ssd.inject_fault(IoFault::read_covering(t.file_id, tables[1][0], EIO));
     let states = restore_file_objects(&t, dev.id, &tables);
     assert_eq!(
         states,

@@ -472,16 +472,16 @@ mod tests {
     use std::sync::Arc;
 
     use umbp_plan::{
-        Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, IncrementalBuilder,
-        PlanBuilder, PlanSet, Tag,
+        Endpoint, EndpointId, EndpointRegistry, FailureCause, FileOptions, FileSource, Fragment,
+        IncrementalBuilder, PlanBuilder, PlanSet, Register, Registration, Tag,
     };
 
     use super::{plan_files, Batch, Limits};
     use crate::fault::Faults;
-    use crate::file::{self, FileTable};
+    use crate::file::FileTable;
     use crate::op::BouncePool;
     use crate::ring::Ring;
-    use crate::{sys, FileOptions, SsdRules};
+    use crate::{sys, SsdRules};
 
     const PAGE: u64 = 64 << 10;
     const LIMITS: Limits = Limits { max_io: 1 << 20, bounce_budget: 16 << 20 };
@@ -515,15 +515,22 @@ mod tests {
     }
 
     struct Fixture {
-        _dir: tempfile::TempDir,
         registry: Arc<EndpointRegistry>,
         files: FileTable,
+        /// The open files, closed when the fixture goes (before the directory).
+        opened: std::sync::Mutex<Vec<Registration<std::fs::File>>>,
+        _dir: tempfile::TempDir,
     }
 
     impl Fixture {
         fn new() -> Self {
             let dir = tempfile::tempdir().expect("a temporary directory");
-            Self { _dir: dir, registry: EndpointRegistry::new(), files: FileTable::default() }
+            Self {
+                _dir: dir,
+                registry: EndpointRegistry::new(),
+                files: FileTable::default(),
+                opened: Default::default(),
+            }
         }
 
         fn path(&self, name: &str) -> std::path::PathBuf {
@@ -532,18 +539,19 @@ mod tests {
 
         /// Opens `path` as the engine would; `None` when O_DIRECT was asked for and refused.
         fn open(&self, path: &Path, len: u64, direct: bool) -> Option<EndpointId> {
-            let (fd, refused) = file::open(path, &FileOptions::new().direct(direct)).unwrap();
-            if refused {
+            let source = FileSource::open(path, FileOptions::new().direct(direct));
+            let registration = self.registry.register_file(source, 0, len).unwrap();
+            let range = registration.endpoint().file_range().unwrap();
+            if range.direct != direct {
                 eprintln!(
                     "SKIP the O_DIRECT part: the filesystem of {} refuses it",
                     path.display()
                 );
                 return None;
             }
-            let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
-            let entry = FileTable::entry_for(raw, Some(fd)).unwrap();
-            let id = self.registry.register_file(raw, 0, len, entry.info.direct);
-            self.files.insert(id, entry);
+            let id = registration.id();
+            self.files.register(id, range).unwrap();
+            self.opened.lock().unwrap().push(registration);
             Some(id)
         }
 

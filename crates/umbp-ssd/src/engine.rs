@@ -1,21 +1,19 @@
 //! The engine: configuration, file endpoints, planning and submission.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use umbp_plan::{
-    plan_batch, Endpoint, EndpointId, EndpointRegistry, Fragment, IncrementalBuilder, PlanBuilder,
-    PlanRules, PlanSet, TransferEngine, TransferHandle,
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, EngineError, Fragment,
+    IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Register, RegisterError, TransferEngine,
+    TransferHandle,
 };
 
 use crate::batch::Limits;
 use crate::fault::Faults;
-use crate::file::{self, FileTable};
+use crate::file::FileTable;
 use crate::ring::Ring;
 use crate::worker::{Shared, Workers};
-use crate::{Backend, Error, FileInfo, FileOptions, SsdConfig, SsdRules};
+use crate::{Backend, Error, FileInfo, SsdConfig, SsdRules};
 
 /// The io_uring engine for transfers between file endpoints and host memory.
 ///
@@ -82,7 +80,6 @@ impl SsdEngine {
             faults: Faults::new(),
             limits,
             name: config.name,
-            direct_refusal_logged: AtomicBool::new(false),
             overlap: Default::default(),
         });
         let workers =
@@ -122,83 +119,15 @@ impl SsdEngine {
         IncrementalBuilder::new(self.rules, Arc::clone(&self.shared.registry))
     }
 
-    /// Opens `path` and registers bytes `file_offset .. file_offset + len` of it as a file
-    /// endpoint. The engine owns the descriptor and closes it at
-    /// [`deregister`](Self::deregister) (once no running batch uses it).
-    ///
-    /// With [`FileOptions::direct`] (the default) the file is opened with `O_DIRECT`; where
-    /// the filesystem refuses that (`EINVAL`), it is opened buffered instead, and the engine
-    /// logs this once. [`file_info`](Self::file_info) tells which.
-    pub fn open_file(
-        &self,
-        path: impl AsRef<Path>,
-        file_offset: u64,
-        len: u64,
-        options: FileOptions,
-    ) -> Result<EndpointId, Error> {
-        let path = path.as_ref();
-        check_range(file_offset, len)?;
-        let (fd, refused) = file::open(path, &options)
-            .map_err(|source| Error::Open { path: path.to_owned(), source })?;
-        if refused && !self.shared.direct_refusal_logged.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                engine = %self.shared.name,
-                path = %path.display(),
-                "the filesystem refuses O_DIRECT; using buffered I/O for such files"
-            );
-        }
-        let raw = fd.as_raw_fd();
-        let entry = FileTable::entry_for(raw, Some(fd))
-            .map_err(|source| Error::Inspect { fd: raw, source })?;
-        let id = self.shared.registry.register_file(raw, file_offset, len, entry.info.direct);
-        self.shared.files.insert(id, entry);
-        Ok(id)
-    }
-
-    /// Registers bytes `file_offset .. file_offset + len` of a descriptor the caller opened.
-    /// Whether transfers align for `O_DIRECT` follows the descriptor's own flags.
-    ///
-    /// The descriptor must stay open until the endpoint is deregistered and every handle that
-    /// used it has been waited on; a descriptor closed early fails transfers with `EBADF` (or,
-    /// if its number is reused, reads or writes the file that now has it), it never touches
-    /// memory outside the transfer's endpoints.
-    pub fn register_fd(
-        &self,
-        fd: BorrowedFd<'_>,
-        file_offset: u64,
-        len: u64,
-    ) -> Result<EndpointId, Error> {
-        check_range(file_offset, len)?;
-        let raw = fd.as_raw_fd();
-        let entry =
-            FileTable::entry_for(raw, None).map_err(|source| Error::Inspect { fd: raw, source })?;
-        let id = self.shared.registry.register_file(raw, file_offset, len, entry.info.direct);
-        self.shared.files.insert(id, entry);
-        Ok(id)
-    }
-
-    /// Deregisters endpoint `id` (of any kind) and returns its description, once no submitted
-    /// batch uses it (it waits for them). A file the engine opened is closed then; batches
-    /// submitted later fail their plans with `EndpointGone`.
-    pub fn deregister(&self, id: EndpointId) -> Result<Endpoint, Error> {
-        let endpoint =
-            self.shared.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
-        if endpoint.file_range().is_some() {
-            self.shared.files.retire(id);
-        }
-        Ok(endpoint)
-    }
-
-    /// What the engine knows about file endpoint `id`: registered through
-    /// [`open_file`](Self::open_file) or [`register_fd`](Self::register_fd), or used by a
-    /// submitted batch.
+    /// What the engine knows about file endpoint `id`: registered through the engine (or a
+    /// composite over it), or used by a submitted batch.
     pub fn file_info(&self, id: EndpointId) -> Option<FileInfo> {
         self.shared.files.info(id)
     }
 
     /// Arms a fault: matching operations fail with its errno instead of reaching the kernel.
     #[cfg(feature = "fault-injection")]
-    pub fn inject_fault(&self, fault: crate::Fault) {
+    pub fn inject_fault(&self, fault: crate::IoFault) {
         self.shared.faults.inject(fault);
     }
 
@@ -209,10 +138,25 @@ impl SsdEngine {
     }
 }
 
-fn check_range(file_offset: u64, len: u64) -> Result<(), Error> {
-    match file_offset.checked_add(len) {
-        Some(_) => Ok(()),
-        None => Err(Error::RangeOverflow { file_offset, len }),
+/// Files register as everywhere else ([`Register`]): the engine inspects the descriptor (its
+/// `O_DIRECT` flag, its block size) at once, so a bad one is refused here, and forgets it when
+/// the registration ends. Host memory needs no preparation.
+impl Register for SsdEngine {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.shared.registry
+    }
+
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        let Some(range) = endpoint.file_range() else { return Ok(None) };
+        self.shared
+            .files
+            .register(id, range)
+            .map_err(|source| RegisterError::Inspect { fd: range.fd, source })?;
+        Ok(Some(Arc::clone(&self.shared) as Arc<dyn EndpointRelease>))
     }
 }
 
@@ -236,5 +180,18 @@ impl TransferEngine for SsdEngine {
     /// Queues `plans` for a worker; see [`TransferHandle`] for waiting and dropping.
     fn submit(&self, plans: PlanSet) -> TransferHandle {
         self.workers.submit(plans)
+    }
+
+    /// Inspects a file endpoint registered through a composite, as [`Register`] does.
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        match Register::prepare(self, id, endpoint) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Box::new(e)),
+        }
+    }
+
+    /// Forgets a file endpoint deregistered through a composite.
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        self.shared.files.retire(id);
     }
 }

@@ -6,7 +6,7 @@
 #[cfg(feature = "fault-injection")]
 pub(crate) use enabled::Faults;
 #[cfg(feature = "fault-injection")]
-pub use enabled::{Fault, FaultOp, FaultTrigger};
+pub use enabled::{FaultOp, FaultTrigger, IoFault};
 
 #[cfg(not(feature = "fault-injection"))]
 pub(crate) use disabled::Faults;
@@ -43,7 +43,7 @@ mod enabled {
     use crate::op::Op;
     use crate::sys::Dir;
 
-    /// Which operations a [`Fault`] matches.
+    /// Which operations an [`IoFault`] matches.
     #[derive(Copy, Clone, Debug, PartialEq, Eq)]
     pub enum FaultOp {
         /// Reads from a file into memory.
@@ -54,7 +54,7 @@ mod enabled {
         Any,
     }
 
-    /// When a [`Fault`] fires.
+    /// When an [`IoFault`] fires.
     #[derive(Copy, Clone, Debug, PartialEq, Eq)]
     pub enum FaultTrigger {
         /// On the `n`-th matching operation the engine starts after the fault is injected,
@@ -74,7 +74,7 @@ mod enabled {
     /// is one read or write of a plan segment (or of a piece of a segment longer than the
     /// engine's largest I/O); the failed segment's objects fail, the rest of the batch runs.
     #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-    pub struct Fault {
+    pub struct IoFault {
         /// Which operations it matches.
         pub op: FaultOp,
         /// When it fires.
@@ -83,7 +83,7 @@ mod enabled {
         pub errno: i32,
     }
 
-    impl Fault {
+    impl IoFault {
         /// Fails the `n`-th read (from 1) with `errno`, once.
         pub const fn nth_read(n: u64, errno: i32) -> Self {
             Self { op: FaultOp::Read, trigger: FaultTrigger::Nth(n), errno }
@@ -108,7 +108,7 @@ mod enabled {
     /// An armed fault and the matching operations it has seen.
     #[derive(Debug)]
     struct Armed {
-        fault: Fault,
+        fault: IoFault,
         seen: u64,
         fired: bool,
     }
@@ -127,7 +127,7 @@ mod enabled {
             Self::default()
         }
 
-        pub(crate) fn inject(&self, fault: Fault) {
+        pub(crate) fn inject(&self, fault: IoFault) {
             let mut rules = self.rules.lock().unwrap_or_else(PoisonError::into_inner);
             rules.push(Armed { fault, seen: 0, fired: false });
             self.armed.store(true, Ordering::Relaxed);

@@ -2,10 +2,11 @@
 //! and host memory, for restoring KV-cache objects from SSD files (file → host) and offloading
 //! them (host → file).
 //!
-//! - **Endpoints.** [`SsdEngine::open_file`] opens a file (with `O_DIRECT` by default, falling
-//!   back to buffered I/O where the filesystem refuses it) and registers a range of it;
-//!   [`SsdEngine::register_fd`] registers a descriptor the caller opened. Host memory is
-//!   registered with the `unsafe` [`EndpointRegistry::register`](umbp_plan::EndpointRegistry::register).
+//! - **Endpoints.** Files and host memory register through [`umbp_plan::Register`], as with
+//!   every umbp engine: `register_file` takes a path (opened with `O_DIRECT` by default,
+//!   buffered where the filesystem refuses it) or a descriptor, and the engine inspects it at
+//!   once; `register_memory` takes a buffer such as [`AlignedBuffer`](umbp_plan::AlignedBuffer),
+//!   aligned for `O_DIRECT`.
 //! - **Planning.** The engine's builder is umbp-plan's [`IncrementalBuilder`](umbp_plan::IncrementalBuilder)
 //!   with [`SsdRules`]: one plan per (file, host buffer) pair, adjacent fragments merged up to
 //!   the maximum segment (1 MiB by default), per-object rollback.
@@ -35,15 +36,17 @@
 //!   ring cancels the requests in flight, nothing more is issued, and the objects whose bytes
 //!   did not arrive fail with [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut).
 //!   The blocking fallback checks the deadline between calls (a `pread` cannot be cancelled).
-//! - **Lifetimes.** `submit` takes each file the batch uses: deregistering a file endpoint right
-//!   after submit does not fail the batch, and a file the engine opened closes only once no
-//!   batch uses it.
+//! - **Lifetimes.** Files and memory register through [`umbp_plan::Register`]; the
+//!   registration owns the descriptor. A batch pins its endpoints from submit until it settles,
+//!   and ending a registration waits for those batches before the descriptor closes.
 //!
 //! # Example
 //!
 //! ```
-//! use umbp_plan::{Endpoint, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
-//! use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
+//! use umbp_plan::{
+//!     AlignedBuffer, EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine,
+//! };
+//! use umbp_ssd::{SsdConfig, SsdEngine};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dir = tempfile::tempdir()?;
@@ -52,19 +55,19 @@
 //!
 //! let registry = EndpointRegistry::new();
 //! let engine = SsdEngine::new(registry.clone(), SsdConfig::new())?;
-//! let file = engine.open_file(&path, 0, 1 << 20, FileOptions::new())?;
-//! let mut out = vec![0u8; 8192];
-//! // SAFETY: `out` stays alive and untouched until the handle below has been waited on.
-//! let host = unsafe { registry.register(Endpoint::host(out.as_mut_ptr() as u64, 8192)) };
+//! // O_DIRECT by default (buffered where the filesystem refuses it); aligned memory for it.
+//! let file = engine.register_file(path.as_path(), 0, 1 << 20)?;
+//! let out = engine.register_memory(AlignedBuffer::for_direct_io(8192))?;
+//! let (file_id, host) = (file.id(), out.id());
 //!
 //! let mut builder = engine.builder();
 //! let tag = Tag::new(0);
 //! builder.begin_object(tag)?;
-//! builder.push(Fragment::new(file, 4096, host, 0, 8192, tag))?;
+//! builder.push(Fragment::new(file_id, 4096, host, 0, 8192, tag))?;
 //! builder.commit_object()?;
 //! let mut handle = engine.submit(builder.finish()?);
 //! assert!(handle.wait().is_empty());
-//! assert!(out.iter().all(|&b| b == 7));
+//! assert!(out.deregister().iter().all(|&b| b == 7));
 //! # Ok(())
 //! # }
 //! ```
@@ -73,9 +76,9 @@
 //!
 //! Two private modules hold all of it: `sys` (system calls, raw host memory, bounce buffers)
 //! and `ring` (pushing submission entries). Every segment is bounds-checked against its
-//! endpoints at submit; beyond that, the engine relies on the contract of
-//! `EndpointRegistry::register`: registered memory stays valid until the endpoint is
-//! deregistered and every handle that used it has been waited on.
+//! endpoints at submit; beyond that, the engine relies on the contract of registration
+//! ([`umbp_plan::Register`]): registered memory stays valid until the registration has ended,
+//! which waits for every batch that used it.
 //!
 //! # Cargo features
 //!
@@ -98,8 +101,8 @@ pub use config::{Backend, SsdConfig};
 pub use engine::SsdEngine;
 pub use error::Error;
 #[cfg(feature = "fault-injection")]
-pub use fault::{Fault, FaultOp, FaultTrigger};
-pub use file::{FileInfo, FileOptions};
+pub use fault::{FaultOp, FaultTrigger, IoFault};
+pub use file::FileInfo;
 pub use rules::SsdRules;
 
 #[cfg(doctest)]

@@ -9,8 +9,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use umbp_plan::{
-    Completion, EndpointKind, EndpointPins, EndpointRegistry, EndpointTable, Failure, FailureCause,
-    OverlapCheck, PlanSet, Settled, Space, TransferHandle,
+    Completion, EndpointId, EndpointKind, EndpointPins, EndpointRegistry, EndpointRelease,
+    EndpointTable, Failure, FailureCause, OverlapCheck, PlanSet, Settled, Space, TransferHandle,
 };
 
 use crate::batch::{plan_files, Batch, Limits, PlanFiles};
@@ -28,10 +28,16 @@ pub(crate) struct Shared {
     pub(crate) faults: Faults,
     pub(crate) limits: Limits,
     pub(crate) name: String,
-    /// Whether the `O_DIRECT` fallback has been logged.
-    pub(crate) direct_refusal_logged: AtomicBool,
     /// The overlap rule's buffers, shared by submitting threads.
     pub(crate) overlap: Mutex<OverlapCheck>,
+}
+
+/// Forgets a deregistered file endpoint (the guard of a [`Register`](umbp_plan::Register)
+/// registration through the engine).
+impl EndpointRelease for Shared {
+    fn release(&self, id: EndpointId) {
+        self.files.retire(id);
+    }
 }
 
 /// How a worker moves bytes.

@@ -8,7 +8,8 @@ use std::path::Path;
 
 use support::{HostBuf, Rng, POISON};
 use umbp_plan::{EndpointRegistry, Failure, Fragment, Tag};
-use umbp_ssd::{Backend, Fault, FileOptions};
+use umbp_plan::{FileOptions, FileSource, Register};
+use umbp_ssd::{Backend, IoFault};
 
 const FILE_LEN: u64 = 8 << 20;
 /// The endpoint covers more than the file holds, so reads near its end come up short.
@@ -37,7 +38,10 @@ fn workload(dir: &Path, backend: Backend, direct: bool) -> Result {
     let engine = support::engine(&registry, backend);
     let path = dir.join(format!("backends_{backend:?}_{direct}.bin"));
     support::write_file(&path, &support::pattern(21, FILE_LEN as usize));
-    let file = engine.open_file(&path, 0, ENDPOINT_LEN, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(FileSource::open(&path, FileOptions::new().direct(direct)), 0, ENDPOINT_LEN)
+        .unwrap();
+    let file = file_reg.id();
     let mut rng = Rng(99);
 
     // Writes: disjoint file ranges inside the file, from a misaligned source; the write
@@ -57,7 +61,7 @@ fn workload(dir: &Path, backend: Backend, direct: bool) -> Result {
         host_at += len;
         file_at += len + rng.below(8192);
     }
-    engine.inject_fault(Fault::write_covering(file, 1 << 20, libc::EIO));
+    engine.inject_fault(IoFault::write_covering(file, 1 << 20, libc::EIO));
     let written = support::transfer(&engine, &writes);
     engine.clear_faults();
 
@@ -75,7 +79,7 @@ fn workload(dir: &Path, backend: Backend, direct: bool) -> Result {
         reads.push(vec![Fragment::new(file, offset, destination.id, host_at, len, Tag::new(tag))]);
         host_at += len + rng.below(300);
     }
-    engine.inject_fault(Fault::nth_read(50, libc::EIO));
+    engine.inject_fault(IoFault::nth_read(50, libc::EIO));
     let read = support::transfer(&engine, &reads);
     assert!(!read.failures.is_empty() && !written.failures.is_empty());
 

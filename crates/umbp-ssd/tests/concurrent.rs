@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use support::{HostBuf, Rng, POISON};
 use umbp_plan::{EndpointRegistry, Fragment, Tag};
-use umbp_ssd::{Backend, FileOptions, SsdEngine};
+use umbp_plan::{FileOptions, FileSource, Register};
+use umbp_ssd::{Backend, SsdEngine};
 
 const THREADS: u64 = 8;
 const ROUNDS: u64 = 12;
@@ -82,8 +83,14 @@ fn concurrent(backend: Backend, direct: bool, dir: &std::path::Path) {
     let engine = Arc::new(support::engine(&registry, backend));
     let path = dir.join(format!("concurrent_{backend:?}_{direct}.bin"));
     support::write_file(&path, &vec![0; (THREADS * REGION) as usize]);
-    let file =
-        engine.open_file(&path, 0, THREADS * REGION, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(
+            FileSource::open(&path, FileOptions::new().direct(direct)),
+            0,
+            THREADS * REGION,
+        )
+        .unwrap();
+    let file = file_reg.id();
     std::thread::scope(|scope| {
         for t in 0..THREADS {
             let (engine, registry) = (Arc::clone(&engine), Arc::clone(&registry));

@@ -5,12 +5,12 @@
 
 mod support;
 
-use std::os::fd::AsFd;
 use std::path::Path;
 
 use support::{HostBuf, POISON};
 use umbp_plan::{EndpointId, EndpointRegistry, FailureCause, Fragment, Tag, TransferEngine};
-use umbp_ssd::{Backend, Fault, FileOptions, SsdEngine};
+use umbp_plan::{FileOptions, FileSource, Register};
+use umbp_ssd::{Backend, IoFault, SsdEngine};
 
 const PAGE: u64 = 64 << 10;
 
@@ -50,7 +50,10 @@ fn short_file(dir: &Path, backend: Backend, direct: bool) {
     // 7.5 pages on disk, 10 pages registered.
     let file_bytes = support::pattern(11, (7 * PAGE + PAGE / 2) as usize);
     support::write_file(&path, &file_bytes);
-    let file = engine.open_file(&path, 0, 10 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(FileSource::open(&path, FileOptions::new().direct(direct)), 0, 10 * PAGE)
+        .unwrap();
+    let file = file_reg.id();
     let destination = HostBuf::new(&registry, (20 * PAGE) as usize, 0, POISON);
     let outcome = support::transfer(&engine, &page_reads(file, destination.id, 10));
     assert!(outcome.rejected.is_empty());
@@ -92,11 +95,15 @@ fn writes_into_a_read_only_file_fail_with_ebadf_and_reads_still_work() {
         support::write_file(&path, &file_bytes);
 
         // Opened read-only by the engine, and registered from a read-only descriptor.
-        let owned =
-            engine.open_file(&path, 0, 4 * PAGE, FileOptions::new().writable(false)).unwrap();
-        let std_file = std::fs::File::open(&path).unwrap();
-        let borrowed = engine.register_fd(std_file.as_fd(), 0, 4 * PAGE).unwrap();
-        assert_eq!(engine.file_info(borrowed).map(|i| (i.writable, i.owned)), Some((false, false)));
+        let owned_reg = engine
+            .register_file(FileSource::open(&path, FileOptions::new().writable(false)), 0, 4 * PAGE)
+            .unwrap();
+        let owned = owned_reg.id();
+        let opened_reg =
+            engine.register_file(std::fs::File::open(&path).unwrap(), 0, 4 * PAGE).unwrap();
+        let borrowed = opened_reg.id();
+        assert_eq!(engine.file_info(borrowed).map(|i| i.writable), Some(false));
+        assert_eq!(engine.file_info(owned).map(|i| i.writable), Some(false));
 
         let source = HostBuf::new(&registry, (4 * PAGE) as usize, 0, 0x11);
         let writes = vec![
@@ -114,7 +121,6 @@ fn writes_into_a_read_only_file_fail_with_ebadf_and_reads_still_work() {
         let outcome = support::transfer(&engine, &page_reads(borrowed, destination.id, 4));
         assert!(outcome.failed_tags().is_empty(), "{outcome:?}");
         check_pages(&destination, &file_bytes, 4, &[]);
-        drop(std_file);
     }
     // Opening a file without write permission for writing is a typed open error (root may
     // write anyway, so this part needs an unprivileged user).
@@ -125,8 +131,8 @@ fn writes_into_a_read_only_file_fail_with_ebadf_and_reads_still_work() {
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o444))
             .unwrap();
         let engine = support::engine(&EndpointRegistry::new(), Backend::Blocking);
-        let error = engine.open_file(&path, 0, 4096, FileOptions::new()).unwrap_err();
-        assert!(matches!(error, umbp_ssd::Error::Open { .. }), "{error:?}");
+        let error = engine.register_file(path.as_path(), 0, 4096).unwrap_err();
+        assert!(matches!(error, umbp_plan::RegisterError::Open { .. }), "{error:?}");
     } else {
         eprintln!("note: running as root, so opening a 0444 file for writing succeeds; skipped");
     }
@@ -138,12 +144,15 @@ fn injected(dir: &Path, backend: Backend, direct: bool) {
     let path = dir.join(format!("injected_{backend:?}_{direct}.bin"));
     let file_bytes = support::pattern(5, (32 * PAGE) as usize);
     support::write_file(&path, &file_bytes);
-    let file = engine.open_file(&path, 0, 32 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(FileSource::open(&path, FileOptions::new().direct(direct)), 0, 32 * PAGE)
+        .unwrap();
+    let file = file_reg.id();
 
     // Every read covering byte 100 of page 17 fails with EIO.
-    engine.inject_fault(Fault::read_covering(file, 17 * PAGE + 100, libc::EIO));
+    engine.inject_fault(IoFault::read_covering(file, 17 * PAGE + 100, libc::EIO));
     // The fifth read the engine starts (object 4: ops start in plan order) fails with ENODATA.
-    engine.inject_fault(Fault::nth_read(5, libc::ENODATA));
+    engine.inject_fault(IoFault::nth_read(5, libc::ENODATA));
     let destination = HostBuf::new(&registry, (64 * PAGE) as usize, 0, POISON);
     let outcome = support::transfer(&engine, &page_reads(file, destination.id, 32));
     assert!(outcome.rejected.is_empty());
@@ -161,7 +170,7 @@ fn injected(dir: &Path, backend: Backend, direct: bool) {
 
     // Writes: the write covering page 3 fails, its file bytes stay as they were.
     engine.clear_faults();
-    engine.inject_fault(Fault::write_covering(file, 3 * PAGE, libc::ENOSPC));
+    engine.inject_fault(IoFault::write_covering(file, 3 * PAGE, libc::ENOSPC));
     let source = HostBuf::new(&registry, (8 * PAGE) as usize, 0, 0x5A);
     let writes: Vec<Vec<Fragment>> = (0..4)
         .map(|i| {
@@ -200,13 +209,14 @@ fn a_deregistered_endpoint_fails_its_plan_and_the_others_complete() {
         for k in 0..3 {
             let path = dir.path().join(format!("gone_{backend:?}_{k}.bin"));
             support::write_file(&path, &file_bytes);
-            files.push(engine.open_file(&path, 0, 4 * PAGE, FileOptions::new()).unwrap());
+            files.push(engine.register_file(path.as_path(), 0, 4 * PAGE).unwrap());
         }
         let destination = HostBuf::new(&registry, (6 * PAGE) as usize, 0, POISON);
         let spare = HostBuf::new(&registry, PAGE as usize, 0, POISON);
         // Objects 0 and 1 read from files 0 and 1; object 2 reads file 2 into `spare`.
         let mut builder = engine.builder();
-        for (k, &file) in files.iter().enumerate() {
+        for (k, file) in files.iter().enumerate() {
+            let file = file.id();
             let tag = Tag::new(k as u32);
             let dst = if k == 2 { spare.id } else { destination.id };
             builder.begin_object(tag).unwrap();
@@ -225,12 +235,13 @@ fn a_deregistered_endpoint_fails_its_plan_and_the_others_complete() {
         let plans = builder.finish().unwrap();
         drop(builder);
         assert_eq!(plans.plans().len(), 3);
-        engine.deregister(files[1]).unwrap();
+        let gone = files[1].id();
+        drop(files.remove(1));
         registry.deregister(spare.id).unwrap();
         let failures = engine.submit(plans).into_settled().failures;
         assert_eq!(failures.len(), 2, "{failures:?}");
         assert_eq!(failures[0].tags, tags(&[1]));
-        assert_eq!(failures[0].cause, FailureCause::EndpointGone(files[1]));
+        assert_eq!(failures[0].cause, FailureCause::EndpointGone(gone));
         assert_eq!(failures[1].tags, tags(&[2]));
         assert_eq!(failures[1].cause, FailureCause::EndpointGone(spare.id));
         assert!(
@@ -239,10 +250,10 @@ fn a_deregistered_endpoint_fails_its_plan_and_the_others_complete() {
         assert!(destination.bytes()[PAGE as usize..].iter().all(|&b| b == POISON));
         assert!(spare.bytes().iter().all(|&b| b == POISON));
         // The engine no longer knows the deregistered file; a new batch fails at planning.
-        assert!(engine.file_info(files[1]).is_none());
+        assert!(engine.file_info(gone).is_none());
         let outcome = support::transfer(
             &engine,
-            &[vec![Fragment::new(files[1], 0, destination.id, 0, PAGE, Tag::new(0))]],
+            &[vec![Fragment::new(gone, 0, destination.id, 0, PAGE, Tag::new(0))]],
         );
         assert_eq!(outcome.rejected, tags(&[0]));
     }
@@ -275,10 +286,13 @@ fn failure_inside_a_merged_segment(dir: &Path, backend: Backend, direct: bool) {
     let path = dir.join(format!("merged_{backend:?}_{direct}.bin"));
     let file_bytes = support::pattern(21, (8 * PAGE) as usize);
     support::write_file(&path, &file_bytes);
-    let file = engine.open_file(&path, 0, 8 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(FileSource::open(&path, FileOptions::new().direct(direct)), 0, 8 * PAGE)
+        .unwrap();
+    let file = file_reg.id();
 
     // An EIO on object 2's bytes, in a segment that carries objects 0 to 3.
-    engine.inject_fault(Fault::read_covering(file, 2 * PAGE + 4096, libc::EIO));
+    engine.inject_fault(IoFault::read_covering(file, 2 * PAGE + 4096, libc::EIO));
     let destination = HostBuf::new(&registry, (4 * PAGE) as usize, 0, POISON);
     let outcome = support::transfer(&engine, &merged_reads(file, destination.id, 4));
     assert_eq!(outcome.failed_tags(), tags(&[2]), "{outcome:?}");
@@ -295,7 +309,10 @@ fn failure_inside_a_merged_segment(dir: &Path, backend: Backend, direct: bool) {
     // the objects whose bytes lie past the end fail.
     let short = dir.join(format!("merged_short_{backend:?}_{direct}.bin"));
     support::write_file(&short, &file_bytes[..(5 * PAGE + PAGE / 2) as usize]);
-    let file = engine.open_file(&short, 0, 8 * PAGE, FileOptions::new().direct(direct)).unwrap();
+    let file_reg = engine
+        .register_file(FileSource::open(&short, FileOptions::new().direct(direct)), 0, 8 * PAGE)
+        .unwrap();
+    let file = file_reg.id();
     let destination = HostBuf::new(&registry, (8 * PAGE) as usize, 0, POISON);
     let reads: Vec<Vec<Fragment>> = merged_reads(file, destination.id, 8)[4..].to_vec();
     let outcome = support::transfer(&engine, &reads);
@@ -327,7 +344,10 @@ fn deregistering_a_file_right_after_submit_does_not_fail_the_submitted_batch() {
         let path = dir.path().join(format!("pinned_{backend:?}.bin"));
         let file_bytes = support::pattern(13, (16 * PAGE) as usize);
         support::write_file(&path, &file_bytes);
-        let file = engine.open_file(&path, 0, 16 * PAGE, FileOptions::new()).unwrap();
+        let file_reg = engine
+            .register_file(FileSource::open(&path, FileOptions::new()), 0, 16 * PAGE)
+            .unwrap();
+        let file = file_reg.id();
         let destination = HostBuf::new(&registry, (32 * PAGE) as usize, 0, POISON);
         let mut builder = engine.builder();
         for (i, object) in page_reads(file, destination.id, 16).iter().enumerate() {
@@ -338,9 +358,9 @@ fn deregistering_a_file_right_after_submit_does_not_fail_the_submitted_batch() {
         let plans = builder.finish().unwrap();
         drop(builder);
         let mut handle = engine.submit(plans);
-        // The engine closes the file it opened once no batch uses it: this one still does, so
-        // the deregistration waits for it; so does the host memory's.
-        engine.deregister(file).unwrap();
+        // The registration closes the file once no batch uses it: this one still does, so
+        // ending it waits for the batch; so does the host memory's deregistration.
+        drop(file_reg);
         registry.deregister(destination.id).unwrap();
         // Every byte landed before the deregistrations returned.
         check_pages(&destination, &file_bytes, 16, &[]);
@@ -363,7 +383,9 @@ fn reads_that_land_on_the_same_memory_fail_with_overlap_and_write_nothing() {
         let path = dir.path().join(format!("overlap_{backend:?}.bin"));
         let file_bytes = support::pattern(17, (4 * PAGE) as usize);
         support::write_file(&path, &file_bytes);
-        let file = engine.open_file(&path, 0, 4 * PAGE, FileOptions::new()).unwrap();
+        let file_reg =
+            engine.register_file(FileSource::open(&path, FileOptions::new()), 0, 4 * PAGE).unwrap();
+        let file = file_reg.id();
         let destination = HostBuf::new(&registry, (4 * PAGE) as usize, 0, POISON);
         // Objects 0 and 1 both write destination bytes PAGE/2 .. PAGE; object 2 is alone.
         let objects = vec![
@@ -394,11 +416,16 @@ fn a_read_that_never_completes_ends_at_the_deadline_and_only_its_object_fails() 
         // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
         assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
         // Opened for reading and writing, which does not wait for a writer.
-        let stuck = engine.open_file(&fifo, 0, 1 << 20, FileOptions::new().direct(false)).unwrap();
+        let stuck_reg = engine
+            .register_file(FileSource::open(&fifo, FileOptions::new().direct(false)), 0, 1 << 20)
+            .unwrap();
+        let stuck = stuck_reg.id();
         let path = dir.path().join(format!("fine_{backend:?}.bin"));
         let file_bytes = support::pattern(23, PAGE as usize);
         support::write_file(&path, &file_bytes);
-        let fine = engine.open_file(&path, 0, PAGE, FileOptions::new()).unwrap();
+        let fine_reg =
+            engine.register_file(FileSource::open(&path, FileOptions::new()), 0, PAGE).unwrap();
+        let fine = fine_reg.id();
         let destination = HostBuf::new(&registry, (2 * PAGE) as usize, 0, POISON);
 
         let mut builder = engine.builder();

@@ -8,7 +8,8 @@ use std::path::Path;
 
 use support::{HostBuf, Rng, POISON};
 use umbp_plan::{EndpointRegistry, Fragment, Tag};
-use umbp_ssd::{Backend, FileOptions};
+use umbp_plan::{FileOptions, FileSource, Register};
+use umbp_ssd::Backend;
 
 const PAGE: u64 = 64 << 10;
 const TOTAL: u64 = 64 << 20;
@@ -19,7 +20,8 @@ fn round_trip(dir: &Path, backend: Backend, direct: bool) {
     let engine = support::engine(&registry, backend);
     let path = dir.join(format!("round_trip_{backend:?}_{direct}.bin"));
     let options = FileOptions::new().create(true).direct(direct);
-    let file = engine.open_file(&path, 0, TOTAL, options).expect("open");
+    let file_reg = engine.register_file(FileSource::open(&path, options), 0, TOTAL).expect("open");
+    let file = file_reg.id();
     assert_eq!(engine.file_info(file).map(|i| i.direct), Some(direct));
 
     let pages = TOTAL / PAGE;
@@ -75,7 +77,8 @@ fn round_trip(dir: &Path, backend: Backend, direct: bool) {
     let outcome = support::transfer(&engine, &reads);
     assert!(outcome.failures.is_empty() && outcome.rejected.is_empty(), "{outcome:?}");
     assert!(destination.bytes() == &pattern[..], "the bytes read back differ ({backend:?})");
-    engine.deregister(file).expect("deregister");
+    let file = file_reg.deregister();
+    assert_eq!(file.metadata().expect("still open").len(), TOTAL);
 }
 
 #[test]

@@ -6,7 +6,8 @@ mod support;
 
 use support::{HostBuf, Rng, POISON};
 use umbp_plan::{EndpointRegistry, Fragment, Tag};
-use umbp_ssd::{Backend, FileOptions};
+use umbp_plan::{FileOptions, FileSource, Register};
+use umbp_ssd::Backend;
 
 /// Not a multiple of any block size: the last block is partial.
 const FILE_LEN: u64 = (4 << 20) + 777;
@@ -35,7 +36,10 @@ fn unaligned(backend: Backend, dir: &std::path::Path, seed: u64) {
     let path = dir.join(format!("unaligned_{backend:?}_{seed}.bin"));
     let mut model = support::pattern(seed, FILE_LEN as usize);
     support::write_file(&path, &model);
-    let file = engine.open_file(&path, 0, FILE_LEN, FileOptions::new()).expect("open");
+    let file_reg = engine
+        .register_file(FileSource::open(&path, FileOptions::new()), 0, FILE_LEN)
+        .expect("open");
+    let file = file_reg.id();
     let info = engine.file_info(file).expect("file info");
     assert!(info.direct, "the file must be O_DIRECT for this test");
     assert!(info.block_size > 1);
