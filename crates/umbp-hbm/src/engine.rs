@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use umbp_plan::{
-    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointTable, EngineError,
-    FailedAt, Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder,
-    PlanRules, PlanSet, Space, TransferEngine, TransferHandle,
+    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointRelease,
+    EndpointTable, EngineError, FailedAt, Failure, FailureCause, Fragment, IncrementalBuilder,
+    OverlapCheck, PlanBuilder, PlanRules, PlanSet, Register, RegisterError, Registration, Space,
+    TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -53,31 +54,13 @@ impl PlanRules for HbmRules {
     }
 }
 
-/// Device memory the engine allocated and registered.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct DeviceRegion {
-    /// The endpoint naming it.
-    pub id: EndpointId,
-    /// Its device.
-    pub device: DeviceOrdinal,
-    /// Its device address.
-    pub addr: u64,
-    /// Its length in bytes.
-    pub len: u64,
-}
-
 /// The device engine over runtime `D`; see the [crate docs](crate).
 pub struct HbmEngine<D: DeviceRuntime> {
     runtime: Arc<D>,
     registry: Arc<EndpointRegistry>,
     config: HbmConfig,
-    /// Host endpoints pinned for a device: (device, device-visible alias, host address).
-    pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
-    /// Device memory this engine allocated: (device, address).
-    owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
-    /// Held shared by every running submit and exclusively by whatever releases memory a
-    /// submit may touch (unpin, free).
-    lifetimes: RwLock<()>,
+    /// Pinnings and allocations, shared with the registrations that release them.
+    memory: Arc<Memory<D>>,
     /// Set once a synchronization after a launch failed: later submits use copies only.
     kernel_disabled: AtomicBool,
     /// Gather launches so far.
@@ -112,16 +95,89 @@ struct Scratch {
     overlap: OverlapCheck,
 }
 
+/// What the engine holds for endpoints: host memory pinned for a device and device memory it
+/// allocated. Registrations through the engine release it ([`EndpointRelease`]) when they end.
+struct Memory<D> {
+    runtime: Arc<D>,
+    /// Host endpoints pinned for a device: (device, device-visible alias, host address).
+    pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
+    /// Device memory this engine allocated: (device, address).
+    owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
+    /// Held shared by every running submit and exclusively by whatever releases memory a
+    /// submit may touch (unpin, free).
+    lifetimes: RwLock<()>,
+}
+
+impl<D: DeviceRuntime> Memory<D> {
+    /// Pins registered host endpoint `endpoint` for `device`, so gathers can use it.
+    fn pin(&self, id: EndpointId, endpoint: &Endpoint, device: DeviceOrdinal) -> Result<(), Error> {
+        let mut pinned = lock(&self.pinned);
+        if pinned.contains_key(&id) {
+            return Ok(());
+        }
+        // SAFETY: the endpoint's registration promised this memory valid until deregistered,
+        // and what ends a registration unpins it first (`forget`).
+        let alias = unsafe { self.runtime.register_host(device, endpoint.addr(), endpoint.len())? };
+        pinned.insert(id, (device, alias, endpoint.addr()));
+        Ok(())
+    }
+
+    /// Undoes `pin`. Waits for the submits running now, which may be using the pinned alias.
+    fn unpin(&self, id: EndpointId) -> Result<(), Error> {
+        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
+        let (device, _, addr) = lock(&self.pinned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
+        // SAFETY: pinned by `pin`; no submit runs (the write lock above) and a later one sees
+        // it unpinned; submits synchronize before returning, so no work touches it.
+        unsafe { self.runtime.unregister_host(device, addr)? };
+        Ok(())
+    }
+
+    /// Frees memory from `alloc_device` whose endpoint is already deregistered.
+    fn release_owned(&self, id: EndpointId) -> Result<(), Error> {
+        let (device, addr) = lock(&self.owned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
+        // Every submit that could use it pinned it and has settled (the deregistration waited
+        // for them), and a later submit cannot resolve it; wait out any submit still running.
+        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
+        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no submit
+        // uses it (above), and every submit synchronizes its devices before returning.
+        unsafe { self.runtime.free(device, addr)? };
+        Ok(())
+    }
+
+    /// What follows a deregistration: unpin, free.
+    fn forget(&self, id: EndpointId) -> Result<(), Error> {
+        if lock(&self.pinned).contains_key(&id) {
+            self.unpin(id)?;
+        }
+        if lock(&self.owned).contains_key(&id) {
+            self.release_owned(id)?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: DeviceRuntime> EndpointRelease for Memory<D> {
+    fn release(&self, id: EndpointId) {
+        if let Err(error) = self.forget(id) {
+            tracing::warn!(id = id.raw(), %error, "could not release a deregistered endpoint");
+        }
+    }
+}
+
 impl<D: DeviceRuntime> HbmEngine<D> {
     /// An engine over `runtime` that names endpoints in `registry`.
     pub fn new(runtime: Arc<D>, registry: Arc<EndpointRegistry>, config: HbmConfig) -> Self {
+        let memory = Arc::new(Memory {
+            runtime: Arc::clone(&runtime),
+            pinned: Mutex::new(HashMap::new()),
+            owned: Mutex::new(HashMap::new()),
+            lifetimes: RwLock::new(()),
+        });
         Self {
             runtime,
             registry,
             config,
-            pinned: Mutex::new(HashMap::new()),
-            owned: Mutex::new(HashMap::new()),
-            lifetimes: RwLock::new(()),
+            memory,
             kernel_disabled: AtomicBool::new(false),
             launches: AtomicU64::new(0),
             scratch: Mutex::new(Scratch::default()),
@@ -161,121 +217,43 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         IncrementalBuilder::new(HbmRules, self.registry.clone())
     }
 
-    /// Allocates `len` bytes on `device` and registers them.
-    pub fn alloc_device(&self, device: DeviceOrdinal, len: u64) -> Result<DeviceRegion, Error> {
+    /// Allocates `len` bytes on `device` and registers them; the memory is freed when the
+    /// registration ends (after the batches that use it). The device address is
+    /// `registration.endpoint().addr()`.
+    pub fn alloc_device(&self, device: DeviceOrdinal, len: u64) -> Result<Registration, Error> {
         let addr = self.runtime.alloc(device, len)?;
-        // SAFETY: fresh device memory of `len` bytes, owned by this engine until `free_device`.
-        let id = unsafe { self.registry.register(Endpoint::device(device, addr, len)) };
-        lock(&self.owned).insert(id, (device, addr));
-        Ok(DeviceRegion { id, device, addr, len })
-    }
-
-    /// Deregisters and frees memory from [`alloc_device`](Self::alloc_device), once no
-    /// submitted batch uses it (it waits for them: [`EndpointRegistry::deregister`]).
-    pub fn free_device(&self, region: DeviceRegion) -> Result<(), Error> {
-        if !lock(&self.owned).contains_key(&region.id) {
-            return Err(Error::UnknownEndpoint(region.id));
-        }
-        self.registry.deregister(region.id).map_err(|_| Error::UnknownEndpoint(region.id))?;
-        self.release_owned(region.id)
-    }
-
-    /// Frees memory from `alloc_device` whose endpoint is already deregistered.
-    fn release_owned(&self, id: EndpointId) -> Result<(), Error> {
-        let (device, addr) = lock(&self.owned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
-        // Every submit that could use it pinned it and has settled (the deregistration waited
-        // for them), and a later submit cannot resolve it; wait out any submit still running.
-        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
-        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no submit
-        // uses it (above), and every submit synchronizes its devices before returning.
-        unsafe { self.runtime.free(device, addr)? };
-        Ok(())
-    }
-
-    /// Registers device memory the caller allocated.
-    ///
-    /// # Safety
-    ///
-    /// `addr .. + len` is memory of `device`, valid until the endpoint is deregistered and
-    /// every handle that used it was waited on (see [`EndpointRegistry::register`]).
-    pub unsafe fn register_device(
-        &self,
-        device: DeviceOrdinal,
-        addr: u64,
-        len: u64,
-    ) -> Result<EndpointId, Error> {
-        check_region(addr, len)?;
-        // SAFETY: the caller's contract is the registry's.
-        Ok(unsafe { self.registry.register(Endpoint::device(device, addr, len)) })
-    }
-
-    /// Registers host memory, pinned and mapped for `pin_for` if given (so the gather kernel can
-    /// read and write it); unpinned host memory moves by copies.
-    ///
-    /// # Safety
-    ///
-    /// `addr .. + len` is host memory valid for reads and writes until the endpoint is
-    /// deregistered and every handle that used it was waited on.
-    pub unsafe fn register_host(
-        &self,
-        addr: *mut u8,
-        len: u64,
-        pin_for: Option<DeviceOrdinal>,
-    ) -> Result<EndpointId, Error> {
-        check_region(addr as u64, len)?;
-        // SAFETY: the caller's contract is the registry's.
-        let id = unsafe { self.registry.register(Endpoint::host(addr as u64, len)) };
-        if let Some(device) = pin_for {
-            if let Err(e) = self.pin(id, device) {
-                let _ = self.registry.deregister(id);
-                return Err(e);
+        // SAFETY: fresh device memory of `len` bytes, freed only by the registration's release
+        // (below: it is in `owned` before the registration can end).
+        let registered = unsafe { self.register_raw_memory(Endpoint::device(device, addr, len)) };
+        match registered {
+            Ok(registration) => {
+                lock(&self.memory.owned).insert(registration.id(), (device, addr));
+                Ok(registration)
+            }
+            Err(_) => {
+                // Only a region that wraps the address space is refused here (the engine's
+                // preparation pins host memory only).
+                // SAFETY: allocated just above and never registered.
+                unsafe { self.runtime.free(device, addr)? };
+                Err(Error::BadRegion { addr, len })
             }
         }
-        Ok(id)
     }
 
-    /// Pins a registered host endpoint for `device`, so gathers can use it.
+    /// Pins registered host endpoint `id` for `device`, so gathers can read and write it
+    /// (unpinned host memory moves by copies). Registrations through the engine pin host
+    /// memory by themselves when [`HbmConfig::pin_registered_host`] names a device; the pin
+    /// goes when the registration ends.
     pub fn pin(&self, id: EndpointId, device: DeviceOrdinal) -> Result<(), Error> {
         let endpoint = self.registry.get(id).filter(Endpoint::is_host);
         let endpoint = endpoint.ok_or(Error::UnknownEndpoint(id))?;
-        let mut pinned = lock(&self.pinned);
-        if pinned.contains_key(&id) {
-            return Ok(());
-        }
-        // SAFETY: the endpoint's registration promised this memory valid until deregistered,
-        // and `deregister` unpins it first.
-        let alias = unsafe { self.runtime.register_host(device, endpoint.addr(), endpoint.len())? };
-        pinned.insert(id, (device, alias, endpoint.addr()));
-        Ok(())
+        self.memory.pin(id, &endpoint, device)
     }
 
     /// Undoes [`pin`](Self::pin); the endpoint stays registered and moves by copies. Waits
     /// for the submits running now, which may be using the pinned alias.
     pub fn unpin(&self, id: EndpointId) -> Result<(), Error> {
-        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
-        let (device, _, addr) = lock(&self.pinned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
-        // SAFETY: pinned by `pin`; no submit runs (the write lock above) and a later one sees
-        // it unpinned; submits synchronize before returning, so no work touches it.
-        unsafe { self.runtime.unregister_host(device, addr)? };
-        Ok(())
-    }
-
-    /// Deregisters an endpoint once no submitted batch uses it (it waits for them), then
-    /// unpins it if pinned, and frees it if it came from [`alloc_device`](Self::alloc_device).
-    pub fn deregister(&self, id: EndpointId) -> Result<(), Error> {
-        self.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
-        self.forget(id)
-    }
-
-    /// What follows a deregistration: unpin, free.
-    fn forget(&self, id: EndpointId) -> Result<(), Error> {
-        if lock(&self.pinned).contains_key(&id) {
-            self.unpin(id)?;
-        }
-        if lock(&self.owned).contains_key(&id) {
-            self.release_owned(id)?;
-        }
-        Ok(())
+        self.memory.unpin(id)
     }
 
     /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only.
@@ -286,7 +264,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         scratch: &mut Scratch,
         failed: &mut Vec<Failed>,
     ) {
-        let pinned = lock(&self.pinned);
+        let pinned = lock(&self.memory.pinned);
         for (pi, plan) in plans.plans().iter().enumerate() {
             let (Some(&src), Some(&dst)) = (table.get(plan.src()), table.get(plan.dst())) else {
                 let gone = if table.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
@@ -463,6 +441,25 @@ impl Failed {
     }
 }
 
+/// Memory registers as everywhere else ([`Register`]). Host memory is pinned for
+/// [`HbmConfig::pin_registered_host`] when set; the pinning (and the device memory of
+/// [`alloc_device`](HbmEngine::alloc_device)) goes when the registration ends.
+impl<D: DeviceRuntime> Register for HbmEngine<D> {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.registry
+    }
+
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        self.endpoint_registered(id, endpoint)
+            .map_err(|source| RegisterError::Engine { engine: self.name().to_owned(), source })?;
+        Ok(Some(Arc::clone(&self.memory) as Arc<dyn EndpointRelease>))
+    }
+}
+
 impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     fn name(&self) -> &str {
         "hbm"
@@ -483,16 +480,14 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     /// Pins host endpoints for [`HbmConfig::pin_registered_host`], if set.
     fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
         match self.config.pin_registered_host {
-            Some(device) if endpoint.is_host() => Ok(self.pin(id, device)?),
+            Some(device) if endpoint.is_host() => Ok(self.memory.pin(id, endpoint, device)?),
             _ => Ok(()),
         }
     }
 
     /// Unpins the endpoint if this engine pinned it (and frees it if this engine allocated it).
     fn endpoint_deregistering(&self, id: EndpointId) {
-        if let Err(error) = self.forget(id) {
-            tracing::warn!(id = id.raw(), %error, "could not release a deregistered endpoint");
-        }
+        self.memory.release(id);
     }
 
     /// Moves every segment of `plans`, per device: one gather launch per chunk of a bucket of
@@ -513,7 +508,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
         // `unpin` and `free_device` out while it runs.
         let pins = self.registry.pin(plans.endpoints());
         let table = pins.table();
-        let _running = self.lifetimes.read().unwrap_or_else(PoisonError::into_inner);
+        let _running = self.memory.lifetimes.read().unwrap_or_else(PoisonError::into_inner);
         let caller_device = self.runtime.current_device().ok();
         let mut failed = Vec::new();
         let overlapping;
@@ -590,13 +585,6 @@ fn failures(engine: &str, plans: &PlanSet, mut failed: Vec<Failed>) -> Vec<Failu
 
 fn device_cause(device: DeviceOrdinal, e: &DeviceError) -> FailureCause {
     FailureCause::Device { device, code: e.code(), message: e.to_string() }
-}
-
-fn check_region(addr: u64, len: u64) -> Result<(), Error> {
-    if len == 0 || addr.checked_add(len).is_none() {
-        return Err(Error::BadRegion { addr, len });
-    }
-    Ok(())
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -71,7 +71,7 @@ pub enum Error {
     /// The endpoint is not registered, or not with this engine.
     #[error("endpoint {} is not registered with this engine", .0.raw())]
     UnknownEndpoint(EndpointId),
-    /// A region of zero bytes, or one whose end does not fit in 64 bits.
+    /// A region whose end does not fit in 64 bits.
     #[error("a region of {len} bytes at {addr:#x} cannot be registered")]
     BadRegion {
         /// Start address.

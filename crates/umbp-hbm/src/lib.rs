@@ -26,35 +26,36 @@
 //! ```
 //! use std::sync::Arc;
 //! use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
-//! use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+//! use umbp_plan::{
+//!     DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine,
+//! };
 //!
-//! let engine = HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), HbmConfig::default());
 //! let gpu = DeviceOrdinal::new(0);
-//! let device = engine.alloc_device(gpu, 1 << 20)?;
-//! let mut host = vec![7u8; 1 << 20];
-//! // SAFETY: `host` outlives every transfer below and is deregistered before it is dropped.
-//! let src = unsafe { engine.register_host(host.as_mut_ptr(), host.len() as u64, Some(gpu))? };
+//! // Host memory registered through this engine is pinned for `gpu`, so gathers can read it.
+//! let config = HbmConfig { pin_registered_host: Some(gpu), ..HbmConfig::default() };
+//! let engine = HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), config);
+//! let device = engine.alloc_device(gpu, 1 << 20)?; // freed when `device` is dropped
+//! let host = engine.register_memory(vec![7u8; 1 << 20])?;
+//! let src = host.id();
 //!
 //! // Eight scattered 4 KiB pages into one device buffer: one gather launch.
 //! let mut builder = engine.builder();
 //! builder.begin_object(Tag::new(0))?;
 //! for (i, page) in [5u64, 2, 7, 0, 3, 6, 1, 4].iter().enumerate() {
-//!     builder.push(Fragment::new(src, page * 8192, device.id, i as u64 * 4096, 4096, Tag::new(0)))?;
+//!     builder.push(Fragment::new(src, page * 8192, device.id(), i as u64 * 4096, 4096, Tag::new(0)))?;
 //! }
 //! builder.commit_object()?;
 //! let mut handle = engine.submit(builder.finish()?);
 //! assert!(handle.wait().is_empty());
 //! assert_eq!(engine.launches(), 1);
-//! assert_eq!(engine.runtime().read(device.addr, 4)?, vec![7; 4]);
-//! # drop(handle);
-//! # engine.deregister(src)?;
-//! # engine.free_device(device)?;
+//! assert_eq!(engine.runtime().read(device.endpoint().addr(), 4)?, vec![7; 4]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # Unsafe code
 //!
-//! Registering memory is `unsafe` (its validity is the caller's promise). Raw memory access
+//! Registering raw memory is `unsafe` (its validity is the caller's promise); buffers Rust owns
+//! and [`HbmEngine::alloc_device`] register safely. Raw memory access
 //! lives in `sim/memory.rs` and `sim/kernel.rs`, and runtime calls in `hip/ffi.rs`.
 
 #![warn(missing_docs)]
@@ -69,7 +70,7 @@ pub mod sim;
 pub mod hip;
 
 pub use descriptor::{chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, SLICE_BYTES};
-pub use engine::{DeviceRegion, HbmConfig, HbmEngine, HbmRules};
+pub use engine::{HbmConfig, HbmEngine, HbmRules};
 pub use error::{DeviceError, Error};
 pub use runtime::DeviceRuntime;
 pub use sim::{DeviceFault, SimDevice};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use umbp_hbm::hip::{compile_gather_kernel, GATHER_KERNEL_SOURCE};
 use umbp_hbm::{HbmConfig, HbmEngine, HipRuntime, SLICE_BYTES};
-use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, Tag, TransferEngine};
+use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag, TransferEngine};
 
 #[test]
 fn the_gather_kernel_compiles_for_gfx90a() {
@@ -37,9 +37,8 @@ fn gpu() -> Option<Arc<HipRuntime>> {
 
 /// Copies `len` bytes of device memory back to the host through the engine.
 fn read_back(e: &HbmEngine<HipRuntime>, src: umbp_plan::EndpointId, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    // SAFETY: `out` outlives the transfer, which is waited on below.
-    let dst = unsafe { e.register_host(out.as_mut_ptr(), len as u64, None).unwrap() };
+    let out = e.register_memory(vec![0u8; len]).unwrap();
+    let dst = out.id();
     let mut b = e.builder();
     b.begin_object(Tag::new(0)).unwrap();
     b.push(Fragment::new(src, 0, dst, 0, len as u64, Tag::new(0))).unwrap();
@@ -47,8 +46,7 @@ fn read_back(e: &HbmEngine<HipRuntime>, src: umbp_plan::EndpointId, len: usize) 
     let mut h = e.submit(b.finish().unwrap());
     assert!(h.wait().is_empty());
     drop(h);
-    e.deregister(dst).unwrap();
-    out
+    out.deregister()
 }
 
 #[test]
@@ -57,9 +55,10 @@ fn scattered_unaligned_fragments_arrive_exactly_on_a_gpu() {
     let gpu0 = DeviceOrdinal::new(0);
     let e = HbmEngine::new(rt, EndpointRegistry::new(), HbmConfig::default());
     let len = 1 << 20;
-    let mut src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
-    // SAFETY: `src` outlives every transfer below.
-    let host = unsafe { e.register_host(src.as_mut_ptr(), len as u64, Some(gpu0)).unwrap() };
+    let src: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    let registered = e.register_memory(src.clone()).unwrap();
+    let host = registered.id();
+    e.pin(host, gpu0).unwrap();
     let dev = e.alloc_device(gpu0, len as u64).unwrap();
     let mut b = e.builder();
     b.begin_object(Tag::new(0)).unwrap();
@@ -67,17 +66,15 @@ fn scattered_unaligned_fragments_arrive_exactly_on_a_gpu() {
     let pieces: Vec<(u64, u64)> =
         (0..100u64).map(|i| (((i * 37) % 100) * 9001 + i % 3, i * 3001 + 1)).collect();
     for &(s, d) in &pieces {
-        b.push(Fragment::new(host, s, dev.id, d, 3001, Tag::new(0))).unwrap();
+        b.push(Fragment::new(host, s, dev.id(), d, 3001, Tag::new(0))).unwrap();
     }
     b.commit_object().unwrap();
     let mut h = e.submit(b.finish().unwrap());
     assert!(h.wait().is_empty());
     drop(h);
     assert_eq!(e.launches(), 1);
-    let got = read_back(&e, dev.id, len);
+    let got = read_back(&e, dev.id(), len);
     for &(s, d) in &pieces {
         assert_eq!(&got[d as usize..][..3001], &src[s as usize..][..3001]);
     }
-    e.deregister(host).unwrap();
-    e.free_device(dev).unwrap();
 }

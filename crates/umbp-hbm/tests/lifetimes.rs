@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
-use umbp_plan::{DeviceOrdinal, EndpointRegistry, FailureCause, Fragment, Tag, TransferEngine};
+use umbp_plan::{
+    DeviceOrdinal, EndpointRegistry, FailureCause, Fragment, Register, Tag, TransferEngine,
+};
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
@@ -19,13 +21,13 @@ fn free_device_and_deregister_during_running_submits_never_touch_released_memory
 }
 
 fn free_while_submitting() {
-    let engine =
-        HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), HbmConfig::default());
+    let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
+    let engine = HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), config);
     let len = 4usize << 20;
-    let mut src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-    // SAFETY: `src` outlives every submit below (the scope joins them first).
-    let host = unsafe { engine.register_host(src.as_mut_ptr(), len as u64, Some(GPU)) }.unwrap();
+    let src = engine.register_memory((0..len).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let src = src.unwrap();
     let region = engine.alloc_device(GPU, len as u64).unwrap();
+    let (host, device) = (src.id(), region.id());
     let stop = AtomicBool::new(false);
     let (mut completed, mut gone) = (0, 0);
     std::thread::scope(|scope| {
@@ -39,7 +41,7 @@ fn free_while_submitting() {
                 // land between two of them.
                 let pushed = (0..16u64).all(|k| {
                     let at = k * (256 << 10);
-                    b.push(Fragment::new(host, at, region.id, at, 200 << 10, tag)).is_ok()
+                    b.push(Fragment::new(host, at, device, at, 200 << 10, tag)).is_ok()
                 });
                 b.commit_object().unwrap();
                 let Ok(plans) = b.finish() else { continue };
@@ -65,12 +67,13 @@ fn free_while_submitting() {
             (completed, gone)
         });
         std::thread::sleep(std::time::Duration::from_millis(5));
-        engine.free_device(region).unwrap();
-        engine.deregister(host).unwrap();
+        // Frees the device memory, then unpins and frees the host buffer: each waits for the
+        // submit running now.
+        drop(region);
+        drop(src);
         stop.store(true, Ordering::Relaxed);
         (completed, gone) = submitter.join().unwrap();
     });
     assert!(completed > 0, "some submits ran before the memory went");
     assert!(gone > 0, "submits after it were refused or failed with EndpointGone");
-    let _ = &mut src;
 }

@@ -4,11 +4,10 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use umbp_hbm::{
-    DeviceRegion, DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, SimDevice,
-};
+use umbp_hbm::{DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, SimDevice};
 use umbp_plan::{
-    DeviceOrdinal, EndpointId, EndpointRegistry, FailureCause, Fragment, Tag, TransferEngine,
+    DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, Register,
+    Registration, Tag, TransferEngine,
 };
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
@@ -20,27 +19,35 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 struct Rig {
-    engine: HbmEngine<SimDevice>,
+    /// Declared (so dropped) before the buffer it registers.
+    _host_registration: Registration,
     host: Vec<u8>,
     host_id: EndpointId,
+    engine: HbmEngine<SimDevice>,
 }
 
 /// An engine whose kernel takes every bucket of two or more fragments, and a pinned host buffer.
 fn rig(host_len: usize) -> Rig {
-    let config = HbmConfig { kernel_min_fragments: 2, ..HbmConfig::default() };
+    let config = HbmConfig {
+        kernel_min_fragments: 2,
+        pin_registered_host: Some(GPU),
+        ..HbmConfig::default()
+    };
     let engine = HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), config);
     let mut host = pattern(host_len, 7);
-    // SAFETY: the rig keeps `host` alive for every transfer of the test, each waited on.
-    let host_id =
-        unsafe { engine.register_host(host.as_mut_ptr(), host_len as u64, Some(GPU)) }.unwrap();
-    Rig { engine, host, host_id }
+    let endpoint = Endpoint::host(host.as_mut_ptr() as u64, host_len as u64);
+    // SAFETY: the rig keeps `host` alive until after the registration ends, and the tests read
+    // it (a source only) between transfers, each waited on. Raw, so the tests can read it.
+    let registration = unsafe { engine.register_raw_memory(endpoint) }.unwrap();
+    Rig { host_id: registration.id(), _host_registration: registration, host, engine }
 }
 
 impl Rig {
     /// Device memory of `len` bytes holding `bytes` (copied from the host buffer's start).
-    fn device_with(&self, len: u64) -> DeviceRegion {
+    fn device_with(&self, len: u64) -> Registration {
         let dev = self.engine.alloc_device(GPU, len).unwrap();
-        let (failed, _) = self.run(&[Fragment::new(self.host_id, 0, dev.id, 0, len, Tag::new(0))]);
+        let (failed, _) =
+            self.run(&[Fragment::new(self.host_id, 0, dev.id(), 0, len, Tag::new(0))]);
         assert!(failed.is_empty());
         dev
     }
@@ -63,8 +70,8 @@ impl Rig {
         (tags, failures.iter().map(|f| f.cause.clone()).collect())
     }
 
-    fn read(&self, dev: DeviceRegion) -> Vec<u8> {
-        self.engine.runtime().read(dev.addr, dev.len).unwrap()
+    fn read(&self, dev: &Registration) -> Vec<u8> {
+        self.engine.runtime().read(dev.endpoint().addr(), dev.endpoint().len()).unwrap()
     }
 }
 
@@ -73,21 +80,21 @@ fn a_device_to_device_object_that_overlaps_itself_fails_and_never_reaches_the_ke
     let rig = rig(64 << 10);
     let dev = rig.device_with(16 << 10);
     let out = rig.device_with(16 << 10);
-    let before = (rig.read(dev), rig.read(out));
+    let before = (rig.read(&dev), rig.read(&out));
     let launches = rig.engine.launches();
     // Object 0: src 0 -> dst 16 and src 8192 -> dst 8208, 4 KiB each, in one buffer: each
     // fragment's destination overlaps its own source. Object 1: two pages of host memory into
     // another buffer, through the kernel.
     let (failed, causes) = rig.run(&[
-        Fragment::new(dev.id, 0, dev.id, 16, 4096, Tag::new(0)),
-        Fragment::new(dev.id, 8192, dev.id, 8208, 4096, Tag::new(0)),
-        Fragment::new(rig.host_id, 40 << 10, out.id, 0, 2048, Tag::new(1)),
-        Fragment::new(rig.host_id, 20 << 10, out.id, 8192, 2048, Tag::new(1)),
+        Fragment::new(dev.id(), 0, dev.id(), 16, 4096, Tag::new(0)),
+        Fragment::new(dev.id(), 8192, dev.id(), 8208, 4096, Tag::new(0)),
+        Fragment::new(rig.host_id, 40 << 10, out.id(), 0, 2048, Tag::new(1)),
+        Fragment::new(rig.host_id, 20 << 10, out.id(), 8192, 2048, Tag::new(1)),
     ]);
     assert_eq!(failed, [Tag::new(0)]);
     assert_eq!(causes, [FailureCause::Overlap]);
-    assert_eq!(rig.read(dev), before.0, "the overlapping object wrote nothing");
-    let got = rig.read(out);
+    assert_eq!(rig.read(&dev), before.0, "the overlapping object wrote nothing");
+    let got = rig.read(&out);
     assert_eq!(got[..2048], rig.host[40 << 10..(40 << 10) + 2048]);
     assert_eq!(got[8192..8192 + 2048], rig.host[20 << 10..(20 << 10) + 2048]);
     assert_eq!(got[2048..8192], before.1[2048..8192]);
@@ -135,7 +142,7 @@ proptest! {
     ) {
         let rig = rig(16 << 10);
         let dev = rig.device_with(8192);
-        let initial = rig.read(dev);
+        let initial = rig.read(&dev);
         let fragments: Vec<Fragment> = spec
             .iter()
             .enumerate()
@@ -143,16 +150,16 @@ proptest! {
                 let tag = Tag::new((i / per_object) as u32);
                 let dst = dst.min(8192 - len);
                 if from_host {
-                    Fragment::new(rig.host_id, src, dev.id, dst, len, tag)
+                    Fragment::new(rig.host_id, src, dev.id(), dst, len, tag)
                 } else {
-                    Fragment::new(dev.id, src.min(8192 - len), dev.id, dst, len, tag)
+                    Fragment::new(dev.id(), src.min(8192 - len), dev.id(), dst, len, tag)
                 }
             })
             .collect();
         // Every pair of fragments (a fragment with itself included) that shares a byte one of
         // them writes: device ranges only, host memory is only read.
         let ranges = |f: &Fragment| {
-            let read = (f.src == dev.id).then_some((f.src_offset, f.src_offset + f.len));
+            let read = (f.src == dev.id()).then_some((f.src_offset, f.src_offset + f.len));
             (read, (f.dst_offset, f.dst_offset + f.len))
         };
         let meets = |a: (u64, u64), b: (u64, u64)| a.0.max(b.0) < a.1.min(b.1);
@@ -178,13 +185,13 @@ proptest! {
         // The reference: the other objects' fragments one by one on the initial bytes.
         let mut reference = initial.clone();
         for f in fragments.iter().filter(|f| !want.contains(&f.tag)) {
-            let bytes: Vec<u8> = if f.src == dev.id {
+            let bytes: Vec<u8> = if f.src == dev.id() {
                 initial[f.src_offset as usize..(f.src_offset + f.len) as usize].to_vec()
             } else {
                 rig.host[f.src_offset as usize..(f.src_offset + f.len) as usize].to_vec()
             };
             reference[f.dst_offset as usize..(f.dst_offset + f.len) as usize].copy_from_slice(&bytes);
         }
-        prop_assert!(rig.read(dev) == reference);
+        prop_assert!(rig.read(&dev) == reference);
     }
 }

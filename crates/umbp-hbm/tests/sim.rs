@@ -7,7 +7,7 @@ use umbp_hbm::{DeviceFault, HbmConfig, HbmEngine, HbmRules, SimDevice};
 use umbp_plan::testing::{drive, scenarios, ScenarioConfig};
 use umbp_plan::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointRegistry, Error, FailureCause,
-    Fragment, PlanRules, RejectReason, Tag, TransferEngine,
+    Fragment, PlanRules, Register, Registration, RejectReason, Tag, TransferEngine,
 };
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
@@ -41,17 +41,37 @@ fn transfer(e: &HbmEngine<SimDevice>, fragments: &[Fragment]) -> (Vec<Tag>, Vec<
 
 /// A host buffer registered with the engine (pinned for GPU when `pin`).
 struct Host {
+    /// Declared (so dropped) before the buffer it registers.
+    _registration: Registration,
     bytes: Vec<u8>,
     id: EndpointId,
 }
 
 fn host(e: &HbmEngine<SimDevice>, bytes: Vec<u8>, pin: bool) -> Host {
     let mut bytes = bytes;
-    // SAFETY: each test keeps the Host alive until its transfers were waited on.
-    let id = unsafe {
-        e.register_host(bytes.as_mut_ptr(), bytes.len() as u64, pin.then_some(GPU)).unwrap()
-    };
-    Host { bytes, id }
+    let endpoint = Endpoint::host(bytes.as_mut_ptr() as u64, bytes.len() as u64);
+    // SAFETY: the Host keeps `bytes` alive until after the registration ends; tests read the
+    // bytes only between transfers, each waited on. (Raw, so that the tests can read them.)
+    let registration = unsafe { e.register_raw_memory(endpoint) }.unwrap();
+    let id = registration.id();
+    if pin {
+        e.pin(id, GPU).unwrap();
+    }
+    Host { _registration: registration, bytes, id }
+}
+
+/// Device memory from the engine, with its address at hand; freed when dropped.
+struct Dev {
+    _registration: Registration,
+    id: EndpointId,
+    addr: u64,
+    len: u64,
+}
+
+fn device(e: &HbmEngine<SimDevice>, gpu: DeviceOrdinal, len: u64) -> Dev {
+    let registration = e.alloc_device(gpu, len).unwrap();
+    let (id, addr) = (registration.id(), registration.endpoint().addr());
+    Dev { _registration: registration, id, addr, len }
 }
 
 #[test]
@@ -94,7 +114,7 @@ fn round_trip_host_device_host() {
     let len = 256 << 10;
     let src = host(&e, pattern(len, 1), true);
     let back = host(&e, vec![POISON; len], false);
-    let dev = e.alloc_device(GPU, len as u64).unwrap();
+    let dev = device(&e, GPU, len as u64);
     // In as 64 fragments of 4 KiB (a gather), out as one segment (a copy).
     let mut inbound = Vec::new();
     for i in 0..64u64 {
@@ -117,7 +137,7 @@ fn scattered_pages_in_shuffled_order_land_in_place_with_one_launch() {
     let page = 16 << 10;
     let pages = 48usize;
     let arena = host(&e, pattern(page * pages, 9), true);
-    let dev = e.alloc_device(GPU, (page * pages) as u64).unwrap();
+    let dev = device(&e, GPU, (page * pages) as u64);
     e.runtime().fill(dev.addr, (page * pages) as u64, POISON).unwrap();
     // Object page k lives at arena page perm[k]; push in a shuffled order.
     let perm: Vec<usize> = (0..pages).map(|k| (k * 7 + 3) % pages).collect();
@@ -146,8 +166,8 @@ fn scattered_pages_in_shuffled_order_land_in_place_with_one_launch() {
 #[test]
 fn device_to_device_and_unaligned_sizes_are_byte_exact() {
     let e = engine(HbmConfig::default());
-    let a = e.alloc_device(GPU, 1 << 20).unwrap();
-    let b = e.alloc_device(GPU, 1 << 20).unwrap();
+    let a = device(&e, GPU, 1 << 20);
+    let b = device(&e, GPU, 1 << 20);
     let src = host(&e, pattern(1 << 20, 5), true);
     assert_eq!(
         transfer(&e, &[Fragment::new(src.id, 0, a.id, 0, 1 << 20, Tag::new(0))]),
@@ -188,7 +208,7 @@ fn strided_layer_reads_and_strided_offload_writes() {
     let total = blocks * layers * chunk;
     let host_in = host(&e, pattern(total, 3), true);
     let host_out = host(&e, vec![POISON; total], true);
-    let dev = e.alloc_device(GPU, total as u64).unwrap();
+    let dev = device(&e, GPU, total as u64);
     let mut restore = Vec::new();
     let mut offload = Vec::new();
     for b in 0..blocks {
@@ -223,7 +243,7 @@ fn strided_layer_reads_and_strided_offload_writes() {
 fn one_large_contiguous_run_is_a_copy_not_a_launch() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(4 << 20, 1), true);
-    let dev = e.alloc_device(GPU, 4 << 20).unwrap();
+    let dev = device(&e, GPU, 4 << 20);
     // 64 adjacent fragments merge into one 4 MiB segment: mean far above 128 KiB.
     let fragments: Vec<Fragment> = (0..64u64)
         .map(|i| Fragment::new(src.id, i << 16, dev.id, i << 16, 1 << 16, Tag::new(0)))
@@ -237,7 +257,7 @@ fn one_large_contiguous_run_is_a_copy_not_a_launch() {
 fn unpinned_host_memory_takes_the_copy_path() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(64 << 10, 4), false);
-    let dev = e.alloc_device(GPU, 64 << 10).unwrap();
+    let dev = device(&e, GPU, 64 << 10);
     let fragments: Vec<Fragment> = (0..16u64)
         .map(|i| Fragment::new(src.id, (15 - i) << 12, dev.id, i << 12, 4096, Tag::new(0)))
         .collect();
@@ -261,7 +281,7 @@ fn launches_are_split_into_bounded_chunks() {
     let config = HbmConfig { launch_max_bytes: 40 << 10, ..HbmConfig::default() };
     let e = engine(config);
     let src = host(&e, pattern(256 << 10, 8), true);
-    let dev = e.alloc_device(GPU, 256 << 10).unwrap();
+    let dev = device(&e, GPU, 256 << 10);
     // 32 scattered 8 KiB fragments = 256 KiB in launches of at most 40 KiB: 7 launches.
     let fragments: Vec<Fragment> = (0..32u64)
         .map(|i| Fragment::new(src.id, ((i * 13) % 32) << 13, dev.id, i << 13, 8192, Tag::new(0)))
@@ -275,7 +295,7 @@ fn launches_are_split_into_bounded_chunks() {
 }
 
 /// Sixteen scattered 4 KiB pages of object 0 and of object 1 into a poisoned device buffer.
-fn two_objects(e: &HbmEngine<SimDevice>, src: &Host, dev: umbp_hbm::DeviceRegion) -> Vec<Fragment> {
+fn two_objects(e: &HbmEngine<SimDevice>, src: &Host, dev: &Dev) -> Vec<Fragment> {
     e.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     (0..32u64)
         .map(|i| {
@@ -291,12 +311,7 @@ fn two_objects(e: &HbmEngine<SimDevice>, src: &Host, dev: umbp_hbm::DeviceRegion
         .collect()
 }
 
-fn assert_two_objects(
-    e: &HbmEngine<SimDevice>,
-    src: &Host,
-    dev: umbp_hbm::DeviceRegion,
-    ok: [bool; 2],
-) {
+fn assert_two_objects(e: &HbmEngine<SimDevice>, src: &Host, dev: &Dev, ok: [bool; 2]) {
     let got = e.runtime().read(dev.addr, dev.len).unwrap();
     for i in 0..32usize {
         let page = &got[i << 12..][..4096];
@@ -312,11 +327,11 @@ fn assert_two_objects(
 fn a_failed_launch_falls_back_to_copies() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(128 << 10, 2), true);
-    let dev = e.alloc_device(GPU, 128 << 10).unwrap();
-    let fragments = two_objects(&e, &src, dev);
+    let dev = device(&e, GPU, 128 << 10);
+    let fragments = two_objects(&e, &src, &dev);
     e.runtime().inject(DeviceFault::Launch);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
-    assert_two_objects(&e, &src, dev, [true, true]);
+    assert_two_objects(&e, &src, &dev, [true, true]);
     assert_eq!(e.launches(), 0);
     assert!(e.kernel_enabled(), "a failed launch does not disable the kernel");
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
@@ -327,25 +342,25 @@ fn a_failed_launch_falls_back_to_copies() {
 fn a_failed_synchronization_disables_the_kernel_for_good() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(128 << 10, 6), true);
-    let dev = e.alloc_device(GPU, 128 << 10).unwrap();
-    let fragments = two_objects(&e, &src, dev);
+    let dev = device(&e, GPU, 128 << 10);
+    let fragments = two_objects(&e, &src, &dev);
     e.runtime().inject(DeviceFault::Synchronize);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]), "the bucket was copied again");
-    assert_two_objects(&e, &src, dev, [true, true]);
+    assert_two_objects(&e, &src, &dev, [true, true]);
     assert!(!e.kernel_enabled());
     assert_eq!(e.launches(), 1);
-    let fragments = two_objects(&e, &src, dev);
+    let fragments = two_objects(&e, &src, &dev);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
     assert_eq!(e.launches(), 1, "later submits use copies");
-    assert_two_objects(&e, &src, dev, [true, true]);
+    assert_two_objects(&e, &src, &dev, [true, true]);
 }
 
 #[test]
 fn a_failed_copy_fails_only_its_objects_with_the_device_error() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(128 << 10, 7), false); // unpinned: every segment is a copy
-    let dev = e.alloc_device(GPU, 128 << 10).unwrap();
-    let fragments = two_objects(&e, &src, dev);
+    let dev = device(&e, GPU, 128 << 10);
+    let fragments = two_objects(&e, &src, &dev);
     e.runtime().inject(DeviceFault::Copy);
     let mut b = e.builder();
     for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
@@ -369,19 +384,19 @@ fn a_failed_copy_fails_only_its_objects_with_the_device_error() {
 fn out_of_bounds_fragments_reject_their_object_and_write_nothing_of_it() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(128 << 10, 1), true);
-    let dev = e.alloc_device(GPU, 128 << 10).unwrap();
-    let mut fragments = two_objects(&e, &src, dev);
+    let dev = device(&e, GPU, 128 << 10);
+    let mut fragments = two_objects(&e, &src, &dev);
     // The last fragment of object 0 runs one byte past the device buffer.
     fragments[15].dst_offset = (128 << 10) - 4095;
     assert_eq!(transfer(&e, &fragments), (vec![], vec![Tag::new(0)]));
-    assert_two_objects(&e, &src, dev, [false, true]);
+    assert_two_objects(&e, &src, &dev, [false, true]);
 }
 
 #[test]
 fn the_callers_device_is_restored_after_a_submit() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(64 << 10, 1), true);
-    let dev1 = e.alloc_device(DeviceOrdinal::new(1), 64 << 10).unwrap();
+    let dev1 = device(&e, DeviceOrdinal::new(1), 64 << 10);
     umbp_hbm::DeviceRuntime::set_device(&**e.runtime(), GPU).unwrap();
     let fragments: Vec<Fragment> = (0..4u64)
         .map(|i| Fragment::new(src.id, i << 12, dev1.id, (3 - i) << 12, 4096, Tag::new(0)))
@@ -415,7 +430,7 @@ fn a_failed_copy_of_a_merged_segment_is_copied_again_object_by_object() {
     let e = engine(HbmConfig::default());
     let len = 3 * 4096;
     let src = host(&e, pattern(len, 4), false);
-    let dev = e.alloc_device(GPU, len as u64).unwrap();
+    let dev = device(&e, GPU, len as u64);
     // Objects 0, 1, 2: adjacent on both sides, so one merged segment, moved by one copy.
     let fragments: Vec<Fragment> = (0..3u32)
         .map(|o| {
