@@ -1,17 +1,18 @@
 //! The composite engine: engines in preference order, registration fan-out, and the
 //! non-blocking submit onto the composite's executor.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use umbp_plan::{
-    BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Failure, PlanBuilder, PlanSet,
-    TransferEngine,
+    BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, Failure,
+    PlanBuilder, PlanSet, Register, RegisterError, TransferEngine,
 };
 
 use crate::batch::{Batch, BatchShared, Prepared};
 use crate::builder::RoutedPart;
-use crate::executor::{run_lane, run_stage, Executor, StageJob};
+use crate::executor::{panic_message, run_lane, run_stage, Executor, StageJob};
 use crate::metrics::{direction, InFlight, InFlightSnapshot, Metrics, MetricsSnapshot};
 use crate::staging::{cut_stages, BouncePool, Staging};
 use crate::{CompositeBuilder, Error, RoutedPlans};
@@ -52,6 +53,15 @@ pub(crate) struct Shared {
     pub(crate) in_flight: Arc<InFlight>,
 }
 
+/// Tells every engine that a registration through the composite ended.
+impl EndpointRelease for Shared {
+    fn release(&self, id: EndpointId) {
+        for e in &self.engines {
+            e.endpoint_deregistering(id);
+        }
+    }
+}
+
 impl Shared {
     /// Engine `i`'s builder: its own, or the buffered baseline.
     pub(crate) fn engine_builder(&self, i: usize) -> Box<dyn PlanBuilder + Send + '_> {
@@ -67,7 +77,7 @@ impl Shared {
     /// Engine `i`'s name, even if asking the engine panics.
     pub(crate) fn engine_name(&self, i: usize) -> String {
         let engine = &self.engines[i];
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.name().to_string()))
+        catch_unwind(AssertUnwindSafe(|| engine.name().to_string()))
             .unwrap_or_else(|_| format!("engine {i}"))
     }
 
@@ -216,59 +226,6 @@ impl CompositeEngine {
         CompositeBuilder::new(self)
     }
 
-    /// Registers an endpoint and tells every engine (each once); if one refuses, the engines
-    /// told so far forget it again and the registration is undone.
-    ///
-    /// # Safety
-    ///
-    /// As [`EndpointRegistry::register`]: a memory endpoint must stay valid until it is
-    /// deregistered and every batch that used it has been waited on (or dropped, which waits).
-    #[allow(unsafe_code)] // Forwards the registry's obligation; dereferences nothing.
-    pub unsafe fn register(&self, endpoint: Endpoint) -> Result<EndpointId, Error> {
-        // SAFETY: the caller's contract is the registry's.
-        let id = unsafe { self.shared.registry.register(endpoint) };
-        self.fan_out(id, &endpoint)?;
-        Ok(id)
-    }
-
-    /// Registers a file range and tells every engine.
-    pub fn register_file(
-        &self,
-        fd: i32,
-        file_offset: u64,
-        len: u64,
-        direct: bool,
-    ) -> Result<EndpointId, Error> {
-        let id = self.shared.registry.register_file(fd, file_offset, len, direct);
-        let endpoint = Endpoint::file(fd, file_offset, len, direct);
-        self.fan_out(id, &endpoint)?;
-        Ok(id)
-    }
-
-    /// Deregisters `id` once no batch in flight uses it (it waits for them to settle: every
-    /// batch pins its endpoints from submit until it settles), then tells every engine, which
-    /// releases what it held for it (a pinning, a file).
-    pub fn deregister(&self, id: EndpointId) -> Result<(), Error> {
-        self.shared.registry.deregister(id).map_err(|_| Error::UnknownEndpoint(id))?;
-        for e in &self.shared.engines {
-            e.endpoint_deregistering(id);
-        }
-        Ok(())
-    }
-
-    fn fan_out(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), Error> {
-        for (i, e) in self.shared.engines.iter().enumerate() {
-            if let Err(source) = e.endpoint_registered(id, endpoint) {
-                for told in &self.shared.engines[..i] {
-                    told.endpoint_deregistering(id);
-                }
-                let _ = self.shared.registry.deregister(id);
-                return Err(Error::Engine { engine: e.name().to_string(), id, source });
-            }
-        }
-        Ok(())
-    }
-
     /// Starts a batch and returns its handle at once: every engine's lane and every stage of
     /// the staged route run on the composite's executor, engines side by side, layer groups in
     /// order on each engine. Objects are named by their tags; see [`Batch`] for polling,
@@ -355,5 +312,38 @@ impl std::fmt::Debug for CompositeEngine {
             .field("staging", &self.staging())
             .field("config", &self.config)
             .finish()
+    }
+}
+
+/// Memory and files register once for every engine of the composite ([`Register`]): each
+/// engine prepares for the endpoint ([`TransferEngine::endpoint_registered`]: the device
+/// engine pins host memory, the SSD engine inspects a file); if one refuses, the engines told
+/// so far release it again and nothing remains. When the registration ends, after the batches
+/// that use the endpoint, every engine releases what it held.
+impl Register for CompositeEngine {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.shared.registry
+    }
+
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        let engines = &self.shared.engines;
+        for (i, e) in engines.iter().enumerate() {
+            let told = catch_unwind(AssertUnwindSafe(|| e.endpoint_registered(id, endpoint)));
+            let refusal = match told {
+                Ok(Ok(())) => continue,
+                Ok(Err(source)) => source,
+                Err(panic) => format!("panicked: {}", panic_message(&*panic)).into(),
+            };
+            for earlier in &engines[..i] {
+                earlier.endpoint_deregistering(id);
+            }
+            let engine = self.shared.engine_name(i);
+            return Err(RegisterError::Engine { engine, source: refusal });
+        }
+        Ok(Some(Arc::clone(&self.shared) as Arc<dyn EndpointRelease>))
     }
 }

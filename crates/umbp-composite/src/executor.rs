@@ -94,7 +94,7 @@ impl Drop for Executor {
 }
 
 /// The panic message of `payload`, when it is a string.
-fn panic_message(payload: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_string())

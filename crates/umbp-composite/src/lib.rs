@@ -2,8 +2,9 @@
 //! one result per object, for batches that span host memory, device memory and SSD files.
 //!
 //! - [`CompositeEngine`] holds engines (any [`TransferEngine`](umbp_plan::TransferEngine), from
-//!   any crate) in preference order. Registration through it reaches every engine once
-//!   ([`endpoint_registered`](umbp_plan::TransferEngine::endpoint_registered)).
+//!   any crate) in preference order. It registers memory and files like every umbp engine
+//!   ([`Register`](umbp_plan::Register)), once for all of its engines; the guard it returns
+//!   deregisters when dropped, after the batches that use the endpoint.
 //! - [`CompositeBuilder`] routes each fragment to the first engine that claims its pair
 //!   ([`route`]) and pushes it into that engine's own builder, created on first use: engines
 //!   with an incremental builder plan incrementally, others get the buffered default. One
@@ -38,25 +39,23 @@
 //! use std::sync::Arc;
 //! use umbp_composite::{start_restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject};
 //! use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
-//! use umbp_plan::{BatchState, DeviceOrdinal, Endpoint, EndpointRegistry};
+//! use umbp_plan::{BatchState, DeviceOrdinal, EndpointRegistry, Register};
 //!
 //! let registry = EndpointRegistry::new();
 //! let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), HbmConfig::default()));
 //! let composite = CompositeEngine::new(registry, vec![hbm.clone()]);
 //!
 //! // A DRAM arena of 4 pages of 4 KiB; one object stored in pages 3 and 1.
-//! let mut arena: Vec<u8> = (0..4 * 4096).map(|i| (i / 4096) as u8).collect();
-//! // SAFETY: `arena` outlives every transfer below (the batch is waited on).
-//! let tier = unsafe { composite.register(Endpoint::host(arena.as_mut_ptr() as u64, arena.len() as u64))? };
+//! let arena = composite.register_memory((0..4 * 4096).map(|i| (i / 4096) as u8).collect::<Vec<u8>>())?;
 //! let gpu = hbm.alloc_device(DeviceOrdinal::new(0), 8192)?;
 //!
 //! // The object's first page belongs to layer group 0, its second to group 1.
 //! let pages = [3 * 4096, 4096];
 //! let ranges = [
-//!     ObjectRange::new(0, 4096, gpu.id, 0),
-//!     ObjectRange::new(4096, 4096, gpu.id, 4096).in_group(1),
+//!     ObjectRange::new(0, 4096, gpu.id(), 0),
+//!     ObjectRange::new(4096, 4096, gpu.id(), 4096).in_group(1),
 //! ];
-//! let object = PagedObject { tier, page_offsets: &pages, page_size: 4096, size: 8192 };
+//! let object = PagedObject { tier: arena.id(), page_offsets: &pages, page_size: 4096, size: 8192 };
 //! let objects = [ObjectTransfer { tag: 42, object, ranges: &ranges }];
 //!
 //! let mut builder = composite.builder();
@@ -65,7 +64,7 @@
 //! let report = batch.wait();
 //! assert_eq!(report.aggregate, BatchState::Completed);
 //! assert_eq!(report.objects[0].tag, 42);
-//! let bytes = hbm.runtime().read(gpu.addr, 8192)?;
+//! let bytes = hbm.runtime().read(gpu.endpoint().addr(), 8192)?;
 //! assert_eq!((bytes[0], bytes[4096]), (3, 1));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

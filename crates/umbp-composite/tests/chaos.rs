@@ -17,7 +17,7 @@ use support::tiered::*;
 use support::wrapped::Wrapped;
 use support::*;
 use umbp_composite::{start_restore, ObjectRange, ObjectTransfer, PagedObject, TransferReport};
-use umbp_plan::{Endpoint, ObjectState};
+use umbp_plan::{Endpoint, ObjectState, Register};
 
 const THREADS: usize = 16;
 const ROUNDS: usize = 12;
@@ -60,17 +60,15 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
             let (t, tables, outcomes) = (&t, &tables, &outcomes);
             scope.spawn(move || {
                 let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((thread as u64 + 1) * 0x2545_f491));
-                let dev = t.hbm.alloc_device(GPU, OBJECTS as u64 * size).unwrap();
+                let dev = device(&t.hbm, OBJECTS as u64 * size);
                 let mut builder = t.composite.builder();
                 for round in 0..ROUNDS {
                     let mut out = vec![POISON; OBJECTS * size as usize];
+                    let out_endpoint = Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64);
                     // SAFETY: `out` outlives the batch: it is waited on (or its endpoint
                     // deregistered, which waits) before `out` goes at the end of the round.
-                    let out_id = unsafe {
-                        t.composite
-                            .register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64))
-                            .unwrap()
-                    };
+ let mut out_registration = Some(unsafe { t.composite.register_raw_memory(out_endpoint) }.unwrap());
+ let out_id = out_registration.as_ref().unwrap().id();
                     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
                     // Object o: from DRAM or SSD, into the device or host memory, one or two
                     // ranges at random offsets inside its own slot.
@@ -116,7 +114,7 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
                         2 => {
                             // The host destination goes while the batch may still write it:
                             // deregister waits for the batch.
-                            t.composite.deregister(out_id).unwrap();
+                            drop(out_registration.take());
                             let uses_out = ranges.iter().flatten().any(|r| r.endpoint == out_id);
                             assert!(
                                 !uses_out || batch.is_done(),
@@ -128,7 +126,7 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
                     };
                     builder.recycle(batch.into_plans());
                     if mode != 2 {
-                        t.composite.deregister(out_id).unwrap();
+                        drop(out_registration.take());
                     }
 
                     let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
@@ -168,7 +166,7 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
                         assert_eq!(stray, None, "thread {thread} round {round}: a byte outside every range was written");
                     }
                 }
-                t.hbm.free_device(dev).unwrap();
+                drop(dev);
             });
         }
     });

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use support::tiered::*;
 use support::*;
 use umbp_composite::{restore, ObjectRange, ObjectTransfer, PagedObject};
-use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState};
+use umbp_plan::{BatchState, Endpoint, ObjectState, Register};
 
 const THREADS: usize = 16;
 const ROUNDS: usize = 20;
@@ -49,7 +49,7 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
         (0..OBJECTS * THREADS).map(|o| page_table(o, PAGES, TIER_PAGES)).collect();
 
     // Warm up: the executor and every engine's workers start here.
-    let warm_dev = t.hbm.alloc_device(GPU, size).unwrap();
+    let warm_dev = device(&t.hbm, size);
     let warm = [ObjectRange::new(0, size, warm_dev.id, 0)];
     let object = PagedObject { tier: t.file_id, page_offsets: &tables[0], page_size: PAGE, size };
     let report =
@@ -76,14 +76,13 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
             .map(|thread| {
                 let (t, tables, wrong, completed) = (&t, &tables, &wrong, &completed);
                 scope.spawn(move || {
-                    let dev = t.hbm.alloc_device(GPU, OBJECTS as u64 * size).unwrap();
+                    let dev = device(&t.hbm, OBJECTS as u64 * size);
                     let mut out = vec![POISON; OBJECTS * size as usize];
+                    let out_endpoint = Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64);
                     // SAFETY: `out` outlives every restore of this thread (each is waited on).
-                    let out_id: EndpointId = unsafe {
-                        t.composite
-                            .register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64))
-                            .unwrap()
-                    };
+                    let mut out_registration =
+                        Some(unsafe { t.composite.register_raw_memory(out_endpoint) }.unwrap());
+                    let out_id = out_registration.as_ref().unwrap().id();
                     let mut builder = t.composite.builder();
                     for round in 0..ROUNDS {
                         t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
@@ -132,7 +131,7 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
                             }
                         }
                     }
-                    t.composite.deregister(out_id).unwrap();
+                    drop(out_registration.take());
                 })
             })
             .collect();

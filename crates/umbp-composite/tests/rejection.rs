@@ -50,8 +50,9 @@ fn check(objects: &[Object], buffered_first: bool) {
     // SAFETY: the buffers outlive the batch, which is waited on below.
     let (s, d) = unsafe {
         (
-            composite.register(Endpoint::host(src.as_mut_ptr() as u64, src.len() as u64)).unwrap(),
-            composite.register(Endpoint::host(out.as_mut_ptr() as u64, host_len)).unwrap(),
+            register(&composite, Endpoint::host(src.as_mut_ptr() as u64, src.len() as u64))
+                .unwrap(),
+            register(&composite, Endpoint::host(out.as_mut_ptr() as u64, host_len)).unwrap(),
         )
     };
 
@@ -96,7 +97,7 @@ fn check(objects: &[Object], buffered_first: bool) {
     }
 
     let report = composite.submit(plans).unwrap().wait();
-    let device = rig.read_device(dev);
+    let device = rig.read_device(&dev);
     for (o, (h, len, device_spans)) in spans.iter().enumerate() {
         let r = &report.objects[o];
         let host_range = *h as usize..(*h + *len) as usize;

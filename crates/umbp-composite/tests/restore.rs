@@ -4,7 +4,7 @@ mod support;
 
 use support::*;
 use umbp_composite::{offload, restore, ObjectRange, ObjectTransfer, PagedObject};
-use umbp_plan::{BatchState, EndpointId, ObjectState, Tag};
+use umbp_plan::{BatchState, Endpoint, EndpointId, ObjectState, Register, Tag};
 
 const PAGE: u64 = 4096;
 
@@ -74,7 +74,7 @@ fn a_mixed_batch_into_device_and_host_memory_lands_exactly() {
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed, "{:?}", report);
     assert!(report.objects.iter().enumerate().all(|(o, r)| r.tag == 1000 + o as u64));
-    let device = rig.read_device(dev);
+    let device = rig.read_device(&dev);
     for (o, object_ranges) in ranges.iter().enumerate() {
         let out: &[u8] = if o % 2 == 0 { &device } else { &host_out };
         let base = o * size as usize;
@@ -132,7 +132,7 @@ fn a_range_past_the_object_end_fails_that_object_only() {
     assert_eq!(report.aggregate, BatchState::Failed);
     assert_eq!(report.objects[0].state, ObjectState::Completed);
     assert_eq!(report.objects[1].state, ObjectState::Rejected);
-    let device = rig.read_device(dev);
+    let device = rig.read_device(&dev);
     assert_eq!(&device[..size as usize], a.object_bytes(0, 0, size));
     assert!(
         device[size as usize..].iter().all(|&x| x == POISON),
@@ -216,7 +216,12 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                     for round in 0..3 {
                         let dev = rig.device(objects as u64 * size);
                         let mut out = vec![POISON; objects * size as usize];
-                        let host_id = rig.host(&mut out);
+                        let endpoint = Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64);
+                        // SAFETY: `out` outlives the registration, which ends below after the
+                        // restore was waited on.
+                        let registration =
+                            unsafe { rig.composite.register_raw_memory(endpoint) }.unwrap();
+                        let host_id = registration.id();
                         // Shapes differ per object: whole object, a prefix, two ranges.
                         let ranges: Vec<Vec<ObjectRange>> = (0..objects)
                             .map(|o| {
@@ -245,7 +250,7 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                             })
                             .collect();
                         let report = restore(&mut builder, &batch).unwrap();
-                        let device = rig.read_device(dev);
+                        let device = rig.read_device(&dev);
                         for (o, r) in report.objects.iter().enumerate() {
                             if r.state != ObjectState::Completed {
                                 continue;
@@ -262,8 +267,8 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                             }
                         }
                         assert_eq!(report.aggregate, BatchState::Completed);
-                        rig.composite.deregister(host_id).unwrap();
-                        rig.hbm.free_device(dev).unwrap();
+                        drop(registration);
+                        drop(dev);
                     }
                     wrong
                 })

@@ -8,23 +8,52 @@ use std::sync::Arc;
 use support::*;
 use umbp_composite::{route, CompositeEngine, ObjectError, Route};
 use umbp_example_engine::DownstreamEngine;
+use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_plan::{
-    BatchState, DeviceOrdinal, Endpoint, EndpointRegistry, Error, Fragment, ObjectState,
+    BatchState, DeviceOrdinal, Endpoint, EndpointRegistry, Error, Fragment, ObjectState, Register,
     RejectReason, Tag, TransferEngine,
 };
 
 #[test]
-fn registration_reaches_every_engine_once() {
+fn registration_and_its_end_reach_every_engine_once() {
     let registry = EndpointRegistry::new();
     let a = Arc::new(CountingEngine::new(registry.clone(), false));
     let b = Arc::new(CountingEngine::new(registry.clone(), false));
     let composite = CompositeEngine::new(registry.clone(), vec![a.clone(), b.clone()]);
-    let mut buf = vec![0u8; 64];
-    // SAFETY: `buf` outlives the composite's use of it (no transfer is made).
-    unsafe { composite.register(Endpoint::host(buf.as_mut_ptr() as u64, 64)).unwrap() };
-    composite.register_file(3, 0, 4096, false).unwrap();
-    assert_eq!(a.registered.load(Ordering::Relaxed), 2);
-    assert_eq!(b.registered.load(Ordering::Relaxed), 2);
+    let memory = composite.register_memory(vec![0u8; 64]).unwrap();
+    let file = composite.register_file(tempfile::tempfile().unwrap(), 0, 4096).unwrap();
+    let counts = |e: &CountingEngine| {
+        (e.registered.load(Ordering::Relaxed), e.released.load(Ordering::Relaxed))
+    };
+    assert_eq!((counts(&a), counts(&b)), ((2, 0), (2, 0)));
+    let (memory_id, file_id) = (memory.id(), file.id());
+    assert!(registry.get(memory_id).is_some() && registry.get(file_id).is_some());
+    assert_eq!(memory.deregister().len(), 64, "the buffer comes back");
+    drop(file);
+    assert_eq!((counts(&a), counts(&b)), ((2, 2), (2, 2)));
+    assert!(registry.get(memory_id).is_none() && registry.get(file_id).is_none());
+}
+
+#[test]
+fn a_registration_an_engine_refuses_leaves_nothing_behind() {
+    let registry = EndpointRegistry::new();
+    let a = Arc::new(CountingEngine::new(registry.clone(), false));
+    // The device engine pins registered host memory for device 3, which the simulator lacks.
+    let gpu3 = Some(DeviceOrdinal::new(3));
+    let config = HbmConfig { pin_registered_host: gpu3, ..HbmConfig::default() };
+    let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
+    let composite = CompositeEngine::new(registry.clone(), vec![a.clone(), hbm]);
+    let err = composite.register_memory(vec![0u8; 64]).unwrap_err();
+    assert!(
+        matches!(&err, umbp_plan::RegisterError::Engine { engine, .. } if engine == "hbm"),
+        "{err}"
+    );
+    assert_eq!(registry.snapshot().iter().count(), 0, "the registration was undone");
+    assert_eq!(
+        (a.registered.load(Ordering::Relaxed), a.released.load(Ordering::Relaxed)),
+        (1, 1),
+        "the engine told first was told to release it"
+    );
 }
 
 #[test]
@@ -62,13 +91,13 @@ fn each_engine_gets_one_builder_and_one_submit_per_batch() {
     // SAFETY: buffers outlive the transfers below.
     let (s, d) = unsafe {
         (
-            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 8192)).unwrap(),
-            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 8192)).unwrap(),
+            register(&composite, Endpoint::host(src.as_mut_ptr() as u64, 8192)).unwrap(),
+            register(&composite, Endpoint::host(dst.as_mut_ptr() as u64, 8192)).unwrap(),
         )
     };
     // SAFETY: an invented device address: the counting engine never touches memory.
     let dev = unsafe {
-        composite.register(Endpoint::device(DeviceOrdinal::new(0), 0x7000_0000, 8192)).unwrap()
+        register(&composite, Endpoint::device(DeviceOrdinal::new(0), 0x7000_0000, 8192)).unwrap()
     };
     let mut b = composite.builder();
     for t in 0..8u32 {
@@ -93,7 +122,7 @@ fn a_pair_no_engine_claims_rejects_its_object_everywhere() {
     let mut a = pattern(4096, 1);
     let mut out = vec![POISON; 4096];
     let (src, dst) = (rig.host(&mut a), rig.host(&mut out));
-    let file = rig.composite.register_file(5, 0, 4096, false).unwrap();
+    let file = umbp_plan::testing::invent_file(&rig.registry, 5, 0, 4096, false);
     let mut b = rig.composite.builder();
     b.begin_object(Tag::new(0)).unwrap();
     b.push(Fragment::new(src, 0, dst, 0, 1024, Tag::new(0))).unwrap();
@@ -157,7 +186,7 @@ fn an_object_spanning_two_engines_whose_last_range_is_invalid_leaves_nothing_in_
     }
     let report = rig.composite.submit(plans).unwrap().wait();
     assert!(report.objects.iter().all(|o| o.state != ObjectState::Failed), "{report:?}");
-    let device = rig.read_device(dev);
+    let device = rig.read_device(&dev);
     for t in 0..3usize {
         let off = t * 8192;
         let ok = t != 1;
@@ -185,9 +214,10 @@ fn an_engine_that_accepts_nothing_fails_exactly_its_tags() {
     // SAFETY: buffers outlive the transfers; the device address is never touched.
     let (s, d, dev) = unsafe {
         (
-            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 4096)).unwrap(),
-            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 4096)).unwrap(),
-            composite.register(Endpoint::device(DeviceOrdinal::new(0), 0x9000_0000, 4096)).unwrap(),
+            register(&composite, Endpoint::host(src.as_mut_ptr() as u64, 4096)).unwrap(),
+            register(&composite, Endpoint::host(dst.as_mut_ptr() as u64, 4096)).unwrap(),
+            register(&composite, Endpoint::device(DeviceOrdinal::new(0), 0x9000_0000, 4096))
+                .unwrap(),
         )
     };
     let mut b = composite.builder();
@@ -219,8 +249,8 @@ fn an_engine_from_another_crate_is_routed_to() {
     // SAFETY: buffers outlive the transfer.
     let (s, d) = unsafe {
         (
-            composite.register(Endpoint::host(src.as_mut_ptr() as u64, 16 << 10)).unwrap(),
-            composite.register(Endpoint::host(dst.as_mut_ptr() as u64, 16 << 10)).unwrap(),
+            register(&composite, Endpoint::host(src.as_mut_ptr() as u64, 16 << 10)).unwrap(),
+            register(&composite, Endpoint::host(dst.as_mut_ptr() as u64, 16 << 10)).unwrap(),
         )
     };
     let mut b = composite.builder();

@@ -16,12 +16,12 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
     let tier_pages = objects / 2 * per;
     let mut t = tiered(tier_pages, true);
     let size = per as u64 * PAGE;
-    let dev = t.hbm.alloc_device(GPU, objects as u64 * size).unwrap();
+    let dev = device(&t.hbm, objects as u64 * size);
     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     let mut out = vec![POISON; objects * size as usize];
     // SAFETY: `out` outlives the restore.
     let out_id = unsafe {
-        t.composite.register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
+        register(&t.composite, Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
     };
     let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o / 2, per, tier_pages)).collect();
     // Object o: from DRAM (even) or SSD (odd); to the device (o % 4 < 2) or host memory; one
@@ -78,7 +78,7 @@ fn an_injected_ssd_read_error_fails_only_its_object() {
     let mut out = vec![POISON; 4 * size as usize];
     // SAFETY: `out` outlives the restore.
     let out_id = unsafe {
-        t.composite.register(Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
+        register(&t.composite, Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
     };
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, per, 16)).collect();
     // Fail the read of object 2's third page.
@@ -130,7 +130,7 @@ fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -
 #[test]
 fn ssd_to_device_goes_through_the_bounce_region_in_stages() {
     let t = tiered(16, true);
-    let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
+    let dev = device(&t.hbm, 16 * PAGE);
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
     let states = restore_file_objects(&t, dev.id, &tables);
     assert!(states.iter().all(|&s| s == ObjectState::Completed), "{states:?}");
@@ -154,7 +154,7 @@ fn ssd_to_device_goes_through_the_bounce_region_in_stages() {
 fn a_failure_in_either_hop_fails_only_its_object() {
     // First hop: an SSD read of object 1 fails; its bytes never reach the device.
     let t = tiered(16, false);
-    let dev = t.hbm.alloc_device(GPU, 16 * PAGE).unwrap();
+    let dev = device(&t.hbm, 16 * PAGE);
     t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
     let tables: Vec<Vec<u64>> = (0..4).map(|o| page_table(o, 4, 16)).collect();
     t.ssd.inject_fault(IoFault::read_covering(t.file_id, tables[1][0], EIO));

@@ -13,7 +13,8 @@ use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
     plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EngineError, Failure,
-    FailureCause, Fragment, PlanBuilder, PlanRules, PlanSet, TransferEngine, TransferHandle,
+    FailureCause, Fragment, PlanBuilder, PlanRules, PlanSet, Register, RegisterError, Registration,
+    TransferEngine, TransferHandle,
 };
 
 pub(crate) const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
@@ -45,26 +46,57 @@ impl Rig {
         Self { registry, host, hbm, composite }
     }
 
-    /// Registers `bytes` (kept alive by the caller) through the composite.
+    /// Registers `bytes` (kept alive by the caller) through the composite, for the rest of
+    /// the test.
     pub(crate) fn host(&self, bytes: &mut [u8]) -> EndpointId {
+        let endpoint = Endpoint::host(bytes.as_mut_ptr() as u64, bytes.len() as u64);
         // SAFETY: every test keeps its buffers alive until its transfers were waited on.
-        unsafe {
-            self.composite
-                .register(Endpoint::host(bytes.as_mut_ptr() as u64, bytes.len() as u64))
-                .unwrap()
-        }
+        unsafe { register(&self.composite, endpoint) }.unwrap()
     }
 
     /// A poisoned device buffer of `len` bytes.
-    pub(crate) fn device(&self, len: u64) -> umbp_hbm::DeviceRegion {
-        let region = self.hbm.alloc_device(GPU, len).unwrap();
+    pub(crate) fn device(&self, len: u64) -> Dev {
+        let region = device(&self.hbm, len);
         self.hbm.runtime().fill(region.addr, len, POISON).unwrap();
         region
     }
 
-    pub(crate) fn read_device(&self, region: umbp_hbm::DeviceRegion) -> Vec<u8> {
+    pub(crate) fn read_device(&self, region: &Dev) -> Vec<u8> {
         self.hbm.runtime().read(region.addr, region.len).unwrap()
     }
+}
+
+/// Registers raw memory through `composite` for the rest of the test: the guard is leaked, so
+/// the endpoint stays registered (and the engines prepared) until the process ends. Tests that
+/// end a registration hold the guard instead.
+///
+/// # Safety
+///
+/// As [`Register::register_raw_memory`], with the registration never ending: the caller keeps
+/// the memory alive and untouched while transfers that use it run.
+pub(crate) unsafe fn register(
+    composite: &CompositeEngine,
+    endpoint: Endpoint,
+) -> Result<EndpointId, RegisterError> {
+    // SAFETY: the caller's promise.
+    let registration = unsafe { composite.register_raw_memory(endpoint) }?;
+    let id = registration.id();
+    std::mem::forget(registration);
+    Ok(id)
+}
+
+/// Device memory from `hbm`, with its address at hand; freed when dropped.
+pub(crate) struct Dev {
+    pub(crate) registration: Registration,
+    pub(crate) id: EndpointId,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+pub(crate) fn device(hbm: &HbmEngine<SimDevice>, len: u64) -> Dev {
+    let registration = hbm.alloc_device(GPU, len).unwrap();
+    let (id, addr) = (registration.id(), registration.endpoint().addr());
+    Dev { registration, id, addr, len }
 }
 
 /// An engine that claims host -> device pairs, counts what the composite asks of it, and
@@ -73,13 +105,21 @@ pub(crate) struct CountingEngine {
     pub(crate) registry: Arc<EndpointRegistry>,
     pub(crate) refuse: bool,
     pub(crate) registered: AtomicUsize,
+    pub(crate) released: AtomicUsize,
     pub(crate) builders: AtomicUsize,
     pub(crate) submits: AtomicUsize,
 }
 
 impl CountingEngine {
     pub(crate) fn new(registry: Arc<EndpointRegistry>, refuse: bool) -> Self {
-        Self { registry, refuse, registered: 0.into(), builders: 0.into(), submits: 0.into() }
+        Self {
+            registry,
+            refuse,
+            registered: 0.into(),
+            released: 0.into(),
+            builders: 0.into(),
+            submits: 0.into(),
+        }
     }
 }
 
@@ -117,6 +157,10 @@ impl TransferEngine for CountingEngine {
     fn endpoint_registered(&self, _: EndpointId, _: &Endpoint) -> Result<(), EngineError> {
         self.registered.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn endpoint_deregistering(&self, _: EndpointId) {
+        self.released.fetch_add(1, Ordering::Relaxed);
     }
 
     fn submit(&self, plans: PlanSet) -> TransferHandle {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use umbp_composite::{CompositeEngine, Staging};
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
-use umbp_plan::{Endpoint, EndpointId, EndpointRegistry, TransferEngine};
-use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
+use umbp_plan::{Endpoint, EndpointId, EndpointRegistry, Register, Registration, TransferEngine};
+use umbp_ssd::{SsdConfig, SsdEngine};
 
 use super::{pattern, GPU};
 
@@ -16,6 +16,8 @@ pub(crate) const PAGE: u64 = 16 << 10;
 
 pub(crate) struct Tiered {
     pub(crate) composite: CompositeEngine,
+    /// Closes the file once the composite (and its batches) are gone.
+    _file_registration: Registration<std::fs::File>,
     pub(crate) hbm: Arc<HbmEngine<SimDevice>>,
     pub(crate) ssd: Arc<SsdEngine>,
     _dir: tempfile::TempDir,
@@ -49,7 +51,8 @@ pub(crate) fn tiered_with(
     let file = pattern(len, 77);
     let path = dir.path().join("tier.bin");
     std::fs::File::create(&path).unwrap().write_all(&file).unwrap();
-    let file_id = ssd.open_file(&path, 0, len as u64, FileOptions::new()).unwrap();
+    let file_registration = ssd.register_file(path.as_path(), 0, len as u64).unwrap();
+    let file_id = file_registration.id();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd.clone()];
     let engines = engines.into_iter().enumerate().map(|(i, e)| wrap(i, e, &registry)).collect();
     let mut composite = CompositeEngine::new(registry, engines);
@@ -58,15 +61,29 @@ pub(crate) fn tiered_with(
     // SAFETY: the buffers live in the returned struct, alive for every transfer of the test.
     let (dram_id, bounce_id) = unsafe {
         (
-            composite.register(Endpoint::host(dram.as_mut_ptr() as u64, len as u64)).unwrap(),
-            composite
-                .register(Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64))
+            super::register(&composite, Endpoint::host(dram.as_mut_ptr() as u64, len as u64))
                 .unwrap(),
+            super::register(
+                &composite,
+                Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64),
+            )
+            .unwrap(),
         )
     };
     composite =
         composite.with_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
-    Tiered { composite, hbm, ssd, _dir: dir, dram, dram_id, file, file_id, _bounce: bounce }
+    Tiered {
+        composite,
+        _file_registration: file_registration,
+        hbm,
+        ssd,
+        _dir: dir,
+        dram,
+        dram_id,
+        file,
+        file_id,
+        _bounce: bounce,
+    }
 }
 
 /// Object `o` of a tier: pages `perm(o, k)` scattered over the tier.
