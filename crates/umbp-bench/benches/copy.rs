@@ -19,14 +19,12 @@ fn host_copy(c: &mut Criterion) {
     let engine = LocalCopyEngine::new(EndpointRegistry::new());
     let src = HostBuffer::new(BATCH, 1);
     let dst = HostBuffer::zeroed(BATCH);
-    // SAFETY: both buffers outlive every transfer (this engine finishes inside `submit`), and
-    // the bench never reads or writes them itself.
-    let (s, d) = unsafe {
-        (
-            engine.register_host(src.as_mut_ptr(), BATCH),
-            engine.register_host(dst.as_mut_ptr(), BATCH),
-        )
+    // SAFETY: both buffers outlive their registrations (declared after them; this engine
+    // finishes inside `submit`), and the bench never reads or writes them itself.
+    let (src_reg, dst_reg) = unsafe {
+        (src.lend(&engine).expect("host memory"), dst.lend(&engine).expect("host memory"))
     };
+    let (s, d) = (src_reg.id(), dst_reg.id());
     for size in [4usize << 10, 64 << 10] {
         let n = BATCH / size;
         let mut slots: Vec<u64> = (0..n as u64).collect();

@@ -10,8 +10,10 @@ use std::io::Write;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use umbp_bench::host_buffer::HostBuffer;
 use umbp_bench::shape::SplitMix;
-use umbp_plan::{Endpoint, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
-use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
+use umbp_plan::{
+    EndpointRegistry, FileOptions, FileSource, Fragment, PlanBuilder, Register, Tag, TransferEngine,
+};
+use umbp_ssd::{SsdConfig, SsdEngine};
 
 /// The file: bigger than one iteration reads, so reads land at random places.
 const FILE: usize = 256 << 20;
@@ -32,13 +34,14 @@ fn ssd_reads(c: &mut Criterion) {
 
     let registry = EndpointRegistry::new();
     let engine = SsdEngine::new(registry.clone(), SsdConfig::new()).expect("the SSD engine");
-    let file = engine
-        .open_file(&path, 0, FILE as u64, FileOptions::new().writable(false))
-        .expect("open the file");
+    let source = FileSource::open(&path, FileOptions::new().writable(false));
+    let registration = engine.register_file(source, 0, FILE as u64).expect("open the file");
+    let file = registration.id();
     let dst = HostBuffer::zeroed(READ);
-    // SAFETY: `dst` outlives every transfer (each is waited on inside the iteration) and the
-    // endpoint is deregistered before `dst` is dropped; the bench never touches its bytes.
-    let d = unsafe { registry.register(Endpoint::host(dst.addr(), READ as u64)) };
+    // SAFETY: `dst` outlives its registration (declared after it; every transfer is waited on
+    // inside the iteration), and the bench never touches its bytes.
+    let dst_reg = unsafe { dst.lend(&engine) }.expect("host memory");
+    let d = dst_reg.id();
     for block in [256usize << 10, 4 << 10] {
         let (blocks, reads) = ((FILE / block) as u64, READ / block);
         let mut rng = SplitMix(block as u64);
@@ -59,8 +62,6 @@ fn ssd_reads(c: &mut Criterion) {
             })
         });
     }
-    let _ = registry.deregister(d);
-    let _ = engine.deregister(file);
     group.finish();
 }
 

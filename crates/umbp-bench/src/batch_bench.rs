@@ -42,9 +42,10 @@ use serde::Serialize;
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::{
-    DeviceOrdinal, Endpoint, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
+    DeviceOrdinal, EndpointRegistry, FileOptions, FileSource, Fragment, PlanBuilder, PlanSet,
+    Register, Tag, TransferEngine,
 };
-use umbp_ssd::{Backend, FileOptions, SsdConfig, SsdEngine};
+use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
@@ -359,14 +360,11 @@ fn localcopy(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), engine_config);
     let src = HostBuffer::new(n * size, config.seed);
     let mut dst = HostBuffer::zeroed(n * size);
-    // SAFETY: both buffers outlive the engine's transfers (this engine finishes every transfer
-    // inside `submit`), and the bench reads or writes them only between transfers.
-    let (s, d) = unsafe {
-        (
-            engine.register_host(src.as_mut_ptr(), src.len()),
-            engine.register_host(dst.as_mut_ptr(), dst.len()),
-        )
-    };
+    // SAFETY: both buffers outlive their registrations (declared after them; this engine
+    // finishes every transfer inside `submit`), and the bench reads or writes them only
+    // between transfers.
+    let (src_reg, dst_reg) = unsafe { (src.lend(&engine)?, dst.lend(&engine)?) };
+    let (s, d) = (src_reg.id(), dst_reg.id());
     let slots = scatter(n, config.seed);
     let work = fragments(s, d, &slots, size as u64);
     let mut builder = engine.incremental_builder();
@@ -391,15 +389,18 @@ fn hbm_sim(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     let (n, size) = (config.transfers, config.transfer_size as usize);
     let device = DeviceOrdinal::new(0);
     let runtime = Arc::new(SimDevice::new(1));
-    let engine = HbmEngine::new(runtime.clone(), EndpointRegistry::new(), HbmConfig::default());
+    // Host memory registered with the engine is pinned for the device, so gathers can read it.
+    let engine_config = HbmConfig { pin_registered_host: Some(device), ..HbmConfig::default() };
+    let engine = HbmEngine::new(runtime.clone(), EndpointRegistry::new(), engine_config);
     let src = HostBuffer::new(n * size, config.seed);
     let mut scratch = HostBuffer::zeroed(n * size);
-    // SAFETY: `src` outlives every transfer (the engine synchronizes before `submit` returns)
-    // and is deregistered below before it is dropped; the bench only reads it.
-    let s = unsafe { engine.register_host(src.as_mut_ptr(), src.len() as u64, Some(device))? };
+    // SAFETY: `src` outlives its registration (declared after it; the engine synchronizes
+    // before `submit` returns), and the bench only reads it.
+    let src_reg = unsafe { src.lend(&engine)? };
     let dev = engine.alloc_device(device, (n * size) as u64)?;
+    let (dev_addr, dev_len) = (dev.endpoint().addr(), dev.endpoint().len());
     let slots = scatter(n, config.seed);
-    let work = fragments(s, dev.id, &slots, size as u64);
+    let work = fragments(src_reg.id(), dev.id(), &slots, size as u64);
     let mut builder = engine.incremental_builder();
     let mut builder2 = engine.incremental_builder();
     let timing = time_paths(
@@ -411,12 +412,10 @@ fn hbm_sim(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     )?;
     let mut verified = true;
     for path in [batch::<HbmEngine<SimDevice>, _>, single::<HbmEngine<SimDevice>, _>] {
-        runtime.fill(dev.addr, dev.len, 0xA5)?;
+        runtime.fill(dev_addr, dev_len, 0xA5)?;
         path(&engine, &mut builder, &work)?;
-        verified &= delivered(src.bytes(), &runtime.read(dev.addr, dev.len)?, &slots, size);
+        verified &= delivered(src.bytes(), &runtime.read(dev_addr, dev_len)?, &slots, size);
     }
-    engine.deregister(s)?;
-    engine.free_device(dev)?;
     Ok(row(BatchEngine::HbmSim, runtime_name(&runtime), config, timing, verified))
 }
 
@@ -441,16 +440,16 @@ fn ssd(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     let registry = EndpointRegistry::new();
     let engine =
         SsdEngine::new(registry.clone(), SsdConfig::new()).context("starting the SSD engine")?;
+    let source = FileSource::open(&path, FileOptions::new().writable(false));
     let file = engine
-        .open_file(&path, 0, content.len() as u64, FileOptions::new().writable(false))
+        .register_file(source, 0, content.len() as u64)
         .with_context(|| format!("opening {}", path.display()))?;
     let mut dst = HostBuffer::zeroed(n * size);
-    // SAFETY: `dst` outlives every transfer (each is waited on before the next step) and the
-    // endpoint is deregistered below before `dst` is dropped; the bench touches `dst` only
-    // between transfers.
-    let d = unsafe { registry.register(Endpoint::host(dst.addr(), dst.len() as u64)) };
+    // SAFETY: `dst` outlives its registration (declared after it; each transfer is waited on
+    // before the next step), and the bench touches `dst` only between transfers.
+    let dst_reg = unsafe { dst.lend(&engine)? };
     let slots = scatter(n, config.seed);
-    let work = fragments(file, d, &slots, size as u64);
+    let work = fragments(file.id(), dst_reg.id(), &slots, size as u64);
     let mut builder = engine.incremental_builder();
     let mut builder2 = engine.incremental_builder();
     let timing = time_paths(
@@ -466,8 +465,6 @@ fn ssd(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
         path(&engine, &mut builder, &work)?;
         verified &= delivered(content.bytes(), dst.bytes(), &slots, size);
     }
-    let _ = registry.deregister(d);
-    let _ = engine.deregister(file);
     let backend = match engine.backend() {
         Backend::Blocking => "pread",
         _ => "io_uring",

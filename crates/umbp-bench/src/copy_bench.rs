@@ -20,11 +20,12 @@
 //! paths are measured twice: with planning, and submitting plan sets built beforehand.
 
 use std::hint::black_box;
-use std::ptr;
 use std::time::Instant;
 
 use serde::Serialize;
 use umbp_localcopy::{LocalCopyBuilder, LocalCopyConfig, LocalCopyEngine};
+
+use crate::host_buffer::HostBuffer;
 use umbp_plan::{
     EndpointId, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
 };
@@ -160,7 +161,14 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
         let src = HostBuffer::new(bytes as usize, config.seed);
         let mut dst = HostBuffer::new(bytes as usize, !config.seed);
         let Some(first) = engines.first() else { break };
-        let (s, d) = (src.register(first), dst.register(first));
+        // SAFETY: both buffers outlive their registrations (declared after them), and the
+        // bench touches them only between transfers (this engine finishes each inside
+        // `submit`).
+        let (src_reg, dst_reg) = unsafe { (src.lend(first), dst.lend(first)) };
+        // The host copy engine prepares nothing, and real buffers cannot wrap the address
+        // space: these registrations cannot be refused.
+        let (src_reg, dst_reg) = (src_reg.expect(LENT), dst_reg.expect(LENT));
+        let (s, d) = (src_reg.id(), dst_reg.id());
         let slots = permutation(fragments as usize, config.seed ^ fragment_size);
         let batch = scattered(s, d, &slots, fragment_size, (1 << 20) / fragment_size);
         for engine in &engines {
@@ -194,8 +202,6 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
                 verified: verify(&src, &dst, &batch),
             });
         }
-        let _ = registry.deregister(s);
-        let _ = registry.deregister(d);
     }
     rows
 }
@@ -211,7 +217,10 @@ pub fn run_submit_overhead(config: &CopyBenchConfig, progress: &Progress) -> Sub
     let bytes = n * fragment_size as usize;
     let src = HostBuffer::new(bytes, config.seed);
     let mut dst = HostBuffer::new(bytes, !config.seed);
-    let (s, d) = (src.register(&engine), dst.register(&engine));
+    // SAFETY: as in `run`.
+    let (src_reg, dst_reg) = unsafe { (src.lend(&engine), dst.lend(&engine)) };
+    let (src_reg, dst_reg) = (src_reg.expect(LENT), dst_reg.expect(LENT));
+    let (s, d) = (src_reg.id(), dst_reg.id());
     // One object per fragment, so both paths plan and report the same objects.
     let fragments = scattered(s, d, &permutation(n, config.seed), fragment_size, 1);
 
@@ -263,6 +272,8 @@ pub fn run_submit_overhead(config: &CopyBenchConfig, progress: &Progress) -> Sub
 }
 
 /// Plans `fragments` (grouped by tag) into `builder` and finishes the plan set.
+const LENT: &str = "the host copy engine refuses no host buffer";
+
 fn plan(builder: &mut LocalCopyBuilder, fragments: &[Fragment]) -> PlanSet {
     let mut open = None;
     for &f in fragments {
@@ -320,7 +331,7 @@ fn scattered(
 
 /// The ceiling: `src` copied onto `dst` whole, in `threads` equal contiguous parts.
 fn ceiling_copy(src: &HostBuffer, dst: &mut HostBuffer, threads: usize) {
-    let part = src.len.div_ceil(threads.max(1)).max(1);
+    let part = src.len().div_ceil(threads.max(1)).max(1);
     let (src, dst) = (src.bytes(), dst.bytes_mut());
     std::thread::scope(|scope| {
         let mut parts = dst.chunks_mut(part).zip(src.chunks(part));
@@ -381,51 +392,6 @@ fn mix(state: &mut u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-/// A heap buffer that the engine copies through a raw pointer and the bench reads and writes
-/// through short-lived slices made from the same pointer, never while a transfer runs.
-struct HostBuffer {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl HostBuffer {
-    /// `len` bytes of pseudo-random content (every page touched, so no fault is timed).
-    fn new(len: usize, seed: u64) -> Self {
-        let mut state = seed;
-        let mut bytes = vec![0u8; len].into_boxed_slice();
-        for word in bytes.chunks_mut(8) {
-            let value = mix(&mut state).to_le_bytes();
-            word.copy_from_slice(&value[..word.len()]);
-        }
-        Self { ptr: Box::into_raw(bytes).cast::<u8>(), len }
-    }
-
-    fn register(&self, engine: &LocalCopyEngine) -> EndpointId {
-        // SAFETY: the buffer lives until dropped, after every transfer of the bench (transfers
-        // of this engine finish inside `submit`), and the bench touches it only between them.
-        unsafe { engine.register_host(self.ptr, self.len) }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: the live allocation of `len` bytes; no transfer runs while the slice exists.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: the live allocation of `len` bytes, borrowed exclusively through `self`; no
-        // transfer runs while the slice exists.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for HostBuffer {
-    fn drop(&mut self) {
-        let slice = ptr::slice_from_raw_parts_mut(self.ptr, self.len);
-        // SAFETY: `ptr` and `len` came from `Box::into_raw` of a boxed slice in `new`.
-        drop(unsafe { Box::from_raw(slice) });
-    }
 }
 
 /// The human table: throughput rows, then the submit comparison.

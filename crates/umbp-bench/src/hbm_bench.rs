@@ -12,8 +12,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use umbp_hbm::{DeviceRegion, DeviceRuntime, HbmConfig, HbmEngine, SimDevice};
-use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Tag, TransferEngine};
+use umbp_hbm::{DeviceRuntime, HbmConfig, HbmEngine, SimDevice};
+use umbp_plan::{
+    DeviceOrdinal, EndpointRegistry, Fragment, PlanBuilder, Register, Registration, Tag,
+    TransferEngine,
+};
 
 use crate::chart::{BarChart, Series};
 use crate::progress::Progress;
@@ -75,18 +78,16 @@ pub fn run(config: &HbmBenchConfig, progress: &Progress) -> Vec<HbmRow> {
     run_on(Arc::new(SimDevice::new(1)), config, progress)
 }
 
-/// The bytes of device region `dev`, copied back to the host through the engine.
-fn read_back<D: DeviceRuntime>(engine: &HbmEngine<D>, dev: DeviceRegion) -> Option<Vec<u8>> {
-    let mut out = vec![0u8; dev.len as usize];
-    // SAFETY: `out` outlives the transfer, which is waited on before it is deregistered.
-    let dst = unsafe { engine.register_host(out.as_mut_ptr(), dev.len, None).ok()? };
+/// The bytes of device memory `dev`, copied back to the host through the engine.
+fn read_back<D: DeviceRuntime>(engine: &HbmEngine<D>, dev: &Registration) -> Option<Vec<u8>> {
+    let len = dev.endpoint().len();
+    let out = engine.register_memory(vec![0u8; len as usize]).ok()?;
     let mut builder = engine.incremental_builder();
     let planned = builder.begin_object(Tag::new(0)).is_ok()
-        && builder.push(Fragment::new(dev.id, 0, dst, 0, dev.len, Tag::new(0))).is_ok()
+        && builder.push(Fragment::new(dev.id(), 0, out.id(), 0, len, Tag::new(0))).is_ok()
         && builder.commit_object().is_ok();
     let ok = planned && builder.finish().is_ok_and(|plans| engine.submit(plans).wait().is_empty());
-    let _ = engine.deregister(dst);
-    ok.then_some(out)
+    ok.then(|| out.deregister())
 }
 
 fn run_on<D: DeviceRuntime>(
@@ -101,7 +102,7 @@ fn run_on<D: DeviceRuntime>(
         let fragments = (config.batch_bytes / size).max(1);
         let bytes = fragments * size;
         // Source pages scattered over a pinned host arena twice the batch.
-        let mut host: Vec<u8> = (0..2 * bytes).map(|i| (i % 251) as u8).collect();
+        let host: Vec<u8> = (0..2 * bytes).map(|i| (i % 251) as u8).collect();
         let mut order: Vec<u64> = (0..2 * fragments).collect();
         let mut rng = SplitMix(size);
         for i in (1..order.len()).rev() {
@@ -110,22 +111,22 @@ fn run_on<D: DeviceRuntime>(
         let mut measured = Vec::new();
         for (mode, min_fragments) in [("gather", 2usize), ("copies", usize::MAX)] {
             progress.step(format!("{} fragments, {mode}", ByteSize(size)));
-            let engine_config =
-                HbmConfig { kernel_min_fragments: min_fragments, ..HbmConfig::default() };
+            // Host memory registered with the engine is pinned for the device.
+            let engine_config = HbmConfig {
+                kernel_min_fragments: min_fragments,
+                pin_registered_host: Some(device),
+                ..HbmConfig::default()
+            };
             let engine = HbmEngine::new(runtime.clone(), EndpointRegistry::new(), engine_config);
             let Ok(dev) = engine.alloc_device(device, bytes) else { continue };
-            // SAFETY: `host` outlives the engine's transfers; it is deregistered below.
-            let Ok(src) =
-                (unsafe { engine.register_host(host.as_mut_ptr(), 2 * bytes, Some(device)) })
-            else {
-                continue;
-            };
+            let Ok(source) = engine.register_memory(host.clone()) else { continue };
+            let (src, dst) = (source.id(), dev.id());
             let batch = |engine: &HbmEngine<D>| {
                 let mut builder = engine.incremental_builder();
                 let _ = builder.begin_object(Tag::new(0));
                 for (i, &page) in order.iter().take(fragments as usize).enumerate() {
                     let f =
-                        Fragment::new(src, page * size, dev.id, i as u64 * size, size, Tag::new(0));
+                        Fragment::new(src, page * size, dst, i as u64 * size, size, Tag::new(0));
                     let _ = builder.push(f);
                 }
                 let _ = builder.commit_object();
@@ -147,14 +148,12 @@ fn run_on<D: DeviceRuntime>(
             let seconds = times[times.len() / 2];
             let launches = (engine.launches() - launches0) / config.iterations.max(1) as u64;
             let verified = ok
-                && read_back(&engine, dev).is_some_and(|got| {
+                && read_back(&engine, &dev).is_some_and(|got| {
                     order.iter().take(fragments as usize).enumerate().all(|(i, &page)| {
                         got[(i as u64 * size) as usize..][..size as usize]
                             == host[(page * size) as usize..][..size as usize]
                     })
                 });
-            let _ = engine.deregister(src);
-            let _ = engine.free_device(dev);
             measured.push((mode, seconds, launches, verified));
         }
         let copies = measured.iter().find(|m| m.0 == "copies").map_or(f64::NAN, |m| m.1);

@@ -2,27 +2,22 @@
 //! it directly), filled with a seeded pattern, and read or written by the bench only through
 //! short-lived slices made from the same pointer that the engines use.
 
-use std::ptr;
+use umbp_plan::{AlignedBuffer, Endpoint, Register, RegisterError, Registration};
 
 use crate::shape::SplitMix;
 
 /// Alignment of every buffer: a page, which also satisfies `O_DIRECT` on 4 KiB block devices.
-pub const ALIGN: usize = 4096;
+pub const ALIGN: usize = AlignedBuffer::DIRECT_IO_ALIGN;
 
 /// A heap buffer of `len` bytes at a 4 KiB-aligned address. See the [module docs](self).
 ///
-/// Lending it to an engine (registering [`as_mut_ptr`](Self::as_mut_ptr)) is the caller's
-/// `unsafe` promise that the buffer outlives the endpoint and that [`bytes`](Self::bytes) and
-/// [`bytes_mut`](Self::bytes_mut) are not used while a transfer touching it is in flight.
+/// Lending it to an engine (registering [`as_mut_ptr`](Self::as_mut_ptr) as raw memory) is the
+/// caller's `unsafe` promise that the buffer outlives the registration and that
+/// [`bytes`](Self::bytes) and [`bytes_mut`](Self::bytes_mut) are not used while a transfer
+/// touching it is in flight. (A registration that owns its buffer needs no promise, but the
+/// bench reuses one registration across timed runs and checks the bytes between them.)
 #[derive(Debug)]
-pub struct HostBuffer {
-    /// The allocation, from `Box::into_raw` of a boxed slice of `alloc_len` bytes.
-    base: *mut u8,
-    alloc_len: usize,
-    /// `base` advanced to the next multiple of [`ALIGN`].
-    start: *mut u8,
-    len: usize,
-}
+pub struct HostBuffer(AlignedBuffer);
 
 impl HostBuffer {
     /// `len` bytes of pseudo-random content, a pure function of `seed`. Every page is
@@ -39,53 +34,50 @@ impl HostBuffer {
 
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        let alloc_len = len + ALIGN;
-        let base = Box::into_raw(vec![0u8; alloc_len].into_boxed_slice()).cast::<u8>();
-        let start = base.wrapping_add(base.align_offset(ALIGN));
-        Self { base, alloc_len, start, len }
+        Self(AlignedBuffer::for_direct_io(len))
     }
 
     /// The buffer's first byte, to register with an engine.
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        self.start
+        self.0.as_mut_ptr()
     }
 
     /// The buffer's address as an endpoint takes it.
     pub fn addr(&self) -> u64 {
-        self.start as u64
+        self.as_mut_ptr() as u64
     }
 
     /// Its length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len()
     }
 
     /// Whether it holds no bytes.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.is_empty()
     }
 
     /// The bytes, for checking a transfer's result once it is done.
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `start .. + len` lies inside the live allocation (`align_offset` of a byte
-        // pointer is below ALIGN, and the allocation has ALIGN spare bytes); engines only touch
-        // it during transfers, which the lending contract keeps apart from this borrow.
-        unsafe { std::slice::from_raw_parts(self.start, self.len) }
+        &self.0
     }
 
     /// The bytes, for writing a pattern or poison between transfers.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, and `&mut self` makes this the only borrow the bench holds.
-        unsafe { std::slice::from_raw_parts_mut(self.start, self.len) }
+        &mut self.0
     }
-}
 
-impl Drop for HostBuffer {
-    fn drop(&mut self) {
-        let slice = ptr::slice_from_raw_parts_mut(self.base, self.alloc_len);
-        // SAFETY: `base` and `alloc_len` came from `Box::into_raw` of a boxed slice in `zeroed`,
-        // and the buffer is freed only here.
-        drop(unsafe { Box::from_raw(slice) });
+    /// Registers the buffer as raw host memory with `registrar` (an engine, a composite).
+    ///
+    /// # Safety
+    ///
+    /// The lending contract above: the buffer outlives the registration (declare the
+    /// registration after the buffer), and [`bytes`](Self::bytes) and
+    /// [`bytes_mut`](Self::bytes_mut) are not used while a transfer touching it runs.
+    pub unsafe fn lend(&self, registrar: &impl Register) -> Result<Registration, RegisterError> {
+        let endpoint = Endpoint::host(self.addr(), self.len() as u64);
+        // SAFETY: the caller keeps the lending contract, which is `register_raw_memory`'s.
+        unsafe { registrar.register_raw_memory(endpoint) }
     }
 }
 

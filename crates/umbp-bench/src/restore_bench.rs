@@ -13,12 +13,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
-use umbp_hbm::{DeviceRegion, HbmConfig, HbmEngine, SimDevice};
+use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    BatchState, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, TransferEngine,
+    BatchState, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, FileOptions, FileSource,
+    Register, Registration, TransferEngine,
 };
-use umbp_ssd::{FileOptions, SsdConfig, SsdEngine};
+use umbp_ssd::{SsdConfig, SsdEngine};
 
 use crate::chart::{BarChart, Reference, Series};
 use crate::progress::Progress;
@@ -108,11 +109,15 @@ impl Timing {
 pub(crate) struct Setup {
     pub(crate) shape: RestoreShape,
     table: PageTable,
+    /// The arena's and the bounce region's registrations: declared (so dropped) before the
+    /// buffers they register.
+    _lent: [Registration; 2],
     arena: Vec<u8>,
     arena_id: EndpointId,
-    file_id: EndpointId,
+    file: Registration<std::fs::File>,
     hbm: Arc<HbmEngine<SimDevice>>,
-    destinations: Vec<DeviceRegion>,
+    /// Device memory, one buffer per range of an object; freed when dropped.
+    destinations: Vec<Registration>,
     _bounce: Vec<u8>,
     _dir: tempfile::TempDir,
 }
@@ -135,7 +140,11 @@ pub(crate) fn setup(
     let hbm_config = HbmConfig { pin_registered_host: Some(gpu), ..HbmConfig::default() };
     let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), hbm_config));
     let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new())?);
-    let file_id = ssd.open_file(&path, 0, tier_len, FileOptions::new().writable(false))?;
+    let file = ssd.register_file(
+        FileSource::open(&path, FileOptions::new().writable(false)),
+        0,
+        tier_len,
+    )?;
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
     let mut composite = CompositeEngine::new(registry, engines);
     if buffered {
@@ -143,14 +152,18 @@ pub(crate) fn setup(
     }
     let mut arena = arena;
     let mut bounce = vec![0u8; 64 << 20];
-    // SAFETY: both buffers live in the returned Setup, alive for every restore of the bench.
-    let (arena_id, bounce_id) = unsafe {
-        (
-            composite.register(Endpoint::host(arena.as_mut_ptr() as u64, tier_len))?,
-            composite.register(Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64))?,
-        )
+    let arena_endpoint = Endpoint::host(arena.as_mut_ptr() as u64, tier_len);
+    let bounce_endpoint = Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64);
+    // SAFETY: both buffers live in the returned Setup, dropped after their registrations (the
+    // field order), and the bench reads the arena only between restores.
+    let lent = unsafe {
+        [
+            composite.register_raw_memory(arena_endpoint)?,
+            composite.register_raw_memory(bounce_endpoint)?,
+        ]
     };
-    composite = composite.with_staging(Staging::new(bounce_id))?;
+    let arena_id = lent[0].id();
+    composite = composite.with_staging(Staging::new(lent[1].id()))?;
     let destination_len = shape.objects as u64 * shape.range_len;
     let destinations = (0..shape.ranges)
         .map(|_| hbm.alloc_device(gpu, destination_len))
@@ -158,9 +171,10 @@ pub(crate) fn setup(
     let setup = Setup {
         shape,
         table,
+        _lent: lent,
         arena,
         arena_id,
-        file_id,
+        file,
         hbm,
         destinations,
         _bounce: bounce,
@@ -186,7 +200,7 @@ impl Setup {
                         ObjectRange::new(
                             r as u64 * s.range_len,
                             s.range_len,
-                            self.destinations[r].id,
+                            self.destinations[r].id(),
                             b as u64 * s.range_len,
                         )
                         .in_group(group(r))
@@ -211,7 +225,7 @@ impl Setup {
             .map(|(&b, ranges)| ObjectTransfer {
                 tag: b as u64,
                 object: PagedObject {
-                    tier: if from_ssd(b) { self.file_id } else { self.arena_id },
+                    tier: if from_ssd(b) { self.file.id() } else { self.arena_id },
                     page_offsets: self.table.object(b),
                     page_size: s.page_size,
                     size: s.object_size(),
@@ -224,7 +238,7 @@ impl Setup {
     /// Poisons every destination.
     pub(crate) fn poison(&self) {
         for d in &self.destinations {
-            let _ = self.hbm.runtime().fill(d.addr, d.len, 0xA5);
+            let _ = self.hbm.runtime().fill(d.endpoint().addr(), d.endpoint().len(), 0xA5);
         }
     }
 
@@ -289,7 +303,9 @@ impl Setup {
         let s = &self.shape;
         let page = s.page_size as usize;
         self.destinations.iter().enumerate().all(|(r, d)| {
-            let Ok(bytes) = self.hbm.runtime().read(d.addr, d.len) else { return false };
+            let Ok(bytes) = self.hbm.runtime().read(d.endpoint().addr(), d.endpoint().len()) else {
+                return false;
+            };
             objects.iter().all(|&b| {
                 let pages = self.table.object(b);
                 let first = (r as u64 * s.range_len / s.page_size) as usize;

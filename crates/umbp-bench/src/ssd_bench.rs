@@ -35,9 +35,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use umbp_plan::TransferEngine;
-use umbp_plan::{Endpoint, EndpointId, EndpointRegistry, Fragment, PlanBuilder, Tag};
-use umbp_ssd::{Backend, FileOptions, SsdConfig, SsdEngine};
+use umbp_plan::{
+    EndpointId, EndpointRegistry, FileOptions, FileSource, Fragment, PlanBuilder, Register,
+    Registration, Tag, TransferEngine,
+};
+use umbp_ssd::{Backend, SsdConfig, SsdEngine};
+
+use crate::host_buffer::HostBuffer;
 
 /// Settings of `umbp-bench ssd`.
 #[derive(Clone, Debug)]
@@ -232,24 +236,26 @@ fn drop_cache(path: &Path) -> bool {
 
 /// A host buffer registered as an endpoint, aligned to 4 KiB.
 struct Slots {
-    storage: Vec<u8>,
-    start: usize,
-    id: EndpointId,
+    /// Declared (so dropped) before the buffer it registers.
+    registration: Registration,
+    buffer: HostBuffer,
 }
 
 impl Slots {
-    fn new(registry: &EndpointRegistry, len: usize) -> Self {
-        let mut storage = vec![0u8; len + 4096];
-        let start = storage.as_ptr().align_offset(4096);
-        let addr = storage[start..].as_mut_ptr() as u64;
-        // SAFETY: `storage` is never reallocated and outlives the engine's transfers: every
-        // handle is waited on before the buffer is read or dropped.
-        let id = unsafe { registry.register(Endpoint::host(addr, len as u64)) };
-        Self { storage, start, id }
+    fn new(engine: &SsdEngine, len: usize) -> anyhow::Result<Self> {
+        let buffer = HostBuffer::zeroed(len);
+        // SAFETY: the buffer outlives its registration (the field order), and the bench reads
+        // it only after every handle that writes it was waited on.
+        let registration = unsafe { buffer.lend(engine) }.context("registering the slots")?;
+        Ok(Self { registration, buffer })
+    }
+
+    fn id(&self) -> EndpointId {
+        self.registration.id()
     }
 
     fn bytes(&self, at: usize, len: usize) -> &[u8] {
-        &self.storage[self.start + at..self.start + at + len]
+        &self.buffer.bytes()[at..at + len]
     }
 }
 
@@ -276,9 +282,14 @@ fn measure_engine(
     let registry = EndpointRegistry::new();
     let engine_config = SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1);
     let engine = SsdEngine::new(registry.clone(), engine_config).context("starting the engine")?;
-    let file = engine
-        .open_file(path, 0, config.file_size, FileOptions::new().writable(false))
+    let registration = engine
+        .register_file(
+            FileSource::open(path, FileOptions::new().writable(false)),
+            0,
+            config.file_size,
+        )
         .with_context(|| format!("opening {}", path.display()))?;
+    let file = registration.id();
     let direct = engine.file_info(file).is_some_and(|i| i.direct);
     let blocks = config.file_size / block_size;
     // Every read of one submit lands in its own slot (reads into the same memory would break
@@ -286,7 +297,7 @@ fn measure_engine(
     let slot_cap = ((64u64 << 20) / block_size).max(2 * depth as u64);
     let reads_per_submit = (depth as u64 * 64).clamp(64, 8192).min(slot_cap);
     let slots = reads_per_submit.max(2 * depth as u64).max(64);
-    let host = Slots::new(&registry, (slots * block_size) as usize);
+    let host = Slots::new(&engine, (slots * block_size) as usize)?;
     let mut rng = Rng(config.seed ^ block_size ^ u64::from(depth));
     let mut builder = engine.incremental_builder();
 
@@ -296,7 +307,7 @@ fn measure_engine(
         let tag = Tag::new(slot as u32);
         let (src, dst) = (block * block_size, slot as u64 * block_size);
         builder.begin_object(tag)?;
-        builder.push(Fragment::new(file, src, host.id, dst, block_size, tag))?;
+        builder.push(Fragment::new(file, src, host.id(), dst, block_size, tag))?;
         builder.commit_object()?;
     }
     let settled = engine.submit(builder.finish()?).into_settled();
@@ -322,7 +333,7 @@ fn measure_engine(
             let src = rng.below(blocks) * block_size;
             let dst = (i % slots) * block_size;
             builder.begin_object(tag)?;
-            builder.push(Fragment::new(file, src, host.id, dst, block_size, tag))?;
+            builder.push(Fragment::new(file, src, host.id(), dst, block_size, tag))?;
             builder.commit_object()?;
         }
         let settled = engine.submit(builder.finish()?).into_settled();

@@ -505,7 +505,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
             return TransferHandle::settled(failures, plans);
         }
         // Pinned before any lookup: a deregistration waits for this submit. The read lock keeps
-        // `unpin` and `free_device` out while it runs.
+        // `unpin` and the release of a registration out while it runs.
         let pins = self.registry.pin(plans.endpoints());
         let table = pins.table();
         let _running = self.memory.lifetimes.read().unwrap_or_else(PoisonError::into_inner);

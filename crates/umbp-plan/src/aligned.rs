@@ -62,6 +62,14 @@ impl AlignedBuffer {
     pub fn align(&self) -> usize {
         self.layout.align()
     }
+
+    /// The first byte as a raw pointer, for registering the buffer as raw memory while keeping
+    /// it (to read results between transfers). Every `&[u8]` and `&mut [u8]` the buffer hands
+    /// out is made from this same pointer, so borrowing the bytes between transfers does not
+    /// invalidate it.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
 }
 
 impl std::ops::Deref for AlignedBuffer {
@@ -102,7 +110,7 @@ impl std::fmt::Debug for AlignedBuffer {
 // not move and nothing but `Drop` frees; `as_mut_ptr` and `len` describe exactly that allocation.
 unsafe impl HostMemory for AlignedBuffer {
     fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr.as_ptr()
+        AlignedBuffer::as_mut_ptr(self)
     }
 
     fn len(&self) -> usize {

@@ -1,20 +1,5 @@
-//! Registration: the one way to hand memory and files to an engine or a composite.
-//!
-//! Every engine and the composite implement [`Register`], so registering looks the same
-//! everywhere: [`register_memory`](Register::register_memory) for host memory Rust owns (safe),
-//! [`register_raw_memory`](Register::register_raw_memory) for memory only the caller can vouch
-//! for (`unsafe`: a raw pointer, device memory, a tensor), and
-//! [`register_file`](Register::register_file) for a file, by path or by descriptor. Each returns
-//! a [`Registration`]: it names the endpoint ([`Registration::id`]) and keeps what backs it alive
-//! (the buffer, the descriptor). Dropping it deregisters the endpoint, which waits for the
-//! batches in flight that use it ([`EndpointRegistry::deregister`]), lets the engines release
-//! what they held for it (a pinning, a file entry), and only then frees the buffer or closes
-//! the descriptor. [`Registration::deregister`] does the same and hands the buffer back.
-//!
-//! Why registrations own their memory instead of borrowing it: a guard that borrowed a buffer
-//! could be leaked with `std::mem::forget`, ending the borrow while the endpoint stays
-//! registered, and a later transfer would write into freed memory from safe code. An owned
-//! buffer cannot be freed while the guard that owns it exists, leaked or not.
+//! Registration: the one way to hand memory and files to an engine or a composite. The
+//! story is on [`Register`].
 #![allow(unsafe_code)] // `HostMemory` and `register_raw_memory` state promises; one `fcntl`.
 
 use std::fs::{File, OpenOptions};
@@ -243,7 +228,7 @@ pub trait EndpointRelease: Send + Sync {
 }
 
 /// A registered endpoint and what backs it (`K`: the buffer, the file, or `()` for raw
-/// memory). Dropping it deregisters the endpoint; see the [module docs](self).
+/// memory). Dropping it deregisters the endpoint; see [`Register`].
 #[must_use = "dropping a registration deregisters the endpoint at once"]
 pub struct Registration<K = ()> {
     id: EndpointId,
@@ -303,7 +288,23 @@ impl<K> std::fmt::Debug for Registration<K> {
     }
 }
 
-/// Registration, the same for every engine and the composite; see the [module docs](self).
+/// Registration, the same for every engine and the composite.
+///
+/// Every engine and the composite implement this trait, so registering looks the same
+/// everywhere: [`register_memory`](Register::register_memory) for host memory Rust owns (safe),
+/// [`register_raw_memory`](Register::register_raw_memory) for memory only the caller can vouch
+/// for (`unsafe`: a raw pointer, device memory, a tensor), and
+/// [`register_file`](Register::register_file) for a file, by path or by descriptor. Each returns
+/// a [`Registration`]: it names the endpoint ([`Registration::id`]) and keeps what backs it alive
+/// (the buffer, the descriptor). Dropping it deregisters the endpoint, which waits for the
+/// batches in flight that use it ([`EndpointRegistry::deregister`]), lets the engines release
+/// what they held for it (a pinning, a file entry), and only then frees the buffer or closes
+/// the descriptor. [`Registration::deregister`] does the same and hands the buffer back.
+///
+/// Why registrations own their memory instead of borrowing it: a guard that borrowed a buffer
+/// could be leaked with `std::mem::forget`, ending the borrow while the endpoint stays
+/// registered, and a later transfer would write into freed memory from safe code. An owned
+/// buffer cannot be freed while the guard that owns it exists, leaked or not.
 ///
 /// An engine implements [`registry`](Self::registry) and [`prepare`](Self::prepare); callers
 /// use the three `register_*` methods.

@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use umbp_plan::{
-    plan_batch, Endpoint, EndpointRegistry, Failure, FailureCause, Fragment, IncrementalBuilder,
-    PlanBuilder, PlanRules, PlanSet, TransferEngine, TransferHandle,
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, Failure, FailureCause,
+    Fragment, IncrementalBuilder, PlanBuilder, PlanRules, PlanSet, Register, RegisterError,
+    TransferEngine, TransferHandle,
 };
 
 /// Carries host to host.
@@ -36,6 +37,22 @@ impl DownstreamEngine {
     pub fn segments(&self) -> u64 {
         // Relaxed: a statistic, read after the submits that counted it returned.
         self.segments.load(Ordering::Relaxed)
+    }
+}
+
+/// Registration as with every umbp engine: this engine prepares nothing per endpoint, so it
+/// needs no release either.
+impl Register for DownstreamEngine {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.registry
+    }
+
+    fn prepare(
+        &self,
+        _: EndpointId,
+        _: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        Ok(None)
     }
 }
 

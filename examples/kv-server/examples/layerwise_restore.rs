@@ -36,7 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|o| {
             (0..GROUPS)
                 .map(|g| {
-                    ObjectRange::new(g * RANGE, RANGE, regions[g as usize].id, o * RANGE)
+                    ObjectRange::new(g * RANGE, RANGE, regions[g as usize].id(), o * RANGE)
                         .in_group(g as u32)
                 })
                 .collect()
@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|o| ObjectTransfer {
             tag: o as u64,
             object: PagedObject {
-                tier: if o % 4 == 3 { pool.file_id } else { pool.dram_id },
+                tier: if o % 4 == 3 { pool.ssd.id() } else { pool.dram.id() },
                 page_offsets: &tables[o],
                 page_size: PAGE as u64,
                 size: SIZE,
@@ -68,9 +68,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let report = batch.wait();
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
     for (g, region) in regions.iter().enumerate() {
-        let bytes = pool.hbm.runtime().read(region.addr, region.len)?;
+        let bytes = pool.read_device(region)?;
         for (o, table) in tables.iter().enumerate() {
-            let source = if o % 4 == 3 { &pool.file } else { &pool.dram };
+            let source = if o % 4 == 3 { &pool.file_bytes } else { &pool.dram_bytes };
             for i in 0..RANGE as usize {
                 let want = Pool::object_byte(source, table, PAGE, g * RANGE as usize + i);
                 assert_eq!(bytes[o * RANGE as usize + i], want, "group {g} object {o}");

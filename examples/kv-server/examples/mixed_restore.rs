@@ -13,7 +13,7 @@ const PAGES_PER_OBJECT: usize = 8;
 const SIZE: u64 = (PAGE * PAGES_PER_OBJECT) as u64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut pool = Pool::new(OBJECTS * PAGES_PER_OBJECT, PAGE)?;
+    let pool = Pool::new(OBJECTS * PAGES_PER_OBJECT, PAGE)?;
     // The cache's page table: where each object's pages sit in its tier (byte offsets).
     let tables: Vec<Vec<u64>> = (0..OBJECTS)
         .map(|o| {
@@ -31,13 +31,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranges: Vec<[ObjectRange; 2]> = (0..OBJECTS as u64)
         .map(|o| {
             [
-                ObjectRange::new(0, SIZE / 2, kv[0].id, o * SIZE / 2),
-                ObjectRange::new(SIZE / 2, SIZE / 2, kv[1].id, o * SIZE / 2),
+                ObjectRange::new(0, SIZE / 2, kv[0].id(), o * SIZE / 2),
+                ObjectRange::new(SIZE / 2, SIZE / 2, kv[1].id(), o * SIZE / 2),
             ]
         })
         .collect();
     // Even objects are cached in DRAM, odd ones on SSD; tags are the server's own ids.
-    let tier = |o: usize| if o % 2 == 0 { pool.dram_id } else { pool.file_id };
+    let tier = |o: usize| if o % 2 == 0 { pool.dram.id() } else { pool.ssd.id() };
     let objects: Vec<ObjectTransfer> = (0..OBJECTS)
         .map(|o| ObjectTransfer {
             tag: 9000 + o as u64,
@@ -56,12 +56,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
 
     // Every byte of every object is where the server asked for it.
-    let device = [
-        pool.hbm.runtime().read(kv[0].addr, kv[0].len)?,
-        pool.hbm.runtime().read(kv[1].addr, kv[1].len)?,
-    ];
+    let device = [pool.read_device(&kv[0])?, pool.read_device(&kv[1])?];
     for (o, table) in tables.iter().enumerate() {
-        let source = if o % 2 == 0 { &pool.dram } else { &pool.file };
+        let source = if o % 2 == 0 { &pool.dram_bytes } else { &pool.file_bytes };
         for i in 0..SIZE as usize {
             let (half, at) = (i / (SIZE as usize / 2), i % (SIZE as usize / 2));
             let got = device[half][o * SIZE as usize / 2 + at];
@@ -77,19 +74,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // tier. An offload's ranges must cover the whole object.
     let promoted: Vec<ObjectTransfer> = objects
         .iter()
-        .filter(|o| o.object.tier == pool.file_id)
-        .map(|o| ObjectTransfer { object: PagedObject { tier: pool.dram_id, ..o.object }, ..*o })
+        .filter(|o| o.object.tier == pool.ssd.id())
+        .map(|o| ObjectTransfer { object: PagedObject { tier: pool.dram.id(), ..o.object }, ..*o })
         .collect();
     let report = offload(&mut builder, &promoted)?;
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
     drop(builder);
+    // Ending the DRAM tier's registration (it waits for any batch still using it) hands the
+    // arena back to read.
+    let dram = pool.dram.deregister();
     for o in (1..OBJECTS).step_by(2) {
         for &page in &tables[o] {
             let page = page as usize..page as usize + PAGE;
-            assert!(pool.dram[page.clone()] == pool.file[page], "object {o}");
+            assert!(dram[page.clone()] == pool.file_bytes[page], "object {o}");
         }
     }
     println!("offloaded the {} SSD objects into DRAM: the tiers now agree", promoted.len());
-    pool.dram.clear();
     Ok(())
 }
