@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use umbp_plan::{
-    EndpointId, EndpointTable, Error, Fragment, PlanBuilder, PlanSet, RejectReason, Tag,
+    EndpointId, EndpointTable, Error, Fragment, PageWalk, PlanBuilder, PlanSet, RejectReason, Tag,
 };
 
 use crate::batch::GroupListener;
@@ -282,6 +282,50 @@ impl<'a> CompositeBuilder<'a> {
                 };
                 Err(self.poison(tag, reason, &f, None))
             }
+        }
+    }
+
+    /// Pushes the page fragments of bytes `offset .. offset + len` of the object `walk`
+    /// describes, stored in `src` (the walk's tier) and destined for `dst_offset ..` of `dst`:
+    /// what feeding each of them to [`push`](Self::push) does, with the pair routed once for
+    /// the whole range and the range handed to the engine's builder in one call
+    /// ([`PlanBuilder::push_walk`]: the incremental builder's fast path). A range the walk
+    /// refuses returns [`Error::Walk`] with nothing pushed; the caller rejects or rolls back
+    /// the object.
+    pub fn push_walk(
+        &mut self,
+        src: EndpointId,
+        dst: EndpointId,
+        walk: &PageWalk<'_>,
+        offset: u64,
+        len: u64,
+        dst_offset: u64,
+    ) -> Result<(), Error> {
+        let tag = match self.scope {
+            Scope::Closed => return Err(Error::NoOpenObject),
+            Scope::Poisoned(tag) => return Err(Error::ObjectRejected { tag }),
+            Scope::Open(tag) => tag,
+        };
+        let last = match self.last {
+            Some(last) if last.pair == (src, dst) && last.group == self.group => last,
+            _ => self.lookup(src, dst),
+        };
+        let Route::Direct(i) = last.route else {
+            // Staged and unrouted pairs take each fragment's own path.
+            return walk.walk(offset, len, dst_offset, |page| {
+                self.push(Fragment::new(src, page.tier_offset, dst, page.dst_offset, page.len, tag))
+            });
+        };
+        let pushed = self.open_sub(last.sub, tag).and_then(|()| {
+            let sub = &mut self.subs[last.sub];
+            guarded(sub, |b| b.push_walk(src, dst, walk, offset, len, dst_offset, tag))
+        });
+        match pushed {
+            Err(Error::Rejected { reason, .. }) => {
+                let pair = Fragment::new(src, 0, dst, 0, 0, tag);
+                Err(self.poison(tag, reason, &pair, Some(i)))
+            }
+            other => other,
         }
     }
 

@@ -169,27 +169,28 @@ fn plan_object(
     let walk = PageWalk::new(o.object.page_offsets, o.object.page_size, o.object.size)?;
     for r in o.ranges {
         builder.set_group(r.group);
-        walk.walk(r.offset, r.len, r.endpoint_offset, |page| {
-            let f = match direction {
-                Direction::Restore => Fragment::new(
-                    o.object.tier,
-                    page.tier_offset,
+        match direction {
+            // The walk's tier is the source: one call per range, the engine's fast path.
+            Direction::Restore => builder.push_walk(
+                o.object.tier,
+                r.endpoint,
+                &walk,
+                r.offset,
+                r.len,
+                r.endpoint_offset,
+            )?,
+            // The tier is the destination: the walk's pages are where the bytes go.
+            Direction::Offload => walk.walk(r.offset, r.len, r.endpoint_offset, |page| {
+                builder.push(Fragment::new(
                     r.endpoint,
                     page.dst_offset,
-                    page.len,
-                    tag,
-                ),
-                Direction::Offload => Fragment::new(
-                    r.endpoint,
-                    page.dst_offset,
                     o.object.tier,
                     page.tier_offset,
                     page.len,
                     tag,
-                ),
-            };
-            builder.push(f)
-        })?;
+                ))
+            })?,
+        }
     }
     Ok(())
 }

@@ -3,7 +3,10 @@
 use std::sync::Arc;
 
 use crate::batch::plan_batch;
-use crate::{EndpointRegistry, Error, Fragment, PlanRules, PlanSet, Tag, TransferEngine};
+use crate::{
+    EndpointId, EndpointRegistry, Error, Fragment, PageWalk, PlanRules, PlanSet, Tag,
+    TransferEngine,
+};
 
 /// Builds the plan set of one batch, one object at a time.
 ///
@@ -25,6 +28,31 @@ pub trait PlanBuilder {
     /// builders that validate as they go, [`Error::Rejected`] for the fragment that poisoned the
     /// object and [`Error::ObjectRejected`] for every later push into it.
     fn push(&mut self, fragment: Fragment) -> Result<(), Error>;
+
+    /// Pushes the page fragments of bytes `offset .. offset + len` of the object `walk`
+    /// describes, stored in `src` (the walk's tier) and destined for `dst_offset ..` of `dst`,
+    /// into open object `tag`: exactly what [`PageWalk::walk`] feeding [`push`](Self::push)
+    /// does. A range the walk refuses returns [`Error::Walk`] with nothing pushed.
+    ///
+    /// The default does just that. The incremental builder overrides it with its
+    /// [`Run`](crate::Run), which checks what holds for the whole range once, so a caller
+    /// holding any builder (a boxed one, the composite's) gets the fast path with one call per
+    /// range.
+    #[allow(clippy::too_many_arguments)] // A range: a pair, the walk, three offsets, a tag.
+    fn push_walk(
+        &mut self,
+        src: EndpointId,
+        dst: EndpointId,
+        walk: &PageWalk<'_>,
+        offset: u64,
+        len: u64,
+        dst_offset: u64,
+        tag: Tag,
+    ) -> Result<(), Error> {
+        walk.walk(offset, len, dst_offset, |page| {
+            self.push(Fragment::new(src, page.tier_offset, dst, page.dst_offset, page.len, tag))
+        })
+    }
 
     /// Closes the open object, keeping its fragments (or its rejection).
     fn commit_object(&mut self) -> Result<(), Error>;

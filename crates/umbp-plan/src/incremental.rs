@@ -523,6 +523,25 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         IncrementalBuilder::push(self, fragment)
     }
 
+    /// One [`Run`] over the range ([`Run::push_walk`]).
+    fn push_walk(
+        &mut self,
+        src: EndpointId,
+        dst: EndpointId,
+        walk: &PageWalk<'_>,
+        offset: u64,
+        len: u64,
+        dst_offset: u64,
+        tag: Tag,
+    ) -> Result<(), Error> {
+        if let Scope::Open(object) = self.scope {
+            if object != tag {
+                return Err(Error::TagMismatch { object, fragment: tag });
+            }
+        }
+        self.begin_run(src, dst)?.push_walk(walk, offset, len, dst_offset)
+    }
+
     fn commit_object(&mut self) -> Result<(), Error> {
         self.open_tag().ok_or(Error::NoOpenObject)?;
         self.scope = Scope::Closed;

@@ -1,11 +1,12 @@
 //! `Run::push_walk` against the page walk feeding `push` one fragment at a time: for random
 //! paged objects, ranges and destinations (some out of bounds, some refused by the walk), with
-//! commits and rollbacks, both give the batch planner's plan set over the committed fragments.
+//! commits and rollbacks, both give the batch planner's plan set over the committed fragments;
+//! so does `PlanBuilder::push_walk` through a boxed builder, incremental or buffered.
 
 use proptest::prelude::*;
 use umbp_plan::{
-    BatchPlanner, Endpoint, EndpointId, EndpointRegistry, Error, Fragment, IncrementalBuilder,
-    PageWalk, PlanBuilder, PlanRules, RulePlanner, Tag,
+    BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Error, Fragment,
+    IncrementalBuilder, PageWalk, PlanBuilder, PlanRules, RulePlanner, Tag,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -94,12 +95,21 @@ proptest! {
         let rules = Rules { max_segment };
         let mut by_walk = IncrementalBuilder::new(rules, registry.clone());
         let mut by_push = IncrementalBuilder::new(rules, registry.clone());
+        // The same through the trait, as a caller holding a boxed builder (or the composite)
+        // reaches it: the incremental builder's override and the default, on the buffered one.
+        let mut by_trait: [Box<dyn PlanBuilder>; 2] = [
+            Box::new(IncrementalBuilder::new(rules, registry.clone())),
+            Box::new(BufferedPlanBuilder::new(RulePlanner::new(rules, registry.clone()))),
+        ];
         let mut committed = Vec::new();
 
         for (i, o) in objects.iter().enumerate() {
             let tag = Tag::new(i as u32);
             by_walk.begin_object(tag).unwrap();
             by_push.begin_object(tag).unwrap();
+            for b in &mut by_trait {
+                b.begin_object(tag).unwrap();
+            }
             let mut fragments = Vec::new();
             let mut walk_failed = false;
             match PageWalk::new(&o.pages, PAGE, o.size) {
@@ -115,6 +125,12 @@ proptest! {
                         let ran = by_walk
                             .begin_run(arena, dsts[d])
                             .and_then(|mut run| run.push_walk(&walk, offset, len, dst_offset));
+                        for b in &mut by_trait {
+                            let through = b.push_walk(arena, dsts[d], &walk, offset, len, dst_offset, tag);
+                            if walked.is_err() {
+                                prop_assert!(matches!(through, Err(Error::Walk(_)) | Err(Error::ObjectRejected { .. })), "{through:?}");
+                            }
+                        }
                         if walked.is_err() {
                             prop_assert!(matches!(ran, Err(Error::Walk(_)) | Err(Error::ObjectRejected { .. })), "{ran:?}");
                             walk_failed = true;
@@ -131,14 +147,23 @@ proptest! {
                 // A refused walk fails the object: the caller rolls it back.
                 by_walk.rollback_object().unwrap();
                 by_push.rollback_object().unwrap();
+                for b in &mut by_trait {
+                    b.rollback_object().unwrap();
+                }
             } else {
                 by_walk.commit_object().unwrap();
                 by_push.commit_object().unwrap();
+                for b in &mut by_trait {
+                    b.commit_object().unwrap();
+                }
                 committed.extend(fragments);
             }
         }
         let expected = RulePlanner::new(rules, registry).plan_batch(&committed);
         prop_assert_eq!(by_push.finish().unwrap(), expected.clone());
+        for b in &mut by_trait {
+            prop_assert_eq!(b.finish().unwrap(), expected.clone());
+        }
         prop_assert_eq!(by_walk.finish().unwrap(), expected);
     }
 }
