@@ -424,8 +424,7 @@ struct Output<'a> {
 impl Output<'_> {
     /// Prints `report`, then saves it under `--out` if given.
     fn emit(&self, report: &Report) -> anyhow::Result<()> {
-        self.progress.suspend();
-        report.print(self.json, &mut std::io::stdout().lock())?;
+        self.progress.suspend(|| report.print(self.json, &mut std::io::stdout().lock()))?;
         self.save(report)
     }
 
