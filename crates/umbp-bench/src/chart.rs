@@ -1,6 +1,8 @@
-//! Grouped bar charts written as SVG by hand: a title, a subtitle, a y axis with grid lines
-//! (linear or logarithmic), one group of bars per category with its value printed above each
-//! bar, a legend, and optional dashed reference lines (targets), named in the legend.
+//! Grouped bar charts as SVG, drawn with `plotters` (its SVG backend only): a title, a
+//! subtitle, a y axis with grid lines (linear or logarithmic), one group of bars per category
+//! with its value printed above each bar, a legend, and optional dashed reference lines
+//! (targets), named in the legend. A value that cannot be drawn (not finite, or not positive
+//! on a logarithmic axis) gets no bar and is named under the plot, never dropped silently.
 //!
 //! ```
 //! use umbp_bench::chart::{BarChart, Series};
@@ -16,7 +18,12 @@
 //! assert!(svg.starts_with("<svg") && svg.contains("localcopy"));
 //! ```
 
-use std::fmt::Write;
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// One series: a name for the legend and one value per group (`None`: no bar).
 #[derive(Clone, Debug, PartialEq)]
@@ -74,13 +81,10 @@ pub struct BarChart {
     pub references: Vec<Reference>,
 }
 
-const WIDTH: f64 = 860.0;
-const HEIGHT: f64 = 500.0;
-const LEFT: f64 = 90.0;
-const RIGHT: f64 = 30.0;
-const TOP: f64 = 100.0;
-const BOTTOM: f64 = 70.0;
+const WIDTH: u32 = 860;
+const HEIGHT: u32 = 500;
 const REFERENCE_COLOR: &str = "#c0392b";
+const FONT: &str = "sans-serif";
 const PALETTE: [&str; 8] =
     ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#b07aa1", "#edc948", "#9c755f"];
 
@@ -101,130 +105,145 @@ impl BarChart {
     /// The chart as a standalone SVG document.
     pub fn to_svg(&self) -> String {
         let mut svg = String::new();
-        let _ = self.write_svg(&mut svg);
+        {
+            let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+            // The backend writes into a String, which cannot fail; a chart that plotters
+            // refuses to lay out is left as far as it got.
+            let _ = self.draw(&root);
+            let _ = root.present();
+        }
         svg
     }
 
-    fn write_svg(&self, out: &mut String) -> std::fmt::Result {
-        let (plot_left, plot_right) = (LEFT, WIDTH - RIGHT);
-        let (plot_top, plot_bottom) = (TOP, HEIGHT - BOTTOM);
-        writeln!(
-            out,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">"#
-        )?;
-        writeln!(out, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##)?;
-        writeln!(
-            out,
-            r##"<text x="{}" y="28" font-size="18" font-weight="bold" text-anchor="middle" fill="#222">{}</text>"##,
-            WIDTH / 2.0,
-            escape(&self.title)
-        )?;
+    fn draw(&self, root: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Failed> {
+        root.fill(&WHITE)?;
+        let centre = (WIDTH / 2) as i32;
+        let title =
+            (FONT, 22).into_font().style(FontStyle::Bold).color(&RGBColor(0x22, 0x22, 0x22));
+        let middle = Pos::new(HPos::Center, VPos::Center);
+        root.draw(&Text::new(self.title.clone(), (centre, 24), title.pos(middle)))?;
+        let small = (FONT, 15).into_font().color(&RGBColor(0x55, 0x55, 0x55)).pos(middle);
         if !self.subtitle.is_empty() {
-            writeln!(
-                out,
-                r##"<text x="{}" y="48" font-size="12" text-anchor="middle" fill="#555">{}</text>"##,
-                WIDTH / 2.0,
-                escape(&self.subtitle)
-            )?;
+            root.draw(&Text::new(self.subtitle.clone(), (centre, 46), small.clone()))?;
         }
-        self.write_legend(out, plot_top - 30.0)?;
-
+        let unplotted = self.unplotted();
+        if !unplotted.is_empty() {
+            let note = format!("no bar (not drawable on this axis): {}", unplotted.join(", "));
+            root.draw(&Text::new(note, (centre, HEIGHT as i32 - 10), small))?;
+        }
         let scale = Scale::new(self);
-        // Grid lines and tick labels.
-        for tick in scale.ticks() {
-            let y = scale.y(tick, plot_top, plot_bottom);
-            writeln!(
-                out,
-                r##"<line x1="{plot_left}" y1="{y:.1}" x2="{plot_right}" y2="{y:.1}" stroke="#e3e3e3" stroke-width="1"/>"##
-            )?;
-            writeln!(
-                out,
-                r##"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="end" fill="#333">{}</text>"##,
-                plot_left - 6.0,
-                y + 4.0,
-                format_value(tick)
-            )?;
+        let groups = self.groups.len().max(1) as f64;
+        let mut builder = ChartBuilder::on(root);
+        builder.margin_top(64).margin_right(30).margin_bottom(24).x_label_area_size(50);
+        builder.y_label_area_size(80);
+        if scale.log {
+            let chart =
+                builder.build_cartesian_2d(0.0..groups, (scale.low..scale.high).log_scale())?;
+            self.plot(chart, &scale)
+        } else {
+            self.plot(builder.build_cartesian_2d(0.0..groups, scale.low..scale.high)?, &scale)
         }
-        // Axes.
-        writeln!(
-            out,
-            r##"<line x1="{plot_left}" y1="{plot_top}" x2="{plot_left}" y2="{plot_bottom}" stroke="#333" stroke-width="1"/>"##
-        )?;
-        writeln!(
-            out,
-            r##"<line x1="{plot_left}" y1="{plot_bottom}" x2="{plot_right}" y2="{plot_bottom}" stroke="#333" stroke-width="1"/>"##
-        )?;
-        let mid_y = (plot_top + plot_bottom) / 2.0;
+    }
+
+    fn plot<'a, Y>(
+        &self,
+        mut chart: ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, Y>>,
+        scale: &Scale,
+    ) -> Result<(), Failed>
+    where
+        Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+        Cartesian2d<RangedCoordf64, Y>: CoordTranslate<From = (f64, f64)>,
+    {
         let axis_label =
             if self.log_y { format!("{} (log scale)", self.y_label) } else { self.y_label.clone() };
-        writeln!(
-            out,
-            r##"<text x="20" y="{mid_y:.1}" font-size="12" text-anchor="middle" fill="#333" transform="rotate(-90 20 {mid_y:.1})">{}</text>"##,
-            escape(&axis_label)
-        )?;
+        let format = |v: &f64| format_value(*v);
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_labels(if scale.log { scale.ticks().len() } else { 6 })
+            .y_label_formatter(&format)
+            .y_desc(axis_label)
+            .light_line_style(TRANSPARENT)
+            .bold_line_style(RGBColor(0xe3, 0xe3, 0xe3))
+            .axis_desc_style((FONT, 15))
+            .label_style((FONT, 13))
+            .draw()?;
 
-        // Bars, their values and the group labels. A group's bars are centred on it, so a
-        // group where some series have no value has no gaps.
-        let groups = self.groups.len().max(1);
-        let group_width = (plot_right - plot_left) / groups as f64;
+        // Bars, centred on their group (a group where some series have no value has no gaps),
+        // each with its value above it.
         let most = (0..self.groups.len()).map(|g| self.bars_in(g).len()).max().unwrap_or(1);
-        let bar_width = (group_width * 0.8 / most.max(1) as f64).min(70.0);
-        let label_size = if bar_width >= 34.0 { 10.0 } else { 9.0 };
-        for (g, name) in self.groups.iter().enumerate() {
-            let center = plot_left + group_width * (g as f64 + 0.5);
-            let bars = self.bars_in(g);
-            let first = center - bar_width * bars.len() as f64 / 2.0;
-            for (k, &(s, value)) in bars.iter().enumerate() {
-                let series = &self.series[s];
-                let x = first + bar_width * k as f64;
-                let top = scale.y(value, plot_top, plot_bottom).clamp(plot_top, plot_bottom);
-                let base = scale.y(scale.base(), plot_top, plot_bottom).min(plot_bottom);
-                let (y, h) = if top <= base { (top, base - top) } else { (base, top - base) };
-                writeln!(
-                    out,
-                    r#"<rect x="{:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{}: {}</title></rect>"#,
-                    x + 1.0,
-                    bar_width - 2.0,
-                    h.max(0.5),
-                    series.fill(s),
-                    escape(&series.name),
-                    format_value(value)
-                )?;
-                writeln!(
-                    out,
-                    r##"<text x="{:.1}" y="{:.1}" font-size="{label_size}" text-anchor="middle" fill="#222">{}</text>"##,
-                    x + bar_width / 2.0,
-                    y - 3.0,
-                    format_value(value)
-                )?;
+        let width = 0.8 / most.max(1) as f64;
+        let base = scale.base();
+        let label_size = if most <= 2 { 12 } else { 11 };
+        for (s, series) in self.series.iter().enumerate() {
+            let color = series_color(series.fill(s));
+            let bars: Vec<(f64, f64)> = (0..self.groups.len())
+                .filter_map(|g| {
+                    let bars = self.bars_in(g);
+                    let k = bars.iter().position(|&(bs, _)| bs == s)?;
+                    let first = g as f64 + 0.5 - width * bars.len() as f64 / 2.0;
+                    Some((first + width * k as f64, bars[k].1))
+                })
+                .collect();
+            let drawn = chart.draw_series(bars.iter().map(|&(x, v)| {
+                Rectangle::new([(x + 0.01 * width, base), (x + 0.99 * width, v)], color.filled())
+            }))?;
+            if self.series.len() > 1 {
+                drawn.label(series.name.clone()).legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 6), (x + 12, y + 6)], color.filled())
+                });
             }
-            // The group's label, wrapped onto a second and third line when it is wider than
-            // its group.
-            for (line, text) in wrap(name, group_width).iter().enumerate() {
-                writeln!(
-                    out,
-                    r##"<text x="{center:.1}" y="{:.1}" font-size="12" text-anchor="middle" fill="#222">{}</text>"##,
-                    plot_bottom + 18.0 + 14.0 * line as f64,
-                    escape(text)
-                )?;
+            let above = (FONT, label_size)
+                .into_font()
+                .color(&BLACK)
+                .pos(Pos::new(HPos::Center, VPos::Bottom));
+            chart.draw_series(bars.iter().map(|&(x, v)| {
+                EmptyElement::at((x + width / 2.0, v))
+                    + Text::new(format_value(v), (0, -3), above.clone())
+            }))?;
+        }
+
+        // Group labels under the axis, wrapped when wider than their group.
+        let plot_width = chart.plotting_area().dim_in_pixel().0 as f64;
+        let group_px = plot_width / self.groups.len().max(1) as f64;
+        let under = (FONT, 15).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+        for (g, name) in self.groups.iter().enumerate() {
+            for (line, text) in wrap(name, group_px).into_iter().enumerate() {
+                let at = EmptyElement::at((g as f64 + 0.5, scale.low));
+                chart
+                    .plotting_area()
+                    .draw(&(at + Text::new(text, (0, 8 + 14 * line as i32), under.clone())))?;
             }
         }
 
-        // Reference lines, drawn over the bars.
+        // Reference lines, over the bars.
+        let red = series_color(REFERENCE_COLOR);
         for reference in &self.references {
-            if self.log_y && reference.value <= 0.0 {
+            let v = reference.value;
+            if !v.is_finite() || v < scale.low || v > scale.high {
                 continue;
             }
-            let y = scale.y(reference.value, plot_top, plot_bottom);
-            if !(plot_top..=plot_bottom).contains(&y) {
-                continue;
-            }
-            writeln!(
-                out,
-                r##"<line x1="{plot_left}" y1="{y:.1}" x2="{plot_right}" y2="{y:.1}" stroke="{REFERENCE_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"##
-            )?;
+            let line = DashedLineSeries::new(
+                vec![(0.0, v), (self.groups.len().max(1) as f64, v)],
+                6,
+                4,
+                red.stroke_width(2),
+            );
+            chart.draw_series(line)?.label(reference.label.clone()).legend(move |(x, y)| {
+                DashedPathElement::new(vec![(x, y), (x + 26, y)], 6, 4, red.stroke_width(2))
+            });
         }
-        writeln!(out, "</svg>")
+        if self.series.len() > 1 || !self.references.is_empty() {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .background_style(WHITE.mix(0.6))
+                .border_style(RGBColor(0xcc, 0xcc, 0xcc))
+                .label_font((FONT, 14))
+                .draw()?;
+        }
+        Ok(())
     }
 
     /// The bars of group `g`: (series index, value) of every series with a drawable value.
@@ -233,64 +252,40 @@ impl BarChart {
             .iter()
             .enumerate()
             .filter_map(|(s, series)| Some((s, series.values.get(g).copied().flatten()?)))
-            .filter(|&(_, v)| v.is_finite() && (!self.log_y || v > 0.0))
+            .filter(|&(_, v)| self.drawable(v))
             .collect()
     }
 
-    /// One row of legend entries centred at height `y`: a swatch per series (when there are
-    /// several) and a dashed line per reference.
-    fn write_legend(&self, out: &mut String, y: f64) -> std::fmt::Result {
-        const SWATCH: f64 = 12.0;
-        const LINE: f64 = 26.0;
-        const CHAR: f64 = 7.0;
-        let mut entries: Vec<(Option<&'static str>, &str)> = Vec::new();
-        if self.series.len() > 1 {
-            entries.extend(
-                self.series
-                    .iter()
-                    .enumerate()
-                    .map(|(s, series)| (Some(series.fill(s)), series.name.as_str())),
-            );
-        }
-        entries.extend(self.references.iter().map(|r| (None, r.label.as_str())));
-        let width = |(color, name): &(Option<&str>, &str)| {
-            let mark = if color.is_some() { SWATCH } else { LINE };
-            mark + 6.0 + CHAR * name.chars().count() as f64 + 22.0
-        };
-        let total: f64 = entries.iter().map(width).sum();
-        let mut x = (WIDTH - total).max(0.0) / 2.0;
-        for entry in &entries {
-            let (color, name) = *entry;
-            let mark = match color {
-                Some(color) => {
-                    writeln!(
-                        out,
-                        r#"<rect x="{x:.1}" y="{:.1}" width="{SWATCH}" height="{SWATCH}" fill="{color}"/>"#,
-                        y - SWATCH + 2.0
-                    )?;
-                    SWATCH
-                }
-                None => {
-                    writeln!(
-                        out,
-                        r#"<line x1="{x:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{REFERENCE_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
-                        y - 4.0,
-                        x + LINE,
-                        y - 4.0
-                    )?;
-                    LINE
-                }
-            };
-            writeln!(
-                out,
-                r##"<text x="{:.1}" y="{y:.1}" font-size="12" fill="#222">{}</text>"##,
-                x + mark + 6.0,
-                escape(name)
-            )?;
-            x += width(entry);
-        }
-        Ok(())
+    fn drawable(&self, v: f64) -> bool {
+        v.is_finite() && (!self.log_y || v > 0.0)
     }
+
+    /// `series / group = value` for every value given that cannot be drawn.
+    fn unplotted(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for series in &self.series {
+            for (g, v) in series.values.iter().enumerate() {
+                if let Some(v) = *v {
+                    if !self.drawable(v) {
+                        let group = self.groups.get(g).map_or("?", String::as_str);
+                        out.push(format!("{} / {group} = {}", series.name, format_value(v)));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What plotters reports when drawing fails (the SVG backend writes into a String, so only a
+/// layout it refuses).
+type Failed = DrawingAreaErrorKind<<SVGBackend<'static> as DrawingBackend>::ErrorType>;
+
+/// `#rrggbb` as a colour; black for anything else.
+fn series_color(hex: &str) -> RGBColor {
+    let channel =
+        |at: usize| u8::from_str_radix(hex.get(at..at + 2).unwrap_or("00"), 16).unwrap_or(0);
+    RGBColor(channel(1), channel(3), channel(5))
 }
 
 /// `label` split at spaces into lines that fit `width` pixels at 12 px (at most three lines).
@@ -364,15 +359,6 @@ impl Scale {
         }
     }
 
-    fn y(&self, value: f64, top: f64, bottom: f64) -> f64 {
-        let fraction = if self.log {
-            (value.log10() - self.low.log10()) / (self.high.log10() - self.low.log10())
-        } else {
-            (value - self.low) / (self.high - self.low)
-        };
-        bottom - fraction * (bottom - top)
-    }
-
     fn ticks(&self) -> Vec<f64> {
         if self.log {
             let (first, last) = (self.low.log10().round() as i32, self.high.log10().round() as i32);
@@ -436,20 +422,6 @@ fn trim(s: String) -> String {
     }
 }
 
-fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            _ => out.push(c),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -467,19 +439,45 @@ mod tests {
         chart
     }
 
+    /// The text of every `<text>` element, trimmed.
+    fn texts(svg: &str) -> Vec<String> {
+        svg.split("<text")
+            .skip(1)
+            .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim().to_owned()))
+            .collect()
+    }
+
     #[test]
     fn every_bar_label_and_legend_entry_is_drawn_and_text_is_escaped() {
         for log_y in [false, true] {
             let svg = sample(log_y).to_svg();
+            let texts = texts(&svg);
             assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-            assert_eq!(svg.matches("<rect x=").count(), 5 + 2, "5 bars and 2 swatches");
-            assert_eq!(svg.matches("stroke-dasharray").count(), 2, "the line and its legend");
-            for text in ["4KiB", "64KiB", "1MiB", ">engine<", ">ceiling<", "90% of the ceiling"] {
-                assert!(svg.contains(text), "{text} missing");
+            // 5 bars of the two series' colours, plus their 2 legend swatches.
+            let bars = svg.matches("#4E79A7").count() + svg.matches("#F28E2B").count();
+            assert_eq!(bars, 5 + 2, "{svg}");
+            for text in ["4KiB", "64KiB", "1MiB", "engine", "ceiling", "90% of the ceiling"] {
+                assert!(texts.iter().any(|t| t == text), "{text} missing");
             }
-            assert!(svg.contains("a &lt;title&gt;") && svg.contains("sub &amp; title"));
+            for value in ["3", "9.5", "10", "11"] {
+                assert!(texts.iter().any(|t| t == value), "bar label {value} missing");
+            }
+            assert!(texts.iter().any(|t| t == "a &lt;title&gt;"), "escaped title");
+            assert!(texts.iter().any(|t| t == "sub &amp; title"), "escaped subtitle");
             assert!(!svg.contains("NaN") && !svg.contains("inf"));
+            assert!(!svg.contains("no bar"), "every value is drawable");
         }
+    }
+
+    #[test]
+    fn values_that_cannot_be_drawn_are_named_not_dropped() {
+        let mut chart = sample(true);
+        chart.series[0].values[2] = Some(-156.9);
+        let svg = chart.to_svg();
+        let note = "no bar (not drawable on this axis): engine / 1MiB = -157";
+        assert!(texts(&svg).iter().any(|t| t == note), "{svg}");
+        chart.log_y = false;
+        assert!(!chart.to_svg().contains("no bar"), "a linear axis draws negative bars");
     }
 
     #[test]

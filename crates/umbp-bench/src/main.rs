@@ -720,6 +720,7 @@ mod tests {
         let line = one_line(&e.render().to_string());
         assert!(!line.contains('\n') && line.contains("--bogus"), "{line}");
         let e = parse(&["copy", "--batch", "12XB"]).unwrap_err();
-        assert!(one_line(&e.render().to_string()).contains("unknown size unit"));
+        let line = one_line(&e.render().to_string());
+        assert!(!line.contains('\n') && line.contains("`12XB` is not a size"), "{line}");
     }
 }
