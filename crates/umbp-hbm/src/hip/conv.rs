@@ -2,21 +2,27 @@
 
 use std::ffi::{c_int, CStr};
 
-use hip_runtime_sys as sys;
 use umbp_plan::DeviceOrdinal;
 
-use super::ffi::rtc_message;
+use super::ffi::{hipGetErrorString, rtc_message};
 use crate::DeviceError;
 
-/// `Ok` for `hipSuccess`, otherwise the runtime's code and message.
-pub(super) fn check(device: DeviceOrdinal, status: sys::hipError_t) -> Result<(), DeviceError> {
-    if status == sys::hipError_t::hipSuccess {
+/// `Ok` for `hipSuccess` (0), otherwise the runtime's code and message. Any integer is a valid
+/// status here, including ones newer than this code.
+pub(super) fn check(device: DeviceOrdinal, status: c_int) -> Result<(), DeviceError> {
+    if status == 0 {
         return Ok(());
     }
-    // SAFETY: hipGetErrorString returns a static NUL-terminated string for any status.
-    let message = unsafe { CStr::from_ptr(sys::hipGetErrorString(status)) };
-    let code = status as i32;
-    let message = message.to_string_lossy().into_owned();
+    // SAFETY: hipGetErrorString returns a static NUL-terminated string for any status (an
+    // unknown one reads "unknown error"), or null, handled below.
+    let message = unsafe { hipGetErrorString(status) };
+    let message = if message.is_null() {
+        format!("HIP status {status}")
+    } else {
+        // SAFETY: non-null, NUL-terminated and static.
+        unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned()
+    };
+    let code = status;
     Err(match code {
         // hipErrorOutOfMemory and hipErrorMemoryAllocation.
         2 | 1002 => DeviceError::OutOfMemory { device, len: 0 },

@@ -1,7 +1,12 @@
-//! Thin wrappers over the HIP runtime (through hip-runtime-sys) and hiprtc (declared here:
-//! ROCm 5.2 exports it from libamdhip64, later releases from libhiprtc, which `build.rs` links
-//! when present). Each wrapper makes one call and turns its status into a `Result`; the
-//! `# Safety` sections state what the call dereferences.
+//! Thin wrappers over the HIP runtime and hiprtc. Each wrapper makes one call and turns its
+//! status into a `Result`; the `# Safety` sections state what the call dereferences.
+//!
+//! The calls are declared here, every one returning its status as a plain `c_int`.
+//! hip-runtime-sys declares them returning `hipError_t`, a Rust enum: a status outside that
+//! enum (one a newer ROCm added) would be undefined behaviour the moment it is returned. The
+//! crate is still used, for linking libamdhip64 and for the `hipDeviceProp_t` layout. hiprtc
+//! comes from libamdhip64 in ROCm 5.2 and from libhiprtc later (`build.rs` links it when
+//! present).
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 
@@ -11,11 +16,73 @@ use umbp_plan::DeviceOrdinal;
 use super::conv::{check, check_rtc};
 use crate::DeviceError;
 
-pub(super) use sys::{hipFunction_t, hipModule_t, hipStream_t};
-
+/// An opaque HIP stream handle.
+#[allow(non_camel_case_types)] // HIP's own name.
+pub(super) type hipStream_t = *mut c_void;
+/// An opaque HIP module handle.
+#[allow(non_camel_case_types)] // HIP's own name.
+pub(super) type hipModule_t = *mut c_void;
+/// An opaque HIP kernel handle.
+#[allow(non_camel_case_types)] // HIP's own name.
+pub(super) type hipFunction_t = *mut c_void;
 /// An opaque hiprtc program handle.
 type HiprtcProgram = *mut c_void;
 
+/// `hipHostMallocDefault`.
+const HOST_MALLOC_DEFAULT: c_uint = 0;
+/// `hipHostRegisterMapped`.
+const HOST_REGISTER_MAPPED: c_uint = 2;
+/// `hipMemcpyDefault`: the direction follows from the unified address space.
+const MEMCPY_DEFAULT: c_int = 4;
+
+// The HIP runtime, as libamdhip64 exports it; statuses as integers (see the module docs).
+extern "C" {
+    pub(super) fn hipGetErrorString(status: c_int) -> *const c_char;
+    fn hipGetDeviceCount(count: *mut c_int) -> c_int;
+    fn hipGetDevice(device: *mut c_int) -> c_int;
+    fn hipSetDevice(device: c_int) -> c_int;
+    fn hipGetDeviceProperties(props: *mut sys::hipDeviceProp_t, device: c_int) -> c_int;
+    fn hipStreamCreate(stream: *mut hipStream_t) -> c_int;
+    fn hipStreamSynchronize(stream: hipStream_t) -> c_int;
+    fn hipStreamDestroy(stream: hipStream_t) -> c_int;
+    fn hipMalloc(ptr: *mut *mut c_void, len: usize) -> c_int;
+    fn hipFree(ptr: *mut c_void) -> c_int;
+    fn hipHostMalloc(ptr: *mut *mut c_void, len: usize, flags: c_uint) -> c_int;
+    fn hipHostFree(ptr: *mut c_void) -> c_int;
+    fn hipHostRegister(ptr: *mut c_void, len: usize, flags: c_uint) -> c_int;
+    fn hipHostGetDevicePointer(alias: *mut *mut c_void, ptr: *mut c_void, flags: c_uint) -> c_int;
+    fn hipHostUnregister(ptr: *mut c_void) -> c_int;
+    fn hipMemcpyAsync(
+        dst: *mut c_void,
+        src: *const c_void,
+        len: usize,
+        kind: c_int,
+        stream: hipStream_t,
+    ) -> c_int;
+    fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> c_int;
+    fn hipModuleGetFunction(
+        function: *mut hipFunction_t,
+        module: hipModule_t,
+        name: *const c_char,
+    ) -> c_int;
+    fn hipModuleUnload(module: hipModule_t) -> c_int;
+    #[allow(clippy::too_many_arguments)] // The runtime's signature.
+    fn hipModuleLaunchKernel(
+        function: hipFunction_t,
+        grid_x: c_uint,
+        grid_y: c_uint,
+        grid_z: c_uint,
+        block_x: c_uint,
+        block_y: c_uint,
+        block_z: c_uint,
+        shared_bytes: c_uint,
+        stream: hipStream_t,
+        params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> c_int;
+}
+
+// hiprtc.
 extern "C" {
     fn hiprtcCreateProgram(
         prog: *mut HiprtcProgram,
@@ -114,7 +181,7 @@ pub(super) fn rtc_message(status: c_int) -> String {
 pub(super) fn device_count() -> Result<u32, DeviceError> {
     let mut n: c_int = 0;
     // SAFETY: `n` is a valid out-pointer.
-    check(DeviceOrdinal::new(0), unsafe { sys::hipGetDeviceCount(&mut n) })?;
+    check(DeviceOrdinal::new(0), unsafe { hipGetDeviceCount(&mut n) })?;
     Ok(n.max(0) as u32)
 }
 
@@ -122,14 +189,14 @@ pub(super) fn device_count() -> Result<u32, DeviceError> {
 pub(super) fn get_device() -> Result<DeviceOrdinal, DeviceError> {
     let mut d: c_int = 0;
     // SAFETY: `d` is a valid out-pointer.
-    check(DeviceOrdinal::new(0), unsafe { sys::hipGetDevice(&mut d) })?;
+    check(DeviceOrdinal::new(0), unsafe { hipGetDevice(&mut d) })?;
     Ok(DeviceOrdinal::new(d.max(0) as u32))
 }
 
 /// Makes `device` current for the calling thread.
 pub(super) fn set_device(device: DeviceOrdinal) -> Result<(), DeviceError> {
     // SAFETY: plain value argument.
-    check(device, unsafe { sys::hipSetDevice(device.get() as c_int) })
+    check(device, unsafe { hipSetDevice(device.get() as c_int) })
 }
 
 /// The device's architecture name, for example `gfx90a:sramecc+:xnack-`.
@@ -143,7 +210,7 @@ pub(super) fn arch_name(device: DeviceOrdinal) -> Result<String, DeviceError> {
     }
     let mut p = Props { room: [0; 8192] };
     // SAFETY: `p` is writable and larger than any hipDeviceProp_t of ROCm 5.x (792 bytes).
-    check(device, unsafe { sys::hipGetDeviceProperties(&mut *p.props, device.get() as c_int) })?;
+    check(device, unsafe { hipGetDeviceProperties(&mut *p.props, device.get() as c_int) })?;
     // SAFETY: the runtime filled the struct; gcnArchName is a NUL-terminated char array (the
     // union's zero fill guarantees a terminator).
     let name = unsafe { CStr::from_ptr(p.props.gcnArchName.as_ptr()) };
@@ -154,7 +221,7 @@ pub(super) fn arch_name(device: DeviceOrdinal) -> Result<String, DeviceError> {
 pub(super) fn stream_create(device: DeviceOrdinal) -> Result<hipStream_t, DeviceError> {
     let mut s: hipStream_t = std::ptr::null_mut();
     // SAFETY: `s` is a valid out-pointer.
-    check(device, unsafe { sys::hipStreamCreate(&mut s) })?;
+    check(device, unsafe { hipStreamCreate(&mut s) })?;
     Ok(s)
 }
 
@@ -168,14 +235,14 @@ pub(super) unsafe fn stream_synchronize(
     stream: hipStream_t,
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
-    check(device, unsafe { sys::hipStreamSynchronize(stream) })
+    check(device, unsafe { hipStreamSynchronize(stream) })
 }
 
 /// Allocates device memory on the current device.
 pub(super) fn malloc(device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError> {
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: `p` is a valid out-pointer.
-    check(device, unsafe { sys::hipMalloc(&mut p, len as usize) })?;
+    check(device, unsafe { hipMalloc(&mut p, len as usize) })?;
     Ok(p as u64)
 }
 
@@ -186,14 +253,14 @@ pub(super) fn malloc(device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError
 /// `addr` came from `malloc` and no queued work touches it.
 pub(super) unsafe fn free(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
-    check(device, unsafe { sys::hipFree(addr as *mut c_void) })
+    check(device, unsafe { hipFree(addr as *mut c_void) })
 }
 
 /// Allocates pinned host memory.
 pub(super) fn host_malloc(device: DeviceOrdinal, len: u64) -> Result<u64, DeviceError> {
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: `p` is a valid out-pointer.
-    check(device, unsafe { sys::hipHostMalloc(&mut p, len as usize, sys::hipHostMallocDefault) })?;
+    check(device, unsafe { hipHostMalloc(&mut p, len as usize, HOST_MALLOC_DEFAULT) })?;
     Ok(p as u64)
 }
 
@@ -204,7 +271,7 @@ pub(super) fn host_malloc(device: DeviceOrdinal, len: u64) -> Result<u64, Device
 /// `addr` came from `host_malloc` and no queued work touches it.
 pub(super) unsafe fn host_free(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
-    check(device, unsafe { sys::hipHostFree(addr as *mut c_void) })
+    check(device, unsafe { hipHostFree(addr as *mut c_void) })
 }
 
 /// Pins and maps host memory for the current device; returns its device alias.
@@ -219,15 +286,15 @@ pub(super) unsafe fn host_register(
 ) -> Result<u64, DeviceError> {
     // SAFETY: the caller's contract.
     check(device, unsafe {
-        sys::hipHostRegister(addr as *mut c_void, len as usize, sys::hipHostRegisterMapped)
+        hipHostRegister(addr as *mut c_void, len as usize, HOST_REGISTER_MAPPED)
     })?;
     let mut alias: *mut c_void = std::ptr::null_mut();
     // SAFETY: `addr` was just registered; `alias` is a valid out-pointer.
     let mapped =
-        check(device, unsafe { sys::hipHostGetDevicePointer(&mut alias, addr as *mut c_void, 0) });
+        check(device, unsafe { hipHostGetDevicePointer(&mut alias, addr as *mut c_void, 0) });
     if let Err(e) = mapped {
         // SAFETY: registered just above.
-        unsafe { sys::hipHostUnregister(addr as *mut c_void) };
+        unsafe { hipHostUnregister(addr as *mut c_void) };
         return Err(e);
     }
     Ok(alias as u64)
@@ -240,7 +307,7 @@ pub(super) unsafe fn host_register(
 /// `addr` was registered and no queued work touches it.
 pub(super) unsafe fn host_unregister(device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
-    check(device, unsafe { sys::hipHostUnregister(addr as *mut c_void) })
+    check(device, unsafe { hipHostUnregister(addr as *mut c_void) })
 }
 
 /// Queues a copy on `stream` (direction inferred from the unified address space).
@@ -257,11 +324,11 @@ pub(super) unsafe fn memcpy_async(
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
     check(device, unsafe {
-        sys::hipMemcpyAsync(
+        hipMemcpyAsync(
             dst as *mut c_void,
             src as *const c_void,
             len as usize,
-            sys::hipMemcpyKind::hipMemcpyDefault,
+            MEMCPY_DEFAULT,
             stream,
         )
     })
@@ -277,14 +344,14 @@ pub(super) fn load_kernel(
     let mut module: hipModule_t = std::ptr::null_mut();
     // SAFETY: `code` is a complete code object from hiprtc, alive for the call (the runtime
     // copies it); `module` is a valid out-pointer.
-    check(device, unsafe { sys::hipModuleLoadData(&mut module, code.as_ptr().cast()) })?;
+    check(device, unsafe { hipModuleLoadData(&mut module, code.as_ptr().cast()) })?;
     let mut function: hipFunction_t = std::ptr::null_mut();
     // SAFETY: `module` was loaded above; `name` is NUL-terminated.
     let found =
-        check(device, unsafe { sys::hipModuleGetFunction(&mut function, module, name.as_ptr()) });
+        check(device, unsafe { hipModuleGetFunction(&mut function, module, name.as_ptr()) });
     if let Err(e) = found {
         // SAFETY: loaded above, unloaded once.
-        unsafe { sys::hipModuleUnload(module) };
+        unsafe { hipModuleUnload(module) };
         return Err(e);
     }
     Ok((module, function))
@@ -323,7 +390,7 @@ pub(super) unsafe fn launch_gather(
     // SAFETY: the caller's contract for the kernel's arguments; `params` points at three live
     // locals whose types match the kernel's parameters (two pointers, one unsigned int).
     check(device, unsafe {
-        sys::hipModuleLaunchKernel(
+        hipModuleLaunchKernel(
             function,
             args.blocks,
             1,
@@ -348,10 +415,10 @@ pub(super) fn release(
     let _ = device;
     if let Some(s) = stream {
         // SAFETY: a live stream from `stream_create`, synchronized by the caller, destroyed once.
-        unsafe { sys::hipStreamDestroy(s) };
+        unsafe { hipStreamDestroy(s) };
     }
     if let Some((m, _)) = kernel {
         // SAFETY: a module from `load_kernel`, unloaded once, with no launch in flight.
-        unsafe { sys::hipModuleUnload(m) };
+        unsafe { hipModuleUnload(m) };
     }
 }
