@@ -3,8 +3,16 @@
 //! One launch copies a list of descriptors. Each descriptor is cut into slices of
 //! [`SLICE_BYTES`]; each slice is one thread block. `block_starts[i]` is the first block of
 //! descriptor `i`, so block `b` finds its descriptor by binary search and copies bytes
-//! `(b - block_starts[i]) * SLICE_BYTES ..` of it. The HIP kernel and the simulated device run
-//! exactly this mapping from exactly these arrays.
+//! `(b - block_starts[i]) * SLICE_BYTES ..` of it. The kernel ([`GATHER_KERNEL_SOURCE`], on CUDA and HIP) and
+//! the simulated device run exactly this mapping from exactly these arrays.
+
+/// The gather kernel's source: one CUDA C++ file that both runtime compilers take, NVRTC for
+/// NVIDIA GPUs and hiprtc for AMD GPUs (HIP kernels are CUDA syntax). Compiled at run time for
+/// the device's own architecture.
+pub const GATHER_KERNEL_SOURCE: &str = include_str!("gather.cu");
+
+/// The gather kernel's entry point in [`GATHER_KERNEL_SOURCE`] (`extern "C"`, so unmangled).
+pub const GATHER_KERNEL_NAME: &str = "umbp_gather";
 
 /// One copy of the gather kernel: `len` bytes from device-visible address `src` to `dst`.
 /// The layout (`repr(C)`, three `u64`) is what the kernel reads.

@@ -69,7 +69,10 @@ pub mod sim;
 #[cfg(hip_backend)]
 pub mod hip;
 
-pub use descriptor::{chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, SLICE_BYTES};
+pub use descriptor::{
+    chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
+    GATHER_KERNEL_SOURCE, SLICE_BYTES,
+};
 pub use engine::{HbmConfig, HbmEngine, HbmRules};
 pub use error::{DeviceError, Error};
 pub use runtime::DeviceRuntime;

@@ -456,3 +456,14 @@ fn a_failed_copy_of_a_merged_segment_is_copied_again_object_by_object() {
     assert!(got[..4096].iter().all(|&b| b == POISON), "the failed object was written");
     assert_eq!(got[4096..], src.bytes[4096..]);
 }
+
+#[test]
+fn the_kernel_source_and_the_simulator_share_their_geometry() {
+    use umbp_hbm::{BLOCK_THREADS, GATHER_KERNEL_NAME, GATHER_KERNEL_SOURCE, SLICE_BYTES};
+    let define = format!("#define UMBP_SLICE_BYTES {}ull", SLICE_BYTES);
+    assert!(GATHER_KERNEL_SOURCE.contains(&define), "gather.cu must say `{define}`");
+    let entry = format!("extern \"C\" __global__ void {GATHER_KERNEL_NAME}(");
+    assert!(GATHER_KERNEL_SOURCE.contains(&entry), "gather.cu must define `{entry}`");
+    // 16-byte vectors: a block's threads cover its slice in whole rounds.
+    assert_eq!(SLICE_BYTES % (u64::from(BLOCK_THREADS) * 16), 0);
+}

@@ -4,7 +4,7 @@
 //!
 //! - One stream per device, created at the device's first use; every copy and launch of the
 //!   engine goes on it, and `synchronize` waits for it.
-//! - The gather kernel (`gather.hip`, shipped in the crate) is compiled by hiprtc for the
+//! - The gather kernel ([`GATHER_KERNEL_SOURCE`], shipped in the crate) is compiled by hiprtc for the
 //!   device's own architecture (its `gcnArchName`) at the first launch on that device, and the
 //!   loaded module is cached per device for the runtime's lifetime.
 //! - Each launch uploads its descriptors and block table through a pinned staging buffer into
@@ -21,18 +21,15 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::DeviceOrdinal;
 
-use crate::{DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, BLOCK_THREADS};
-
-/// The gather kernel's source, compiled at run time by hiprtc.
-pub const GATHER_KERNEL_SOURCE: &str = include_str!("gather.hip");
-
-/// The gather kernel's entry point in [`GATHER_KERNEL_SOURCE`].
-pub const GATHER_KERNEL_NAME: &str = "umbp_gather";
+use crate::{
+    DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
+    GATHER_KERNEL_SOURCE,
+};
 
 /// Compiles the gather kernel for `arch` (for example `gfx90a`) with hiprtc and returns the
 /// code object. Needs no GPU, only the ROCm compiler libraries.
 pub fn compile_gather_kernel(arch: &str) -> Result<Vec<u8>, DeviceError> {
-    ffi::hiprtc_compile(GATHER_KERNEL_SOURCE, "gather.hip", arch)
+    ffi::hiprtc_compile(GATHER_KERNEL_SOURCE, "gather.cu", arch)
 }
 
 /// The HIP device runtime; see the [module docs](self).

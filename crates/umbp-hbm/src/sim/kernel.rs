@@ -1,4 +1,4 @@
-//! The gather kernel, executed on the CPU block by block as the GPU executes `gather.hip`.
+//! The gather kernel, executed on the CPU block by block as a GPU executes `gather.cu`.
 
 use crate::LaunchTable;
 

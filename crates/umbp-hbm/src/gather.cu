@@ -1,4 +1,5 @@
-// The umbp gather kernel: one launch copies many fragments.
+// The umbp gather kernel: one launch copies many fragments. One source for both runtimes:
+// NVRTC compiles it for NVIDIA GPUs, hiprtc for AMD GPUs (HIP kernels are CUDA syntax).
 //
 // Launch geometry (shared with the simulated device, see src/descriptor.rs):
 //   - one block per slice of UMBP_SLICE_BYTES of a descriptor, UMBP_BLOCK_THREADS threads per block;
