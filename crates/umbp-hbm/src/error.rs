@@ -46,6 +46,15 @@ pub enum DeviceError {
         /// The compiler's log.
         log: String,
     },
+    /// A runtime library is not on this machine (or not on the loader's search path): the
+    /// CUDA driver or NVRTC, which the CUDA backend loads at run time.
+    #[error("{library} cannot be loaded: {reason}")]
+    LibraryMissing {
+        /// The library (`libcuda`, `libnvrtc`).
+        library: &'static str,
+        /// What the loader said.
+        reason: String,
+    },
     /// A fault injected into the simulated device.
     #[error("injected fault: {0:?}")]
     Injected(crate::sim::DeviceFault),

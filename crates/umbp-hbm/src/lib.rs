@@ -69,6 +69,9 @@ pub mod sim;
 #[cfg(hip_backend)]
 pub mod hip;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 pub use descriptor::{
     chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
     GATHER_KERNEL_SOURCE, SLICE_BYTES,
@@ -80,6 +83,9 @@ pub use sim::{DeviceFault, SimDevice};
 
 #[cfg(hip_backend)]
 pub use hip::HipRuntime;
+
+#[cfg(feature = "cuda")]
+pub use cuda::CudaRuntime;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
