@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
 use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
-use umbp_bench::hbm_bench::{self, HbmBenchConfig};
+use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
 use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
 use umbp_bench::progress::Progress;
@@ -169,8 +169,11 @@ struct CopyArgs {
 
 #[derive(clap::Args, Debug)]
 struct HbmArgs {
+    /// The device runtime: `cuda` and `hip` need the matching feature (and a GPU).
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: HbmBackend,
     /// Fragment sizes to measure, comma-separated (units allowed).
-    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "16KiB", "64KiB", "256KiB"], value_parser = positive_size)]
+    #[arg(long = "fragment-size", value_delimiter = ',', default_values = ["4KiB", "16KiB", "32KiB", "64KiB", "128KiB", "256KiB"], value_parser = positive_size)]
     fragment_sizes: Vec<ByteSize>,
     /// Bytes per batch (units allowed).
     #[arg(long, default_value = "64MiB", value_parser = positive_size)]
@@ -178,6 +181,9 @@ struct HbmArgs {
     /// Timed iterations per mode; the median is reported.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     iterations: u32,
+    /// Objects of the Kimi-K3-shaped restore (24 MiB each); 0 skips it.
+    #[arg(long, default_value_t = 8)]
+    restore_objects: usize,
 }
 
 #[derive(clap::Args, Debug)]
@@ -503,13 +509,23 @@ fn copy(args: &CopyArgs, out: &Output<'_>) -> anyhow::Result<()> {
 
 fn hbm(args: &HbmArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = HbmBenchConfig {
+        backend: args.backend,
         fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
         batch_bytes: args.batch.0,
         iterations: args.iterations as usize,
+        restore_objects: args.restore_objects,
+        ..HbmBenchConfig::default()
     };
-    check_memory(5 * args.batch.0, "--batch");
-    let rows = hbm_bench::run(&config, out.progress);
-    out.emit(&Report::new("hbm", &rows, hbm_bench::table(&rows), Some(hbm_bench::chart(&rows)))?)
+    // Arenas of twice the batch on host and device (the simulated device's is host memory),
+    // plus destinations, plus the restore's tier and its copies.
+    check_memory(8 * args.batch.0 + 3 * args.restore_objects as u64 * (24 << 20), "--batch");
+    let report = hbm_bench::run(&config, out.progress)?;
+    let table = hbm_bench::table(&report);
+    let chart = hbm_bench::chart(&report);
+    let mut emitted = Report::new("hbm", &report.rows, table, Some(chart))?;
+    let checks = report.checks.iter().map(serde_json::to_string).collect::<Result<Vec<_>, _>>()?;
+    emitted.json_lines.splice(0..0, checks);
+    out.emit(&emitted)
 }
 
 fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
