@@ -2,12 +2,15 @@
 //!
 //! 1. **Checks**, each verified byte for byte: a 256 KiB host → device → host round trip,
 //!    scattered misaligned pieces through exactly one gather launch, and device → device.
+//!    Then the engine **calibrates** the device ([`HbmEngine::calibrate`]) and reports where
+//!    it found the kernel faster; the measurements below use that threshold.
 //! 2. **The link ceiling**: one large copy of the batch from pinned host memory to the device,
 //!    and one back: the best the link does with the same bytes.
 //! 3. **Gather against copies**: for each fragment size, a batch of scattered fragments moves
-//!    host → device (into one buffer) and device → host, once with the engine's default rule
-//!    (many small fragments: one gather launch per chunk) and once with the kernel switched
-//!    off (one runtime copy per fragment). The two modes alternate iteration by iteration.
+//!    host → device (into one buffer) and device → host, once with the engine's calibrated
+//!    rule (`gather`: fragments under the threshold go through one launch per chunk) and once
+//!    with the kernel switched off (`copies`: one runtime copy per fragment). The two modes
+//!    alternate iteration by iteration.
 //! 4. **A restore** of the Kimi-K3 shape (as `umbp-bench restore` lays it out, scaled to
 //!    `restore_objects` objects) from pinned DRAM into one device buffer per layer group.
 //!
@@ -121,10 +124,29 @@ pub struct HbmRow {
     pub verified: bool,
 }
 
+/// One size of the engine's calibration ([`HbmEngine::calibrate`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct HbmCalibration {
+    /// Always `calibration`.
+    pub kind: &'static str,
+    /// `sim`, `hip` or `cuda`.
+    pub backend: &'static str,
+    /// Bytes per fragment.
+    pub fragment_size: u64,
+    /// Best seconds with the gather kernel.
+    pub kernel_seconds: f64,
+    /// Best seconds with one copy per fragment.
+    pub copies_seconds: f64,
+    /// The threshold the device chose: buckets whose mean fragment is under it use the kernel.
+    pub kernel_max_mean_bytes: u64,
+}
+
 /// What one run produced.
 #[derive(Clone, Debug)]
 pub struct HbmReport {
-    /// The checks, first.
+    /// The engine's calibration of the device.
+    pub calibration: Vec<HbmCalibration>,
+    /// The checks.
     pub checks: Vec<HbmCheck>,
     /// The measurements.
     pub rows: Vec<HbmRow>,
@@ -132,7 +154,8 @@ pub struct HbmReport {
 
 /// Runs the bench on the backend `config` names.
 pub fn run(config: &HbmBenchConfig, progress: &Progress) -> anyhow::Result<HbmReport> {
-    let steps = 3 + 2 + 4 * config.fragment_sizes.len() + usize::from(config.restore_objects > 0);
+    let steps =
+        1 + 3 + 2 + 4 * config.fragment_sizes.len() + usize::from(config.restore_objects > 0);
     progress.section("hbm", steps);
     match config.backend {
         HbmBackend::Sim => run_on(Arc::new(SimDevice::new(1)), config, progress),
@@ -176,7 +199,7 @@ fn run_hip(_: &HbmBenchConfig, _: &Progress) -> anyhow::Result<HbmReport> {
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
-/// Two engines over one registry and one runtime: `gather` (the default rule; host memory
+/// Two engines over one registry and one runtime: `gather` (the calibrated rule; host memory
 /// registered through it is pinned for the device) and `copies` (kernel off). Memory pinned
 /// through `gather` is pinned for the driver, so `copies` moves it by DMA as well.
 struct Rig<D: DeviceRuntime> {
@@ -236,7 +259,23 @@ fn run_on<D: DeviceRuntime>(
 ) -> anyhow::Result<HbmReport> {
     let backend = runtime.name();
     let rig = Rig::new(runtime);
+    // The checks run on the default rule (small pieces through the kernel), before the
+    // calibration replaces it with the device's own.
     let checks = checks(&rig, backend, progress)?;
+    progress.step("calibration");
+    let measured = rig.gather.calibrate(GPU).context("calibrating the device")?;
+    let calibration = measured
+        .points
+        .iter()
+        .map(|p| HbmCalibration {
+            kind: "calibration",
+            backend,
+            fragment_size: p.fragment_size,
+            kernel_seconds: p.kernel_seconds,
+            copies_seconds: p.copies_seconds,
+            kernel_max_mean_bytes: measured.kernel_max_mean_bytes,
+        })
+        .collect();
     let mut rows = ceilings(&rig, backend, config, progress)?;
     for &size in &config.fragment_sizes {
         rows.extend(gather_vs_copies(&rig, backend, config, size, progress)?);
@@ -253,7 +292,7 @@ fn run_on<D: DeviceRuntime>(
         let c = if r.direction == "h2d" { ceilings.0 } else { ceilings.1 };
         r.vs_ceiling = c.map(|c| r.gib_s / c);
     }
-    Ok(HbmReport { checks, rows })
+    Ok(HbmReport { calibration, checks, rows })
 }
 
 fn checks<D: DeviceRuntime>(
@@ -560,6 +599,20 @@ pub fn table(report: &HbmReport) -> String {
     if backend == "sim" {
         out += "(simulated device: descriptor building and CPU execution, not a GPU link)\n";
     }
+    if let Some(first) = report.calibration.first() {
+        out += &format!(
+            "\ncalibration: the kernel for mean fragments under {}\n",
+            ByteSize(first.kernel_max_mean_bytes)
+        );
+        for c in &report.calibration {
+            out += &format!(
+                "  {:>7}  kernel {:>8.3} ms  copies {:>8.3} ms\n",
+                ByteSize(c.fragment_size).to_string(),
+                c.kernel_seconds * 1e3,
+                c.copies_seconds * 1e3
+            );
+        }
+    }
     out += "\nchecks\n";
     for c in &report.checks {
         out += &format!(
@@ -688,6 +741,7 @@ mod tests {
             restore_page_size: 64 << 10,
         };
         let report = run(&config, &Progress::quiet()).unwrap();
+        assert_eq!(report.calibration.len(), umbp_hbm::CALIBRATION_SIZES.len());
         assert_eq!(report.checks.len(), 3);
         assert!(report.checks.iter().all(|c| c.passed), "{:?}", report.checks);
         // 2 ceilings, 2 sizes x 2 directions x 2 modes, 1 restore.
@@ -695,8 +749,10 @@ mod tests {
         for r in &report.rows {
             assert!(r.verified, "{r:?}");
             assert_eq!(r.backend, "sim");
-            let launches = r.kind == "gather" && r.fragment_size < 128 << 10;
-            assert_eq!(r.launches_per_batch > 0, launches || r.kind == "restore", "{r:?}");
+            // Gathers launch the kernel exactly under the calibrated threshold.
+            let threshold = report.calibration[0].kernel_max_mean_bytes;
+            let kernel = matches!(r.kind, "gather" | "restore") && r.fragment_size < threshold;
+            assert_eq!(r.launches_per_batch > 0, kernel, "{r:?}");
             assert_eq!(r.vs_ceiling.is_some(), r.kind != "ceiling", "{r:?}");
         }
         let text = table(&report);

@@ -523,8 +523,14 @@ fn hbm(args: &HbmArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let table = hbm_bench::table(&report);
     let chart = hbm_bench::chart(&report);
     let mut emitted = Report::new("hbm", &report.rows, table, Some(chart))?;
-    let checks = report.checks.iter().map(serde_json::to_string).collect::<Result<Vec<_>, _>>()?;
-    emitted.json_lines.splice(0..0, checks);
+    let mut first = Vec::new();
+    for c in &report.calibration {
+        first.push(serde_json::to_string(c)?);
+    }
+    for c in &report.checks {
+        first.push(serde_json::to_string(c)?);
+    }
+    emitted.json_lines.splice(0..0, first);
     out.emit(&emitted)
 }
 

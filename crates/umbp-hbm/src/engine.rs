@@ -12,7 +12,7 @@ use umbp_plan::{
 };
 
 use crate::descriptor::chunk_launches;
-use crate::{DeviceError, DeviceRuntime, Error, GatherDescriptor, LaunchTable};
+use crate::{Calibration, DeviceError, DeviceRuntime, Error, GatherDescriptor, LaunchTable};
 
 /// Tuning of the device engine. Every field has a documented default.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -27,6 +27,11 @@ pub struct HbmConfig {
     /// Pin every host endpoint registered through a composite for this device, so gathers can
     /// read and write it. Default `None` (host memory is pinned only by [`HbmEngine::pin`]).
     pub pin_registered_host: Option<DeviceOrdinal>,
+    /// Calibrate every device when the engine starts ([`HbmEngine::calibrate`]: a fraction of
+    /// a second per GPU), replacing [`kernel_max_mean_bytes`](Self::kernel_max_mean_bytes)
+    /// with what the device measured. Default `false`, so that engines in tests and on the
+    /// simulated device start at once; servers on real GPUs turn it on.
+    pub calibrate: bool,
 }
 
 impl Default for HbmConfig {
@@ -36,6 +41,7 @@ impl Default for HbmConfig {
             kernel_max_mean_bytes: 128 << 10,
             launch_max_bytes: 64 << 20,
             pin_registered_host: None,
+            calibrate: false,
         }
     }
 }
@@ -67,6 +73,8 @@ pub struct HbmEngine<D: DeviceRuntime> {
     launches: AtomicU64,
     /// Buffers reused across submits (one submit at a time uses them).
     scratch: Mutex<Scratch>,
+    /// What calibration measured, per device; its threshold replaces the configured one.
+    calibrations: Mutex<BTreeMap<DeviceOrdinal, Calibration>>,
 }
 
 /// One segment to move, by copy or (with `kernel`) by the gather kernel.
@@ -173,7 +181,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             owned: Mutex::new(HashMap::new()),
             lifetimes: RwLock::new(()),
         });
-        Self {
+        let engine = Self {
             runtime,
             registry,
             config,
@@ -181,7 +189,48 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             kernel_disabled: AtomicBool::new(false),
             launches: AtomicU64::new(0),
             scratch: Mutex::new(Scratch::default()),
+            calibrations: Mutex::new(BTreeMap::new()),
+        };
+        if config.calibrate {
+            let devices = engine.runtime.device_count().unwrap_or(0);
+            for device in (0..devices).map(DeviceOrdinal::new) {
+                if let Err(error) = engine.calibrate(device) {
+                    tracing::warn!(device = device.get(), %error, "calibration failed; keeping the configured threshold");
+                }
+            }
         }
+        engine
+    }
+
+    /// Measures, on `device`, the gather kernel against one copy per fragment at a few
+    /// fragment sizes (pinned host to device, [`CALIBRATION_BYTES`](crate::CALIBRATION_BYTES)
+    /// each, best of three), and from then on sends a bucket on that device through the kernel
+    /// only when its mean fragment is under the size the device chose
+    /// ([`Calibration::kernel_max_mean_bytes`]). Returns what it measured; so does
+    /// [`calibrations`](Self::calibrations) later. Runs alongside submits, which it only slows.
+    pub fn calibrate(&self, device: DeviceOrdinal) -> Result<Calibration, Error> {
+        let calibration =
+            crate::calibrate::measure(&*self.runtime, device, 3, self.config.launch_max_bytes)?;
+        tracing::info!(
+            device = device.get(),
+            kernel_max_mean_bytes = calibration.kernel_max_mean_bytes,
+            "calibrated the gather kernel against copies"
+        );
+        lock(&self.calibrations).insert(device, calibration.clone());
+        Ok(calibration)
+    }
+
+    /// Every device's calibration so far, by device: the engine's measured thresholds.
+    pub fn calibrations(&self) -> Vec<Calibration> {
+        lock(&self.calibrations).values().cloned().collect()
+    }
+
+    /// The mean fragment size under which a bucket on `device` uses the kernel: the device's
+    /// calibration if it has one, else the configuration's.
+    pub fn kernel_max_mean_bytes(&self, device: DeviceOrdinal) -> u64 {
+        lock(&self.calibrations)
+            .get(&device)
+            .map_or(self.config.kernel_max_mean_bytes, |c| c.kernel_max_mean_bytes)
     }
 
     /// The device runtime.
@@ -341,7 +390,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         let bytes: u64 = bucket.kernel.iter().map(|(j, _)| j.len).sum();
         let by_kernel = self.kernel_enabled()
             && n >= self.config.kernel_min_fragments
-            && bytes < self.config.kernel_max_mean_bytes.saturating_mul(n as u64);
+            && bytes < self.kernel_max_mean_bytes(device).saturating_mul(n as u64);
         let mut launched = false;
         if by_kernel {
             descriptors.clear();

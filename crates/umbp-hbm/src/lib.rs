@@ -9,7 +9,8 @@
 //!   descriptor layout (source, destination, length relative to the endpoints).
 //! - At submit, segments are bucketed per device, across plans and directions. A bucket of at
 //!   least [`HbmConfig::kernel_min_fragments`] fragments whose mean size is under
-//!   [`HbmConfig::kernel_max_mean_bytes`] goes through the kernel, in launches of at most
+//!   [`HbmConfig::kernel_max_mean_bytes`] (or the size the device chose when
+//!   [calibrated](HbmEngine::calibrate)) goes through the kernel, in launches of at most
 //!   [`HbmConfig::launch_max_bytes`]; other buckets use one copy per segment. Only host memory
 //!   pinned for the device ([`HbmEngine::pin`]) can take part in a gather; the rest is copied.
 //! - A failed launch falls back to copies for its bucket; a failed synchronization after a
@@ -18,8 +19,11 @@
 //!   message. The caller's current device is restored after every submit.
 //! - [`DeviceRuntime`] is the backend trait: [`SimDevice`] (always built; device memory in
 //!   host memory, the kernel run on the CPU from the same descriptors, every address checked,
-//!   faults injectable) and `HipRuntime` (feature `hip`: AMD GPUs, the kernel compiled by
-//!   hiprtc for the device's own architecture at first use).
+//!   faults injectable), `CudaRuntime` (feature `cuda`: NVIDIA GPUs through the driver API,
+//!   loaded at run time, the kernel compiled by NVRTC to PTX for the device's compute
+//!   capability) and `HipRuntime` (feature `hip`: AMD GPUs, the kernel compiled by hiprtc for
+//!   the device's own architecture). Both GPU backends compile the same kernel source,
+//!   [`GATHER_KERNEL_SOURCE`], at its first launch on a device.
 //!
 //! # Example
 //!
@@ -56,10 +60,14 @@
 //!
 //! Registering raw memory is `unsafe` (its validity is the caller's promise); buffers Rust owns
 //! and [`HbmEngine::alloc_device`] register safely. Raw memory access
-//! lives in `sim/memory.rs` and `sim/kernel.rs`, and runtime calls in `hip/ffi.rs`.
+//! lives in `sim/memory.rs` and `sim/kernel.rs`; runtime calls in `hip/ffi.rs` and
+//! `cuda/ffi.rs`, each declared with an integer status (a Rust enum would make a status a
+//! newer runtime added undefined behaviour); and calibration's pinned buffer in
+//! `calibrate.rs`.
 
 #![warn(missing_docs)]
 
+mod calibrate;
 mod descriptor;
 mod engine;
 mod error;
@@ -72,6 +80,7 @@ pub mod hip;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub use calibrate::{Calibration, CalibrationPoint, CALIBRATION_BYTES, CALIBRATION_SIZES};
 pub use descriptor::{
     chunk_launches, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
     GATHER_KERNEL_SOURCE, SLICE_BYTES,

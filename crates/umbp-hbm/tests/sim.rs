@@ -467,3 +467,42 @@ fn the_kernel_source_and_the_simulator_share_their_geometry() {
     // 16-byte vectors: a block's threads cover its slice in whole rounds.
     assert_eq!(SLICE_BYTES % (u64::from(BLOCK_THREADS) * 16), 0);
 }
+
+#[test]
+fn calibration_measures_every_size_and_its_threshold_decides_the_kernel() {
+    use umbp_hbm::CALIBRATION_SIZES;
+    let e = engine(HbmConfig::default());
+    assert!(e.calibrations().is_empty(), "off by default");
+    assert_eq!(e.kernel_max_mean_bytes(GPU), HbmConfig::default().kernel_max_mean_bytes);
+    let c = e.calibrate(GPU).unwrap();
+    assert_eq!(c.points.iter().map(|p| p.fragment_size).collect::<Vec<_>>(), CALIBRATION_SIZES);
+    for p in &c.points {
+        assert!(p.kernel_seconds > 0.0 && p.copies_seconds > 0.0, "{p:?}");
+        assert!(p.kernel_seconds.is_finite() && p.copies_seconds.is_finite(), "{p:?}");
+    }
+    // The threshold is twice the largest size the kernel won, or 0.
+    let won = c.points.iter().rev().find(|p| p.kernel_seconds < p.copies_seconds);
+    assert_eq!(c.kernel_max_mean_bytes, won.map_or(0, |p| 2 * p.fragment_size));
+    assert_eq!(e.calibrations(), std::slice::from_ref(&c));
+    assert_eq!(e.kernel_max_mean_bytes(GPU), c.kernel_max_mean_bytes);
+    // And the engine follows it: eight fragments of each size use the kernel exactly when their
+    // size is under the threshold.
+    for size in CALIBRATION_SIZES {
+        let src = host(&e, pattern(16 * size as usize, 3), true);
+        let dev = device(&e, GPU, 8 * size);
+        let fragments: Vec<Fragment> = (0..8u64)
+            .map(|i| {
+                Fragment::new(src.id, (15 - 2 * i) * size, dev.id, i * size, size, Tag::new(0))
+            })
+            .collect();
+        let before = e.launches();
+        let (failed, rejected) = transfer(&e, &fragments);
+        assert!(failed.is_empty() && rejected.is_empty());
+        let launched = e.launches() > before;
+        assert_eq!(launched, size < c.kernel_max_mean_bytes, "size {size}, {c:?}");
+    }
+    // A calibration at start does the same for every device.
+    let config = HbmConfig { calibrate: true, ..HbmConfig::default() };
+    let started = HbmEngine::new(Arc::new(SimDevice::new(2)), EndpointRegistry::new(), config);
+    assert_eq!(started.calibrations().len(), 2);
+}
