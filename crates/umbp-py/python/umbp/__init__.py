@@ -1,0 +1,332 @@
+"""umbp: transfer engines for a tiered KV cache, from Python.
+
+An inference server keeps cached KV blocks in GPU memory, host memory and SSD files. Before
+the first token of a request that hits a cached prefix it *restores* that prefix into GPU
+memory, layer group by layer group; when GPU memory fills it *offloads* blocks down the tiers.
+``umbp`` moves those paged objects in batches: one call carries many objects, each object
+succeeds or fails on its own (a bad page or a failed read costs one object, never another),
+and a batch can be waited for layer group by layer group while the next groups still move.
+
+Example::
+
+    import numpy as np, umbp
+
+    engine = umbp.Engine()                                  # host copies, a simulated GPU, SSD
+    dram = np.arange(1 << 20, dtype=np.uint8)               # a DRAM tier of 16 pages of 64 KiB
+    with engine.register(dram) as tier, engine.alloc_device(256 << 10) as kv:
+        obj = umbp.Object(tag=7, tier=tier, page_offsets=[3 << 16, 9 << 16], page_size=1 << 16,
+                          size=128 << 10, ranges=[umbp.Range(0, 128 << 10, kv, 0)])
+        report = engine.restore([obj])                      # or start_restore(...) -> Batch
+        report.raise_for_errors()
+        assert engine.read(kv, 0, 1 << 16) == dram[3 << 16:4 << 16].tobytes()
+
+Lifetimes: a registration holds what it registered (the array's buffer, the tensor) until it
+is closed or garbage-collected, and closing waits for the batches that use it; so ``del
+array`` while a batch is in flight is safe. Threads: every call may come from any thread;
+planning and waiting release the GIL. Errors derive from :class:`Error`.
+"""
+
+from __future__ import annotations
+
+import array as _array
+import ctypes as _ctypes
+import os as _os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _native
+from ._native import (  # noqa: F401  (re-exported)
+    CancelledError,
+    Error,
+    RegistrationError,
+    RejectedError,
+    TransferError,
+)
+
+__all__ = [
+    "Engine",
+    "Registration",
+    "Object",
+    "Range",
+    "Batch",
+    "Report",
+    "ObjectResult",
+    "Error",
+    "RegistrationError",
+    "RejectedError",
+    "TransferError",
+    "CancelledError",
+    "CUDA",
+]
+
+#: Whether this build has the CUDA backend (``Engine(device="cuda")``).
+CUDA: bool = _native.CUDA
+
+#: A registered endpoint (see :meth:`Engine.register`): ``id``, ``length``, ``kind``
+#: (``"host"``, ``"device"``, ``"file"``), ``closed``; ``close()`` or a ``with`` block ends it.
+Registration = _native.Registration
+
+
+def _endpoint(x: Union["Registration", int]) -> int:
+    return x if isinstance(x, int) else x.id
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bytes ``offset .. offset + length`` of an object, at ``endpoint_offset`` of ``endpoint``
+    (the destination of a restore, the source of an offload), in layer group ``group``."""
+
+    offset: int
+    length: int
+    endpoint: Union[Registration, int]
+    endpoint_offset: int
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class Object:
+    """A paged object: stored in ``tier`` (a registration) in pages of ``page_size`` bytes
+    whose byte offsets in the tier are ``page_offsets`` (a list or a numpy array, in object
+    order); ``size`` bytes long; moved as ``ranges``. ``tag`` is your own integer, reported
+    back with the object's result."""
+
+    tag: int
+    tier: Union[Registration, int]
+    page_offsets: Any
+    page_size: int
+    size: int
+    ranges: Sequence[Range] = field(default_factory=list)
+
+    def _native(self):
+        return (
+            int(self.tag),
+            _endpoint(self.tier),
+            _offsets_bytes(self.page_offsets),
+            int(self.page_size),
+            int(self.size),
+            [
+                (int(r.offset), int(r.length), _endpoint(r.endpoint), int(r.endpoint_offset), int(r.group))
+                for r in self.ranges
+            ],
+        )
+
+
+def _offsets_bytes(offsets: Any) -> bytes:
+    """Page offsets as little-endian u64 bytes, without a Python loop for numpy arrays."""
+    astype = getattr(offsets, "astype", None)
+    if astype is not None:  # numpy (or compatible)
+        return astype("<u8", copy=False).tobytes()
+    a = _array.array("Q", offsets)
+    if _array.array("Q", [1]).tobytes()[0] != 1:
+        a.byteswap()
+    return a.tobytes()
+
+
+@dataclass(frozen=True)
+class ObjectResult:
+    """One object's outcome: ``state`` is ``"completed"``, ``"rejected"``, ``"failed"``,
+    ``"cancelled"``, ``"in_flight"``; ``error`` the exception explaining anything but
+    completion (:class:`RejectedError` with ``.reason``; :class:`TransferError` with
+    ``.errno``, ``.device_code``, ``.engine``, ``.cause``; :class:`CancelledError`)."""
+
+    tag: int
+    state: str
+    error: Optional[Error] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "completed"
+
+
+@dataclass(frozen=True)
+class Report:
+    """A batch's results: one :class:`ObjectResult` per object, in the batch's order, and the
+    aggregate (``"completed"``, ``"failed"``, ``"inflight"``, ...)."""
+
+    aggregate: str
+    objects: List[ObjectResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.objects)
+
+    def object(self, tag: int) -> Optional[ObjectResult]:
+        return next((o for o in self.objects if o.tag == tag), None)
+
+    def failed(self) -> List[ObjectResult]:
+        return [o for o in self.objects if not o.ok]
+
+    def raise_for_errors(self) -> "Report":
+        """Raises the first object's error, if any object did not complete."""
+        for o in self.objects:
+            if o.error is not None:
+                raise o.error
+        return self
+
+    @staticmethod
+    def _from(raw) -> "Report":
+        aggregate, objects = raw
+        return Report(aggregate, [ObjectResult(t, s, e) for (t, s, e) in objects])
+
+
+class Batch:
+    """A batch in flight. Dropping it waits for it."""
+
+    def __init__(self, native: _native.Batch):
+        self._native = native
+
+    def done(self) -> bool:
+        """Whether every object has settled."""
+        return self._native.done()
+
+    def state(self, tag: int) -> Optional[str]:
+        """The state of the object tagged ``tag`` now."""
+        return self._native.state(tag)
+
+    def report(self) -> Report:
+        """Where every object stands now, without waiting."""
+        return Report._from(self._native.report())
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[Report]:
+        """Waits (GIL released) until every object settled; None if ``timeout`` seconds pass
+        first."""
+        raw = self._native.wait(timeout)
+        return None if raw is None else Report._from(raw)
+
+    def wait_group(self, group: int, timeout: Optional[float] = None) -> bool:
+        """Waits until layer groups ``0 ..= group`` settled (their bytes landed, or their
+        objects failed); False if ``timeout`` seconds pass first. Per-object outcomes come
+        from :meth:`state` or :meth:`wait`."""
+        return self._native.wait_group(group, timeout)
+
+    def cancel(self) -> Report:
+        """Skips what has not started, waits for what runs, and returns the report."""
+        return Report._from(self._native.cancel())
+
+
+def _host_address(buffer: Any):
+    """The address, length and keep-alive of a writable host buffer or host tensor."""
+    data_ptr = getattr(buffer, "data_ptr", None)
+    if callable(data_ptr) and hasattr(buffer, "device"):  # torch.Tensor
+        if not buffer.is_contiguous():
+            raise ValueError("the tensor must be contiguous")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+    try:
+        view = memoryview(buffer)
+    except TypeError as e:
+        raise TypeError(f"{type(buffer).__name__} exposes no buffer to register") from e
+    if view.readonly:
+        raise ValueError("the buffer is read-only; transfers write into registered memory")
+    if not view.c_contiguous:
+        raise ValueError("the buffer must be C-contiguous")
+    nbytes = view.nbytes
+    view = view.cast("B")
+    # A ctypes array over the buffer holds its export: the memory cannot be freed or resized
+    # while the registration keeps it.
+    held = (_ctypes.c_char * nbytes).from_buffer(view) if nbytes else view
+    address = _ctypes.addressof(held) if nbytes else 0
+    return address, nbytes, (held, view, buffer)
+
+
+class Engine:
+    """Host copies, one device (a simulated GPU, or CUDA) and SSD files behind one composite.
+
+    ``device="sim"`` keeps device memory in host memory (runs anywhere); ``"cuda"`` needs a
+    build with the CUDA backend (:data:`CUDA`) and an NVIDIA GPU. Host memory registered here
+    is pinned for ``pin_device`` so the gather kernel reads it directly."""
+
+    def __init__(
+        self,
+        device: str = "sim",
+        *,
+        sim_devices: int = 1,
+        pin_device: Optional[int] = 0,
+        workers: int = 8,
+        bounce_bytes: int = 64 << 20,
+        ssd_queue_depth: int = 64,
+    ):
+        self._native = _native.Engine(
+            device=device,
+            sim_devices=sim_devices,
+            pin_device=pin_device,
+            workers=workers,
+            bounce_bytes=bounce_bytes,
+            ssd_queue_depth=ssd_queue_depth,
+        )
+
+    @property
+    def device_kind(self) -> str:
+        """``"sim"`` or ``"cuda"``."""
+        return self._native.device_kind
+
+    def register(self, buffer: Any) -> Registration:
+        """Registers host memory (a numpy array, ``bytearray``, writable ``memoryview``, or a
+        CPU torch tensor) or a CUDA torch tensor (as device memory). The registration keeps the
+        buffer alive until closed."""
+        device = getattr(buffer, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            if not buffer.is_contiguous():
+                raise ValueError("the tensor must be contiguous")
+            nbytes = buffer.numel() * buffer.element_size()
+            return self._native.register_device(device.index or 0, buffer.data_ptr(), nbytes, buffer)
+        address, nbytes, keep = _host_address(buffer)
+        return self._native.register_host(address, nbytes, keep)
+
+    def register_file(
+        self,
+        path: Union[str, "_os.PathLike[str]"],
+        offset: int = 0,
+        length: Optional[int] = None,
+        *,
+        direct: bool = True,
+        writable: bool = True,
+        create: bool = False,
+    ) -> Registration:
+        """Registers bytes ``offset .. offset + length`` of a file (to its end by default),
+        opened with ``O_DIRECT`` where the filesystem allows it. Raises
+        :class:`RegistrationError` (with ``.errno``) if it cannot be opened."""
+        if length is None:
+            try:
+                length = _os.path.getsize(path) - offset
+            except OSError as e:
+                err = RegistrationError(f"could not open {path}: {e.strerror}")
+                err.errno = e.errno
+                raise err from None
+        return self._native.register_file(
+            _os.fspath(path), offset, length, direct=direct, writable=writable, create=create
+        )
+
+    def alloc_device(self, length: int, device: int = 0) -> Registration:
+        """Allocates ``length`` bytes of device memory, freed when the registration closes."""
+        return self._native.alloc_device(length, device)
+
+    def read(self, source: Registration, offset: int, length: int) -> bytes:
+        """Copies bytes of any registered endpoint (device memory, a file) out to Python."""
+        return self._native.read(source, offset, length)
+
+    def write(self, target: Registration, offset: int, data: bytes) -> None:
+        """Copies ``data`` into any registered endpoint at ``offset``."""
+        self._native.write(target, offset, bytes(data))
+
+    def start_restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Batch:
+        """Starts restoring ``objects`` (their ranges, from the tier into your endpoints) and
+        returns the batch at once. ``timeout``: a deadline in seconds after which what has not
+        arrived fails."""
+        return Batch(self._native.start([o._native() for o in objects], True, timeout))
+
+    def start_offload(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Batch:
+        """Starts offloading ``objects``: their ranges (which must tile each object) from your
+        endpoints into the tier's pages."""
+        return Batch(self._native.start([o._native() for o in objects], False, timeout))
+
+    def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
+        """:meth:`start_restore`, then waits; one result per object."""
+        return self.start_restore(objects, timeout).wait()
+
+    def offload(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
+        """:meth:`start_offload`, then waits."""
+        return self.start_offload(objects, timeout).wait()
+
+    def metrics(self) -> Dict[str, Any]:
+        """Counters per ``"engine/direction"`` and what is in flight."""
+        return self._native.metrics()

@@ -1,0 +1,600 @@
+//! `umbp._native`: the Rust half of the `umbp` Python package.
+//!
+//! The public API is the pure-Python `umbp` package around this module (`python/umbp`): it
+//! turns numpy arrays, `bytearray`s, memoryviews and torch tensors into the addresses this
+//! module registers, holding the buffer export (or the tensor) for as long as the registration
+//! lives, so no transfer ever writes into freed memory. This module owns the engines: a
+//! composite of the host copy engine, the device engine (the simulated device, or CUDA when
+//! built with it) and the SSD engine, with a bounce region for SSD ↔ device. The GIL is
+//! released while batches are planned and while anything waits.
+//!
+//! `Engine.register_host` and `Engine.register_device` take raw addresses and are private to
+//! the package (their callers promise the memory stays valid while registered): Python has no
+//! `unsafe`, so the promise lives in `umbp/__init__.py`, which only passes addresses of
+//! buffers it keeps exported.
+#![allow(unsafe_code)] // Registering raw addresses the Python layer vouches for.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use umbp_composite::{
+    start_offload, start_restore, Batch as CompositeBatch, CompositeConfig, CompositeEngine,
+    ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging, TransferReport,
+};
+use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::{
+    AlignedBuffer, DeviceOrdinal, Endpoint, EndpointRegistry, FailureCause, FileOptions,
+    FileSource, Fragment, ObjectState, Register, RegisterError, Registration as Guard, Tag,
+    TransferEngine,
+};
+use umbp_ssd::{SsdConfig, SsdEngine};
+
+create_exception!(_native, Error, PyException, "Every umbp error derives from this.");
+create_exception!(_native, RegistrationError, Error, "Memory or a file could not be registered.");
+create_exception!(_native, RejectedError, Error, "An object was refused while planning; no byte of it moved.");
+create_exception!(_native, TransferError, Error, "A transfer carrying an object's bytes failed.");
+create_exception!(_native, CancelledError, Error, "The batch was cancelled before the object's transfers all started.");
+
+/// The device engine, over whichever runtime this engine drives.
+enum Device {
+    Sim(Arc<HbmEngine<SimDevice>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<HbmEngine<umbp_hbm::CudaRuntime>>),
+}
+
+impl Device {
+    fn alloc(&self, device: DeviceOrdinal, len: u64) -> Result<Guard, umbp_hbm::Error> {
+        match self {
+            Device::Sim(e) => e.alloc_device(device, len),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.alloc_device(device, len),
+        }
+    }
+
+    fn engine(&self) -> Arc<dyn TransferEngine> {
+        match self {
+            Device::Sim(e) => e.clone(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.clone(),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Device::Sim(_) => "sim",
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => "cuda",
+        }
+    }
+}
+
+/// A composite over host copies, one device engine and the SSD engine.
+#[pyclass(module = "umbp._native", frozen)]
+struct Engine {
+    composite: Arc<CompositeEngine>,
+    device: Device,
+    _bounce: Guard<AlignedBuffer>,
+}
+
+fn registration_error(e: RegisterError) -> PyErr {
+    let errno = match &e {
+        RegisterError::Open { source, .. } | RegisterError::Inspect { source, .. } => {
+            source.raw_os_error()
+        }
+        _ => None,
+    };
+    let err = RegistrationError::new_err(e.to_string());
+    Python::with_gil(|py| {
+        let _ = err.value(py).setattr("errno", errno);
+    });
+    err
+}
+
+fn error(e: impl std::fmt::Display) -> PyErr {
+    Error::new_err(e.to_string())
+}
+
+#[pymethods]
+impl Engine {
+    /// `device`: `"sim"` (a simulated GPU in host memory) or `"cuda"` (needs a build with the
+    /// `cuda` feature and an NVIDIA GPU). `pin_device`: the device host memory registered
+    /// through this engine is pinned for, so the gather kernel reads it directly.
+    #[new]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64))]
+    fn new(
+        device: &str,
+        sim_devices: u32,
+        pin_device: Option<u32>,
+        workers: usize,
+        bounce_bytes: usize,
+        ssd_queue_depth: u32,
+    ) -> PyResult<Self> {
+        let registry = EndpointRegistry::new();
+        let config = HbmConfig {
+            pin_registered_host: pin_device.map(DeviceOrdinal::new),
+            ..HbmConfig::default()
+        };
+        let device = match device {
+            "sim" => {
+                let runtime = Arc::new(SimDevice::new(sim_devices.max(1)));
+                Device::Sim(Arc::new(HbmEngine::new(runtime, registry.clone(), config)))
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => {
+                let runtime = umbp_hbm::CudaRuntime::new().map_err(error)?;
+                let config = HbmConfig { calibrate: true, ..config };
+                Device::Cuda(Arc::new(HbmEngine::new(Arc::new(runtime), registry.clone(), config)))
+            }
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown device `{other}` (this build has: {})",
+                    if cfg!(feature = "cuda") { "sim, cuda" } else { "sim" }
+                )))
+            }
+        };
+        let host = Arc::new(LocalCopyEngine::new(registry.clone()));
+        let ssd = SsdEngine::new(registry.clone(), SsdConfig::new().queue_depth(ssd_queue_depth))
+            .map_err(error)?;
+        let engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
+        let composite =
+            CompositeEngine::with_config(registry, engines, CompositeConfig::default().with_workers(workers));
+        let bounce = composite
+            .register_memory(AlignedBuffer::for_direct_io(bounce_bytes.max(2)))
+            .map_err(registration_error)?;
+        let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
+        Ok(Self { composite: Arc::new(composite), device, _bounce: bounce })
+    }
+
+    /// The device runtime: `"sim"` or `"cuda"`.
+    #[getter]
+    fn device_kind(&self) -> &'static str {
+        self.device.name()
+    }
+
+    /// Registers `length` bytes of host memory at `addr`; `owner` is kept until the
+    /// registration ends. Private: the caller promises the memory stays valid meanwhile.
+    fn register_host(&self, addr: u64, length: u64, owner: PyObject) -> PyResult<Registration> {
+        // SAFETY: the package's Python layer passes the address of a buffer it holds exported
+        // in `owner`, which the registration keeps until it has ended (and so until no batch
+        // uses it).
+        let guard = unsafe { self.composite.register_raw_memory(Endpoint::host(addr, length)) }
+            .map_err(registration_error)?;
+        Ok(Registration::new(Kept::Memory(guard), Some(owner), "host"))
+    }
+
+    /// Registers `length` bytes of device memory at `addr` on `device`; as `register_host`.
+    fn register_device(
+        &self,
+        device: u32,
+        addr: u64,
+        length: u64,
+        owner: PyObject,
+    ) -> PyResult<Registration> {
+        let endpoint = Endpoint::device(DeviceOrdinal::new(device), addr, length);
+        // SAFETY: as in `register_host`: `owner` (a tensor) keeps the memory allocated.
+        let guard = unsafe { self.composite.register_raw_memory(endpoint) }
+            .map_err(registration_error)?;
+        Ok(Registration::new(Kept::Memory(guard), Some(owner), "device"))
+    }
+
+    /// Registers bytes `offset .. offset + length` of the file at `path`.
+    #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false))]
+    fn register_file(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        offset: u64,
+        length: u64,
+        direct: bool,
+        writable: bool,
+        create: bool,
+    ) -> PyResult<Registration> {
+        let options = FileOptions::new().direct(direct).writable(writable).create(create);
+        let composite = Arc::clone(&self.composite);
+        let guard = py
+            .allow_threads(move || {
+                composite.register_file(FileSource::open(path, options), offset, length)
+            })
+            .map_err(registration_error)?;
+        Ok(Registration::new(Kept::File(guard), None, "file"))
+    }
+
+    /// Allocates `length` bytes on `device`, freed when the registration ends.
+    #[pyo3(signature = (length, device=0))]
+    fn alloc_device(&self, length: u64, device: u32) -> PyResult<Registration> {
+        let guard = self.device.alloc(DeviceOrdinal::new(device), length).map_err(error)?;
+        Ok(Registration::new(Kept::Memory(guard), None, "device"))
+    }
+
+    /// Bytes `offset .. offset + length` of a registered endpoint, copied out through the
+    /// engines (device memory included).
+    fn read(&self, py: Python<'_>, source: &Registration, offset: u64, length: u64) -> PyResult<Py<PyBytes>> {
+        let id = source.endpoint_id()?;
+        let composite = Arc::clone(&self.composite);
+        let bytes = py.allow_threads(move || -> Result<Vec<u8>, String> {
+            let out = composite.register_memory(vec![0u8; length as usize]).map_err(|e| e.to_string())?;
+            let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
+            run_one(&composite, f)?;
+            Ok(out.deregister())
+        });
+        let bytes = bytes.map_err(Error::new_err)?;
+        Ok(PyBytes::new(py, &bytes).unbind())
+    }
+
+    /// Writes `data` into a registered endpoint at `offset`, through the engines.
+    fn write(&self, py: Python<'_>, target: &Registration, offset: u64, data: Vec<u8>) -> PyResult<()> {
+        let id = target.endpoint_id()?;
+        let composite = Arc::clone(&self.composite);
+        py.allow_threads(move || -> Result<(), String> {
+            let len = data.len() as u64;
+            let src = composite.register_memory(data).map_err(|e| e.to_string())?;
+            run_one(&composite, Fragment::new(src.id(), 0, id, offset, len, Tag::new(0)))
+        })
+        .map_err(Error::new_err)
+    }
+
+    /// Starts restoring (`restore=True`) or offloading `objects` and returns the batch at once.
+    /// Each object is `(tag, tier_id, page_offsets_u64_le, page_size, size, ranges)`, each range
+    /// `(offset, length, endpoint_id, endpoint_offset, group)`.
+    #[pyo3(signature = (objects, restore, timeout=None))]
+    fn start(
+        &self,
+        py: Python<'_>,
+        objects: Vec<(u64, u32, Vec<u8>, u64, u64, Vec<(u64, u64, u32, u64, u32)>)>,
+        restore: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Batch> {
+        let specs: Vec<Spec> = objects
+            .into_iter()
+            .map(|(tag, tier, pages, page_size, size, ranges)| {
+                if pages.len() % 8 != 0 {
+                    return Err(PyValueError::new_err("page offsets must be u64 values"));
+                }
+                let pages = pages
+                    .chunks_exact(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect();
+                let ranges = ranges
+                    .into_iter()
+                    .map(|(offset, len, endpoint, at, group)| {
+                        ObjectRange::new(offset, len, umbp_plan::EndpointId::from_raw(endpoint), at)
+                            .in_group(group)
+                    })
+                    .collect();
+                Ok(Spec { tag, tier, pages, page_size, size, ranges })
+            })
+            .collect::<PyResult<_>>()?;
+        let composite = Arc::clone(&self.composite);
+        let deadline = timeout.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+        let batch = py.allow_threads(move || {
+            let transfers: Vec<ObjectTransfer<'_>> = specs
+                .iter()
+                .map(|s| ObjectTransfer {
+                    tag: s.tag,
+                    object: PagedObject {
+                        tier: umbp_plan::EndpointId::from_raw(s.tier),
+                        page_offsets: &s.pages,
+                        page_size: s.page_size,
+                        size: s.size,
+                    },
+                    ranges: &s.ranges,
+                })
+                .collect();
+            let mut builder = composite.builder();
+            builder.set_deadline(deadline);
+            if restore {
+                start_restore(&mut builder, &transfers)
+            } else {
+                start_offload(&mut builder, &transfers)
+            }
+        });
+        Ok(Batch { batch: Some(batch.map_err(error)?) })
+    }
+
+    /// Counters per (engine, direction), and what is in flight, as a dict.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for ((engine, direction), c) in self.composite.metrics_snapshot() {
+            let d = PyDict::new(py);
+            d.set_item("operations", c.operations)?;
+            d.set_item("bytes", c.bytes)?;
+            d.set_item("seconds", c.seconds)?;
+            d.set_item("failures", c.failures)?;
+            d.set_item("rejected_fragments", c.rejected_fragments)?;
+            out.set_item(format!("{engine}/{direction}"), d)?;
+        }
+        let flight = self.composite.in_flight();
+        let d = PyDict::new(py);
+        d.set_item("batches", flight.batches)?;
+        d.set_item("bytes", flight.bytes)?;
+        out.set_item("in_flight", d)?;
+        Ok(out)
+    }
+}
+
+/// One object of a batch, owned while it is planned.
+struct Spec {
+    tag: u64,
+    tier: u32,
+    pages: Vec<u64>,
+    page_size: u64,
+    size: u64,
+    ranges: Vec<ObjectRange>,
+}
+
+/// Moves one fragment as one object and waits for it.
+fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), String> {
+    let mut builder = composite.builder();
+    let plan = (|| {
+        builder.begin_object(Tag::new(0))?;
+        builder.push(f)?;
+        builder.commit_object()?;
+        builder.finish()
+    })();
+    let plans = plan.map_err(|e| e.to_string())?;
+    let report = composite.submit(plans).map_err(|e| e.to_string())?.wait();
+    match report.objects.first().and_then(|o| o.error.clone()) {
+        Some(e) => Err(e.to_string()),
+        None => Ok(()),
+    }
+}
+
+/// What a registration keeps.
+enum Kept {
+    Memory(Guard),
+    File(Guard<File>),
+}
+
+impl Kept {
+    fn id(&self) -> umbp_plan::EndpointId {
+        match self {
+            Kept::Memory(g) => g.id(),
+            Kept::File(g) => g.id(),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Kept::Memory(g) => g.endpoint().len(),
+            Kept::File(g) => g.endpoint().len(),
+        }
+    }
+}
+
+/// A registered endpoint. Closing it (or its garbage collection) deregisters it once no batch
+/// uses it, then lets go of what kept the memory alive.
+#[pyclass(module = "umbp._native")]
+struct Registration {
+    kept: Option<Kept>,
+    owner: Option<PyObject>,
+    kind: &'static str,
+    id: u32,
+    length: u64,
+}
+
+impl Registration {
+    fn new(kept: Kept, owner: Option<PyObject>, kind: &'static str) -> Self {
+        let (id, length) = (kept.id().raw(), kept.len());
+        Self { kept: Some(kept), owner, kind, id, length }
+    }
+
+    fn endpoint_id(&self) -> PyResult<umbp_plan::EndpointId> {
+        match &self.kept {
+            Some(k) => Ok(k.id()),
+            None => Err(Error::new_err("the registration is closed")),
+        }
+    }
+}
+
+#[pymethods]
+impl Registration {
+    /// The endpoint id objects and ranges name it by.
+    #[getter]
+    fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Its length in bytes.
+    #[getter]
+    fn length(&self) -> u64 {
+        self.length
+    }
+
+    /// `"host"`, `"device"` or `"file"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Whether it has been closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.kept.is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.kept.is_some() { "" } else { ", closed" };
+        format!("Registration(id={}, kind={}, length={}{state})", self.id, self.kind, self.length)
+    }
+
+    /// Deregisters (waiting for the batches that use it, with the GIL released), then releases
+    /// the memory or file it kept. Idempotent.
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(kept) = self.kept.take() {
+            py.allow_threads(move || drop(kept));
+        }
+        self.owner = None;
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(kept) = self.kept.take() {
+            // Garbage collection runs with the GIL held; deregistering may wait for a batch.
+            Python::with_gil(|py| py.allow_threads(move || drop(kept)));
+        }
+    }
+}
+
+/// A batch in flight; see the Python `umbp.Batch`.
+#[pyclass(module = "umbp._native")]
+struct Batch {
+    batch: Option<CompositeBatch>,
+}
+
+impl Batch {
+    fn get(&self) -> PyResult<&CompositeBatch> {
+        self.batch.as_ref().ok_or_else(|| Error::new_err("the batch was released"))
+    }
+}
+
+fn state_name(s: ObjectState) -> &'static str {
+    match s {
+        ObjectState::InFlight => "in_flight",
+        ObjectState::Completed => "completed",
+        ObjectState::Rejected => "rejected",
+        ObjectState::Failed => "failed",
+        ObjectState::Cancelled => "cancelled",
+    }
+}
+
+/// The object's error as an exception instance, with its typed details as attributes.
+fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
+    let (err, attrs): (PyErr, Vec<(&str, PyObject)>) = match e {
+        ObjectError::Rejected(plan) => {
+            let reason = match plan {
+                umbp_plan::Error::Rejected { reason, .. } => reason.to_string(),
+                other => other.to_string(),
+            };
+            (RejectedError::new_err(e.to_string()), vec![("reason", reason.into_pyobject(py)?.into_any().unbind())])
+        }
+        ObjectError::Failed { engine, cause, .. } => {
+            let (errno, code) = match cause {
+                FailureCause::Io { errno } => (Some(*errno), None),
+                FailureCause::Device { code, .. } => (None, Some(*code)),
+                _ => (None, None),
+            };
+            (
+                TransferError::new_err(e.to_string()),
+                vec![
+                    ("engine", engine.clone().into_pyobject(py)?.into_any().unbind()),
+                    ("cause", cause.to_string().into_pyobject(py)?.into_any().unbind()),
+                    ("errno", errno.into_pyobject(py)?.into_any().unbind()),
+                    ("device_code", code.into_pyobject(py)?.into_any().unbind()),
+                ],
+            )
+        }
+        ObjectError::Cancelled => (CancelledError::new_err(e.to_string()), vec![]),
+        other => (Error::new_err(other.to_string()), vec![]),
+    };
+    let value = err.value(py);
+    for (name, v) in attrs {
+        value.setattr(name, v)?;
+    }
+    Ok(value.clone().into_any().unbind())
+}
+
+/// `(aggregate, [(tag, state, error or None)])`.
+fn report_tuple(py: Python<'_>, r: &TransferReport) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+    let objects = r
+        .objects
+        .iter()
+        .map(|o| {
+            let error = o.error.as_ref().map(|e| object_error(py, e)).transpose()?;
+            Ok((o.tag, state_name(o.state), error))
+        })
+        .collect::<PyResult<_>>()?;
+    Ok((format!("{:?}", r.aggregate).to_lowercase(), objects))
+}
+
+#[pymethods]
+impl Batch {
+    /// Whether every object has settled.
+    fn done(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_done())
+    }
+
+    /// The state of the object tagged `tag`, or None.
+    fn state(&self, tag: u64) -> PyResult<Option<&'static str>> {
+        Ok(self.get()?.state(tag).map(state_name))
+    }
+
+    /// Where the batch stands now.
+    fn report(&self, py: Python<'_>) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+        let r = self.get()?.report();
+        report_tuple(py, &r)
+    }
+
+    /// Blocks (GIL released) until every object settled, or `timeout` seconds passed (then
+    /// returns None).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(String, Vec<(u64, &'static str, Option<PyObject>)>)>> {
+        let batch = self.get()?;
+        let report = py.allow_threads(|| match timeout {
+            None => Some(batch.wait()),
+            Some(t) => batch.wait_timeout(Duration::from_secs_f64(t.max(0.0))),
+        });
+        report.map(|r| report_tuple(py, &r)).transpose()
+    }
+
+    /// Blocks (GIL released) until layer groups up to `group` settled; False on timeout.
+    #[pyo3(signature = (group, timeout=None))]
+    fn wait_group(&self, py: Python<'_>, group: u32, timeout: Option<f64>) -> PyResult<bool> {
+        let batch = self.get()?;
+        Ok(py.allow_threads(|| match timeout {
+            None => {
+                batch.wait_group(group);
+                true
+            }
+            Some(t) => batch.wait_group_timeout(group, Duration::from_secs_f64(t.max(0.0))),
+        }))
+    }
+
+    /// Skips what has not started and returns once nothing runs any more.
+    fn cancel(&self, py: Python<'_>) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+        let batch = self.get()?;
+        let r = py.allow_threads(|| batch.cancel());
+        report_tuple(py, &r)
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Some(batch) = self.batch.take() {
+            // Dropping a batch waits for it; not with the GIL held.
+            Python::with_gil(|py| py.allow_threads(move || drop(batch)));
+        }
+    }
+}
+
+/// The `umbp._native` module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Engine>()?;
+    m.add_class::<Registration>()?;
+    m.add_class::<Batch>()?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("RegistrationError", py.get_type::<RegistrationError>())?;
+    m.add("RejectedError", py.get_type::<RejectedError>())?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
+    m.add("CancelledError", py.get_type::<CancelledError>())?;
+    m.add("CUDA", cfg!(feature = "cuda"))?;
+    Ok(())
+}
