@@ -37,9 +37,19 @@ use umbp_ssd::{SsdConfig, SsdEngine};
 
 create_exception!(_native, Error, PyException, "Every umbp error derives from this.");
 create_exception!(_native, RegistrationError, Error, "Memory or a file could not be registered.");
-create_exception!(_native, RejectedError, Error, "An object was refused while planning; no byte of it moved.");
+create_exception!(
+    _native,
+    RejectedError,
+    Error,
+    "An object was refused while planning; no byte of it moved."
+);
 create_exception!(_native, TransferError, Error, "A transfer carrying an object's bytes failed.");
-create_exception!(_native, CancelledError, Error, "The batch was cancelled before the object's transfers all started.");
+create_exception!(
+    _native,
+    CancelledError,
+    Error,
+    "The batch was cancelled before the object's transfers all started."
+);
 
 /// The device engine, over whichever runtime this engine drives.
 enum Device {
@@ -142,8 +152,11 @@ impl Engine {
         let ssd = SsdEngine::new(registry.clone(), SsdConfig::new().queue_depth(ssd_queue_depth))
             .map_err(error)?;
         let engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
-        let composite =
-            CompositeEngine::with_config(registry, engines, CompositeConfig::default().with_workers(workers));
+        let composite = CompositeEngine::with_config(
+            registry,
+            engines,
+            CompositeConfig::default().with_workers(workers),
+        );
         let bounce = composite
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes.max(2)))
             .map_err(registration_error)?;
@@ -178,12 +191,13 @@ impl Engine {
     ) -> PyResult<Registration> {
         let endpoint = Endpoint::device(DeviceOrdinal::new(device), addr, length);
         // SAFETY: as in `register_host`: `owner` (a tensor) keeps the memory allocated.
-        let guard = unsafe { self.composite.register_raw_memory(endpoint) }
-            .map_err(registration_error)?;
+        let guard =
+            unsafe { self.composite.register_raw_memory(endpoint) }.map_err(registration_error)?;
         Ok(Registration::new(Kept::Memory(guard), Some(owner), "device"))
     }
 
     /// Registers bytes `offset .. offset + length` of the file at `path`.
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
     #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false))]
     fn register_file(
         &self,
@@ -214,11 +228,18 @@ impl Engine {
 
     /// Bytes `offset .. offset + length` of a registered endpoint, copied out through the
     /// engines (device memory included).
-    fn read(&self, py: Python<'_>, source: &Registration, offset: u64, length: u64) -> PyResult<Py<PyBytes>> {
+    fn read(
+        &self,
+        py: Python<'_>,
+        source: &Registration,
+        offset: u64,
+        length: u64,
+    ) -> PyResult<Py<PyBytes>> {
         let id = source.endpoint_id()?;
         let composite = Arc::clone(&self.composite);
         let bytes = py.allow_threads(move || -> Result<Vec<u8>, String> {
-            let out = composite.register_memory(vec![0u8; length as usize]).map_err(|e| e.to_string())?;
+            let out =
+                composite.register_memory(vec![0u8; length as usize]).map_err(|e| e.to_string())?;
             let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
             run_one(&composite, f)?;
             Ok(out.deregister())
@@ -228,7 +249,13 @@ impl Engine {
     }
 
     /// Writes `data` into a registered endpoint at `offset`, through the engines.
-    fn write(&self, py: Python<'_>, target: &Registration, offset: u64, data: Vec<u8>) -> PyResult<()> {
+    fn write(
+        &self,
+        py: Python<'_>,
+        target: &Registration,
+        offset: u64,
+        data: Vec<u8>,
+    ) -> PyResult<()> {
         let id = target.endpoint_id()?;
         let composite = Arc::clone(&self.composite);
         py.allow_threads(move || -> Result<(), String> {
@@ -246,7 +273,7 @@ impl Engine {
     fn start(
         &self,
         py: Python<'_>,
-        objects: Vec<(u64, u32, Vec<u8>, u64, u64, Vec<(u64, u64, u32, u64, u32)>)>,
+        objects: Vec<ObjectTuple>,
         restore: bool,
         timeout: Option<f64>,
     ) -> PyResult<Batch> {
@@ -317,6 +344,14 @@ impl Engine {
         Ok(out)
     }
 }
+
+/// An object as Python hands it over: `(tag, tier_id, page_offsets_u64_le, page_size, size,
+/// ranges)`, each range `(offset, length, endpoint_id, endpoint_offset, group)`.
+type ObjectTuple = (u64, u32, Vec<u8>, u64, u64, Vec<(u64, u64, u32, u64, u32)>);
+
+/// A report as Python receives it: the aggregate, then `(tag, state, error or None)` per
+/// object.
+type ReportTuple = (String, Vec<(u64, &'static str, Option<PyObject>)>);
 
 /// One object of a batch, owned while it is planned.
 struct Spec {
@@ -482,7 +517,10 @@ fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
                 umbp_plan::Error::Rejected { reason, .. } => reason.to_string(),
                 other => other.to_string(),
             };
-            (RejectedError::new_err(e.to_string()), vec![("reason", reason.into_pyobject(py)?.into_any().unbind())])
+            (
+                RejectedError::new_err(e.to_string()),
+                vec![("reason", reason.into_pyobject(py)?.into_any().unbind())],
+            )
         }
         ObjectError::Failed { engine, cause, .. } => {
             let (errno, code) = match cause {
@@ -511,7 +549,7 @@ fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
 }
 
 /// `(aggregate, [(tag, state, error or None)])`.
-fn report_tuple(py: Python<'_>, r: &TransferReport) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+fn report_tuple(py: Python<'_>, r: &TransferReport) -> PyResult<ReportTuple> {
     let objects = r
         .objects
         .iter()
@@ -536,7 +574,7 @@ impl Batch {
     }
 
     /// Where the batch stands now.
-    fn report(&self, py: Python<'_>) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+    fn report(&self, py: Python<'_>) -> PyResult<ReportTuple> {
         let r = self.get()?.report();
         report_tuple(py, &r)
     }
@@ -544,7 +582,7 @@ impl Batch {
     /// Blocks (GIL released) until every object settled, or `timeout` seconds passed (then
     /// returns None).
     #[pyo3(signature = (timeout=None))]
-    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(String, Vec<(u64, &'static str, Option<PyObject>)>)>> {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<ReportTuple>> {
         let batch = self.get()?;
         let report = py.allow_threads(|| match timeout {
             None => Some(batch.wait()),
@@ -567,7 +605,7 @@ impl Batch {
     }
 
     /// Skips what has not started and returns once nothing runs any more.
-    fn cancel(&self, py: Python<'_>) -> PyResult<(String, Vec<(u64, &'static str, Option<PyObject>)>)> {
+    fn cancel(&self, py: Python<'_>) -> PyResult<ReportTuple> {
         let batch = self.get()?;
         let r = py.allow_threads(|| batch.cancel());
         report_tuple(py, &r)

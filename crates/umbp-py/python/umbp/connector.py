@@ -1,0 +1,194 @@
+"""A KV-connector-shaped adapter: the calls an inference server's KV connector makes, over a
+paged KV layout kept in a DRAM arena and an SSD file.
+
+The layout is ``(layers, blocks, block_bytes)``: the server's KV cache holds, for each layer,
+``blocks`` blocks of ``block_bytes`` bytes, in one destination buffer per layer (device memory,
+or any registered memory). A cached block is stored in the arena or the file as one *slot* of
+``layers × block_bytes`` bytes, layer after layer. Loading a block restores it from its slot
+into block ``b`` of every layer's buffer; layers are grouped (``layers_per_group``), and
+:meth:`KVConnector.wait_for_layer` returns once the layer's group has landed while later groups
+still move, so the forward pass of early layers overlaps the restore of later ones.
+
+The call shape follows what servers use (vLLM's KV connectors, SGLang's HiCache):
+
+- :meth:`~KVConnector.start_load` at the start of a step, non-blocking;
+- :meth:`~KVConnector.wait_for_layer` before each layer's attention;
+- :meth:`~KVConnector.save_layer` after each layer's forward, non-blocking;
+- :meth:`~KVConnector.wait_for_save` at the end of the step;
+- :meth:`~KVConnector.finished` to learn which loads and saves are done.
+
+It is an example of real use, tested, not a dependency on any server.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
+
+from . import Batch, Engine, Error, Object, Range, Registration
+
+
+class KVConnector:
+    """Loads and saves KV blocks between a server's per-layer buffers and two cache tiers.
+
+    ``engine``: the :class:`~umbp.Engine`. ``layer_buffers``: one registration per layer, each
+    holding at least ``blocks × block_bytes`` bytes. ``dram_slots`` and ``ssd_slots``: how many
+    blocks each tier holds; the arena is allocated here, the file created at ``ssd_path``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        layer_buffers: Sequence[Registration],
+        block_bytes: int,
+        *,
+        dram_slots: int,
+        ssd_path: str,
+        ssd_slots: int,
+        layers_per_group: int = 8,
+    ):
+        import numpy as np  # the arena is a numpy array
+
+        self.engine = engine
+        self.layers = len(layer_buffers)
+        self.block_bytes = block_bytes
+        self.layers_per_group = max(1, layers_per_group)
+        self.slot_bytes = self.layers * block_bytes
+        self.buffers = list(layer_buffers)
+        self.arena = np.zeros(dram_slots * self.slot_bytes, dtype=np.uint8)
+        self.dram = engine.register(self.arena)
+        with open(ssd_path, "wb") as f:
+            f.truncate(ssd_slots * self.slot_bytes)
+        self.ssd = engine.register_file(ssd_path, 0, ssd_slots * self.slot_bytes)
+        self.ssd_path = ssd_path
+        # key -> (tier registration, slot)
+        self.index: Dict[Hashable, Tuple[Registration, int]] = {}
+        self._free = {id(self.dram): list(range(dram_slots))[::-1], id(self.ssd): list(range(ssd_slots))[::-1]}
+        self._load: Optional[Batch] = None
+        self._load_keys: Dict[int, Hashable] = {}
+        self._saves: List[Tuple[Batch, Dict[int, Hashable]]] = []
+        self._saving: Dict[Hashable, Tuple[Registration, int]] = {}
+        self._loaded: Set[Hashable] = set()
+        self._saved: Set[Hashable] = set()
+
+    # -- the tiers -------------------------------------------------------------------------
+
+    def group_of(self, layer: int) -> int:
+        """The layer group ``layer`` belongs to."""
+        return layer // self.layers_per_group
+
+    def _slot_pages(self, slot: int) -> List[int]:
+        base = slot * self.slot_bytes
+        return [base + layer * self.block_bytes for layer in range(self.layers)]
+
+    def place(self, key: Hashable, tier: str) -> Tuple[Registration, int]:
+        """Reserves a slot for ``key`` in ``tier`` (``"dram"`` or ``"ssd"``)."""
+        reg = self.dram if tier == "dram" else self.ssd
+        free = self._free[id(reg)]
+        if not free:
+            raise Error(f"no free {tier} slot")
+        return reg, free.pop()
+
+    def store(self, key: Hashable, tier: str, data: bytes) -> None:
+        """Puts a whole cached block (``layers × block_bytes`` bytes, layer after layer) into a
+        slot of ``tier`` directly, as a cache that was filled earlier would hold it."""
+        if len(data) != self.slot_bytes:
+            raise ValueError(f"a block is {self.slot_bytes} bytes, got {len(data)}")
+        reg, slot = self.place(key, tier)
+        self.engine.write(reg, slot * self.slot_bytes, data)
+        self.index[key] = (reg, slot)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def start_load(self, requests: Sequence[Tuple[Hashable, int]]) -> None:
+        """Starts restoring cached blocks: each request is ``(key, block)``, block ``block`` of
+        every layer's buffer receiving the cached block ``key``. Returns at once."""
+        if self._load is not None:
+            raise Error("a load is already in flight; wait for it first")
+        objects = []
+        keys = {}
+        for tag, (key, block) in enumerate(requests):
+            tier, slot = self.index[key]
+            ranges = [
+                Range(
+                    layer * self.block_bytes,
+                    self.block_bytes,
+                    self.buffers[layer],
+                    block * self.block_bytes,
+                    self.group_of(layer),
+                )
+                for layer in range(self.layers)
+            ]
+            objects.append(Object(tag, tier, self._slot_pages(slot), self.block_bytes, self.slot_bytes, ranges))
+            keys[tag] = key
+        self._load_keys = keys
+        self._load = self.engine.start_restore(objects)
+
+    def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> List[Hashable]:
+        """Blocks until ``layer``'s group has landed. Returns the keys whose load failed (their
+        blocks in this layer hold no cached bytes); empty when all arrived."""
+        if self._load is None:
+            return []
+        if not self._load.wait_group(self.group_of(layer), timeout):
+            raise Error(f"layer {layer} did not land within {timeout} s")
+        return [self._load_keys[t] for t, _ in self._failed_loads()]
+
+    def _failed_loads(self):
+        report = self._load.report()
+        return [(o.tag, o) for o in report.objects if o.state in ("rejected", "failed", "cancelled")]
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def save_layer(self, layer: int, blocks: Sequence[Tuple[Hashable, int]], tier: str = "dram") -> None:
+        """Starts writing ``layer``'s part of each block ``(key, block)`` from the layer's
+        buffer into the key's slot (reserved in ``tier`` on the key's first layer). Returns at
+        once; :meth:`wait_for_save` waits for every save."""
+        objects = []
+        keys = {}
+        for tag, (key, block) in enumerate(blocks):
+            if key not in self._saving:
+                self._saving[key] = self.index.get(key) or self.place(key, tier)
+            reg, slot = self._saving[key]
+            page = self._slot_pages(slot)[layer]
+            ranges = [Range(0, self.block_bytes, self.buffers[layer], block * self.block_bytes)]
+            objects.append(Object(tag, reg, [page], self.block_bytes, self.block_bytes, ranges))
+            keys[tag] = key
+        if objects:
+            self._saves.append((self.engine.start_offload(objects), keys))
+
+    def wait_for_save(self) -> List[Hashable]:
+        """Waits for every save started since the last call; the keys whose every layer was
+        saved become loadable. Returns the keys that failed (they stay unloadable)."""
+        failed: Set[Hashable] = set()
+        for batch, keys in self._saves:
+            for o in batch.wait().objects:
+                if not o.ok:
+                    failed.add(keys[o.tag])
+        self._saves = []
+        for key, place in self._saving.items():
+            if key not in failed:
+                self.index[key] = place
+                self._saved.add(key)
+        self._saving = {}
+        return sorted(failed, key=repr)
+
+    # -- completion ------------------------------------------------------------------------
+
+    def finished(self) -> Tuple[Set[Hashable], Set[Hashable]]:
+        """``(loaded, saved)``: keys whose load completed and keys saved since the last call.
+        A load in flight is reported once it has fully settled."""
+        if self._load is not None and self._load.done():
+            report = self._load.wait()
+            self._loaded |= {self._load_keys[o.tag] for o in report.objects if o.ok}
+            self._load = None
+        loaded, saved = self._loaded, self._saved
+        self._loaded, self._saved = set(), set()
+        return loaded, saved
+
+    def close(self) -> None:
+        """Waits for what is in flight and releases the tiers (the file stays on disk)."""
+        if self._load is not None:
+            self._load.wait()
+            self._load = None
+        self.wait_for_save()
+        self.dram.close()
+        self.ssd.close()

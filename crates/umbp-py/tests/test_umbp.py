@@ -1,0 +1,248 @@
+"""The umbp Python package: round trips through every engine with bytes checked, ranges that
+cross pages, rejections that cost one object, typed errors, lifetimes, threads, and the
+KV-connector adapter."""
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import umbp
+
+PAGE = 16 << 10
+
+
+def pattern(n, seed):
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed * 97) >> 7).astype(np.uint8)
+
+
+def object_bytes(tier, pages, offset, length):
+    """The bytes `offset .. offset + length` of an object stored in `pages` of `tier`."""
+    out = bytearray()
+    for b in range(offset, offset + length):
+        page = pages[b // PAGE]
+        out.append(int(tier[page + b % PAGE]))
+    return bytes(out)
+
+
+@pytest.fixture
+def engine():
+    return umbp.Engine()
+
+
+def test_host_to_device_and_back_through_the_simulated_gpu(engine):
+    tier_bytes = pattern(32 * PAGE, 1)
+    pages = np.array([5, 2, 30, 7], dtype=np.uint64) * PAGE
+    with engine.register(tier_bytes) as tier, engine.alloc_device(8 * PAGE) as kv:
+        # Two ranges that cross page boundaries, in two layer groups.
+        ranges = [umbp.Range(100, PAGE + 50, kv, 0, group=0), umbp.Range(2 * PAGE + 7, PAGE, kv, 4 * PAGE, group=1)]
+        obj = umbp.Object(tag=42, tier=tier, page_offsets=pages, page_size=PAGE, size=4 * PAGE, ranges=ranges)
+        batch = engine.start_restore([obj])
+        assert batch.wait_group(0, timeout=10)
+        report = batch.wait(timeout=10)
+        assert report.ok and report.object(42).state == "completed"
+        assert engine.read(kv, 0, PAGE + 50) == object_bytes(tier_bytes, pages, 100, PAGE + 50)
+        assert engine.read(kv, 4 * PAGE, PAGE) == object_bytes(tier_bytes, pages, 2 * PAGE + 7, PAGE)
+
+        # Offload the device bytes into fresh host pages, whole object.
+        out = np.zeros(8 * PAGE, dtype=np.uint8)
+        with engine.register(out) as back:
+            whole = [umbp.Range(0, 4 * PAGE, kv, 0)]
+            back_pages = [3 * PAGE, 0, 5 * PAGE, PAGE]
+            restored = umbp.Object(7, kv, [0, PAGE, 2 * PAGE, 3 * PAGE], PAGE, 4 * PAGE, [umbp.Range(0, 4 * PAGE, back, 0)])
+            engine.restore([restored]).raise_for_errors()  # device -> host, contiguous
+            offload = umbp.Object(8, back, back_pages, PAGE, 4 * PAGE, whole)
+            engine.offload([offload]).raise_for_errors()  # device -> host pages
+        device = engine.read(kv, 0, 4 * PAGE)
+        for k, page in enumerate(back_pages):
+            assert bytes(out[page:page + PAGE]) == device[k * PAGE:(k + 1) * PAGE]
+
+
+def test_host_copies_and_ssd_round_trip(engine, tmp_path):
+    src = pattern(16 * PAGE, 2)
+    dst = np.zeros(16 * PAGE, dtype=np.uint8)
+    path = tmp_path / "tier.bin"
+    path.write_bytes(b"\0" * (16 * PAGE))
+    with engine.register(src) as s, engine.register(dst) as d, engine.register_file(path) as f:
+        assert f.kind == "file" and f.length == 16 * PAGE
+        pages = [9 * PAGE, 1 * PAGE, 4 * PAGE]
+        # Host -> SSD pages (offload), SSD -> host (restore), host -> host (restore).
+        offload = umbp.Object(1, f, pages, PAGE, 3 * PAGE, [umbp.Range(0, 3 * PAGE, s, 0)])
+        engine.offload([offload]).raise_for_errors()
+        restore = umbp.Object(2, f, pages, PAGE, 3 * PAGE, [umbp.Range(0, 3 * PAGE, d, 0)])
+        engine.restore([restore]).raise_for_errors()
+        assert bytes(dst[:3 * PAGE]) == bytes(src[:3 * PAGE])
+        on_disk = path.read_bytes()
+        for k, page in enumerate(pages):
+            assert on_disk[page:page + PAGE] == bytes(src[k * PAGE:(k + 1) * PAGE])
+        host = umbp.Object(3, s, [2 * PAGE], PAGE, PAGE, [umbp.Range(10, 100, d, 8 * PAGE)])
+        engine.restore([host]).raise_for_errors()
+        assert bytes(dst[8 * PAGE:8 * PAGE + 100]) == bytes(src[2 * PAGE + 10:2 * PAGE + 110])
+    m = engine.metrics()
+    assert m["ssd/host->file"]["bytes"] == 3 * PAGE and m["in_flight"]["batches"] == 0
+
+
+def test_an_invalid_range_rejects_only_its_object_with_the_reason(engine):
+    tier_bytes = pattern(8 * PAGE, 3)
+    with engine.register(tier_bytes) as tier, engine.alloc_device(4 * PAGE) as kv:
+        good = umbp.Object(1, tier, [0, PAGE], PAGE, 2 * PAGE, [umbp.Range(0, 2 * PAGE, kv, 0)])
+        past_end = umbp.Object(2, tier, [2 * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, 4 * PAGE - 10)])
+        past_object = umbp.Object(3, tier, [3 * PAGE], PAGE, PAGE, [umbp.Range(10, PAGE, kv, 2 * PAGE)])
+        report = engine.restore([good, past_end, past_object])
+        assert [o.state for o in report.objects] == ["completed", "rejected", "rejected"]
+        assert isinstance(report.object(2).error, umbp.RejectedError)
+        assert isinstance(report.object(2).error, umbp.Error)
+        assert "outside endpoint" in report.object(2).error.reason
+        assert "passes the end" in report.object(3).error.reason
+        with pytest.raises(umbp.RejectedError):
+            report.raise_for_errors()
+        # The good object landed; the rejected ones wrote nothing.
+        assert engine.read(kv, 0, 2 * PAGE) == bytes(tier_bytes[:2 * PAGE])
+        assert engine.read(kv, 2 * PAGE, 2 * PAGE) == bytes(2 * PAGE)
+
+
+def test_missing_and_read_only_files_are_typed_errors(engine, tmp_path):
+    with pytest.raises(umbp.RegistrationError) as missing:
+        engine.register_file(tmp_path / "absent.bin", 0, PAGE)
+    assert missing.value.errno == 2
+    with pytest.raises(umbp.RegistrationError):
+        engine.register_file(tmp_path / "absent.bin")
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"\1" * (4 * PAGE))
+    src = pattern(4 * PAGE, 4)
+    with engine.register(src) as s, engine.register_file(path, writable=False) as ro:
+        write = umbp.Object(1, ro, [0], PAGE, PAGE, [umbp.Range(0, PAGE, s, 0)])
+        read = umbp.Object(2, ro, [PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, s, 2 * PAGE)])
+        report = engine.offload([write])
+        err = report.object(1).error
+        assert isinstance(err, umbp.TransferError) and err.errno == 9  # EBADF
+        engine.restore([read]).raise_for_errors()
+        assert path.read_bytes() == b"\1" * (4 * PAGE), "the read-only file is unchanged"
+
+
+def test_a_registration_outlives_del_of_its_array_while_a_batch_runs(engine):
+    tier_bytes = pattern(64 * PAGE, 5)
+    expected = bytes(tier_bytes)
+    out = np.zeros(64 * PAGE, dtype=np.uint8)
+    tier = engine.register(tier_bytes)
+    dst = engine.register(out)
+    objects = [umbp.Object(i, tier, [(63 - i) * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, dst, i * PAGE)]) for i in range(64)]
+    batch = engine.start_restore(objects)
+    del tier_bytes, tier  # the Python names go; the registration still holds the buffer
+    gc.collect()
+    report = batch.wait()
+    assert report.ok
+    for i in range(64):
+        assert bytes(out[i * PAGE:(i + 1) * PAGE]) == expected[(63 - i) * PAGE:(64 - i) * PAGE]
+    dst.close()
+    assert dst.closed and "closed" in repr(dst)
+
+
+def test_read_only_buffers_are_refused(engine):
+    with pytest.raises(ValueError):
+        engine.register(b"immutable bytes")
+    with pytest.raises(TypeError):
+        engine.register(12345)
+
+
+def test_several_python_threads_share_one_engine(engine):
+    errors = []
+
+    def worker(seed):
+        try:
+            src = pattern(32 * PAGE, seed)
+            with engine.register(src) as tier, engine.alloc_device(32 * PAGE) as kv:
+                for round in range(5):
+                    pages = [((k * 7 + seed + round) % 32) * PAGE for k in range(8)]
+                    obj = umbp.Object(round, tier, pages, PAGE, 8 * PAGE, [umbp.Range(0, 8 * PAGE, kv, 0)])
+                    engine.restore([obj]).raise_for_errors()
+                    got = engine.read(kv, 0, 8 * PAGE)
+                    want = b"".join(bytes(src[p:p + PAGE]) for p in pages)
+                    assert got == want
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_cancel_and_timeouts(engine):
+    src = pattern(256 * PAGE, 6)
+    with engine.register(src) as tier, engine.alloc_device(256 * PAGE) as kv:
+        objects = [umbp.Object(i, tier, [i * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, i * PAGE, group=i)]) for i in range(256)]
+        batch = engine.start_restore(objects)
+        report = batch.cancel()
+        assert batch.done()
+        assert {o.state for o in report.objects} <= {"completed", "cancelled"}
+        for o in report.objects:
+            if o.state == "cancelled":
+                assert isinstance(o.error, umbp.CancelledError)
+        assert engine.start_restore(objects[:1]).wait(timeout=10).ok
+
+
+def test_the_kv_connector_loads_61_layers_in_groups_in_order(engine, tmp_path):
+    from umbp.connector import KVConnector
+
+    layers, blocks, block_bytes = 61, 8, 4096
+    buffers = [engine.alloc_device(blocks * block_bytes) for _ in range(layers)]
+    kv = KVConnector(engine, buffers, block_bytes, dram_slots=8, ssd_path=str(tmp_path / "kv.bin"), ssd_slots=8, layers_per_group=8)
+    cached = {}
+    for i in range(6):
+        data = bytes(pattern(layers * block_bytes, 100 + i))
+        kv.store(f"block{i}", "dram" if i % 2 == 0 else "ssd", data)
+        cached[f"block{i}"] = data
+    requests = [(f"block{i}", (i * 3) % blocks) for i in range(6)]
+    kv.start_load(requests)
+    order = []
+    for layer in range(layers):
+        failed = kv.wait_for_layer(layer, timeout=30)
+        assert failed == []
+        order.append(kv.group_of(layer))
+        # The layer's bytes are in place once its group landed.
+        if layer % 20 == 0:
+            for key, block in requests:
+                got = engine.read(buffers[layer], block * block_bytes, block_bytes)
+                assert got == cached[key][layer * block_bytes:(layer + 1) * block_bytes]
+    assert order == sorted(order)
+    loaded, _ = kv.finished()
+    assert loaded == set(cached)
+
+    # Save a new block layer by layer into DRAM, then load it back elsewhere.
+    fresh = bytes(pattern(layers * block_bytes, 7))
+    for layer in range(layers):
+        engine.write(buffers[layer], 7 * block_bytes, fresh[layer * block_bytes:(layer + 1) * block_bytes])
+        kv.save_layer(layer, [("new", 7)])
+    assert kv.wait_for_save() == []
+    _, saved = kv.finished()
+    assert saved == {"new"}
+    kv.start_load([("new", 0)])
+    kv.wait_for_layer(layers - 1, timeout=30)
+    for layer in (0, 30, 60):
+        assert engine.read(buffers[layer], 0, block_bytes) == fresh[layer * block_bytes:(layer + 1) * block_bytes]
+    kv.close()
+    for b in buffers:
+        b.close()
+
+
+def test_torch_tensors_register_when_torch_is_installed(engine):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    t = torch.arange(4 * PAGE, dtype=torch.uint8)
+    out = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    with engine.register(t) as src, engine.register(out) as dst:
+        obj = umbp.Object(1, src, [2 * PAGE, 0], PAGE, 2 * PAGE, [umbp.Range(0, 2 * PAGE, dst, 0)])
+        engine.restore([obj]).raise_for_errors()
+    assert torch.equal(out[:PAGE], t[2 * PAGE:3 * PAGE]) and torch.equal(out[PAGE:2 * PAGE], t[:PAGE])
+    if umbp.CUDA and torch.cuda.is_available():
+        gpu = umbp.Engine("cuda")
+        dev = torch.zeros(2 * PAGE, dtype=torch.uint8, device="cuda")
+        with gpu.register(t) as src, gpu.register(dev) as kv:
+            obj = umbp.Object(1, src, [2 * PAGE, 0], PAGE, 2 * PAGE, [umbp.Range(0, 2 * PAGE, kv, 0)])
+            gpu.restore([obj]).raise_for_errors()
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu()[:PAGE], t[2 * PAGE:3 * PAGE])
