@@ -686,7 +686,8 @@ mod tests {
         assert_eq!((c.batch, c.threads.as_slice()), (ByteSize(256 << 20), &[1, 2][..]));
         assert_eq!((c.submit_fragments, c.submit_size), (4096, ByteSize(4096)));
         let Some(Command::Hbm(h)) = parse(&["hbm"]).unwrap().command else { panic!() };
-        assert_eq!(h.fragment_sizes.len(), 4);
+        assert_eq!(h.fragment_sizes.len(), 6);
+        assert_eq!((h.backend, h.restore_objects), (HbmBackend::Auto, 8));
         assert_eq!(h.batch, ByteSize(64 << 20));
         let Some(Command::Ssd(s)) = parse(&["ssd"]).unwrap().command else { panic!() };
         assert_eq!(s.block_sizes, [ByteSize(256 << 10), ByteSize(4 << 10)]);
