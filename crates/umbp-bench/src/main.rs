@@ -68,8 +68,10 @@ enum Command {
     Copy(CopyArgs),
     /// The device engine: one gather launch against one copy per fragment.
     ///
-    /// Runs on the HIP backend when built with `--features hip` and a GPU is present, otherwise
-    /// on the simulated device (which measures descriptor building and CPU execution only).
+    /// Checks bytes, calibrates, measures the link ceiling, gather against copies, and a
+    /// restore. `--backend auto` takes CUDA (`--features cuda`) or HIP (`--features hip`) when
+    /// built in and a GPU answers, else the simulated device (which measures descriptor
+    /// building and CPU execution only).
     Hbm(HbmArgs),
     /// Random O_DIRECT reads through the SSD engine against fio on the same file.
     ///

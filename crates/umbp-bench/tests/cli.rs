@@ -254,28 +254,73 @@ fn copy_json_fields() {
 fn hbm_json_fields() {
     let lines = json_lines(&[
         "hbm",
+        "--backend",
+        "sim",
         "--fragment-size",
         "4KiB,16KiB",
         "--batch",
         "256KiB",
         "--iterations",
         "1",
+        "--restore-objects",
+        "1",
         "--json",
     ]);
-    let fields = [
-        "backend",
-        "mode",
-        "fragment_size",
-        "fragments",
-        "launches_per_batch",
-        "seconds",
-        "gib_s",
-        "speedup_vs_copies",
-        "verified",
-    ];
-    check_fields("hbm", &lines, &fields);
-    assert_eq!(lines.len(), 4, "gather and copies at two sizes");
-    assert!(lines.iter().all(|l| l["verified"] == true));
+    let of_kind = |kinds: &[&str]| -> Vec<Map<String, Value>> {
+        lines.iter().filter(|l| kinds.iter().any(|k| l["kind"] == *k)).cloned().collect()
+    };
+    let calibration = of_kind(&["calibration"]);
+    let checks = of_kind(&["check"]);
+    let rows = of_kind(&["ceiling", "gather", "copies", "restore"]);
+    assert_eq!(
+        calibration.len() + checks.len() + rows.len(),
+        lines.len(),
+        "every line has a documented kind"
+    );
+    check_fields(
+        "hbm",
+        &calibration,
+        &[
+            "kind",
+            "backend",
+            "fragment_size",
+            "kernel_seconds",
+            "copies_seconds",
+            "kernel_max_mean_bytes",
+        ],
+    );
+    check_fields("hbm", &checks, &["kind", "backend", "check", "bytes", "passed"]);
+    check_fields(
+        "hbm",
+        &rows,
+        &[
+            "kind",
+            "backend",
+            "direction",
+            "fragment_size",
+            "fragments",
+            "launches_per_batch",
+            "seconds",
+            "spread",
+            "gib_s",
+            "vs_copies",
+            "vs_ceiling",
+            "verified",
+        ],
+    );
+    assert!(!calibration.is_empty(), "the engine calibrates before measuring");
+    assert_eq!(checks.len(), 3, "round trip, scattered gather, device to device");
+    assert!(checks.iter().all(|c| c["passed"] == true && c["backend"] == "sim"));
+    let count = |kind: &str| rows.iter().filter(|r| r["kind"] == kind).count();
+    assert_eq!(count("ceiling"), 2, "one ceiling each way");
+    assert_eq!((count("gather"), count("copies")), (4, 4), "two sizes, two directions");
+    assert_eq!(count("restore"), 1);
+    assert!(rows.iter().all(|r| r["verified"] == true));
+    for row in &rows {
+        let has_ceiling_ratio = row["kind"] != "ceiling";
+        assert_eq!(!row["vs_ceiling"].is_null(), has_ceiling_ratio, "{row:?}");
+        assert_eq!(!row["vs_copies"].is_null(), row["kind"] == "gather", "{row:?}");
+    }
 }
 
 #[test]
