@@ -18,8 +18,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    BatchState, BatchStatus, EndpointId, EndpointPins, Failure, FailureCause, ObjectState, PlanSet,
-    Tag,
+    BatchState, BatchStatus, DeviceStream, EndpointId, EndpointPins, Failure, FailureCause,
+    GroupListener, ObjectState, PlanSet, Tag,
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
@@ -85,19 +85,6 @@ impl TransferReport {
     }
 }
 
-/// Told when a layer group of a batch has settled: every transfer of that group and of every
-/// earlier group finished (or its objects failed or were cancelled).
-///
-/// Given to [`CompositeBuilder::set_group_listener`](crate::CompositeBuilder::set_group_listener)
-/// before `finish`, it travels with the batch. It is how a layer signals readiness further on:
-/// a server's per-layer counters, or a device event that a compute stream waits on.
-pub trait GroupListener: Send + Sync {
-    /// Group `group` settled; called once per group, in group order, on the executor thread
-    /// that settled it, after the batch's state shows it. Keep it short: it runs on the
-    /// executor.
-    fn group_settled(&self, group: u32);
-}
-
 /// Where a batch's tags sit in its object list.
 enum Positions {
     /// Tags are the positions `0 .. n` (restore and offload number their objects so).
@@ -145,6 +132,7 @@ pub(crate) struct BatchShared {
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
     deadline: Option<Instant>,
+    stream: Option<DeviceStream>,
 }
 
 struct Progress {
@@ -154,6 +142,12 @@ struct Progress {
     pending: Vec<u32>,
     /// Parts still to settle, per group slot.
     group_pending: Vec<usize>,
+    /// Whether each part is enqueued (submitted, or settled without running).
+    part_enqueued: Vec<bool>,
+    /// Parts still to enqueue, per group slot.
+    group_unqueued: Vec<usize>,
+    /// Group slots enqueued so far, as a prefix of `groups` (listener told).
+    groups_enqueued: usize,
     /// Group slots settled so far, as a prefix of `groups` (listener told).
     groups_settled: usize,
     parts_pending: usize,
@@ -256,8 +250,10 @@ impl BatchShared {
             group_pending[part.group_slot] += 1;
         }
         let parts_pending = parts.len();
+        let group_unqueued = group_pending.clone();
         let listener = plans.listener.take();
         let deadline = plans.deadline;
+        let stream = plans.stream;
         let batch = Arc::new(BatchShared {
             keys,
             by_key,
@@ -270,6 +266,9 @@ impl BatchShared {
                 errors,
                 pending,
                 group_pending,
+                part_enqueued: vec![false; parts_pending],
+                group_unqueued,
+                groups_enqueued: 0,
                 groups_settled: 0,
                 parts_pending,
                 returned: plans,
@@ -280,6 +279,7 @@ impl BatchShared {
             in_flight,
             pins: Mutex::new(Some(pins)),
             deadline,
+            stream,
         });
         batch.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
@@ -318,6 +318,11 @@ impl BatchShared {
         self.deadline
     }
 
+    /// The stream device work of the batch may be queued on.
+    pub(crate) fn stream(&self) -> Option<DeviceStream> {
+        self.stream
+    }
+
     /// Whether the batch's deadline has passed.
     pub(crate) fn expired(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
@@ -329,14 +334,55 @@ impl BatchShared {
         self.position(tag).is_some_and(|i| self.lock().status.objects()[i].is_unsuccessful())
     }
 
+    /// Part `index` is enqueued: submitted to its engine, whose handle may still be pending on
+    /// a stream. Tells the listener of the groups that became enqueued by it.
+    pub(crate) fn enqueued(&self, index: usize) {
+        let newly = {
+            let mut p = self.lock();
+            self.mark_enqueued(&mut p, index)
+        };
+        self.tell(newly, |listener, group| listener.group_enqueued(group));
+        self.changed.notify_all();
+    }
+
+    /// Marks part `index` enqueued (once); returns the groups that became enqueued.
+    fn mark_enqueued(&self, p: &mut Progress, index: usize) -> Vec<u32> {
+        let mut newly = Vec::new();
+        if std::mem::replace(&mut p.part_enqueued[index], true) {
+            return newly;
+        }
+        p.group_unqueued[self.parts[index].group_slot] -= 1;
+        while p.groups_enqueued < self.groups.len() && p.group_unqueued[p.groups_enqueued] == 0 {
+            newly.push(self.groups[p.groups_enqueued]);
+            p.groups_enqueued += 1;
+        }
+        newly
+    }
+
+    /// Tells the listener, if any, of `groups` through `call`; a panic is logged, not spread.
+    fn tell(&self, groups: Vec<u32>, call: impl Fn(&dyn GroupListener, u32)) {
+        let Some(listener) = &self.listener else { return };
+        for group in groups {
+            let listener = std::panic::AssertUnwindSafe(&**listener);
+            let call = std::panic::AssertUnwindSafe(&call);
+            if std::panic::catch_unwind(|| call(*listener, group)).is_err() {
+                tracing::error!(group, "a group listener panicked");
+            }
+        }
+    }
+
     /// Settles part `index`: fails the objects its failures name, cancels its objects if it
     /// never ran, completes the objects whose last part this was, and advances the groups.
     pub(crate) fn settle(&self, index: usize, end: PartEnd, returned: Option<ReturnedWork>) {
         let part = &self.parts[index];
         let mut newly_settled = Vec::new();
+        let newly_enqueued;
         let all_done;
         {
             let mut p = self.lock();
+            // A part that settles without having been submitted (cancelled, timed out, a
+            // stage that failed before its second hop) is enqueued by settling.
+            newly_enqueued = self.mark_enqueued(&mut p, index);
             match end {
                 PartEnd::Ran(failures) => {
                     for f in failures {
@@ -384,14 +430,8 @@ impl BatchShared {
             p.parts_pending -= 1;
             all_done = p.parts_pending == 0;
         }
-        if let Some(listener) = &self.listener {
-            for &group in &newly_settled {
-                let listener = std::panic::AssertUnwindSafe(listener);
-                if std::panic::catch_unwind(|| listener.group_settled(group)).is_err() {
-                    tracing::error!(group, "a group listener panicked");
-                }
-            }
-        }
+        self.tell(newly_enqueued, |listener, group| listener.group_enqueued(group));
+        self.tell(newly_settled, |listener, group| listener.group_settled(group));
         if all_done {
             self.finished();
         }
@@ -522,6 +562,24 @@ impl Batch {
     pub fn wait_timeout(&self, timeout: Duration) -> Option<TransferReport> {
         let deadline = Instant::now().checked_add(timeout);
         self.shared.wait_until(deadline, |p| p.parts_pending == 0).then(|| self.report())
+    }
+
+    /// Whether every transfer of groups up to `group` is enqueued (see
+    /// [`wait_group_enqueued`](Self::wait_group_enqueued)), without blocking.
+    pub fn is_group_enqueued(&self, group: u32) -> bool {
+        let through = self.shared.groups_through(group);
+        self.shared.lock().groups_enqueued >= through
+    }
+
+    /// Blocks until every transfer of groups up to `group` either finished on the host or is
+    /// queued on the batch's stream ([`CompositeBuilder::set_stream`](crate::CompositeBuilder::set_stream)):
+    /// work the caller queues on that stream from now on runs after these groups' bytes are in
+    /// place, with no further host wait. Without a stream it returns when the groups settled,
+    /// as [`wait_group`](Self::wait_group) does. Failures still show only once settled: check
+    /// the report before trusting the bytes.
+    pub fn wait_group_enqueued(&self, group: u32) {
+        let through = self.shared.groups_through(group);
+        self.shared.wait_until(None, |p| p.groups_enqueued >= through);
     }
 
     /// Blocks until every transfer of groups up to `group` has settled, while later groups may

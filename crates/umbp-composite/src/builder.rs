@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use umbp_plan::{
-    EndpointId, EndpointTable, Error, Fragment, PageWalk, PlanBuilder, PlanSet, RejectReason, Tag,
+    DeviceStream, EndpointId, EndpointTable, Error, Fragment, GroupListener, PageWalk, PlanBuilder,
+    PlanSet, RejectReason, Tag,
 };
 
-use crate::batch::GroupListener;
 use crate::metrics::direction;
 use crate::route::{route, Route};
 use crate::CompositeEngine;
@@ -52,6 +52,7 @@ pub struct RoutedPlans {
     pub(crate) rejected: Vec<(Tag, Error)>,
     pub(crate) listener: Option<Arc<dyn GroupListener>>,
     pub(crate) deadline: Option<Instant>,
+    pub(crate) stream: Option<DeviceStream>,
 }
 
 impl RoutedPlans {
@@ -96,6 +97,8 @@ impl std::fmt::Debug for RoutedPlans {
             .field("objects", &self.objects)
             .field("rejected", &self.rejected)
             .field("listener", &self.listener.is_some())
+            .field("deadline", &self.deadline)
+            .field("stream", &self.stream)
             .finish()
     }
 }
@@ -156,6 +159,7 @@ pub struct CompositeBuilder<'a> {
     rejected: Vec<(Tag, Error)>,
     listener: Option<Arc<dyn GroupListener>>,
     deadline: Option<Instant>,
+    stream: Option<DeviceStream>,
     scope: Scope,
 }
 
@@ -176,6 +180,7 @@ impl<'a> CompositeBuilder<'a> {
             rejected: Vec::new(),
             listener: None,
             deadline: None,
+            stream: None,
             scope: Scope::Closed,
         }
     }
@@ -203,6 +208,17 @@ impl<'a> CompositeBuilder<'a> {
     /// [`GroupListener`]). Cleared by `finish`, which hands it to the batch.
     pub fn set_group_listener(&mut self, listener: Arc<dyn GroupListener>) {
         self.listener = Some(listener);
+    }
+
+    /// Queues the next batch's device work on the caller's `stream` (see [`DeviceStream`]):
+    /// each direct part is submitted with it, so the device engine queues the bucket of the
+    /// stream's device there, and the part counts as *enqueued* once submitted
+    /// ([`Batch::wait_group_enqueued`](crate::Batch::wait_group_enqueued),
+    /// [`GroupListener::group_enqueued`]). Work of other engines, and the staged route (whose
+    /// bounce slot must be free again before the stage ends), finish on the host first.
+    /// Cleared by `finish`, which hands it to the batch.
+    pub fn set_stream(&mut self, stream: Option<DeviceStream>) {
+        self.stream = stream;
     }
 
     /// Gives the next batch a deadline: work not started by then is skipped and its objects
@@ -401,6 +417,7 @@ impl<'a> CompositeBuilder<'a> {
             rejected: std::mem::take(&mut self.rejected),
             listener: self.listener.take(),
             deadline: self.deadline.take(),
+            stream: self.stream.take(),
         };
         // Objects rejected at push are out of every plan already; seen here so that a rejection
         // found below is not listed twice.

@@ -5,7 +5,10 @@
 //!
 //! - A *direct lane* is one engine's share of one batch: its plans per layer group, run group
 //!   after group on one executor thread, so group `k`'s bytes move before group `k + 1`'s on
-//!   that engine while other engines' lanes move theirs at the same time.
+//!   that engine while other engines' lanes move theirs at the same time. A part whose engine
+//!   queued it on the batch's stream ([`TransferHandle::is_queued`]) is *enqueued* at once and
+//!   the lane submits the next group without waiting (the stream keeps their order); it
+//!   settles when its handle does. Any other part is waited for before the next one starts.
 //! - A *stage* of the staged route leases a bounce slot ([`crate::staging`]), runs its first hop
 //!   (source to slot) and its second (slot to destination), and returns the slot. Stages of one
 //!   batch run on as many threads as there are free slots, so one stage's second hop overlaps
@@ -18,14 +21,14 @@
 //! no thread is spawned per submit.
 
 use std::any::Any;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use umbp_plan::{Failure, FailureCause, Fragment, PlanSet, Tag};
+use umbp_plan::{Failure, FailureCause, Fragment, PlanSet, Tag, TransferHandle};
 
 use crate::batch::{returned_part, BatchShared, PartEnd, ReturnedWork};
 use crate::builder::{RoutedPart, StagedFragment};
@@ -102,40 +105,82 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
         .unwrap_or_else(|| "a non-string payload".into())
 }
 
-/// Submits `plans` to engine `index`, waits, and records metrics. A panic anywhere in the
-/// engine fails every object of every plan (one failure per plan) and loses the plans.
-fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, PlanSet) {
+/// A plan set an engine accepted, until its handle settles.
+struct Submitted {
+    index: usize,
+    handle: TransferHandle,
+    /// Each plan's pair and objects, to fail them if the engine panics while settling.
+    carried: Vec<(umbp_plan::EndpointId, umbp_plan::EndpointId, Vec<Tag>)>,
+    started: Instant,
+}
+
+/// One failure per carried plan, for an engine that panicked with `payload`.
+fn panicked(
+    shared: &Shared,
+    index: usize,
+    carried: Vec<(umbp_plan::EndpointId, umbp_plan::EndpointId, Vec<Tag>)>,
+    payload: &(dyn Any + Send),
+) -> Vec<Failure> {
+    let name = shared.engine_name(index);
+    let message = panic_message(payload);
+    tracing::error!(engine = %name, %message, "engine panicked while executing");
+    carried
+        .into_iter()
+        .map(|(src, dst, tags)| Failure {
+            engine: name.clone(),
+            src,
+            dst,
+            tags,
+            cause: FailureCause::Panicked { message: message.clone() },
+        })
+        .collect()
+}
+
+/// Submits `plans` to engine `index`. A panic fails every object of every plan (one failure
+/// per plan) and loses the plans.
+fn submit(shared: &Shared, index: usize, plans: PlanSet) -> Result<Submitted, Vec<Failure>> {
     let engine = &shared.engines[index];
     let carried: Vec<_> =
         plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect();
-    let t = Instant::now();
-    let settled = catch_unwind(AssertUnwindSafe(|| engine.submit(plans).into_settled()));
-    match settled {
-        Ok(settled) => {
-            shared.record(index, &settled.plans, &settled.failures, t.elapsed().as_secs_f64());
-            (settled.failures, settled.plans)
-        }
-        Err(payload) => {
-            let name = shared.engine_name(index);
-            let message = panic_message(&*payload);
-            tracing::error!(engine = %name, %message, "engine panicked while executing");
-            let failures = carried
-                .into_iter()
-                .map(|(src, dst, tags)| Failure {
-                    engine: name.clone(),
-                    src,
-                    dst,
-                    tags,
-                    cause: FailureCause::Panicked { message: message.clone() },
-                })
-                .collect();
-            (failures, PlanSet::default())
-        }
+    let started = Instant::now();
+    match catch_unwind(AssertUnwindSafe(|| engine.submit(plans))) {
+        Ok(handle) => Ok(Submitted { index, handle, carried, started }),
+        Err(payload) => Err(panicked(shared, index, carried, &*payload)),
     }
 }
 
-/// Runs one engine's lane of a batch: its parts in group order, each settled as it ends.
+/// Waits for a submitted plan set and records metrics; a panic while waiting fails every
+/// object it carried.
+fn settle(shared: &Shared, submitted: Submitted) -> (Vec<Failure>, PlanSet) {
+    let Submitted { index, handle, carried, started } = submitted;
+    match catch_unwind(AssertUnwindSafe(|| handle.into_settled())) {
+        Ok(settled) => {
+            let seconds = started.elapsed().as_secs_f64();
+            shared.record(index, &settled.plans, &settled.failures, seconds);
+            (settled.failures, settled.plans)
+        }
+        Err(payload) => (panicked(shared, index, carried, &*payload), PlanSet::default()),
+    }
+}
+
+/// Submits `plans` to engine `index`, waits, and records metrics.
+fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, PlanSet) {
+    match submit(shared, index, plans) {
+        Ok(submitted) => settle(shared, submitted),
+        Err(failures) => (failures, PlanSet::default()),
+    }
+}
+
+/// Runs one engine's lane of a batch: its parts in group order. A part queued on the batch's
+/// stream is enqueued at once and settled when its handle is done; any other is settled
+/// before the next part starts.
 pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, RoutedPart)>) {
+    // Parts queued on the stream, oldest first: (part index, group, engine, submitted).
+    let mut queued: VecDeque<(usize, u32, usize, Submitted)> = VecDeque::new();
+    let settle_part = |(index, group, engine, submitted): (usize, u32, usize, Submitted)| {
+        let (failures, plans) = settle(shared, submitted);
+        batch.settle(index, PartEnd::Ran(failures), Some(returned_part(group, engine, plans)));
+    };
     for (index, mut part) in lane {
         if batch.is_cancelled() {
             let returned = returned_part(part.group, part.engine, part.plans);
@@ -150,15 +195,25 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
             continue;
         }
         part.plans.set_deadline(batch.deadline());
+        part.plans.set_stream(batch.stream());
         let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
         let _enter = span.enter();
-        let (failures, plans) = execute(shared, part.engine, part.plans);
-        batch.settle(
-            index,
-            PartEnd::Ran(failures),
-            Some(returned_part(part.group, part.engine, plans)),
-        );
+        match submit(shared, part.engine, part.plans) {
+            Err(failures) => {
+                let returned = returned_part(part.group, part.engine, PlanSet::default());
+                batch.settle(index, PartEnd::Ran(failures), Some(returned));
+            }
+            Ok(submitted) if submitted.handle.is_queued() && !submitted.handle.is_done() => {
+                batch.enqueued(index);
+                queued.push_back((index, part.group, part.engine, submitted));
+            }
+            Ok(submitted) => settle_part((index, part.group, part.engine, submitted)),
+        }
+        while queued.front().is_some_and(|q| q.3.handle.is_done()) {
+            settle_part(queued.pop_front().expect("checked above"));
+        }
     }
+    queued.into_iter().for_each(settle_part);
 }
 
 /// A stage waiting for, or holding, a bounce slot.

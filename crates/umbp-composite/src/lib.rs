@@ -82,7 +82,7 @@ mod restore;
 mod route;
 mod staging;
 
-pub use batch::{Batch, GroupListener, ObjectError, ObjectResult, TransferReport};
+pub use batch::{Batch, ObjectError, ObjectResult, TransferReport};
 pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
 pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;
@@ -92,6 +92,8 @@ pub use restore::{
 };
 pub use route::{route, Route};
 pub use staging::Staging;
+/// Re-exported from `umbp-plan`, where device engines implement it too.
+pub use umbp_plan::{DeviceStream, GroupListener};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use umbp_plan::DeviceOrdinal;
 
-use crate::{chunk_launches, DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable};
+use crate::{chunk_launches, DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, Queue};
 
 /// Fragment sizes calibration measures.
 pub const CALIBRATION_SIZES: [u64; 6] =
@@ -114,14 +114,14 @@ fn measure_sizes<D: DeviceRuntime>(
                 // SAFETY: every descriptor lies inside the pinned host region (through its
                 // device alias) or the device allocation, both live until the caller releases
                 // them after synchronizing; destinations are disjoint and never sources.
-                unsafe { runtime.gather(device, t) }
+                unsafe { runtime.gather(device, t, Queue::Own) }
             })?;
             runtime.synchronize(device)?;
             let k = t.elapsed().as_secs_f64();
             let t = Instant::now();
             for (i, d) in descriptors.iter().enumerate() {
                 // SAFETY: as above, the source through its host address.
-                unsafe { runtime.copy(device, d.dst, host + at(i as u64), d.len)? };
+                unsafe { runtime.copy(device, d.dst, host + at(i as u64), d.len, Queue::Own)? };
             }
             runtime.synchronize(device)?;
             let c = t.elapsed().as_secs_f64();

@@ -2,17 +2,20 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::{
-    plan_batch, DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointRelease,
-    EndpointTable, EngineError, FailedAt, Failure, FailureCause, Fragment, IncrementalBuilder,
-    OverlapCheck, PlanBuilder, PlanRules, PlanSet, Register, RegisterError, Registration, Space,
-    TransferEngine, TransferHandle,
+    plan_batch, Completion, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointPins,
+    EndpointRegistry, EndpointRelease, EndpointTable, EngineError, FailedAt, Failure, FailureCause,
+    Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules, PlanSet, Register,
+    RegisterError, Registration, Settled, Space, TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
-use crate::{Calibration, DeviceError, DeviceRuntime, Error, GatherDescriptor, LaunchTable};
+use crate::{
+    Calibration, DeviceError, DeviceRuntime, Error, GatherDescriptor, LaunchTable, LayerEvents,
+    Queue,
+};
 
 /// Tuning of the device engine. Every field has a documented default.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -68,7 +71,7 @@ pub struct HbmEngine<D: DeviceRuntime> {
     /// Pinnings and allocations, shared with the registrations that release them.
     memory: Arc<Memory<D>>,
     /// Set once a synchronization after a launch failed: later submits use copies only.
-    kernel_disabled: AtomicBool,
+    kernel_disabled: Arc<AtomicBool>,
     /// Gather launches so far.
     launches: AtomicU64,
     /// Buffers reused across submits (one submit at a time uses them).
@@ -111,12 +114,75 @@ struct Memory<D> {
     pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
     /// Device memory this engine allocated: (device, address).
     owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
-    /// Held shared by every running submit and exclusively by whatever releases memory a
-    /// submit may touch (unpin, free).
-    lifetimes: RwLock<()>,
+    /// Submits whose work may still touch memory, and whether something waits to release
+    /// memory (unpin, free): see [`Running`] and [`Memory::quiet`].
+    activity: Mutex<Activity>,
+    /// Signalled when `activity` changes.
+    activity_changed: Condvar,
+}
+
+#[derive(Default)]
+struct Activity {
+    running: usize,
+    releasing: bool,
+}
+
+/// Ends [`Memory::quiet`]'s exclusive stretch, also when the release panics.
+struct Releasing<'a, D: DeviceRuntime>(&'a Memory<D>);
+
+impl<D: DeviceRuntime> Drop for Releasing<'_, D> {
+    fn drop(&mut self) {
+        self.0.activity().releasing = false;
+        self.0.activity_changed.notify_all();
+    }
+}
+
+/// A submit whose work may still touch registered memory: from its start until it has
+/// synchronized, or, on a caller's stream, until its event completed. Memory is unpinned or
+/// freed only while none runs. Owned, so a pending transfer handle can hold it.
+struct Running<D: DeviceRuntime>(Arc<Memory<D>>);
+
+impl<D: DeviceRuntime> Drop for Running<D> {
+    fn drop(&mut self) {
+        let mut activity = self.0.activity();
+        activity.running -= 1;
+        if activity.running == 0 {
+            self.0.activity_changed.notify_all();
+        }
+    }
 }
 
 impl<D: DeviceRuntime> Memory<D> {
+    fn activity(&self) -> MutexGuard<'_, Activity> {
+        lock(&self.activity)
+    }
+
+    /// Marks a submit running; waits while memory is being released, so a release is never
+    /// starved by a stream of submits.
+    fn enter(self: &Arc<Self>) -> Running<D> {
+        let mut activity = self.activity();
+        while activity.releasing {
+            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
+        }
+        activity.running += 1;
+        Running(Arc::clone(self))
+    }
+
+    /// Runs `release` while no submit runs and none starts.
+    fn quiet<T>(&self, release: impl FnOnce() -> T) -> T {
+        let mut activity = self.activity();
+        while activity.releasing {
+            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
+        }
+        activity.releasing = true;
+        while activity.running > 0 {
+            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(activity);
+        let _releasing = Releasing(self);
+        release()
+    }
+
     /// Pins registered host endpoint `endpoint` for `device`, so gathers can use it.
     fn pin(&self, id: EndpointId, endpoint: &Endpoint, device: DeviceOrdinal) -> Result<(), Error> {
         let mut pinned = lock(&self.pinned);
@@ -132,12 +198,14 @@ impl<D: DeviceRuntime> Memory<D> {
 
     /// Undoes `pin`. Waits for the submits running now, which may be using the pinned alias.
     fn unpin(&self, id: EndpointId) -> Result<(), Error> {
-        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
-        let (device, _, addr) = lock(&self.pinned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
-        // SAFETY: pinned by `pin`; no submit runs (the write lock above) and a later one sees
-        // it unpinned; submits synchronize before returning, so no work touches it.
-        unsafe { self.runtime.unregister_host(device, addr)? };
-        Ok(())
+        self.quiet(|| {
+            let pinned = lock(&self.pinned).remove(&id);
+            let (device, _, addr) = pinned.ok_or(Error::UnknownEndpoint(id))?;
+            // SAFETY: pinned by `pin`; no submit's work runs (`quiet`: every earlier one has
+            // synchronized or seen its event complete) and a later one sees it unpinned.
+            unsafe { self.runtime.unregister_host(device, addr)? };
+            Ok(())
+        })
     }
 
     /// Frees memory from `alloc_device` whose endpoint is already deregistered.
@@ -145,10 +213,11 @@ impl<D: DeviceRuntime> Memory<D> {
         let (device, addr) = lock(&self.owned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
         // Every submit that could use it pinned it and has settled (the deregistration waited
         // for them), and a later submit cannot resolve it; wait out any submit still running.
-        let _quiet = self.lifetimes.write().unwrap_or_else(PoisonError::into_inner);
-        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no submit
-        // uses it (above), and every submit synchronizes its devices before returning.
-        unsafe { self.runtime.free(device, addr)? };
+        self.quiet(|| {
+            // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no
+            // submit's work runs (`quiet`).
+            unsafe { self.runtime.free(device, addr) }
+        })?;
         Ok(())
     }
 
@@ -179,14 +248,15 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             runtime: Arc::clone(&runtime),
             pinned: Mutex::new(HashMap::new()),
             owned: Mutex::new(HashMap::new()),
-            lifetimes: RwLock::new(()),
+            activity: Mutex::new(Activity::default()),
+            activity_changed: Condvar::new(),
         });
         let engine = Self {
             runtime,
             registry,
             config,
             memory,
-            kernel_disabled: AtomicBool::new(false),
+            kernel_disabled: Arc::new(AtomicBool::new(false)),
             launches: AtomicU64::new(0),
             scratch: Mutex::new(Scratch::default()),
             calibrations: Mutex::new(BTreeMap::new()),
@@ -264,6 +334,12 @@ impl<D: DeviceRuntime> HbmEngine<D> {
     /// [`begin_run`](IncrementalBuilder::begin_run) and `push_walk`).
     pub fn incremental_builder(&self) -> IncrementalBuilder<HbmRules> {
         IncrementalBuilder::new(HbmRules, self.registry.clone())
+    }
+
+    /// One event per layer group on `stream`, for a batch queued there: give it to the
+    /// composite builder as the group listener with the same stream. See [`LayerEvents`].
+    pub fn layer_events(&self, stream: DeviceStream) -> Arc<LayerEvents<D>> {
+        LayerEvents::new(Arc::clone(&self.runtime), stream)
     }
 
     /// Allocates `len` bytes on `device` and registers them; the memory is freed when the
@@ -367,16 +443,20 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         }
     }
 
-    /// Moves one device's bucket; returns the jobs that failed with their cause.
+    /// Moves one device's bucket on `queue`; records the jobs that failed with their cause.
+    /// On the engine's own queue it also synchronizes (and so settles the bucket); on a
+    /// caller's stream it only queues, and returns whether a gather launch was queued.
+    #[allow(clippy::too_many_arguments)] // The submit's scratch, split so the borrows stay disjoint.
     fn run_bucket(
         &self,
         plans: &PlanSet,
         device: DeviceOrdinal,
         bucket: &Bucket,
+        queue: Queue,
         descriptors: &mut Vec<GatherDescriptor>,
         table: &mut LaunchTable,
         failed: &mut Vec<Failed>,
-    ) {
+    ) -> bool {
         let fail_all = |failed: &mut Vec<_>, e: &DeviceError| {
             let jobs = bucket.copies.iter().chain(bucket.kernel.iter().map(|(j, _)| j));
             failed
@@ -384,7 +464,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         };
         if let Err(e) = self.runtime.set_device(device) {
             fail_all(failed, &e);
-            return;
+            return false;
         }
         let n = bucket.kernel.len();
         let bytes: u64 = bucket.kernel.iter().map(|(j, _)| j.len).sum();
@@ -398,9 +478,10 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             let launch = chunk_launches(descriptors, self.config.launch_max_bytes, table, |t| {
                 // SAFETY: every descriptor side is device memory of `device` or host memory
                 // pinned for it, inside its endpoint (checked in `bucket`); endpoints stay valid
-                // until this submit synchronizes (registration contract); plans never hold two
-                // segments writing the same destination bytes of distinct objects.
-                unsafe { self.runtime.gather(device, t)? };
+                // until this submit's work is complete (its pins and `Running` are held until
+                // then); the overlap check left no destination overlapping a source or another
+                // destination; a caller's stream is live (`DeviceStream::new`'s contract).
+                unsafe { self.runtime.gather(device, t, queue)? };
                 // Relaxed: a statistic.
                 self.launches.fetch_add(1, Ordering::Relaxed);
                 Ok::<(), DeviceError>(())
@@ -415,9 +496,10 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         let copy = |jobs: &mut dyn Iterator<Item = &Job>, failed: &mut Vec<Failed>| {
             for j in jobs {
                 // SAFETY: both sides lie inside their registered endpoints (checked in
-                // `bucket`), valid until this submit synchronizes.
-                if let Err(e) = unsafe { self.runtime.copy(device, j.dst, j.src, j.len) } {
-                    self.recopy_per_object(plans, device, j, e, failed);
+                // `bucket`), valid until this submit's work is complete; a caller's stream is
+                // live.
+                if let Err(e) = unsafe { self.runtime.copy(device, j.dst, j.src, j.len, queue) } {
+                    self.recopy_per_object(plans, device, j, queue, e, failed);
                 }
             }
         };
@@ -425,10 +507,13 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         if !launched {
             copy(&mut bucket.kernel.iter().map(|(j, _)| j), failed);
         }
+        if queue != Queue::Own {
+            return launched;
+        }
         if let Err(e) = self.runtime.synchronize(device) {
             if !launched {
                 fail_all(failed, &e);
-                return;
+                return false;
             }
             // The kernel's results cannot be trusted: stop using it, and move its jobs again by
             // copies.
@@ -440,6 +525,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 fail_all(failed, &e);
             }
         }
+        launched
     }
 }
 
@@ -452,6 +538,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         plans: &PlanSet,
         device: DeviceOrdinal,
         j: &Job,
+        queue: Queue,
         error: DeviceError,
         failed: &mut Vec<Failed>,
     ) {
@@ -464,8 +551,9 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         for (tag, piece) in plan.segment_pieces(j.segment) {
             let at = piece.src_offset - segment.src_offset;
             // SAFETY: a sub-range of the job's two ranges (which lie inside their endpoints,
-            // valid until this submit synchronizes).
-            let copied = unsafe { self.runtime.copy(device, j.dst + at, j.src + at, piece.len) };
+            // valid until this submit's work is complete); a caller's stream is live.
+            let copied =
+                unsafe { self.runtime.copy(device, j.dst + at, j.src + at, piece.len, queue) };
             if let Err(e) = copied {
                 let cause = device_cause(device, &e);
                 failed.push(Failed { at: FailedAt::share(j.plan, j.segment, tag), cause });
@@ -543,6 +631,15 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
     /// many small fragments, one copy per segment otherwise; then synchronizes each device and
     /// restores the caller's current device. The handle is settled on return.
     ///
+    /// With a [stream](PlanSet::stream), the bucket of the stream's device is queued on that
+    /// stream instead, nothing waits for it, and the handle is pending until an event the
+    /// engine records after it completes: work the caller queues on the stream afterwards runs
+    /// after these bytes landed. Until then the handle holds the endpoints (no registration
+    /// ends, nothing is unpinned or freed). A device fault the event reports fails every
+    /// object with bytes in that bucket (which of their bytes landed is unknown), and, if a
+    /// gather ran there, disables the kernel as a failed synchronization does. Buckets of
+    /// other devices run on the engine's queues as without a stream.
+    ///
     /// First the overlap rule ([`OverlapCheck`]): objects whose bytes another fragment of the
     /// submit writes (or that write what another reads) fail with [`FailureCause::Overlap`]
     /// and never reach a launch or a copy, so no kernel ever runs over descriptors whose
@@ -553,13 +650,15 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
             let failures = plans.fail_all(self.name(), FailureCause::TimedOut);
             return TransferHandle::settled(failures, plans);
         }
-        // Pinned before any lookup: a deregistration waits for this submit. The read lock keeps
-        // `unpin` and the release of a registration out while it runs.
+        // Pinned before any lookup: a deregistration waits for this submit. `Running` keeps
+        // `unpin` and the release of a registration out until its work is complete.
         let pins = self.registry.pin(plans.endpoints());
-        let table = pins.table();
-        let _running = self.memory.lifetimes.read().unwrap_or_else(PoisonError::into_inner);
+        let running = self.memory.enter();
+        let table = Arc::clone(pins.table());
         let caller_device = self.runtime.current_device().ok();
+        let stream = plans.stream();
         let mut failed = Vec::new();
+        let mut on_stream = None;
         let overlapping;
         {
             let mut guard = lock(&self.scratch);
@@ -575,29 +674,161 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                 b.kernel.clear();
                 b.copies.clear();
             });
-            self.bucket(&plans, table, scratch, &mut failed);
+            self.bucket(&plans, &table, scratch, &mut failed);
             for (&device, bucket) in &scratch.buckets {
                 if bucket.kernel.is_empty() && bucket.copies.is_empty() {
                     continue;
                 }
-                self.run_bucket(
+                let queue = match stream {
+                    Some(s) if s.device() == device => Queue::Stream(s.raw()),
+                    _ => Queue::Own,
+                };
+                let launched = self.run_bucket(
                     &plans,
                     device,
                     bucket,
+                    queue,
                     &mut scratch.descriptors,
                     &mut scratch.table,
                     &mut failed,
                 );
+                if let Queue::Stream(_) = queue {
+                    let mut carried: Vec<usize> = bucket.copies.iter().map(|j| j.plan).collect();
+                    carried.extend(bucket.kernel.iter().map(|(j, _)| j.plan));
+                    carried.sort_unstable();
+                    carried.dedup();
+                    on_stream = Some((launched, carried));
+                }
             }
         }
+        let pending = match (stream, on_stream) {
+            (Some(stream), Some((launched, plans_on_stream))) => {
+                // SAFETY: `DeviceStream::new`'s contract: a live stream of its device.
+                let event = unsafe {
+                    self.runtime.record_event(stream.device(), Queue::Stream(stream.raw()))
+                };
+                match event {
+                    Ok(event) => Some(StreamWork {
+                        device: stream.device(),
+                        event,
+                        launched,
+                        plans_on_stream,
+                    }),
+                    Err(e) => {
+                        // Without an event nothing tells when the queued work ends: wait for
+                        // the whole stream before letting its memory go, and fail what went
+                        // there (whether it landed is unknown).
+                        // SAFETY: `DeviceStream::new`'s contract.
+                        let waited = unsafe {
+                            self.runtime.stream_synchronize(stream.device(), stream.raw())
+                        };
+                        if let Err(e) = waited {
+                            tracing::error!(device = stream.device().get(), error = %e, "could not wait for a caller's stream");
+                        }
+                        let cause = device_cause(stream.device(), &e);
+                        failed.extend(
+                            plans_on_stream.iter().map(|&p| Failed::plan(p, cause.clone())),
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         if let Some(device) = caller_device {
             if let Err(e) = self.runtime.set_device(device) {
                 tracing::warn!(device = device.get(), error = %e, "could not restore the caller's device");
             }
         }
-        let mut failures = failures(self.name(), &plans, failed);
-        failures.extend(overlapping);
-        TransferHandle::settled(failures, plans)
+        match pending {
+            None => {
+                drop(running);
+                let mut failures = failures(self.name(), &plans, failed);
+                failures.extend(overlapping);
+                TransferHandle::settled(failures, plans)
+            }
+            Some(work) => TransferHandle::queued_on_stream(Box::new(StreamCompletion {
+                engine: self.name().to_owned(),
+                kernel_disabled: Arc::clone(&self.kernel_disabled),
+                work: Some(work),
+                failed,
+                overlapping,
+                plans,
+                running: Some(running),
+                pins: Some(pins),
+            })),
+        }
+    }
+}
+
+/// What a submit queued on a caller's stream: the event after it and what it carried.
+struct StreamWork {
+    device: DeviceOrdinal,
+    event: u64,
+    /// Whether a gather launch went on the stream.
+    launched: bool,
+    /// The plans with segments on the stream, ascending.
+    plans_on_stream: Vec<usize>,
+}
+
+/// A submit whose work is queued on a caller's stream, until the event after it completes.
+struct StreamCompletion<D: DeviceRuntime> {
+    engine: String,
+    kernel_disabled: Arc<AtomicBool>,
+    /// Taken once the event completed (and was destroyed).
+    work: Option<StreamWork>,
+    /// Failures found while queueing.
+    failed: Vec<Failed>,
+    overlapping: Vec<Failure>,
+    plans: PlanSet,
+    /// Held until the event completed: the memory the work touches stays pinned and allocated.
+    running: Option<Running<D>>,
+    pins: Option<EndpointPins>,
+}
+
+impl<D: DeviceRuntime> StreamCompletion<D> {
+    /// Waits for the event, destroys it, records a fault, and lets the memory go.
+    fn finish(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        let runtime = &self.running.as_ref().expect("held until finished").0.runtime;
+        // SAFETY: recorded by `submit` on `work.device`, destroyed only below.
+        let waited = unsafe { runtime.event_wait(work.device, work.event) };
+        // SAFETY: as above; not used again.
+        unsafe { runtime.destroy_event(work.device, work.event) };
+        if let Err(e) = waited {
+            if work.launched && !self.kernel_disabled.swap(true, Ordering::Relaxed) {
+                tracing::error!(device = work.device.get(), error = %e, "a stream with a gather launch reported a fault; the gather kernel is disabled for this engine");
+            }
+            let cause = device_cause(work.device, &e);
+            self.failed
+                .extend(work.plans_on_stream.iter().map(|&p| Failed::plan(p, cause.clone())));
+        }
+        self.running = None;
+        self.pins = None;
+    }
+}
+
+impl<D: DeviceRuntime> Completion for StreamCompletion<D> {
+    fn is_done(&self) -> bool {
+        let (Some(work), Some(running)) = (&self.work, &self.running) else { return true };
+        // SAFETY: recorded by `submit` on `work.device` and not yet destroyed (`work` is still
+        // here). A fault counts as done: `wait` reports it without blocking.
+        unsafe { running.0.runtime.event_done(work.device, work.event) }.unwrap_or(true)
+    }
+
+    fn wait(&mut self) -> Settled {
+        self.finish();
+        let plans = std::mem::take(&mut self.plans);
+        let mut failures = failures(&self.engine, &plans, std::mem::take(&mut self.failed));
+        failures.append(&mut self.overlapping);
+        Settled { failures, plans }
+    }
+}
+
+impl<D: DeviceRuntime> Drop for StreamCompletion<D> {
+    fn drop(&mut self) {
+        // Never let the memory go while the stream may still touch it.
+        self.finish();
     }
 }
 

@@ -71,6 +71,7 @@ mod calibrate;
 mod descriptor;
 mod engine;
 mod error;
+mod events;
 mod runtime;
 pub mod sim;
 
@@ -87,7 +88,8 @@ pub use descriptor::{
 };
 pub use engine::{HbmConfig, HbmEngine, HbmRules};
 pub use error::{DeviceError, Error};
-pub use runtime::DeviceRuntime;
+pub use events::{DeviceEvent, LayerEvents};
+pub use runtime::{DeviceRuntime, Queue};
 pub use sim::{DeviceFault, SimDevice};
 
 #[cfg(hip_backend)]

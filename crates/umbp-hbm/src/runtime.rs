@@ -10,11 +10,22 @@ use umbp_plan::DeviceOrdinal;
 
 use crate::{DeviceError, LaunchTable};
 
+/// Where a runtime queues work on a device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Queue {
+    /// The runtime's own stream for the device, which [`DeviceRuntime::synchronize`] waits for.
+    Own,
+    /// A caller's stream, by its raw handle ([`umbp_plan::DeviceStream::raw`]).
+    Stream(u64),
+}
+
 /// A GPU runtime, as the device engine uses it. Every operation names its device; the runtime
 /// switches to it as needed, and the engine restores the caller's current device afterwards.
 ///
-/// Work is queued on one stream per device and is complete once
-/// [`synchronize`](Self::synchronize) for that device returned `Ok`.
+/// Work is queued on one stream per device ([`Queue::Own`]) and is complete once
+/// [`synchronize`](Self::synchronize) for that device returned `Ok`; or on a caller's stream
+/// ([`Queue::Stream`]), where it is complete once an event recorded after it
+/// ([`record_event`](Self::record_event)) has completed.
 pub trait DeviceRuntime: Send + Sync + 'static {
     /// A short name for logs and reports (`"sim"`, `"hip"`).
     fn name(&self) -> &'static str;
@@ -60,32 +71,86 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     /// `addr` was registered and no queued work still touches it.
     unsafe fn unregister_host(&self, device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError>;
 
-    /// Queues a copy of `len` bytes from `src` to `dst` on `device`'s stream. Either side may
-    /// be host memory (pinned or not) or device memory.
+    /// Queues a copy of `len` bytes from `src` to `dst` on `queue` of `device`. Either side
+    /// may be host memory (pinned or not) or device memory.
     ///
     /// # Safety
     ///
     /// - `src .. + len` is readable and `dst .. + len` writable memory of the kinds named, and
-    ///   both stay valid until `device` is synchronized;
-    /// - nothing else accesses `dst .. + len` until then.
+    ///   both stay valid until the work is complete (see the trait docs);
+    /// - nothing else accesses `dst .. + len` until then;
+    /// - a [`Queue::Stream`] is a live stream of `device`.
     unsafe fn copy(
         &self,
         device: DeviceOrdinal,
         dst: u64,
         src: u64,
         len: u64,
+        queue: Queue,
     ) -> Result<(), DeviceError>;
 
-    /// Queues one gather-kernel launch over `table` on `device`'s stream. The runtime uploads
-    /// the table into buffers it reuses (growing them only when too small).
+    /// Queues one gather-kernel launch over `table` on `queue` of `device`. The runtime
+    /// uploads the table into device buffers of its own, which it reuses only once the launch
+    /// that read them completed, so launches on any stream never wait for one another.
     ///
     /// # Safety
     ///
-    /// Every descriptor's source and destination are device-visible on `device` (device memory
-    /// of `device`, or host memory registered with it, through its alias) and stay valid until
-    /// `device` is synchronized; destinations do not overlap sources or each other.
-    unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError>;
+    /// - Every descriptor's source and destination are device-visible on `device` (device
+    ///   memory of `device`, or host memory registered with it, through its alias) and stay
+    ///   valid until the work is complete; destinations do not overlap sources or each other;
+    /// - a [`Queue::Stream`] is a live stream of `device`.
+    unsafe fn gather(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        queue: Queue,
+    ) -> Result<(), DeviceError>;
 
-    /// Blocks until everything queued on `device` has finished.
+    /// Records an event on `queue` of `device`, after everything queued there so far, and
+    /// returns its handle (a `CUevent` or `hipEvent_t`): the event completes when the queue
+    /// reaches it. Other streams can wait on it on the device; the host can ask
+    /// ([`event_done`](Self::event_done)) or wait ([`event_wait`](Self::event_wait)).
+    ///
+    /// # Safety
+    ///
+    /// A [`Queue::Stream`] is a live stream of `device`.
+    unsafe fn record_event(&self, device: DeviceOrdinal, queue: Queue) -> Result<u64, DeviceError>;
+
+    /// Whether the event has completed, without blocking. A failure of the work before it
+    /// (a faulting kernel) is returned as the error.
+    ///
+    /// # Safety
+    ///
+    /// `event` came from [`record_event`](Self::record_event) on `device` and was not destroyed.
+    unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError>;
+
+    /// Blocks until the event has completed; a failure of the work before it is the error.
+    ///
+    /// # Safety
+    ///
+    /// As for [`event_done`](Self::event_done).
+    unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError>;
+
+    /// Destroys the event. Streams already waiting on it still see it complete (the runtime
+    /// frees it once it has).
+    ///
+    /// # Safety
+    ///
+    /// As for [`event_done`](Self::event_done), and the handle is not used again.
+    unsafe fn destroy_event(&self, device: DeviceOrdinal, event: u64);
+
+    /// Blocks until everything queued on the caller's stream `stream` of `device` has
+    /// finished. The engine uses it only where it could not record an event.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of `device`.
+    unsafe fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: u64,
+    ) -> Result<(), DeviceError>;
+
+    /// Blocks until everything queued on `device`'s own stream has finished.
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError>;
 }

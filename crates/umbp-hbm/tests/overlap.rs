@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use umbp_hbm::{DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, SimDevice};
+use umbp_hbm::{
+    DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, Queue, SimDevice,
+};
 use umbp_plan::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, Register,
     Registration, Tag, TransferEngine,
@@ -115,14 +117,14 @@ fn the_simulated_kernel_refuses_descriptors_that_overlap_instead_of_racing() {
         GatherDescriptor { src: addr + 4096 + 512, dst: addr + 100, len: 1024 },
     ]);
     // SAFETY: every descriptor lies inside the live allocation; the overlap is what is tested.
-    let refused = unsafe { device.gather(GPU, &overlapping) };
+    let refused = unsafe { device.gather(GPU, &overlapping, Queue::Own) };
     assert!(refused.is_err(), "a destination read by another descriptor");
     let disjoint = table(vec![
         GatherDescriptor { src: addr, dst: addr + 4096, len: 1024 },
         GatherDescriptor { src: addr, dst: addr + 6000, len: 1024 },
     ]);
     // SAFETY: inside the allocation; sources may be shared, destinations are disjoint.
-    assert!(unsafe { device.gather(GPU, &disjoint) }.is_ok());
+    assert!(unsafe { device.gather(GPU, &disjoint, Queue::Own) }.is_ok());
     // SAFETY: allocated above, no transfer in flight.
     unsafe { device.free(GPU, addr) }.unwrap();
 }

@@ -168,18 +168,33 @@ pub trait Completion: Send {
 #[must_use = "dropping a handle blocks until its transfers finish"]
 pub struct TransferHandle {
     pending: Option<Box<dyn Completion>>,
+    /// The pending work is all queued on the plan set's stream.
+    on_stream: bool,
     settled: Settled,
 }
 
 impl TransferHandle {
     /// A handle for work that already finished.
     pub fn settled(failures: Vec<Failure>, plans: PlanSet) -> Self {
-        Self { pending: None, settled: Settled { failures, plans } }
+        Self { pending: None, on_stream: false, settled: Settled { failures, plans } }
     }
 
     /// A handle for work still in flight.
     pub fn pending(completion: Box<dyn Completion>) -> Self {
-        Self { pending: Some(completion), settled: Settled::default() }
+        Self { pending: Some(completion), on_stream: false, settled: Settled::default() }
+    }
+
+    /// A handle for work still in flight whose every remaining step is queued on the plan
+    /// set's [stream](crate::PlanSet::stream): work the caller queues there afterwards runs
+    /// after it. What a device engine returns for a plan set with a stream.
+    pub fn queued_on_stream(completion: Box<dyn Completion>) -> Self {
+        Self { pending: Some(completion), on_stream: true, settled: Settled::default() }
+    }
+
+    /// Whether the work is done or queued on the plan set's stream, without blocking: from
+    /// then on, work queued on that stream is ordered after it.
+    pub fn is_queued(&self) -> bool {
+        self.on_stream || self.is_done()
     }
 
     /// Whether the work has finished, without blocking.

@@ -577,6 +577,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
             rejected: std::mem::take(&mut self.rejected),
             reasons: std::mem::take(&mut self.reasons),
             deadline: None,
+            stream: None,
         })
     }
 

@@ -72,8 +72,11 @@
 //!
 //! # Unsafe code
 //!
-//! None runs here. The one `unsafe` item is [`EndpointRegistry::register`], which states the
-//! obligation that lets engines dereference registered addresses after bounds checks alone.
+//! Little runs here: the allocation of [`AlignedBuffer`] and one `fcntl` in registration. The
+//! other `unsafe` items state obligations: [`EndpointRegistry::register`] and
+//! [`Register::register_raw_memory`] let engines dereference registered addresses after bounds
+//! checks alone, and [`DeviceStream::new`] lets the device engine hand a raw stream handle to
+//! its driver.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -92,6 +95,7 @@ mod plan;
 mod register;
 mod rules;
 mod status;
+mod stream;
 
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -117,6 +121,7 @@ pub use register::{
 };
 pub use rules::{validate, PlanRules};
 pub use status::{BatchState, BatchStatus, ObjectState};
+pub use stream::{DeviceStream, GroupListener};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

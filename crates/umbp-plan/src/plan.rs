@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::{EndpointId, Failure, FailureCause, RejectReason, Tag};
+use crate::{DeviceStream, EndpointId, Failure, FailureCause, RejectReason, Tag};
 
 /// One contiguous copy inside a plan. The layout is fixed (`repr(C)`, three `u64`s) so that an
 /// engine can hand a plan's segment array to an executor as descriptors without converting it.
@@ -256,6 +256,7 @@ pub struct PlanSet {
     /// Why each rejected tag was rejected, beside it.
     pub(crate) reasons: Vec<RejectReason>,
     pub(crate) deadline: Option<Instant>,
+    pub(crate) stream: Option<DeviceStream>,
 }
 
 impl PlanSet {
@@ -280,6 +281,18 @@ impl PlanSet {
     /// Sets (or clears) the [deadline](Self::deadline).
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
+    }
+
+    /// The caller's stream that device work of this plan set may be queued on; `None` (the
+    /// default, and what builders produce) lets engines use their own queues and finish on
+    /// the host. See [`DeviceStream`].
+    pub fn stream(&self) -> Option<DeviceStream> {
+        self.stream
+    }
+
+    /// Sets (or clears) the [stream](Self::stream).
+    pub fn set_stream(&mut self, stream: Option<DeviceStream>) {
+        self.stream = stream;
     }
 
     /// Whether the deadline has passed.

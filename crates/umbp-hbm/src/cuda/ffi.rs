@@ -35,6 +35,10 @@ const ATTRIBUTE_CC_MINOR: c_int = 76;
 const HOST_REGISTER_FLAGS: c_uint = 0x01 | 0x02;
 /// `CU_STREAM_NON_BLOCKING`: no implicit ordering with the legacy default stream.
 const STREAM_NON_BLOCKING: c_uint = 0x1;
+/// `CU_EVENT_DISABLE_TIMING`: the cheapest event, for ordering only.
+const EVENT_DISABLE_TIMING: c_uint = 0x2;
+/// `CUDA_ERROR_NOT_READY`: what `cuEventQuery` says of an event not yet reached.
+const NOT_READY: c_int = 600;
 
 /// Where one launch's uploaded table lives and how big it is.
 #[derive(Copy, Clone, Debug)]
@@ -99,6 +103,11 @@ entry_points!(Driver {
     cuStreamCreate: fn(*mut Handle, c_uint);
     cuStreamSynchronize: fn(Handle);
     cuStreamDestroy_v2: fn(Handle);
+    cuEventCreate: fn(*mut Handle, c_uint);
+    cuEventRecord: fn(Handle, Handle);
+    cuEventQuery: fn(Handle);
+    cuEventSynchronize: fn(Handle);
+    cuEventDestroy_v2: fn(Handle);
     cuModuleLoadData: fn(*mut Handle, *const c_void);
     cuModuleGetFunction: fn(*mut Handle, Handle, *const c_char);
     cuModuleUnload: fn(Handle);
@@ -412,6 +421,70 @@ impl Driver {
         self.check(device, unsafe { (self.cuStreamSynchronize)(stream) })
     }
 
+    /// Creates an event (timing off) in the current context.
+    pub(super) fn event_create(&self, device: DeviceOrdinal) -> Result<Handle, DeviceError> {
+        let mut e: Handle = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        self.check(device, unsafe { (self.cuEventCreate)(&mut e, EVENT_DISABLE_TIMING) })?;
+        Ok(e)
+    }
+
+    /// Records `event` on `stream`, after everything queued there so far.
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event and `stream` a live stream (or null) of the current context.
+    pub(super) unsafe fn event_record(
+        &self,
+        device: DeviceOrdinal,
+        event: Handle,
+        stream: Handle,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract.
+        self.check(device, unsafe { (self.cuEventRecord)(event, stream) })
+    }
+
+    /// Whether the stream reached `event` (an event never recorded counts as reached).
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event.
+    pub(super) unsafe fn event_query(
+        &self,
+        device: DeviceOrdinal,
+        event: Handle,
+    ) -> Result<bool, DeviceError> {
+        // SAFETY: the caller's contract.
+        match unsafe { (self.cuEventQuery)(event) } {
+            NOT_READY => Ok(false),
+            status => self.check(device, status).map(|()| true),
+        }
+    }
+
+    /// Waits for `event`.
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event.
+    pub(super) unsafe fn event_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        event: Handle,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's contract.
+        self.check(device, unsafe { (self.cuEventSynchronize)(event) })
+    }
+
+    /// Destroys `event`; the driver frees it once streams waiting on it have passed it.
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event, destroyed once and not used again.
+    pub(super) unsafe fn event_destroy(&self, event: Handle) {
+        // SAFETY: the caller's contract.
+        unsafe { (self.cuEventDestroy_v2)(event) };
+    }
+
     /// Loads PTX in the current context and finds `kernel` in it.
     pub(super) fn load_kernel(
         &self,
@@ -441,9 +514,9 @@ impl Driver {
     ///
     /// # Safety
     ///
-    /// `function` is the gather kernel loaded in the current context; `args` names device
-    /// buffers holding its table until the stream is synchronized; every descriptor names
-    /// memory the device may access.
+    /// `function` is the gather kernel loaded in the current context; `stream` is a live
+    /// stream (or null) of that context; `args` names device buffers holding its table until
+    /// the launch has run; every descriptor names memory the device may access.
     pub(super) unsafe fn launch_gather(
         &self,
         device: DeviceOrdinal,

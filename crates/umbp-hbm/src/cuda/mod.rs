@@ -9,16 +9,21 @@
 //! - Each device's *primary* context is used, the one the CUDA runtime (and so PyTorch) uses,
 //!   so device pointers from either side are valid here. It is retained at the device's first
 //!   use and released when the runtime is dropped.
-//! - One non-blocking stream per device, created at its first use; every copy and launch of
-//!   the engine goes on it, and `synchronize` waits for it.
+//! - One non-blocking stream per device, created at its first use; the engine's own copies and
+//!   launches go on it ([`Queue::Own`]), and `synchronize` waits for it. Work for a caller's
+//!   stream ([`Queue::Stream`], a `CUstream` such as `torch.cuda.Stream.cuda_stream`) goes
+//!   there instead, ordered with the caller's own kernels; events (timing off) mark points on
+//!   either.
 //! - The gather kernel ([`GATHER_KERNEL_SOURCE`], the same source the HIP backend compiles) is
 //!   compiled by NVRTC to PTX for the device's own compute capability at the first launch on
 //!   that device; the driver JIT-compiles the PTX when loading it, and the module is cached per
 //!   device for the runtime's lifetime.
-//! - Each launch uploads its descriptors and block table through a pinned staging buffer into
-//!   two device buffers, all reused across launches and grown only when too small; the staging
-//!   buffer is rewritten only after the stream is synchronized, since the upload reads it
-//!   asynchronously.
+//! - Each launch uploads its descriptors and block table from a pinned staging buffer into one
+//!   device buffer, and records an event after the launch. A device keeps a ring of
+//!   [`TABLE_BUFFERS`] such buffer pairs: a launch takes the next pair once the launch that
+//!   last used it has passed its event, so up to that many launches are in flight on any
+//!   streams without the host waiting, and no upload overwrites a table a queued launch still
+//!   reads. A pair grows (to the next power of two) only when idle.
 //! - Host memory registered with [`DeviceRuntime::register_host`] is pinned with
 //!   `cuMemHostRegister` (portable, device-mapped) and read by the kernel through its device
 //!   alias.
@@ -33,9 +38,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use umbp_plan::DeviceOrdinal;
 
 use crate::{
-    DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
-    GATHER_KERNEL_SOURCE,
+    DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, Queue, BLOCK_THREADS,
+    GATHER_KERNEL_NAME, GATHER_KERNEL_SOURCE,
 };
+
+/// Launch tables per device that may be in flight at once (see the module docs).
+pub const TABLE_BUFFERS: usize = 4;
 
 use self::ffi::{CuDevice, Driver, Handle};
 
@@ -66,10 +74,18 @@ struct Slot {
     context: Option<Handle>,
     stream: Option<Handle>,
     kernel: Option<(Handle, Handle)>,
-    /// Pinned host staging buffer and device buffers for launch tables: (address, capacity).
-    staging: Option<(u64, u64)>,
-    descriptors: Option<(u64, u64)>,
-    starts: Option<(u64, u64)>,
+    /// The ring of launch-table buffers, and the one the next launch takes.
+    tables: Vec<TableBuffer>,
+    next_table: usize,
+}
+
+/// One launch table's home: pinned staging memory, the device buffer the kernel reads, their
+/// capacity, and the event recorded after the last launch that used them.
+struct TableBuffer {
+    host: u64,
+    device: u64,
+    capacity: u64,
+    used: Handle,
 }
 
 // SAFETY: the raw handles are driver objects usable from any thread (with their context
@@ -95,9 +111,8 @@ impl CudaRuntime {
                     context: None,
                     stream: None,
                     kernel: None,
-                    staging: None,
-                    descriptors: None,
-                    starts: None,
+                    tables: Vec::new(),
+                    next_table: 0,
                 }))
             })
             .collect::<Result<Vec<_>, DeviceError>>()?;
@@ -141,37 +156,62 @@ impl CudaRuntime {
         }
     }
 
-    /// Makes sure a buffer of at least `len` bytes exists, replacing a smaller one.
-    fn ensure(
+    /// The stream work for `queue` goes on, with the device's context current.
+    fn queue(
         &self,
         device: DeviceOrdinal,
-        buffer: &mut Option<(u64, u64)>,
-        len: u64,
-        pinned_host: bool,
-    ) -> Result<u64, DeviceError> {
-        if let Some((addr, cap)) = *buffer {
-            if cap >= len {
-                return Ok(addr);
+        slot: &mut Slot,
+        queue: Queue,
+    ) -> Result<Handle, DeviceError> {
+        match queue {
+            Queue::Own => self.stream(device, slot),
+            Queue::Stream(raw) => {
+                self.enter(device, slot)?;
+                Ok(raw as Handle)
             }
-            // SAFETY: the buffer came from the matching allocator below; callers synchronize
-            // the stream before growing, so no queued work reads it.
+        }
+    }
+
+    /// The next table buffer of the ring, idle (the launch that last used it has run) and of
+    /// at least `len` bytes; returns its index.
+    fn take_table(
+        &self,
+        device: DeviceOrdinal,
+        slot: &mut Slot,
+        len: u64,
+    ) -> Result<usize, DeviceError> {
+        let index = slot.next_table;
+        if index == slot.tables.len() {
+            let used = self.driver.event_create(device)?;
+            slot.tables.push(TableBuffer { host: 0, device: 0, capacity: 0, used });
+        }
+        let table = &mut slot.tables[index];
+        // SAFETY: `used` is live (created above or earlier, destroyed only on drop); waiting
+        // for it makes the buffers idle. Never recorded counts as reached.
+        unsafe { self.driver.event_synchronize(device, table.used)? };
+        if table.capacity < len {
+            // SAFETY: the buffers came from these allocators and are idle (waited above).
             unsafe {
-                if pinned_host {
-                    self.driver.host_free(device, addr)?;
-                } else {
-                    self.driver.free(device, addr)?;
+                if table.capacity > 0 {
+                    self.driver.host_free(device, table.host)?;
+                    self.driver.free(device, table.device)?;
                 }
             }
-            *buffer = None;
+            table.capacity = 0;
+            let capacity = len.next_power_of_two().max(4096);
+            table.host = self.driver.host_malloc(device, capacity)?;
+            table.device = match self.driver.malloc(device, capacity) {
+                Ok(d) => d,
+                Err(e) => {
+                    // SAFETY: allocated just above, never used.
+                    let _ = unsafe { self.driver.host_free(device, table.host) };
+                    return Err(e);
+                }
+            };
+            table.capacity = capacity;
         }
-        let cap = len.next_power_of_two().max(4096);
-        let addr = if pinned_host {
-            self.driver.host_malloc(device, cap)?
-        } else {
-            self.driver.malloc(device, cap)?
-        };
-        *buffer = Some((addr, cap));
-        Ok(addr)
+        slot.next_table = (index + 1) % TABLE_BUFFERS;
+        Ok(index)
     }
 }
 
@@ -239,19 +279,26 @@ impl DeviceRuntime for CudaRuntime {
         dst: u64,
         src: u64,
         len: u64,
+        queue: Queue,
     ) -> Result<(), DeviceError> {
         let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
-        // SAFETY: the caller's contract is `Driver::memcpy_async`'s; the stream is live.
+        let stream = self.queue(device, &mut slot, queue)?;
+        // SAFETY: the caller's contract is `Driver::memcpy_async`'s; the stream is live (ours,
+        // or the caller's by this function's contract).
         unsafe { self.driver.memcpy_async(device, dst, src, len, stream) }
     }
 
-    unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError> {
+    unsafe fn gather(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        queue: Queue,
+    ) -> Result<(), DeviceError> {
         if table.descriptors.is_empty() {
             return Ok(());
         }
         let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
+        let stream = self.queue(device, &mut slot, queue)?;
         if slot.kernel.is_none() {
             let (major, minor) = slot.capability;
             let arch = format!("compute_{major}{minor}");
@@ -262,43 +309,88 @@ impl DeviceRuntime for CudaRuntime {
             tracing::info!(device = device.get(), %arch, "gather kernel compiled and loaded");
         }
         let (_, function) = slot.kernel.expect("loaded above");
+        // Descriptors are 24 bytes each, so the block starts that follow them stay 8-aligned.
         let desc_bytes = size_of_val(table.descriptors.as_slice()) as u64;
         let start_bytes = size_of_val(table.block_starts.as_slice()) as u64;
-        // The staging buffer may still be read by the previous launch's upload.
-        // SAFETY: the stream is live.
-        unsafe { self.driver.stream_synchronize(device, stream)? };
-        let staging = self.ensure(device, &mut slot.staging, desc_bytes + start_bytes, true)?;
-        let descs = self.ensure(device, &mut slot.descriptors, desc_bytes, false)?;
-        let starts = self.ensure(device, &mut slot.starts, start_bytes, false)?;
-        // SAFETY: 1. `staging` is pinned host memory of at least `desc_bytes + start_bytes`
-        // bytes, and nothing reads it (synchronized above); 2. the source slices are live;
-        // 3. `GatherDescriptor` is `repr(C)` plain data, `u32` likewise.
+        let index = self.take_table(device, &mut slot, desc_bytes + start_bytes)?;
+        let buffer = &slot.tables[index];
+        // SAFETY: 1. `buffer.host` is pinned host memory of at least `desc_bytes +
+        // start_bytes` bytes that nothing reads (`take_table` waited for its last launch);
+        // 2. the source slices are live; 3. `GatherDescriptor` is `repr(C)` plain data, `u32`
+        // likewise.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 table.descriptors.as_ptr().cast::<u8>(),
-                staging as *mut u8,
+                buffer.host as *mut u8,
                 desc_bytes as usize,
             );
             std::ptr::copy_nonoverlapping(
                 table.block_starts.as_ptr().cast::<u8>(),
-                (staging + desc_bytes) as *mut u8,
+                (buffer.host + desc_bytes) as *mut u8,
                 start_bytes as usize,
             );
         }
-        // SAFETY: staging and device buffers are live and large enough (ensured above) until
-        // they are next grown, which synchronizes the stream first.
-        unsafe {
-            self.driver.memcpy_async(device, descs, staging, desc_bytes, stream)?;
-            self.driver.memcpy_async(device, starts, staging + desc_bytes, start_bytes, stream)?;
-        }
+        let (descs, starts) = (buffer.device, buffer.device + desc_bytes);
         debug_assert_eq!(size_of::<GatherDescriptor>(), 24);
         let count = table.descriptors.len() as u32;
-        // SAFETY: the kernel was loaded in this device's context, current now; the uploads
-        // precede the launch on the same stream; descriptor validity is the caller's contract.
+        // SAFETY: the buffers are live, large enough and idle (`take_table`), and stay so until
+        // the event recorded below is reached, which the next use of this buffer waits for;
+        // the kernel was loaded in this device's context, current now; the upload precedes
+        // the launch on the same live stream; descriptor validity is the caller's contract.
         unsafe {
+            self.driver.memcpy_async(
+                device,
+                descs,
+                buffer.host,
+                desc_bytes + start_bytes,
+                stream,
+            )?;
             let args = ffi::GatherArgs { descs, starts, count, blocks: table.blocks() };
-            self.driver.launch_gather(device, function, stream, BLOCK_THREADS, args)
+            let launched = self.driver.launch_gather(device, function, stream, BLOCK_THREADS, args);
+            // Recorded even if the launch failed: the upload is queued either way.
+            self.driver.event_record(device, buffer.used, stream)?;
+            launched
         }
+    }
+
+    unsafe fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: u64,
+    ) -> Result<(), DeviceError> {
+        let mut slot = self.slot(device)?;
+        self.enter(device, &mut slot)?;
+        // SAFETY: the caller's contract: a live stream of `device`.
+        unsafe { self.driver.stream_synchronize(device, stream as Handle) }
+    }
+
+    unsafe fn record_event(&self, device: DeviceOrdinal, queue: Queue) -> Result<u64, DeviceError> {
+        let mut slot = self.slot(device)?;
+        let stream = self.queue(device, &mut slot, queue)?;
+        let event = self.driver.event_create(device)?;
+        // SAFETY: created above in the current context; the stream is live (ours, or the
+        // caller's by this function's contract).
+        if let Err(e) = unsafe { self.driver.event_record(device, event, stream) } {
+            // SAFETY: created above, never handed out.
+            unsafe { self.driver.event_destroy(event) };
+            return Err(e);
+        }
+        Ok(event as u64)
+    }
+
+    unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError> {
+        // SAFETY: the caller's contract: a live event from `record_event`.
+        unsafe { self.driver.event_query(device, event as Handle) }
+    }
+
+    unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        // SAFETY: as above.
+        unsafe { self.driver.event_synchronize(device, event as Handle) }
+    }
+
+    unsafe fn destroy_event(&self, _device: DeviceOrdinal, event: u64) {
+        // SAFETY: the caller's contract: live, destroyed once.
+        unsafe { self.driver.event_destroy(event as Handle) }
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
@@ -323,15 +415,18 @@ impl Drop for CudaRuntime {
                 // SAFETY: the stream is live; waiting makes the buffers below idle.
                 let _ = unsafe { self.driver.stream_synchronize(device, stream) };
             }
-            // SAFETY: each buffer came from its allocator in `ensure` and is idle (synchronized
-            // above); the runtime is being dropped, so nothing queues more work. The stream and
-            // module are idle and released once; then the context is released, once.
+            // SAFETY: each table buffer came from its allocator in `take_table` and is idle once
+            // its event is reached (waited for here; caller streams included); the runtime is
+            // being dropped, so nothing queues more work. Events, stream and module are idle
+            // and released once; then the context is released, once.
             unsafe {
-                if let Some((addr, _)) = slot.staging {
-                    let _ = self.driver.host_free(device, addr);
-                }
-                for (addr, _) in [slot.descriptors, slot.starts].into_iter().flatten() {
-                    let _ = self.driver.free(device, addr);
+                for table in slot.tables.drain(..) {
+                    let _ = self.driver.event_synchronize(device, table.used);
+                    if table.capacity > 0 {
+                        let _ = self.driver.host_free(device, table.host);
+                        let _ = self.driver.free(device, table.device);
+                    }
+                    self.driver.event_destroy(table.used);
                 }
                 self.driver.release(slot.stream.take(), slot.kernel.take().map(|(m, _)| m));
                 self.driver.release_primary(slot.handle);

@@ -19,6 +19,9 @@ use crate::DeviceError;
 /// An opaque HIP stream handle.
 #[allow(non_camel_case_types)] // HIP's own name.
 pub(super) type hipStream_t = *mut c_void;
+/// An opaque HIP event handle.
+#[allow(non_camel_case_types)] // HIP's own name.
+pub(super) type hipEvent_t = *mut c_void;
 /// An opaque HIP module handle.
 #[allow(non_camel_case_types)] // HIP's own name.
 pub(super) type hipModule_t = *mut c_void;
@@ -34,6 +37,10 @@ const HOST_MALLOC_DEFAULT: c_uint = 0;
 const HOST_REGISTER_MAPPED: c_uint = 2;
 /// `hipMemcpyDefault`: the direction follows from the unified address space.
 const MEMCPY_DEFAULT: c_int = 4;
+/// `hipEventDisableTiming`: the cheapest event, for ordering only.
+const EVENT_DISABLE_TIMING: c_uint = 0x2;
+/// `hipErrorNotReady`: what `hipEventQuery` says of an event not yet reached.
+const NOT_READY: c_int = 600;
 
 // The HIP runtime, as libamdhip64 exports it; statuses as integers (see the module docs).
 extern "C" {
@@ -45,6 +52,11 @@ extern "C" {
     fn hipStreamCreate(stream: *mut hipStream_t) -> c_int;
     fn hipStreamSynchronize(stream: hipStream_t) -> c_int;
     fn hipStreamDestroy(stream: hipStream_t) -> c_int;
+    fn hipEventCreateWithFlags(event: *mut hipEvent_t, flags: c_uint) -> c_int;
+    fn hipEventRecord(event: hipEvent_t, stream: hipStream_t) -> c_int;
+    fn hipEventQuery(event: hipEvent_t) -> c_int;
+    fn hipEventSynchronize(event: hipEvent_t) -> c_int;
+    fn hipEventDestroy(event: hipEvent_t) -> c_int;
     fn hipMalloc(ptr: *mut *mut c_void, len: usize) -> c_int;
     fn hipFree(ptr: *mut c_void) -> c_int;
     fn hipHostMalloc(ptr: *mut *mut c_void, len: usize, flags: c_uint) -> c_int;
@@ -236,6 +248,67 @@ pub(super) unsafe fn stream_synchronize(
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller's contract.
     check(device, unsafe { hipStreamSynchronize(stream) })
+}
+
+/// Creates an event (timing off) on the current device.
+pub(super) fn event_create(device: DeviceOrdinal) -> Result<hipEvent_t, DeviceError> {
+    let mut e: hipEvent_t = std::ptr::null_mut();
+    // SAFETY: `e` is a valid out-pointer.
+    check(device, unsafe { hipEventCreateWithFlags(&mut e, EVENT_DISABLE_TIMING) })?;
+    Ok(e)
+}
+
+/// Records `event` on `stream`, after everything queued there so far.
+///
+/// # Safety
+///
+/// `event` is a live event and `stream` a live stream (or null) of the current device.
+pub(super) unsafe fn event_record(
+    device: DeviceOrdinal,
+    event: hipEvent_t,
+    stream: hipStream_t,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { hipEventRecord(event, stream) })
+}
+
+/// Whether the stream reached `event` (an event never recorded counts as reached).
+///
+/// # Safety
+///
+/// `event` is a live event.
+pub(super) unsafe fn event_query(
+    device: DeviceOrdinal,
+    event: hipEvent_t,
+) -> Result<bool, DeviceError> {
+    // SAFETY: the caller's contract.
+    match unsafe { hipEventQuery(event) } {
+        NOT_READY => Ok(false),
+        status => check(device, status).map(|()| true),
+    }
+}
+
+/// Waits for `event`.
+///
+/// # Safety
+///
+/// `event` is a live event.
+pub(super) unsafe fn event_synchronize(
+    device: DeviceOrdinal,
+    event: hipEvent_t,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller's contract.
+    check(device, unsafe { hipEventSynchronize(event) })
+}
+
+/// Destroys `event`.
+///
+/// # Safety
+///
+/// `event` is a live event, destroyed once and not used again.
+pub(super) unsafe fn event_destroy(event: hipEvent_t) {
+    // SAFETY: the caller's contract.
+    unsafe { hipEventDestroy(event) };
 }
 
 /// Allocates device memory on the current device.

@@ -2,15 +2,17 @@
 //!
 //! # Strategy
 //!
-//! - One stream per device, created at the device's first use; every copy and launch of the
-//!   engine goes on it, and `synchronize` waits for it.
+//! - One stream per device, created at the device's first use; the engine's own copies and
+//!   launches go on it ([`Queue::Own`]), and `synchronize` waits for it. Work for a caller's
+//!   stream ([`Queue::Stream`], a `hipStream_t`) goes there instead; events (timing off) mark
+//!   points on either.
 //! - The gather kernel ([`GATHER_KERNEL_SOURCE`], shipped in the crate) is compiled by hiprtc for the
 //!   device's own architecture (its `gcnArchName`) at the first launch on that device, and the
 //!   loaded module is cached per device for the runtime's lifetime.
-//! - Each launch uploads its descriptors and block table through a pinned staging buffer into
-//!   two device buffers; all three are reused across launches and grow only when too small.
-//!   The staging buffer is reused only after the stream is synchronized, since the upload reads
-//!   it asynchronously.
+//! - Each launch uploads its descriptors and block table from a pinned staging buffer into one
+//!   device buffer and records an event after the launch; a device keeps a ring of
+//!   [`TABLE_BUFFERS`] such pairs, each reused only once its last launch passed its event, as
+//!   the CUDA backend does (see there).
 //! - Unlike the simulated device, nothing here re-checks addresses: the engine checked every
 //!   segment against its endpoint.
 
@@ -22,9 +24,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use umbp_plan::DeviceOrdinal;
 
 use crate::{
-    DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, BLOCK_THREADS, GATHER_KERNEL_NAME,
-    GATHER_KERNEL_SOURCE,
+    DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, Queue, BLOCK_THREADS,
+    GATHER_KERNEL_NAME, GATHER_KERNEL_SOURCE,
 };
+
+/// Launch tables per device that may be in flight at once.
+pub const TABLE_BUFFERS: usize = 4;
 
 /// Compiles the gather kernel for `arch` (for example `gfx90a`) with hiprtc and returns the
 /// code object. Needs no GPU, only the ROCm compiler libraries.
@@ -42,10 +47,18 @@ pub struct HipRuntime {
 struct Slot {
     stream: Option<ffi::hipStream_t>,
     kernel: Option<(ffi::hipModule_t, ffi::hipFunction_t)>,
-    /// Pinned host staging buffer and device buffers for launch tables: (address, capacity).
-    staging: Option<(u64, u64)>,
-    descriptors: Option<(u64, u64)>,
-    starts: Option<(u64, u64)>,
+    /// The ring of launch-table buffers, and the one the next launch takes.
+    tables: Vec<TableBuffer>,
+    next_table: usize,
+}
+
+/// One launch table's home: pinned staging memory, the device buffer the kernel reads, their
+/// capacity, and the event recorded after the last launch that used them.
+struct TableBuffer {
+    host: u64,
+    device: u64,
+    capacity: u64,
+    used: ffi::hipEvent_t,
 }
 
 // SAFETY: the raw handles are HIP objects usable from any thread; each slot is only touched
@@ -100,32 +113,58 @@ impl HipRuntime {
     }
 }
 
-/// Makes sure a buffer of at least `len` bytes exists, replacing a smaller one.
-fn ensure(
-    device: DeviceOrdinal,
-    buffer: &mut Option<(u64, u64)>,
-    len: u64,
-    pinned_host: bool,
-) -> Result<u64, DeviceError> {
-    if let Some((addr, cap)) = *buffer {
-        if cap >= len {
-            return Ok(addr);
-        }
-        // SAFETY: the buffer came from the matching allocator below; callers synchronize the
-        // stream before growing, so no queued work reads it.
-        unsafe {
-            if pinned_host {
-                ffi::host_free(device, addr)?;
-            } else {
-                ffi::free(device, addr)?;
+impl HipRuntime {
+    /// The stream work for `queue` goes on, with the device current.
+    fn queue(
+        &self,
+        device: DeviceOrdinal,
+        slot: &mut Slot,
+        queue: Queue,
+    ) -> Result<ffi::hipStream_t, DeviceError> {
+        match queue {
+            Queue::Own => self.stream(device, slot),
+            Queue::Stream(raw) => {
+                ffi::set_device(device)?;
+                Ok(raw as ffi::hipStream_t)
             }
         }
-        *buffer = None;
     }
-    let cap = len.next_power_of_two().max(4096);
-    let addr = if pinned_host { ffi::host_malloc(device, cap)? } else { ffi::malloc(device, cap)? };
-    *buffer = Some((addr, cap));
-    Ok(addr)
+}
+
+/// The next table buffer of `slot`'s ring, idle (the launch that last used it has run) and of
+/// at least `len` bytes; returns its index.
+fn take_table(device: DeviceOrdinal, slot: &mut Slot, len: u64) -> Result<usize, DeviceError> {
+    let index = slot.next_table;
+    if index == slot.tables.len() {
+        let used = ffi::event_create(device)?;
+        slot.tables.push(TableBuffer { host: 0, device: 0, capacity: 0, used });
+    }
+    let table = &mut slot.tables[index];
+    // SAFETY: `used` is live (destroyed only on drop); waiting for it makes the buffers idle.
+    unsafe { ffi::event_synchronize(device, table.used)? };
+    if table.capacity < len {
+        // SAFETY: the buffers came from these allocators and are idle (waited above).
+        unsafe {
+            if table.capacity > 0 {
+                ffi::host_free(device, table.host)?;
+                ffi::free(device, table.device)?;
+            }
+        }
+        table.capacity = 0;
+        let capacity = len.next_power_of_two().max(4096);
+        table.host = ffi::host_malloc(device, capacity)?;
+        table.device = match ffi::malloc(device, capacity) {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: allocated just above, never used.
+                let _ = unsafe { ffi::host_free(device, table.host) };
+                return Err(e);
+            }
+        };
+        table.capacity = capacity;
+    }
+    slot.next_table = (index + 1) % TABLE_BUFFERS;
+    Ok(index)
 }
 
 impl DeviceRuntime for HipRuntime {
@@ -181,19 +220,26 @@ impl DeviceRuntime for HipRuntime {
         dst: u64,
         src: u64,
         len: u64,
+        queue: Queue,
     ) -> Result<(), DeviceError> {
         let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
-        // SAFETY: the caller's contract is `ffi::memcpy_async`'s; the stream is live.
+        let stream = self.queue(device, &mut slot, queue)?;
+        // SAFETY: the caller's contract is `ffi::memcpy_async`'s; the stream is live (ours, or
+        // the caller's by this function's contract).
         unsafe { ffi::memcpy_async(device, dst, src, len, stream) }
     }
 
-    unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError> {
+    unsafe fn gather(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        queue: Queue,
+    ) -> Result<(), DeviceError> {
         if table.descriptors.is_empty() {
             return Ok(());
         }
         let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
+        let stream = self.queue(device, &mut slot, queue)?;
         if slot.kernel.is_none() {
             let arch = ffi::arch_name(device)?;
             let code = compile_gather_kernel(&arch)?;
@@ -201,52 +247,86 @@ impl DeviceRuntime for HipRuntime {
             tracing::info!(device = device.get(), %arch, "gather kernel compiled and loaded");
         }
         let (_, function) = slot.kernel.expect("loaded above");
+        // Descriptors are 24 bytes each, so the block starts that follow them stay 8-aligned.
         let desc_bytes = size_of_val(table.descriptors.as_slice()) as u64;
         let start_bytes = size_of_val(table.block_starts.as_slice()) as u64;
-        // The staging buffer may still be read by the previous launch's upload.
-        // SAFETY: the stream is live.
-        unsafe { ffi::stream_synchronize(device, stream)? };
-        let staging = ensure(device, &mut slot.staging, desc_bytes + start_bytes, true)?;
-        let descs = ensure(device, &mut slot.descriptors, desc_bytes, false)?;
-        let starts = ensure(device, &mut slot.starts, start_bytes, false)?;
-        // SAFETY: 1. `staging` is pinned host memory of at least `desc_bytes + start_bytes`
-        // bytes, and nothing reads it (synchronized above); 2. the source slices are live;
-        // 3. `GatherDescriptor` is `repr(C)` plain data, `u32` likewise.
+        let index = take_table(device, &mut slot, desc_bytes + start_bytes)?;
+        let buffer = &slot.tables[index];
+        // SAFETY: 1. `buffer.host` is pinned host memory of at least `desc_bytes +
+        // start_bytes` bytes that nothing reads (`take_table` waited for its last launch);
+        // 2. the source slices are live; 3. `GatherDescriptor` is `repr(C)` plain data, `u32`
+        // likewise.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 table.descriptors.as_ptr().cast::<u8>(),
-                staging as *mut u8,
+                buffer.host as *mut u8,
                 desc_bytes as usize,
             );
             std::ptr::copy_nonoverlapping(
                 table.block_starts.as_ptr().cast::<u8>(),
-                (staging + desc_bytes) as *mut u8,
+                (buffer.host + desc_bytes) as *mut u8,
                 start_bytes as usize,
             );
         }
-        // SAFETY: staging and device buffers are live and large enough (ensured above) until
-        // they are next grown, which synchronizes the stream first.
-        unsafe {
-            ffi::memcpy_async(device, descs, staging, desc_bytes, stream)?;
-            ffi::memcpy_async(device, starts, staging + desc_bytes, start_bytes, stream)?;
-        }
+        let (descs, starts) = (buffer.device, buffer.device + desc_bytes);
         debug_assert_eq!(size_of::<GatherDescriptor>(), 24);
-        // SAFETY: the kernel was loaded on this device; the uploads precede the launch on the
-        // same stream; descriptor validity is the caller's contract.
+        let args = ffi::GatherArgs {
+            descs,
+            starts,
+            count: table.descriptors.len() as u32,
+            blocks: table.blocks(),
+        };
+        // SAFETY: the buffers are live, large enough and idle (`take_table`) until the event
+        // recorded below is reached, which their next use waits for; the kernel was loaded on
+        // this device; the upload precedes the launch on the same live stream; descriptor
+        // validity is the caller's contract.
         unsafe {
-            ffi::launch_gather(
-                device,
-                function,
-                stream,
-                BLOCK_THREADS,
-                ffi::GatherArgs {
-                    descs,
-                    starts,
-                    count: table.descriptors.len() as u32,
-                    blocks: table.blocks(),
-                },
-            )
+            ffi::memcpy_async(device, descs, buffer.host, desc_bytes + start_bytes, stream)?;
+            let launched = ffi::launch_gather(device, function, stream, BLOCK_THREADS, args);
+            // Recorded even if the launch failed: the upload is queued either way.
+            ffi::event_record(device, buffer.used, stream)?;
+            launched
         }
+    }
+
+    unsafe fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: u64,
+    ) -> Result<(), DeviceError> {
+        self.check(device)?;
+        ffi::set_device(device)?;
+        // SAFETY: the caller's contract: a live stream of `device`.
+        unsafe { ffi::stream_synchronize(device, stream as ffi::hipStream_t) }
+    }
+
+    unsafe fn record_event(&self, device: DeviceOrdinal, queue: Queue) -> Result<u64, DeviceError> {
+        let mut slot = self.slot(device)?;
+        let stream = self.queue(device, &mut slot, queue)?;
+        let event = ffi::event_create(device)?;
+        // SAFETY: created above on the current device; the stream is live (ours, or the
+        // caller's by this function's contract).
+        if let Err(e) = unsafe { ffi::event_record(device, event, stream) } {
+            // SAFETY: created above, never handed out.
+            unsafe { ffi::event_destroy(event) };
+            return Err(e);
+        }
+        Ok(event as u64)
+    }
+
+    unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError> {
+        // SAFETY: the caller's contract: a live event from `record_event`.
+        unsafe { ffi::event_query(device, event as ffi::hipEvent_t) }
+    }
+
+    unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        // SAFETY: as above.
+        unsafe { ffi::event_synchronize(device, event as ffi::hipEvent_t) }
+    }
+
+    unsafe fn destroy_event(&self, _device: DeviceOrdinal, event: u64) {
+        // SAFETY: the caller's contract: live, destroyed once.
+        unsafe { ffi::event_destroy(event as ffi::hipEvent_t) }
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
@@ -269,14 +349,17 @@ impl Drop for HipRuntime {
                 // SAFETY: the stream is live; waiting makes the buffers below idle.
                 let _ = unsafe { ffi::stream_synchronize(device, stream) };
             }
-            // SAFETY: each buffer came from its allocator in `ensure` and is idle (synchronized
-            // above); the runtime is being dropped, so nothing queues more work.
+            // SAFETY: each table buffer came from its allocator in `take_table` and is idle
+            // once its event is reached (waited for here, caller streams included); the runtime
+            // is being dropped, so nothing queues more work; each event is destroyed once.
             unsafe {
-                if let Some((addr, _)) = slot.staging {
-                    let _ = ffi::host_free(device, addr);
-                }
-                for (addr, _) in [slot.descriptors, slot.starts].into_iter().flatten() {
-                    let _ = ffi::free(device, addr);
+                for table in slot.tables.drain(..) {
+                    let _ = ffi::event_synchronize(device, table.used);
+                    if table.capacity > 0 {
+                        let _ = ffi::host_free(device, table.host);
+                        let _ = ffi::free(device, table.device);
+                    }
+                    ffi::event_destroy(table.used);
                 }
             }
             ffi::release(device, slot.stream.take(), slot.kernel.take());

@@ -5,8 +5,13 @@
 //! - Device memory is host memory the simulator allocates (256-byte aligned, zeroed) and owns;
 //!   its "device address" is its host address, so descriptors are real pointers.
 //! - Pinning host memory records the region; its device alias is its own address.
-//! - Work runs at submit: a copy or a gather launch executes before the call returns, and
+//! - Work runs at submit: a copy or a gather launch executes before the call returns, on
+//!   whatever [`Queue`] it names (a caller's stream handle is any value here), and
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
+//! - Events complete on the host: one recorded after work is complete when recorded, and
+//!   waiting for it reports an injected [`DeviceFault::Synchronize`], as a GPU reports a
+//!   faulting kernel at the event after it. Handles are checked: an unknown or destroyed
+//!   event is an error.
 //! - The gather kernel runs on the CPU from the very [`LaunchTable`] the GPU
 //!   kernel reads: block by block, each block finding its descriptor by the same search and
 //!   copying its slice by the same vector / word / byte path choice. A descriptor bug shows up
@@ -26,7 +31,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::DeviceOrdinal;
 
-use crate::{DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable};
+use crate::{DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, Queue};
 use memory::Allocation;
 
 /// An operation the simulator can be told to fail once.
@@ -64,6 +69,10 @@ struct State {
     uploaded: LaunchTable,
     /// The overlap check's scratch: (start, end, is a destination, descriptor index).
     ranges: Vec<(u64, u64, bool, usize)>,
+    /// Live events: handle to device.
+    events: BTreeMap<u64, DeviceOrdinal>,
+    /// The next event handle (never 0).
+    next_event: u64,
 }
 
 impl SimDevice {
@@ -139,6 +148,13 @@ impl State {
         let (&start, &(d, region_len)) = self.pinned.range(..=addr).next_back()?;
         let fits = addr.checked_add(len).is_some_and(|end| end <= start + region_len);
         (d == device && fits).then_some((start, start + region_len))
+    }
+
+    fn check_event(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        match self.events.get(&event) {
+            Some(&d) if d == device => Ok(()),
+            _ => Err(DeviceError::InvalidAddress { device, addr: event, len: 0 }),
+        }
     }
 
     fn take_fault(&mut self, fault: DeviceFault) -> Result<(), DeviceError> {
@@ -222,6 +238,7 @@ impl DeviceRuntime for SimDevice {
         dst: u64,
         src: u64,
         len: u64,
+        _queue: Queue,
     ) -> Result<(), DeviceError> {
         self.check_device(device)?;
         let mut state = self.lock();
@@ -244,7 +261,12 @@ impl DeviceRuntime for SimDevice {
         Ok(())
     }
 
-    unsafe fn gather(&self, device: DeviceOrdinal, table: &LaunchTable) -> Result<(), DeviceError> {
+    unsafe fn gather(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        _queue: Queue,
+    ) -> Result<(), DeviceError> {
         self.check_device(device)?;
         let mut state = self.lock();
         state.take_fault(DeviceFault::Launch)?;
@@ -281,6 +303,41 @@ impl DeviceRuntime for SimDevice {
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
         self.check_device(device)?;
         self.lock().take_fault(DeviceFault::Synchronize)
+    }
+
+    unsafe fn stream_synchronize(&self, device: DeviceOrdinal, _: u64) -> Result<(), DeviceError> {
+        self.synchronize(device)
+    }
+
+    unsafe fn record_event(
+        &self,
+        device: DeviceOrdinal,
+        _queue: Queue,
+    ) -> Result<u64, DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        state.next_event += 1;
+        let event = state.next_event;
+        state.events.insert(event, device);
+        Ok(event)
+    }
+
+    unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError> {
+        self.lock().check_event(device, event)?;
+        Ok(true)
+    }
+
+    unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        let mut state = self.lock();
+        state.check_event(device, event)?;
+        state.take_fault(DeviceFault::Synchronize)
+    }
+
+    unsafe fn destroy_event(&self, device: DeviceOrdinal, event: u64) {
+        let mut state = self.lock();
+        if state.check_event(device, event).is_ok() {
+            state.events.remove(&event);
+        }
     }
 }
 
