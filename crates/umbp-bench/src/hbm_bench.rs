@@ -1,7 +1,8 @@
 //! `umbp-bench hbm`: the device engine on one backend (the simulated device, HIP or CUDA).
 //!
 //! 1. **Checks**, each verified byte for byte: a 256 KiB host → device → host round trip,
-//!    scattered misaligned pieces through exactly one gather launch, and device → device.
+//!    scattered misaligned pieces through exactly one gather launch, device → device, and six
+//!    layer groups queued on the device's default stream with an event after each.
 //!    Then the engine **calibrates** the device ([`HbmEngine::calibrate`]) and reports where
 //!    it found the kernel faster; the measurements below use that threshold.
 //! 2. **The link ceiling**: one large copy of the batch from pinned host memory to the device,
@@ -25,10 +26,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use umbp_hbm::{DeviceRuntime, HbmConfig, HbmEngine, SimDevice};
+use umbp_hbm::{DeviceEvent, DeviceRuntime, HbmConfig, HbmEngine, SimDevice};
 use umbp_plan::{
-    DeviceOrdinal, EndpointId, EndpointRegistry, Fragment, PageWalk, PlanBuilder, Register,
-    Registration, Tag, TransferEngine,
+    DeviceOrdinal, DeviceStream, EndpointId, EndpointRegistry, Fragment, PageWalk, PlanBuilder,
+    Register, Registration, Tag, TransferEngine,
 };
 
 use crate::chart::{BarChart, Series};
@@ -155,7 +156,7 @@ pub struct HbmReport {
 /// Runs the bench on the backend `config` names.
 pub fn run(config: &HbmBenchConfig, progress: &Progress) -> anyhow::Result<HbmReport> {
     let steps =
-        1 + 3 + 2 + 4 * config.fragment_sizes.len() + usize::from(config.restore_objects > 0);
+        1 + 4 + 2 + 4 * config.fragment_sizes.len() + usize::from(config.restore_objects > 0);
     progress.section("hbm", steps);
     match config.backend {
         HbmBackend::Sim => run_on(Arc::new(SimDevice::new(1)), config, progress),
@@ -337,7 +338,71 @@ fn checks<D: DeviceRuntime>(
         len,
         moved && rig.read(&copy).as_deref() == Some(src.bytes()),
     ));
+
+    progress.step("check: layer groups on a caller's stream");
+    out.push(check(
+        "6 layer groups on a stream, an event each",
+        STREAM_CHECK_BYTES,
+        stream_check(rig, &src, &src_reg)?,
+    ));
     Ok(out)
+}
+
+/// Bytes the stream check moves.
+const STREAM_CHECK_BYTES: u64 = 6 * 16 * 4096;
+
+/// Six layer groups of 16 scattered 4 KiB pages each (a gather launch per group, so the
+/// runtime's ring of launch tables wraps), queued on the device's default stream (handle 0)
+/// one after the other, an event recorded after each; then the events waited for in order and
+/// every byte compared.
+fn stream_check<D: DeviceRuntime>(
+    rig: &Rig<D>,
+    src: &HostBuffer,
+    src_reg: &Registration,
+) -> anyhow::Result<bool> {
+    const GROUPS: u64 = 6;
+    const PAGES: u64 = 16;
+    let page = STREAM_CHECK_BYTES / GROUPS / PAGES;
+    let dev = rig.device(GROUPS * PAGES * page)?;
+    // SAFETY: handle 0 is the runtime's default stream of the device, which always exists (and
+    // any value is a stream on the simulated device).
+    let stream = unsafe { DeviceStream::new(GPU, 0) };
+    let source_page = |g: u64, k: u64| (g * 7 + k * 5) % (src.bytes().len() as u64 / page);
+    let mut pending = Vec::new();
+    for g in 0..GROUPS {
+        let mut b = rig.gather.incremental_builder();
+        b.begin_object(Tag::new(0))?;
+        for k in 0..PAGES {
+            let at = (g * PAGES + k) * page;
+            b.push(Fragment::new(
+                src_reg.id(),
+                source_page(g, k) * page,
+                dev.id(),
+                at,
+                page,
+                Tag::new(0),
+            ))?;
+        }
+        b.commit_object()?;
+        let mut plans = b.finish()?;
+        plans.set_stream(Some(stream));
+        let handle = rig.gather.submit(plans);
+        let event = DeviceEvent::record(Arc::clone(rig.gather.runtime()), stream)?;
+        pending.push((handle.is_queued(), event, handle));
+    }
+    let mut ok = true;
+    for (queued, event, handle) in pending {
+        ok &= queued && event.wait().is_ok() && handle.into_settled().failures.is_empty();
+    }
+    let Some(got) = rig.read(&dev) else { return Ok(false) };
+    for g in 0..GROUPS {
+        for k in 0..PAGES {
+            let at = ((g * PAGES + k) * page) as usize;
+            let from = (source_page(g, k) * page) as usize;
+            ok &= got[at..at + page as usize] == src.bytes()[from..from + page as usize];
+        }
+    }
+    Ok(ok)
 }
 
 /// Median and spread of `times`.

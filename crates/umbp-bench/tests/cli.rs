@@ -309,7 +309,7 @@ fn hbm_json_fields() {
         ],
     );
     assert!(!calibration.is_empty(), "the engine calibrates before measuring");
-    assert_eq!(checks.len(), 3, "round trip, scattered gather, device to device");
+    assert_eq!(checks.len(), 4, "round trip, scattered gather, device to device, stream");
     assert!(checks.iter().all(|c| c["passed"] == true && c["backend"] == "sim"));
     let count = |kind: &str| rows.iter().filter(|r| r["kind"] == kind).count();
     assert_eq!(count("ceiling"), 2, "one ceiling each way");

@@ -582,6 +582,14 @@ impl Batch {
         self.shared.wait_until(None, |p| p.groups_enqueued >= through);
     }
 
+    /// [`wait_group_enqueued`](Self::wait_group_enqueued) with a deadline; whether the groups
+    /// were enqueued.
+    pub fn wait_group_enqueued_timeout(&self, group: u32, timeout: Duration) -> bool {
+        let through = self.shared.groups_through(group);
+        let deadline = Instant::now().checked_add(timeout);
+        self.shared.wait_until(deadline, |p| p.groups_enqueued >= through)
+    }
+
     /// Blocks until every transfer of groups up to `group` has settled, while later groups may
     /// still be moving. An object whose bytes span several groups is settled only with its last
     /// group: its earlier ranges are in place (unless the batch reports it failed).

@@ -135,11 +135,8 @@ const OBJECT: u64 = 4096;
 /// Waits up to ten seconds for groups through `group` to be enqueued; fails the test instead
 /// of hanging when they never are.
 fn enqueued_soon(batch: &umbp_composite::Batch, group: u32) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !batch.is_group_enqueued(group) {
-        assert!(std::time::Instant::now() < deadline, "group {group} never enqueued");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let enqueued = batch.wait_group_enqueued_timeout(group, Duration::from_secs(10));
+    assert!(enqueued && batch.is_group_enqueued(group), "group {group} never enqueued");
 }
 
 struct StreamRig {

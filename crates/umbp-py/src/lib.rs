@@ -26,12 +26,12 @@ use umbp_composite::{
     start_offload, start_restore, Batch as CompositeBatch, CompositeConfig, CompositeEngine,
     ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging, TransferReport,
 };
-use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+use umbp_hbm::{HbmConfig, HbmEngine, LayerEvents, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    AlignedBuffer, DeviceOrdinal, Endpoint, EndpointRegistry, FailureCause, FileOptions,
-    FileSource, Fragment, ObjectState, Register, RegisterError, Registration as Guard, Tag,
-    TransferEngine,
+    AlignedBuffer, DeviceOrdinal, DeviceStream, Endpoint, EndpointRegistry, FailureCause,
+    FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register, RegisterError,
+    Registration as Guard, Tag, TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 
@@ -80,6 +80,43 @@ impl Device {
             Device::Sim(_) => "sim",
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => "cuda",
+        }
+    }
+
+    fn layer_events(&self, stream: DeviceStream) -> Events {
+        match self {
+            Device::Sim(e) => Events::Sim(e.layer_events(stream)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => Events::Cuda(e.layer_events(stream)),
+        }
+    }
+}
+
+/// One event per layer group of a batch on a caller's stream, over whichever runtime.
+enum Events {
+    Sim(Arc<LayerEvents<SimDevice>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<LayerEvents<umbp_hbm::CudaRuntime>>),
+}
+
+impl Events {
+    fn listener(&self) -> Arc<dyn GroupListener> {
+        match self {
+            Events::Sim(e) => e.clone(),
+            #[cfg(feature = "cuda")]
+            Events::Cuda(e) => e.clone(),
+        }
+    }
+
+    fn event(
+        &self,
+        group: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Option<u64>, umbp_hbm::DeviceError> {
+        match self {
+            Events::Sim(e) => e.event(group, timeout),
+            #[cfg(feature = "cuda")]
+            Events::Cuda(e) => e.event(group, timeout),
         }
     }
 }
@@ -268,14 +305,18 @@ impl Engine {
 
     /// Starts restoring (`restore=True`) or offloading `objects` and returns the batch at once.
     /// Each object is `(tag, tier_id, page_offsets_u64_le, page_size, size, ranges)`, each range
-    /// `(offset, length, endpoint_id, endpoint_offset, group)`.
-    #[pyo3(signature = (objects, restore, timeout=None))]
+    /// `(offset, length, endpoint_id, endpoint_offset, group)`. With `stream` (a raw stream
+    /// handle of device `stream_device`), device work is queued on that stream and one event
+    /// per layer group is recorded there.
+    #[pyo3(signature = (objects, restore, timeout=None, stream=None, stream_device=0))]
     fn start(
         &self,
         py: Python<'_>,
         objects: Vec<ObjectTuple>,
         restore: bool,
         timeout: Option<f64>,
+        stream: Option<u64>,
+        stream_device: u32,
     ) -> PyResult<Batch> {
         let specs: Vec<Spec> = objects
             .into_iter()
@@ -299,6 +340,12 @@ impl Engine {
             .collect::<PyResult<_>>()?;
         let composite = Arc::clone(&self.composite);
         let deadline = timeout.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+        // SAFETY: the Python layer documents the promise (a live stream of that device, kept
+        // until the batch settles), as a raw handle from torch is all Python can give.
+        let stream =
+            stream.map(|raw| unsafe { DeviceStream::new(DeviceOrdinal::new(stream_device), raw) });
+        let events = stream.map(|s| self.device.layer_events(s));
+        let listener = events.as_ref().map(Events::listener);
         let batch = py.allow_threads(move || {
             let transfers: Vec<ObjectTransfer<'_>> = specs
                 .iter()
@@ -315,13 +362,17 @@ impl Engine {
                 .collect();
             let mut builder = composite.builder();
             builder.set_deadline(deadline);
+            builder.set_stream(stream);
+            if let Some(listener) = listener {
+                builder.set_group_listener(listener);
+            }
             if restore {
                 start_restore(&mut builder, &transfers)
             } else {
                 start_offload(&mut builder, &transfers)
             }
         });
-        Ok(Batch { batch: Some(batch.map_err(error)?) })
+        Ok(Batch { batch: Some(batch.map_err(error)?), events })
     }
 
     /// Counters per (engine, direction), and what is in flight, as a dict.
@@ -491,6 +542,8 @@ impl Drop for Registration {
 #[pyclass(module = "umbp._native")]
 struct Batch {
     batch: Option<CompositeBatch>,
+    /// The layer events, for a batch on a caller's stream.
+    events: Option<Events>,
 }
 
 impl Batch {
@@ -602,6 +655,44 @@ impl Batch {
             }
             Some(t) => batch.wait_group_timeout(group, Duration::from_secs_f64(t.max(0.0))),
         }))
+    }
+
+    /// Blocks (GIL released) until layer groups up to `group` are done or queued on the
+    /// batch's stream; False on timeout.
+    #[pyo3(signature = (group, timeout=None))]
+    fn wait_group_enqueued(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        timeout: Option<f64>,
+    ) -> PyResult<bool> {
+        let batch = self.get()?;
+        Ok(py.allow_threads(|| match timeout {
+            None => {
+                batch.wait_group_enqueued(group);
+                true
+            }
+            Some(t) => {
+                batch.wait_group_enqueued_timeout(group, Duration::from_secs_f64(t.max(0.0)))
+            }
+        }))
+    }
+
+    /// The raw event recorded on the batch's stream once layer group `group` was enqueued
+    /// (waits for it, GIL released); None on timeout. Valid while the batch lives.
+    #[pyo3(signature = (group, timeout=None))]
+    fn group_event(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<u64>> {
+        let events = self
+            .events
+            .as_ref()
+            .ok_or_else(|| Error::new_err("the batch was started without a stream"))?;
+        let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+        py.allow_threads(|| events.event(group, timeout)).map_err(error)
     }
 
     /// Skips what has not started and returns once nothing runs any more.

@@ -186,6 +186,56 @@ def test_cancel_and_timeouts(engine):
         assert engine.start_restore(objects[:1]).wait(timeout=10).ok
 
 
+def test_a_restore_on_a_stream_is_ready_per_group_with_an_event_each(engine):
+    # The simulated device takes any handle as a stream and finishes work as it is queued; on
+    # a GPU the same calls queue on the caller's CUDA stream (a torch.cuda.Stream works too).
+    tier_bytes = pattern(16 * PAGE, 4)
+    pages = np.array([9, 3, 12, 0], dtype=np.uint64) * PAGE
+    with engine.register(tier_bytes) as tier, engine.alloc_device(4 * PAGE) as kv:
+        ranges = [umbp.Range(k * PAGE, PAGE, kv, k * PAGE, group=k) for k in range(4)]
+        obj = umbp.Object(tag=5, tier=tier, page_offsets=pages, page_size=PAGE, size=4 * PAGE, ranges=ranges)
+        batch = engine.start_restore([obj], stream=0x1234, device=0)
+        events = []
+        for group in range(4):
+            assert batch.wait_group_enqueued(group, timeout=10)
+            event = batch.group_event(group, timeout=10)
+            assert isinstance(event, int) and event != 0
+            events.append(event)
+        assert len(set(events)) == 4, "one event per group"
+        assert batch.wait(timeout=10).ok
+        for k, page in enumerate(pages):
+            assert engine.read(kv, k * PAGE, PAGE) == bytes(tier_bytes[int(page):int(page) + PAGE])
+        plain = engine.start_restore([obj])
+        assert plain.wait(timeout=10).ok
+        with pytest.raises(umbp.Error, match="without a stream"):
+            plain.group_event(0)
+        with pytest.raises(TypeError):
+            engine.start_restore([obj], stream="not a stream")
+
+
+def test_the_kv_connector_loads_on_the_servers_stream(engine, tmp_path):
+    from umbp.connector import KVConnector
+
+    layers, blocks, block_bytes = 12, 4, 4096
+    buffers = [engine.alloc_device(blocks * block_bytes) for _ in range(layers)]
+    kv = KVConnector(engine, buffers, block_bytes, dram_slots=4, ssd_path=str(tmp_path / "kv.bin"), ssd_slots=4, layers_per_group=4)
+    data = {k: bytes(pattern(layers * block_bytes, 50 + i)) for i, k in enumerate(("a", "b"))}
+    kv.store("a", "dram", data["a"])
+    kv.store("b", "ssd", data["b"])
+    kv.start_load([("a", 1), ("b", 3)], stream=77)
+    for layer in range(layers):
+        assert kv.wait_for_layer(layer, timeout=30) == []
+    loaded, _ = kv.finished()
+    assert loaded == {"a", "b"}
+    for layer in (0, 5, 11):
+        for key, block in (("a", 1), ("b", 3)):
+            got = engine.read(buffers[layer], block * block_bytes, block_bytes)
+            assert got == data[key][layer * block_bytes:(layer + 1) * block_bytes]
+    kv.close()
+    for b in buffers:
+        b.close()
+
+
 def test_the_kv_connector_loads_61_layers_in_groups_in_order(engine, tmp_path):
     from umbp.connector import KVConnector
 

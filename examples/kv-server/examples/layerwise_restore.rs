@@ -1,13 +1,18 @@
 //! A layer-wise restore: the server starts restoring a prefix, then runs its forward pass layer
 //! group by layer group, each group waiting only for its own KV ranges.
 //!
+//! Then the same restore on the server's compute stream: the device work is queued there, the
+//! host waits only until each group is *queued*, and one event per group is recorded for any
+//! other stream to wait on. (The simulated device takes any handle as a stream; on a GPU it is
+//! the server's `CUstream`, such as `torch.cuda.current_stream().cuda_stream`.)
+//!
 //! Run: `cargo run -p umbp-kv-server-examples --example layerwise_restore`
 
 use std::time::{Duration, Instant};
 
 use umbp_composite::{start_restore, ObjectRange, ObjectTransfer, PagedObject};
 use umbp_kv_server_examples::{Pool, GPU};
-use umbp_plan::BatchState;
+use umbp_plan::{BatchState, DeviceStream};
 
 const PAGE: usize = 64 << 10;
 const OBJECTS: usize = 16;
@@ -78,5 +83,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!("all {OBJECTS} objects restored and verified in {:?}", start.elapsed());
+
+    // The same restore on the compute stream, with one event per layer group.
+    // SAFETY: the simulated device accepts any handle; on a GPU this must be a live stream of
+    // `GPU` that outlives the batch.
+    let stream = unsafe { DeviceStream::new(GPU, 0x57) };
+    let events = pool.hbm.layer_events(stream);
+    let mut builder = pool.composite.builder();
+    builder.set_stream(Some(stream));
+    builder.set_group_listener(events.clone());
+    let start = Instant::now();
+    let batch = start_restore(&mut builder, &objects)?;
+    for g in 0..GROUPS as u32 {
+        // Returns once group `g` is done on the host (SSD, staging) or queued on the stream:
+        // the layer's kernels, queued next on the same stream, run after its bytes.
+        batch.wait_group_enqueued(g);
+        let event = events.event(g, None)?.expect("recorded when enqueued");
+        println!("layer group {g} queued after {:?} (event {event:#x})", start.elapsed());
+    }
+    let report = batch.wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+    for g in 0..GROUPS as u32 {
+        events.synchronize(g)?; // the host can wait for any group's event too
+    }
+    println!("the same restore on a stream: completed, {GROUPS} group events reached");
     Ok(())
 }

@@ -199,6 +199,21 @@ class Batch:
         from :meth:`state` or :meth:`wait`."""
         return self._native.wait_group(group, timeout)
 
+    def wait_group_enqueued(self, group: int, timeout: Optional[float] = None) -> bool:
+        """For a batch started with a ``stream``: waits until layer groups ``0 ..= group`` are
+        done or queued on that stream, so kernels you launch on the stream from now on run
+        after their bytes landed, without waiting for the device here. False if ``timeout``
+        seconds pass first. Without a stream it is :meth:`wait_group`. Failures show once the
+        group settles (:meth:`wait_group`, :meth:`wait`)."""
+        return self._native.wait_group_enqueued(group, timeout)
+
+    def group_event(self, group: int, timeout: Optional[float] = None) -> Optional[int]:
+        """For a batch started with a ``stream``: the raw event (``CUevent``) recorded on it
+        once layer group ``group`` was enqueued, for another stream to wait on
+        (``cudaStreamWaitEvent``); waits for it to be recorded, None if ``timeout`` passes.
+        Valid while the batch object lives."""
+        return self._native.group_event(group, timeout)
+
     def cancel(self) -> Report:
         """Skips what has not started, waits for what runs, and returns the report."""
         return Report._from(self._native.cancel())
@@ -226,6 +241,19 @@ def _host_address(buffer: Any):
     held = (_ctypes.c_char * nbytes).from_buffer(view) if nbytes else view
     address = _ctypes.addressof(held) if nbytes else 0
     return address, nbytes, (held, view, buffer)
+
+
+def _stream(stream: Any, device: Optional[int]):
+    """The raw handle and device of a ``torch.cuda.Stream``, a raw int, or None."""
+    if stream is None:
+        return None, 0
+    raw = getattr(stream, "cuda_stream", stream)
+    if not isinstance(raw, int):
+        raise TypeError("stream must be a torch.cuda.Stream or a raw stream handle (int)")
+    if device is None:
+        index = getattr(getattr(stream, "device", None), "index", None)
+        device = index or 0
+    return raw, device
 
 
 class Engine:
@@ -308,16 +336,36 @@ class Engine:
         """Copies ``data`` into any registered endpoint at ``offset``."""
         self._native.write(target, offset, bytes(data))
 
-    def start_restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Batch:
+    def start_restore(
+        self,
+        objects: Sequence[Object],
+        timeout: Optional[float] = None,
+        stream: Any = None,
+        device: Optional[int] = None,
+    ) -> Batch:
         """Starts restoring ``objects`` (their ranges, from the tier into your endpoints) and
         returns the batch at once. ``timeout``: a deadline in seconds after which what has not
-        arrived fails."""
-        return Batch(self._native.start([o._native() for o in objects], True, timeout))
+        arrived fails.
 
-    def start_offload(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Batch:
+        ``stream``: a ``torch.cuda.Stream`` (or a raw ``CUstream`` as an int, on ``device``):
+        the device work is queued on it, ordered with your kernels there, and
+        :meth:`Batch.wait_group_enqueued` and :meth:`Batch.group_event` give per-layer
+        readiness without waiting for the device. The stream must outlive the batch."""
+        raw, on = _stream(stream, device)
+        return Batch(self._native.start([o._native() for o in objects], True, timeout, raw, on))
+
+    def start_offload(
+        self,
+        objects: Sequence[Object],
+        timeout: Optional[float] = None,
+        stream: Any = None,
+        device: Optional[int] = None,
+    ) -> Batch:
         """Starts offloading ``objects``: their ranges (which must tile each object) from your
-        endpoints into the tier's pages."""
-        return Batch(self._native.start([o._native() for o in objects], False, timeout))
+        endpoints into the tier's pages. ``stream``: as for :meth:`start_restore` (reads of
+        device memory then follow your kernels queued there before)."""
+        raw, on = _stream(stream, device)
+        return Batch(self._native.start([o._native() for o in objects], False, timeout, raw, on))
 
     def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
         """:meth:`start_restore`, then waits; one result per object."""

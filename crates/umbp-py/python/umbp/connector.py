@@ -22,7 +22,7 @@ It is an example of real use, tested, not a dependency on any server.
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 from . import Batch, Engine, Error, Object, Range, Registration
 
@@ -64,6 +64,7 @@ class KVConnector:
         self.index: Dict[Hashable, Tuple[Registration, int]] = {}
         self._free = {id(self.dram): list(range(dram_slots))[::-1], id(self.ssd): list(range(ssd_slots))[::-1]}
         self._load: Optional[Batch] = None
+        self._load_on_stream = False
         self._load_keys: Dict[int, Hashable] = {}
         self._saves: List[Tuple[Batch, Dict[int, Hashable]]] = []
         self._saving: Dict[Hashable, Tuple[Registration, int]] = {}
@@ -99,9 +100,14 @@ class KVConnector:
 
     # -- loading ---------------------------------------------------------------------------
 
-    def start_load(self, requests: Sequence[Tuple[Hashable, int]]) -> None:
+    def start_load(self, requests: Sequence[Tuple[Hashable, int]], stream: Any = None) -> None:
         """Starts restoring cached blocks: each request is ``(key, block)``, block ``block`` of
-        every layer's buffer receiving the cached block ``key``. Returns at once."""
+        every layer's buffer receiving the cached block ``key``. Returns at once.
+
+        ``stream``: the server's compute stream (a ``torch.cuda.Stream`` or raw handle): the
+        device work is queued on it, and :meth:`wait_for_layer` returns as soon as the layer's
+        group is queued there, so the layer's kernels launched next run after its bytes, with
+        no host wait for the device."""
         if self._load is not None:
             raise Error("a load is already in flight; wait for it first")
         objects = []
@@ -121,14 +127,22 @@ class KVConnector:
             objects.append(Object(tag, tier, self._slot_pages(slot), self.block_bytes, self.slot_bytes, ranges))
             keys[tag] = key
         self._load_keys = keys
-        self._load = self.engine.start_restore(objects)
+        self._load = self.engine.start_restore(objects, stream=stream)
+        self._load_on_stream = stream is not None
 
     def wait_for_layer(self, layer: int, timeout: Optional[float] = None) -> List[Hashable]:
-        """Blocks until ``layer``'s group has landed. Returns the keys whose load failed (their
-        blocks in this layer hold no cached bytes); empty when all arrived."""
+        """Blocks until ``layer``'s group has landed (or, for a load on a stream, is queued
+        there). Returns the keys whose load failed so far (their blocks in this layer hold no
+        cached bytes); empty when all arrived. On a stream a failure may show only later: check
+        :meth:`finished` before trusting a block for reuse."""
         if self._load is None:
             return []
-        if not self._load.wait_group(self.group_of(layer), timeout):
+        group = self.group_of(layer)
+        if self._load_on_stream:
+            ready = self._load.wait_group_enqueued(group, timeout)
+        else:
+            ready = self._load.wait_group(group, timeout)
+        if not ready:
             raise Error(f"layer {layer} did not land within {timeout} s")
         return [self._load_keys[t] for t, _ in self._failed_loads()]
 
