@@ -114,73 +114,59 @@ struct Memory<D> {
     pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
     /// Device memory this engine allocated: (device, address).
     owned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64)>>,
-    /// Submits whose work may still touch memory, and whether something waits to release
-    /// memory (unpin, free): see [`Running`] and [`Memory::quiet`].
-    activity: Mutex<Activity>,
-    /// Signalled when `activity` changes.
-    activity_changed: Condvar,
+    /// How many submits whose work is not complete use each pinned endpoint (by its alias in
+    /// a gather, or by DMA in a copy): [`Running`] holds the counts, `unpin` waits for zero.
+    in_use: Mutex<HashMap<EndpointId, usize>>,
+    /// Signalled when a count of `in_use` drops to zero.
+    unused: Condvar,
 }
 
-#[derive(Default)]
-struct Activity {
-    running: usize,
-    releasing: bool,
+/// The pinned endpoints one submit uses, from its start until its work is complete (it
+/// synchronized, or the event after it on a caller's stream completed). Owned, so a pending
+/// transfer handle can hold it. Only the pinnings it names wait for it: a submit never waits
+/// for a release, so a lane holding several pending handles cannot deadlock with an `unpin`.
+struct Running<D: DeviceRuntime> {
+    memory: Arc<Memory<D>>,
+    uses: Vec<EndpointId>,
 }
-
-/// Ends [`Memory::quiet`]'s exclusive stretch, also when the release panics.
-struct Releasing<'a, D: DeviceRuntime>(&'a Memory<D>);
-
-impl<D: DeviceRuntime> Drop for Releasing<'_, D> {
-    fn drop(&mut self) {
-        self.0.activity().releasing = false;
-        self.0.activity_changed.notify_all();
-    }
-}
-
-/// A submit whose work may still touch registered memory: from its start until it has
-/// synchronized, or, on a caller's stream, until its event completed. Memory is unpinned or
-/// freed only while none runs. Owned, so a pending transfer handle can hold it.
-struct Running<D: DeviceRuntime>(Arc<Memory<D>>);
 
 impl<D: DeviceRuntime> Drop for Running<D> {
     fn drop(&mut self) {
-        let mut activity = self.0.activity();
-        activity.running -= 1;
-        if activity.running == 0 {
-            self.0.activity_changed.notify_all();
+        let mut in_use = lock(&self.memory.in_use);
+        let mut freed = false;
+        for id in &self.uses {
+            if let Some(n) = in_use.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    in_use.remove(id);
+                    freed = true;
+                }
+            }
+        }
+        if freed {
+            self.memory.unused.notify_all();
         }
     }
 }
 
 impl<D: DeviceRuntime> Memory<D> {
-    fn activity(&self) -> MutexGuard<'_, Activity> {
-        lock(&self.activity)
-    }
-
-    /// Marks a submit running; waits while memory is being released, so a release is never
-    /// starved by a stream of submits.
-    fn enter(self: &Arc<Self>) -> Running<D> {
-        let mut activity = self.activity();
-        while activity.releasing {
-            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
+    /// Marks the pinned endpoints among `ids` in use by a submit. The caller holds the lock of
+    /// `pinned` (`pinned` here), so an `unpin` either took the endpoint out before (and this
+    /// submit does not see it pinned) or waits for this submit.
+    fn enter(
+        self: &Arc<Self>,
+        pinned: &HashMap<EndpointId, (DeviceOrdinal, u64, u64)>,
+        ids: impl IntoIterator<Item = EndpointId>,
+    ) -> Running<D> {
+        let mut uses: Vec<EndpointId> =
+            ids.into_iter().filter(|id| pinned.contains_key(id)).collect();
+        uses.sort_unstable();
+        uses.dedup();
+        let mut in_use = lock(&self.in_use);
+        for &id in &uses {
+            *in_use.entry(id).or_default() += 1;
         }
-        activity.running += 1;
-        Running(Arc::clone(self))
-    }
-
-    /// Runs `release` while no submit runs and none starts.
-    fn quiet<T>(&self, release: impl FnOnce() -> T) -> T {
-        let mut activity = self.activity();
-        while activity.releasing {
-            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
-        }
-        activity.releasing = true;
-        while activity.running > 0 {
-            activity = self.activity_changed.wait(activity).unwrap_or_else(PoisonError::into_inner);
-        }
-        drop(activity);
-        let _releasing = Releasing(self);
-        release()
+        Running { memory: Arc::clone(self), uses }
     }
 
     /// Pins registered host endpoint `endpoint` for `device`, so gathers can use it.
@@ -196,28 +182,31 @@ impl<D: DeviceRuntime> Memory<D> {
         Ok(())
     }
 
-    /// Undoes `pin`. Waits for the submits running now, which may be using the pinned alias.
+    /// Undoes `pin`: later submits no longer see the endpoint pinned (they copy it), and the
+    /// pinning goes once the submits that use it have completed.
     fn unpin(&self, id: EndpointId) -> Result<(), Error> {
-        self.quiet(|| {
-            let pinned = lock(&self.pinned).remove(&id);
-            let (device, _, addr) = pinned.ok_or(Error::UnknownEndpoint(id))?;
-            // SAFETY: pinned by `pin`; no submit's work runs (`quiet`: every earlier one has
-            // synchronized or seen its event complete) and a later one sees it unpinned.
-            unsafe { self.runtime.unregister_host(device, addr)? };
-            Ok(())
-        })
+        let pinned = lock(&self.pinned).remove(&id);
+        let (device, _, addr) = pinned.ok_or(Error::UnknownEndpoint(id))?;
+        let mut in_use = lock(&self.in_use);
+        while in_use.contains_key(&id) {
+            in_use = self.unused.wait(in_use).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(in_use);
+        // SAFETY: pinned by `pin`, and unpinned once (removed from `pinned` above); no submit
+        // that saw it pinned still has work queued (`in_use` is clear), and later ones no longer
+        // see it.
+        unsafe { self.runtime.unregister_host(device, addr)? };
+        Ok(())
     }
 
     /// Frees memory from `alloc_device` whose endpoint is already deregistered.
     fn release_owned(&self, id: EndpointId) -> Result<(), Error> {
         let (device, addr) = lock(&self.owned).remove(&id).ok_or(Error::UnknownEndpoint(id))?;
-        // Every submit that could use it pinned it and has settled (the deregistration waited
-        // for them), and a later submit cannot resolve it; wait out any submit still running.
-        self.quiet(|| {
-            // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once; no
-            // submit's work runs (`quiet`).
-            unsafe { self.runtime.free(device, addr) }
-        })?;
+        // SAFETY: allocated by `alloc_device`, removed from `owned` so freed once. Every submit
+        // that used it pinned its endpoint in the registry and holds that pin until its work is
+        // complete (synchronized, or its stream event reached); the deregistration that led
+        // here waited for those pins, and no later submit can resolve the endpoint.
+        unsafe { self.runtime.free(device, addr)? };
         Ok(())
     }
 
@@ -248,8 +237,8 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             runtime: Arc::clone(&runtime),
             pinned: Mutex::new(HashMap::new()),
             owned: Mutex::new(HashMap::new()),
-            activity: Mutex::new(Activity::default()),
-            activity_changed: Condvar::new(),
+            in_use: Mutex::new(HashMap::new()),
+            unused: Condvar::new(),
         });
         let engine = Self {
             runtime,
@@ -381,15 +370,17 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         self.memory.unpin(id)
     }
 
-    /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only.
+    /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only;
+    /// returns the guard that keeps the pinnings it uses until the work is complete.
     fn bucket(
         &self,
         plans: &PlanSet,
         table: &EndpointTable,
         scratch: &mut Scratch,
         failed: &mut Vec<Failed>,
-    ) {
+    ) -> Running<D> {
         let pinned = lock(&self.memory.pinned);
+        let running = self.memory.enter(&pinned, plans.endpoints());
         for (pi, plan) in plans.plans().iter().enumerate() {
             let (Some(&src), Some(&dst)) = (table.get(plan.src()), table.get(plan.dst())) else {
                 let gone = if table.get(plan.src()).is_none() { plan.src() } else { plan.dst() };
@@ -441,6 +432,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                 }
             }
         }
+        running
     }
 
     /// Moves one device's bucket on `queue`; records the jobs that failed with their cause.
@@ -650,10 +642,10 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
             let failures = plans.fail_all(self.name(), FailureCause::TimedOut);
             return TransferHandle::settled(failures, plans);
         }
-        // Pinned before any lookup: a deregistration waits for this submit. `Running` keeps
-        // `unpin` and the release of a registration out until its work is complete.
+        // Pinned before any lookup: a deregistration waits for this submit, and `running` (from
+        // `bucket`) keeps the pinnings it uses until its work is complete.
         let pins = self.registry.pin(plans.endpoints());
-        let running = self.memory.enter();
+        let running;
         let table = Arc::clone(pins.table());
         let caller_device = self.runtime.current_device().ok();
         let stream = plans.stream();
@@ -674,7 +666,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                 b.kernel.clear();
                 b.copies.clear();
             });
-            self.bucket(&plans, &table, scratch, &mut failed);
+            running = self.bucket(&plans, &table, scratch, &mut failed);
             for (&device, bucket) in &scratch.buckets {
                 if bucket.kernel.is_empty() && bucket.copies.is_empty() {
                     continue;
@@ -790,7 +782,7 @@ impl<D: DeviceRuntime> StreamCompletion<D> {
     /// Waits for the event, destroys it, records a fault, and lets the memory go.
     fn finish(&mut self) {
         let Some(work) = self.work.take() else { return };
-        let runtime = &self.running.as_ref().expect("held until finished").0.runtime;
+        let runtime = &self.running.as_ref().expect("held until finished").memory.runtime;
         // SAFETY: recorded by `submit` on `work.device`, destroyed only below.
         let waited = unsafe { runtime.event_wait(work.device, work.event) };
         // SAFETY: as above; not used again.
@@ -813,7 +805,7 @@ impl<D: DeviceRuntime> Completion for StreamCompletion<D> {
         let (Some(work), Some(running)) = (&self.work, &self.running) else { return true };
         // SAFETY: recorded by `submit` on `work.device` and not yet destroyed (`work` is still
         // here). A fault counts as done: `wait` reports it without blocking.
-        unsafe { running.0.runtime.event_done(work.device, work.event) }.unwrap_or(true)
+        unsafe { running.memory.runtime.event_done(work.device, work.event) }.unwrap_or(true)
     }
 
     fn wait(&mut self) -> Settled {

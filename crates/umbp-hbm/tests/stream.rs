@@ -110,6 +110,43 @@ fn a_pending_stream_handle_keeps_its_memory_until_it_settles() {
 }
 
 #[test]
+fn unpinning_waits_only_for_the_submits_that_use_the_pinning() {
+    let e = Arc::new(engine());
+    let used = e.register_memory(pattern(8 * 4096, 6)).unwrap();
+    let unrelated = e.register_memory(pattern(4096, 7)).unwrap();
+    let dst = e.alloc_device(GPU, 8 * 4096).unwrap();
+    let mut plans = scattered(&e, &used, &dst, 8);
+    plans.set_stream(Some(stream(GPU, 3)));
+    let handle = e.submit(plans);
+
+    // Ending a registration the pending work does not use (its pinning goes too) does not wait
+    // for that work: a lane holding queued handles never blocks another request's cleanup.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(unrelated);
+        done.send(()).unwrap();
+    });
+    finished.recv_timeout(Duration::from_secs(10)).expect("an unrelated unpin waited");
+
+    // Unpinning what the pending work reads waits for it.
+    let unpinned = Arc::new(AtomicBool::new(false));
+    let unpinner = {
+        let (e, unpinned, id) = (Arc::clone(&e), Arc::clone(&unpinned), used.id());
+        std::thread::spawn(move || {
+            e.unpin(id).unwrap();
+            unpinned.store(true, Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!unpinned.load(Ordering::SeqCst), "unpinned under a pending transfer");
+    assert!(handle.into_settled().failures.is_empty());
+    unpinner.join().unwrap();
+    assert!(unpinned.load(Ordering::SeqCst));
+    let bytes = e.runtime().read(dst.endpoint().addr(), 8 * 4096).unwrap();
+    assert_eq!(bytes, expected(&pattern(8 * 4096, 6), 8));
+}
+
+#[test]
 fn a_fault_at_the_streams_event_fails_the_objects_on_the_stream_and_stops_the_kernel() {
     let e = engine();
     let src = e.register_memory(pattern(8 * 4096, 4)).unwrap();
