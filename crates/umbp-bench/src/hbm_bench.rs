@@ -807,7 +807,7 @@ mod tests {
         };
         let report = run(&config, &Progress::quiet()).unwrap();
         assert_eq!(report.calibration.len(), umbp_hbm::CALIBRATION_SIZES.len());
-        assert_eq!(report.checks.len(), 3);
+        assert_eq!(report.checks.len(), 4);
         assert!(report.checks.iter().all(|c| c.passed), "{:?}", report.checks);
         // 2 ceilings, 2 sizes x 2 directions x 2 modes, 1 restore.
         assert_eq!(report.rows.len(), 2 + 8 + 1);

@@ -156,6 +156,13 @@ impl CudaRuntime {
         }
     }
 
+    /// Makes the device's context current on this thread, without keeping its lock (for calls
+    /// that block, which must not stop other threads from queueing work).
+    fn make_current(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
+        let mut slot = self.slot(device)?;
+        self.enter(device, &mut slot)
+    }
+
     /// The stream work for `queue` goes on, with the device's context current.
     fn queue(
         &self,
@@ -358,8 +365,7 @@ impl DeviceRuntime for CudaRuntime {
         device: DeviceOrdinal,
         stream: u64,
     ) -> Result<(), DeviceError> {
-        let mut slot = self.slot(device)?;
-        self.enter(device, &mut slot)?;
+        self.make_current(device)?;
         // SAFETY: the caller's contract: a live stream of `device`.
         unsafe { self.driver.stream_synchronize(device, stream as Handle) }
     }
@@ -379,24 +385,32 @@ impl DeviceRuntime for CudaRuntime {
     }
 
     unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError> {
+        self.make_current(device)?;
         // SAFETY: the caller's contract: a live event from `record_event`.
         unsafe { self.driver.event_query(device, event as Handle) }
     }
 
     unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        self.make_current(device)?;
         // SAFETY: as above.
         unsafe { self.driver.event_synchronize(device, event as Handle) }
     }
 
-    unsafe fn destroy_event(&self, _device: DeviceOrdinal, event: u64) {
+    unsafe fn destroy_event(&self, device: DeviceOrdinal, event: u64) {
+        // Best effort: without the context the driver may refuse, and the event leaks.
+        let _ = self.make_current(device);
         // SAFETY: the caller's contract: live, destroyed once.
         unsafe { self.driver.event_destroy(event as Handle) }
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
-        let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
-        // SAFETY: the stream is live.
+        let stream = {
+            let mut slot = self.slot(device)?;
+            self.stream(device, &mut slot)?
+        };
+        // Waited for without the device's lock, so other threads keep queueing meanwhile.
+        // SAFETY: the stream is live (destroyed only when the runtime is dropped) and the
+        // context stays current on this thread.
         unsafe { self.driver.stream_synchronize(device, stream) }
     }
 }

@@ -315,24 +315,32 @@ impl DeviceRuntime for HipRuntime {
     }
 
     unsafe fn event_done(&self, device: DeviceOrdinal, event: u64) -> Result<bool, DeviceError> {
+        self.check(device)?;
+        ffi::set_device(device)?;
         // SAFETY: the caller's contract: a live event from `record_event`.
         unsafe { ffi::event_query(device, event as ffi::hipEvent_t) }
     }
 
     unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        self.check(device)?;
+        ffi::set_device(device)?;
         // SAFETY: as above.
         unsafe { ffi::event_synchronize(device, event as ffi::hipEvent_t) }
     }
 
-    unsafe fn destroy_event(&self, _device: DeviceOrdinal, event: u64) {
+    unsafe fn destroy_event(&self, device: DeviceOrdinal, event: u64) {
+        let _ = ffi::set_device(device);
         // SAFETY: the caller's contract: live, destroyed once.
         unsafe { ffi::event_destroy(event as ffi::hipEvent_t) }
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
-        let mut slot = self.slot(device)?;
-        let stream = self.stream(device, &mut slot)?;
-        // SAFETY: the stream is live.
+        let stream = {
+            let mut slot = self.slot(device)?;
+            self.stream(device, &mut slot)?
+        };
+        // Waited for without the device's lock, so other threads keep queueing meanwhile.
+        // SAFETY: the stream is live (destroyed only when the runtime is dropped).
         unsafe { ffi::stream_synchronize(device, stream) }
     }
 }
