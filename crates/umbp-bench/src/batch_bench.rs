@@ -25,7 +25,9 @@
 //! and single run back to back in every iteration, so drift of a shared machine cancels).
 //! For `ssd` the device's own service time cannot be told apart from the engine's, so its
 //! figures are plain wall time per transfer. Rows say which in `overhead`. `ratio` is single
-//! over batch (a batch overhead below 1 ns counts as 1 ns).
+//! over batch. A batch overhead that does not stand above its own noise (half the
+//! interquartile range of the per-iteration differences; see [`crate::measure`]) has no
+//! value: the row prints `below noise` with the noise as a bound, no ratio, and no met target.
 //!
 //! Targets: `ratio` at least 10 for `localcopy` and `hbm-sim`, at least 1.3 for `ssd`. Every
 //! path is verified after timing: destinations are poisoned, the path runs once more, and every
@@ -49,6 +51,7 @@ use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
+use crate::measure::{range_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::SplitMix;
 use crate::size::ByteSize;
@@ -139,20 +142,34 @@ pub struct BatchRow {
     pub overhead: &'static str,
     /// Median ns per transfer of the floor (copying the bytes, no engine); `null` for `ssd`.
     pub floor_ns_per_transfer: Option<f64>,
-    /// Median wall ns per transfer of the batch path.
+    /// The floor's spread over the iterations; `null` for `ssd`.
+    pub floor_spread: Option<f64>,
+    /// Median wall ns per transfer of the batch path, and its spread.
     pub batch_wall_ns_per_transfer: f64,
+    /// The spread of the batch path's wall time.
+    pub batch_wall_spread: f64,
     /// Median wall ns per transfer of the single-submit path.
     pub single_wall_ns_per_transfer: f64,
-    /// Overhead ns per transfer of the batch path (as `overhead` says).
-    pub batch_ns_per_transfer: f64,
-    /// Overhead ns per transfer of the single-submit path (as `overhead` says).
-    pub single_ns_per_transfer: f64,
-    /// `single_ns_per_transfer / batch_ns_per_transfer`.
-    pub ratio: f64,
+    /// The spread of the single path's wall time.
+    pub single_wall_spread: f64,
+    /// Overhead ns per transfer of the batch path (as `overhead` says); `null` when it does
+    /// not stand above `batch_noise_ns` (below noise).
+    pub batch_ns_per_transfer: Option<f64>,
+    /// The noise of the batch overhead: half the interquartile range of its per-iteration
+    /// differences (the bound when it is below noise).
+    pub batch_noise_ns: f64,
+    /// Overhead ns per transfer of the single-submit path; `null` when below noise.
+    pub single_ns_per_transfer: Option<f64>,
+    /// The noise of the single overhead.
+    pub single_noise_ns: f64,
+    /// `single_ns_per_transfer / batch_ns_per_transfer`; `null` when either is below noise.
+    pub ratio: Option<f64>,
+    /// `[low, high]`: the range the ratio spans within both overheads' noise; `null` with it.
+    pub ratio_range: Option<[f64; 2]>,
     /// The least `ratio` targeted: 10 (`localcopy`, `hbm-sim`) or 1.3 (`ssd`).
     pub target_ratio: f64,
-    /// `ratio >= target_ratio`.
-    pub met: bool,
+    /// `met`, `unmet`, `within noise` or `below noise` (only `met` counts as met).
+    pub verdict: Verdict,
     /// Both paths delivered every byte correctly after timing.
     pub verified: bool,
 }
@@ -252,13 +269,12 @@ fn single<E: TransferEngine, B: PlanBuilder>(
     f.iter().try_for_each(|f| execute(e, b, std::slice::from_ref(f)))
 }
 
-/// Medians in ns per transfer.
+/// Every iteration's ns per transfer of each path (the floor's all zero when there is none).
 struct Timing {
-    floor: Option<f64>,
-    batch_wall: f64,
-    single_wall: f64,
-    batch: f64,
-    single: f64,
+    has_floor: bool,
+    floor: Vec<f64>,
+    batch: Vec<f64>,
+    single: Vec<f64>,
 }
 
 /// Times `floor` (if any), `batch` and `single` back to back, `iterations` times after one
@@ -287,26 +303,14 @@ fn time_paths(
             }
         }
     }
-    let [f, b, s] = samples;
-    let minus_floor = |path: &[f64]| median(path.iter().zip(&f).map(|(p, f)| p - f).collect());
-    Ok(Timing {
-        floor: floor.is_some().then(|| median(f.clone())),
-        batch_wall: median(b.clone()),
-        single_wall: median(s.clone()),
-        batch: minus_floor(&b),
-        single: minus_floor(&s),
-    })
+    let [floor_ns, batch, single] = samples;
+    Ok(Timing { has_floor: floor.is_some(), floor: floor_ns, batch, single })
 }
 
 fn seconds(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
     let start = Instant::now();
     f()?;
     Ok(start.elapsed().as_secs_f64())
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// The floor: each transfer's bytes copied from `src` into `dst` with `copy_nonoverlapping`.
@@ -334,22 +338,31 @@ fn row(
     t: Timing,
     verified: bool,
 ) -> BatchRow {
-    let ratio = t.single / t.batch.max(1.0);
+    let (batch, single) = (Difference::of(&t.batch, &t.floor), Difference::of(&t.single, &t.floor));
+    let (ratio, ratio_range) = (single.ratio_to(&batch), single.ratio_range(&batch));
     let target_ratio = engine.target_ratio();
+    let (floor, batch_wall, single_wall) =
+        (Timed::of(&t.floor), Timed::of(&t.batch), Timed::of(&t.single));
     BatchRow {
         engine: engine.name(),
         backend,
         transfers: config.transfers,
         transfer_size: config.transfer_size,
-        overhead: if t.floor.is_some() { "wall-minus-floor" } else { "wall" },
-        floor_ns_per_transfer: t.floor,
-        batch_wall_ns_per_transfer: t.batch_wall,
-        single_wall_ns_per_transfer: t.single_wall,
-        batch_ns_per_transfer: t.batch,
-        single_ns_per_transfer: t.single,
+        overhead: if t.has_floor { "wall-minus-floor" } else { "wall" },
+        floor_ns_per_transfer: t.has_floor.then_some(floor.median),
+        floor_spread: t.has_floor.then_some(floor.spread),
+        batch_wall_ns_per_transfer: batch_wall.median,
+        batch_wall_spread: batch_wall.spread,
+        single_wall_ns_per_transfer: single_wall.median,
+        single_wall_spread: single_wall.spread,
+        batch_ns_per_transfer: batch.value(),
+        batch_noise_ns: batch.noise,
+        single_ns_per_transfer: single.value(),
+        single_noise_ns: single.noise,
         ratio,
+        ratio_range,
         target_ratio,
-        met: ratio >= target_ratio,
+        verdict: Verdict::range_at_least(ratio_range, target_ratio),
         verified,
     }
 }
@@ -483,40 +496,47 @@ pub fn table(rows: &[BatchRow]) -> String {
         );
     }
     out += &format!(
-        "{:<10} {:<9} {:>10} {:>12} {:>13} {:>9} {:>9} {:>8} {:>8} {:>8}\n",
+        "{:<10} {:<9} {:>10} {:>18} {:>18} {:>22} {:>7} {:>12} {:>8} {:>16}\n",
         "engine",
         "backend",
         "floor ns",
         "batch ns",
         "single ns",
-        "ratio",
+        "ratio [range]",
         "target",
-        "met",
+        "verdict",
         "verified",
         "overhead"
     );
+    let overhead = |value: Option<f64>, noise: f64| match value {
+        Some(v) => format!("{v:.1} ±{noise:.1}"),
+        None => format!("< {noise:.1} (noise)"),
+    };
     for r in rows {
         let floor = r.floor_ns_per_transfer.map_or("-".to_owned(), |f| format!("{f:.1}"));
         out += &format!(
-            "{:<10} {:<9} {:>10} {:>12.1} {:>13.1} {:>8.1}x {:>8.1}x {:>8} {:>8} {:>8}\n",
+            "{:<10} {:<9} {:>10} {:>18} {:>18} {:>22} {:>6.1}x {:>12} {:>8} {:>16}\n",
             r.engine,
             r.backend,
             floor,
-            r.batch_ns_per_transfer,
-            r.single_ns_per_transfer,
-            r.ratio,
+            overhead(r.batch_ns_per_transfer, r.batch_noise_ns),
+            overhead(r.single_ns_per_transfer, r.single_noise_ns),
+            range_text(r.ratio, r.ratio_range),
             r.target_ratio,
-            if r.met { "yes" } else { "NO" },
+            r.verdict.as_str(),
             if r.verified { "yes" } else { "NO" },
             r.overhead
         );
     }
     out += "\nns are per transfer: wall time minus the floor (the same bytes copied, no engine) \
-            for host and simulated device; plain wall time for ssd.\n";
+            for host and simulated device; plain wall time for ssd. ± is the noise (half the \
+            interquartile range of the per-iteration differences); an overhead that does not \
+            stand above it is below noise, with no ratio and no met target.\n";
     out
 }
 
-/// The chart: batch and single ns per transfer for each engine, on a log scale.
+/// The chart: batch and single ns per transfer for each engine, on a log scale (an overhead
+/// below noise has no bar; the chart names it).
 pub fn chart(rows: &[BatchRow]) -> BarChart {
     let mut chart = BarChart::new("Batch submit vs one submit per transfer", "ns per transfer");
     if let Some(first) = rows.first() {
@@ -526,16 +546,16 @@ pub fn chart(rows: &[BatchRow]) -> BarChart {
             ByteSize(first.transfer_size)
         );
     }
-    chart.groups = rows.iter().map(|r| format!("{} ({:.1}x)", r.engine, r.ratio)).collect();
+    chart.groups = rows
+        .iter()
+        .map(|r| match r.ratio {
+            Some(ratio) => format!("{} ({ratio:.1}x)", r.engine),
+            None => format!("{} (below noise)", r.engine),
+        })
+        .collect();
     chart.series = vec![
-        Series::new(
-            "one batch submit",
-            rows.iter().map(|r| Some(r.batch_ns_per_transfer)).collect(),
-        ),
-        Series::new(
-            "single submits",
-            rows.iter().map(|r| Some(r.single_ns_per_transfer)).collect(),
-        ),
+        Series::new("one batch submit", rows.iter().map(|r| r.batch_ns_per_transfer).collect()),
+        Series::new("single submits", rows.iter().map(|r| r.single_ns_per_transfer).collect()),
     ];
     chart.log_y = true;
     chart

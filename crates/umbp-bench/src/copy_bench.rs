@@ -5,21 +5,27 @@
 //! [`batch_bytes`](CopyBenchConfig::batch_bytes) moves from scattered places of a source arena
 //! (the arena's fragment-sized slots in shuffled order) into one contiguous destination. The
 //! engine's time covers plan building (a reused builder, one object per MiB of destination),
-//! submit and wait. The ceiling, measured in the same run on the same buffers, is one
-//! `copy_nonoverlapping` of the same total bytes split into equal contiguous parts over the same
-//! number of threads (scoped threads; the engine's pool is started once, outside the timing).
-//! Ceiling and engine alternate, iteration by iteration, and each reports its median. The
-//! destination is verified after timing.
+//! submit and wait. The ceiling is the best the machine does with the same bytes and threads:
+//! one contiguous buffer of the same size copied onto another in equal parts by the same
+//! number of threads, started once outside the timing as the engine's pool is, both with
+//! `memcpy` and with streaming stores ([`umbp_localcopy::copy_streaming`]); the faster median
+//! is the ceiling. The three alternate, iteration by iteration; each reports its median and
+//! spread, and the ratio's verdict takes both spreads into account. The destination is
+//! verified after timing.
 //!
 //! **Submit overhead** ([`run_submit_overhead`]). The same
 //! [`submit_fragments`](CopyBenchConfig::submit_fragments) scattered fragments, each its own
 //! object, are copied on one thread with plain stores: by a floor loop of
 //! `copy_nonoverlapping` (no engine); as one batch (every object planned into a reused builder,
 //! one submit); and with one submit per fragment (the same builder, finished and recycled after
-//! each object). Subtracting the floor leaves each path's overhead per fragment. The two engine
-//! paths are measured twice: with planning, and submitting plan sets built beforehand.
+//! each object). Subtracting the floor, iteration by iteration, leaves each path's overhead per
+//! fragment; an overhead that does not stand above its own noise is below noise and gives no
+//! ratio ([`crate::measure`]). The two engine paths are measured twice: with planning, and
+//! submitting plan sets built beforehand.
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Barrier;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -31,6 +37,7 @@ use umbp_plan::{
 };
 
 use crate::chart::{BarChart, Series};
+use crate::measure::{range_text, ratio_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
 use crate::size::ByteSize;
 
@@ -91,14 +98,25 @@ pub struct CopyRow {
     pub non_temporal: bool,
     /// Median seconds per batch: engine (build, submit, wait).
     pub engine_seconds: f64,
-    /// Median seconds of the ceiling copy of the same bytes.
+    /// The engine's spread over the iterations.
+    pub engine_spread: f64,
+    /// Median seconds of the ceiling: the faster of its two copies of the same bytes.
     pub ceiling_seconds: f64,
+    /// The ceiling's spread.
+    pub ceiling_spread: f64,
+    /// Which copy the ceiling is: `memcpy` or `streaming`.
+    pub ceiling_copy: &'static str,
+    /// Median seconds of the other copy (the slower one).
+    pub other_copy_seconds: f64,
     /// Engine throughput, GiB/s.
     pub engine_gib_s: f64,
     /// Ceiling throughput, GiB/s.
     pub ceiling_gib_s: f64,
     /// `engine_gib_s / ceiling_gib_s` (target at 64 KiB: at least 0.9).
     pub ratio: f64,
+    /// The ratio against its target at 64 KiB (`met`, `unmet`, `within noise`); `null` at
+    /// other sizes, which have no target.
+    pub verdict: Option<Verdict>,
     /// Every destination byte matched its source after timing.
     pub verified: bool,
 }
@@ -121,22 +139,40 @@ pub struct SubmitRow {
     /// Median ns per fragment of the floor loop (`copy_nonoverlapping` per fragment, no
     /// engine).
     pub floor_ns_per_fragment: f64,
+    /// The floor's spread.
+    pub floor_spread: f64,
     /// Median ns per fragment of one batch: plan every object, one submit, wait.
     pub batch_ns_per_fragment: f64,
+    /// The batch path's spread.
+    pub batch_spread: f64,
     /// Median ns per fragment of one plan, submit and wait per fragment.
     pub single_ns_per_fragment: f64,
-    /// Overhead per fragment of the batch path, planning included.
-    pub batch_overhead_ns: f64,
-    /// Overhead per fragment of the single path, planning included.
-    pub single_overhead_ns: f64,
-    /// `single_overhead_ns / batch_overhead_ns` (target: at least 10).
-    pub ratio: f64,
-    /// Overhead per fragment of submitting and waiting for the batch's prebuilt plan set.
-    pub batch_submit_overhead_ns: f64,
-    /// Overhead per fragment of submitting and waiting for prebuilt single-fragment plan sets.
-    pub single_submit_overhead_ns: f64,
-    /// `single_submit_overhead_ns / batch_submit_overhead_ns`.
-    pub submit_ratio: f64,
+    /// The single path's spread.
+    pub single_spread: f64,
+    /// Overhead per fragment of the batch path, planning included, with its noise; the value
+    /// is `null` when it does not stand above the noise.
+    pub batch_overhead_ns: Option<f64>,
+    /// The noise of `batch_overhead_ns` (its bound when below noise).
+    pub batch_noise_ns: f64,
+    /// Overhead per fragment of the single path, planning included; `null` below noise.
+    pub single_overhead_ns: Option<f64>,
+    /// The noise of `single_overhead_ns`.
+    pub single_noise_ns: f64,
+    /// `single_overhead_ns / batch_overhead_ns`; `null` when either is below noise.
+    pub ratio: Option<f64>,
+    /// `[low, high]`: the range the ratio spans within both overheads' noise.
+    pub ratio_range: Option<[f64; 2]>,
+    /// `ratio` against its target of 10.
+    pub verdict: Verdict,
+    /// Overhead per fragment of submitting and waiting for the batch's prebuilt plan set;
+    /// `null` below noise.
+    pub batch_submit_overhead_ns: Option<f64>,
+    /// Overhead per fragment of submitting and waiting for prebuilt single-fragment plan sets;
+    /// `null` below noise.
+    pub single_submit_overhead_ns: Option<f64>,
+    /// `single_submit_overhead_ns / batch_submit_overhead_ns`; `null` when either is below
+    /// noise.
+    pub submit_ratio: Option<f64>,
     /// Every destination byte matched its source after timing.
     pub verified: bool,
 }
@@ -159,7 +195,7 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
         let fragments = (config.batch_bytes / fragment_size).max(1);
         let bytes = fragments * fragment_size;
         let src = HostBuffer::new(bytes as usize, config.seed);
-        let mut dst = HostBuffer::new(bytes as usize, !config.seed);
+        let dst = HostBuffer::new(bytes as usize, !config.seed);
         let Some(first) = engines.first() else { break };
         // SAFETY: both buffers outlive their registrations (declared after them), and the
         // bench touches them only between transfers (this engine finishes each inside
@@ -175,17 +211,30 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
             let threads = engine.config().threads;
             progress.step(format!("{} fragments, {threads} threads", ByteSize(fragment_size)));
             let mut builder = engine.incremental_builder();
-            let (mut engine_times, mut ceiling_times) = (Vec::new(), Vec::new());
-            for i in 0..config.warmup + config.iterations {
-                let ceiling = time(|| ceiling_copy(&src, &mut dst, threads));
-                let copied = time(|| submit_batch(engine, &mut builder, &batch));
-                if i >= config.warmup {
-                    ceiling_times.push(ceiling);
-                    engine_times.push(copied);
+            let [mut engine_times, mut memcpy_times, mut streaming_times] =
+                [(); 3].map(|()| Vec::new());
+            with_crew(bytes as usize, threads, |ceiling| {
+                for i in 0..config.warmup + config.iterations {
+                    let memcpy = ceiling(CrewCopy::Memcpy);
+                    let streaming = ceiling(CrewCopy::Streaming);
+                    let copied = time(|| submit_batch(engine, &mut builder, &batch));
+                    if i >= config.warmup {
+                        memcpy_times.push(memcpy);
+                        streaming_times.push(streaming);
+                        engine_times.push(copied);
+                    }
                 }
-            }
-            let (engine_seconds, ceiling_seconds) = (median(engine_times), median(ceiling_times));
+            });
+            let engine_t = Timed::of(&engine_times);
+            let (memcpy, streaming) = (Timed::of(&memcpy_times), Timed::of(&streaming_times));
+            let (ceiling, ceiling_copy, other) = if streaming.median < memcpy.median {
+                (streaming, "streaming", memcpy)
+            } else {
+                (memcpy, "memcpy", streaming)
+            };
             let gib_s = |secs: f64| bytes as f64 / secs / f64::from(1u32 << 30);
+            let ratio = ceiling.median / engine_t.median;
+            let spread = engine_t.spread + ceiling.spread;
             rows.push(CopyRow {
                 kind: "throughput",
                 fragment_size,
@@ -194,11 +243,17 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
                 batch_bytes: bytes,
                 non_temporal: engine.uses_non_temporal_stores()
                     && fragment_size as usize >= engine.config().non_temporal_threshold,
-                engine_seconds,
-                ceiling_seconds,
-                engine_gib_s: gib_s(engine_seconds),
-                ceiling_gib_s: gib_s(ceiling_seconds),
-                ratio: ceiling_seconds / engine_seconds,
+                engine_seconds: engine_t.median,
+                engine_spread: engine_t.spread,
+                ceiling_seconds: ceiling.median,
+                ceiling_spread: ceiling.spread,
+                ceiling_copy,
+                other_copy_seconds: other.median,
+                engine_gib_s: gib_s(engine_t.median),
+                ceiling_gib_s: gib_s(ceiling.median),
+                ratio,
+                verdict: (fragment_size == 64 << 10)
+                    .then(|| Verdict::at_least(Some(ratio), 0.9, spread)),
                 verified: verify(&src, &dst, &batch),
             });
         }
@@ -244,29 +299,34 @@ pub fn run_submit_overhead(config: &CopyBenchConfig, progress: &Progress) -> Sub
             all.push(t);
         }
     }
-    let per_fragment = |secs: f64| secs * 1e9 / n as f64;
-    let [floor, batch, single, batch_submit, single_submit] =
-        times.map(|t| t.into_iter().skip(1).collect::<Vec<f64>>());
-    let overhead =
-        |path: &[f64]| per_fragment(median(path.iter().zip(&floor).map(|(p, f)| p - f).collect()));
-    let ratio = |single: f64, batch: f64| single / batch.max(1.0);
-    let (batch_overhead_ns, single_overhead_ns) = (overhead(&batch), overhead(&single));
-    let (batch_submit_overhead_ns, single_submit_overhead_ns) =
-        (overhead(&batch_submit), overhead(&single_submit));
+    // Every figure in ns per fragment, the untimed first round dropped.
+    let [floor, batch, single, batch_submit, single_submit] = times
+        .map(|t| t.into_iter().skip(1).map(|secs| secs * 1e9 / n as f64).collect::<Vec<f64>>());
+    let [batch_o, single_o, batch_submit_o, single_submit_o] =
+        [&batch, &single, &batch_submit, &single_submit].map(|path| Difference::of(path, &floor));
+    let (floor_t, batch_t, single_t) = (Timed::of(&floor), Timed::of(&batch), Timed::of(&single));
+    let (ratio, ratio_range) = (single_o.ratio_to(&batch_o), single_o.ratio_range(&batch_o));
     SubmitRow {
         kind: "submit",
         fragments: n,
         fragment_size,
         threads: engine.config().threads,
-        floor_ns_per_fragment: per_fragment(median(floor)),
-        batch_ns_per_fragment: per_fragment(median(batch)),
-        single_ns_per_fragment: per_fragment(median(single)),
-        batch_overhead_ns,
-        single_overhead_ns,
-        ratio: ratio(single_overhead_ns, batch_overhead_ns),
-        batch_submit_overhead_ns,
-        single_submit_overhead_ns,
-        submit_ratio: ratio(single_submit_overhead_ns, batch_submit_overhead_ns),
+        floor_ns_per_fragment: floor_t.median,
+        floor_spread: floor_t.spread,
+        batch_ns_per_fragment: batch_t.median,
+        batch_spread: batch_t.spread,
+        single_ns_per_fragment: single_t.median,
+        single_spread: single_t.spread,
+        batch_overhead_ns: batch_o.value(),
+        batch_noise_ns: batch_o.noise,
+        single_overhead_ns: single_o.value(),
+        single_noise_ns: single_o.noise,
+        ratio,
+        ratio_range,
+        verdict: Verdict::range_at_least(ratio_range, 10.0),
+        batch_submit_overhead_ns: batch_submit_o.value(),
+        single_submit_overhead_ns: single_submit_o.value(),
+        submit_ratio: single_submit_o.ratio_to(&batch_submit_o),
         verified: verify(&src, &dst, &fragments),
     }
 }
@@ -329,20 +389,63 @@ fn scattered(
         .collect()
 }
 
-/// The ceiling: `src` copied onto `dst` whole, in `threads` equal contiguous parts.
-fn ceiling_copy(src: &HostBuffer, dst: &mut HostBuffer, threads: usize) {
-    let part = src.len().div_ceil(threads.max(1)).max(1);
-    let (src, dst) = (src.bytes(), dst.bytes_mut());
-    std::thread::scope(|scope| {
-        let mut parts = dst.chunks_mut(part).zip(src.chunks(part));
-        let first = parts.next();
-        for (to, from) in parts {
-            scope.spawn(move || to.copy_from_slice(from));
-        }
-        if let Some((to, from)) = first {
+/// One of the ceiling's two copies.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum CrewCopy {
+    Memcpy = 1,
+    Streaming = 2,
+}
+
+/// Runs `body` with a ceiling: a function that copies a contiguous buffer of `bytes` onto
+/// another in `threads` equal parts, with the copy named, and returns its seconds. The
+/// helper threads (`threads - 1`; the caller copies the first part) start here, once, and
+/// wait on a barrier between copies, as the engine's pool waits for work: the timing holds
+/// the copies and two barrier crossings, no thread start-up.
+fn with_crew(bytes: usize, threads: usize, body: impl FnOnce(&mut dyn FnMut(CrewCopy) -> f64)) {
+    const EXIT: u8 = 0;
+    let threads = threads.max(1);
+    let src = HostBuffer::new(bytes, 7);
+    let mut dst = HostBuffer::new(bytes, 8);
+    let part = bytes.div_ceil(threads).max(1);
+    let (start, end) = (Barrier::new(threads), Barrier::new(threads));
+    let mode = AtomicU8::new(EXIT);
+    let copy = |to: &mut [u8], from: &[u8], mode: u8| {
+        if mode == CrewCopy::Streaming as u8 {
+            umbp_localcopy::copy_streaming(to, from);
+        } else {
             to.copy_from_slice(from);
         }
+    };
+    std::thread::scope(|scope| {
+        let mut parts = dst.bytes_mut().chunks_mut(part).zip(src.bytes().chunks(part));
+        let first = parts.next();
+        for (to, from) in parts {
+            let (start, end, mode) = (&start, &end, &mode);
+            scope.spawn(move || loop {
+                start.wait();
+                // Relaxed: the barrier orders the caller's store before this load.
+                let m = mode.load(Ordering::Relaxed);
+                if m == EXIT {
+                    return;
+                }
+                copy(to, from, m);
+                end.wait();
+            });
+        }
+        let (to, from) = first.expect("at least one part");
+        let mut run = |which: CrewCopy| {
+            let t = Instant::now();
+            mode.store(which as u8, Ordering::Relaxed);
+            start.wait();
+            copy(to, from, which as u8);
+            end.wait();
+            t.elapsed().as_secs_f64()
+        };
+        body(&mut run);
+        mode.store(EXIT, Ordering::Relaxed);
+        start.wait();
     });
+    black_box(dst.bytes());
 }
 
 /// The floor of the submit comparison: each fragment's bytes copied with
@@ -371,11 +474,6 @@ fn time(f: impl FnOnce()) -> f64 {
     start.elapsed().as_secs_f64()
 }
 
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times.get(times.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// A random permutation of `0 .. n` (splitmix64 Fisher-Yates), a pure function of `seed`.
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut state = seed;
@@ -397,45 +495,63 @@ fn mix(state: &mut u64) -> u64 {
 /// The human table: throughput rows, then the submit comparison.
 pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
     let mut out = String::from(
-        "host copy engine: scattered fragments against one memcpy of the same bytes\n\n",
+        "host copy engine: scattered fragments against the best copy of the same bytes\n\n",
     );
     out += &format!(
-        "{:>9} {:>7} {:>12} {:>12} {:>7} {:>8}\n",
-        "fragment", "threads", "engine GiB/s", "memcpy GiB/s", "ratio", "verified"
+        "{:>9} {:>7} {:>12} {:>7} {:>13} {:>7} {:>10} {:>7} {:>12} {:>8}\n",
+        "fragment",
+        "threads",
+        "engine GiB/s",
+        "spread",
+        "ceiling GiB/s",
+        "spread",
+        "ceiling",
+        "ratio",
+        "verdict",
+        "verified"
     );
     for r in rows {
         out += &format!(
-            "{:>9} {:>7} {:>12.2} {:>12.2} {:>7.2} {:>8}\n",
+            "{:>9} {:>7} {:>12.2} {:>6.0}% {:>13.2} {:>6.0}% {:>10} {:>7.2} {:>12} {:>8}\n",
             ByteSize(r.fragment_size).to_string(),
             r.threads,
             r.engine_gib_s,
+            r.engine_spread * 100.0,
             r.ceiling_gib_s,
+            r.ceiling_spread * 100.0,
+            r.ceiling_copy,
             r.ratio,
+            r.verdict.map_or("-", Verdict::as_str),
             if r.verified { "yes" } else { "NO" }
         );
     }
+    out += "ceiling: one contiguous copy of the same bytes by the same threads (started once), \
+            the faster of memcpy and streaming stores; target at 64KiB: ratio >= 0.9\n";
+    let ns = |value: Option<f64>, noise: f64| match value {
+        Some(v) => format!("{v:.1} ns (±{noise:.1})"),
+        None => format!("below noise (< {noise:.1} ns)"),
+    };
     out += &format!(
-        "\n{} fragments of {}: one batch submit {:.1} ns of overhead per fragment, single \
-         submits {:.1} ns: {:.1}x (submit and wait alone: {:.1} vs {:.1} ns, {:.1}x); verified: {}\n",
+        "\n{} fragments of {}: one batch submit {} of overhead per fragment, single submits {}: \
+         ratio {} ({}; target 10); submit and wait alone: ratio {}; verified: {}\n",
         submit.fragments,
         ByteSize(submit.fragment_size),
-        submit.batch_overhead_ns,
-        submit.single_overhead_ns,
-        submit.ratio,
-        submit.batch_submit_overhead_ns,
-        submit.single_submit_overhead_ns,
-        submit.submit_ratio,
+        ns(submit.batch_overhead_ns, submit.batch_noise_ns),
+        ns(submit.single_overhead_ns, submit.single_noise_ns),
+        range_text(submit.ratio, submit.ratio_range),
+        submit.verdict.as_str(),
+        ratio_text(submit.submit_ratio),
         if submit.verified { "yes" } else { "NO" }
     );
     out
 }
 
-/// The chart: engine and memcpy-ceiling GiB/s for each fragment size and thread count.
+/// The chart: engine and ceiling GiB/s for each fragment size and thread count.
 pub fn chart(rows: &[CopyRow]) -> BarChart {
-    let mut chart = BarChart::new("Host copy engine against its memcpy ceiling", "GiB/s");
+    let mut chart = BarChart::new("Host copy engine against its ceiling", "GiB/s");
     if let Some(first) = rows.first() {
         chart.subtitle = format!(
-            "{} per batch from scattered source slots; ceiling: one memcpy of the same bytes, same threads",
+            "{} per batch from scattered source slots; ceiling: the faster of memcpy and streaming stores of the same bytes, same threads",
             ByteSize(first.batch_bytes)
         );
     }
@@ -448,7 +564,7 @@ pub fn chart(rows: &[CopyRow]) -> BarChart {
         .collect();
     chart.series = vec![
         Series::new("engine", rows.iter().map(|r| Some(r.engine_gib_s)).collect()),
-        Series::new("memcpy ceiling", rows.iter().map(|r| Some(r.ceiling_gib_s)).collect()),
+        Series::new("ceiling", rows.iter().map(|r| Some(r.ceiling_gib_s)).collect()),
     ];
     chart
 }

@@ -17,7 +17,9 @@ pub mod tour;
 // What the workloads share: shapes, buffers, counters, and the command's output.
 pub mod alloc_count;
 pub mod chart;
+pub mod counters;
 pub mod host_buffer;
+pub mod measure;
 pub mod progress;
 pub mod report;
 pub mod shape;

@@ -23,6 +23,7 @@ use umbp_plan::{
 
 use crate::alloc_count::{allocations, minor_faults};
 use crate::chart::{BarChart, Reference, Series};
+use crate::counters::{Instructions, CALLGRIND};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 use crate::size::ByteSize;
@@ -93,8 +94,9 @@ impl RestoreWorkload {
     }
 
     /// Like [`plan_with`](Self::plan_with), with one [`Run`](umbp_plan::Run) per range: the
-    /// incremental builder's fast path.
-    #[inline]
+    /// incremental builder's fast path. Never inlined, so that callgrind can collect exactly
+    /// this function ([`crate::counters::CALLGRIND`]); one call costs far more than a call.
+    #[inline(never)]
     pub fn plan_with_runs<R: PlanRules>(
         &self,
         builder: &mut IncrementalBuilder<R>,
@@ -218,6 +220,12 @@ pub struct PlanRow {
     pub ns_per_fragment: f64,
     /// Median milliseconds per restore plan.
     pub median_ms: f64,
+    /// (slowest − fastest) / median over the timed iterations.
+    pub spread: f64,
+    /// User-space instructions retired per fragment, averaged over the timed iterations
+    /// (CPU counters); `null` where they cannot be read (the table says why, and how to count
+    /// them with callgrind instead).
+    pub instructions_per_fragment: Option<f64>,
     /// Heap allocations per iteration, averaged over the timed iterations.
     pub allocs_per_iter: f64,
     /// Minor page faults per iteration, averaged over the timed iterations.
@@ -237,27 +245,42 @@ struct Sample {
     segments: usize,
 }
 
-/// Runs `iteration` `warmup` times untimed, then `iterations` times, and returns the median
-/// time and the average allocations and minor faults per timed iteration.
+/// What [`measure`] found: the median sample, its spread, and per timed iteration the
+/// allocations, minor faults and (where counted) instructions.
+struct Measured {
+    median: Sample,
+    spread: f64,
+    allocs: f64,
+    faults: f64,
+    instructions: Option<f64>,
+}
+
+/// Runs `iteration` `warmup` times untimed, then `iterations` times (counting the
+/// instructions they retire where `counter` can).
 fn measure(
     warmup: usize,
     iterations: usize,
+    counter: &mut Instructions,
     mut iteration: impl FnMut() -> Sample,
-) -> (Sample, f64, f64) {
+) -> Measured {
     for _ in 0..warmup {
         black_box(iteration());
     }
     let mut samples: Vec<Sample> = Vec::with_capacity(iterations);
     let (allocs0, faults0) = (allocations(), minor_faults());
-    for _ in 0..iterations {
-        samples.push(iteration());
-    }
+    let ((), instructions) = counter.count(|| {
+        for _ in 0..iterations {
+            samples.push(iteration());
+        }
+    });
     let n = iterations.max(1) as f64;
     let allocs = (allocations() - allocs0) as f64 / n;
     let faults = (minor_faults() - faults0) as f64 / n;
     samples.sort_by_key(|s| s.nanos);
+    let (fastest, slowest) = (samples[0].nanos, samples[samples.len() - 1].nanos);
     let median = samples.swap_remove(samples.len() / 2);
-    (median, allocs, faults)
+    let spread = (slowest - fastest) as f64 / median.nanos.max(1) as f64;
+    Measured { median, spread, allocs, faults, instructions: instructions.map(|i| i as f64 / n) }
 }
 
 /// Measures every builder at every configured page size.
@@ -265,6 +288,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
     let builders = if config.skip_buffered { 5 } else { 6 };
     progress.section("plan", config.page_sizes.len() * builders);
     let mut rows = Vec::new();
+    let mut counter = Instructions::new();
     for &page_size in &config.page_sizes {
         let page = ByteSize(page_size);
         progress.step(format!("{page} layout and check"));
@@ -275,7 +299,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
 
         progress.step(format!("{page} floor"));
         let mut floor_out = Vec::new();
-        let floor = measure(config.warmup, config.iterations, || {
+        let floor = measure(config.warmup, config.iterations, &mut counter, || {
             let t = Instant::now();
             work.floor(&mut floor_out);
             black_box(&floor_out);
@@ -287,7 +311,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
         let mut failed = None;
         let buffered = (!config.skip_buffered).then(|| {
             progress.step(format!("{page} buffered"));
-            measure(config.warmup, config.iterations, || {
+            measure(config.warmup, config.iterations, &mut counter, || {
                 let t = Instant::now();
                 let plans = work.plan_with(&mut buffered_builder);
                 let nanos = t.elapsed().as_nanos();
@@ -297,7 +321,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
 
         progress.step(format!("{page} incremental"));
         let mut incremental_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
-        let incremental = measure(config.warmup, config.iterations, || {
+        let incremental = measure(config.warmup, config.iterations, &mut counter, || {
             let t = Instant::now();
             let plans = work.plan_with_runs(&mut incremental_builder);
             let nanos = t.elapsed().as_nanos();
@@ -306,7 +330,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
 
         progress.step(format!("{page} incremental-push"));
         let mut push_builder = IncrementalBuilder::new(MemoryRules, work.registry.clone());
-        let incremental_push = measure(config.warmup, config.iterations, || {
+        let incremental_push = measure(config.warmup, config.iterations, &mut counter, || {
             let t = Instant::now();
             let plans = work.plan_with(&mut push_builder);
             let nanos = t.elapsed().as_nanos();
@@ -323,7 +347,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
         let locate = |id| table.get(id).map(|e: &Endpoint| (Space::Host, e.addr()));
         let mut check = OverlapCheck::new();
         let no_overlap = check.conflicts(&plans, locate).is_empty();
-        let overlap = measure(config.warmup, config.iterations, || {
+        let overlap = measure(config.warmup, config.iterations, &mut counter, || {
             let t = Instant::now();
             let conflicts = check.conflicts(&plans, locate);
             let nanos = t.elapsed().as_nanos();
@@ -331,7 +355,7 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
             Sample { nanos, plans: plans.plans().len(), segments: plans.segment_count() }
         });
 
-        let floor_nanos = floor.0.nanos.max(1) as f64;
+        let floor_nanos = floor.median.nanos.max(1) as f64;
         let measured = [
             ("floor", Some(floor)),
             ("buffered", buffered),
@@ -339,9 +363,8 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
             ("incremental-push", Some(incremental_push)),
             ("overlap-check", Some(overlap)),
         ];
-        for (name, (s, allocs, faults)) in
-            measured.into_iter().filter_map(|(name, m)| Some((name, m?)))
-        {
+        for (name, m) in measured.into_iter().filter_map(|(name, m)| Some((name, m?))) {
+            let s = m.median;
             rows.push(PlanRow {
                 builder: name,
                 page_size,
@@ -350,8 +373,10 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
                 segments: s.segments,
                 ns_per_fragment: s.nanos as f64 / fragments as f64,
                 median_ms: s.nanos as f64 / 1e6,
-                allocs_per_iter: allocs,
-                minor_faults_per_iter: faults,
+                spread: m.spread,
+                instructions_per_fragment: m.instructions.map(|i| i / fragments as f64),
+                allocs_per_iter: m.allocs,
+                minor_faults_per_iter: m.faults,
                 vs_floor: s.nanos as f64 / floor_nanos,
                 adjacent_fraction: work.table.adjacent_fraction,
                 verified: match name {
@@ -404,7 +429,7 @@ pub fn table(rows: &[PlanRow]) -> String {
         "plan building, Kimi-K3 restore shape (page walk + push + finish, no bytes move)\n\n",
     );
     out += &format!(
-        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}\n",
+        "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8} {:>9} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8}\n",
         "page",
         "builder",
         "fragments",
@@ -412,6 +437,8 @@ pub fn table(rows: &[PlanRow]) -> String {
         "segments",
         "ns/frag",
         "median ms",
+        "spread",
+        "instr/frag",
         "allocs",
         "faults",
         "x floor",
@@ -419,7 +446,7 @@ pub fn table(rows: &[PlanRow]) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>8.1} {:>8.1} {:>8.2} {:>8}\n",
+            "{:>9} {:<16} {:>9} {:>6} {:>9} {:>8.2} {:>9.3} {:>6.0}% {:>10} {:>8.1} {:>8.1} {:>8.2} {:>8}\n",
             ByteSize(r.page_size).to_string(),
             r.builder,
             r.fragments,
@@ -427,6 +454,8 @@ pub fn table(rows: &[PlanRow]) -> String {
             r.segments,
             r.ns_per_fragment,
             r.median_ms,
+            r.spread * 100.0,
+            r.instructions_per_fragment.map_or("-".to_owned(), |i| format!("{i:.1}")),
             r.allocs_per_iter,
             r.minor_faults_per_iter,
             r.vs_floor,
@@ -450,6 +479,14 @@ pub fn table(rows: &[PlanRow]) -> String {
                 inc.adjacent_fraction * 100.0
             );
         }
+    }
+    if rows.iter().all(|r| r.instructions_per_fragment.is_none()) {
+        let why = Instructions::new().unavailable().map(str::to_owned);
+        out += &format!(
+            "\ninstructions per fragment: no CPU counters here ({}); count them with \
+             callgrind: {CALLGRIND}\n",
+            why.as_deref().unwrap_or("the kernel multiplexed them")
+        );
     }
     out
 }

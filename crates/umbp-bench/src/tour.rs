@@ -19,6 +19,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::batch_bench::{self, BatchBenchConfig, BatchRow};
+use crate::measure::Verdict;
 use crate::plan_bench::{self, PlanBenchConfig, PlanRow};
 use crate::progress::Progress;
 use crate::report::Report;
@@ -81,16 +82,16 @@ pub struct Headline {
     pub part: &'static str,
     /// What it is, in words.
     pub figure: String,
-    /// The measured value.
-    pub value: f64,
+    /// The measured value; `null` when it has none (a difference below its noise).
+    pub value: Option<f64>,
     /// Unit of `value` and `target`.
     pub unit: &'static str,
     /// How `value` must compare with `target`: `<=`, `>=` or `==`.
     pub comparison: &'static str,
     /// The target.
     pub target: f64,
-    /// Whether `value` meets the target.
-    pub met: bool,
+    /// `met`, `unmet`, `within noise` or `below noise`; only `met` counts.
+    pub verdict: Verdict,
 }
 
 impl Headline {
@@ -102,12 +103,31 @@ impl Headline {
         comparison: &'static str,
         target: f64,
     ) -> Self {
-        let met = match comparison {
-            "<=" => value <= target,
-            ">=" => value >= target,
-            _ => value == target,
+        let verdict = match comparison {
+            "<=" => Verdict::at_most(Some(value), target, 0.0),
+            ">=" => Verdict::at_least(Some(value), target, 0.0),
+            _ if value == target => Verdict::Met,
+            _ => Verdict::Unmet,
         };
-        Self { part, figure: figure.into(), value, unit, comparison, target, met }
+        Self::judged(part, figure, Some(value), unit, comparison, target, verdict)
+    }
+
+    /// A headline whose verdict its part already reached (with the figure's spread and noise).
+    fn judged(
+        part: &'static str,
+        figure: impl Into<String>,
+        value: Option<f64>,
+        unit: &'static str,
+        comparison: &'static str,
+        target: f64,
+        verdict: Verdict,
+    ) -> Self {
+        Self { part, figure: figure.into(), value, unit, comparison, target, verdict }
+    }
+
+    /// Whether the target was met.
+    pub fn met(&self) -> bool {
+        self.verdict.is_met()
     }
 }
 
@@ -171,18 +191,31 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
         let get = |b: &str| plan.iter().find(|r| r.page_size == page && r.builder == b);
         if let Some(inc) = get("incremental") {
             let figure = format!("incremental build, {} pages", ByteSize(page));
-            lines.push(Headline::new(
+            let ns = inc.ns_per_fragment;
+            let verdict = Verdict::at_most(Some(ns), 5.0, inc.spread);
+            lines.push(Headline::judged(
                 "plan",
                 figure,
-                inc.ns_per_fragment,
+                Some(ns),
                 "ns/fragment",
                 "<=",
                 5.0,
+                verdict,
             ));
             if let Some(buf) = get("buffered") {
                 let figure = format!("incremental vs buffered, {} pages", ByteSize(page));
                 let speedup = buf.median_ms / inc.median_ms;
-                lines.push(Headline::new("plan", figure, speedup, "x faster", ">=", 3.0));
+                let verdict = Verdict::at_least(Some(speedup), 3.0, inc.spread + buf.spread);
+                let unit = "x faster";
+                lines.push(Headline::judged(
+                    "plan",
+                    figure,
+                    Some(speedup),
+                    unit,
+                    ">=",
+                    3.0,
+                    verdict,
+                ));
             }
         }
     }
@@ -205,13 +238,16 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
     let figure = format!("overlap checks finding no overlap in the restore (of {checks})");
     lines.push(Headline::new("plan", figure, clean as f64, "rows", "==", checks as f64));
 
-    if let Some(ratio) = restore
-        .iter()
-        .find(|r| r.source == "mixed" && r.builder == "incremental")
-        .and_then(|r| r.ratio_to_slower_half)
+    if let Some(mixed) = restore.iter().find(|r| r.source == "mixed" && r.builder == "incremental")
     {
         let figure = "mixed DRAM + SSD restore / its slower half alone";
-        lines.push(Headline::new("restore", figure, ratio, "x the time", "<=", 1.1));
+        // No ratio: the two times are within their runs' noise of each other.
+        let verdict = match mixed.ratio_to_slower_half {
+            Some(ratio) => Verdict::at_most(Some(ratio), 1.1, mixed.spread),
+            None => Verdict::WithinNoise,
+        };
+        let ratio = mixed.ratio_to_slower_half;
+        lines.push(Headline::judged("restore", figure, ratio, "x the time", "<=", 1.1, verdict));
     }
     let verified = restore.iter().filter(|r| r.verified).count();
     let figure = format!("restores byte-correct (of {})", restore.len());
@@ -226,7 +262,8 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
 
     for r in batch {
         let figure = format!("single / batch submit ns per transfer, {}", r.engine);
-        lines.push(Headline::new("batch", figure, r.ratio, "x", ">=", r.target_ratio));
+        let (ratio, target) = (r.ratio, r.target_ratio);
+        lines.push(Headline::judged("batch", figure, ratio, "x", ">=", target, r.verdict));
     }
     let verified = batch.iter().filter(|r| r.verified).count();
     let figure = format!("engines byte-correct on both paths (of {})", batch.len());
@@ -245,22 +282,22 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
 pub fn table(tour: &Tour) -> String {
     let mut out = String::from("summary: headline figures against their targets\n\n");
     out += &format!(
-        "{:<8} {:<62} {:>10} {:<17} {:>9} {:>4}\n",
-        "part", "figure", "measured", "unit", "target", "met"
+        "{:<8} {:<62} {:>11} {:<17} {:>9} {:>12}\n",
+        "part", "figure", "measured", "unit", "target", "verdict"
     );
     for h in &tour.summary {
         out += &format!(
-            "{:<8} {:<62} {:>10} {:<17} {:>2} {:>6} {:>4}\n",
+            "{:<8} {:<62} {:>11} {:<17} {:>2} {:>6} {:>12}\n",
             h.part,
             h.figure,
-            crate::chart::format_value(h.value),
+            h.value.map_or("below noise".to_owned(), crate::chart::format_value),
             h.unit,
             h.comparison,
             crate::chart::format_value(h.target),
-            if h.met { "yes" } else { "NO" }
+            h.verdict.as_str()
         );
     }
-    let met = tour.summary.iter().filter(|h| h.met).count();
+    let met = tour.summary.iter().filter(|h| h.met()).count();
     out += &format!(
         "\n{met} of {} targets met; the tour took {:.1} s\n",
         tour.summary.len(),
@@ -288,13 +325,14 @@ pub fn chart(tour: &Tour) -> crate::chart::BarChart {
     let scored: Vec<&Headline> = tour.summary.iter().filter(|h| h.comparison != "==").collect();
     chart.groups = scored.iter().map(|h| short_name(h)).collect();
     let score = |h: &Headline| {
-        let score = if h.comparison == ">=" { h.value / h.target } else { h.target / h.value };
-        score.is_finite().then_some(score)
+        let v = h.value?;
+        let score = if h.comparison == ">=" { v / h.target } else { h.target / v };
+        (score.is_finite() && score > 0.0).then_some(score)
     };
     chart.series = vec![
-        Series::new("met", scored.iter().map(|h| score(h).filter(|_| h.met)).collect())
+        Series::new("met", scored.iter().map(|h| score(h).filter(|_| h.met())).collect())
             .with_color("#59a14f"),
-        Series::new("not met", scored.iter().map(|h| score(h).filter(|_| !h.met)).collect())
+        Series::new("not met", scored.iter().map(|h| score(h).filter(|_| !h.met())).collect())
             .with_color("#e15759"),
     ];
     chart.log_y = true;
@@ -324,10 +362,27 @@ mod tests {
 
     #[test]
     fn headlines_compare_with_their_targets() {
-        assert!(Headline::new("plan", "x", 4.0, "ns", "<=", 5.0).met);
-        assert!(!Headline::new("plan", "x", 6.0, "ns", "<=", 5.0).met);
-        assert!(Headline::new("batch", "x", 10.0, "x", ">=", 10.0).met);
-        assert!(!Headline::new("plan", "x", 1.0, "allocs", "==", 0.0).met);
+        assert!(Headline::new("plan", "x", 4.0, "ns", "<=", 5.0).met());
+        assert!(!Headline::new("plan", "x", 6.0, "ns", "<=", 5.0).met());
+        assert!(Headline::new("batch", "x", 10.0, "x", ">=", 10.0).met());
+        assert!(!Headline::new("plan", "x", 1.0, "allocs", "==", 0.0).met());
+    }
+
+    #[test]
+    fn a_ratio_below_noise_is_never_met_and_never_drawn() {
+        let h = Headline::judged("batch", "x", None, "x", ">=", 10.0, Verdict::BelowNoise);
+        assert!(!h.met());
+        let tour = Tour {
+            plan: Vec::new(),
+            restore: Vec::new(),
+            batch: Vec::new(),
+            summary: vec![h],
+            seconds: 1.0,
+        };
+        let text = table(&tour);
+        assert!(text.contains("below noise") && text.contains("0 of 1 targets met"), "{text}");
+        let chart = chart(&tour);
+        assert!(chart.series.iter().all(|s| s.values.iter().all(Option::is_none)));
     }
 
     #[test]
@@ -348,7 +403,7 @@ mod tests {
         let correct =
             tour.summary.iter().filter(|h| h.comparison == "==" && h.unit != "allocations");
         // Plan sets, overlap checks, restores, batch engines.
-        assert!(correct.clone().count() == 4 && correct.clone().all(|h| h.met));
+        assert!(correct.clone().count() == 4 && correct.clone().all(|h| h.met()));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "temporary files removed");
         let svg = chart(&tour).to_svg();
         assert!(svg.contains("batch ssd"));

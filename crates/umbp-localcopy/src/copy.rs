@@ -191,6 +191,27 @@ fn non_temporal_supported() -> bool {
     }
 }
 
+/// Copies `src` onto `dst` with the engine's streaming-store kernel (non-temporal stores that
+/// bypass the caches, fenced before returning), or with a plain copy where the CPU has none.
+/// It is what the engine uses for segments of at least
+/// [`non_temporal_threshold`](crate::LocalCopyConfig::non_temporal_threshold) bytes, exported
+/// for one large copy outside the engine, such as a benchmark's ceiling.
+///
+/// # Panics
+///
+/// If the two slices differ in length, as [`slice::copy_from_slice`] does.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: slices of different lengths");
+    if !non_temporal_supported() {
+        dst.copy_from_slice(src);
+        return;
+    }
+    // SAFETY: two distinct slices of equal length: valid for reads and writes, disjoint (one
+    // is borrowed mutably) and unshared for the call; SSE2 is present (checked above).
+    unsafe { copy_non_temporal(src.as_ptr(), dst.as_mut_ptr(), src.len()) };
+    store_fence();
+}
+
 /// Orders every non-temporal store this thread made before its later stores.
 ///
 /// Non-temporal stores are weakly ordered: a plain store or a `Release` operation after them
@@ -276,13 +297,8 @@ unsafe fn copy_non_temporal_sse2(src: *const u8, dst: *mut u8, len: usize) {
 mod tests {
     use super::*;
 
-    /// The non-temporal kernel over two slices.
     fn copy_slices_non_temporal(dst: &mut [u8], src: &[u8]) {
-        assert_eq!(dst.len(), src.len());
-        // SAFETY: two distinct slices of equal length: valid, disjoint and exclusively
-        // borrowed; x86_64 always has SSE2.
-        unsafe { copy_non_temporal(src.as_ptr(), dst.as_mut_ptr(), src.len()) };
-        store_fence();
+        copy_streaming(dst, src);
     }
 
     #[test]

@@ -82,6 +82,7 @@ mod rules;
 
 pub use batch::BatchReport;
 pub use config::LocalCopyConfig;
+pub use copy::copy_streaming;
 pub use engine::LocalCopyEngine;
 pub use error::Error;
 pub use rules::{LocalCopyBuilder, LocalCopyRules};

@@ -1,0 +1,213 @@
+//! Figures that cannot flatter: every timed figure with its spread, differences that stay
+//! inside their own noise called so instead of turned into ratios, and verdicts that never count
+//! noise as a met target.
+//!
+//! - [`Timed`]: the median of a figure's repetitions and their spread, `(max − min) / median`.
+//! - [`Difference`]: a path's time minus its floor's, paired iteration by iteration (the two ran
+//!   back to back, so drift of a shared machine cancels). Its *noise* is half the interquartile
+//!   range of those differences. A difference whose median does not stand above its noise (a
+//!   cost smaller than the measurement can see, or a negative one) is **below noise**: it has no
+//!   value, only a bound.
+//! - [`Verdict`]: `met`, `unmet`, `within noise` (the target lies inside the figure's spread)
+//!   or `below noise` (the figure has no value). Only `met` counts as met.
+
+use serde::Serialize;
+
+/// The median of a figure's repetitions and their spread.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub struct Timed {
+    /// The median.
+    pub median: f64,
+    /// `(max − min) / median` (0 for one repetition or a zero median).
+    pub spread: f64,
+}
+
+impl Timed {
+    /// The figure of `samples` (none: zero).
+    pub fn of(samples: &[f64]) -> Self {
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let range = match (sorted.first(), sorted.last()) {
+            (Some(lo), Some(hi)) => hi - lo,
+            _ => 0.0,
+        };
+        let spread = if median > 0.0 { range / median } else { 0.0 };
+        Self { median, spread }
+    }
+}
+
+/// A path's time minus its floor's, paired by iteration: the cost the path adds.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub struct Difference {
+    /// The median of the differences (may be zero or negative when the cost is below noise).
+    pub median: f64,
+    /// Half the interquartile range of the differences.
+    pub noise: f64,
+}
+
+impl Difference {
+    /// The differences `path[i] − floor[i]`.
+    pub fn of(path: &[f64], floor: &[f64]) -> Self {
+        let mut d: Vec<f64> = path.iter().zip(floor).map(|(p, f)| p - f).collect();
+        d.sort_by(f64::total_cmp);
+        let at = |q: f64| d.get(((d.len().saturating_sub(1)) as f64 * q).round() as usize);
+        let median = d.get(d.len() / 2).copied().unwrap_or(0.0);
+        let noise = match (at(0.25), at(0.75)) {
+            (Some(lo), Some(hi)) => (hi - lo) / 2.0,
+            _ => 0.0,
+        };
+        Self { median, noise }
+    }
+
+    /// The median, when it stands above the noise (and above zero); `None`: below noise.
+    pub fn value(&self) -> Option<f64> {
+        (self.median > self.noise.max(0.0)).then_some(self.median)
+    }
+
+    /// `self / other` when both stand above their noise; `None` otherwise.
+    pub fn ratio_to(&self, other: &Difference) -> Option<f64> {
+        Some(self.value()? / other.value()?)
+    }
+
+    /// The range `self / other` spans within both noises, `[low, high]` (`high` infinite when
+    /// `other`'s noise reaches zero); `None` when the ratio has no value.
+    pub fn ratio_range(&self, other: &Difference) -> Option<[f64; 2]> {
+        self.ratio_to(other)?;
+        let low = (self.median - self.noise).max(0.0) / (other.median + other.noise);
+        let floor = other.median - other.noise;
+        let high = if floor > 0.0 { (self.median + self.noise) / floor } else { f64::INFINITY };
+        Some([low, high])
+    }
+}
+
+/// How a figure compares with its target.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Verdict {
+    /// The figure reaches the target, by more than its spread.
+    #[serde(rename = "met")]
+    Met,
+    /// The figure misses the target, by more than its spread.
+    #[serde(rename = "unmet")]
+    Unmet,
+    /// The target lies inside the figure's own spread: neither met nor missed.
+    #[serde(rename = "within noise")]
+    WithinNoise,
+    /// The figure is a difference smaller than its noise: it has no value to compare.
+    #[serde(rename = "below noise")]
+    BelowNoise,
+}
+
+impl Verdict {
+    /// `value` against a target it must reach (`at least`), with the figure's relative spread.
+    pub fn at_least(value: Option<f64>, target: f64, spread: f64) -> Self {
+        Self::judge(value, target, spread, |v| v >= target)
+    }
+
+    /// A ratio known to lie in `range` against a target it must reach: met only when the whole
+    /// range reaches it, unmet when none does, within noise otherwise.
+    pub fn range_at_least(range: Option<[f64; 2]>, target: f64) -> Self {
+        match range {
+            None => Verdict::BelowNoise,
+            Some([low, _]) if low >= target => Verdict::Met,
+            Some([_, high]) if high < target => Verdict::Unmet,
+            Some(_) => Verdict::WithinNoise,
+        }
+    }
+
+    /// `value` against a target it must not exceed (`at most`).
+    pub fn at_most(value: Option<f64>, target: f64, spread: f64) -> Self {
+        Self::judge(value, target, spread, |v| v <= target)
+    }
+
+    fn judge(value: Option<f64>, target: f64, spread: f64, ok: impl Fn(f64) -> bool) -> Self {
+        match value {
+            None => Verdict::BelowNoise,
+            Some(v) if spread > 0.0 && (v - target).abs() <= v.abs() * spread => {
+                Verdict::WithinNoise
+            }
+            Some(v) if ok(v) => Verdict::Met,
+            Some(_) => Verdict::Unmet,
+        }
+    }
+
+    /// Whether the target was met (only [`Verdict::Met`]).
+    pub fn is_met(self) -> bool {
+        self == Verdict::Met
+    }
+
+    /// The verdict in words, as tables print it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Met => "met",
+            Verdict::Unmet => "unmet",
+            Verdict::WithinNoise => "within noise",
+            Verdict::BelowNoise => "below noise",
+        }
+    }
+}
+
+/// A ratio for a table: two decimals, or `below noise` when it has no value.
+pub fn ratio_text(ratio: Option<f64>) -> String {
+    ratio.map_or_else(|| "below noise".to_owned(), |r| format!("{r:.2}"))
+}
+
+/// A ratio with its range for a table: `18.5 [12.1, 35.0]`, or `below noise`.
+pub fn range_text(ratio: Option<f64>, range: Option<[f64; 2]>) -> String {
+    match (ratio, range) {
+        (Some(r), Some([low, high])) => format!("{r:.1} [{low:.1}, {high:.1}]"),
+        _ => "below noise".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cost_inside_its_noise_or_negative_has_no_value_and_no_ratio() {
+        // The path is as fast as its floor, give or take: differences straddle zero.
+        let floor = [100.0, 101.0, 99.0, 100.0, 102.0];
+        let path = [100.5, 100.0, 100.0, 101.0, 101.5];
+        let d = Difference::of(&path, &floor);
+        assert_eq!(d.value(), None);
+        let single = Difference::of(&[150.0; 5], &floor);
+        assert_eq!(single.ratio_to(&d), None, "never a ratio over noise");
+        assert_eq!(Verdict::at_least(single.ratio_to(&d), 10.0, 0.0), Verdict::BelowNoise);
+        assert!(!Verdict::BelowNoise.is_met());
+        // A path faster than its floor: a negative median is below noise, never a value.
+        let faster = Difference::of(&[90.0, 91.0, 92.0], &[100.0, 100.0, 100.0]);
+        assert!(faster.median < 0.0 && faster.value().is_none());
+    }
+
+    #[test]
+    fn a_cost_clear_of_its_noise_gives_a_ratio() {
+        let floor = [100.0, 101.0, 99.0, 100.0, 102.0];
+        let batch = Difference::of(&[110.0, 111.0, 109.0, 110.0, 112.0], &floor);
+        let single = Difference::of(&[200.0, 201.0, 199.0, 200.0, 202.0], &floor);
+        assert_eq!(batch.value(), Some(10.0));
+        assert_eq!(single.ratio_to(&batch), Some(10.0));
+        let [low, high] = single.ratio_range(&batch).unwrap();
+        assert!(low <= 10.0 && 10.0 <= high && low > 0.0, "{low} {high}");
+        assert_eq!(Verdict::range_at_least(Some([11.0, 30.0]), 10.0), Verdict::Met);
+        assert_eq!(Verdict::range_at_least(Some([9.0, 30.0]), 10.0), Verdict::WithinNoise);
+        assert_eq!(Verdict::range_at_least(Some([2.0, 9.0]), 10.0), Verdict::Unmet);
+        assert_eq!(Verdict::at_least(Some(10.0), 10.0, 0.0), Verdict::Met);
+        assert_eq!(Verdict::at_least(Some(9.0), 10.0, 0.0), Verdict::Unmet);
+    }
+
+    #[test]
+    fn a_target_inside_the_spread_is_within_noise_never_met() {
+        assert_eq!(Verdict::at_least(Some(1.55), 1.5, 0.10), Verdict::WithinNoise);
+        assert_eq!(Verdict::at_most(Some(1.12), 1.1, 0.05), Verdict::WithinNoise);
+        assert_eq!(Verdict::at_most(Some(1.0), 1.1, 0.05), Verdict::Met);
+        assert_eq!(Verdict::at_most(Some(1.3), 1.1, 0.05), Verdict::Unmet);
+    }
+
+    #[test]
+    fn timed_figures_carry_their_spread() {
+        let t = Timed::of(&[2.0, 1.0, 3.0]);
+        assert_eq!((t.median, t.spread), (2.0, 1.0));
+        assert_eq!(Timed::of(&[]).median, 0.0);
+    }
+}
