@@ -28,6 +28,35 @@ use crate::{
     PlanBuilder, PlanRules, PlanSet, RejectReason, Segment, Tag,
 };
 
+/// Where a plan's (or a run's) last segment ends and its length: what decides whether the next
+/// fragment merges into it.
+#[derive(Copy, Clone, Debug)]
+struct Tail {
+    next_src: u64,
+    next_dst: u64,
+    last_len: u64,
+}
+
+impl Tail {
+    /// Appends an in-bounds fragment to `segments`, extending the last segment when adjacent
+    /// on both sides and the merged length stays within `max` (in bounds and adjacent, the sum
+    /// cannot overflow).
+    #[inline(always)]
+    fn extend(&mut self, segments: &mut Vec<Segment>, max: u64, src: u64, dst: u64, len: u64) {
+        if src == self.next_src && dst == self.next_dst && self.last_len + len <= max {
+            self.last_len += len;
+            if let Some(last) = segments.last_mut() {
+                last.len = self.last_len;
+            }
+        } else {
+            segments.push(Segment { src_offset: src, dst_offset: dst, len });
+            self.last_len = len;
+        }
+        self.next_src = src + len;
+        self.next_dst = dst + len;
+    }
+}
+
 /// A plan builder that validates and range-merges fragments into the executable plan as they
 /// are pushed, with an undo log for per-object rollback. Engines wrap it with their own
 /// [`PlanRules`].
@@ -222,9 +251,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             src_len: 0,
             dst_len: 0,
             max_segment: self.max_segment,
-            next_src: u64::MAX,
-            next_dst: u64::MAX,
-            last_len: 0,
+            tail: Tail { next_src: u64::MAX, next_dst: u64::MAX, last_len: 0 },
             segments_before: 0,
             first_join_at: 0,
             live: true,
@@ -640,9 +667,8 @@ pub struct Run<'a, R: PlanRules> {
     src_len: u64,
     dst_len: u64,
     max_segment: u64,
-    next_src: u64,
-    next_dst: u64,
-    last_len: u64,
+    /// The tail of the plan's segments, in the run's locals while it is bound.
+    tail: Tail,
     /// The plan's segment count when the run bound it, and, when the run's first fragment
     /// extended the plan's last segment, that segment's length then (0 otherwise).
     segments_before: usize,
@@ -701,37 +727,43 @@ impl<R: PlanRules> Run<'_, R> {
         if maybe_over && walk.overflows(&span) {
             return Err(Error::Walk(crate::WalkError::Overflow));
         }
-        // None until the first page is pushed; then whether the rest is known in bounds.
-        let mut in_bounds: Option<bool> = None;
-        walk.emit(&span, len, dst_offset, |page| match in_bounds {
-            Some(true) => {
-                let f = Fragment::new(
-                    self.src,
-                    page.tier_offset,
-                    self.dst,
-                    page.dst_offset,
-                    page.len,
-                    self.tag,
-                );
-                let plan = self.plan.unwrap_or(usize::MAX);
-                if self.builder.check_fragment(plan, &f) {
-                    self.push_in_bounds(page.tier_offset, page.dst_offset, page.len);
-                    Ok(())
-                } else {
-                    self.push(page.tier_offset, page.dst_offset, page.len)
-                }
+        let mut pages = walk.fragments(&span, len, dst_offset);
+        let Some(first) = pages.next() else { return Ok(()) };
+        // The first page binds the run; after it, the rest is known in bounds or not at once.
+        self.push(first.tier_offset, first.dst_offset, first.len)?;
+        if !(pages_within && src_len == Some(self.src_len) && self.covers(walk, len, dst_offset)) {
+            return pages.try_for_each(|p| self.push(p.tier_offset, p.dst_offset, p.len));
+        }
+        // The hot loop, over plain values: every later page is whole but the last; the run's
+        // tail is in locals and the segment array has room for every page (reserved once), and
+        // both are written back when the range is done or a page is refused.
+        let (later, last_piece) = walk.later_pages(&span, len);
+        let Some((&last_page, whole)) = later.split_last() else { return Ok(()) };
+        let plan = self.plan.unwrap_or(usize::MAX);
+        let page_size = walk.page_size();
+        let max = self.max_segment;
+        let mut tail = self.tail;
+        let mut segments = std::mem::take(&mut self.segments);
+        segments.reserve(later.len());
+        let mut dst = first.dst_offset + first.len;
+        let pieces = whole.iter().map(|&p| (p, page_size)).chain([(last_page, last_piece)]);
+        let mut refused = None;
+        for (src_offset, piece) in pieces {
+            let f = Fragment::new(self.src, src_offset, self.dst, dst, piece, self.tag);
+            if !self.builder.check_fragment(plan, &f) {
+                refused = Some((src_offset, dst, piece));
+                break;
             }
-            Some(false) => self.push(page.tier_offset, page.dst_offset, page.len),
-            None => {
-                self.push(page.tier_offset, page.dst_offset, page.len)?;
-                in_bounds = Some(
-                    pages_within
-                        && src_len == Some(self.src_len)
-                        && self.covers(walk, len, dst_offset),
-                );
-                Ok(())
-            }
-        })
+            tail.extend(&mut segments, max, src_offset, dst, piece);
+            dst += piece;
+        }
+        self.segments = segments;
+        self.tail = tail;
+        match refused {
+            // Refused by the engine: `push` (with everything written back) rejects the object.
+            Some((src_offset, dst_offset, piece)) => self.push(src_offset, dst_offset, piece),
+            None => Ok(()),
+        }
     }
 
     /// Whether this run is bound and live, its destination holds `dst_offset .. + len`, and a
@@ -747,21 +779,7 @@ impl<R: PlanRules> Run<'_, R> {
     #[inline(always)]
     fn push_in_bounds(&mut self, src_offset: u64, dst_offset: u64, len: u64) {
         debug_assert!(src_offset + len <= self.src_len && dst_offset + len <= self.dst_len);
-        // Adjacent and in bounds: the merged segment ends inside the endpoint, so no overflow.
-        if src_offset == self.next_src
-            && dst_offset == self.next_dst
-            && self.last_len + len <= self.max_segment
-        {
-            self.last_len += len;
-            if let Some(last) = self.segments.last_mut() {
-                last.len = self.last_len;
-            }
-        } else {
-            self.segments.push(Segment { src_offset, dst_offset, len });
-            self.last_len = len;
-        }
-        self.next_src = src_offset + len;
-        self.next_dst = dst_offset + len;
+        self.tail.extend(&mut self.segments, self.max_segment, src_offset, dst_offset, len);
     }
 
     /// Ends the run; the same as dropping it.
@@ -781,10 +799,11 @@ impl<R: PlanRules> Run<'_, R> {
                 return Err(e);
             }
             // Only the run's first fragment can extend the segment the plan ended with.
-            let joins = src_offset == self.next_src
-                && dst_offset == self.next_dst
-                && self.last_len.saturating_add(len) <= self.max_segment;
-            self.first_join_at = if joins { self.last_len } else { 0 };
+            let t = self.tail;
+            let joins = src_offset == t.next_src
+                && dst_offset == t.next_dst
+                && t.last_len.saturating_add(len) <= self.max_segment;
+            self.first_join_at = if joins { t.last_len } else { 0 };
             return self.push(src_offset, dst_offset, len);
         }
         self.hand_back();
@@ -798,8 +817,8 @@ impl<R: PlanRules> Run<'_, R> {
         let index = self.builder.plan_for(self.tag, self.src, self.dst)?;
         let segments = std::mem::take(&mut self.builder.plans[index].segments);
         let state = &self.builder.states[index];
-        (self.next_src, self.next_dst, self.last_len) =
-            (state.next_src, state.next_dst, state.last_len);
+        self.tail =
+            Tail { next_src: state.next_src, next_dst: state.next_dst, last_len: state.last_len };
         self.segments_before = segments.len();
         self.segments = segments;
         self.src_len = state.src_len;
@@ -817,7 +836,7 @@ impl<R: PlanRules> Run<'_, R> {
         let at = self.first_join_at;
         let state = &mut self.builder.states[index];
         (state.next_src, state.next_dst, state.last_len) =
-            (self.next_src, self.next_dst, self.last_len);
+            (self.tail.next_src, self.tail.next_dst, self.tail.last_len);
         self.builder.plans[index].segments = std::mem::take(&mut self.segments);
         if grew || at != 0 {
             self.builder.note_tag(index, self.tag, self.segments_before, at);

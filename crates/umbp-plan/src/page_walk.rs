@@ -130,6 +130,28 @@ impl<'a> PageWalk<'a> {
         })
     }
 
+    /// The span's fragments, in order; the caller has checked the span and its pages.
+    #[inline]
+    pub(crate) fn fragments(&self, span: &Span, len: u64, dst_offset: u64) -> SpanPages<'_> {
+        SpanPages {
+            pages: self.pages[span.first..=span.last].iter(),
+            page_size: self.page_size,
+            in_page: span.in_page,
+            remaining: len,
+            dst: dst_offset,
+        }
+    }
+
+    /// The tier offsets of the span's pages after its first, and the length of the span's
+    /// fragment in its last page (every page between is whole).
+    #[inline]
+    pub(crate) fn later_pages(&self, span: &Span, len: u64) -> (&[u64], u64) {
+        let later = &self.pages[span.first + 1..=span.last];
+        let first_len = (self.page_size - span.in_page).min(len);
+        let middle = (later.len() as u64).saturating_sub(1) * self.page_size;
+        (later, len - first_len - middle)
+    }
+
     /// Emits the span's fragments; the caller has checked the span and its pages.
     #[inline]
     pub(crate) fn emit<E>(
@@ -137,22 +159,9 @@ impl<'a> PageWalk<'a> {
         span: &Span,
         len: u64,
         dst_offset: u64,
-        mut emit: impl FnMut(PageFragment) -> Result<(), E>,
+        emit: impl FnMut(PageFragment) -> Result<(), E>,
     ) -> Result<(), E> {
-        let mut in_page = span.in_page;
-        let mut remaining = len;
-        let mut dst = dst_offset;
-        for &page in &self.pages[span.first..=span.last] {
-            // The range ends inside the last page's stored bytes: a short last page clamps
-            // itself, and `page + in_page + n` fits (the span's pages passed the overflow rule).
-            let n = (self.page_size - in_page).min(remaining);
-            emit(PageFragment { tier_offset: page + in_page, dst_offset: dst, len: n })?;
-            dst += n;
-            remaining -= n;
-            in_page = 0;
-        }
-        debug_assert_eq!(remaining, 0, "a span ends inside its last page");
-        Ok(())
+        self.fragments(span, len, dst_offset).try_for_each(emit)
     }
 
     /// Emits the page fragments of object bytes `offset .. offset + len`, destined for
@@ -202,3 +211,38 @@ pub fn check_ranges(
     }
     Ok(())
 }
+
+/// The page fragments of one checked span ([`PageWalk::fragments`]).
+pub(crate) struct SpanPages<'a> {
+    pages: std::slice::Iter<'a, u64>,
+    page_size: u64,
+    /// Offset of the next fragment in its page: the span's offset in its first page, then 0.
+    in_page: u64,
+    remaining: u64,
+    dst: u64,
+}
+
+impl Iterator for SpanPages<'_> {
+    type Item = PageFragment;
+
+    #[inline]
+    fn next(&mut self) -> Option<PageFragment> {
+        let &page = self.pages.next()?;
+        // The range ends inside the last page's stored bytes: a short last page clamps itself,
+        // and `page + in_page + n` fits (the span's pages passed the overflow rule).
+        let n = (self.page_size - self.in_page).min(self.remaining);
+        let fragment =
+            PageFragment { tier_offset: page + self.in_page, dst_offset: self.dst, len: n };
+        self.dst += n;
+        self.remaining -= n;
+        self.in_page = 0;
+        Some(fragment)
+    }
+
+    #[inline]
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.pages.size_hint()
+    }
+}
+
+impl ExactSizeIterator for SpanPages<'_> {}

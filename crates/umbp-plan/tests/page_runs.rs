@@ -1,17 +1,21 @@
 //! `Run::push_walk` against the page walk feeding `push` one fragment at a time: for random
 //! paged objects, ranges and destinations (some out of bounds, some refused by the walk), with
-//! commits and rollbacks, both give the batch planner's plan set over the committed fragments;
-//! so does `PlanBuilder::push_walk` through a boxed builder, incremental or buffered.
+//! commits and rollbacks, and engine rules that refuse some fragments mid-range, both give the
+//! batch planner's plan set over the committed fragments; so does `PlanBuilder::push_walk`
+//! through a boxed builder, incremental or buffered.
 
 use proptest::prelude::*;
 use umbp_plan::{
     BatchPlanner, BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, Error, Fragment,
-    IncrementalBuilder, PageWalk, PlanBuilder, PlanRules, RulePlanner, Tag,
+    IncrementalBuilder, PageWalk, PlanBuilder, PlanRules, RejectReason, RulePlanner, Tag,
 };
 
 #[derive(Clone, Copy, Debug)]
 struct Rules {
     max_segment: u64,
+    /// Refuse fragments whose destination offset is 1 modulo this (an engine's alignment
+    /// rule, say), so that pages deep inside a range get refused.
+    refuse_modulo: Option<u64>,
 }
 
 impl PlanRules for Rules {
@@ -21,6 +25,18 @@ impl PlanRules for Rules {
 
     fn max_segment_len(&self) -> u64 {
         self.max_segment
+    }
+
+    fn check_fragment(&self, _: &Endpoint, _: &Endpoint, f: &Fragment) -> Result<(), RejectReason> {
+        match self.refuse_modulo {
+            Some(m) if f.dst_offset % m == 1 => Err(RejectReason::Misaligned {
+                endpoint: f.dst,
+                offset: f.dst_offset,
+                len: f.len,
+                align: m,
+            }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -90,9 +106,10 @@ proptest! {
     fn push_walk_equals_walk_and_push(
         objects in proptest::collection::vec(object(), 1..8),
         max_segment in prop_oneof![Just(u64::MAX), 64u64..300],
+        refuse_modulo in prop_oneof![3 => Just(None), 1 => (5u64..40).prop_map(Some)],
     ) {
         let (registry, arena, dsts) = setup();
-        let rules = Rules { max_segment };
+        let rules = Rules { max_segment, refuse_modulo };
         let mut by_walk = IncrementalBuilder::new(rules, registry.clone());
         let mut by_push = IncrementalBuilder::new(rules, registry.clone());
         // The same through the trait, as a caller holding a boxed builder (or the composite)
