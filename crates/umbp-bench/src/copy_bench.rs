@@ -24,8 +24,6 @@
 //! submitting plan sets built beforehand.
 
 use std::hint::black_box;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Barrier;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -36,6 +34,7 @@ use umbp_plan::{
     EndpointId, EndpointRegistry, Fragment, PlanBuilder, PlanSet, Tag, TransferEngine,
 };
 
+use crate::ceiling::{with_copy_ceiling, CeilingSamples};
 use crate::chart::{BarChart, Series};
 use crate::measure::{range_text, ratio_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
@@ -211,27 +210,20 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
             let threads = engine.config().threads;
             progress.step(format!("{} fragments, {threads} threads", ByteSize(fragment_size)));
             let mut builder = engine.incremental_builder();
-            let [mut engine_times, mut memcpy_times, mut streaming_times] =
-                [(); 3].map(|()| Vec::new());
-            with_crew(bytes as usize, threads, |ceiling| {
+            let mut engine_times = Vec::new();
+            let mut ceiling = CeilingSamples::default();
+            with_copy_ceiling(bytes as usize, threads, |copy| {
                 for i in 0..config.warmup + config.iterations {
-                    let memcpy = ceiling(CrewCopy::Memcpy);
-                    let streaming = ceiling(CrewCopy::Streaming);
+                    let timed = i >= config.warmup;
+                    ceiling.run(copy, timed);
                     let copied = time(|| submit_batch(engine, &mut builder, &batch));
-                    if i >= config.warmup {
-                        memcpy_times.push(memcpy);
-                        streaming_times.push(streaming);
+                    if timed {
                         engine_times.push(copied);
                     }
                 }
             });
             let engine_t = Timed::of(&engine_times);
-            let (memcpy, streaming) = (Timed::of(&memcpy_times), Timed::of(&streaming_times));
-            let (ceiling, ceiling_copy, other) = if streaming.median < memcpy.median {
-                (streaming, "streaming", memcpy)
-            } else {
-                (memcpy, "memcpy", streaming)
-            };
+            let (ceiling, ceiling_copy, other) = ceiling.best();
             let gib_s = |secs: f64| bytes as f64 / secs / f64::from(1u32 << 30);
             let ratio = ceiling.median / engine_t.median;
             let spread = engine_t.spread + ceiling.spread;
@@ -387,65 +379,6 @@ fn scattered(
             Fragment::new(src, from, dst, i * fragment_size, fragment_size, tag)
         })
         .collect()
-}
-
-/// One of the ceiling's two copies.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum CrewCopy {
-    Memcpy = 1,
-    Streaming = 2,
-}
-
-/// Runs `body` with a ceiling: a function that copies a contiguous buffer of `bytes` onto
-/// another in `threads` equal parts, with the copy named, and returns its seconds. The
-/// helper threads (`threads - 1`; the caller copies the first part) start here, once, and
-/// wait on a barrier between copies, as the engine's pool waits for work: the timing holds
-/// the copies and two barrier crossings, no thread start-up.
-fn with_crew(bytes: usize, threads: usize, body: impl FnOnce(&mut dyn FnMut(CrewCopy) -> f64)) {
-    const EXIT: u8 = 0;
-    let threads = threads.max(1);
-    let src = HostBuffer::new(bytes, 7);
-    let mut dst = HostBuffer::new(bytes, 8);
-    let part = bytes.div_ceil(threads).max(1);
-    let (start, end) = (Barrier::new(threads), Barrier::new(threads));
-    let mode = AtomicU8::new(EXIT);
-    let copy = |to: &mut [u8], from: &[u8], mode: u8| {
-        if mode == CrewCopy::Streaming as u8 {
-            umbp_localcopy::copy_streaming(to, from);
-        } else {
-            to.copy_from_slice(from);
-        }
-    };
-    std::thread::scope(|scope| {
-        let mut parts = dst.bytes_mut().chunks_mut(part).zip(src.bytes().chunks(part));
-        let first = parts.next();
-        for (to, from) in parts {
-            let (start, end, mode) = (&start, &end, &mode);
-            scope.spawn(move || loop {
-                start.wait();
-                // Relaxed: the barrier orders the caller's store before this load.
-                let m = mode.load(Ordering::Relaxed);
-                if m == EXIT {
-                    return;
-                }
-                copy(to, from, m);
-                end.wait();
-            });
-        }
-        let (to, from) = first.expect("at least one part");
-        let mut run = |which: CrewCopy| {
-            let t = Instant::now();
-            mode.store(which as u8, Ordering::Relaxed);
-            start.wait();
-            copy(to, from, which as u8);
-            end.wait();
-            t.elapsed().as_secs_f64()
-        };
-        body(&mut run);
-        mode.store(EXIT, Ordering::Relaxed);
-        start.wait();
-    });
-    black_box(dst.bytes());
 }
 
 /// The floor of the submit comparison: each fragment's bytes copied with

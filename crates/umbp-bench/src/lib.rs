@@ -16,6 +16,7 @@ pub mod tour;
 
 // What the workloads share: shapes, buffers, counters, and the command's output.
 pub mod alloc_count;
+pub mod ceiling;
 pub mod chart;
 pub mod counters;
 pub mod host_buffer;

@@ -21,7 +21,9 @@ use umbp_plan::{
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 
+use crate::ceiling::{with_copy_ceiling, CeilingSamples};
 use crate::chart::{BarChart, Reference, Series};
+use crate::measure::Verdict;
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 
@@ -85,6 +87,14 @@ pub struct RestoreRow {
     /// Rows of several callers: aggregate GiB/s over the same source's one-caller GiB/s;
     /// `null` on other rows and when the difference is within the runs' spread.
     pub ratio_to_one_caller: Option<f64>,
+    /// The `dram` row: the host-copy ceiling with the same threads (one: the device engine's
+    /// lane copies on one executor thread), GiB/s; `null` on other rows.
+    pub ceiling_gib_s: Option<f64>,
+    /// `gib_s / ceiling_gib_s` on the `dram` row.
+    pub vs_ceiling: Option<f64>,
+    /// `vs_ceiling` against its target of 0.9 (`met`, `unmet`, `within noise`); `null` on
+    /// other rows.
+    pub verdict: Option<Verdict>,
 }
 
 /// A timed run: the median, the spread of its iterations, and whether it was verified.
@@ -250,12 +260,13 @@ impl Setup {
         from_ssd: impl Fn(usize) -> bool + Sync,
         iterations: usize,
     ) -> Timing {
-        self.run_callers(composite, objects, from_ssd, 1, iterations)
+        self.run_callers(composite, objects, from_ssd, 1, iterations, &mut |_| {})
     }
 
     /// Restores `objects` from `callers` threads sharing `composite`, each restoring its own
     /// share of the objects with its own builder, timed from the first start to the last
-    /// finish, then verified.
+    /// finish, then verified. `between` runs before each restore (`true` before the timed
+    /// ones): what the restore alternates with.
     fn run_callers(
         &self,
         composite: &CompositeEngine,
@@ -263,6 +274,7 @@ impl Setup {
         from_ssd: impl Fn(usize) -> bool + Sync,
         callers: usize,
         iterations: usize,
+        between: &mut dyn FnMut(bool),
     ) -> Timing {
         let shares: Vec<&[usize]> =
             objects.chunks(objects.len().div_ceil(callers.max(1)).max(1)).collect();
@@ -288,8 +300,10 @@ impl Setup {
         };
         let mut times = Vec::new();
         // One untimed restore first: it warms the builders, the pool and the file's path.
+        between(false);
         let mut completed = restore_all(&mut builders);
         for _ in 0..iterations.max(1) {
+            between(true);
             self.poison();
             let t = Instant::now();
             completed &= restore_all(&mut builders);
@@ -353,12 +367,28 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             verified: t.verified,
             ratio_to_slower_half: None,
             ratio_to_one_caller: None,
+            ceiling_gib_s: None,
+            vs_ceiling: None,
+            verdict: None,
         }
     };
     let it = config.iterations;
-    progress.step("dram");
-    let dram = setup_inc.run(&composite, &all, |_| false, it);
-    rows.push(row("dram", "incremental", &all, 1, dram));
+    progress.step("dram, alternating with the host-copy ceiling");
+    let mut ceiling = CeilingSamples::default();
+    let mut dram = None;
+    with_copy_ceiling(bytes_of(&all, &shape) as usize, 1, |copy| {
+        let mut alternate = |timed: bool| ceiling.run(copy, timed);
+        dram = Some(setup_inc.run_callers(&composite, &all, |_| false, 1, it, &mut alternate));
+    });
+    let dram = dram.expect("the ceiling runs its body");
+    let (best, _, _) = ceiling.best();
+    let mut dram_row = row("dram", "incremental", &all, 1, dram);
+    let ceiling_gib_s = dram_row.bytes as f64 / best.median / (1u64 << 30) as f64;
+    let vs_ceiling = dram_row.gib_s / ceiling_gib_s;
+    dram_row.ceiling_gib_s = Some(ceiling_gib_s);
+    dram_row.vs_ceiling = Some(vs_ceiling);
+    dram_row.verdict = Some(Verdict::at_least(Some(vs_ceiling), 0.9, dram.spread + best.spread));
+    rows.push(dram_row);
     progress.step("ssd");
     rows.push(row("ssd", "incremental", &all, 1, setup_inc.run(&composite, &all, |_| true, it)));
     progress.step("dram half alone");
@@ -379,7 +409,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             ("mixed", mixed, &on_ssd),
         ] {
             progress.step(format!("{source}, {callers} callers"));
-            let t = setup_inc.run_callers(&composite, &all, from_ssd, callers, it);
+            let t = setup_inc.run_callers(&composite, &all, from_ssd, callers, it, &mut |_| {});
             let mut r = row(source, "incremental", &all, callers, t);
             // GiB/s ratio = time ratio inverted; within the spread of either run it is noise.
             let ratio = one.seconds / t.seconds;
@@ -440,6 +470,16 @@ pub fn table(rows: &[RestoreRow]) -> String {
             if r.verified { "yes" } else { "NO" },
             ratio,
             callers
+        );
+    }
+    for r in rows.iter().filter(|r| r.ceiling_gib_s.is_some()) {
+        out += &format!(
+            "\n{} to the device: {:.2} of the host-copy ceiling with one thread ({:.2} GiB/s): {} \
+             (target: at least 0.9)",
+            r.source,
+            r.vs_ceiling.unwrap_or(0.0),
+            r.ceiling_gib_s.unwrap_or(0.0),
+            r.verdict.map_or("-", Verdict::as_str)
         );
     }
     if let Some(mixed) = rows.iter().find(|r| r.source == "mixed" && r.builder == "incremental") {

@@ -238,6 +238,12 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
     let figure = format!("overlap checks finding no overlap in the restore (of {checks})");
     lines.push(Headline::new("plan", figure, clean as f64, "rows", "==", checks as f64));
 
+    if let Some(dram) = restore.iter().find(|r| r.source == "dram" && r.callers == 1) {
+        if let (Some(vs), Some(verdict)) = (dram.vs_ceiling, dram.verdict) {
+            let figure = "DRAM restore / one-thread host-copy ceiling";
+            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+        }
+    }
     if let Some(mixed) = restore.iter().find(|r| r.source == "mixed" && r.builder == "incremental")
     {
         let figure = "mixed DRAM + SSD restore / its slower half alone";
@@ -349,6 +355,8 @@ fn short_name(h: &Headline) -> String {
         format!("build {}", page.trim_end_matches(" pages"))
     } else if let Some(page) = f.strip_prefix("incremental vs buffered, ") {
         format!("vs buffered {}", page.trim_end_matches(" pages"))
+    } else if f.starts_with("DRAM restore") {
+        "dram vs ceiling".to_owned()
     } else if h.part == "restore" {
         "mixed restore".to_owned()
     } else {

@@ -415,6 +415,9 @@ fn restore_json_fields() {
         "verified",
         "ratio_to_slower_half",
         "ratio_to_one_caller",
+        "ceiling_gib_s",
+        "vs_ceiling",
+        "verdict",
     ];
     check_fields("restore", &lines, &fields);
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");

@@ -23,7 +23,8 @@
 //!   [`TABLE_BUFFERS`] such buffer pairs: a launch takes the next pair once the launch that
 //!   last used it has passed its event, so up to that many launches are in flight on any
 //!   streams without the host waiting, and no upload overwrites a table a queued launch still
-//!   reads. A pair grows (to the next power of two) only when idle.
+//!   reads. A pair grows (to the next power of two) only when idle. Only a launch that finds
+//!   all of them in flight waits (for the oldest), holding the device's lock meanwhile.
 //! - Host memory registered with [`DeviceRuntime::register_host`] is pinned with
 //!   `cuMemHostRegister` (portable, device-mapped) and read by the kernel through its device
 //!   alias.
@@ -354,8 +355,13 @@ impl DeviceRuntime for CudaRuntime {
             )?;
             let args = ffi::GatherArgs { descs, starts, count, blocks: table.blocks() };
             let launched = self.driver.launch_gather(device, function, stream, BLOCK_THREADS, args);
-            // Recorded even if the launch failed: the upload is queued either way.
-            self.driver.event_record(device, buffer.used, stream)?;
+            // Recorded even if the launch failed: the upload is queued either way. Without the
+            // event the buffer's next use could overwrite a table still being read: wait for
+            // the stream instead.
+            if let Err(e) = self.driver.event_record(device, buffer.used, stream) {
+                let _ = self.driver.stream_synchronize(device, stream);
+                return Err(e);
+            }
             launched
         }
     }

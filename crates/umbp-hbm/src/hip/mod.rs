@@ -283,8 +283,13 @@ impl DeviceRuntime for HipRuntime {
         unsafe {
             ffi::memcpy_async(device, descs, buffer.host, desc_bytes + start_bytes, stream)?;
             let launched = ffi::launch_gather(device, function, stream, BLOCK_THREADS, args);
-            // Recorded even if the launch failed: the upload is queued either way.
-            ffi::event_record(device, buffer.used, stream)?;
+            // Recorded even if the launch failed: the upload is queued either way. Without the
+            // event the buffer's next use could overwrite a table still being read: wait for
+            // the stream instead.
+            if let Err(e) = ffi::event_record(device, buffer.used, stream) {
+                let _ = ffi::stream_synchronize(device, stream);
+                return Err(e);
+            }
             launched
         }
     }
