@@ -30,8 +30,9 @@ use crate::metrics::InFlight;
 #[non_exhaustive]
 pub enum ObjectError {
     /// Refused while planning (a bad range or page list, a fragment no engine carries or one
-    /// the engine refused); no byte of it was written.
-    #[error("rejected: {0}")]
+    /// the engine refused); no byte of it was written. Displayed with the reason only: the
+    /// plan error's tag is the batch's internal one, and the result names the caller's.
+    #[error("rejected: {}", Reason(.0))]
     Rejected(umbp_plan::Error),
     /// A transfer carrying its bytes failed. Its destination ranges may hold some of its bytes;
     /// nothing outside them was written.
@@ -50,6 +51,18 @@ pub enum ObjectError {
     /// started finished first, so its destination ranges may hold some of its bytes.
     #[error("cancelled before all of its transfers started")]
     Cancelled,
+}
+
+/// A plan error without the object it names (for [`ObjectError::Rejected`]).
+struct Reason<'a>(&'a umbp_plan::Error);
+
+impl std::fmt::Display for Reason<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            umbp_plan::Error::Rejected { reason, .. } => reason.fmt(f),
+            other => other.fmt(f),
+        }
+    }
 }
 
 /// The result of one object of a batch.

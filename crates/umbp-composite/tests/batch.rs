@@ -390,6 +390,10 @@ fn a_rejected_object_carries_its_reason() {
             umbp_plan::WalkError::RangePastEnd { .. }
         )))
     ));
+    // The message gives the reason, not the batch's internal position of the object (1 here),
+    // which the caller never chose: the result's own tag names the object.
+    let message = report.object(7).and_then(|o| o.error.clone()).unwrap().to_string();
+    assert!(message.starts_with("rejected: bytes ") && !message.contains("object"), "{message}");
 }
 
 #[test]

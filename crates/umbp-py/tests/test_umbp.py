@@ -95,6 +95,8 @@ def test_an_invalid_range_rejects_only_its_object_with_the_reason(engine):
         assert isinstance(report.object(2).error, umbp.RejectedError)
         assert isinstance(report.object(2).error, umbp.Error)
         assert "outside endpoint" in report.object(2).error.reason
+        # The message names no internal object number (object 2 sits at position 1).
+        assert "object 1" not in str(report.object(2).error), str(report.object(2).error)
         assert "passes the end" in report.object(3).error.reason
         with pytest.raises(umbp.RejectedError):
             report.raise_for_errors()
