@@ -34,6 +34,7 @@ use umbp_plan::{
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
+use crate::measure::{Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape, SplitMix};
 use crate::size::ByteSize;
@@ -405,13 +406,6 @@ fn stream_check<D: DeviceRuntime>(
     Ok(ok)
 }
 
-/// Median and spread of `times`.
-fn median(mut times: Vec<f64>) -> (f64, f64) {
-    times.sort_by(f64::total_cmp);
-    let m = times[times.len() / 2];
-    (m, (times[times.len() - 1] - times[0]) / m)
-}
-
 fn gib_s(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / (1u64 << 30) as f64
 }
@@ -439,7 +433,7 @@ fn ceilings<D: DeviceRuntime>(
             ok &= Rig::transfer(&rig.copies, &one);
             times.push(t.elapsed().as_secs_f64());
         }
-        let (seconds, spread) = median(times);
+        let Timed { median: seconds, spread } = Timed::of(&times);
         let verified = ok && rig.read(&dev).as_deref() == Some(host.bytes());
         rows.push(HbmRow {
             kind: "ceiling",
@@ -546,8 +540,8 @@ fn gather_vs_copies<D: DeviceRuntime>(
                     })
                 });
         }
-        let [gather, copies] = times.map(median);
-        for (m, (kind, (seconds, spread))) in
+        let [gather, copies] = times.map(|t| Timed::of(&t));
+        for (m, (kind, Timed { median: seconds, spread })) in
             [("gather", gather), ("copies", copies)].into_iter().enumerate()
         {
             rows.push(HbmRow {
@@ -560,7 +554,7 @@ fn gather_vs_copies<D: DeviceRuntime>(
                 seconds,
                 spread,
                 gib_s: gib_s(bytes, seconds),
-                vs_copies: (m == 0).then(|| copies.0 / seconds),
+                vs_copies: (m == 0).then(|| copies.median / seconds),
                 vs_ceiling: None,
                 verified: verified[m],
             });
@@ -635,7 +629,7 @@ fn restore<D: DeviceRuntime>(
                 })
             })
         });
-    let (seconds, spread) = median(times);
+    let Timed { median: seconds, spread } = Timed::of(&times);
     Ok(HbmRow {
         kind: "restore",
         backend,
@@ -747,13 +741,10 @@ pub fn table(report: &HbmReport) -> String {
 
 /// `met`, `unmet`, or `within noise` when the target lies inside the figure's own spread.
 fn verdict(what: &str, value: Option<f64>, target: f64, spread: f64) -> String {
-    match value {
-        None => format!("{what} n/a"),
-        Some(v) if (v - target).abs() <= v * spread => {
-            format!("{what} {v:.2} within noise of {target}")
-        }
-        Some(v) if v >= target => format!("{what} {v:.2} met ({target})"),
-        Some(v) => format!("{what} {v:.2} unmet ({target})"),
+    let Some(v) = value else { return format!("{what} n/a") };
+    match Verdict::at_least(value, target, spread) {
+        Verdict::WithinNoise => format!("{what} {v:.2} within noise of {target}"),
+        judged => format!("{what} {v:.2} {} ({target})", judged.as_str()),
     }
 }
 

@@ -23,7 +23,7 @@ use umbp_ssd::{SsdConfig, SsdEngine};
 
 use crate::ceiling::{with_copy_ceiling, CeilingSamples};
 use crate::chart::{BarChart, Reference, Series};
-use crate::measure::Verdict;
+use crate::measure::{Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 
@@ -107,10 +107,8 @@ pub(crate) struct Timing {
 
 impl Timing {
     /// The median and spread of `times` (not empty).
-    pub(crate) fn of(mut times: Vec<f64>, verified: bool) -> Self {
-        times.sort_by(f64::total_cmp);
-        let seconds = times[times.len() / 2];
-        let spread = (times[times.len() - 1] - times[0]) / seconds;
+    pub(crate) fn of(times: Vec<f64>, verified: bool) -> Self {
+        let Timed { median: seconds, spread } = Timed::of(&times);
         Self { seconds, spread, verified }
     }
 }

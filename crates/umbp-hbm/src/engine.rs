@@ -132,6 +132,9 @@ struct Running<D: DeviceRuntime> {
 
 impl<D: DeviceRuntime> Drop for Running<D> {
     fn drop(&mut self) {
+        if self.uses.is_empty() {
+            return;
+        }
         let mut in_use = lock(&self.memory.in_use);
         let mut freed = false;
         for id in &self.uses {
@@ -162,9 +165,11 @@ impl<D: DeviceRuntime> Memory<D> {
             ids.into_iter().filter(|id| pinned.contains_key(id)).collect();
         uses.sort_unstable();
         uses.dedup();
-        let mut in_use = lock(&self.in_use);
-        for &id in &uses {
-            *in_use.entry(id).or_default() += 1;
+        if !uses.is_empty() {
+            let mut in_use = lock(&self.in_use);
+            for &id in &uses {
+                *in_use.entry(id).or_default() += 1;
+            }
         }
         Running { memory: Arc::clone(self), uses }
     }

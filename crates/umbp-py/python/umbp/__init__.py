@@ -351,8 +351,7 @@ class Engine:
         the device work is queued on it, ordered with your kernels there, and
         :meth:`Batch.wait_group_enqueued` and :meth:`Batch.group_event` give per-layer
         readiness without waiting for the device. The stream must outlive the batch."""
-        raw, on = _stream(stream, device)
-        return Batch(self._native.start([o._native() for o in objects], True, timeout, raw, on))
+        return self._start(objects, True, timeout, stream, device)
 
     def start_offload(
         self,
@@ -364,8 +363,11 @@ class Engine:
         """Starts offloading ``objects``: their ranges (which must tile each object) from your
         endpoints into the tier's pages. ``stream``: as for :meth:`start_restore` (reads of
         device memory then follow your kernels queued there before)."""
+        return self._start(objects, False, timeout, stream, device)
+
+    def _start(self, objects, restore: bool, timeout, stream, device) -> Batch:
         raw, on = _stream(stream, device)
-        return Batch(self._native.start([o._native() for o in objects], False, timeout, raw, on))
+        return Batch(self._native.start([o._native() for o in objects], restore, timeout, raw, on))
 
     def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
         """:meth:`start_restore`, then waits; one result per object."""
