@@ -15,6 +15,8 @@ fn kind(e: &Endpoint) -> &'static str {
         EndpointKind::Host => "host",
         EndpointKind::Device(_) => "device",
         EndpointKind::File(_) => "file",
+        EndpointKind::Remote(_) => "remote",
+        _ => "other",
     }
 }
 

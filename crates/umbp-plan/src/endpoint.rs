@@ -83,8 +83,23 @@ pub struct FileRange {
     pub direct: bool,
 }
 
+/// A region of memory that another node exported to this process: which peer, and which of
+/// its exported regions. A remote engine (umbp-ucx) hands these out when it connects to a peer;
+/// the numbers mean nothing to any other engine.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RemoteRegion {
+    /// The peer, as numbered by the engine that connected to it (unique in the process).
+    pub peer: u32,
+    /// The region, as numbered by the peer in its export list.
+    pub region: u32,
+}
+
 /// Where an endpoint's bytes live.
+///
+/// Engines match on it with a wildcard arm: a kind an engine does not know is one it does not
+/// carry (new kinds arrive as new tiers do, the remote one last).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum EndpointKind {
     /// Host memory of this process.
     Host,
@@ -92,6 +107,9 @@ pub enum EndpointKind {
     Device(DeviceOrdinal),
     /// A range of an open file.
     File(FileRange),
+    /// Part of a region another node exported; the endpoint's [address](Endpoint::addr) is the
+    /// offset of its first byte inside that region.
+    Remote(RemoteRegion),
 }
 
 /// The description of one registered region: its kind, its base address (memory kinds) and its
@@ -119,12 +137,21 @@ impl Endpoint {
         Self { kind: EndpointKind::File(FileRange { fd, file_offset, direct }), addr: 0, len }
     }
 
+    /// `len` bytes of the exported remote `region`, starting `offset` bytes into it. Nothing in
+    /// this process is dereferenced through it: the engine that owns the peer checks every
+    /// access against the region the peer exported (see
+    /// [`Register::register_remote`](crate::Register::register_remote)).
+    pub const fn remote(region: RemoteRegion, offset: u64, len: u64) -> Self {
+        Self { kind: EndpointKind::Remote(region), addr: offset, len }
+    }
+
     /// Where the bytes live.
     pub const fn kind(&self) -> EndpointKind {
         self.kind
     }
 
-    /// The base address for memory endpoints; 0 for files.
+    /// The base address for memory endpoints; 0 for files; the offset inside the exported
+    /// region for remote endpoints.
     pub const fn addr(&self) -> u64 {
         self.addr
     }
@@ -156,6 +183,14 @@ impl Endpoint {
     pub const fn file_range(&self) -> Option<FileRange> {
         match self.kind {
             EndpointKind::File(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// The exported region, for remote endpoints.
+    pub const fn remote_region(&self) -> Option<RemoteRegion> {
+        match self.kind {
+            EndpointKind::Remote(r) => Some(r),
             _ => None,
         }
     }

@@ -101,6 +101,15 @@ pub enum FailureCause {
     /// of its bytes.
     #[error("the batch's deadline passed")]
     TimedOut,
+    /// The remote peer holding the bytes failed, went away or stopped answering: every object
+    /// in flight to it fails with this, and nothing else does.
+    #[error("peer {peer} failed: {message}")]
+    PeerFailed {
+        /// The peer, as its engine numbers it ([`RemoteRegion::peer`](crate::RemoteRegion)).
+        peer: u32,
+        /// What the transport said.
+        message: String,
+    },
     /// The engine panicked while executing; whatever it was doing fails. The message is the
     /// panic's payload when it was a string.
     #[error("the engine panicked: {message}")]

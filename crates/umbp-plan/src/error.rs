@@ -53,6 +53,9 @@ pub enum RejectReason {
     /// everywhere.
     #[error("the engine's plan builder panicked")]
     BuilderPanicked,
+    /// The destination accepts no writes (a remote region its peer exported read-only).
+    #[error("endpoint {} is read-only", .0.raw())]
+    ReadOnly(EndpointId),
     /// The engine needs `offset` and `len` aligned to `align` on this endpoint.
     #[error("bytes {offset}..+{len} of endpoint {} are not aligned to {align}", .endpoint.raw())]
     Misaligned {

@@ -7,7 +7,7 @@
 //! *plans* that an engine executes. It knows no engine and does no I/O.
 //!
 //! - [`EndpointRegistry`] names the regions bytes live in ([`Endpoint`]: host memory, device
-//!   memory, a file range) with small [`EndpointId`]s.
+//!   memory, a file range, a region another node exported) with small [`EndpointId`]s.
 //! - A [`Fragment`] copies bytes from one endpoint to another on behalf of an object ([`Tag`]).
 //! - A [`PlanBuilder`] turns the fragments of a batch into a [`PlanSet`]: one [`Plan`] per
 //!   endpoint pair, with adjacent fragments merged, plus the tags of rejected objects. The
@@ -105,7 +105,7 @@ pub use batch::plan_batch;
 pub use builder::{BatchPlanner, BufferedPlanBuilder, PlanBuilder, RulePlanner};
 pub use endpoint::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointPins, EndpointRegistry,
-    EndpointTable, FileRange, Tag,
+    EndpointTable, FileRange, RemoteRegion, Tag,
 };
 pub use engine::{
     Completion, EngineError, Failure, FailureCause, Settled, TransferEngine, TransferHandle,

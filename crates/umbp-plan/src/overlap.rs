@@ -1,9 +1,10 @@
 //! The overlap rule, and the check every engine runs at submit (see [`OverlapCheck`]).
 
-use crate::{DeviceOrdinal, EndpointId, Failure, FailureCause, PlanSet, Tag};
+use crate::{DeviceOrdinal, EndpointId, Failure, FailureCause, PlanSet, RemoteRegion, Tag};
 
 /// A space of addresses: equal addresses in one space are the same bytes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Space {
     /// The process's host memory (pinned host memory seen through a device alias included).
     Host,
@@ -11,6 +12,8 @@ pub enum Space {
     Device(DeviceOrdinal),
     /// One open file, by descriptor, in file offsets (a file open twice is two spaces).
     File(i32),
+    /// One region another node exported, in offsets from its start.
+    Remote(RemoteRegion),
 }
 
 /// One range a fragment (or a piece of one) reads or writes.

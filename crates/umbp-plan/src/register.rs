@@ -9,7 +9,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::{Endpoint, EndpointId, EndpointRegistry, EngineError};
+use crate::{Endpoint, EndpointId, EndpointRegistry, EngineError, RemoteRegion};
 
 /// Host memory that can be registered without `unsafe`: a buffer that owns its bytes in one
 /// heap allocation.
@@ -187,10 +187,10 @@ pub enum RegisterError {
         /// Length in bytes.
         len: u64,
     },
-    /// The file range's end overflows `u64`.
-    #[error("the file range at {file_offset} of {len} bytes overflows")]
+    /// The file range's (or remote range's) end overflows `u64`.
+    #[error("the range at {file_offset} of {len} bytes overflows")]
     RangeOverflow {
-        /// Start offset.
+        /// Start offset (in the file, or in the remote region).
         file_offset: u64,
         /// Length in bytes.
         len: u64,
@@ -387,6 +387,29 @@ pub trait Register {
         let endpoint = Endpoint::file(file.as_raw_fd(), file_offset, len, direct);
         let id = self.registry().insert(endpoint);
         finish(self, id, endpoint, file)
+    }
+
+    /// Registers bytes `offset .. offset + len` of a region another node exported, as a
+    /// remote engine's connection listed it. Safe: nothing in this process is dereferenced
+    /// through it, and the engine that owns the peer refuses (in
+    /// [`prepare`](Self::prepare)) a region it does not know or a range past the export, so
+    /// a remote endpoint can only ever name bytes the peer handed out. Through a registry or
+    /// an engine that knows no remote peer, the endpoint registers but no engine carries it.
+    fn register_remote(
+        &self,
+        region: RemoteRegion,
+        offset: u64,
+        len: u64,
+    ) -> Result<Registration, RegisterError>
+    where
+        Self: Sized,
+    {
+        if offset.checked_add(len).is_none() {
+            return Err(RegisterError::RangeOverflow { file_offset: offset, len });
+        }
+        let endpoint = Endpoint::remote(region, offset, len);
+        let id = self.registry().insert(endpoint);
+        finish(self, id, endpoint, ())
     }
 }
 

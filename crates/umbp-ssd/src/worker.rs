@@ -193,7 +193,7 @@ impl Workers {
                 match e.kind() {
                     EndpointKind::Host => Some((Space::Host, e.addr())),
                     EndpointKind::File(range) => Some((Space::File(range.fd), range.file_offset)),
-                    EndpointKind::Device(_) => None,
+                    _ => None,
                 }
             })
         };

@@ -139,6 +139,7 @@ impl Scenario {
                 EndpointKind::Host => Endpoint::host(addr, len),
                 EndpointKind::Device(d) => Endpoint::device(d, addr, len),
                 EndpointKind::File(f) => Endpoint::file(f.fd, f.file_offset, len, f.direct),
+                EndpointKind::Remote(r) => Endpoint::remote(r, 0, len),
             });
         }
         let sources = config.sources.len().max(1);

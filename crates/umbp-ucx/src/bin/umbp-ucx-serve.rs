@@ -1,0 +1,72 @@
+//! `umbp-ucx-serve`: exports a patterned memory region over UCX until its standard input
+//! closes, for tests, benchmarks and trying the engine against another node.
+//!
+//! ```text
+//! umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS]
+//!                [--read-only-bytes N] [--token TEXT]
+//! ```
+//!
+//! Region 0, `arena`, is writable and holds `--bytes` bytes (default 64 MiB); byte `i` is
+//! `fill_byte(SEED, i)` (see [`fill_byte`]). With `--read-only-bytes`, region 1, `ro`, is
+//! read-only and filled the same way with `SEED + 1`. Prints `listening ADDR` once serving.
+
+use std::io::{BufRead, Write};
+
+use umbp_ucx::{ServerBuilder, UcxConfig};
+
+/// Byte `i` of a region filled with `seed`: varies within and across pages.
+fn fill_byte(seed: u8, i: usize) -> u8 {
+    (i.wrapping_mul(7) ^ (i >> 12).wrapping_mul(31)).wrapping_add(usize::from(seed)) as u8
+}
+
+fn fill(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| fill_byte(seed, i)).collect()
+}
+
+fn main() {
+    let mut listen = "127.0.0.1:0".to_owned();
+    let mut bytes = 64usize << 20;
+    let mut read_only = 0usize;
+    let mut seed = 0u8;
+    let mut config = UcxConfig::default();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| usage(&format!("{flag} needs a value")));
+        match flag.as_str() {
+            "--listen" => listen = value(),
+            "--bytes" => bytes = value().parse().unwrap_or_else(|_| usage("--bytes: a number")),
+            "--read-only-bytes" => {
+                read_only = value().parse().unwrap_or_else(|_| usage("--read-only-bytes: a number"))
+            }
+            "--fill" => seed = value().parse().unwrap_or_else(|_| usage("--fill: 0..=255")),
+            "--transports" => config.transports = Some(value()),
+            "--token" => config.token = Some(value().into_bytes()),
+            "--help" | "-h" => usage(""),
+            other => usage(&format!("unknown argument {other}")),
+        }
+    }
+    let mut builder = ServerBuilder::new(config).export("arena", fill(seed, bytes), true);
+    if read_only > 0 {
+        builder = builder.export("ro", fill(seed.wrapping_add(1), read_only), false);
+    }
+    let server = builder.serve(listen.as_str()).unwrap_or_else(|e| {
+        eprintln!("umbp-ucx-serve: {e}");
+        std::process::exit(1);
+    });
+    println!("listening {}", server.local_addr());
+    std::io::stdout().flush().ok();
+    // Serve until whoever started us closes our standard input (or exits).
+    for _ in std::io::stdin().lock().lines() {}
+    drop(server);
+}
+
+fn usage(problem: &str) -> ! {
+    if !problem.is_empty() {
+        eprintln!("umbp-ucx-serve: {problem}");
+    }
+    eprintln!(
+        "usage: umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS] \
+         [--read-only-bytes N] [--token TEXT]"
+    );
+    std::process::exit(if problem.is_empty() { 0 } else { 2 })
+}

@@ -1,0 +1,611 @@
+//! The engine: the public face ([`UcxEngine`]) and what a submit does on the caller's thread.
+//! The work itself runs on the progress thread ([`crate::progress`]).
+
+use std::collections::HashMap;
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::thread::JoinHandle;
+
+use umbp_plan::{
+    plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, EndpointTable,
+    EngineError, Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, Plan,
+    PlanBuilder, PlanRules, PlanSet, Register, RegisterError, RejectReason, RemoteRegion, Space,
+    TransferEngine, TransferHandle,
+};
+
+use crate::handshake::{self, WireRegion};
+use crate::progress::{self, BatchRun, Command, Op, Route, Slot};
+use crate::{Error, UcxConfig};
+
+/// The engine's name in logs and failures.
+pub(crate) const NAME: &str = "ucx";
+
+/// Peer numbers are unique in the process, so two engines never claim each other's peers.
+static NEXT_PEER: AtomicU32 = AtomicU32::new(0);
+
+/// One region a connected peer exported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedRegion {
+    /// What fragments name it by: register it with
+    /// [`Register::register_remote`](umbp_plan::Register::register_remote).
+    pub region: RemoteRegion,
+    /// The name the server gave it.
+    pub name: String,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Whether the server lets peers write it (offload); reads (restore) always work.
+    pub writable: bool,
+}
+
+/// A peer this engine is connected to.
+#[derive(Clone, Debug)]
+pub struct PeerInfo {
+    /// Its number, as in [`RemoteRegion::peer`].
+    pub id: u32,
+    /// The server's control address.
+    pub addr: SocketAddr,
+    /// What it exported, in its order.
+    pub regions: Vec<ExportedRegion>,
+}
+
+impl PeerInfo {
+    /// The region the server exported as `name`.
+    pub fn region(&self, name: &str) -> Option<&ExportedRegion> {
+        self.regions.iter().find(|r| r.name == name)
+    }
+}
+
+/// A connected peer, as submits see it.
+pub(crate) struct Peer {
+    pub(crate) info: PeerInfo,
+    /// The peer's index on the progress thread.
+    pub(crate) slot: u32,
+    /// The regions' addresses in the peer's process.
+    pub(crate) bases: Vec<u64>,
+    /// Cleared (Release) once the peer is declared dead; submits then fail its plans at once.
+    pub(crate) alive: Arc<AtomicBool>,
+    /// Why it died, once it did.
+    pub(crate) reason: Arc<Mutex<String>>,
+    /// The control connection, shut down when the engine goes.
+    control: TcpStream,
+}
+
+/// What the engine and its builders share.
+pub(crate) struct Shared {
+    pub(crate) registry: Arc<EndpointRegistry>,
+    pub(crate) config: UcxConfig,
+    pub(crate) peers: RwLock<HashMap<u32, Arc<Peer>>>,
+    overlap: Mutex<OverlapCheck>,
+}
+
+impl Shared {
+    pub(crate) fn peer(&self, id: u32) -> Option<Arc<Peer>> {
+        self.peers.read().unwrap_or_else(PoisonError::into_inner).get(&id).cloned()
+    }
+
+    /// Checks that a remote endpoint names bytes its peer exported, and returns the peer.
+    fn check_remote(&self, endpoint: &Endpoint) -> Result<Option<Arc<Peer>>, Error> {
+        let Some(r) = endpoint.remote_region() else { return Ok(None) };
+        let peer = self.peer(r.peer).ok_or(Error::UnknownPeer { peer: r.peer })?;
+        let region = peer
+            .info
+            .regions
+            .get(r.region as usize)
+            .ok_or(Error::UnknownRegion { peer: r.peer, region: r.region })?;
+        if !region_contains(region.len, endpoint.addr(), endpoint.len()) {
+            return Err(Error::OutsideExport {
+                peer: r.peer,
+                region: r.region,
+                offset: endpoint.addr(),
+                len: endpoint.len(),
+                region_len: region.len,
+            });
+        }
+        Ok(Some(peer))
+    }
+}
+
+fn region_contains(region_len: u64, offset: u64, len: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= region_len)
+}
+
+/// The plan rules: host memory to and from a region of a peer this engine is connected to;
+/// writes only to writable regions.
+#[derive(Clone)]
+pub struct UcxRules {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for UcxRules {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UcxRules")
+    }
+}
+
+impl PlanRules for UcxRules {
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        let known =
+            |e: &Endpoint| e.remote_region().is_some_and(|r| self.shared.peer(r.peer).is_some());
+        (src.is_host() && known(dst)) || (known(src) && dst.is_host())
+    }
+
+    fn check_fragment(
+        &self,
+        _src: &Endpoint,
+        dst: &Endpoint,
+        fragment: &Fragment,
+    ) -> Result<(), RejectReason> {
+        if let Some(r) = dst.remote_region() {
+            let writable = self
+                .shared
+                .peer(r.peer)
+                .and_then(|p| p.info.regions.get(r.region as usize).map(|g| g.writable));
+            if writable != Some(true) {
+                return Err(RejectReason::ReadOnly(fragment.dst));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The incremental plan builder of [`UcxEngine`].
+pub type UcxBuilder = IncrementalBuilder<UcxRules>;
+
+/// The remote memory engine: one-sided gets (restore) and puts (offload) between this
+/// process's host memory and regions that peers exported, over UCX.
+///
+/// # Use
+///
+/// 1. [`connect`](Self::connect) to each peer's [`UcxServer`](crate::UcxServer): the handshake
+///    returns its worker address and the keys of its regions ([`PeerInfo`]).
+/// 2. Register what fragments name: host memory as usual, a peer's region with
+///    [`Register::register_remote`] (refused unless the range lies inside what the peer
+///    exported).
+/// 3. Build plans ([`UcxBuilder`], or through a composite) and [`submit`](TransferEngine::submit).
+///
+/// # Submit
+///
+/// On the caller's thread: pins the endpoints, applies the overlap rule, and turns every
+/// segment into a request after checking it against its local endpoint and the region the
+/// peer exported (a plan with a segment outside either fails whole, nothing of it sent); a
+/// plan to a dead peer fails at once. The requests go to the engine's progress thread, which
+/// keeps up to [`UcxConfig::max_in_flight`] of them in flight over all peers, progresses UCX
+/// and settles the batch: puts count only once a flush of their endpoint has confirmed them at
+/// the peer. The handle returns at once.
+///
+/// # Failures
+///
+/// - A peer that goes away (its control connection closes, UCX reports its endpoint failed,
+///   or it leaves requests unanswered for [`UcxConfig::peer_timeout`]) is declared dead: its
+///   endpoint is closed by force, which ends every request in flight to it, and exactly the
+///   objects with bytes to or from it fail with [`FailureCause::PeerFailed`].
+/// - A request that fails while its peer lives, on a segment that merged several objects, is
+///   re-issued once per object, so only the objects whose bytes did not arrive fail.
+/// - A deadline stops the batch from sending more; what is in flight completes (bounded by
+///   the peer timeout), so the handle never returns while a get may still write.
+pub struct UcxEngine {
+    shared: Arc<Shared>,
+    commands: Option<mpsc::Sender<Command>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for UcxEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxEngine").field("config", &self.shared.config).finish()
+    }
+}
+
+impl UcxEngine {
+    /// An engine over `registry`: starts its progress thread, which creates the UCX context
+    /// and worker. Fails with [`Error::LibraryMissing`] where UCX is not installed.
+    pub fn new(registry: Arc<EndpointRegistry>, config: UcxConfig) -> Result<Self, Error> {
+        if config.max_in_flight == 0 {
+            return Err(Error::Config {
+                setting: "max_in_flight",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let (commands, receiver) = mpsc::channel();
+        let (ready, started) = mpsc::channel();
+        let thread = progress::start(config.clone(), receiver, ready)?;
+        let engine = Self {
+            shared: Arc::new(Shared {
+                registry,
+                config,
+                peers: RwLock::new(HashMap::new()),
+                overlap: Mutex::new(OverlapCheck::new()),
+            }),
+            commands: Some(commands),
+            thread: Some(thread),
+        };
+        match started.recv() {
+            Ok(Ok(())) => Ok(engine),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::ProgressThreadGone),
+        }
+    }
+
+    /// The registry the engine looks endpoints up in.
+    pub fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.shared.registry
+    }
+
+    /// The configuration in effect.
+    pub fn config(&self) -> &UcxConfig {
+        &self.shared.config
+    }
+
+    /// A new incremental plan builder, as its concrete type.
+    pub fn incremental_builder(&self) -> UcxBuilder {
+        IncrementalBuilder::new(
+            UcxRules { shared: Arc::clone(&self.shared) },
+            Arc::clone(&self.shared.registry),
+        )
+    }
+
+    /// Connects to the server listening at `addr`: the handshake (bounded by
+    /// [`UcxConfig::connect_timeout`]), then a UCX endpoint to its worker with its regions'
+    /// keys. The peer stays connected until it goes away or the engine is dropped.
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerInfo, Error> {
+        let timeout = self.shared.config.connect_timeout;
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map_err(|source| Error::Connect { addr: "peer address".into(), source })?
+            .collect();
+        let mut last = None;
+        let mut stream = None;
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, timeout) {
+                Ok(s) => {
+                    stream = Some((s, *a));
+                    break;
+                }
+                Err(e) => last = Some(Error::Connect { addr: a.to_string(), source: e }),
+            }
+        }
+        let Some((mut stream, addr)) = stream else {
+            return Err(last.unwrap_or_else(|| Error::Connect {
+                addr: "peer address".into(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+            }));
+        };
+        let handshake_error = |source| Error::Handshake { addr, source };
+        let io = |e: std::io::Error| Error::Connect { addr: addr.to_string(), source: e };
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        stream.set_write_timeout(Some(timeout)).map_err(io)?;
+        let _ = stream.set_nodelay(true);
+        let token = self.shared.config.token.as_deref().unwrap_or_default();
+        handshake::send_hello(&mut stream, token).map_err(handshake_error)?;
+        let welcome = handshake::read_welcome(&mut stream).map_err(handshake_error)?;
+        stream.set_read_timeout(None).map_err(io)?;
+
+        let id = NEXT_PEER.fetch_add(1, Ordering::Relaxed);
+        let alive = Arc::new(AtomicBool::new(true));
+        let reason = Arc::new(Mutex::new(String::new()));
+        let (reply, answer) = mpsc::channel();
+        let rkeys = welcome.regions.iter().map(|r| r.rkey.clone()).collect();
+        self.send(Command::Connect {
+            peer: id,
+            address: welcome.address,
+            rkeys,
+            alive: Arc::clone(&alive),
+            reason: Arc::clone(&reason),
+            reply,
+        })?;
+        let slot = answer.recv().map_err(|_| Error::ProgressThreadGone)??;
+        let info = PeerInfo {
+            id,
+            addr,
+            regions: welcome
+                .regions
+                .iter()
+                .enumerate()
+                .map(|(i, r): (usize, &WireRegion)| ExportedRegion {
+                    region: RemoteRegion { peer: id, region: i as u32 },
+                    name: r.name.clone(),
+                    len: r.len,
+                    writable: r.writable,
+                })
+                .collect(),
+        };
+        let watch = stream.try_clone().map_err(io)?;
+        let peer = Arc::new(Peer {
+            info: info.clone(),
+            slot,
+            bases: welcome.regions.iter().map(|r| r.base).collect(),
+            alive,
+            reason,
+            control: stream,
+        });
+        self.watch(watch, id, slot)?;
+        self.shared.peers.write().unwrap_or_else(PoisonError::into_inner).insert(id, peer);
+        tracing::info!(peer = id, %addr, regions = info.regions.len(), "connected");
+        Ok(info)
+    }
+
+    /// Whether `peer` is connected and alive.
+    pub fn is_alive(&self, peer: u32) -> bool {
+        self.shared.peer(peer).is_some_and(|p| p.alive.load(Ordering::Acquire))
+    }
+
+    /// Watches the control connection: its end means the peer went away.
+    fn watch(&self, mut stream: TcpStream, peer: u32, slot: u32) -> Result<(), Error> {
+        let commands = self.commands.clone().ok_or(Error::ProgressThreadGone)?;
+        std::thread::Builder::new()
+            .name(format!("umbp-ucx-peer-{peer}"))
+            .spawn(move || {
+                use std::io::Read;
+                let mut buf = [0u8; 64];
+                let why = loop {
+                    match stream.read(&mut buf) {
+                        Ok(0) => break "its control connection closed".to_owned(),
+                        Ok(_) => continue,
+                        Err(e) => break format!("its control connection failed: {e}"),
+                    }
+                };
+                let _ = commands.send(Command::PeerLost { slot, reason: why });
+            })
+            .map(|_| ())
+            .map_err(|source| Error::Connect { addr: "watch thread".into(), source })
+    }
+
+    fn send(&self, command: Command) -> Result<(), Error> {
+        let commands = self.commands.as_ref().ok_or(Error::ProgressThreadGone)?;
+        commands.send(command).map_err(|_| Error::ProgressThreadGone)
+    }
+
+    /// Registers host memory with UCX for this engine's requests, or checks a remote
+    /// endpoint against its peer's export.
+    fn prepare_endpoint(&self, id: EndpointId, endpoint: &Endpoint) -> Result<bool, Error> {
+        if self.shared.check_remote(endpoint)?.is_some() {
+            return Ok(false);
+        }
+        if !(endpoint.is_host() && self.shared.config.map_host_memory) || endpoint.is_empty() {
+            return Ok(false);
+        }
+        let (reply, answer) = mpsc::channel();
+        self.send(Command::Map { id, addr: endpoint.addr(), len: endpoint.len(), reply })?;
+        answer.recv().map_err(|_| Error::ProgressThreadGone)?.map(|()| true)
+    }
+
+    /// Resolves the plans of a submit into requests; returns the batch and the failures found.
+    fn resolve(
+        &self,
+        plans: &mut PlanSet,
+        table: &EndpointTable,
+    ) -> (Vec<Route>, Vec<Op>, Vec<Failure>) {
+        let mut failures = self
+            .shared
+            .overlap
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .exclude(plans, NAME, |id| {
+                let e = table.get(id)?;
+                match e.remote_region() {
+                    Some(r) => Some((Space::Remote(r), e.addr())),
+                    None => e.is_host().then_some((Space::Host, e.addr())),
+                }
+            });
+        let mut routes = Vec::with_capacity(plans.plans().len());
+        let mut ops = Vec::new();
+        for (index, plan) in plans.plans().iter().enumerate() {
+            let start = ops.len();
+            let routed = self.route(plan, table).and_then(|(route, local, remote)| {
+                push_ops(index as u32, plan, &route, local, remote, &mut ops).map(|()| route)
+            });
+            match routed {
+                Ok(route) => routes.push(route),
+                Err(cause) => {
+                    ops.truncate(start);
+                    routes.push(Route::FAILED);
+                    failures.push(failure(plan, cause));
+                }
+            }
+        }
+        (routes, ops, failures)
+    }
+
+    /// The route of one plan: which peer, which key, which direction, and its endpoints.
+    fn route(
+        &self,
+        plan: &Plan,
+        table: &EndpointTable,
+    ) -> Result<(Route, Endpoint, Endpoint), FailureCause> {
+        let endpoint =
+            |id: EndpointId| table.get(id).copied().ok_or(FailureCause::EndpointGone(id));
+        let (src, dst) = (endpoint(plan.src())?, endpoint(plan.dst())?);
+        let not_accepted = |e: Error| FailureCause::NotAccepted(e.to_string());
+        let (write, local_id, local, remote) = match (src.remote_region(), dst.remote_region()) {
+            (Some(_), None) if dst.is_host() => (false, plan.dst(), dst, src),
+            (None, Some(_)) if src.is_host() => (true, plan.src(), src, dst),
+            _ => {
+                return Err(not_accepted(Error::PairNotCarried {
+                    src: plan.src().raw(),
+                    dst: plan.dst().raw(),
+                }))
+            }
+        };
+        let peer =
+            self.shared.check_remote(&remote).map_err(not_accepted)?.expect("a remote endpoint");
+        if !peer.alive.load(Ordering::Acquire) {
+            let message = peer.reason.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            return Err(FailureCause::PeerFailed { peer: peer.info.id, message });
+        }
+        let r = remote.remote_region().expect("a remote endpoint");
+        let region = &peer.info.regions[r.region as usize];
+        if write && !region.writable {
+            return Err(not_accepted(Error::ReadOnly { peer: r.peer, region: r.region }));
+        }
+        let route = Route {
+            peer: peer.slot,
+            rkey: r.region,
+            write,
+            local: local_id,
+            local_base: local.addr(),
+            remote_base: peer.bases[r.region as usize] + remote.addr(),
+        };
+        Ok((route, local, remote))
+    }
+}
+
+/// Appends one request per segment of `plan`, each checked against its local endpoint and
+/// the remote one (which [`Shared::check_remote`] checked against the export).
+fn push_ops(
+    plan_index: u32,
+    plan: &Plan,
+    route: &Route,
+    local: Endpoint,
+    remote: Endpoint,
+    ops: &mut Vec<Op>,
+) -> Result<(), FailureCause> {
+    let local_id = route.local;
+    for (s, segment) in plan.segments().iter().enumerate() {
+        let (local_offset, remote_offset) = if route.write {
+            (segment.src_offset, segment.dst_offset)
+        } else {
+            (segment.dst_offset, segment.src_offset)
+        };
+        if !local.contains(local_offset, segment.len) {
+            let e = Error::OutsideLocal {
+                endpoint: local_id.raw(),
+                offset: local_offset,
+                len: segment.len,
+            };
+            return Err(FailureCause::NotAccepted(e.to_string()));
+        }
+        if !remote.contains(remote_offset, segment.len) {
+            let r = remote.remote_region().expect("a remote endpoint");
+            let e = Error::OutsideExport {
+                peer: r.peer,
+                region: r.region,
+                offset: remote.addr().saturating_add(remote_offset),
+                len: segment.len,
+                region_len: remote.addr().saturating_add(remote.len()),
+            };
+            return Err(FailureCause::NotAccepted(e.to_string()));
+        }
+        ops.push(Op::new(plan_index, s as u32, None, local_offset, remote_offset, segment.len));
+    }
+    Ok(())
+}
+
+/// The failure of `plan`: every object it carries.
+#[cold]
+fn failure(plan: &Plan, cause: FailureCause) -> Failure {
+    tracing::debug!(src = plan.src().raw(), dst = plan.dst().raw(), %cause, "plan failed");
+    Failure {
+        engine: NAME.to_owned(),
+        src: plan.src(),
+        dst: plan.dst(),
+        tags: plan.tags().to_vec(),
+        cause,
+    }
+}
+
+impl Drop for UcxEngine {
+    /// Lets the batches in flight settle, closes every peer and stops the progress thread.
+    fn drop(&mut self) {
+        if let Some(commands) = self.commands.take() {
+            let _ = commands.send(Command::Shutdown);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        // Ends the watch threads (and tells the servers this client left).
+        for peer in self.shared.peers.read().unwrap_or_else(PoisonError::into_inner).values() {
+            let _ = peer.control.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Registration: host memory is mapped for UCX (when [`UcxConfig::map_host_memory`]), a
+/// remote endpoint is checked against its peer's export; other kinds register untouched.
+impl Register for UcxEngine {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        &self.shared.registry
+    }
+
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        match self.prepare_endpoint(id, endpoint) {
+            Ok(false) => Ok(None),
+            Ok(true) => Ok(Some(Arc::new(Unmap(self.commands.clone())))),
+            Err(e) => Err(RegisterError::Engine { engine: NAME.into(), source: Box::new(e) }),
+        }
+    }
+}
+
+/// Unmaps a host endpoint once its registration ended.
+struct Unmap(Option<mpsc::Sender<Command>>);
+
+impl EndpointRelease for Unmap {
+    fn release(&self, id: EndpointId) {
+        if let Some(commands) = &self.0 {
+            let _ = commands.send(Command::Unmap { id });
+        }
+    }
+}
+
+impl TransferEngine for UcxEngine {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        UcxRules { shared: Arc::clone(&self.shared) }.carries(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        plan_batch(
+            &UcxRules { shared: Arc::clone(&self.shared) },
+            &self.shared.registry.snapshot(),
+            fragments,
+        )
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        Box::new(self.incremental_builder())
+    }
+
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        self.prepare_endpoint(id, endpoint).map(|_| ()).map_err(|e| Box::new(e) as EngineError)
+    }
+
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        let _ = self.send(Command::Unmap { id });
+    }
+
+    fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        if plans.expired() {
+            let failures = plans.fail_all(NAME, FailureCause::TimedOut);
+            return TransferHandle::settled(failures, plans);
+        }
+        let pins = self.shared.registry.pin(plans.endpoints());
+        let (routes, ops, failures) = self.resolve(&mut plans, pins.table());
+        if ops.is_empty() {
+            drop(pins);
+            return TransferHandle::settled(failures, plans);
+        }
+        let slot = Arc::new(Slot::default());
+        let batch = BatchRun::new(plans, pins, routes, ops, failures, Arc::clone(&slot));
+        if let Err(mpsc::SendError(Command::Submit(batch))) = self.send_batch(batch) {
+            // Dropping an unsettled batch fails every plan of it into the slot.
+            drop(batch);
+        }
+        TransferHandle::pending(Box::new(progress::Pending(slot)))
+    }
+}
+
+impl UcxEngine {
+    fn send_batch(&self, batch: Box<BatchRun>) -> Result<(), mpsc::SendError<Command>> {
+        match &self.commands {
+            Some(commands) => commands.send(Command::Submit(batch)),
+            None => Err(mpsc::SendError(Command::Submit(batch))),
+        }
+    }
+}

@@ -1,0 +1,736 @@
+//! The progress thread: owns the UCX worker and every endpoint, posts the requests of
+//! submitted batches, progresses UCX, maps completions and failures back to objects, and
+//! settles batches.
+//!
+//! One thread per engine because UCX workers are single-threaded (`UCS_THREAD_MODE_SINGLE`
+//! costs no locks on the request path) and because one-sided requests complete only while
+//! someone progresses the worker. Submitters never touch UCX: they resolve their plans into
+//! flat request lists ([`Op`]) on their own thread and hand the batch over a channel.
+//!
+//! The thread busy-polls while requests are in flight (what `ucx_perftest` does), and after
+//! [`SPINS_BEFORE_SLEEP`] empty polls sleeps on the worker's event descriptor for up to
+//! [`SLEEP`], so a slow peer does not burn a core. With nothing in flight it blocks on its
+//! command channel, waking every [`IDLE_TICK`] to let UCX notice failed peers.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use umbp_plan::{
+    Completion, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, Settled, Tag,
+};
+
+use crate::engine::NAME;
+use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker};
+use crate::{Error, UcxConfig};
+
+/// Empty polls with requests in flight before the thread sleeps on the worker's descriptor.
+const SPINS_BEFORE_SLEEP: u32 = 256;
+/// The longest such sleep.
+const SLEEP: Duration = Duration::from_millis(1);
+/// How often an idle thread progresses UCX anyway.
+const IDLE_TICK: Duration = Duration::from_millis(20);
+/// How long closing an endpoint may take.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Marks the user data of a flush request (else: an op).
+const FLUSH: u64 = 1 << 63;
+
+/// How one plan's requests go: to which peer, through which key, which way, from and to
+/// which base addresses.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Route {
+    /// The peer's index on this thread.
+    pub(crate) peer: u32,
+    /// The region's key on the peer's endpoint.
+    pub(crate) rkey: u32,
+    /// A put (offload); else a get (restore).
+    pub(crate) write: bool,
+    /// The local (host) endpoint.
+    pub(crate) local: EndpointId,
+    /// Its address.
+    pub(crate) local_base: u64,
+    /// The remote endpoint's first byte in the peer's process.
+    pub(crate) remote_base: u64,
+}
+
+impl Route {
+    /// The route of a plan that failed at submit; it has no requests.
+    pub(crate) const FAILED: Self = Self {
+        peer: u32::MAX,
+        rkey: u32::MAX,
+        write: false,
+        local: EndpointId::from_raw(u32::MAX),
+        local_base: 0,
+        remote_base: 0,
+    };
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum OpState {
+    Waiting,
+    InFlight,
+    Done,
+    Failed,
+}
+
+/// One request: a segment of a plan, or one object's share of it.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Op {
+    plan: u32,
+    segment: u32,
+    /// Set on a re-issued share: the one object it carries.
+    only: Option<Tag>,
+    local_offset: u64,
+    remote_offset: u64,
+    len: u64,
+    state: OpState,
+}
+
+impl Op {
+    pub(crate) fn new(
+        plan: u32,
+        segment: u32,
+        only: Option<Tag>,
+        local_offset: u64,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self { plan, segment, only, local_offset, remote_offset, len, state: OpState::Waiting }
+    }
+}
+
+/// What the engine asks of its progress thread.
+pub(crate) enum Command {
+    Connect {
+        peer: u32,
+        address: Vec<u8>,
+        rkeys: Vec<Vec<u8>>,
+        alive: Arc<AtomicBool>,
+        reason: Arc<Mutex<String>>,
+        reply: mpsc::Sender<Result<u32, Error>>,
+    },
+    Map {
+        id: EndpointId,
+        addr: u64,
+        len: u64,
+        reply: mpsc::Sender<Result<(), Error>>,
+    },
+    Unmap {
+        id: EndpointId,
+    },
+    Submit(Box<BatchRun>),
+    PeerLost {
+        slot: u32,
+        reason: String,
+    },
+    Shutdown,
+}
+
+/// A submitted batch on its way through the thread.
+pub(crate) struct BatchRun {
+    plans: Option<PlanSet>,
+    pins: Option<EndpointPins>,
+    routes: Vec<Route>,
+    ops: Vec<Op>,
+    /// Failures found at submit.
+    early: Vec<Failure>,
+    slot: Arc<Slot>,
+    deadline: Option<Instant>,
+    /// The next op to post.
+    next: usize,
+    in_flight: usize,
+    /// Peers with completed puts, to flush before the batch settles.
+    flush: Vec<u32>,
+    /// Peers whose flush is in flight.
+    flushing: Vec<u32>,
+    flush_started: bool,
+    failed: Vec<(FailedAt, FailureCause)>,
+}
+
+impl BatchRun {
+    pub(crate) fn new(
+        plans: PlanSet,
+        pins: EndpointPins,
+        routes: Vec<Route>,
+        ops: Vec<Op>,
+        early: Vec<Failure>,
+        slot: Arc<Slot>,
+    ) -> Box<Self> {
+        Box::new(Self {
+            deadline: plans.deadline(),
+            plans: Some(plans),
+            pins: Some(pins),
+            routes,
+            ops,
+            early,
+            slot,
+            next: 0,
+            in_flight: 0,
+            flush: Vec::new(),
+            flushing: Vec::new(),
+            flush_started: false,
+            failed: Vec::new(),
+        })
+    }
+
+    fn plans(&self) -> &PlanSet {
+        self.plans.as_ref().expect("an unsettled batch has its plans")
+    }
+
+    fn record(&mut self, op: usize, cause: FailureCause) {
+        let op = &mut self.ops[op];
+        op.state = OpState::Failed;
+        let at =
+            FailedAt { tag: op.only, ..FailedAt::segment(op.plan as usize, op.segment as usize) };
+        self.failed.push((at, cause));
+    }
+
+    /// Fails the completed puts to `peer`: their flush did not confirm them.
+    fn fail_puts(&mut self, peer: u32, cause: &FailureCause) {
+        for i in 0..self.ops.len() {
+            let route = self.routes[self.ops[i].plan as usize];
+            if route.write && route.peer == peer && self.ops[i].state == OpState::Done {
+                self.record(i, cause.clone());
+            }
+        }
+    }
+
+    /// Re-issues a failed segment as one op per object's share of it.
+    fn reissue(&mut self, op: usize) {
+        let Op { plan, segment, .. } = self.ops[op];
+        self.ops[op].state = OpState::Failed;
+        let write = self.routes[plan as usize].write;
+        let plans = self.plans.as_ref().expect("an unsettled batch has its plans");
+        let pieces: Vec<Op> = plans.plans()[plan as usize]
+            .segment_pieces(segment as usize)
+            .map(|(tag, piece)| {
+                let (local, remote) = if write {
+                    (piece.src_offset, piece.dst_offset)
+                } else {
+                    (piece.dst_offset, piece.src_offset)
+                };
+                Op::new(plan, segment, Some(tag), local, remote, piece.len)
+            })
+            .collect();
+        tracing::debug!(
+            plan,
+            segment,
+            pieces = pieces.len(),
+            "re-issuing a failed segment per object"
+        );
+        self.ops.extend(pieces);
+    }
+
+    fn finished(&self) -> bool {
+        self.next == self.ops.len() && self.in_flight == 0 && self.flushing.is_empty()
+    }
+
+    /// Settles the batch into its slot.
+    fn settle(&mut self) {
+        let Some(plans) = self.plans.take() else { return };
+        let mut failures = std::mem::take(&mut self.early);
+        self.failed.sort_by_key(|(at, _)| *at);
+        self.failed.dedup_by_key(|(at, _)| *at);
+        for (at, cause) in self.failed.drain(..) {
+            let plan = &plans.plans()[at.plan];
+            failures.push(Failure {
+                engine: NAME.to_owned(),
+                src: plan.src(),
+                dst: plan.dst(),
+                tags: plans.tags_at(at).to_vec(),
+                cause,
+            });
+        }
+        // Unpinned before the handle sees the batch settled, so a deregistration right after
+        // the wait does not wait again.
+        drop(self.pins.take());
+        self.slot.fill(Settled { failures, plans });
+    }
+}
+
+impl Drop for BatchRun {
+    /// A batch dropped unsettled (the thread panicked or is gone) fails every plan, so no
+    /// handle waits forever. The thread drops its batches only after its endpoints, so no
+    /// request of the batch is in flight any more.
+    fn drop(&mut self) {
+        let Some(plans) = &self.plans else { return };
+        let cause = if std::thread::panicking() {
+            FailureCause::Panicked { message: "the UCX progress thread panicked".into() }
+        } else {
+            FailureCause::NotAccepted(Error::ProgressThreadGone.to_string())
+        };
+        let mut failures = plans.fail_all(NAME, cause);
+        failures.append(&mut self.early);
+        let plans = self.plans.take().unwrap_or_default();
+        drop(self.pins.take());
+        self.slot.fill(Settled { failures, plans });
+    }
+}
+
+/// Where the thread leaves a settled batch for its handle.
+#[derive(Default)]
+pub(crate) struct Slot {
+    settled: Mutex<Option<Settled>>,
+    ready: Condvar,
+    /// Set (Release) after `settled` is filled; `is_done` reads it (Acquire) without locking.
+    done: AtomicBool,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, Option<Settled>> {
+        // Filling and taking are single stores: a poisoned slot is still consistent.
+        self.settled.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn fill(&self, settled: Settled) {
+        *self.lock() = Some(settled);
+        self.done.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+}
+
+/// The completion behind a pending handle.
+pub(crate) struct Pending(pub(crate) Arc<Slot>);
+
+impl Completion for Pending {
+    fn is_done(&self) -> bool {
+        self.0.done.load(Ordering::Acquire)
+    }
+
+    fn wait(&mut self) -> Settled {
+        let mut settled = self.0.lock();
+        loop {
+            if let Some(settled) = settled.take() {
+                return settled;
+            }
+            settled = self.0.ready.wait(settled).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+/// A peer as the thread holds it.
+struct PeerConn {
+    id: u32,
+    ep: Option<Endpoint>,
+    alive: Arc<AtomicBool>,
+    reason: Arc<Mutex<String>>,
+    /// Requests (ops and flushes) in flight to it.
+    in_flight: usize,
+    /// When it last answered (or when its first request of a quiet spell went out).
+    last_progress: Instant,
+}
+
+impl PeerConn {
+    fn failure(&self) -> FailureCause {
+        let message = self.reason.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        FailureCause::PeerFailed { peer: self.id, message }
+    }
+}
+
+/// The thread's state. Field order is drop order: endpoints close (ending every request)
+/// before the mappings, the worker and the context go, and all of them before the batches,
+/// whose drop releases the memory the requests used.
+struct Progress {
+    peers: Vec<PeerConn>,
+    maps: HashMap<EndpointId, MemMap>,
+    worker: Rc<Worker>,
+    context: Rc<Context>,
+    batches: Vec<Option<Box<BatchRun>>>,
+    free: Vec<u32>,
+    live: usize,
+    in_flight: usize,
+    config: UcxConfig,
+    commands: mpsc::Receiver<Command>,
+    shutting_down: bool,
+    events: Vec<Event>,
+}
+
+/// Starts the progress thread; it reports on `ready` whether UCX came up.
+pub(crate) fn start(
+    config: UcxConfig,
+    commands: mpsc::Receiver<Command>,
+    ready: mpsc::Sender<Result<(), Error>>,
+) -> Result<JoinHandle<()>, Error> {
+    std::thread::Builder::new()
+        .name("umbp-ucx-progress".into())
+        .spawn(move || {
+            let setup = Context::new(config.transports.as_deref())
+                .and_then(|context| Worker::new(&context).map(|worker| (context, worker)));
+            let (context, worker) = match setup {
+                Ok(ucx) => ucx,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready.send(Ok(()));
+            let mut progress = Progress {
+                peers: Vec::new(),
+                maps: HashMap::new(),
+                worker,
+                context,
+                batches: Vec::new(),
+                free: Vec::new(),
+                live: 0,
+                in_flight: 0,
+                config,
+                commands,
+                shutting_down: false,
+                events: Vec::new(),
+            };
+            progress.run();
+        })
+        .map_err(|source| Error::Connect { addr: "progress thread".into(), source })
+}
+
+impl Progress {
+    fn run(&mut self) {
+        let mut spins = 0u32;
+        loop {
+            if self.live == 0 {
+                match self.commands.recv_timeout(IDLE_TICK) {
+                    Ok(command) => self.handle(command),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => self.shutting_down = true,
+                }
+            }
+            loop {
+                match self.commands.try_recv() {
+                    Ok(command) => self.handle(command),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.shutting_down = true;
+                        break;
+                    }
+                }
+            }
+            if self.shutting_down && self.live == 0 {
+                break;
+            }
+            self.post();
+            let progressed = self.worker.progress();
+            self.drain_events();
+            self.check_timeouts();
+            self.settle_finished();
+            if progressed == 0 && self.in_flight > 0 {
+                spins += 1;
+                if spins >= SPINS_BEFORE_SLEEP {
+                    self.worker.wait(SLEEP);
+                    spins = 0;
+                }
+            } else {
+                spins = 0;
+            }
+        }
+        for peer in &mut self.peers {
+            if let Some(ep) = peer.ep.take() {
+                ep.close(false, CLOSE_TIMEOUT);
+            }
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Connect { peer, address, rkeys, alive, reason, reply } => {
+                let slot = self.peers.len() as u32;
+                let connected = self.worker.connect(&address, slot as usize).and_then(|mut ep| {
+                    for rkey in &rkeys {
+                        ep.unpack(rkey)?;
+                    }
+                    Ok(ep)
+                });
+                let answer = connected.map(|ep| {
+                    self.peers.push(PeerConn {
+                        id: peer,
+                        ep: Some(ep),
+                        alive,
+                        reason,
+                        in_flight: 0,
+                        last_progress: Instant::now(),
+                    });
+                    slot
+                });
+                let _ = reply.send(answer);
+            }
+            Command::Map { id, addr, len, reply } => {
+                // SAFETY: not a request: `map` registers memory of an endpoint registered
+                // (as host memory, valid until deregistered) and unmaps it at `Unmap`, which
+                // comes once the registration ended and no batch uses it.
+                let mapped = unsafe { self.context.map(addr, len, Access::Local) };
+                let _ = reply.send(mapped.map(|map| {
+                    self.maps.insert(id, map);
+                }));
+            }
+            Command::Unmap { id } => {
+                self.maps.remove(&id);
+            }
+            Command::Submit(batch) => {
+                let key = match self.free.pop() {
+                    Some(key) => {
+                        self.batches[key as usize] = Some(batch);
+                        key
+                    }
+                    None => {
+                        self.batches.push(Some(batch));
+                        (self.batches.len() - 1) as u32
+                    }
+                };
+                debug_assert!(key < 1 << 31);
+                self.live += 1;
+            }
+            Command::PeerLost { slot, reason } => self.kill(slot, reason),
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Posts waiting ops, oldest batch first, up to the in-flight limit.
+    fn post(&mut self) {
+        let max = self.config.max_in_flight;
+        let now = Instant::now();
+        for (key, batch) in self.batches.iter_mut().enumerate() {
+            let Some(b) = batch else { continue };
+            if b.next < b.ops.len() && b.deadline.is_some_and(|d| now >= d) {
+                for i in b.next..b.ops.len() {
+                    b.record(i, FailureCause::TimedOut);
+                }
+                b.next = b.ops.len();
+            }
+            while b.next < b.ops.len() && self.in_flight < max {
+                let i = b.next;
+                b.next += 1;
+                let op = b.ops[i];
+                let route = b.routes[op.plan as usize];
+                let peer = &mut self.peers[route.peer as usize];
+                let Some(ep) = peer.ep.as_ref().filter(|_| peer.alive.load(Ordering::Acquire))
+                else {
+                    b.record(i, peer.failure());
+                    continue;
+                };
+                let memh = self.maps.get(&route.local);
+                let (local, remote) =
+                    (route.local_base + op.local_offset, route.remote_base + op.remote_offset);
+                let user_data = ((key as u64) << 32) | i as u64;
+                // SAFETY: `local .. local + len` lies inside the host endpoint `route.local`
+                // (checked at submit against the pinned registration), which stays registered,
+                // hence valid, until this batch settles, and the batch settles only after this
+                // request completed or its endpoint was closed. The overlap rule (applied at
+                // submit) keeps every other request of the batch off the bytes a get writes;
+                // the registration's contract keeps everyone else off them. `remote .. + len`
+                // lies inside the region of key `route.rkey` (checked at submit against the
+                // export).
+                let posted = unsafe {
+                    if route.write {
+                        ep.put(
+                            route.rkey as usize,
+                            local as *const u8,
+                            op.len,
+                            remote,
+                            memh,
+                            user_data,
+                        )
+                    } else {
+                        ep.get(
+                            route.rkey as usize,
+                            local as *mut u8,
+                            op.len,
+                            remote,
+                            memh,
+                            user_data,
+                        )
+                    }
+                };
+                match posted {
+                    Posted::Done => complete(b, i),
+                    Posted::Pending => {
+                        b.ops[i].state = OpState::InFlight;
+                        b.in_flight += 1;
+                        self.in_flight += 1;
+                        if peer.in_flight == 0 {
+                            peer.last_progress = now;
+                        }
+                        peer.in_flight += 1;
+                    }
+                    Posted::Failed(status) => fail(b, i, peer, status),
+                }
+            }
+        }
+    }
+
+    /// Handles what UCX reported since the last call.
+    fn drain_events(&mut self) {
+        let mut events = std::mem::take(&mut self.events);
+        ucp::take_events(&mut events);
+        for event in events.drain(..) {
+            match event {
+                Event::Done { user_data, status } => self.done(user_data, status),
+                Event::EndpointFailed { arg, status } => {
+                    self.kill(arg as u32, format!("UCX: {}", ucp::status_message(status)));
+                }
+            }
+        }
+        self.events = events;
+    }
+
+    fn done(&mut self, user_data: u64, status: ucp::sys::Status) {
+        let key = ((user_data & !FLUSH) >> 32) as usize;
+        let index = user_data as u32;
+        let Some(Some(b)) = self.batches.get_mut(key) else { return };
+        if user_data & FLUSH != 0 {
+            let Some(at) = b.flushing.iter().position(|&p| p == index) else { return };
+            b.flushing.swap_remove(at);
+            let peer = &mut self.peers[index as usize];
+            peer.in_flight -= 1;
+            peer.last_progress = Instant::now();
+            if status != ucp::sys::UCS_OK {
+                let cause = FailureCause::PeerFailed {
+                    peer: peer.id,
+                    message: format!("flush: {}", ucp::status_message(status)),
+                };
+                b.fail_puts(index, &cause);
+            }
+            return;
+        }
+        let i = index as usize;
+        if b.ops.get(i).is_none_or(|op| op.state != OpState::InFlight) {
+            return; // Swept when its peer died.
+        }
+        b.in_flight -= 1;
+        self.in_flight -= 1;
+        let peer = &mut self.peers[b.routes[b.ops[i].plan as usize].peer as usize];
+        peer.in_flight -= 1;
+        peer.last_progress = Instant::now();
+        if status == ucp::sys::UCS_OK {
+            complete(b, i);
+        } else {
+            fail(b, i, peer, status);
+        }
+    }
+
+    /// Declares a peer dead: closes its endpoint by force (every request to it ends) and
+    /// fails what is in flight to it.
+    fn kill(&mut self, slot: u32, reason: String) {
+        let Some(peer) = self.peers.get_mut(slot as usize) else { return };
+        if peer.ep.is_none() {
+            return;
+        }
+        tracing::warn!(peer = peer.id, %reason, "peer declared dead");
+        *peer.reason.lock().unwrap_or_else(PoisonError::into_inner) = reason;
+        peer.alive.store(false, Ordering::Release);
+        if let Some(ep) = peer.ep.take() {
+            ep.close(true, CLOSE_TIMEOUT);
+        }
+        // The forced close completed the requests with errors; handle those reports, then
+        // fail any request whose report did not come (the endpoint is gone: nothing of it
+        // can still write).
+        self.drain_events();
+        let cause = self.peers[slot as usize].failure();
+        for b in self.batches.iter_mut().flatten() {
+            for i in 0..b.ops.len() {
+                let route = b.routes[b.ops[i].plan as usize];
+                if route.peer == slot && b.ops[i].state == OpState::InFlight {
+                    b.in_flight -= 1;
+                    self.in_flight -= 1;
+                    b.record(i, cause.clone());
+                }
+            }
+            if let Some(at) = b.flushing.iter().position(|&p| p == slot) {
+                b.flushing.swap_remove(at);
+                b.fail_puts(slot, &cause);
+            }
+        }
+        self.peers[slot as usize].in_flight = 0;
+    }
+
+    fn check_timeouts(&mut self) {
+        let timeout = self.config.peer_timeout;
+        let now = Instant::now();
+        let late: Vec<u32> = (0..self.peers.len() as u32)
+            .filter(|&s| {
+                let p = &self.peers[s as usize];
+                p.ep.is_some() && p.in_flight > 0 && now.duration_since(p.last_progress) > timeout
+            })
+            .collect();
+        for slot in late {
+            self.kill(slot, format!("no answer for {timeout:?}"));
+        }
+    }
+
+    /// Flushes the puts of batches whose requests all completed, and settles the batches
+    /// with nothing left in flight.
+    fn settle_finished(&mut self) {
+        for key in 0..self.batches.len() {
+            let Some(b) = self.batches[key].as_mut() else { continue };
+            if !b.finished() {
+                continue;
+            }
+            if !b.flush_started {
+                b.flush_started = true;
+                for peer_slot in std::mem::take(&mut b.flush) {
+                    let peer = &mut self.peers[peer_slot as usize];
+                    let Some(ep) = peer.ep.as_ref() else {
+                        b.fail_puts(peer_slot, &peer.failure());
+                        continue;
+                    };
+                    match ep.flush(FLUSH | ((key as u64) << 32) | u64::from(peer_slot)) {
+                        Posted::Done => {}
+                        Posted::Pending => {
+                            b.flushing.push(peer_slot);
+                            if peer.in_flight == 0 {
+                                peer.last_progress = Instant::now();
+                            }
+                            peer.in_flight += 1;
+                        }
+                        Posted::Failed(status) => {
+                            let cause = FailureCause::PeerFailed {
+                                peer: peer.id,
+                                message: format!("flush: {}", ucp::status_message(status)),
+                            };
+                            b.fail_puts(peer_slot, &cause);
+                        }
+                    }
+                }
+                if !b.finished() {
+                    continue;
+                }
+            }
+            let mut b = self.batches[key].take().expect("checked above");
+            b.settle();
+            self.free.push(key as u32);
+            self.live -= 1;
+        }
+    }
+}
+
+/// Op `i` of `b` completed.
+fn complete(b: &mut BatchRun, i: usize) {
+    b.ops[i].state = OpState::Done;
+    let route = b.routes[b.ops[i].plan as usize];
+    if route.write && !b.flush.contains(&route.peer) {
+        b.flush.push(route.peer);
+    }
+}
+
+/// Op `i` of `b` failed with `status`: re-issued per object when it carried several and its
+/// peer lives, else recorded.
+fn fail(b: &mut BatchRun, i: usize, peer: &PeerConn, status: ucp::sys::Status) {
+    let op = b.ops[i];
+    let alive = peer.alive.load(Ordering::Acquire) && !ucp::is_canceled(status);
+    let shared = b.plans().plans()[op.plan as usize].segment_tags(op.segment as usize).len() > 1;
+    if alive && op.only.is_none() && shared {
+        b.reissue(i);
+        return;
+    }
+    let cause = if alive {
+        FailureCause::PeerFailed {
+            peer: peer.id,
+            message: format!("request: {}", ucp::status_message(status)),
+        }
+    } else {
+        peer.failure()
+    };
+    b.record(i, cause);
+}

@@ -1,0 +1,90 @@
+//! What the remote tests share: UCX's presence, a serving process, patterns and poison.
+#![allow(dead_code)] // Each test file uses its own part.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use umbp_plan::EndpointRegistry;
+use umbp_ucx::{UcxConfig, UcxEngine};
+
+/// The byte every destination holds before a transfer.
+pub const POISON: u8 = 0xA5;
+
+/// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
+/// failure.
+pub fn ucx_or_skip() -> bool {
+    match umbp_ucx::ucx_available() {
+        Ok(()) => true,
+        Err(e) => {
+            assert!(
+                std::env::var_os("UMBP_REQUIRE_UCX").is_none_or(|v| v != "1"),
+                "UMBP_REQUIRE_UCX=1 but {e}"
+            );
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+/// Byte `i` of a region the server filled with `seed` (the formula of `umbp-ucx-serve`).
+pub fn fill_byte(seed: u8, i: usize) -> u8 {
+    (i.wrapping_mul(7) ^ (i >> 12).wrapping_mul(31)).wrapping_add(usize::from(seed)) as u8
+}
+
+/// A serving process: `umbp-ucx-serve`, killed when dropped.
+pub struct Served {
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    pub addr: SocketAddr,
+}
+
+impl Served {
+    /// Starts a server of `bytes` bytes filled with `seed` over `transports`, with `extra`
+    /// arguments.
+    pub fn start(transports: &str, bytes: usize, seed: u8, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
+            .args([
+                "--transports",
+                transports,
+                "--bytes",
+                &bytes.to_string(),
+                "--fill",
+                &seed.to_string(),
+            ])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("umbp-ucx-serve starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line
+            .strip_prefix("listening ")
+            .unwrap_or_else(|| panic!("the server said {line:?}"))
+            .trim()
+            .parse()
+            .unwrap();
+        Self { stdin: child.stdin.take(), child, addr }
+    }
+
+    /// Kills the process at once (SIGKILL): a peer that dies.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.flush();
+        }
+        self.kill();
+    }
+}
+
+/// An engine over a new registry, on `transports`.
+pub fn engine(transports: &str) -> UcxEngine {
+    let registry = EndpointRegistry::new();
+    UcxEngine::new(registry, UcxConfig::with_transports(transports)).expect("the engine starts")
+}
