@@ -49,17 +49,20 @@ impl Default for HbmConfig {
     }
 }
 
-/// The pairs the device engine carries: every pair with at least one device endpoint and no
-/// file endpoint (host to device, device to host, device to device). Host to host is the host
-/// copy engine's, so the two never both claim a pair.
+/// The pairs the device engine carries: every pair of host and device memory with at least one
+/// device endpoint (host to device, device to host, device to device). Host to host is the host
+/// copy engine's, so the two never both claim a pair; files and remote regions are other
+/// engines', and so is any kind added later (a side is carried only when it is one of these
+/// two kinds, never for not being another).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct HbmRules;
 
 impl PlanRules for HbmRules {
     #[inline]
     fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        let memory = |e: &Endpoint| e.is_host() || e.device_ordinal().is_some();
         let device_side = src.device_ordinal().is_some() || dst.device_ordinal().is_some();
-        device_side && src.file_range().is_none() && dst.file_range().is_none()
+        device_side && memory(src) && memory(dst)
     }
 }
 

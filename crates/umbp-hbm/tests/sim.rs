@@ -75,15 +75,20 @@ fn device(e: &HbmEngine<SimDevice>, gpu: DeviceOrdinal, len: u64) -> Dev {
 }
 
 #[test]
-fn claims_exactly_the_pairs_with_a_device_side_and_no_file() {
+fn claims_exactly_the_memory_pairs_with_a_device_side() {
+    // A remote region's address is an offset on another node: claiming it as host memory
+    // would dereference it here.
+    let remote = umbp_plan::RemoteRegion { peer: 0, region: 0 };
     let kinds = [
         ("host", Endpoint::host(0x1000, 10)),
         ("device", Endpoint::device(GPU, 0x2000, 10)),
         ("file", Endpoint::file(3, 0, 10, false)),
+        ("remote", Endpoint::remote(remote, 0x3000, 10)),
     ];
     for (sn, s) in kinds {
         for (dn, d) in kinds {
-            let expected = (sn == "device" || dn == "device") && sn != "file" && dn != "file";
+            let memory = |n: &str| n == "host" || n == "device";
+            let expected = (sn == "device" || dn == "device") && memory(sn) && memory(dn);
             assert_eq!(HbmRules.carries(&s, &d), expected, "{sn} -> {dn}");
         }
     }

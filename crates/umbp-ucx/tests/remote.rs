@@ -52,3 +52,185 @@ fn restores_scattered_pages_byte_exact_over_tcp() {
     let got = local.deregister();
     assert!(got == expected, "restored bytes differ");
 }
+
+/// Reads the whole of region `name` of the peer back into a new buffer.
+fn read_back(engine: &umbp_ucx::UcxEngine, peer: &umbp_ucx::PeerInfo, name: &str) -> Vec<u8> {
+    let region = peer.region(name).unwrap();
+    let remote = engine.register_remote(region.region, 0, region.len).unwrap();
+    let local = engine.register_memory(vec![0u8; region.len as usize]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    builder.push(Fragment::new(remote.id(), 0, local.id(), 0, region.len, tag)).unwrap();
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    drop(handle);
+    local.deregister()
+}
+
+#[test]
+fn offload_writes_exactly_its_ranges_at_the_peer() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 16 << 20, 9, &[]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let arena = peer.region("arena").unwrap();
+    let remote = engine.register_remote(arena.region, 0, arena.len).unwrap();
+    let source: Vec<u8> = (0..32 * PAGE).map(|i| (i % 251) as u8).collect();
+    let local = engine.register_memory(source.clone()).unwrap();
+
+    // 4 objects of 8 pages; each page to a scattered slot of the arena, some adjacent (merged).
+    let mut expected: Vec<u8> = (0..16 << 20).map(|i| fill_byte(9, i)).collect();
+    let mut builder = engine.incremental_builder();
+    for object in 0..4u32 {
+        let tag = Tag::new(object);
+        builder.begin_object(tag).unwrap();
+        for page in 0..8usize {
+            let src = (object as usize * 8 + page) * PAGE;
+            let slot = if page < 4 { object as usize * 20 + page } else { 100 + object as usize * 7 + page * 3 };
+            let dst = slot * PAGE;
+            builder.push(Fragment::new(local.id(), src as u64, remote.id(), dst as u64, PAGE as u64, tag)).unwrap();
+            expected[dst..dst + PAGE].copy_from_slice(&source[src..src + PAGE]);
+        }
+        builder.commit_object().unwrap();
+    }
+    let plans = builder.finish().unwrap();
+    assert!(plans.segment_count() < 32, "adjacent pages merged: {} segments", plans.segment_count());
+    let mut handle = engine.submit(plans);
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    drop(handle);
+    assert!(read_back(&engine, &peer, "arena") == expected, "the arena differs from what was offloaded");
+}
+
+/// Plan rules that accept every pair: how a hand-built plan set reaches an engine without its
+/// own rules' checks.
+struct AnyPair;
+impl umbp_plan::PlanRules for AnyPair {
+    fn carries(&self, _: &umbp_plan::Endpoint, _: &umbp_plan::Endpoint) -> bool {
+        true
+    }
+}
+
+#[test]
+fn bytes_past_the_export_are_refused_before_any_byte_moves() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 1 << 20, 5, &[]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let arena = peer.region("arena").unwrap();
+
+    // Through the engine, a remote endpoint past the export does not register.
+    let refused = engine.register_remote(arena.region, arena.len - 4096, 8192).unwrap_err();
+    assert!(refused.to_string().contains("outside its"), "{refused}");
+    let unknown = umbp_plan::RemoteRegion { peer: peer.id, region: 7 };
+    assert!(engine.register_remote(unknown, 0, 4096).is_err());
+
+    // Registered around the engine (the bare registry checks nothing), it still moves nothing:
+    // object 0 reads past the export through it, object 1 reads inside through a good one.
+    let oversized = engine.registry().register_remote(arena.region, 0, 2 * arena.len).unwrap();
+    let good = engine.register_remote(arena.region, 0, arena.len).unwrap();
+    let local = engine.register_memory(vec![POISON; 2 * PAGE]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let (bad, fine) = (Tag::new(0), Tag::new(1));
+    builder.begin_object(bad).unwrap();
+    builder.push(Fragment::new(oversized.id(), arena.len, local.id(), 0, PAGE as u64, bad)).unwrap();
+    builder.commit_object().unwrap();
+    builder.begin_object(fine).unwrap();
+    builder.push(Fragment::new(good.id(), 0, local.id(), PAGE as u64, PAGE as u64, fine)).unwrap();
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    let failures = handle.wait().to_vec();
+    drop(handle);
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].tags, [bad]);
+    assert!(matches!(failures[0].cause, umbp_plan::FailureCause::NotAccepted(_)), "{failures:?}");
+    let got = local.deregister();
+    assert!(got[..PAGE].iter().all(|&b| b == POISON), "the refused object's destination was written");
+    assert!(got[PAGE..].iter().enumerate().all(|(i, &b)| b == fill_byte(5, i)));
+}
+
+#[test]
+fn a_read_only_region_takes_no_writes() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 1 << 20, 1, &["--read-only-bytes", "1048576"]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let ro = peer.region("ro").unwrap();
+    assert!(!ro.writable);
+    let remote = engine.register_remote(ro.region, 0, ro.len).unwrap();
+    let local = engine.register_memory(vec![0u8; PAGE]).unwrap();
+
+    // The engine's builder refuses the object with a typed reason.
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    let refused = builder.push(Fragment::new(local.id(), 0, remote.id(), 0, PAGE as u64, tag)).unwrap_err();
+    assert!(
+        matches!(refused, umbp_plan::Error::Rejected { reason: umbp_plan::RejectReason::ReadOnly(_), .. }),
+        "{refused:?}"
+    );
+
+    // A hand-built plan set that writes it anyway fails at submit, and the region is intact.
+    let mut hand = umbp_plan::IncrementalBuilder::new(AnyPair, std::sync::Arc::clone(engine.registry()));
+    hand.begin_object(tag).unwrap();
+    hand.push(Fragment::new(local.id(), 0, remote.id(), 0, PAGE as u64, tag)).unwrap();
+    hand.commit_object().unwrap();
+    let mut handle = engine.submit(hand.finish().unwrap());
+    let failures = handle.wait().to_vec();
+    drop(handle);
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].cause.to_string().contains("read-only"), "{}", failures[0].cause);
+    let back = read_back(&engine, &peer, "ro");
+    assert!(back.iter().enumerate().all(|(i, &b)| b == fill_byte(2, i)), "the read-only region changed");
+}
+
+#[test]
+fn handshakes_are_bounded_and_typed() {
+    if !ucx_or_skip() {
+        return;
+    }
+    // A server with a token refuses a client without it, and takes one with it.
+    let server = Served::start("tcp", 1 << 20, 0, &["--token", "s3cret"]);
+    let refused = engine("tcp").connect(server.addr).unwrap_err();
+    assert!(
+        matches!(refused, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Refused(_), .. }),
+        "{refused}"
+    );
+    let registry = umbp_plan::EndpointRegistry::new();
+    let config = umbp_ucx::UcxConfig { token: Some(b"s3cret".to_vec()), ..umbp_ucx::UcxConfig::with_transports("tcp") };
+    umbp_ucx::UcxEngine::new(registry, config).unwrap().connect(server.addr).unwrap();
+
+    // Something that is not an umbp-ucx server: garbage, then silence.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let talker = std::thread::spawn(move || {
+        use std::io::Write;
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").unwrap();
+        let (s2, _) = listener.accept().unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        drop((s, s2));
+    });
+    let garbage = engine("tcp").connect(addr).unwrap_err();
+    assert!(
+        matches!(garbage, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::BadMagic, .. }),
+        "{garbage}"
+    );
+    let registry = umbp_plan::EndpointRegistry::new();
+    let config = umbp_ucx::UcxConfig {
+        connect_timeout: std::time::Duration::from_millis(300),
+        ..umbp_ucx::UcxConfig::with_transports("tcp")
+    };
+    let started = std::time::Instant::now();
+    let silent = umbp_ucx::UcxEngine::new(registry, config).unwrap().connect(addr).unwrap_err();
+    assert!(started.elapsed() < std::time::Duration::from_secs(2), "the handshake did not time out");
+    assert!(matches!(silent, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Io(_), .. }), "{silent}");
+    talker.join().unwrap();
+}

@@ -8,11 +8,11 @@ use umbp_plan::EndpointRegistry;
 use umbp_ucx::{UcxConfig, UcxEngine};
 
 /// The byte every destination holds before a transfer.
-pub const POISON: u8 = 0xA5;
+pub(crate) const POISON: u8 = 0xA5;
 
 /// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
 /// failure.
-pub fn ucx_or_skip() -> bool {
+pub(crate) fn ucx_or_skip() -> bool {
     match umbp_ucx::ucx_available() {
         Ok(()) => true,
         Err(e) => {
@@ -27,21 +27,21 @@ pub fn ucx_or_skip() -> bool {
 }
 
 /// Byte `i` of a region the server filled with `seed` (the formula of `umbp-ucx-serve`).
-pub fn fill_byte(seed: u8, i: usize) -> u8 {
+pub(crate) fn fill_byte(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(7) ^ (i >> 12).wrapping_mul(31)).wrapping_add(usize::from(seed)) as u8
 }
 
 /// A serving process: `umbp-ucx-serve`, killed when dropped.
-pub struct Served {
-    pub child: Child,
+pub(crate) struct Served {
+    pub(crate) child: Child,
     stdin: Option<ChildStdin>,
-    pub addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Served {
     /// Starts a server of `bytes` bytes filled with `seed` over `transports`, with `extra`
     /// arguments.
-    pub fn start(transports: &str, bytes: usize, seed: u8, extra: &[&str]) -> Self {
+    pub(crate) fn start(transports: &str, bytes: usize, seed: u8, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
             .args([
                 "--transports",
@@ -68,7 +68,7 @@ impl Served {
     }
 
     /// Kills the process at once (SIGKILL): a peer that dies.
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -84,7 +84,7 @@ impl Drop for Served {
 }
 
 /// An engine over a new registry, on `transports`.
-pub fn engine(transports: &str) -> UcxEngine {
+pub(crate) fn engine(transports: &str) -> UcxEngine {
     let registry = EndpointRegistry::new();
     UcxEngine::new(registry, UcxConfig::with_transports(transports)).expect("the engine starts")
 }

@@ -1,0 +1,167 @@
+//! The remote engine beside the local ones in one composite: a restore from local DRAM, local
+//! SSD and another node's memory into the (simulated) device in one batch, and per-object
+//! rollback across engines.
+
+mod support;
+
+use std::io::Write;
+use std::sync::Arc;
+
+use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
+use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::{
+    BatchState, DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag,
+    TransferEngine,
+};
+use umbp_ssd::{SsdConfig, SsdEngine};
+use umbp_ucx::{UcxConfig, UcxEngine};
+
+use support::{fill_byte, ucx_or_skip, Served, POISON};
+
+const PAGE: u64 = 16 << 10;
+const TIER_PAGES: usize = 256;
+const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
+
+fn local_pattern(seed: u8) -> Vec<u8> {
+    (0..TIER_PAGES * PAGE as usize).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 14) as u8).collect()
+}
+
+/// Page `k` of object `o`: scattered over its tier.
+fn page_table(o: usize, pages: usize) -> Vec<u64> {
+    (0..pages).map(|k| (((o * pages + k) * 7 + 3) % TIER_PAGES) as u64 * PAGE).collect()
+}
+
+struct Tiers {
+    composite: CompositeEngine,
+    hbm: Arc<HbmEngine<SimDevice>>,
+    _server: Served,
+    _dir: tempfile::TempDir,
+    // Registrations live as long as the tiers.
+    _keep: Vec<Box<dyn std::any::Any>>,
+    dram: Vec<u8>,
+    dram_id: umbp_plan::EndpointId,
+    file: Vec<u8>,
+    file_id: umbp_plan::EndpointId,
+    remote_id: umbp_plan::EndpointId,
+}
+
+/// [host copies, device (simulated), SSD, remote] over one registry, with a DRAM arena, an SSD
+/// file and a peer's arena of `TIER_PAGES` pages each, and a bounce region.
+fn tiers() -> Tiers {
+    let server = Served::start("tcp", TIER_PAGES * PAGE as usize, 6, &[]);
+    let registry = EndpointRegistry::new();
+    let host = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), HbmConfig::default()));
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
+    let ucx = Arc::new(UcxEngine::new(registry.clone(), UcxConfig::with_transports("tcp")).unwrap());
+    let peer = ucx.connect(server.addr).unwrap();
+    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];
+    let composite = CompositeEngine::new(registry, engines);
+
+    let dram = local_pattern(11);
+    let dram_reg = composite.register_memory(dram.clone()).unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = local_pattern(77);
+    let path = dir.path().join("tier.bin");
+    std::fs::File::create(&path).unwrap().write_all(&file).unwrap();
+    let file_reg = composite.register_file(path.as_path(), 0, file.len() as u64).unwrap();
+    let arena = &peer.regions[0];
+    let remote_reg = composite.register_remote(arena.region, 0, arena.len).unwrap();
+    let bounce = composite.register_memory(vec![0u8; 256 << 10]).unwrap();
+    let composite = composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
+    Tiers {
+        hbm,
+        _server: server,
+        _dir: dir,
+        dram,
+        dram_id: dram_reg.id(),
+        file,
+        file_id: file_reg.id(),
+        remote_id: remote_reg.id(),
+        _keep: vec![Box::new(dram_reg), Box::new(file_reg), Box::new(remote_reg), Box::new(bounce)],
+        composite,
+    }
+}
+
+#[test]
+fn one_batch_restores_from_dram_ssd_and_a_peer_into_the_device() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let t = tiers();
+    let (objects, per) = (24usize, 4usize);
+    let size = per as u64 * PAGE;
+    let dev = t.hbm.alloc_device(GPU, objects as u64 * size).unwrap();
+    let dev_addr = dev.endpoint().addr();
+    t.hbm.runtime().fill(dev_addr, objects as u64 * size, POISON).unwrap();
+    let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o, per)).collect();
+    let tier_of = |o: usize| [t.dram_id, t.file_id, t.remote_id][o % 3];
+    // One range per object, leaving its first 1,000 bytes out.
+    let ranges: Vec<[ObjectRange; 1]> = (0..objects)
+        .map(|o| [ObjectRange::new(1000, size - 1000, dev.id(), o as u64 * size + 1000)])
+        .collect();
+    let batch: Vec<ObjectTransfer> = (0..objects)
+        .map(|o| ObjectTransfer {
+            tag: o as u64,
+            object: PagedObject { tier: tier_of(o), page_offsets: &tables[o], page_size: PAGE, size },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let report = restore(&mut t.composite.builder(), &batch).unwrap();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+
+    let device = t.hbm.runtime().read(dev_addr, objects as u64 * size).unwrap();
+    for (o, table) in tables.iter().enumerate() {
+        let base = o * size as usize;
+        for b in 1000..size as usize {
+            let at = (table[b / PAGE as usize] + b as u64 % PAGE) as usize;
+            let want = match o % 3 {
+                0 => t.dram[at],
+                1 => t.file[at],
+                _ => fill_byte(6, at),
+            };
+            assert_eq!(device[base + b], want, "object {o} (tier {}) byte {b}", o % 3);
+        }
+        assert!(device[base..base + 1000].iter().all(|&x| x == POISON), "object {o}: bytes outside its range");
+    }
+    let metrics = t.composite.metrics_snapshot();
+    let remote_used = metrics.iter().any(|((e, d), c)| e.contains("ucx") && d == "remote->host" && c.bytes > 0);
+    assert!(remote_used, "the remote objects went through the UCX engine: {metrics:?}");
+}
+
+#[test]
+fn a_rolled_back_object_leaves_no_trace_on_any_engine() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let t = tiers();
+    let out = t.composite.register_memory(vec![POISON; 4 * PAGE as usize]).unwrap();
+    let mut builder = t.composite.builder();
+    let (doomed, kept) = (Tag::new(0), Tag::new(1));
+    // Object 0 takes a page from DRAM (host copies) and one from the peer (UCX), then a
+    // fragment past the end of its destination: the whole object is rolled back everywhere.
+    builder.begin_object(doomed).unwrap();
+    builder.push(Fragment::new(t.dram_id, 0, out.id(), 0, PAGE, doomed)).unwrap();
+    builder.push(Fragment::new(t.remote_id, 0, out.id(), PAGE, PAGE, doomed)).unwrap();
+    assert!(builder.push(Fragment::new(t.remote_id, 0, out.id(), 4 * PAGE, PAGE, doomed)).is_err());
+    builder.rollback_object().unwrap();
+    // Object 1 takes the same two sources into the other half.
+    builder.begin_object(kept).unwrap();
+    builder.push(Fragment::new(t.dram_id, PAGE, out.id(), 2 * PAGE, PAGE, kept)).unwrap();
+    builder.push(Fragment::new(t.remote_id, PAGE, out.id(), 3 * PAGE, PAGE, kept)).unwrap();
+    builder.commit_object().unwrap();
+    let plans = builder.finish().unwrap();
+    let engines: Vec<usize> = plans.parts().iter().map(|p| p.engine).collect();
+    assert_eq!(engines.len(), 2, "one part per engine: {engines:?}");
+    let segments: usize = plans.parts().iter().map(|p| p.plans.segment_count()).sum();
+    assert_eq!(segments, 2, "only the kept object's two pages were planned");
+    let report = t.composite.submit(plans).unwrap().wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+    drop(builder);
+    let got = out.deregister();
+    let page = PAGE as usize;
+    assert!(got[..2 * page].iter().all(|&b| b == POISON), "the rolled-back object was written");
+    assert_eq!(&got[2 * page..3 * page], &t.dram[page..2 * page]);
+    assert!(got[3 * page..].iter().enumerate().all(|(i, &b)| b == fill_byte(6, page + i)));
+}
