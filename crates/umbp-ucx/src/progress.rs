@@ -437,7 +437,8 @@ impl Progress {
         match command {
             Command::Connect { peer, address, rkeys, alive, reason, reply } => {
                 let slot = self.peers.len() as u32;
-                let connected = self.worker.connect(&address, slot as usize).and_then(|mut ep| {
+                let connected = self.worker.connect(&address, slot as usize).map_err(explain_unreachable);
+                let connected = connected.and_then(|mut ep| {
                     for rkey in &rkeys {
                         ep.unpack(rkey)?;
                     }
@@ -702,6 +703,24 @@ impl Progress {
             self.free.push(key as u32);
             self.live -= 1;
         }
+    }
+}
+
+/// Endpoints fail every request to a dead peer only on transports that can report one
+/// (`UCP_ERR_HANDLING_MODE_PEER`); UCX leaves the others out, and with none left the peer is
+/// "unreachable". Says so, since UCX's own words do not.
+fn explain_unreachable(e: Error) -> Error {
+    match e {
+        Error::Ucx { op, status: -6, message } => Error::Ucx {
+            op,
+            status: -6,
+            message: format!(
+                "{message}: no transport allowed here can report a dead peer, which the engine \
+                 needs to fail exactly the objects in flight to it (UCX 1.13's shared-memory \
+                 transports cannot; allow tcp or an RDMA transport)"
+            ),
+        },
+        other => other,
     }
 }
 

@@ -122,3 +122,78 @@ fn sixteen_threads_share_one_engine_and_every_byte_is_right() {
         }
     });
 }
+
+#[test]
+fn deregistering_local_memory_waits_for_the_batch_that_writes_it() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 64 * MIB, 4, &[]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
+    let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    for piece in 0..64u64 {
+        // Reversed order, so nothing merges: 64 requests of 1 MiB.
+        let at = (63 - piece) * MIB as u64;
+        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
+    }
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    // The buffer comes back only once no request can write it any more: every byte has
+    // arrived by then (the batch unpins its endpoints just before its handle settles).
+    assert!(!handle.is_done(), "the batch finished before the deregistration began");
+    let got = local.deregister();
+    assert!(got.iter().enumerate().all(|(i, &b)| b == fill_byte(4, i)), "deregistered mid-flight");
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+}
+
+#[test]
+fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 64 * MIB, 8, &[]);
+    let registry = umbp_plan::EndpointRegistry::new();
+    // One request in flight at a time, so the deadline finds most of them unsent.
+    let config = umbp_ucx::UcxConfig { max_in_flight: 1, ..umbp_ucx::UcxConfig::with_transports("tcp") };
+    let engine = umbp_ucx::UcxEngine::new(registry, config).unwrap();
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
+    let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
+    let mut builder = engine.incremental_builder();
+    for o in 0..64u32 {
+        let tag = Tag::new(o);
+        builder.begin_object(tag).unwrap();
+        // Descending, so that nothing merges: one request per object.
+        let at = u64::from(63 - o) * MIB as u64;
+        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
+        builder.commit_object().unwrap();
+    }
+    let mut plans = builder.finish().unwrap();
+    plans.set_deadline(Some(Instant::now() + Duration::from_millis(5)));
+    let mut handle = engine.submit(plans);
+    let failures = handle.wait().to_vec();
+    drop(handle);
+    let got = local.deregister();
+    let timed_out: Vec<u32> = failures
+        .iter()
+        .filter(|f| f.cause == FailureCause::TimedOut)
+        .flat_map(|f| f.tags.iter().map(|t| t.get()))
+        .collect();
+    assert!(!timed_out.is_empty(), "nothing timed out: {failures:?}");
+    assert!(timed_out.len() < 64, "the deadline passed before anything was sent; nothing shows it");
+    for o in 0..64usize {
+        let at = (63 - o) * MIB;
+        let bytes = &got[at..at + MIB];
+        if timed_out.contains(&(o as u32)) {
+            // Never sent: its destination is untouched.
+            assert!(bytes.iter().all(|&b| b == POISON), "timed-out object {o} was written");
+        } else {
+            assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(8, at + i)), "object {o}");
+        }
+    }
+}

@@ -234,3 +234,49 @@ fn handshakes_are_bounded_and_typed() {
     assert!(matches!(silent, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Io(_), .. }), "{silent}");
     talker.join().unwrap();
 }
+
+#[test]
+fn restores_over_shared_memory_where_the_machine_allows_it() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("sm", 4 << 20, 12, &[]);
+    let engine = match umbp_ucx::UcxEngine::new(
+        umbp_plan::EndpointRegistry::new(),
+        umbp_ucx::UcxConfig::with_transports("sm"),
+    ) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("skipped: UCX has no shared-memory transport here: {e}");
+            return;
+        }
+    };
+    let peer = match engine.connect(server.addr) {
+        Ok(peer) => peer,
+        Err(e) => {
+            eprintln!("skipped: no shared-memory path between the two processes: {e}");
+            return;
+        }
+    };
+    let arena = peer.region("arena").unwrap();
+    let remote = engine.register_remote(arena.region, 0, arena.len).unwrap();
+    let local = engine.register_memory(vec![POISON; 8 * PAGE]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    for page in 0..4usize {
+        let src = (page * 13 % 64) * PAGE;
+        builder.push(Fragment::new(remote.id(), src as u64, local.id(), (2 * page * PAGE) as u64, PAGE as u64, tag)).unwrap();
+    }
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    drop(handle);
+    let got = local.deregister();
+    for page in 0..4usize {
+        let src = (page * 13 % 64) * PAGE;
+        let dst = 2 * page * PAGE;
+        assert!((0..PAGE).all(|i| got[dst + i] == fill_byte(12, src + i)), "page {page}");
+        assert!(got[dst + PAGE..dst + 2 * PAGE].iter().all(|&b| b == POISON));
+    }
+}
