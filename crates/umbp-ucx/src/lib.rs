@@ -65,6 +65,10 @@ pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
 pub use error::{Error, HandshakeError};
 pub use server::{Exports, ServerBuilder, UcxServer};
 
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 /// Whether UCX's libraries load on this machine: `Err` says why not. Tests and tools use it to
 /// skip (or refuse) before building an engine.
 pub fn ucx_available() -> Result<(), Error> {

@@ -341,6 +341,8 @@ struct Progress {
     context: Rc<Context>,
     batches: Vec<Option<Box<BatchRun>>>,
     free: Vec<u32>,
+    /// Keys of the live batches, oldest first: requests are posted in submission order.
+    order: Vec<u32>,
     live: usize,
     in_flight: usize,
     config: UcxConfig,
@@ -375,6 +377,7 @@ pub(crate) fn start(
                 context,
                 batches: Vec::new(),
                 free: Vec::new(),
+                order: Vec::new(),
                 live: 0,
                 in_flight: 0,
                 config,
@@ -437,7 +440,8 @@ impl Progress {
         match command {
             Command::Connect { peer, address, rkeys, alive, reason, reply } => {
                 let slot = self.peers.len() as u32;
-                let connected = self.worker.connect(&address, slot as usize).map_err(explain_unreachable);
+                let connected =
+                    self.worker.connect(&address, slot as usize).map_err(explain_unreachable);
                 let connected = connected.and_then(|mut ep| {
                     for rkey in &rkeys {
                         ep.unpack(rkey)?;
@@ -481,6 +485,7 @@ impl Progress {
                     }
                 };
                 debug_assert!(key < 1 << 31);
+                self.order.push(key);
                 self.live += 1;
             }
             Command::PeerLost { slot, reason } => self.kill(slot, reason),
@@ -492,8 +497,8 @@ impl Progress {
     fn post(&mut self) {
         let max = self.config.max_in_flight;
         let now = Instant::now();
-        for (key, batch) in self.batches.iter_mut().enumerate() {
-            let Some(b) = batch else { continue };
+        for &key in &self.order {
+            let Some(b) = self.batches[key as usize].as_mut() else { continue };
             if b.next < b.ops.len() && b.deadline.is_some_and(|d| now >= d) {
                 for i in b.next..b.ops.len() {
                     b.record(i, FailureCause::TimedOut);
@@ -663,7 +668,8 @@ impl Progress {
     /// Flushes the puts of batches whose requests all completed, and settles the batches
     /// with nothing left in flight.
     fn settle_finished(&mut self) {
-        for key in 0..self.batches.len() {
+        let mut settled = false;
+        for key in self.order.iter().map(|&k| k as usize) {
             let Some(b) = self.batches[key].as_mut() else { continue };
             if !b.finished() {
                 continue;
@@ -702,6 +708,11 @@ impl Progress {
             b.settle();
             self.free.push(key as u32);
             self.live -= 1;
+            settled = true;
+        }
+        if settled {
+            let batches = &self.batches;
+            self.order.retain(|&k| batches[k as usize].is_some());
         }
     }
 }

@@ -1,9 +1,10 @@
 //! The serving side: the node that owns the memory exports regions of it to peers.
 
 use std::any::Any;
-use std::io::{Read, Write};
+use std::collections::HashMap;
+use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -117,8 +118,7 @@ impl ServerBuilder {
             stop,
             progress: Some(progress),
             accept: None,
-            clients: Arc::new(Mutex::new(Vec::new())),
-            connected: Arc::new(AtomicUsize::new(0)),
+            clients: Arc::new(Mutex::new(HashMap::new())),
             regions: Vec::new(),
             exports: Vec::new(),
         };
@@ -143,24 +143,12 @@ impl ServerBuilder {
         server.exports = self.exports.into_iter().map(|e| (e.name, e.keep)).collect();
         let welcome = Arc::new(Welcome { address, regions });
         let accept = {
-            let (stop, clients, connected) = (
-                Arc::clone(&server.stop),
-                Arc::clone(&server.clients),
-                Arc::clone(&server.connected),
-            );
+            let (stop, clients) = (Arc::clone(&server.stop), Arc::clone(&server.clients));
             let (token, timeout) = (self.config.token.clone(), self.config.connect_timeout);
             std::thread::Builder::new()
                 .name("umbp-ucx-accept".into())
                 .spawn(move || {
-                    accept(
-                        listener,
-                        &welcome,
-                        token.as_deref(),
-                        timeout,
-                        &stop,
-                        &clients,
-                        &connected,
-                    )
+                    accept(listener, &welcome, token.as_deref(), timeout, &stop, &clients)
                 })
                 .map_err(|source| Error::Connect { addr: "accept thread".into(), source })?
         };
@@ -176,9 +164,8 @@ pub struct UcxServer {
     stop: Arc<AtomicBool>,
     progress: Option<JoinHandle<()>>,
     accept: Option<JoinHandle<()>>,
-    /// Control connections of accepted clients, shut down when the server stops.
-    clients: Arc<Mutex<Vec<TcpStream>>>,
-    connected: Arc<AtomicUsize>,
+    /// Control connections of connected clients, shut down when the server stops.
+    clients: Clients,
     regions: Vec<(String, u64, bool)>,
     /// What backs each region; dropped only after the UCX mappings are gone.
     exports: Vec<(String, Box<dyn Any + Send>)>,
@@ -206,7 +193,7 @@ impl UcxServer {
 
     /// Clients whose control connection is open now.
     pub fn clients(&self) -> usize {
-        self.connected.load(Ordering::Relaxed)
+        self.clients.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
     /// Stops serving (clients see their peer go away) and hands back what backed the regions.
@@ -222,7 +209,7 @@ impl UcxServer {
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
-        for client in self.clients.lock().unwrap_or_else(PoisonError::into_inner).drain(..) {
+        for (_, client) in self.clients.lock().unwrap_or_else(PoisonError::into_inner).drain() {
             let _ = client.shutdown(Shutdown::Both);
         }
         if let Some(progress) = self.progress.take() {
@@ -250,12 +237,16 @@ impl Exports {
     }
 }
 
+/// What the server's UCX thread reports once up: its worker address and each region's packed
+/// remote key.
+type Keys = (Vec<u8>, Vec<Vec<u8>>);
+
 /// The server's UCX thread: maps the regions, reports the keys, then progresses until told
 /// to stop.
 fn serve_ucx(
     transports: Option<&str>,
     ranges: &[(u64, u64, bool)],
-    ready: &mpsc::Sender<Result<(Vec<u8>, Vec<Vec<u8>>), Error>>,
+    ready: &mpsc::Sender<Result<Keys, Error>>,
     stop: &AtomicBool,
 ) {
     let setup = || -> Result<_, Error> {
@@ -264,10 +255,10 @@ fn serve_ucx(
         let mut maps = Vec::new();
         let mut keys = Vec::new();
         for &(addr, len, writable) in ranges {
+            let access = if writable { Access::RemoteWrite } else { Access::RemoteRead };
             // SAFETY: the builder's `export` owns the memory (kept by the server until this
             // thread has exited and dropped the mapping) or the caller of `export_raw`
             // promised it stays mapped that long.
-            let access = if writable { Access::RemoteWrite } else { Access::RemoteRead };
             #[allow(unsafe_code)]
             let map = unsafe { context.map(addr, len, access) }?;
             keys.push(map.pack()?);
@@ -296,53 +287,60 @@ fn serve_ucx(
     }
 }
 
-/// Accepts control connections and answers their handshakes until told to stop.
+/// The control connections of accepted clients, by connection number.
+type Clients = Arc<Mutex<HashMap<u64, TcpStream>>>;
+
+/// Accepts control connections until told to stop. Each gets its own thread, which answers the
+/// handshake (so a slow or silent client delays no other) and then watches the connection
+/// until the client goes away; connections are few, one per client node.
 fn accept(
     listener: TcpListener,
-    welcome: &Welcome,
+    welcome: &Arc<Welcome>,
     token: Option<&[u8]>,
     timeout: Duration,
     stop: &AtomicBool,
-    clients: &Arc<Mutex<Vec<TcpStream>>>,
-    connected: &Arc<AtomicUsize>,
+    clients: &Clients,
 ) {
-    for stream in listener.incoming() {
+    for (number, stream) in (0u64..).zip(listener.incoming()) {
         if stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(mut stream) = stream else { continue };
-        let peer = stream.peer_addr().ok();
-        let _ = stream.set_read_timeout(Some(timeout));
-        let _ = stream.set_write_timeout(Some(timeout));
-        let _ = stream.set_nodelay(true);
-        let answered = handshake::read_hello(&mut stream).and_then(|got| {
-            let accepted = token.is_none_or(|t| handshake::tokens_match(t, &got));
-            handshake::send_welcome(&mut stream, accepted.then_some(welcome)).map(|()| accepted)
-        });
-        match answered {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(?peer, "refused a client with the wrong token");
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(?peer, error = %e, "malformed handshake");
-                continue;
-            }
-        }
-        tracing::debug!(?peer, "client connected");
-        let _ = stream.set_read_timeout(None);
-        let Ok(watch) = stream.try_clone() else { continue };
-        clients.lock().unwrap_or_else(PoisonError::into_inner).push(stream);
-        connected.fetch_add(1, Ordering::Relaxed);
-        let connected = Arc::clone(connected);
-        // One thread per client node, blocked on its socket until it goes away: nodes are few.
+        let Ok(stream) = stream else { continue };
+        let (welcome, clients) = (Arc::clone(welcome), Arc::clone(clients));
+        let token = token.map(<[u8]>::to_vec);
         let _ = std::thread::Builder::new().name("umbp-ucx-client".into()).spawn(move || {
-            let mut watch = watch;
-            let mut buf = [0u8; 64];
-            while matches!(watch.read(&mut buf), Ok(n) if n > 0) {}
-            connected.fetch_sub(1, Ordering::Relaxed);
-            let _ = watch.flush();
+            serve_client(stream, number, &welcome, token.as_deref(), timeout, &clients)
         });
     }
+}
+
+/// Answers one client's handshake, then holds its connection until it closes.
+fn serve_client(
+    mut stream: TcpStream,
+    number: u64,
+    welcome: &Welcome,
+    token: Option<&[u8]>,
+    timeout: Duration,
+    clients: &Clients,
+) {
+    let peer = stream.peer_addr().ok();
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.set_write_timeout(Some(timeout));
+    let _ = stream.set_nodelay(true);
+    let answered = handshake::read_hello(&mut stream).and_then(|got| {
+        let accepted = token.is_none_or(|t| handshake::tokens_match(t, &got));
+        handshake::send_welcome(&mut stream, accepted.then_some(welcome)).map(|()| accepted)
+    });
+    match answered {
+        Ok(true) => tracing::debug!(?peer, "client connected"),
+        Ok(false) => return tracing::warn!(?peer, "refused a client with the wrong token"),
+        Err(e) => return tracing::warn!(?peer, error = %e, "malformed handshake"),
+    }
+    let _ = stream.set_read_timeout(None);
+    let Ok(kept) = stream.try_clone() else { return };
+    clients.lock().unwrap_or_else(PoisonError::into_inner).insert(number, kept);
+    let mut buf = [0u8; 64];
+    while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+    clients.lock().unwrap_or_else(PoisonError::into_inner).remove(&number);
+    tracing::debug!(?peer, "client left");
 }

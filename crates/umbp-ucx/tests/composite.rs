@@ -11,8 +11,7 @@ use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, Page
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    BatchState, DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag,
-    TransferEngine,
+    BatchState, DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag, TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 use umbp_ucx::{UcxConfig, UcxEngine};
@@ -24,7 +23,9 @@ const TIER_PAGES: usize = 256;
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
 fn local_pattern(seed: u8) -> Vec<u8> {
-    (0..TIER_PAGES * PAGE as usize).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 14) as u8).collect()
+    (0..TIER_PAGES * PAGE as usize)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 14) as u8)
+        .collect()
 }
 
 /// Page `k` of object `o`: scattered over its tier.
@@ -52,9 +53,14 @@ fn tiers() -> Tiers {
     let server = Served::start("tcp", TIER_PAGES * PAGE as usize, 6, &[]);
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
-    let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), HbmConfig::default()));
+    let hbm = Arc::new(HbmEngine::new(
+        Arc::new(SimDevice::new(1)),
+        registry.clone(),
+        HbmConfig::default(),
+    ));
     let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
-    let ucx = Arc::new(UcxEngine::new(registry.clone(), UcxConfig::with_transports("tcp")).unwrap());
+    let ucx =
+        Arc::new(UcxEngine::new(registry.clone(), UcxConfig::with_transports("tcp")).unwrap());
     let peer = ucx.connect(server.addr).unwrap();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];
     let composite = CompositeEngine::new(registry, engines);
@@ -69,7 +75,8 @@ fn tiers() -> Tiers {
     let arena = &peer.regions[0];
     let remote_reg = composite.register_remote(arena.region, 0, arena.len).unwrap();
     let bounce = composite.register_memory(vec![0u8; 256 << 10]).unwrap();
-    let composite = composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
+    let composite =
+        composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
     Tiers {
         hbm,
         _server: server,
@@ -104,7 +111,12 @@ fn one_batch_restores_from_dram_ssd_and_a_peer_into_the_device() {
     let batch: Vec<ObjectTransfer> = (0..objects)
         .map(|o| ObjectTransfer {
             tag: o as u64,
-            object: PagedObject { tier: tier_of(o), page_offsets: &tables[o], page_size: PAGE, size },
+            object: PagedObject {
+                tier: tier_of(o),
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
             ranges: &ranges[o],
         })
         .collect();
@@ -123,10 +135,14 @@ fn one_batch_restores_from_dram_ssd_and_a_peer_into_the_device() {
             };
             assert_eq!(device[base + b], want, "object {o} (tier {}) byte {b}", o % 3);
         }
-        assert!(device[base..base + 1000].iter().all(|&x| x == POISON), "object {o}: bytes outside its range");
+        assert!(
+            device[base..base + 1000].iter().all(|&x| x == POISON),
+            "object {o}: bytes outside its range"
+        );
     }
     let metrics = t.composite.metrics_snapshot();
-    let remote_used = metrics.iter().any(|((e, d), c)| e.contains("ucx") && d == "remote->host" && c.bytes > 0);
+    let remote_used =
+        metrics.iter().any(|((e, d), c)| e.contains("ucx") && d == "remote->host" && c.bytes > 0);
     assert!(remote_used, "the remote objects went through the UCX engine: {metrics:?}");
 }
 

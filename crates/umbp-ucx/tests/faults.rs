@@ -32,7 +32,16 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
         builder.begin_object(tag).unwrap();
         for piece in 0..4 {
             let at = ((o / 2) * 4 + piece) * MIB;
-            builder.push(Fragment::new(src, at as u64, local.id(), (o * 4 * MIB + piece * MIB) as u64, MIB as u64, tag)).unwrap();
+            builder
+                .push(Fragment::new(
+                    src,
+                    at as u64,
+                    local.id(),
+                    (o * 4 * MIB + piece * MIB) as u64,
+                    MIB as u64,
+                    tag,
+                ))
+                .unwrap();
         }
         builder.commit_object().unwrap();
     }
@@ -49,8 +58,11 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
     for o in 0..objects {
         let bytes = &got[o * 4 * MIB..(o + 1) * 4 * MIB];
         let (seed, base) = (if o % 2 == 0 { 1 } else { 2 }, (o / 2) * 4 * MIB);
-        let causes: Vec<&FailureCause> =
-            failures.iter().filter(|f| f.tags.contains(&Tag::new(o as u32))).map(|f| &f.cause).collect();
+        let causes: Vec<&FailureCause> = failures
+            .iter()
+            .filter(|f| f.tags.contains(&Tag::new(o as u32)))
+            .map(|f| &f.cause)
+            .collect();
         if causes.is_empty() {
             assert!(
                 bytes.iter().enumerate().all(|(i, &v)| v == fill_byte(seed, base + i)),
@@ -60,12 +72,21 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
         }
         assert_eq!(o % 2, 0, "object {o} of the healthy peer failed: {causes:?}");
         for cause in causes {
-            assert!(matches!(cause, FailureCause::PeerFailed { peer, .. } if *peer == a.id), "{cause}");
+            assert!(
+                matches!(cause, FailureCause::PeerFailed { peer, .. } if *peer == a.id),
+                "{cause}"
+            );
         }
         failed += 1;
     }
-    eprintln!("settled {took:?} after the kill; {failed} of {} objects of the killed peer failed", objects / 2);
-    assert!(failed > 0, "every object of the killed peer completed: kill it earlier or move more bytes");
+    eprintln!(
+        "settled {took:?} after the kill; {failed} of {} objects of the killed peer failed",
+        objects / 2
+    );
+    assert!(
+        failed > 0,
+        "every object of the killed peer completed: kill it earlier or move more bytes"
+    );
     assert!(!engine.is_alive(a.id) && engine.is_alive(b.id));
 
     // Later batches to the dead peer fail at once; the healthy one still serves.
@@ -106,7 +127,16 @@ fn sixteen_threads_share_one_engine_and_every_byte_is_right() {
                         for p in 0..4usize {
                             let src = ((t * 53 + round * 17 + o as usize * 5 + p * 3) % 512) * page;
                             let dst = (o as usize * 8 + p * 2) * page;
-                            builder.push(Fragment::new(remote, src as u64, local.id(), dst as u64, page as u64, tag)).unwrap();
+                            builder
+                                .push(Fragment::new(
+                                    remote,
+                                    src as u64,
+                                    local.id(),
+                                    dst as u64,
+                                    page as u64,
+                                    tag,
+                                ))
+                                .unwrap();
                             for i in 0..page {
                                 expected[dst + i] = fill_byte(7, src + i);
                             }
@@ -116,7 +146,10 @@ fn sixteen_threads_share_one_engine_and_every_byte_is_right() {
                     let mut handle = engine.submit(builder.finish().unwrap());
                     assert!(handle.wait().is_empty(), "{:?}", handle.wait());
                     drop(handle);
-                    assert!(local.deregister() == expected, "thread {t} round {round}: wrong bytes");
+                    assert!(
+                        local.deregister() == expected,
+                        "thread {t} round {round}: wrong bytes"
+                    );
                 }
             });
         }
@@ -159,7 +192,8 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
     let server = Served::start("tcp", 64 * MIB, 8, &[]);
     let registry = umbp_plan::EndpointRegistry::new();
     // One request in flight at a time, so the deadline finds most of them unsent.
-    let config = umbp_ucx::UcxConfig { max_in_flight: 1, ..umbp_ucx::UcxConfig::with_transports("tcp") };
+    let config =
+        umbp_ucx::UcxConfig { max_in_flight: 1, ..umbp_ucx::UcxConfig::with_transports("tcp") };
     let engine = umbp_ucx::UcxEngine::new(registry, config).unwrap();
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
@@ -193,7 +227,10 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
             // Never sent: its destination is untouched.
             assert!(bytes.iter().all(|&b| b == POISON), "timed-out object {o} was written");
         } else {
-            assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(8, at + i)), "object {o}");
+            assert!(
+                bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(8, at + i)),
+                "object {o}"
+            );
         }
     }
 }

@@ -90,19 +90,39 @@ fn offload_writes_exactly_its_ranges_at_the_peer() {
         builder.begin_object(tag).unwrap();
         for page in 0..8usize {
             let src = (object as usize * 8 + page) * PAGE;
-            let slot = if page < 4 { object as usize * 20 + page } else { 100 + object as usize * 7 + page * 3 };
+            let slot = if page < 4 {
+                object as usize * 20 + page
+            } else {
+                100 + object as usize * 7 + page * 3
+            };
             let dst = slot * PAGE;
-            builder.push(Fragment::new(local.id(), src as u64, remote.id(), dst as u64, PAGE as u64, tag)).unwrap();
+            builder
+                .push(Fragment::new(
+                    local.id(),
+                    src as u64,
+                    remote.id(),
+                    dst as u64,
+                    PAGE as u64,
+                    tag,
+                ))
+                .unwrap();
             expected[dst..dst + PAGE].copy_from_slice(&source[src..src + PAGE]);
         }
         builder.commit_object().unwrap();
     }
     let plans = builder.finish().unwrap();
-    assert!(plans.segment_count() < 32, "adjacent pages merged: {} segments", plans.segment_count());
+    assert!(
+        plans.segment_count() < 32,
+        "adjacent pages merged: {} segments",
+        plans.segment_count()
+    );
     let mut handle = engine.submit(plans);
     assert!(handle.wait().is_empty(), "{:?}", handle.wait());
     drop(handle);
-    assert!(read_back(&engine, &peer, "arena") == expected, "the arena differs from what was offloaded");
+    assert!(
+        read_back(&engine, &peer, "arena") == expected,
+        "the arena differs from what was offloaded"
+    );
 }
 
 /// Plan rules that accept every pair: how a hand-built plan set reaches an engine without its
@@ -138,7 +158,9 @@ fn bytes_past_the_export_are_refused_before_any_byte_moves() {
     let mut builder = engine.incremental_builder();
     let (bad, fine) = (Tag::new(0), Tag::new(1));
     builder.begin_object(bad).unwrap();
-    builder.push(Fragment::new(oversized.id(), arena.len, local.id(), 0, PAGE as u64, bad)).unwrap();
+    builder
+        .push(Fragment::new(oversized.id(), arena.len, local.id(), 0, PAGE as u64, bad))
+        .unwrap();
     builder.commit_object().unwrap();
     builder.begin_object(fine).unwrap();
     builder.push(Fragment::new(good.id(), 0, local.id(), PAGE as u64, PAGE as u64, fine)).unwrap();
@@ -150,7 +172,10 @@ fn bytes_past_the_export_are_refused_before_any_byte_moves() {
     assert_eq!(failures[0].tags, [bad]);
     assert!(matches!(failures[0].cause, umbp_plan::FailureCause::NotAccepted(_)), "{failures:?}");
     let got = local.deregister();
-    assert!(got[..PAGE].iter().all(|&b| b == POISON), "the refused object's destination was written");
+    assert!(
+        got[..PAGE].iter().all(|&b| b == POISON),
+        "the refused object's destination was written"
+    );
     assert!(got[PAGE..].iter().enumerate().all(|(i, &b)| b == fill_byte(5, i)));
 }
 
@@ -171,14 +196,19 @@ fn a_read_only_region_takes_no_writes() {
     let mut builder = engine.incremental_builder();
     let tag = Tag::new(0);
     builder.begin_object(tag).unwrap();
-    let refused = builder.push(Fragment::new(local.id(), 0, remote.id(), 0, PAGE as u64, tag)).unwrap_err();
+    let refused =
+        builder.push(Fragment::new(local.id(), 0, remote.id(), 0, PAGE as u64, tag)).unwrap_err();
     assert!(
-        matches!(refused, umbp_plan::Error::Rejected { reason: umbp_plan::RejectReason::ReadOnly(_), .. }),
+        matches!(
+            refused,
+            umbp_plan::Error::Rejected { reason: umbp_plan::RejectReason::ReadOnly(_), .. }
+        ),
         "{refused:?}"
     );
 
     // A hand-built plan set that writes it anyway fails at submit, and the region is intact.
-    let mut hand = umbp_plan::IncrementalBuilder::new(AnyPair, std::sync::Arc::clone(engine.registry()));
+    let mut hand =
+        umbp_plan::IncrementalBuilder::new(AnyPair, std::sync::Arc::clone(engine.registry()));
     hand.begin_object(tag).unwrap();
     hand.push(Fragment::new(local.id(), 0, remote.id(), 0, PAGE as u64, tag)).unwrap();
     hand.commit_object().unwrap();
@@ -188,7 +218,10 @@ fn a_read_only_region_takes_no_writes() {
     assert_eq!(failures.len(), 1);
     assert!(failures[0].cause.to_string().contains("read-only"), "{}", failures[0].cause);
     let back = read_back(&engine, &peer, "ro");
-    assert!(back.iter().enumerate().all(|(i, &b)| b == fill_byte(2, i)), "the read-only region changed");
+    assert!(
+        back.iter().enumerate().all(|(i, &b)| b == fill_byte(2, i)),
+        "the read-only region changed"
+    );
 }
 
 #[test]
@@ -200,11 +233,17 @@ fn handshakes_are_bounded_and_typed() {
     let server = Served::start("tcp", 1 << 20, 0, &["--token", "s3cret"]);
     let refused = engine("tcp").connect(server.addr).unwrap_err();
     assert!(
-        matches!(refused, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Refused(_), .. }),
+        matches!(
+            refused,
+            umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Refused(_), .. }
+        ),
         "{refused}"
     );
     let registry = umbp_plan::EndpointRegistry::new();
-    let config = umbp_ucx::UcxConfig { token: Some(b"s3cret".to_vec()), ..umbp_ucx::UcxConfig::with_transports("tcp") };
+    let config = umbp_ucx::UcxConfig {
+        token: Some(b"s3cret".to_vec()),
+        ..umbp_ucx::UcxConfig::with_transports("tcp")
+    };
     umbp_ucx::UcxEngine::new(registry, config).unwrap().connect(server.addr).unwrap();
 
     // Something that is not an umbp-ucx server: garbage, then silence.
@@ -220,7 +259,10 @@ fn handshakes_are_bounded_and_typed() {
     });
     let garbage = engine("tcp").connect(addr).unwrap_err();
     assert!(
-        matches!(garbage, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::BadMagic, .. }),
+        matches!(
+            garbage,
+            umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::BadMagic, .. }
+        ),
         "{garbage}"
     );
     let registry = umbp_plan::EndpointRegistry::new();
@@ -230,8 +272,17 @@ fn handshakes_are_bounded_and_typed() {
     };
     let started = std::time::Instant::now();
     let silent = umbp_ucx::UcxEngine::new(registry, config).unwrap().connect(addr).unwrap_err();
-    assert!(started.elapsed() < std::time::Duration::from_secs(2), "the handshake did not time out");
-    assert!(matches!(silent, umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Io(_), .. }), "{silent}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "the handshake did not time out"
+    );
+    assert!(
+        matches!(
+            silent,
+            umbp_ucx::Error::Handshake { source: umbp_ucx::HandshakeError::Io(_), .. }
+        ),
+        "{silent}"
+    );
     talker.join().unwrap();
 }
 
@@ -266,7 +317,16 @@ fn restores_over_shared_memory_where_the_machine_allows_it() {
     builder.begin_object(tag).unwrap();
     for page in 0..4usize {
         let src = (page * 13 % 64) * PAGE;
-        builder.push(Fragment::new(remote.id(), src as u64, local.id(), (2 * page * PAGE) as u64, PAGE as u64, tag)).unwrap();
+        builder
+            .push(Fragment::new(
+                remote.id(),
+                src as u64,
+                local.id(),
+                (2 * page * PAGE) as u64,
+                PAGE as u64,
+                tag,
+            ))
+            .unwrap();
     }
     builder.commit_object().unwrap();
     let mut handle = engine.submit(builder.finish().unwrap());

@@ -109,7 +109,7 @@ fn posted(status: sys::StatusPtr) -> Posted {
     let raw = status as isize;
     if status.is_null() {
         Posted::Done
-    } else if raw < 0 && raw >= sys::UCS_ERR_LAST {
+    } else if (sys::UCS_ERR_LAST..0).contains(&raw) {
         Posted::Failed(raw as sys::Status)
     } else {
         Posted::Pending
