@@ -16,6 +16,7 @@ use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
 use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
 use umbp_bench::progress::Progress;
+use umbp_bench::remote_bench::{self, RemoteBenchConfig, ServeConfig, ServerChoice};
 use umbp_bench::report::Report;
 use umbp_bench::restore_bench::{self, RestoreBenchConfig};
 use umbp_bench::size::ByteSize;
@@ -103,6 +104,23 @@ enum Command {
     /// (localcopy, hbm-sim), plain wall time (ssd). Targets: at least 10x for localcopy and
     /// hbm-sim, 1.3x for ssd.
     Batch(BatchArgs),
+    /// A memory node: exports one writable region, `arena`, over UCX until stdin closes.
+    ///
+    /// The arena is filled with a pattern `remote` checks (byte i is byte i % 8 of the
+    /// little-endian word (w x 0x9E3779B97F4A7C15) xor (w >> 7), w = i / 8). Prints
+    /// `listening ADDR` on stdout once serving. With --perftest-port it also keeps a
+    /// `ucx_perftest` server running for `remote --server`'s reference.
+    Serve(ServeArgs),
+    /// The remote memory engine (umbp-ucx) restoring the Kimi-K3 shape from another process's
+    /// memory, against ucx_perftest moving the same bytes.
+    ///
+    /// Starts `serve` as a child process on loopback (or uses a memory node, --server), and per
+    /// fragment size restores --bytes of 24 MiB objects whose pages lie scattered over the
+    /// server's arena (one one-sided get per page, none merged), timed end to end and verified
+    /// byte for byte after timing, taking turns with `ucx_perftest -t ucp_get -O 256` (same
+    /// transports, message size and bytes; skipped with a message when not installed). Target:
+    /// at least 0.8 of perftest at 64 KiB and larger.
+    Remote(RemoteArgs),
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -293,6 +311,63 @@ struct BatchArgs {
     seed: u64,
 }
 
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Address of the control connection, host:port (port 0 picks a free one; serve other
+    /// nodes with e.g. 0.0.0.0:7400: the arena is writable and the connection has no token,
+    /// so only on a trusted network).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Bytes of the exported arena (units allowed; `remote` needs its --bytes rounded down to
+    /// whole 24 MiB objects).
+    #[arg(long, default_value = "256MiB", value_parser = positive_size)]
+    bytes: ByteSize,
+    /// UCX transports, in UCX_TLS's syntax (tcp, sm, rc,sm, ^ib...). Default: the
+    /// environment's UCX_TLS, else UCX's own choice.
+    #[arg(long, value_name = "TLS")]
+    transports: Option<String>,
+    /// Also keep a `ucx_perftest -p PORT` server running (restarted after each client run)
+    /// with the same transports, for `remote --server`'s reference. Default: none.
+    #[arg(long, value_name = "PORT")]
+    perftest_port: Option<u16>,
+}
+
+#[derive(clap::Args, Debug)]
+struct RemoteArgs {
+    /// UCX transports of the engine, the server and ucx_perftest, in UCX_TLS's syntax.
+    #[arg(long, value_name = "TLS", default_value = "tcp")]
+    transports: String,
+    /// Fragment (page) sizes, comma-separated (units allowed; a power of two from 4KiB to
+    /// 1MiB): one one-sided get each.
+    #[arg(long = "fragment-sizes", visible_alias = "fragment-size", value_delimiter = ',', default_values = ["64KiB", "256KiB", "1MiB"], value_parser = page_size)]
+    fragment_sizes: Vec<ByteSize>,
+    /// Bytes restored per run (units allowed), rounded down to whole objects of 24 MiB (at
+    /// least one); perftest moves the same.
+    #[arg(long, default_value = "240MiB", value_parser = positive_size)]
+    bytes: ByteSize,
+    /// Timed runs of the engine and of ucx_perftest per fragment size, taking turns; medians
+    /// and spreads are reported.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeats: u32,
+    /// One object (24 MiB) and one run each, whatever --bytes and --repeats say (for tests and
+    /// smoke checks; the figures mean little). Default: off.
+    #[arg(long)]
+    tiny: bool,
+    /// A memory node running `umbp-bench serve` (its `listening` address) instead of a child
+    /// process on loopback; its --bytes must hold the restore, and the reference needs its
+    /// --perftest-port. Default: a child process.
+    #[arg(long, value_name = "ADDR")]
+    server: Option<String>,
+    /// With --server: the port of the node's ucx_perftest server (`serve --perftest-port`).
+    /// Without --server a free port is picked.
+    #[arg(long, value_name = "PORT", default_value_t = 13337)]
+    perftest_port: u16,
+    /// Skip the ucx_perftest reference (no ratio, no verdict). Default: run it when
+    /// ucx_perftest is installed.
+    #[arg(long)]
+    no_perftest: bool,
+}
+
 fn unit_fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
     if (0.0..=1.0).contains(&v) {
@@ -389,7 +464,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    let progress = Progress::on_stderr(!cli.json);
+    // `serve` runs until stdin closes and has no steps to show.
+    let serving = matches!(cli.command, Some(Command::Serve(_)));
+    let progress = Progress::on_stderr(!cli.json && !serving);
     let out = Output { json: cli.json, dir: cli.out.clone(), progress: &progress };
     let result = match cli.command {
         None => tour(&TourArgs { tiny: false, dir: std::env::temp_dir() }, &out),
@@ -401,6 +478,8 @@ fn main() -> ExitCode {
         Some(Command::Restore(args)) => restore(&args, &out),
         Some(Command::Layers(args)) => layers(&args, &out),
         Some(Command::Batch(args)) => batch(&args, &out),
+        Some(Command::Serve(args)) => serve(&args),
+        Some(Command::Remote(args)) => remote(&args, &out),
     };
     drop(progress);
     match result {
@@ -647,6 +726,61 @@ fn batch(args: &BatchArgs, out: &Output<'_>) -> anyhow::Result<()> {
     )?)
 }
 
+fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    use std::io::{BufRead, Write};
+    let config = ServeConfig {
+        listen: args.listen.clone(),
+        bytes: args.bytes.0,
+        transports: args.transports.clone(),
+        perftest_port: args.perftest_port,
+    };
+    let serving = remote_bench::Serving::start(&config)?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening {}", serving.addr())?;
+    stdout.flush()?;
+    drop(stdout);
+    // Serve until whoever started us closes our standard input (or exits).
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+    drop(serving);
+    Ok(())
+}
+
+fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    let server = match &args.server {
+        Some(addr) => ServerChoice::Node { addr: addr.clone(), perftest_port: args.perftest_port },
+        None => ServerChoice::Child {
+            program: std::env::current_exe().context("finding the umbp-bench binary")?,
+        },
+    };
+    let (bytes, repeats) = if args.tiny { (OBJECT_BYTES, 1) } else { (args.bytes.0, args.repeats) };
+    let objects = (bytes / OBJECT_BYTES).max(1);
+    // The destinations here, and the child's arena on the same machine.
+    let copies = if args.server.is_some() { 1 } else { 2 };
+    check_memory(copies * objects * OBJECT_BYTES, "--bytes");
+    let config = RemoteBenchConfig {
+        server,
+        transports: args.transports.clone(),
+        fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
+        objects: objects as usize,
+        repeats: repeats as usize,
+        perftest: !args.no_perftest,
+    };
+    let rows = remote_bench::run(&config, out.progress)?;
+    out.emit(&Report::new(
+        "remote",
+        &rows,
+        remote_bench::table(&rows),
+        Some(remote_bench::chart(&rows)),
+    )?)
+}
+
+/// Bytes of one Kimi-K3 object: 24 ranges of 1 MiB.
+const OBJECT_BYTES: u64 = 24 << 20;
+
 /// A `--dir` that does not exist is a runtime error (exit 1) with its path.
 fn check_dir(dir: &Path) -> anyhow::Result<()> {
     let meta = std::fs::metadata(dir).with_context(|| format!("--dir {}", dir.display()))?;
@@ -703,6 +837,13 @@ mod tests {
         let Some(Command::Batch(b)) = parse(&["batch"]).unwrap().command else { panic!() };
         assert_eq!(b.engines, BatchEngine::ALL);
         assert_eq!((b.transfers, b.transfer_size), (4096, ByteSize(4096)));
+        let Some(Command::Serve(v)) = parse(&["serve"]).unwrap().command else { panic!() };
+        assert_eq!((v.listen.as_str(), v.bytes), ("127.0.0.1:0", ByteSize(256 << 20)));
+        assert_eq!((v.transports, v.perftest_port), (None, None));
+        let Some(Command::Remote(r)) = parse(&["remote"]).unwrap().command else { panic!() };
+        assert_eq!(r.fragment_sizes, [ByteSize(64 << 10), ByteSize(256 << 10), ByteSize(1 << 20)]);
+        assert_eq!((r.transports.as_str(), r.bytes, r.repeats), ("tcp", ByteSize(240 << 20), 5));
+        assert_eq!((r.tiny, r.server, r.perftest_port, r.no_perftest), (false, None, 13337, false));
     }
 
     #[test]
@@ -733,6 +874,9 @@ mod tests {
             &["batch", "--transfer-size", "-4KiB"],
             &["ssd", "--seconds", "0"],
             &["ssd", "--queue-depth", "5000"],
+            &["remote", "--fragment-sizes", "48KiB"],
+            &["remote", "--repeats", "0"],
+            &["serve", "--bytes", "0"],
             &["nonsense"],
         ] {
             assert!(parse(args).is_err(), "{args:?}");

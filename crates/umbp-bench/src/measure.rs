@@ -8,6 +8,8 @@
 //!   range of those differences. A difference whose median does not stand above its noise (a
 //!   cost smaller than the measurement can see, or a negative one) is **below noise**: it has no
 //!   value, only a bound.
+//! - [`ratio_range`]: the range a ratio of two throughputs measured in turns spans over their
+//!   repetitions, `[min a / max b, max a / min b]`.
 //! - [`Verdict`]: `met`, `unmet`, `within noise` (the target lies inside the figure's spread)
 //!   or `below noise` (the figure has no value). Only `met` counts as met.
 
@@ -79,6 +81,21 @@ impl Difference {
         let high = if floor > 0.0 { (self.median + self.noise) / floor } else { f64::INFINITY };
         Some([low, high])
     }
+}
+
+/// The range the ratio `a / b` of two figures measured in turns spans over their repetitions:
+/// `[min a / max b, max a / min b]`. `None` when either has no repetition or a repetition of
+/// `b` is not positive. Where [`Difference::ratio_range`] bounds a ratio of costs by their
+/// noise, this bounds a ratio of throughputs by their whole spread, so a target inside it is
+/// [`Verdict::WithinNoise`] under [`Verdict::range_at_least`].
+pub fn ratio_range(a: &[f64], b: &[f64]) -> Option<[f64; 2]> {
+    let min = |x: &[f64]| x.iter().copied().reduce(f64::min);
+    let max = |x: &[f64]| x.iter().copied().reduce(f64::max);
+    let (b_min, b_max) = (min(b)?, max(b)?);
+    if b_min <= 0.0 {
+        return None;
+    }
+    Some([min(a)? / b_max, max(a)? / b_min])
 }
 
 /// How a figure compares with its target.
@@ -202,6 +219,18 @@ mod tests {
         assert_eq!(Verdict::at_most(Some(1.12), 1.1, 0.05), Verdict::WithinNoise);
         assert_eq!(Verdict::at_most(Some(1.0), 1.1, 0.05), Verdict::Met);
         assert_eq!(Verdict::at_most(Some(1.3), 1.1, 0.05), Verdict::Unmet);
+    }
+
+    #[test]
+    fn a_throughput_ratio_spans_both_spreads() {
+        let engine = [0.9, 1.0, 1.1];
+        let reference = [1.0, 1.2];
+        let [low, high] = ratio_range(&engine, &reference).unwrap();
+        assert!((low - 0.75).abs() < 1e-12 && (high - 1.1).abs() < 1e-12, "{low} {high}");
+        // 0.8 lies inside: neither met nor missed.
+        assert_eq!(Verdict::range_at_least(Some([low, high]), 0.8), Verdict::WithinNoise);
+        assert_eq!(ratio_range(&engine, &[]), None);
+        assert_eq!(ratio_range(&engine, &[0.0, 1.0]), None);
     }
 
     #[test]

@@ -2,12 +2,15 @@
 //! JSON fields of every subcommand (against the crate README), `--out`, and the tour at a tiny
 //! scale with every restore verified. Sizes are tiny; nothing here is judged by time.
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-const SUBCOMMANDS: [&str; 8] = ["tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch"];
+const SUBCOMMANDS: [&str; 10] =
+    ["tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch", "serve", "remote"];
 
 fn umbp_bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
@@ -135,6 +138,9 @@ fn bad_arguments_exit_2_with_one_line() {
         &["batch", "--transfers", "0"],
         &["batch", "--transfer-size", "4QiB"],
         &["tour", "--tiny=yes"],
+        &["remote", "--fragment-sizes", "3KiB"],
+        &["remote", "--bytes", "0"],
+        &["serve", "--perftest-port", "70000"],
         &["--json", "--out"],
     ];
     for args in cases {
@@ -543,4 +549,111 @@ fn layers_json_fields() {
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
     assert!(lines.iter().all(|l| l["compute_us"] == 100.0));
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD tier is removed");
+}
+
+/// Whether UCX loads here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence
+/// a failure (the pattern of umbp-ucx's tests).
+fn ucx_or_skip() -> bool {
+    match umbp_ucx::ucx_available() {
+        Ok(()) => true,
+        Err(e) => {
+            assert!(
+                std::env::var_os("UMBP_REQUIRE_UCX").is_none_or(|v| v != "1"),
+                "UMBP_REQUIRE_UCX=1 but {e}"
+            );
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+#[test]
+fn remote_json_fields_and_verified_restores() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let out = umbp_bench(&["remote", "--tiny", "--json"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "remote failed: {stderr}");
+    // Quiet, except the one line saying why there is no reference where ucx_perftest is
+    // missing.
+    assert!(stderr.lines().all(|l| l.starts_with("umbp-bench remote: no reference")), "{stderr}");
+    let with_perftest = stderr.is_empty();
+    let lines: Vec<Map<String, Value>> = stdout
+        .lines()
+        .map(|line| match serde_json::from_str(line) {
+            Ok(Value::Object(map)) => map,
+            other => panic!("not a JSON object: {line} ({other:?})"),
+        })
+        .collect();
+    let fields = [
+        "transport",
+        "server",
+        "fragment_size",
+        "objects",
+        "bytes",
+        "fragments",
+        "segments",
+        "in_flight",
+        "repeats",
+        "gib_s",
+        "gib_s_spread",
+        "perftest_gib_s",
+        "perftest_spread",
+        "ratio",
+        "ratio_range",
+        "verdict",
+        "verified",
+    ];
+    check_fields("remote", &lines, &fields);
+    let sizes: Vec<&Value> = lines.iter().map(|l| &l["fragment_size"]).collect();
+    assert_eq!(sizes, [65536, 262144, 1048576], "the default fragment sizes");
+    for l in &lines {
+        assert_eq!(l["verified"], true, "{l:?}");
+        assert_eq!((&l["transport"], &l["server"]), (&"tcp".into(), &"child".into()));
+        assert_eq!(
+            (&l["objects"], &l["bytes"], &l["repeats"]),
+            (&1.into(), &(24 << 20).into(), &1.into())
+        );
+        assert_eq!(l["segments"], l["fragments"], "one get per fragment: nothing merged");
+        assert!(l["gib_s"].as_f64().is_some_and(|g| g > 0.0), "{l:?}");
+        assert_eq!(l["perftest_gib_s"].is_f64(), with_perftest, "{l:?}");
+        assert_eq!(l["verdict"].is_string(), with_perftest, "a target at 64 KiB and up: {l:?}");
+        if with_perftest {
+            let range = l["ratio_range"].as_array().expect("a range with a ratio");
+            let ratio = l["ratio"].as_f64().unwrap();
+            assert!(range[0].as_f64().unwrap() <= ratio && ratio <= range[1].as_f64().unwrap());
+        }
+    }
+}
+
+#[test]
+fn serve_listens_until_stdin_closes() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
+        .args(["serve", "--bytes", "1MiB", "--transports", "tcp"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.strip_prefix("listening ").unwrap_or_else(|| panic!("serve said {line:?}"));
+    assert!(addr.trim().parse::<std::net::SocketAddr>().is_ok(), "{line:?}");
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve still runs 10 s after its stdin closed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
 }
