@@ -283,11 +283,5 @@ fn push_tasks(
 #[cold]
 fn failure(plan: &Plan, cause: FailureCause) -> Failure {
     tracing::debug!(src = plan.src().raw(), dst = plan.dst().raw(), %cause, "plan failed");
-    Failure {
-        engine: NAME.to_owned(),
-        src: plan.src(),
-        dst: plan.dst(),
-        tags: plan.tags().to_vec(),
-        cause,
-    }
+    plan.fail(NAME, cause)
 }

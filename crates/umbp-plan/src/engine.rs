@@ -1,6 +1,8 @@
 //! The transfer-engine trait, transfer handles and failures.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::{
     BufferedPlanBuilder, DeviceOrdinal, Endpoint, EndpointId, Fragment, PlanBuilder, PlanSet, Tag,
@@ -167,6 +169,63 @@ pub trait Completion: Send {
 
     /// Blocks until the work has finished. Called at most once.
     fn wait(&mut self) -> Settled;
+}
+
+/// Where an engine's own thread leaves a settled plan set for its handle: a one-shot slot.
+///
+/// An engine that executes on threads of its own makes one per submit, hands
+/// [`handle`](Self::handle) to the caller and [`fill`](Self::fill)s it once the work is done.
+/// Waiting blocks on a condition variable; [`TransferHandle::is_done`] reads a flag without
+/// locking.
+#[derive(Debug, Default)]
+pub struct SettleSlot {
+    settled: Mutex<Option<Settled>>,
+    ready: Condvar,
+    /// Set (Release) after `settled` is filled; read (Acquire) without locking.
+    done: AtomicBool,
+}
+
+impl SettleSlot {
+    /// An empty slot.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// A pending handle that settles when the slot is filled.
+    pub fn handle(self: &Arc<Self>) -> TransferHandle {
+        TransferHandle::pending(Box::new(SlotCompletion(Arc::clone(self))))
+    }
+
+    /// Settles the slot: its handle's wait returns `settled`. Called once.
+    pub fn fill(&self, settled: Settled) {
+        *self.lock() = Some(settled);
+        self.done.store(true, Ordering::Release);
+        self.ready.notify_all();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Settled>> {
+        // Filling and taking are single stores: a poisoned slot is still consistent.
+        self.settled.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The completion behind a [`SettleSlot`]'s handle.
+struct SlotCompletion(Arc<SettleSlot>);
+
+impl Completion for SlotCompletion {
+    fn is_done(&self) -> bool {
+        self.0.done.load(Ordering::Acquire)
+    }
+
+    fn wait(&mut self) -> Settled {
+        let mut settled = self.0.lock();
+        loop {
+            if let Some(settled) = settled.take() {
+                return settled;
+            }
+            settled = self.0.ready.wait(settled).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
 }
 
 /// The handle of one submitted plan set.

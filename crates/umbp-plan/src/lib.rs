@@ -108,7 +108,8 @@ pub use endpoint::{
     EndpointTable, FileRange, RemoteRegion, Tag,
 };
 pub use engine::{
-    Completion, EngineError, Failure, FailureCause, Settled, TransferEngine, TransferHandle,
+    Completion, EngineError, Failure, FailureCause, SettleSlot, Settled, TransferEngine,
+    TransferHandle,
 };
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;

@@ -55,6 +55,17 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The [`Failure`] of this whole plan: all of its objects, with `cause`, named `engine`.
+    pub fn fail(&self, engine: &str, cause: FailureCause) -> Failure {
+        Failure {
+            engine: engine.to_owned(),
+            src: self.src,
+            dst: self.dst,
+            tags: self.tags.clone(),
+            cause,
+        }
+    }
+
     /// The source endpoint of every segment.
     pub fn src(&self) -> EndpointId {
         self.src
@@ -303,16 +314,7 @@ impl PlanSet {
     /// One [`Failure`] per plan, naming all of its objects, with `cause`: what an engine
     /// reports for a plan set it does not run at all (an expired deadline, a lost worker).
     pub fn fail_all(&self, engine: &str, cause: FailureCause) -> Vec<Failure> {
-        self.plans
-            .iter()
-            .map(|plan| Failure {
-                engine: engine.to_owned(),
-                src: plan.src,
-                dst: plan.dst,
-                tags: plan.tags.clone(),
-                cause: cause.clone(),
-            })
-            .collect()
+        self.plans.iter().map(|plan| plan.fail(engine, cause.clone())).collect()
     }
 
     /// Each rejected object with the reason its first refused fragment got.

@@ -3,14 +3,13 @@
 //! and settles its handle.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use umbp_plan::{
-    Completion, EndpointId, EndpointKind, EndpointPins, EndpointRegistry, EndpointRelease,
-    EndpointTable, Failure, FailureCause, OverlapCheck, PlanSet, Settled, Space, TransferHandle,
+    EndpointId, EndpointKind, EndpointPins, EndpointRegistry, EndpointRelease, EndpointTable,
+    Failure, FailureCause, OverlapCheck, PlanSet, SettleSlot, Settled, Space, TransferHandle,
 };
 
 use crate::batch::{plan_files, Batch, Limits, PlanFiles};
@@ -58,7 +57,7 @@ struct Job {
     early: Vec<Failure>,
     /// The endpoints the job uses, pinned from submit until it settles.
     pins: Option<EndpointPins>,
-    slot: Arc<Slot>,
+    slot: Arc<SettleSlot>,
     engine: Arc<Shared>,
 }
 
@@ -81,47 +80,6 @@ impl Drop for Job {
         let cause = FailureCause::NotAccepted("the worker running this batch panicked".into());
         let failures = plans.fail_all(&self.engine.name, cause);
         self.settle(failures);
-    }
-}
-
-/// Where a worker leaves a settled batch for its handle.
-#[derive(Default)]
-struct Slot {
-    settled: Mutex<Option<Settled>>,
-    ready: Condvar,
-    /// Set (Release) after `settled` is filled; `is_done` reads it (Acquire) without locking.
-    done: AtomicBool,
-}
-
-impl Slot {
-    fn lock(&self) -> MutexGuard<'_, Option<Settled>> {
-        // Filling and taking are single stores: a poisoned slot is still consistent.
-        self.settled.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn fill(&self, settled: Settled) {
-        *self.lock() = Some(settled);
-        self.done.store(true, Ordering::Release);
-        self.ready.notify_all();
-    }
-}
-
-/// The completion behind a pending [`TransferHandle`].
-struct Pending(Arc<Slot>);
-
-impl Completion for Pending {
-    fn is_done(&self) -> bool {
-        self.0.done.load(Ordering::Acquire)
-    }
-
-    fn wait(&mut self) -> Settled {
-        let mut settled = self.0.lock();
-        loop {
-            if let Some(settled) = settled.take() {
-                return settled;
-            }
-            settled = self.0.ready.wait(settled).unwrap_or_else(PoisonError::into_inner);
-        }
     }
 }
 
@@ -201,7 +159,7 @@ impl Workers {
             return TransferHandle::settled(early, plans);
         }
         let files = plan_files(&plans, &table, &self.shared.files);
-        let slot = Arc::new(Slot::default());
+        let slot = SettleSlot::new();
         let job = Box::new(Job {
             plans: Some(plans),
             table,
@@ -212,7 +170,7 @@ impl Workers {
             engine: Arc::clone(&self.shared),
         });
         match self.sender.as_ref().map(|s| s.send(job)) {
-            Some(Ok(())) => TransferHandle::pending(Box::new(Pending(slot))),
+            Some(Ok(())) => slot.handle(),
             // No worker left to take it: the job came back and settles as failed when dropped.
             Some(Err(returned)) => {
                 let mut job = returned.0;

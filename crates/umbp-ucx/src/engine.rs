@@ -11,12 +11,12 @@ use std::thread::JoinHandle;
 use umbp_plan::{
     plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, EndpointTable,
     EngineError, Failure, FailureCause, Fragment, IncrementalBuilder, OverlapCheck, Plan,
-    PlanBuilder, PlanRules, PlanSet, Register, RegisterError, RejectReason, RemoteRegion, Space,
-    TransferEngine, TransferHandle,
+    PlanBuilder, PlanRules, PlanSet, Register, RegisterError, RejectReason, RemoteRegion,
+    SettleSlot, Space, TransferEngine, TransferHandle,
 };
 
 use crate::handshake::{self, WireRegion};
-use crate::progress::{self, BatchRun, Command, Op, Route, Slot};
+use crate::progress::{self, BatchRun, Command, Op, Route};
 use crate::{Error, UcxConfig};
 
 /// The engine's name in logs and failures.
@@ -400,7 +400,7 @@ impl UcxEngine {
                 Err(cause) => {
                     ops.truncate(start);
                     routes.push(Route::FAILED);
-                    failures.push(failure(plan, cause));
+                    failures.push(plan.fail(NAME, cause));
                 }
             }
         }
@@ -491,19 +491,6 @@ fn push_ops(
     Ok(())
 }
 
-/// The failure of `plan`: every object it carries.
-#[cold]
-fn failure(plan: &Plan, cause: FailureCause) -> Failure {
-    tracing::debug!(src = plan.src().raw(), dst = plan.dst().raw(), %cause, "plan failed");
-    Failure {
-        engine: NAME.to_owned(),
-        src: plan.src(),
-        dst: plan.dst(),
-        tags: plan.tags().to_vec(),
-        cause,
-    }
-}
-
 impl Drop for UcxEngine {
     /// Lets the batches in flight settle, closes every peer and stops the progress thread.
     fn drop(&mut self) {
@@ -591,13 +578,13 @@ impl TransferEngine for UcxEngine {
             drop(pins);
             return TransferHandle::settled(failures, plans);
         }
-        let slot = Arc::new(Slot::default());
+        let slot = SettleSlot::new();
         let batch = BatchRun::new(plans, pins, routes, ops, failures, Arc::clone(&slot));
         if let Err(mpsc::SendError(Command::Submit(batch))) = self.send_batch(batch) {
             // Dropping an unsettled batch fails every plan of it into the slot.
             drop(batch);
         }
-        TransferHandle::pending(Box::new(progress::Pending(slot)))
+        slot.handle()
     }
 }
 

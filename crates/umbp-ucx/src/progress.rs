@@ -16,12 +16,12 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    Completion, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, Settled, Tag,
+    EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot, Settled, Tag,
 };
 
 use crate::engine::NAME;
@@ -138,7 +138,7 @@ pub(crate) struct BatchRun {
     ops: Vec<Op>,
     /// Failures found at submit.
     early: Vec<Failure>,
-    slot: Arc<Slot>,
+    slot: Arc<SettleSlot>,
     deadline: Option<Instant>,
     /// The next op to post.
     next: usize,
@@ -158,7 +158,7 @@ impl BatchRun {
         routes: Vec<Route>,
         ops: Vec<Op>,
         early: Vec<Failure>,
-        slot: Arc<Slot>,
+        slot: Arc<SettleSlot>,
     ) -> Box<Self> {
         Box::new(Self {
             deadline: plans.deadline(),
@@ -268,47 +268,6 @@ impl Drop for BatchRun {
         let plans = self.plans.take().unwrap_or_default();
         drop(self.pins.take());
         self.slot.fill(Settled { failures, plans });
-    }
-}
-
-/// Where the thread leaves a settled batch for its handle.
-#[derive(Default)]
-pub(crate) struct Slot {
-    settled: Mutex<Option<Settled>>,
-    ready: Condvar,
-    /// Set (Release) after `settled` is filled; `is_done` reads it (Acquire) without locking.
-    done: AtomicBool,
-}
-
-impl Slot {
-    fn lock(&self) -> MutexGuard<'_, Option<Settled>> {
-        // Filling and taking are single stores: a poisoned slot is still consistent.
-        self.settled.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn fill(&self, settled: Settled) {
-        *self.lock() = Some(settled);
-        self.done.store(true, Ordering::Release);
-        self.ready.notify_all();
-    }
-}
-
-/// The completion behind a pending handle.
-pub(crate) struct Pending(pub(crate) Arc<Slot>);
-
-impl Completion for Pending {
-    fn is_done(&self) -> bool {
-        self.0.done.load(Ordering::Acquire)
-    }
-
-    fn wait(&mut self) -> Settled {
-        let mut settled = self.0.lock();
-        loop {
-            if let Some(settled) = settled.take() {
-                return settled;
-            }
-            settled = self.0.ready.wait(settled).unwrap_or_else(PoisonError::into_inner);
-        }
     }
 }
 

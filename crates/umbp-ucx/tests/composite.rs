@@ -19,24 +19,23 @@ use umbp_ucx::{UcxConfig, UcxEngine};
 use support::{fill_byte, ucx_or_skip, Served, POISON};
 
 const PAGE: u64 = 16 << 10;
-const TIER_PAGES: usize = 256;
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
-fn local_pattern(seed: u8) -> Vec<u8> {
-    (0..TIER_PAGES * PAGE as usize)
+fn local_pattern(seed: u8, pages: usize) -> Vec<u8> {
+    (0..pages * PAGE as usize)
         .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 14) as u8)
         .collect()
 }
 
-/// Page `k` of object `o`: scattered over its tier.
-fn page_table(o: usize, pages: usize) -> Vec<u64> {
-    (0..pages).map(|k| (((o * pages + k) * 7 + 3) % TIER_PAGES) as u64 * PAGE).collect()
+/// Page `k` of object `o` (of `pages` pages): scattered over a tier of `tier_pages` pages.
+fn page_table(o: usize, pages: usize, tier_pages: usize) -> Vec<u64> {
+    (0..pages).map(|k| (((o * pages + k) * 7 + 3) % tier_pages) as u64 * PAGE).collect()
 }
 
 struct Tiers {
     composite: CompositeEngine,
     hbm: Arc<HbmEngine<SimDevice>>,
-    _server: Served,
+    server: Served,
     _dir: tempfile::TempDir,
     // Registrations live as long as the tiers.
     _keep: Vec<Box<dyn std::any::Any>>,
@@ -48,9 +47,9 @@ struct Tiers {
 }
 
 /// [host copies, device (simulated), SSD, remote] over one registry, with a DRAM arena, an SSD
-/// file and a peer's arena of `TIER_PAGES` pages each, and a bounce region.
-fn tiers() -> Tiers {
-    let server = Served::start("tcp", TIER_PAGES * PAGE as usize, 6, &[]);
+/// file and a peer's arena of `pages` pages each, and a bounce region.
+fn tiers(pages: usize) -> Tiers {
+    let server = Served::start("tcp", pages * PAGE as usize, 6, &[]);
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let hbm = Arc::new(HbmEngine::new(
@@ -65,10 +64,10 @@ fn tiers() -> Tiers {
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];
     let composite = CompositeEngine::new(registry, engines);
 
-    let dram = local_pattern(11);
+    let dram = local_pattern(11, pages);
     let dram_reg = composite.register_memory(dram.clone()).unwrap();
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let file = local_pattern(77);
+    let file = local_pattern(77, pages);
     let path = dir.path().join("tier.bin");
     std::fs::File::create(&path).unwrap().write_all(&file).unwrap();
     let file_reg = composite.register_file(path.as_path(), 0, file.len() as u64).unwrap();
@@ -79,7 +78,7 @@ fn tiers() -> Tiers {
         composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
     Tiers {
         hbm,
-        _server: server,
+        server,
         _dir: dir,
         dram,
         dram_id: dram_reg.id(),
@@ -96,13 +95,13 @@ fn one_batch_restores_from_dram_ssd_and_a_peer_into_the_device() {
     if !ucx_or_skip() {
         return;
     }
-    let t = tiers();
+    let t = tiers(256);
     let (objects, per) = (24usize, 4usize);
     let size = per as u64 * PAGE;
     let dev = t.hbm.alloc_device(GPU, objects as u64 * size).unwrap();
     let dev_addr = dev.endpoint().addr();
     t.hbm.runtime().fill(dev_addr, objects as u64 * size, POISON).unwrap();
-    let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o, per)).collect();
+    let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o, per, 256)).collect();
     let tier_of = |o: usize| [t.dram_id, t.file_id, t.remote_id][o % 3];
     // One range per object, leaving its first 1,000 bytes out.
     let ranges: Vec<[ObjectRange; 1]> = (0..objects)
@@ -151,7 +150,7 @@ fn a_rolled_back_object_leaves_no_trace_on_any_engine() {
     if !ucx_or_skip() {
         return;
     }
-    let t = tiers();
+    let t = tiers(256);
     let out = t.composite.register_memory(vec![POISON; 4 * PAGE as usize]).unwrap();
     let mut builder = t.composite.builder();
     let (doomed, kept) = (Tag::new(0), Tag::new(1));
@@ -180,4 +179,60 @@ fn a_rolled_back_object_leaves_no_trace_on_any_engine() {
     assert!(got[..2 * page].iter().all(|&b| b == POISON), "the rolled-back object was written");
     assert_eq!(&got[2 * page..3 * page], &t.dram[page..2 * page]);
     assert!(got[3 * page..].iter().enumerate().all(|(i, &b)| b == fill_byte(6, page + i)));
+}
+
+#[test]
+fn a_peer_that_dies_mid_restore_costs_only_its_objects() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let tier_pages = 4096; // 64 MiB per tier
+    let mut t = tiers(tier_pages);
+    let (objects, per) = (48usize, 64usize); // objects of 1 MiB, 16 per tier
+    let size = per as u64 * PAGE;
+    let out = t.composite.register_memory(vec![POISON; objects * size as usize]).unwrap();
+    let tables: Vec<Vec<u64>> = (0..objects).map(|o| page_table(o, per, tier_pages)).collect();
+    let tier_of = |o: usize| [t.dram_id, t.file_id, t.remote_id][o % 3];
+    let ranges: Vec<[ObjectRange; 1]> =
+        (0..objects).map(|o| [ObjectRange::new(0, size, out.id(), o as u64 * size)]).collect();
+    let batch: Vec<ObjectTransfer> = (0..objects)
+        .map(|o| ObjectTransfer {
+            tag: o as u64,
+            object: PagedObject {
+                tier: tier_of(o),
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let mut builder = t.composite.builder();
+    let started = umbp_composite::start_restore(&mut builder, &batch).unwrap();
+    t.server.kill();
+    let report = started.wait();
+    let got = out.deregister();
+    let mut remote_failed = 0;
+    for (o, table) in tables.iter().enumerate() {
+        let result = report.object(o as u64).unwrap();
+        let base = o * size as usize;
+        if o % 3 != 2 {
+            assert!(result.error.is_none(), "local object {o} failed: {:?}", result.error);
+        }
+        if result.error.is_some() {
+            remote_failed += 1;
+            continue;
+        }
+        for b in (0..size as usize).step_by(997) {
+            let at = (table[b / PAGE as usize] + b as u64 % PAGE) as usize;
+            let want = match o % 3 {
+                0 => t.dram[at],
+                1 => t.file[at],
+                _ => fill_byte(6, at),
+            };
+            assert_eq!(got[base + b], want, "object {o} byte {b}");
+        }
+    }
+    assert!(remote_failed > 0, "every remote object finished before the kill");
+    eprintln!("{remote_failed} of {} remote objects failed with their peer", objects / 3);
 }
