@@ -34,6 +34,7 @@ use umbp_plan::{
     Registration as Guard, Tag, TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
+use umbp_ucx::{ServerBuilder, UcxConfig, UcxEngine, UcxServer};
 
 create_exception!(_native, Error, PyException, "Every umbp error derives from this.");
 create_exception!(_native, RegistrationError, Error, "Memory or a file could not be registered.");
@@ -121,11 +122,13 @@ impl Events {
     }
 }
 
-/// A composite over host copies, one device engine and the SSD engine.
+/// A composite over host copies, one device engine, the SSD engine and, when asked for, the
+/// remote (UCX) engine.
 #[pyclass(module = "umbp._native", frozen)]
 struct Engine {
     composite: Arc<CompositeEngine>,
     device: Device,
+    remote: Option<Arc<UcxEngine>>,
     _bounce: Guard<AlignedBuffer>,
 }
 
@@ -153,7 +156,11 @@ impl Engine {
     /// `cuda` feature and an NVIDIA GPU). `pin_device`: the device host memory registered
     /// through this engine is pinned for, so the gather kernel reads it directly.
     #[new]
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64))]
+    ///
+    /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
+    /// `None`: UCX's choice).
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64, remote=false, remote_transports=None))]
     fn new(
         device: &str,
         sim_devices: u32,
@@ -161,6 +168,8 @@ impl Engine {
         workers: usize,
         bounce_bytes: usize,
         ssd_queue_depth: u32,
+        remote: bool,
+        remote_transports: Option<String>,
     ) -> PyResult<Self> {
         let registry = EndpointRegistry::new();
         let config = HbmConfig {
@@ -188,7 +197,16 @@ impl Engine {
         let host = Arc::new(LocalCopyEngine::new(registry.clone()));
         let ssd = SsdEngine::new(registry.clone(), SsdConfig::new().queue_depth(ssd_queue_depth))
             .map_err(error)?;
-        let engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
+        let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
+        let remote = match remote {
+            true => {
+                let config = UcxConfig { transports: remote_transports, ..UcxConfig::default() };
+                let ucx = Arc::new(UcxEngine::new(registry.clone(), config).map_err(error)?);
+                engines.push(ucx.clone());
+                Some(ucx)
+            }
+            false => None,
+        };
         let composite = CompositeEngine::with_config(
             registry,
             engines,
@@ -198,7 +216,32 @@ impl Engine {
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes.max(2)))
             .map_err(registration_error)?;
         let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
-        Ok(Self { composite: Arc::new(composite), device, _bounce: bounce })
+        Ok(Self { composite: Arc::new(composite), device, remote, _bounce: bounce })
+    }
+
+    /// Connects the remote engine to the memory node serving at `addr`: its peer number and
+    /// regions as `(region, name, length, writable)`.
+    fn connect(&self, py: Python<'_>, addr: String) -> PyResult<(u32, Vec<RegionTuple>)> {
+        let remote = self.remote()?;
+        let peer = py.allow_threads(|| remote.connect(addr.as_str())).map_err(error)?;
+        let regions =
+            peer.regions.iter().map(|r| (r.region.region, r.name.clone(), r.len, r.writable));
+        Ok((peer.id, regions.collect()))
+    }
+
+    /// Registers bytes `offset .. offset + length` of region `region` of peer `peer`.
+    fn register_remote(
+        &self,
+        peer: u32,
+        region: u32,
+        offset: u64,
+        length: u64,
+    ) -> PyResult<Registration> {
+        self.remote()?;
+        let region = umbp_plan::RemoteRegion { peer, region };
+        let guard =
+            self.composite.register_remote(region, offset, length).map_err(registration_error)?;
+        Ok(Registration::new(Kept::Memory(guard), None, "remote"))
     }
 
     /// The device runtime: `"sim"` or `"cuda"`.
@@ -712,6 +755,81 @@ impl Drop for Batch {
     }
 }
 
+impl Engine {
+    fn remote(&self) -> PyResult<&Arc<UcxEngine>> {
+        self.remote.as_ref().ok_or_else(|| {
+            PyValueError::new_err("this engine has no remote tier: make it with remote=True")
+        })
+    }
+}
+
+/// `(region, name, length, writable)` of one region a peer exports.
+type RegionTuple = (u32, String, u64, bool);
+
+/// Host buffers exported to other nodes over UCX until closed.
+#[pyclass(module = "umbp._native")]
+struct Server {
+    server: Option<UcxServer>,
+    /// What backs the regions; released only after the server stopped.
+    owners: Vec<PyObject>,
+}
+
+#[pymethods]
+impl Server {
+    /// Exports `regions` (`(name, addr, length, writable, owner)`: the Python layer passes
+    /// buffers it holds exported in `owner`) and serves them on `listen`.
+    #[new]
+    #[pyo3(signature = (listen, regions, transports=None, token=None))]
+    fn new(
+        py: Python<'_>,
+        listen: String,
+        regions: Vec<(String, u64, u64, bool, PyObject)>,
+        transports: Option<String>,
+        token: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        let config = UcxConfig { transports, token, ..UcxConfig::default() };
+        let mut builder = ServerBuilder::new(config);
+        let mut owners = Vec::with_capacity(regions.len());
+        for (name, addr, length, writable, owner) in regions {
+            // SAFETY: `owner` holds the buffer's export, so the memory stays allocated until
+            // this object releases it, which `close` and `drop` do only after the server has
+            // stopped (and UCX has unmapped it).
+            builder = unsafe { builder.export_raw(&name, addr, length, writable) };
+            owners.push(owner);
+        }
+        let server = py.allow_threads(|| builder.serve(listen.as_str())).map_err(error)?;
+        Ok(Self { server: Some(server), owners })
+    }
+
+    /// `host:port` where clients connect.
+    #[getter]
+    fn address(&self) -> PyResult<String> {
+        let server = self.server.as_ref().ok_or_else(|| error("the server is closed"))?;
+        Ok(server.local_addr().to_string())
+    }
+
+    /// Control connections open now.
+    #[getter]
+    fn clients(&self) -> usize {
+        self.server.as_ref().map_or(0, UcxServer::clients)
+    }
+
+    /// Stops serving (clients see the node go away), then releases the buffers.
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(server) = self.server.take() {
+            py.allow_threads(|| drop(server));
+        }
+        self.owners.clear();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // The server stops (and unmaps) before the owners go.
+        drop(self.server.take());
+    }
+}
+
 /// The `umbp._native` module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -719,6 +837,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<Registration>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<Server>()?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("RegistrationError", py.get_type::<RegistrationError>())?;
     m.add("RejectedError", py.get_type::<RejectedError>())?;

@@ -298,3 +298,53 @@ def test_torch_tensors_register_when_torch_is_installed(engine):
             gpu.restore([obj]).raise_for_errors()
         torch.cuda.synchronize()
         assert torch.equal(dev.cpu()[:PAGE], t[2 * PAGE:3 * PAGE])
+
+
+def _remote_engine():
+    """An engine with the remote tier over TCP, or a skip with the reason when UCX is missing."""
+    try:
+        return umbp.Engine(remote=True, remote_transports="tcp")
+    except umbp.Error as e:
+        if os.environ.get("UMBP_REQUIRE_UCX") == "1":
+            raise
+        pytest.skip(f"no remote tier here: {e}")
+
+
+def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_objects():
+    engine = _remote_engine()
+    arena = pattern(64 * PAGE, 5)
+    dram_bytes = pattern(64 * PAGE, 9)
+    server = umbp.Server({"arena": arena, "ro": (pattern(4 * PAGE, 3), False)}, transports="tcp")
+    peer = engine.connect(server.address)
+    assert [r.name for r in peer.regions] == ["arena", "ro"] and not peer.region("ro").writable
+    with engine.register(dram_bytes) as dram, engine.register_remote(peer.region("arena")) as remote, \
+            engine.alloc_device(16 * PAGE) as kv:
+        assert remote.kind == "remote" and remote.length == 64 * PAGE
+        # Object 1 from the node's memory, object 2 from local DRAM, both into the (simulated)
+        # device in one batch.
+        far, near = [40, 3, 17, 60], [8, 1, 30, 2]
+        objects = [
+            umbp.Object(1, remote, [p * PAGE for p in far], PAGE, 4 * PAGE, [umbp.Range(0, 4 * PAGE, kv, 0)]),
+            umbp.Object(2, dram, [p * PAGE for p in near], PAGE, 4 * PAGE, [umbp.Range(0, 4 * PAGE, kv, 8 * PAGE)]),
+        ]
+        engine.restore(objects).raise_for_errors()
+        assert engine.read(kv, 0, 4 * PAGE) == object_bytes(arena, [p * PAGE for p in far], 0, 4 * PAGE)
+        assert engine.read(kv, 8 * PAGE, 4 * PAGE) == object_bytes(dram_bytes, [p * PAGE for p in near], 0, 4 * PAGE)
+
+        # Offload the device's first object to other pages of the node.
+        back = [10, 50, 11, 33]
+        engine.offload([umbp.Object(3, remote, [p * PAGE for p in back], PAGE, 4 * PAGE,
+                                    [umbp.Range(0, 4 * PAGE, kv, 0)])]).raise_for_errors()
+        assert engine.read(remote, 50 * PAGE, PAGE) == object_bytes(arena, [p * PAGE for p in far], PAGE, PAGE)
+
+        # Past the export: refused at registration.
+        with pytest.raises(umbp.RegistrationError):
+            engine.register_remote(peer.region("arena"), 60 * PAGE, 8 * PAGE)
+
+        # The node goes away: its objects fail, local ones still complete.
+        server.close()
+        report = engine.restore(objects)
+        assert report.object(2).ok
+        failed = report.object(1)
+        assert not failed.ok and isinstance(failed.error, umbp.TransferError)
+        assert "peer" in failed.error.cause

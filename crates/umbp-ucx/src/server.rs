@@ -120,7 +120,7 @@ impl ServerBuilder {
             accept: None,
             clients: Arc::new(Mutex::new(HashMap::new())),
             regions: Vec::new(),
-            exports: Vec::new(),
+            exports: Mutex::new(Vec::new()),
         };
         let (address, rkeys) = match started.recv() {
             Ok(Ok(keys)) => keys,
@@ -140,7 +140,7 @@ impl ServerBuilder {
             })
             .collect();
         server.regions = regions.iter().map(|r| (r.name.clone(), r.len, r.writable)).collect();
-        server.exports = self.exports.into_iter().map(|e| (e.name, e.keep)).collect();
+        server.exports = Mutex::new(self.exports.into_iter().map(|e| (e.name, e.keep)).collect());
         let welcome = Arc::new(Welcome { address, regions });
         let accept = {
             let (stop, clients) = (Arc::clone(&server.stop), Arc::clone(&server.clients));
@@ -168,7 +168,8 @@ pub struct UcxServer {
     clients: Clients,
     regions: Vec<(String, u64, bool)>,
     /// What backs each region; dropped only after the UCX mappings are gone.
-    exports: Vec<(String, Box<dyn Any + Send>)>,
+    /// (Behind a lock only so that the server is `Sync`: nothing reads them while serving.)
+    exports: Mutex<Vec<(String, Box<dyn Any + Send>)>>,
 }
 
 impl std::fmt::Debug for UcxServer {
@@ -199,7 +200,7 @@ impl UcxServer {
     /// Stops serving (clients see their peer go away) and hands back what backed the regions.
     pub fn shutdown(mut self) -> Exports {
         self.stop_threads();
-        Exports(std::mem::take(&mut self.exports))
+        Exports(std::mem::take(self.exports.get_mut().unwrap_or_else(PoisonError::into_inner)))
     }
 
     fn stop_threads(&mut self) {

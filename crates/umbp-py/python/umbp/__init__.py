@@ -57,6 +57,9 @@ __all__ = [
     "TransferError",
     "CancelledError",
     "CUDA",
+    "Peer",
+    "RemoteRegion",
+    "Server",
 ]
 
 #: Whether this build has the CUDA backend (``Engine(device="cuda")``).
@@ -243,6 +246,77 @@ def _host_address(buffer: Any):
     return address, nbytes, (held, view, buffer)
 
 
+@dataclass(frozen=True)
+class RemoteRegion:
+    """One region a memory node exports: register it with :meth:`Engine.register_remote`."""
+
+    peer: int
+    region: int
+    name: str
+    length: int
+    writable: bool
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A memory node the remote tier is connected to."""
+
+    id: int
+    regions: List[RemoteRegion]
+
+    def region(self, name: str) -> RemoteRegion:
+        """The region exported as ``name``."""
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+class Server:
+    """Exports host buffers (numpy arrays, ``bytearray``s, CPU tensors) to other nodes' remote
+    tiers over UCX: what a memory node runs. ``regions`` maps a name to a buffer, or to
+    ``(buffer, writable)`` (default writable). The server holds the buffers until closed, and
+    closing stops serving first (clients then see the node go away).
+
+    ``transports`` follows ``UCX_TLS`` (``"tcp"``, ``"rc,sm"``...); ``token``, when set, must
+    match the clients' (it travels in clear: a guard against strangers on a trusted network)."""
+
+    def __init__(
+        self,
+        regions: Dict[str, Any],
+        listen: str = "127.0.0.1:0",
+        *,
+        transports: Optional[str] = None,
+        token: Optional[bytes] = None,
+    ):
+        exports = []
+        for name, value in regions.items():
+            buffer, writable = value if isinstance(value, tuple) else (value, True)
+            address, nbytes, keep = _host_address(buffer)
+            exports.append((name, address, nbytes, bool(writable), keep))
+        self._native = _native.Server(listen, exports, transports, token)
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` to pass to :meth:`Engine.connect`."""
+        return self._native.address
+
+    @property
+    def clients(self) -> int:
+        """Clients connected now."""
+        return self._native.clients
+
+    def close(self) -> None:
+        """Stops serving, then lets go of the buffers."""
+        self._native.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _stream(stream: Any, device: Optional[int]):
     """The raw handle and device of a ``torch.cuda.Stream``, a raw int, or None."""
     if stream is None:
@@ -272,6 +346,8 @@ class Engine:
         workers: int = 8,
         bounce_bytes: int = 64 << 20,
         ssd_queue_depth: int = 64,
+        remote: bool = False,
+        remote_transports: Optional[str] = None,
     ):
         self._native = _native.Engine(
             device=device,
@@ -280,7 +356,26 @@ class Engine:
             workers=workers,
             bounce_bytes=bounce_bytes,
             ssd_queue_depth=ssd_queue_depth,
+            remote=remote,
+            remote_transports=remote_transports,
         )
+
+    def connect(self, address: str) -> "Peer":
+        """Connects the remote tier (``Engine(remote=True)``) to a memory node serving at
+        ``address`` (``"host:port"``, a :class:`Server` or ``umbp-bench serve``) and returns
+        its regions. A node that dies later fails exactly the objects in flight to it."""
+        peer, regions = self._native.connect(address)
+        return Peer(peer, [RemoteRegion(peer, *r) for r in regions])
+
+    def register_remote(
+        self, region: "RemoteRegion", offset: int = 0, length: Optional[int] = None
+    ) -> Registration:
+        """Registers bytes ``offset .. offset + length`` (default: to the end) of a peer's
+        region, to use as an object's tier like a registered array or file. Refused past what
+        the peer exported."""
+        if length is None:
+            length = region.length - offset
+        return self._native.register_remote(region.peer, region.region, offset, length)
 
     @property
     def device_kind(self) -> str:
