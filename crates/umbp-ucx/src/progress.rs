@@ -29,7 +29,7 @@ use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker}
 use crate::{Error, UcxConfig};
 
 /// Empty polls with requests in flight before the thread sleeps on the worker's descriptor.
-const SPINS_BEFORE_SLEEP: u32 = 256;
+const SPINS_BEFORE_SLEEP: u32 = 4096;
 /// The longest such sleep.
 const SLEEP: Duration = Duration::from_millis(1);
 /// How often an idle thread progresses UCX anyway.
