@@ -234,3 +234,161 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
         }
     }
 }
+
+/// Registers region 0 of `peer` and returns its id.
+fn arena(engine: &umbp_ucx::UcxEngine, peer: &umbp_ucx::PeerInfo) -> umbp_plan::Registration {
+    engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap()
+}
+
+/// Restores `len` bytes at `at` of `remote` into a new buffer; returns the failures and bytes.
+fn restore_one(
+    engine: &umbp_ucx::UcxEngine,
+    remote: umbp_plan::EndpointId,
+    at: u64,
+    len: usize,
+) -> (Vec<umbp_plan::Failure>, Vec<u8>) {
+    let local = engine.register_memory(vec![POISON; len]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    builder.push(Fragment::new(remote, at, local.id(), 0, len as u64, tag)).unwrap();
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    let failures = handle.wait().to_vec();
+    drop(handle);
+    (failures, local.deregister())
+}
+
+#[test]
+fn a_node_that_comes_back_is_reached_again_through_a_new_connection() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let engine = engine("tcp");
+    let mut first = Served::start("tcp", 4 * MIB, 1, &[]);
+    let old = engine.connect(first.addr).unwrap();
+    let old_arena = arena(&engine, &old);
+    assert!(restore_one(&engine, old_arena.id(), 0, MIB).0.is_empty());
+    first.kill();
+    // Its death is noticed (the control connection closes) and its endpoints fail at once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.is_alive(old.id) {
+        assert!(Instant::now() < deadline, "the dead peer was never noticed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (failures, bytes) = restore_one(&engine, old_arena.id(), 0, MIB);
+    assert!(matches!(failures[..], [ref f] if matches!(f.cause, FailureCause::PeerFailed { .. })), "{failures:?}");
+    assert!(bytes.iter().all(|&b| b == POISON));
+
+    // The node restarts (another process, other memory): a new connection reaches it.
+    let second = Served::start("tcp", 4 * MIB, 2, &[]);
+    let new = engine.connect(second.addr).unwrap();
+    assert_ne!(new.id, old.id);
+    let new_arena = arena(&engine, &new);
+    let (failures, bytes) = restore_one(&engine, new_arena.id(), MIB as u64, MIB);
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(2, MIB + i)));
+}
+
+#[test]
+fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let mut doomed = Served::start("tcp", 64 * MIB, 1, &[]);
+    let healthy = Served::start("tcp", 64 * MIB, 2, &[]);
+    let engine = engine("tcp");
+    let (a, b) = (engine.connect(doomed.addr).unwrap(), engine.connect(healthy.addr).unwrap());
+    let (ra, rb) = (arena(&engine, &a), arena(&engine, &b));
+    let objects = 32usize;
+    let source: Vec<u8> = (0..objects * 2 * MIB).map(|i| (i % 253) as u8).collect();
+    let local = engine.register_memory(source.clone()).unwrap();
+    let mut builder = engine.incremental_builder();
+    for o in 0..objects {
+        let tag = Tag::new(o as u32);
+        let dst = if o % 2 == 0 { ra.id() } else { rb.id() };
+        builder.begin_object(tag).unwrap();
+        // Two 1 MiB pieces each, to slots in descending order (nothing merges).
+        for piece in 0..2 {
+            let slot = 63 - ((o / 2) * 2 + piece);
+            let src = (o * 2 + piece) * MIB;
+            builder.push(Fragment::new(local.id(), src as u64, dst, (slot * MIB) as u64, MIB as u64, tag)).unwrap();
+        }
+        builder.commit_object().unwrap();
+    }
+    let mut handle = engine.submit(builder.finish().unwrap());
+    doomed.kill();
+    let started = Instant::now();
+    let failures = handle.wait().to_vec();
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    drop(handle);
+    let failed: Vec<usize> =
+        failures.iter().flat_map(|f| f.tags.iter().map(|t| t.index())).collect();
+    assert!(failed.iter().all(|o| o % 2 == 0), "an object of the healthy peer failed: {failures:?}");
+    assert!(!failed.is_empty(), "every put to the killed peer was confirmed before the kill");
+    // Every object of the healthy peer is there, byte for byte.
+    let (none, back) = restore_one(&engine, rb.id(), 0, 64 * MIB);
+    assert!(none.is_empty());
+    for o in (1..objects).step_by(2) {
+        for piece in 0..2 {
+            let slot = 63 - ((o / 2) * 2 + piece);
+            let src = (o * 2 + piece) * MIB;
+            assert!(back[slot * MIB..(slot + 1) * MIB] == source[src..src + MIB], "object {o} piece {piece}");
+        }
+    }
+}
+
+/// The child half of the next test: a client that restores from `UMBP_UCX_CHILD_SERVER` in a
+/// loop until it is killed. Ignored unless run by that test.
+#[test]
+#[ignore = "the client process of a_client_killed_mid_batch_leaves_the_server_serving"]
+fn child_client_restores_until_killed() {
+    let addr = std::env::var("UMBP_UCX_CHILD_SERVER").expect("started by its parent test");
+    let engine = engine("tcp");
+    let peer = engine.connect(addr.as_str()).unwrap();
+    let remote = arena(&engine, &peer);
+    let local = engine.register_memory(vec![0u8; 32 * MIB]).unwrap();
+    println!("restoring");
+    loop {
+        let mut builder = engine.incremental_builder();
+        let tag = Tag::new(0);
+        builder.begin_object(tag).unwrap();
+        for piece in 0..32u64 {
+            let at = (31 - piece) * MIB as u64;
+            builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
+        }
+        builder.commit_object().unwrap();
+        let mut handle = engine.submit(builder.finish().unwrap());
+        assert!(handle.wait().is_empty());
+    }
+}
+
+#[test]
+fn a_client_killed_mid_batch_leaves_the_server_serving() {
+    if !ucx_or_skip() {
+        return;
+    }
+    use std::io::BufRead;
+    let mut server = Served::start("tcp", 32 * MIB, 3, &[]);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_client_restores_until_killed", "--nocapture"])
+        .env("UMBP_UCX_CHILD_SERVER", server.addr.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|l| l.is_ok_and(|l| l.contains("restoring"))), "the child never started");
+    std::thread::sleep(Duration::from_millis(300)); // well into its restores
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(server.child.try_wait().unwrap().is_none(), "the server died with its client");
+    // Another client is served, byte for byte.
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = arena(&engine, &peer);
+    let (failures, bytes) = restore_one(&engine, remote.id(), 5 * MIB as u64, MIB);
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(3, 5 * MIB + i)));
+    server.kill();
+}
