@@ -325,6 +325,20 @@ impl UcxEngine {
         Ok(info)
     }
 
+    /// Disconnects `peer`: batches submitted from now on fail its objects at once
+    /// ([`FailureCause::PeerFailed`], "disconnected by this node"), what is in flight to it
+    /// finishes (puts confirmed), then its endpoint closes and its control connection with
+    /// it. Returns once that is done. Its registered endpoints stay registered, and fail.
+    pub fn disconnect(&self, peer: u32) -> Result<(), Error> {
+        let entry = self.shared.peer(peer).ok_or(Error::UnknownPeer { peer })?;
+        let (reply, answer) = mpsc::channel();
+        self.send(Command::Disconnect { slot: entry.slot, reply })?;
+        answer.recv().map_err(|_| Error::ProgressThreadGone)?;
+        let _ = entry.control.shutdown(Shutdown::Both);
+        tracing::info!(peer, "disconnected");
+        Ok(())
+    }
+
     /// Whether `peer` is connected and alive.
     pub fn is_alive(&self, peer: u32) -> bool {
         self.shared.peer(peer).is_some_and(|p| p.alive.load(Ordering::Acquire))

@@ -127,6 +127,11 @@ pub(crate) enum Command {
         slot: u32,
         reason: String,
     },
+    /// Take no more requests for the peer; close its endpoint once nothing is in flight to it.
+    Disconnect {
+        slot: u32,
+        reply: mpsc::Sender<()>,
+    },
     Shutdown,
 }
 
@@ -308,6 +313,8 @@ struct Progress {
     commands: mpsc::Receiver<Command>,
     shutting_down: bool,
     events: Vec<Event>,
+    /// Peers being disconnected, with whom to tell once their endpoint closed.
+    closing: Vec<(u32, mpsc::Sender<()>)>,
 }
 
 /// Starts the progress thread; it reports on `ready` whether UCX came up.
@@ -343,6 +350,7 @@ pub(crate) fn start(
                 commands,
                 shutting_down: false,
                 events: Vec::new(),
+                closing: Vec::new(),
             };
             progress.run();
         })
@@ -378,6 +386,9 @@ impl Progress {
             self.drain_events();
             self.check_timeouts();
             self.settle_finished();
+            if !self.closing.is_empty() {
+                self.close_drained();
+            }
             if progressed == 0 && self.in_flight > 0 {
                 spins += 1;
                 if spins >= SPINS_BEFORE_SLEEP {
@@ -448,6 +459,14 @@ impl Progress {
                 self.live += 1;
             }
             Command::PeerLost { slot, reason } => self.kill(slot, reason),
+            Command::Disconnect { slot, reply } => {
+                if let Some(peer) = self.peers.get(slot as usize) {
+                    *peer.reason.lock().unwrap_or_else(PoisonError::into_inner) =
+                        "disconnected by this node".into();
+                    peer.alive.store(false, Ordering::Release);
+                }
+                self.closing.push((slot, reply));
+            }
             Command::Shutdown => self.shutting_down = true,
         }
     }
@@ -608,6 +627,27 @@ impl Progress {
             }
         }
         self.peers[slot as usize].in_flight = 0;
+    }
+
+    /// Closes the endpoints of peers being disconnected once no request is in flight to them
+    /// and no batch still has puts to confirm there.
+    fn close_drained(&mut self) {
+        let (peers, batches) = (&mut self.peers, &self.batches);
+        self.closing.retain(|(slot, reply)| {
+            let Some(peer) = peers.get_mut(*slot as usize) else { return false };
+            let unconfirmed = batches
+                .iter()
+                .flatten()
+                .any(|b| b.flush.contains(slot) || b.flushing.contains(slot));
+            if peer.in_flight > 0 || unconfirmed {
+                return true;
+            }
+            if let Some(ep) = peer.ep.take() {
+                ep.close(false, CLOSE_TIMEOUT);
+            }
+            let _ = reply.send(());
+            false
+        });
     }
 
     fn check_timeouts(&mut self) {

@@ -277,7 +277,10 @@ fn a_node_that_comes_back_is_reached_again_through_a_new_connection() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let (failures, bytes) = restore_one(&engine, old_arena.id(), 0, MIB);
-    assert!(matches!(failures[..], [ref f] if matches!(f.cause, FailureCause::PeerFailed { .. })), "{failures:?}");
+    assert!(
+        matches!(failures[..], [ref f] if matches!(f.cause, FailureCause::PeerFailed { .. })),
+        "{failures:?}"
+    );
     assert!(bytes.iter().all(|&b| b == POISON));
 
     // The node restarts (another process, other memory): a new connection reaches it.
@@ -312,7 +315,16 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
         for piece in 0..2 {
             let slot = 63 - ((o / 2) * 2 + piece);
             let src = (o * 2 + piece) * MIB;
-            builder.push(Fragment::new(local.id(), src as u64, dst, (slot * MIB) as u64, MIB as u64, tag)).unwrap();
+            builder
+                .push(Fragment::new(
+                    local.id(),
+                    src as u64,
+                    dst,
+                    (slot * MIB) as u64,
+                    MIB as u64,
+                    tag,
+                ))
+                .unwrap();
         }
         builder.commit_object().unwrap();
     }
@@ -324,7 +336,10 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
     drop(handle);
     let failed: Vec<usize> =
         failures.iter().flat_map(|f| f.tags.iter().map(|t| t.index())).collect();
-    assert!(failed.iter().all(|o| o % 2 == 0), "an object of the healthy peer failed: {failures:?}");
+    assert!(
+        failed.iter().all(|o| o % 2 == 0),
+        "an object of the healthy peer failed: {failures:?}"
+    );
     assert!(!failed.is_empty(), "every put to the killed peer was confirmed before the kill");
     // Every object of the healthy peer is there, byte for byte.
     let (none, back) = restore_one(&engine, rb.id(), 0, 64 * MIB);
@@ -333,7 +348,10 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
         for piece in 0..2 {
             let slot = 63 - ((o / 2) * 2 + piece);
             let src = (o * 2 + piece) * MIB;
-            assert!(back[slot * MIB..(slot + 1) * MIB] == source[src..src + MIB], "object {o} piece {piece}");
+            assert!(
+                back[slot * MIB..(slot + 1) * MIB] == source[src..src + MIB],
+                "object {o} piece {piece}"
+            );
         }
     }
 }
@@ -391,4 +409,47 @@ fn a_client_killed_mid_batch_leaves_the_server_serving() {
     assert!(failures.is_empty(), "{failures:?}");
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(3, 5 * MIB + i)));
     server.kill();
+}
+
+#[test]
+fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 64 * MIB, 4, &[]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = arena(&engine, &peer);
+    let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    for piece in 0..64u64 {
+        let at = (63 - piece) * MIB as u64;
+        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
+    }
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    engine.disconnect(peer.id).unwrap();
+    assert!(!engine.is_alive(peer.id));
+    // Submitted before the disconnect: it either completed or failed as disconnected, and
+    // the handle settles either way.
+    let failures = handle.wait().to_vec();
+    for f in &failures {
+        assert!(
+            matches!(&f.cause, FailureCause::PeerFailed { message, .. } if message.contains("disconnected")),
+            "{f}"
+        );
+    }
+    drop(handle);
+    let bytes = local.deregister();
+    if failures.is_empty() {
+        assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(4, i)));
+    }
+    // Afterwards: refused at once, nothing written.
+    let (failures, bytes) = restore_one(&engine, remote.id(), 0, MIB);
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].cause.to_string().contains("disconnected"), "{}", failures[0].cause);
+    assert!(bytes.iter().all(|&b| b == POISON));
+    assert!(matches!(engine.disconnect(u32::MAX), Err(umbp_ucx::Error::UnknownPeer { .. })));
 }
