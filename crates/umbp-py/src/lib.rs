@@ -229,6 +229,12 @@ impl Engine {
         Ok((peer.id, regions.collect()))
     }
 
+    /// Retires peer `peer` after what is in flight to it; its objects fail from then on.
+    fn disconnect(&self, py: Python<'_>, peer: u32) -> PyResult<()> {
+        let remote = self.remote()?;
+        py.allow_threads(|| remote.disconnect(peer)).map_err(error)
+    }
+
     /// Registers bytes `offset .. offset + length` of region `region` of peer `peer`.
     fn register_remote(
         &self,

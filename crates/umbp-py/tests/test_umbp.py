@@ -348,3 +348,17 @@ def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_
         failed = report.object(1)
         assert not failed.ok and isinstance(failed.error, umbp.TransferError)
         assert "peer" in failed.error.cause
+
+
+def test_a_disconnected_node_fails_its_objects_at_once():
+    engine = _remote_engine()
+    with umbp.Server({"arena": pattern(8 * PAGE, 2)}, transports="tcp") as server:
+        peer = engine.connect(server.address)
+        out = np.zeros(PAGE, dtype=np.uint8)
+        with engine.register_remote(peer.region("arena")) as remote, engine.register(out) as dst:
+            obj = umbp.Object(1, remote, [3 * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, dst, 0)])
+            engine.restore([obj]).raise_for_errors()
+            assert bytes(out) == bytes(pattern(8 * PAGE, 2)[3 * PAGE:4 * PAGE])
+            engine.disconnect(peer)
+            report = engine.restore([obj])
+            assert not report.ok and "disconnected" in report.object(1).error.cause

@@ -367,6 +367,11 @@ class Engine:
         peer, regions = self._native.connect(address)
         return Peer(peer, [RemoteRegion(peer, *r) for r in regions])
 
+    def disconnect(self, peer: "Peer") -> None:
+        """Retires a memory node: what is in flight to it finishes, later batches fail its
+        objects at once. :meth:`connect` again when it is back."""
+        self._native.disconnect(peer.id)
+
     def register_remote(
         self, region: "RemoteRegion", offset: int = 0, length: Optional[int] = None
     ) -> Registration:
