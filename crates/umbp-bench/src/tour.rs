@@ -247,11 +247,7 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
     if let Some(mixed) = restore.iter().find(|r| r.source == "mixed" && r.builder == "incremental")
     {
         let figure = "mixed DRAM + SSD restore / its slower half alone";
-        // No ratio: the two times are within their runs' noise of each other.
-        let verdict = match mixed.ratio_to_slower_half {
-            Some(ratio) => Verdict::at_most(Some(ratio), 1.1, mixed.spread),
-            None => Verdict::WithinNoise,
-        };
+        let verdict = mixed.verdict.unwrap_or(Verdict::WithinNoise);
         let ratio = mixed.ratio_to_slower_half;
         lines.push(Headline::judged("restore", figure, ratio, "x the time", "<=", 1.1, verdict));
     }

@@ -423,6 +423,8 @@ fn restore_json_fields() {
         "ratio_to_one_caller",
         "ceiling_gib_s",
         "vs_ceiling",
+        "ceiling_copy",
+        "other_copy_gib_s",
         "verdict",
     ];
     check_fields("restore", &lines, &fields);
