@@ -502,30 +502,14 @@ impl Progress {
                 // (checked at submit against the pinned registration), which stays registered,
                 // hence valid, until this batch settles, and the batch settles only after this
                 // request completed or its endpoint was closed. The overlap rule (applied at
-                // submit) keeps every other request of the batch off the bytes a get writes;
-                // the registration's contract keeps everyone else off them. `remote .. + len`
+                // submit) keeps every other request of the batch from writing the bytes this
+                // one reads (a put) or touching those it writes (a get); the registration's
+                // contract keeps everyone else off them. `remote .. + len`
                 // lies inside the region of key `route.rkey` (checked at submit against the
                 // export).
                 let posted = unsafe {
-                    if route.write {
-                        ep.put(
-                            route.rkey as usize,
-                            local as *const u8,
-                            op.len,
-                            remote,
-                            memh,
-                            user_data,
-                        )
-                    } else {
-                        ep.get(
-                            route.rkey as usize,
-                            local as *mut u8,
-                            op.len,
-                            remote,
-                            memh,
-                            user_data,
-                        )
-                    }
+                    let local = std::ptr::with_exposed_provenance_mut::<u8>(local as usize);
+                    ep.rma(route.write, route.rkey as usize, local, op.len, remote, memh, user_data)
                 };
                 match posted {
                     Posted::Done => complete(b, i),

@@ -65,7 +65,8 @@ impl ServerBuilder {
         mut memory: M,
         writable: bool,
     ) -> Self {
-        let (addr, len) = (memory.as_mut_ptr() as u64, memory.len() as u64);
+        // Exposed, so that the address UCX is given can be turned back into a pointer.
+        let (addr, len) = (memory.as_mut_ptr().expose_provenance() as u64, memory.len() as u64);
         self.exports.push(Export {
             name: name.to_owned(),
             addr,

@@ -422,15 +422,20 @@ impl Endpoint {
         self.worker.context.api
     }
 
-    /// Reads `len` bytes at `remote` (through key `rkey`) into `local`.
+    /// A one-sided request of `len` bytes between `local` and `remote` (through key `rkey`):
+    /// a put (`local` to `remote`) when `write`, else a get. A put's completion means `local`
+    /// may be reused; its bytes are at the peer after a [`flush`](Self::flush).
     ///
     /// # Safety
     ///
-    /// `local .. local + len` stays valid for writes, and untouched by anything else, until
-    /// the request completes (its [`Event::Done`], or [`Posted::Done`]/[`Posted::Failed`]);
-    /// `remote .. remote + len` lies inside the region `rkey` was packed for.
-    pub(crate) unsafe fn get(
+    /// `local .. local + len` stays valid (for writes, for a get) and untouched by anything
+    /// else (unwritten, for a put) until the request completes (its [`Event::Done`], or
+    /// [`Posted::Done`] / [`Posted::Failed`]); `remote .. remote + len` lies inside the region
+    /// `rkey` was packed for.
+    #[allow(clippy::too_many_arguments)] // The request, flat, as UCX takes it.
+    pub(crate) unsafe fn rma(
         &self,
+        write: bool,
         rkey: usize,
         local: *mut u8,
         len: u64,
@@ -439,47 +444,15 @@ impl Endpoint {
         user_data: u64,
     ) -> Posted {
         let param = request_param(user_data, memh.map_or(ptr::null_mut(), MemMap::handle));
+        let (api, rkey, len) = (self.api(), self.rkeys[rkey], len as usize);
         // SAFETY: the endpoint is open and `rkey` was unpacked on it (indexing panics
         // otherwise); the caller vouches for both ranges.
         posted(unsafe {
-            (self.api().ucp_get_nbx)(
-                self.raw,
-                local.cast(),
-                len as usize,
-                remote,
-                self.rkeys[rkey],
-                &param,
-            )
-        })
-    }
-
-    /// Writes `len` bytes from `local` to `remote` (through key `rkey`). Completion means
-    /// `local` may be reused; the bytes are at the peer after a [`flush`](Self::flush).
-    ///
-    /// # Safety
-    ///
-    /// `local .. local + len` stays valid for reads, and unwritten, until the request
-    /// completes; `remote .. remote + len` lies inside the region `rkey` was packed for.
-    pub(crate) unsafe fn put(
-        &self,
-        rkey: usize,
-        local: *const u8,
-        len: u64,
-        remote: u64,
-        memh: Option<&MemMap>,
-        user_data: u64,
-    ) -> Posted {
-        let param = request_param(user_data, memh.map_or(ptr::null_mut(), MemMap::handle));
-        // SAFETY: as for `get`.
-        posted(unsafe {
-            (self.api().ucp_put_nbx)(
-                self.raw,
-                local.cast(),
-                len as usize,
-                remote,
-                self.rkeys[rkey],
-                &param,
-            )
+            if write {
+                (api.ucp_put_nbx)(self.raw, local.cast_const().cast(), len, remote, rkey, &param)
+            } else {
+                (api.ucp_get_nbx)(self.raw, local.cast(), len, remote, rkey, &param)
+            }
         })
     }
 
