@@ -38,6 +38,25 @@ const IDLE_TICK: Duration = Duration::from_millis(20);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Marks the user data of a flush request (else: an op).
 const FLUSH: u64 = 1 << 63;
+/// Batches in flight at once at most: a batch's slot is 16 bits of a request's user data.
+const MAX_BATCHES: usize = 1 << 16;
+
+/// A request's user data: what it is for (an op's index, or a flush's peer), the batch's slot,
+/// and the slot's generation, so that a report that came late for a batch that settled (its
+/// request swept when its peer died) can never be taken for one of the slot's next batch.
+fn user_data(flush: bool, key: u32, generation: u16, index: u32) -> u64 {
+    (if flush { FLUSH } else { 0 })
+        | (u64::from(generation & 0x7fff) << 48)
+        | (u64::from(key) << 32)
+        | u64::from(index)
+}
+
+/// The parts of a request's user data: flush or op, slot, generation, index.
+fn parts(user_data: u64) -> (bool, usize, u16, u32) {
+    let key = ((user_data >> 32) & 0xffff) as usize;
+    let generation = ((user_data >> 48) & 0x7fff) as u16;
+    (user_data & FLUSH != 0, key, generation, user_data as u32)
+}
 
 /// How one plan's requests go: to which peer, through which key, which way, from and to
 /// which base addresses.
@@ -230,6 +249,15 @@ impl BatchRun {
         self.ops.extend(pieces);
     }
 
+    /// Settles the batch, unsettled and with nothing in flight, with every plan failed.
+    fn fail_whole(&mut self, cause: FailureCause) {
+        let Some(plans) = self.plans.take() else { return };
+        let mut failures = plans.fail_all(NAME, cause);
+        failures.append(&mut self.early);
+        drop(self.pins.take());
+        self.slot.fill(Settled { failures, plans });
+    }
+
     fn finished(&self) -> bool {
         self.next == self.ops.len() && self.in_flight == 0 && self.flushing.is_empty()
     }
@@ -262,17 +290,15 @@ impl Drop for BatchRun {
     /// handle waits forever. The thread drops its batches only after its endpoints, so no
     /// request of the batch is in flight any more.
     fn drop(&mut self) {
-        let Some(plans) = &self.plans else { return };
+        if self.plans.is_none() {
+            return; // Settled.
+        }
         let cause = if std::thread::panicking() {
             FailureCause::Panicked { message: "the UCX progress thread panicked".into() }
         } else {
             FailureCause::NotAccepted(Error::ProgressThreadGone.to_string())
         };
-        let mut failures = plans.fail_all(NAME, cause);
-        failures.append(&mut self.early);
-        let plans = self.plans.take().unwrap_or_default();
-        drop(self.pins.take());
-        self.slot.fill(Settled { failures, plans });
+        self.fail_whole(cause);
     }
 }
 
@@ -304,6 +330,8 @@ struct Progress {
     worker: Rc<Worker>,
     context: Rc<Context>,
     batches: Vec<Option<Box<BatchRun>>>,
+    /// Each slot's generation, bumped when a batch settles there.
+    generations: Vec<u16>,
     free: Vec<u32>,
     /// Keys of the live batches, oldest first: requests are posted in submission order.
     order: Vec<u32>,
@@ -342,6 +370,7 @@ pub(crate) fn start(
                 worker,
                 context,
                 batches: Vec::new(),
+                generations: Vec::new(),
                 free: Vec::new(),
                 order: Vec::new(),
                 live: 0,
@@ -443,18 +472,22 @@ impl Progress {
             Command::Unmap { id } => {
                 self.maps.remove(&id);
             }
-            Command::Submit(batch) => {
+            Command::Submit(mut batch) => {
                 let key = match self.free.pop() {
-                    Some(key) => {
-                        self.batches[key as usize] = Some(batch);
-                        key
-                    }
-                    None => {
-                        self.batches.push(Some(batch));
+                    Some(key) => key,
+                    None if self.batches.len() < MAX_BATCHES => {
+                        self.batches.push(None);
+                        self.generations.push(0);
                         (self.batches.len() - 1) as u32
                     }
+                    None => {
+                        batch.fail_whole(FailureCause::NotAccepted(format!(
+                            "{MAX_BATCHES} batches are in flight on this engine already"
+                        )));
+                        return;
+                    }
                 };
-                debug_assert!(key < 1 << 31);
+                self.batches[key as usize] = Some(batch);
                 self.order.push(key);
                 self.live += 1;
             }
@@ -497,7 +530,7 @@ impl Progress {
                 let memh = self.maps.get(&route.local);
                 let (local, remote) =
                     (route.local_base + op.local_offset, route.remote_base + op.remote_offset);
-                let user_data = ((key as u64) << 32) | i as u64;
+                let user_data = user_data(false, key, self.generations[key as usize], i as u32);
                 // SAFETY: `local .. local + len` lies inside the host endpoint `route.local`
                 // (checked at submit against the pinned registration), which stays registered,
                 // hence valid, until this batch settles, and the batch settles only after this
@@ -544,10 +577,12 @@ impl Progress {
     }
 
     fn done(&mut self, user_data: u64, status: ucp::sys::Status) {
-        let key = ((user_data & !FLUSH) >> 32) as usize;
-        let index = user_data as u32;
+        let (flush, key, generation, index) = parts(user_data);
+        if self.generations.get(key).is_none_or(|&g| g & 0x7fff != generation) {
+            return; // For a batch that settled: its request was swept.
+        }
         let Some(Some(b)) = self.batches.get_mut(key) else { return };
-        if user_data & FLUSH != 0 {
+        if flush {
             let Some(at) = b.flushing.iter().position(|&p| p == index) else { return };
             b.flushing.swap_remove(at);
             let peer = &mut self.peers[index as usize];
@@ -591,9 +626,11 @@ impl Progress {
         if let Some(ep) = peer.ep.take() {
             ep.close(true, CLOSE_TIMEOUT);
         }
-        // The forced close completed the requests with errors; handle those reports, then
-        // fail any request whose report did not come (the endpoint is gone: nothing of it
-        // can still write).
+        // The forced close completed every request on the endpoint with an error (UCX purges
+        // the requests it tracks for endpoints in peer-failure mode inside the close); handle
+        // those reports, then fail any request whose report did not come, as bookkeeping. A
+        // report that still came later would carry a settled batch's generation and be
+        // ignored.
         self.drain_events();
         let cause = self.peers[slot as usize].failure();
         for b in self.batches.iter_mut().flatten() {
@@ -665,7 +702,8 @@ impl Progress {
                         b.fail_puts(peer_slot, &peer.failure());
                         continue;
                     };
-                    match ep.flush(FLUSH | ((key as u64) << 32) | u64::from(peer_slot)) {
+                    let data = user_data(true, key as u32, self.generations[key], peer_slot);
+                    match ep.flush(data) {
                         Posted::Done => {}
                         Posted::Pending => {
                             b.flushing.push(peer_slot);
@@ -689,6 +727,7 @@ impl Progress {
             }
             let mut b = self.batches[key].take().expect("checked above");
             b.settle();
+            self.generations[key] = self.generations[key].wrapping_add(1);
             self.free.push(key as u32);
             self.live -= 1;
             settled = true;
@@ -746,4 +785,23 @@ fn fail(b: &mut BatchRun, i: usize, peer: &PeerConn, status: ucp::sys::Status) {
         peer.failure()
     };
     b.record(i, cause);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parts, user_data, MAX_BATCHES};
+
+    #[test]
+    fn user_data_keeps_every_part_apart() {
+        for flush in [false, true] {
+            for key in [0, 1, (MAX_BATCHES - 1) as u32] {
+                for generation in [0u16, 1, 0x7fff, 0x8001] {
+                    for index in [0, 7, u32::MAX] {
+                        let got = parts(user_data(flush, key, generation, index));
+                        assert_eq!(got, (flush, key as usize, generation & 0x7fff, index));
+                    }
+                }
+            }
+        }
+    }
 }
