@@ -453,3 +453,32 @@ fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
     assert!(bytes.iter().all(|&b| b == POISON));
     assert!(matches!(engine.disconnect(u32::MAX), Err(umbp_ucx::Error::UnknownPeer { .. })));
 }
+
+#[test]
+fn dropping_the_engine_lets_its_batches_in_flight_finish() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server = Served::start("tcp", 32 * MIB, 6, &[]);
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = arena(&engine, &peer);
+    let local = engine.register_memory(vec![POISON; 32 * MIB]).unwrap();
+    let mut builder = engine.incremental_builder();
+    let tag = Tag::new(0);
+    builder.begin_object(tag).unwrap();
+    for piece in 0..32u64 {
+        let at = (31 - piece) * MIB as u64;
+        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
+    }
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    drop(builder);
+    drop(remote);
+    // The registration of `local` outlives the engine: deregistering needs only the registry.
+    drop(engine);
+    assert!(handle.is_done(), "the engine went before its batch settled");
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    let bytes = local.deregister();
+    assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(6, i)));
+}
