@@ -529,7 +529,8 @@ impl Output<'_> {
 
 fn tour(args: &TourArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
-    let config = TourConfig { tiny: args.tiny, dir: args.dir.clone() };
+    let remote_server = std::env::current_exe().ok();
+    let config = TourConfig { tiny: args.tiny, dir: args.dir.clone(), remote_server };
     let mut part_done = |report: Report| -> anyhow::Result<()> {
         if out.json {
             // JSON mode prints the summary lines only; the parts' lines go to --out.

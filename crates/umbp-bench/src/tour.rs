@@ -1,6 +1,6 @@
 //! The tour: what `umbp-bench` runs without arguments.
 //!
-//! Three parts on embedded defaults sized for a 2-core, 24 GiB machine (10 to 30 seconds in a
+//! Four parts on embedded defaults sized for a 2-core, 24 GiB machine (15 to 40 seconds in a
 //! release build), then one summary line per headline figure with its target:
 //!
 //! 1. `plan`: plan building for the Kimi-K3 restore shape, as `umbp-bench plan` runs it;
@@ -8,7 +8,11 @@
 //!    in a temporary directory (removed afterwards) and mixed, into the simulated device, every
 //!    restore verified byte for byte;
 //! 3. `batch`: 4,096 transfers of 4 KiB as one batch submit against 4,096 single submits, for
-//!    the host, simulated-device and SSD engines (fewer iterations than `umbp-bench batch`).
+//!    the host, simulated-device and SSD engines (fewer iterations than `umbp-bench batch`);
+//! 4. `remote`: the remote engine restoring 4 objects at 64 KiB pages from a `serve` child
+//!    process over loopback TCP, against `ucx_perftest`, as `umbp-bench remote` does with fewer
+//!    objects and sizes. Skipped, with the reason, where UCX does not load (or no `umbp-bench`
+//!    binary is given to start the server with: [`TourConfig::remote_server`]).
 //!
 //! [`TourConfig::tiny`] shrinks every part so the whole tour runs in seconds (for tests and
 //! smoke checks; its figures mean little).
@@ -22,6 +26,7 @@ use crate::batch_bench::{self, BatchBenchConfig, BatchRow};
 use crate::measure::Verdict;
 use crate::plan_bench::{self, PlanBenchConfig, PlanRow};
 use crate::progress::Progress;
+use crate::remote_bench::{self, RemoteBenchConfig, RemoteRow, ServerChoice};
 use crate::report::Report;
 use crate::restore_bench::{self, RestoreBenchConfig, RestoreRow};
 use crate::size::ByteSize;
@@ -33,11 +38,14 @@ pub struct TourConfig {
     pub tiny: bool,
     /// Directory for the temporary SSD files. Default the system's temporary directory.
     pub dir: PathBuf,
+    /// The `umbp-bench` binary the remote part starts its memory node with (the command
+    /// passes itself); `None` skips the remote part. Default `None`.
+    pub remote_server: Option<PathBuf>,
 }
 
 impl Default for TourConfig {
     fn default() -> Self {
-        Self { tiny: false, dir: std::env::temp_dir() }
+        Self { tiny: false, dir: std::env::temp_dir(), remote_server: None }
     }
 }
 
@@ -64,6 +72,19 @@ impl TourConfig {
         }
     }
 
+    /// The remote part's settings, when it runs.
+    pub fn remote(&self) -> Option<RemoteBenchConfig> {
+        let program = self.remote_server.clone()?;
+        let (objects, repeats) = if self.tiny { (1, 1) } else { (4, 3) };
+        Some(RemoteBenchConfig {
+            server: ServerChoice::Child { program },
+            fragment_sizes: vec![64 << 10],
+            objects,
+            repeats,
+            ..RemoteBenchConfig::default()
+        })
+    }
+
     /// The batch part's settings.
     pub fn batch(&self) -> BatchBenchConfig {
         let base = BatchBenchConfig { dir: self.dir.clone(), ..BatchBenchConfig::default() };
@@ -78,7 +99,7 @@ impl TourConfig {
 /// One headline figure of the summary.
 #[derive(Clone, Debug, Serialize)]
 pub struct Headline {
-    /// The part it comes from: `plan`, `restore` or `batch`.
+    /// The part it comes from: `plan`, `restore`, `batch` or `remote`.
     pub part: &'static str,
     /// What it is, in words.
     pub figure: String,
@@ -140,6 +161,8 @@ pub struct Tour {
     pub restore: Vec<RestoreRow>,
     /// The batch part's rows.
     pub batch: Vec<BatchRow>,
+    /// The remote part's rows (none when it was skipped).
+    pub remote: Vec<RemoteRow>,
     /// One line per headline figure.
     pub summary: Vec<Headline>,
     /// Wall time of the whole tour.
@@ -154,7 +177,7 @@ pub fn run(
     part_done: &mut dyn FnMut(Report) -> anyhow::Result<()>,
 ) -> anyhow::Result<Tour> {
     let start = Instant::now();
-    progress.set_prefix("tour 1/3 · ");
+    progress.set_prefix("tour 1/4 · ");
     let plan = plan_bench::run(&config.plan(), progress)?;
     part_done(Report::new(
         "plan",
@@ -163,12 +186,12 @@ pub fn run(
         Some(plan_bench::chart(&plan)),
     )?)?;
 
-    progress.set_prefix("tour 2/3 · ");
+    progress.set_prefix("tour 2/4 · ");
     let restore = restore_bench::run(&config.restore(), progress)?;
     let chart = restore_bench::chart(&restore);
     part_done(Report::new("restore", &restore, restore_bench::table(&restore), Some(chart))?)?;
 
-    progress.set_prefix("tour 3/3 · ");
+    progress.set_prefix("tour 3/4 · ");
     let batch = batch_bench::run(&config.batch(), progress)?;
     part_done(Report::new(
         "batch",
@@ -177,12 +200,32 @@ pub fn run(
         Some(batch_bench::chart(&batch)),
     )?)?;
 
-    let summary = summarize(&plan, &restore, &batch);
-    Ok(Tour { plan, restore, batch, summary, seconds: start.elapsed().as_secs_f64() })
+    let remote = match (config.remote(), umbp_ucx::ucx_available()) {
+        (Some(remote_config), Ok(())) => {
+            progress.set_prefix("tour 4/4 · ");
+            let rows = remote_bench::run(&remote_config, progress)?;
+            let (text, chart) = (remote_bench::table(&rows), remote_bench::chart(&rows));
+            part_done(Report::new("remote", &rows, text, Some(chart))?)?;
+            rows
+        }
+        (Some(_), Err(e)) => {
+            eprintln!("umbp-bench tour: skipping the remote part: {e}");
+            Vec::new()
+        }
+        (None, _) => Vec::new(),
+    };
+
+    let summary = summarize(&plan, &restore, &batch, &remote);
+    Ok(Tour { plan, restore, batch, remote, summary, seconds: start.elapsed().as_secs_f64() })
 }
 
 /// The headline figures and their targets (DESIGN.md section 7 and the subcommands' issues).
-pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -> Vec<Headline> {
+pub fn summarize(
+    plan: &[PlanRow],
+    restore: &[RestoreRow],
+    batch: &[BatchRow],
+    remote: &[RemoteRow],
+) -> Vec<Headline> {
     let mut lines = Vec::new();
     let mut page_sizes: Vec<u64> = plan.iter().map(|r| r.page_size).collect();
     page_sizes.sort_unstable();
@@ -277,6 +320,18 @@ pub fn summarize(plan: &[PlanRow], restore: &[RestoreRow], batch: &[BatchRow]) -
         "==",
         batch.len() as f64,
     ));
+
+    for r in remote.iter().filter(|r| r.verdict.is_some()) {
+        let figure = format!("remote restore / ucx_perftest, {} pages", ByteSize(r.fragment_size));
+        let verdict = r.verdict.unwrap_or(Verdict::WithinNoise);
+        lines.push(Headline::judged("remote", figure, r.ratio, "of it", ">=", 0.8, verdict));
+    }
+    if !remote.is_empty() {
+        let verified = remote.iter().filter(|r| r.verified).count();
+        let figure = format!("remote restores byte-correct (of {})", remote.len());
+        let (value, target) = (verified as f64, remote.len() as f64);
+        lines.push(Headline::new("remote", figure, value, "restores", "==", target));
+    }
     lines
 }
 
@@ -380,6 +435,7 @@ mod tests {
             plan: Vec::new(),
             restore: Vec::new(),
             batch: Vec::new(),
+            remote: Vec::new(),
             summary: vec![h],
             seconds: 1.0,
         };
@@ -392,7 +448,8 @@ mod tests {
     #[test]
     fn a_tiny_tour_verifies_everything_and_summarizes_every_part() {
         let dir = tempfile::tempdir().unwrap();
-        let config = TourConfig { tiny: true, dir: dir.path().to_owned() };
+        // No remote part: this test binary is not `umbp-bench` (the cli tests run it).
+        let config = TourConfig { tiny: true, dir: dir.path().to_owned(), remote_server: None };
         let mut parts = Vec::new();
         let tour = run(&config, &Progress::quiet(), &mut |r| {
             parts.push(r.name);

@@ -496,15 +496,28 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
     std::fs::create_dir(&ssd_dir).unwrap();
     let (out_arg, ssd_arg) = (out_dir.to_str().unwrap(), ssd_dir.to_str().unwrap());
 
+    // The remote part runs where UCX loads, and says why it skipped elsewhere.
+    let remote = ucx_or_skip();
     // Human output: every part's table, then the summary; stderr only names the files.
     let out = umbp_bench(&["tour", "--tiny", "--dir", ssd_arg, "--out", out_arg]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stderr}");
-    for heading in ["plan building", "restore of the Kimi-K3 shape", "batch submit vs", "summary"] {
+    let mut headings =
+        vec!["plan building", "restore of the Kimi-K3 shape", "batch submit vs", "summary"];
+    let mut parts = vec!["plan", "restore", "batch", "tour"];
+    if remote {
+        headings.push("remote restore over UCX");
+        parts.push("remote");
+    }
+    for heading in headings {
         assert!(stdout.contains(heading), "`{heading}` missing from\n{stdout}");
     }
-    assert!(stderr.lines().all(|l| l.starts_with("umbp-bench: wrote ")), "{stderr}");
-    for part in ["plan", "restore", "batch", "tour"] {
+    let expected = |l: &str| {
+        l.starts_with("umbp-bench: wrote ")
+            || (!remote && l.starts_with("umbp-bench tour: skipping the remote part"))
+    };
+    assert!(stderr.lines().all(expected), "{stderr}");
+    for part in parts {
         let svg = std::fs::read_to_string(out_dir.join(format!("{part}.svg"))).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{part}.svg");
         assert!(!svg.contains("NaN"), "{part}.svg");
@@ -523,7 +536,7 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
         .iter()
         .filter(|l| l["figure"].as_str().is_some_and(|f| f.contains("byte-correct")))
         .collect();
-    assert_eq!(correct.len(), 2, "restores and batch transfers");
+    assert_eq!(correct.len(), 2 + usize::from(remote), "restores, batch transfers (and remote)");
     assert!(correct.iter().all(|l| l["verdict"] == "met"), "{correct:?}");
     let restored = lines.iter().find(|l| l["figure"] == "restores byte-correct (of 6)").unwrap();
     assert_eq!((&restored["value"], &restored["target"]), (&6.0.into(), &6.0.into()));
