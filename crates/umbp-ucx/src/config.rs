@@ -23,7 +23,8 @@ pub struct UcxConfig {
     /// Requests one engine keeps in flight at most (over all peers). Default: 256.
     pub max_in_flight: usize,
     /// Whether the engine registers (`ucp_mem_map`) the host memory registered through it,
-    /// so RDMA transports read and write it without registering per request. Default: on.
+    /// so RDMA transports read and write it without registering per request. A mapping UCX
+    /// refuses is logged and skipped (UCX then registers per request). Default: on.
     pub map_host_memory: bool,
 }
 

@@ -371,7 +371,11 @@ impl UcxEngine {
     }
 
     /// Registers host memory with UCX for this engine's requests, or checks a remote
-    /// endpoint against its peer's export.
+    /// endpoint against its peer's export. Returns whether the memory was mapped.
+    ///
+    /// A mapping UCX refuses (an RDMA pin limit, say) is logged and skipped, not an error:
+    /// the memory still registers for the other engines, and UCX registers what a request
+    /// touches on the fly.
     fn prepare_endpoint(&self, id: EndpointId, endpoint: &Endpoint) -> Result<bool, Error> {
         if self.shared.check_remote(endpoint)?.is_some() {
             return Ok(false);
@@ -381,7 +385,13 @@ impl UcxEngine {
         }
         let (reply, answer) = mpsc::channel();
         self.send(Command::Map { id, addr: endpoint.addr(), len: endpoint.len(), reply })?;
-        answer.recv().map_err(|_| Error::ProgressThreadGone)?.map(|()| true)
+        match answer.recv().map_err(|_| Error::ProgressThreadGone)? {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                tracing::warn!(endpoint = id.raw(), error = %e, "host memory not mapped for UCX");
+                Ok(false)
+            }
+        }
     }
 
     /// Resolves the plans of a submit into requests; returns the batch and the failures found.
