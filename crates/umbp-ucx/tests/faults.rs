@@ -11,6 +11,32 @@ use support::{engine, fill_byte, ucx_or_skip, Served, POISON};
 
 const MIB: usize = 1 << 20;
 
+/// `(src, src_offset, dst, dst_offset, len)`: one piece of an object.
+type Piece = (umbp_plan::EndpointId, u64, umbp_plan::EndpointId, u64, u64);
+
+/// The plan set of `objects` (object `o` is tag `o`), built with the engine's own builder.
+fn plan(
+    engine: &umbp_ucx::UcxEngine,
+    objects: impl IntoIterator<Item = Vec<Piece>>,
+) -> umbp_plan::PlanSet {
+    let mut builder = engine.incremental_builder();
+    for (o, pieces) in objects.into_iter().enumerate() {
+        let tag = Tag::new(o as u32);
+        builder.begin_object(tag).unwrap();
+        for (src, src_offset, dst, dst_offset, len) in pieces {
+            builder.push(Fragment::new(src, src_offset, dst, dst_offset, len, tag)).unwrap();
+        }
+        builder.commit_object().unwrap();
+    }
+    builder.finish().unwrap()
+}
+
+/// One object: the first `mib` MiB of `src` to the same offsets of `dst`, a request per MiB
+/// (pushed last MiB first, so that nothing merges).
+fn mib_by_mib(src: umbp_plan::EndpointId, dst: umbp_plan::EndpointId, mib: u64) -> Vec<Piece> {
+    (0..mib).rev().map(|m| (src, m * MIB as u64, dst, m * MIB as u64, MIB as u64)).collect()
+}
+
 #[test]
 fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
     if !ucx_or_skip() {
@@ -25,27 +51,13 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
     // 32 objects of 4 MiB: even ones from the doomed peer, odd ones from the healthy one.
     let objects = 32usize;
     let local = engine.register_memory(vec![POISON; objects * 4 * MIB]).unwrap();
-    let mut builder = engine.incremental_builder();
-    for o in 0..objects {
-        let tag = Tag::new(o as u32);
+    let pieces = (0..objects).map(|o| {
         let src = if o % 2 == 0 { ra.id() } else { rb.id() };
-        builder.begin_object(tag).unwrap();
-        for piece in 0..4 {
-            let at = ((o / 2) * 4 + piece) * MIB;
-            builder
-                .push(Fragment::new(
-                    src,
-                    at as u64,
-                    local.id(),
-                    (o * 4 * MIB + piece * MIB) as u64,
-                    MIB as u64,
-                    tag,
-                ))
-                .unwrap();
-        }
-        builder.commit_object().unwrap();
-    }
-    let mut handle = engine.submit(builder.finish().unwrap());
+        let at = |piece: usize| (((o / 2) * 4 + piece) * MIB) as u64;
+        let dst = |piece: usize| ((o * 4 + piece) * MIB) as u64;
+        (0..4).map(|p| (src, at(p), local.id(), dst(p), MIB as u64)).collect()
+    });
+    let mut handle = engine.submit(plan(&engine, pieces));
     doomed.kill();
     let started = Instant::now();
     let failures = handle.wait().to_vec();
@@ -92,12 +104,8 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
     // Later batches to the dead peer fail at once; the healthy one still serves.
     let again = engine.register_memory(vec![0u8; MIB]).unwrap();
     for (remote, dead) in [(ra.id(), true), (rb.id(), false)] {
-        let mut builder = engine.incremental_builder();
-        let tag = Tag::new(0);
-        builder.begin_object(tag).unwrap();
-        builder.push(Fragment::new(remote, 0, again.id(), 0, MIB as u64, tag)).unwrap();
-        builder.commit_object().unwrap();
-        let mut handle = engine.submit(builder.finish().unwrap());
+        let mut handle =
+            engine.submit(plan(&engine, [vec![(remote, 0, again.id(), 0, MIB as u64)]]));
         assert_eq!(handle.wait().len(), usize::from(dead), "{:?}", handle.wait());
     }
 }
@@ -166,16 +174,7 @@ fn deregistering_local_memory_waits_for_the_batch_that_writes_it() {
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
     let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
-    let mut builder = engine.incremental_builder();
-    let tag = Tag::new(0);
-    builder.begin_object(tag).unwrap();
-    for piece in 0..64u64 {
-        // Reversed order, so nothing merges: 64 requests of 1 MiB.
-        let at = (63 - piece) * MIB as u64;
-        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
-    }
-    builder.commit_object().unwrap();
-    let mut handle = engine.submit(builder.finish().unwrap());
+    let mut handle = engine.submit(plan(&engine, [mib_by_mib(remote.id(), local.id(), 64)]));
     // The buffer comes back only once no request can write it any more: every byte has
     // arrived by then (the batch unpins its endpoints just before its handle settles).
     assert!(!handle.is_done(), "the batch finished before the deregistration began");
@@ -198,16 +197,9 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
     let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
-    let mut builder = engine.incremental_builder();
-    for o in 0..64u32 {
-        let tag = Tag::new(o);
-        builder.begin_object(tag).unwrap();
-        // Descending, so that nothing merges: one request per object.
-        let at = u64::from(63 - o) * MIB as u64;
-        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
-        builder.commit_object().unwrap();
-    }
-    let mut plans = builder.finish().unwrap();
+    // Object o is the MiB at 63 - o, descending so that nothing merges: a request each.
+    let mut plans =
+        plan(&engine, mib_by_mib(remote.id(), local.id(), 64).into_iter().map(|p| vec![p]));
     plans.set_deadline(Some(Instant::now() + Duration::from_millis(5)));
     let mut handle = engine.submit(plans);
     let failures = handle.wait().to_vec();
@@ -248,12 +240,7 @@ fn restore_one(
     len: usize,
 ) -> (Vec<umbp_plan::Failure>, Vec<u8>) {
     let local = engine.register_memory(vec![POISON; len]).unwrap();
-    let mut builder = engine.incremental_builder();
-    let tag = Tag::new(0);
-    builder.begin_object(tag).unwrap();
-    builder.push(Fragment::new(remote, at, local.id(), 0, len as u64, tag)).unwrap();
-    builder.commit_object().unwrap();
-    let mut handle = engine.submit(builder.finish().unwrap());
+    let mut handle = engine.submit(plan(engine, [vec![(remote, at, local.id(), 0, len as u64)]]));
     let failures = handle.wait().to_vec();
     drop(handle);
     (failures, local.deregister())
@@ -306,29 +293,14 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
     let objects = 32usize;
     let source: Vec<u8> = (0..objects * 2 * MIB).map(|i| (i % 253) as u8).collect();
     let local = engine.register_memory(source.clone()).unwrap();
-    let mut builder = engine.incremental_builder();
-    for o in 0..objects {
-        let tag = Tag::new(o as u32);
+    // Two 1 MiB pieces each, to slots in descending order (nothing merges).
+    let slot = |o: usize, piece: usize| 63 - ((o / 2) * 2 + piece);
+    let pieces = (0..objects).map(|o| {
         let dst = if o % 2 == 0 { ra.id() } else { rb.id() };
-        builder.begin_object(tag).unwrap();
-        // Two 1 MiB pieces each, to slots in descending order (nothing merges).
-        for piece in 0..2 {
-            let slot = 63 - ((o / 2) * 2 + piece);
-            let src = (o * 2 + piece) * MIB;
-            builder
-                .push(Fragment::new(
-                    local.id(),
-                    src as u64,
-                    dst,
-                    (slot * MIB) as u64,
-                    MIB as u64,
-                    tag,
-                ))
-                .unwrap();
-        }
-        builder.commit_object().unwrap();
-    }
-    let mut handle = engine.submit(builder.finish().unwrap());
+        let src = |piece: usize| ((o * 2 + piece) * MIB) as u64;
+        (0..2).map(|p| (local.id(), src(p), dst, (slot(o, p) * MIB) as u64, MIB as u64)).collect()
+    });
+    let mut handle = engine.submit(plan(&engine, pieces));
     doomed.kill();
     let started = Instant::now();
     let failures = handle.wait().to_vec();
@@ -346,8 +318,7 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
     assert!(none.is_empty());
     for o in (1..objects).step_by(2) {
         for piece in 0..2 {
-            let slot = 63 - ((o / 2) * 2 + piece);
-            let src = (o * 2 + piece) * MIB;
+            let (slot, src) = (slot(o, piece), (o * 2 + piece) * MIB);
             assert!(
                 back[slot * MIB..(slot + 1) * MIB] == source[src..src + MIB],
                 "object {o} piece {piece}"
@@ -368,15 +339,7 @@ fn child_client_restores_until_killed() {
     let local = engine.register_memory(vec![0u8; 32 * MIB]).unwrap();
     println!("restoring");
     loop {
-        let mut builder = engine.incremental_builder();
-        let tag = Tag::new(0);
-        builder.begin_object(tag).unwrap();
-        for piece in 0..32u64 {
-            let at = (31 - piece) * MIB as u64;
-            builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
-        }
-        builder.commit_object().unwrap();
-        let mut handle = engine.submit(builder.finish().unwrap());
+        let mut handle = engine.submit(plan(&engine, [mib_by_mib(remote.id(), local.id(), 32)]));
         assert!(handle.wait().is_empty());
     }
 }
@@ -421,15 +384,7 @@ fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
     let peer = engine.connect(server.addr).unwrap();
     let remote = arena(&engine, &peer);
     let local = engine.register_memory(vec![POISON; 64 * MIB]).unwrap();
-    let mut builder = engine.incremental_builder();
-    let tag = Tag::new(0);
-    builder.begin_object(tag).unwrap();
-    for piece in 0..64u64 {
-        let at = (63 - piece) * MIB as u64;
-        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
-    }
-    builder.commit_object().unwrap();
-    let mut handle = engine.submit(builder.finish().unwrap());
+    let mut handle = engine.submit(plan(&engine, [mib_by_mib(remote.id(), local.id(), 64)]));
     engine.disconnect(peer.id).unwrap();
     assert!(!engine.is_alive(peer.id));
     // Submitted before the disconnect: it either completed or failed as disconnected, and
@@ -464,16 +419,7 @@ fn dropping_the_engine_lets_its_batches_in_flight_finish() {
     let peer = engine.connect(server.addr).unwrap();
     let remote = arena(&engine, &peer);
     let local = engine.register_memory(vec![POISON; 32 * MIB]).unwrap();
-    let mut builder = engine.incremental_builder();
-    let tag = Tag::new(0);
-    builder.begin_object(tag).unwrap();
-    for piece in 0..32u64 {
-        let at = (31 - piece) * MIB as u64;
-        builder.push(Fragment::new(remote.id(), at, local.id(), at, MIB as u64, tag)).unwrap();
-    }
-    builder.commit_object().unwrap();
-    let mut handle = engine.submit(builder.finish().unwrap());
-    drop(builder);
+    let mut handle = engine.submit(plan(&engine, [mib_by_mib(remote.id(), local.id(), 32)]));
     drop(remote);
     // The registration of `local` outlives the engine: deregistering needs only the registry.
     drop(engine);
