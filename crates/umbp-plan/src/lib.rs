@@ -82,6 +82,7 @@
 #![warn(missing_docs)]
 
 mod aligned;
+mod append;
 mod batch;
 mod builder;
 mod endpoint;

@@ -30,6 +30,9 @@ pub struct PageWalk<'a> {
     pages: &'a [u64],
     page_size: u64,
     size: u64,
+    /// `log2(page_size)` for a power of two (as page sizes are in practice), so that locating
+    /// a byte is a shift and a mask; `u32::MAX` otherwise.
+    shift: u32,
 }
 
 /// A range of an object that passed the walk's range rules: the pages it touches (`first ..=
@@ -55,7 +58,8 @@ impl<'a> PageWalk<'a> {
         if pages.len() as u64 != expected {
             return Err(WalkError::PageCountMismatch { pages: pages.len(), expected });
         }
-        Ok(Self { pages, page_size, size })
+        let shift = if page_size.is_power_of_two() { page_size.trailing_zeros() } else { u32::MAX };
+        Ok(Self { pages, page_size, size, shift })
     }
 
     /// The stored object size.
@@ -68,13 +72,11 @@ impl<'a> PageWalk<'a> {
         self.page_size
     }
 
-    /// The page holding object byte `offset`, and the offset inside that page. Page sizes are
-    /// powers of two in practice: a shift and a mask instead of a division.
+    /// The page holding object byte `offset`, and the offset inside that page.
     #[inline]
     fn locate(&self, offset: u64) -> (usize, u64) {
-        if self.page_size.is_power_of_two() {
-            let shift = self.page_size.trailing_zeros();
-            ((offset >> shift) as usize, offset & (self.page_size - 1))
+        if self.shift != u32::MAX {
+            ((offset >> self.shift) as usize, offset & (self.page_size - 1))
         } else {
             ((offset / self.page_size) as usize, offset % self.page_size)
         }
@@ -103,26 +105,34 @@ impl<'a> PageWalk<'a> {
         Ok(Span { first, last, in_page })
     }
 
-    /// One branch-free pass over the span's pages: whether any page might overflow (a full
-    /// page past `u64::MAX`), and whether every page lies wholly below `tier_len` (`false`
-    /// when `tier_len` is unknown).
+    /// Whether every page of the span starts at or below `limit`, which must be below 2^63.
+    ///
+    /// One branch-free pass that vectorizes with plain SSE2 (which has no unsigned 64-bit
+    /// compare): for `limit < 2^63`, bit 63 of `p | (limit - p)` (wrapping) is set exactly when
+    /// `p > limit`. A `p` at or below `limit` has the bit clear and so has `limit - p`, which
+    /// lies in `0 .. 2^63`; a larger `p` either has it set itself or is below 2^63, and then
+    /// `limit - p` wraps to at least `2^64 - 2^63 + 1`.
     #[inline]
-    pub(crate) fn scan(&self, span: &Span, tier_len: Option<u64>) -> (bool, bool) {
-        let overflow_limit = u64::MAX - self.page_size;
-        let within_limit = tier_len.and_then(|t| t.checked_sub(self.page_size));
-        let (over, outside) = self.pages[span.first..=span.last].iter().fold(
-            (false, false),
-            |(over, outside), &p| {
-                (over | (p > overflow_limit), outside | (p > within_limit.unwrap_or(0)))
-            },
-        );
-        (over, within_limit.is_some() && !outside)
+    pub(crate) fn pages_at_most(&self, span: &Span, limit: u64) -> bool {
+        debug_assert!(limit < 1 << 63);
+        let bits = self.pages[span.first..=span.last]
+            .iter()
+            .fold(0, |bits, &p| bits | p | limit.wrapping_sub(p));
+        bits >> 63 == 0
     }
 
-    /// The exact overflow rule for the span's pages (each page's stored length, the last page
-    /// of the object possibly short), for spans whose [`scan`](Self::scan) flagged one.
-    #[cold]
+    /// Whether a page of the span ends past `u64::MAX`: [`pages_at_most`](Self::pages_at_most)
+    /// clears nearly every span in one pass, and the exact rule decides the rest.
+    #[inline]
     pub(crate) fn overflows(&self, span: &Span) -> bool {
+        let safe = (u64::MAX - self.page_size).min(i64::MAX as u64);
+        !self.pages_at_most(span, safe) && self.overflows_exactly(span)
+    }
+
+    /// The exact overflow rule for the span's pages: each page's stored length (the last page
+    /// of the object possibly short) added to its tier offset.
+    #[cold]
+    fn overflows_exactly(&self, span: &Span) -> bool {
         let last_len = self.size - (self.pages.len() as u64 - 1) * self.page_size;
         (span.first..=span.last).any(|i| {
             let len = if i + 1 == self.pages.len() { last_len } else { self.page_size };
@@ -178,8 +188,7 @@ impl<'a> PageWalk<'a> {
         emit: impl FnMut(PageFragment) -> Result<(), E>,
     ) -> Result<(), E> {
         let span = self.span(offset, len, dst_offset)?;
-        let (maybe_over, _) = self.scan(&span, None);
-        if maybe_over && self.overflows(&span) {
+        if self.overflows(&span) {
             return Err(WalkError::Overflow.into());
         }
         self.emit(&span, len, dst_offset, emit)

@@ -53,16 +53,21 @@ const PAGE: u64 = 64;
 const ARENA_PAGES: u64 = 40;
 /// Stands for a page whose tier offset overflows when its length is added.
 const HUGE: u64 = u64::MAX;
+/// Stands for a page that ends at the arena's end if it is the object's short last page.
+const AT_END: u64 = u64::MAX - 1;
 
 fn object() -> impl Strategy<Value = Object> {
     (1u64..6, 0u64..PAGE, any::<bool>()).prop_flat_map(|(pages, short, commit)| {
         let size = pages * PAGE - short.min(PAGE - 1);
-        // Pages mostly inside the arena, now and then one past it or one whose offset
-        // overflows; runs of adjacent pages.
+        let pages_len = pages;
+        // Pages mostly inside the arena, now and then one past it, one whose offset
+        // overflows, or (for a short last page) one ending exactly at the arena's end; runs of
+        // adjacent pages.
         let page = prop_oneof![
             18 => 0..ARENA_PAGES,
             2 => ARENA_PAGES..ARENA_PAGES + 3,
             1 => Just(HUGE),
+            1 => Just(AT_END),
         ];
         let range = (0..size + 8, 0..size + 8, 0usize..3, 0u64..400);
         (
@@ -71,10 +76,13 @@ fn object() -> impl Strategy<Value = Object> {
         )
             .prop_map(move |(raw, ranges)| {
                 let mut pages = Vec::new();
+                let last_len = size - (pages_len - 1) * PAGE;
                 for (p, follow) in raw {
                     let next = match pages.last() {
                         Some(&last) if follow && last < u64::MAX - PAGE => last + PAGE,
                         _ if p == HUGE => u64::MAX - 10,
+                        // Valid only as the object's (short) last page.
+                        _ if p == AT_END => ARENA_PAGES * PAGE - last_len,
                         _ => p * PAGE,
                     };
                     pages.push(next);
@@ -105,7 +113,7 @@ proptest! {
     #[test]
     fn push_walk_equals_walk_and_push(
         objects in proptest::collection::vec(object(), 1..8),
-        max_segment in prop_oneof![Just(u64::MAX), 64u64..300],
+        max_segment in prop_oneof![Just(u64::MAX), 64u64..300, 16u64..PAGE],
         refuse_modulo in prop_oneof![3 => Just(None), 1 => (5u64..40).prop_map(Some)],
     ) {
         let (registry, arena, dsts) = setup();
