@@ -18,7 +18,7 @@ use crate::measure::Timed;
 pub enum CeilingCopy {
     /// `copy_from_slice` (the platform's `memcpy`).
     Memcpy = 1,
-    /// Streaming stores ([`umbp_localcopy::copy_streaming`]).
+    /// Streaming stores ([`umbp_plan::host_copy::copy_streaming`]).
     Streaming = 2,
 }
 
@@ -41,7 +41,7 @@ pub fn with_copy_ceiling(
     let mode = AtomicU8::new(EXIT);
     let copy = |to: &mut [u8], from: &[u8], mode: u8| {
         if mode == CeilingCopy::Streaming as u8 {
-            umbp_localcopy::copy_streaming(to, from);
+            umbp_plan::host_copy::copy_streaming(to, from);
         } else {
             to.copy_from_slice(from);
         }

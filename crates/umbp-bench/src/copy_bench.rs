@@ -8,7 +8,7 @@
 //! submit and wait. The ceiling is the best the machine does with the same bytes and threads:
 //! one contiguous buffer of the same size copied onto another in equal parts by the same
 //! number of threads, started once outside the timing as the engine's pool is, both with
-//! `memcpy` and with streaming stores ([`umbp_localcopy::copy_streaming`]); the faster median
+//! `memcpy` and with streaming stores ([`umbp_plan::host_copy::copy_streaming`]); the faster median
 //! is the ceiling. The three alternate, iteration by iteration; each reports its median and
 //! spread, and the ratio's verdict takes both spreads into account. The destination is
 //! verified after timing.

@@ -60,7 +60,8 @@
 //!
 //! All of it is in one private module (`copy.rs`): the copy kernels (plain, `memmove` for a
 //! task whose ranges overlap, which the overlap rule never lets run but which keeps the kernel
-//! sound on its own, and SSE2 streaming stores) and the `Send`/`Sync` of a copy task.
+//! sound on its own, and the streaming-store kernel of [`umbp_plan::host_copy`]) and the
+//! `Send`/`Sync` of a copy task.
 //! The API needs no `unsafe` for memory Rust owns ([`Register::register_memory`]); raw memory
 //! goes through [`Register::register_raw_memory`], where the caller promises that it stays
 //! valid. Every access after registration is bounds-checked.
@@ -82,7 +83,6 @@ mod rules;
 
 pub use batch::BatchReport;
 pub use config::LocalCopyConfig;
-pub use copy::copy_streaming;
 pub use engine::LocalCopyEngine;
 pub use error::Error;
 pub use rules::{LocalCopyBuilder, LocalCopyRules};

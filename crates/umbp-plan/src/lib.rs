@@ -89,6 +89,7 @@ mod endpoint;
 mod engine;
 mod error;
 mod fragment;
+pub mod host_copy;
 mod incremental;
 mod overlap;
 mod page_walk;
