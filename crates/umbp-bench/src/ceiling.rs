@@ -4,6 +4,11 @@
 //! caller copies the first part), both with `memcpy` and with streaming stores; the faster of
 //! the two is the ceiling. Scattered fragments (what an engine copies) can only be slower, so
 //! an engine above this ceiling means the ceiling is wrong, not the engine fast.
+//!
+//! [`GatherCeiling`] is the same for a gather: the very pieces an engine copies (a restore's
+//! scattered pages), copied in a plain loop by one thread, both ways. It is the best the
+//! machine does with exactly the engine's work, where the contiguous ceiling also counts what
+//! the layout costs (each page a cold start for the prefetchers).
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -105,5 +110,56 @@ impl CeilingSamples {
         } else {
             (memcpy, "memcpy", streaming)
         }
+    }
+}
+
+/// A gather's ceiling: `pieces` of `src` (offset, length) copied in order, back to back, into
+/// one buffer by the calling thread, with `memcpy` or with streaming stores per piece.
+pub struct GatherCeiling<'a> {
+    src: &'a [u8],
+    pieces: Vec<(usize, usize)>,
+    dst: HostBuffer,
+}
+
+impl<'a> GatherCeiling<'a> {
+    /// A gather of `pieces` of `src`. Panics if a piece lies outside `src`.
+    pub fn new(src: &'a [u8], pieces: Vec<(usize, usize)>) -> Self {
+        assert!(pieces
+            .iter()
+            .all(|&(at, len)| at.checked_add(len).is_some_and(|e| e <= src.len())));
+        let bytes = pieces.iter().map(|&(_, len)| len).sum::<usize>().max(1);
+        Self { src, pieces, dst: HostBuffer::new(bytes, 9) }
+    }
+
+    /// Bytes the gather copies.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|&(_, len)| len).sum()
+    }
+
+    /// Runs the gather once with `which` copy; returns its seconds.
+    pub fn copy(&mut self, which: CeilingCopy) -> f64 {
+        use umbp_plan::host_copy::{copy_non_temporal, non_temporal_supported, store_fence};
+        let stream = which == CeilingCopy::Streaming && non_temporal_supported();
+        let dst = self.dst.bytes_mut();
+        let t = Instant::now();
+        let mut at = 0;
+        for &(from, len) in &self.pieces {
+            let (to, from) = (&mut dst[at..at + len], &self.src[from..from + len]);
+            if stream {
+                // SAFETY: two slices of `len` bytes, one borrowed mutably (so valid, disjoint
+                // and unshared for the call); the CPU has the instructions (checked above).
+                unsafe { copy_non_temporal(from.as_ptr(), to.as_mut_ptr(), len) };
+            } else {
+                to.copy_from_slice(from);
+            }
+            at += len;
+        }
+        if stream {
+            // One fence for the whole gather, as an engine fences once per launch.
+            store_fence();
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        black_box(self.dst.bytes());
+        seconds
     }
 }

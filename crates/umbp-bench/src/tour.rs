@@ -286,6 +286,10 @@ pub fn summarize(
             let figure = "DRAM restore / one-thread host-copy ceiling";
             lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
         }
+        if let (Some(vs), Some(verdict)) = (dram.vs_gather_ceiling, dram.gather_verdict) {
+            let figure = "DRAM restore / the same pages gathered by one thread";
+            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+        }
     }
     if let Some(mixed) = restore.iter().find(|r| r.source == "mixed" && r.builder == "incremental")
     {
