@@ -17,10 +17,12 @@
 //! The engine runs with one worker (one ring, like one fio job) and a maximum segment of one
 //! block, so every read is one block at a random block-aligned offset. Each submit is a plan
 //! set of many reads (one object per read, built with the engine's reused incremental builder;
-//! building is inside the timing). Each read of a submit lands in its own block-sized slot of
-//! one host buffer (reads into the same memory would break the engine's overlap rule), so a
-//! submit carries at most 64 MiB of slots' worth of reads (256 reads of 256 KiB, 4,096 of
-//! 4 KiB at depth 64); the bytes are not looked at while timing. Before timing, a batch of distinct blocks is read into distinct slots and
+//! building is inside the timing), and two submits are in flight at once: the next is queued
+//! before the one before it is waited for, so the ring fills with the next batch's reads while
+//! the last ones of the batch before complete. Each read of a submit lands in its own
+//! block-sized slot of one host buffer (reads into the same memory would break the engine's
+//! overlap rule), so a submit carries at most 64 MiB of slots' worth of reads (256 reads of
+//! 256 KiB, 4,096 of 4 KiB at depth 64); the bytes are not looked at while timing. Before timing, a batch of distinct blocks is read into distinct slots and
 //! checked against the pattern (`verified`).
 //!
 //! Targets: `engine` at least 95 % of `fio` at the same depth for 256 KiB reads
@@ -272,6 +274,11 @@ impl Rng {
     }
 }
 
+/// Submits the engine row keeps in flight: the next one is queued before the last one is waited
+/// for, as a server streaming a restore does, so the worker's ring fills with the next batch's
+/// reads while the last ones of the batch before complete.
+const IN_FLIGHT: usize = 2;
+
 fn measure_engine(
     path: &Path,
     config: &SsdBenchConfig,
@@ -293,10 +300,11 @@ fn measure_engine(
     let direct = engine.file_info(file).is_some_and(|i| i.direct);
     let blocks = config.file_size / block_size;
     // Every read of one submit lands in its own slot (reads into the same memory would break
-    // the engine's overlap rule and fail): as many slots as reads per submit, within 64 MiB.
+    // the engine's overlap rule and fail): as many slots as reads per submit, within 64 MiB,
+    // for each of the submits in flight at once.
     let slot_cap = ((64u64 << 20) / block_size).max(2 * depth as u64);
     let reads_per_submit = (depth as u64 * 64).clamp(64, 8192).min(slot_cap);
-    let slots = reads_per_submit.max(2 * depth as u64).max(64);
+    let slots = reads_per_submit.max(2 * depth as u64).max(64) * IN_FLIGHT as u64;
     let host = Slots::new(&engine, (slots * block_size) as usize)?;
     let mut rng = Rng(config.seed ^ block_size ^ u64::from(depth));
     let mut builder = engine.incremental_builder();
@@ -326,23 +334,37 @@ fn measure_engine(
     let timed = Duration::from_secs_f64(config.seconds);
     let mut reads = 0u64;
     let mut batches = 0u64;
+    let mut in_flight = std::collections::VecDeque::new();
+    let settle =
+        |handle: umbp_plan::TransferHandle, builder: &mut dyn PlanBuilder| -> anyhow::Result<()> {
+            let settled = handle.into_settled();
+            if let Some(failure) = settled.failures.first() {
+                bail!("a timed read failed: {failure}");
+            }
+            builder.recycle(settled.plans);
+            Ok(())
+        };
     let start = Instant::now();
     while start.elapsed() < timed || batches == 0 {
+        // Each submit in flight reads into its own share of the slots.
+        let first_slot = (batches % IN_FLIGHT as u64) * (slots / IN_FLIGHT as u64);
         for i in 0..reads_per_submit {
             let tag = Tag::new(i as u32);
             let src = rng.below(blocks) * block_size;
-            let dst = (i % slots) * block_size;
+            let dst = (first_slot + i) * block_size;
             builder.begin_object(tag)?;
             builder.push(Fragment::new(file, src, host.id(), dst, block_size, tag))?;
             builder.commit_object()?;
         }
-        let settled = engine.submit(builder.finish()?).into_settled();
-        if let Some(failure) = settled.failures.first() {
-            bail!("a timed read failed: {failure}");
+        in_flight.push_back(engine.submit(builder.finish()?));
+        if in_flight.len() == IN_FLIGHT {
+            settle(in_flight.pop_front().expect("one in flight"), &mut builder)?;
         }
-        builder.recycle(settled.plans);
         reads += reads_per_submit;
         batches += 1;
+    }
+    while let Some(handle) = in_flight.pop_front() {
+        settle(handle, &mut builder)?;
     }
     let seconds = start.elapsed().as_secs_f64();
     let bytes = reads * block_size;

@@ -91,17 +91,18 @@ pub(crate) fn plan_files(plans: &PlanSet, table: &EndpointTable, files: &FileTab
         .collect()
 }
 
-/// The ops of one plan set, and where each stands.
+/// The ops of one plan set, and where each stands. It owns (shares) everything its requests
+/// point into, so an executor can hold several at once.
 #[derive(Debug)]
-pub(crate) struct Batch<'a> {
-    plans: &'a PlanSet,
+pub(crate) struct Batch {
+    plans: Arc<PlanSet>,
     ops: Vec<Op>,
     /// The file endpoint of each plan (for fault rules).
     plan_files: Vec<EndpointId>,
     /// Keeps the descriptors of the files the batch uses open until it settles.
     _files: Vec<Arc<FileEntry>>,
-    pool: &'a mut BouncePool,
-    faults: &'a Faults,
+    pool: BouncePool,
+    faults: Arc<Faults>,
     failed: Vec<Failed>,
     next: usize,
     ready: Vec<usize>,
@@ -118,19 +119,20 @@ pub(crate) struct Batch<'a> {
 /// Waiting ops looked at per issue, so that a long queue of them costs a bounded scan.
 const DEFERRED_SCAN: usize = 8;
 
-impl<'a> Batch<'a> {
+impl Batch {
     /// Resolves `plans` against `table` (the registry at submit) and their files (from
-    /// [`plan_files`], at submit).
+    /// [`plan_files`], at submit), with `pool`'s bounce buffers (handed back by
+    /// [`outcome`](Self::outcome)).
     pub(crate) fn new(
-        plans: &'a PlanSet,
+        plans: Arc<PlanSet>,
         table: &EndpointTable,
         files: &PlanFiles,
         limits: Limits,
-        pool: &'a mut BouncePool,
-        faults: &'a Faults,
+        pool: BouncePool,
+        faults: Arc<Faults>,
     ) -> Self {
         let mut batch = Self {
-            plans,
+            plans: Arc::clone(&plans),
             ops: Vec::with_capacity(plans.segment_count()),
             plan_files: Vec::with_capacity(plans.plans().len()),
             _files: Vec::new(),
@@ -309,7 +311,7 @@ impl<'a> Batch<'a> {
         let op = &mut self.ops[index];
         self.bounce_in_use += op.bounce_bytes();
         self.rmw_windows.extend(op.rmw_window());
-        op.start(self.pool);
+        op.start(&mut self.pool);
         match self.faults.check(self.plan_files[op.plan as usize], op) {
             Some(errno) => Issue::Fail(-errno),
             None => Issue::Io(op.request()),
@@ -367,7 +369,7 @@ impl<'a> Batch<'a> {
                 self.rmw_windows.swap_remove(at);
             }
         }
-        op.finish(self.pool);
+        op.finish(&mut self.pool);
     }
 
     /// The plan set's deadline, if any.
@@ -421,15 +423,21 @@ impl<'a> Batch<'a> {
         self.ops.extend(parts);
     }
 
+    /// Whether every op has been issued and none waits to be issued again: the batch is done
+    /// once its last requests in flight complete.
+    pub(crate) fn issued_all(&self) -> bool {
+        self.next >= self.ops.len() && self.ready.is_empty() && self.deferred.is_empty()
+    }
+
     /// The failures of the settled batch, one per failed plan, segment or object's share of a
-    /// segment, each with the tags of exactly the objects it cost.
-    pub(crate) fn failures(mut self, engine: &str) -> Vec<Failure> {
+    /// segment, each with the tags of exactly the objects it cost; and the bounce buffers back.
+    pub(crate) fn outcome(mut self, engine: &str) -> (Vec<Failure>, BouncePool) {
         debug_assert!(self.ready.is_empty() && self.deferred.is_empty());
-        let plans = self.plans;
+        let plans = &self.plans;
         // A segment split into several ops fails once, with its first cause.
         self.failed.sort_by_key(|f| f.at);
         self.failed.dedup_by_key(|f| f.at);
-        self.failed
+        let failures = std::mem::take(&mut self.failed)
             .into_iter()
             .map(|f| {
                 let plan = &plans.plans()[f.at.plan];
@@ -441,7 +449,8 @@ impl<'a> Batch<'a> {
                     cause: f.cause,
                 }
             })
-            .collect()
+            .collect();
+        (failures, self.pool)
     }
 }
 
@@ -556,14 +565,11 @@ mod tests {
         }
 
         /// `plans` resolved as a submit would, against the registry and the files as they are.
-        fn batch<'a>(
-            &self,
-            plans: &'a PlanSet,
-            pool: &'a mut BouncePool,
-            faults: &'a Faults,
-        ) -> Batch<'a> {
+        fn batch(&self, plans: PlanSet) -> Batch {
             let table = self.registry.snapshot();
-            Batch::new(plans, &table, &plan_files(plans, &table, &self.files), LIMITS, pool, faults)
+            let files = plan_files(&plans, &table, &self.files);
+            let faults = Arc::new(Faults::new());
+            Batch::new(Arc::new(plans), &table, &files, LIMITS, BouncePool::default(), faults)
         }
 
         fn plan(&self, fragments: &[Fragment]) -> PlanSet {
@@ -606,14 +612,11 @@ mod tests {
             let align = fx.files.info(file).map_or(1, |i| if i.direct { i.block_size } else { 1 });
             // O_DIRECT pieces must stay whole blocks; buffered ones may be anything.
             let piece = if direct { align as u32 } else { 1000 };
-            let (mut pool, faults) = (BouncePool::default(), Faults::new());
-
             let source = Host::new(&fx.registry, (4 * PAGE) as usize, 0, 0);
             let writes = pieces(file, source.id, false);
-            let plans = fx.plan(&writes);
-            let mut batch = fx.batch(&plans, &mut pool, &faults);
+            let mut batch = fx.batch(fx.plan(&writes));
             sys::run_blocking_in_pieces(&mut batch, piece);
-            assert!(batch.failures("t").is_empty());
+            assert!(batch.outcome("t").0.is_empty());
             for f in &writes {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
                 model[at..at + f.len as usize]
@@ -623,10 +626,9 @@ mod tests {
 
             let destination = Host::new(&fx.registry, (4 * PAGE) as usize, 1, 0xA5);
             let reads = pieces(file, destination.id, true);
-            let plans = fx.plan(&reads);
-            let mut batch = fx.batch(&plans, &mut pool, &faults);
+            let mut batch = fx.batch(fx.plan(&reads));
             sys::run_blocking_in_pieces(&mut batch, piece);
-            assert!(batch.failures("t").is_empty());
+            assert!(batch.outcome("t").0.is_empty());
             for f in &reads {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
                 let got = &destination.bytes()[at..at + f.len as usize];
@@ -659,9 +661,7 @@ mod tests {
                         )
                     })
                     .collect();
-                let plans = fx.plan(&reads);
-                let (mut pool, faults) = (BouncePool::default(), Faults::new());
-                let mut batch = fx.batch(&plans, &mut pool, &faults);
+                let mut batch = fx.batch(fx.plan(&reads));
                 // Resolved against 16 pages; the file now ends inside page 5, off any block
                 // boundary (an O_DIRECT read stops there, short of a block).
                 std::fs::OpenOptions::new()
@@ -672,7 +672,7 @@ mod tests {
                     .unwrap();
                 if ring {
                     match Ring::new(8) {
-                        Ok(mut ring) => ring.run(&mut batch),
+                        Ok(mut ring) => batch = ring.run(batch),
                         Err(e) => {
                             eprintln!("SKIP the io_uring part: {e}");
                             continue;
@@ -681,7 +681,7 @@ mod tests {
                 } else {
                     sys::run_blocking(&mut batch);
                 }
-                let failures = batch.failures("t");
+                let (failures, _) = batch.outcome("t");
                 let failed: Vec<u32> =
                     failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
                 assert_eq!(failed, [5, 6, 7], "direct: {direct}, ring: {ring}");

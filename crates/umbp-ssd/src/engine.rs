@@ -77,7 +77,7 @@ impl SsdEngine {
         let shared = Arc::new(Shared {
             registry,
             files: FileTable::default(),
-            faults: Faults::new(),
+            faults: Arc::new(Faults::new()),
             limits,
             name: config.name,
             overlap: Default::default(),

@@ -12,7 +12,10 @@
 //!   the maximum segment (1 MiB by default), per-object rollback.
 //! - **Execution.** Each worker thread owns an io_uring ring and keeps up to the queue depth
 //!   (64 by default) reads and writes in flight, submitting every queued request with one
-//!   `io_uring_enter` and reaping completions in batches. Short transfers are resubmitted for
+//!   `io_uring_enter` and reaping completions in batches. A ring runs up to four submitted
+//!   batches at once: once those in it have issued everything, the next queued one fills the
+//!   ring while their last requests complete, so a caller that keeps two submits in flight
+//!   keeps the ring full. Batches are unordered with respect to each other. Short transfers are resubmitted for
 //!   the remainder; the end of the file before the requested bytes fails the segment with
 //!   `ShortFile`, an I/O error with its errno. Where io_uring is unavailable the workers use
 //!   `pread`/`pwrite` with the same semantics ([`Backend`]).

@@ -1,5 +1,6 @@
-//! The io_uring executor: one ring per worker, up to `depth` requests in flight, every request
-//! queued since the last call submitted by one `io_uring_enter`, completions reaped in batches.
+//! The io_uring executor: one ring per worker, up to `depth` requests in flight from up to
+//! [`LANES`] batches, every request queued since the last call submitted by one
+//! `io_uring_enter`, completions reaped in batches.
 //!
 //! The ring's submission queue holds at least `depth` entries and its completion queue twice
 //! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
@@ -12,6 +13,40 @@ use io_uring::{opcode, squeue, types, IoUring, Probe};
 use crate::batch::{Batch, Issue};
 use crate::sys::{Dir, Request};
 
+/// Batches one ring runs at once. While the oldest drains its last requests, the next one
+/// fills the ring: a worker fed submit after submit keeps the ring about as full as fio keeps
+/// its queue, where one batch at a time let the ring run dry at the end of every submit.
+pub(crate) const LANES: usize = 4;
+
+/// Where a ring's batches come from and go ([`Ring::serve`]): the worker's queue.
+pub(crate) trait Feed {
+    /// What travels with a batch (the submitted job to settle).
+    type Owner;
+
+    /// The next batch. With requests in flight (`busy`) only one that is ready now, without
+    /// waiting; otherwise the next one, waiting for it. `None` when idle means the feed closed.
+    fn next(&mut self, busy: bool) -> Option<(Self::Owner, Batch)>;
+
+    /// A batch none of whose requests is in flight any more, done.
+    fn done(&mut self, owner: Self::Owner, batch: Batch);
+}
+
+/// A batch in the ring, with the ring's count of its requests.
+struct Lane<O> {
+    /// Declared before `owner`, so dropped first: the owner (a job) settles its objects when
+    /// dropped unsettled and wants the plans back.
+    batch: Batch,
+    owner: O,
+    /// This batch's requests pushed and not yet completed.
+    in_flight: usize,
+    /// The user data of those requests, kept while the batch has a deadline (to cancel them
+    /// when it passes).
+    flying: Vec<u64>,
+    deadline: Option<std::time::Instant>,
+    /// Order of arrival: the oldest lane issues first.
+    started: u64,
+}
+
 /// A worker's ring.
 pub(crate) struct Ring {
     ring: IoUring,
@@ -19,15 +54,13 @@ pub(crate) struct Ring {
     /// Entries pushed and not yet completed (queued or in the kernel): requests, and the
     /// cancellations of a batch whose deadline passed.
     in_flight: usize,
-    /// The user data of the requests in flight, kept while the batch has a deadline (to cancel
-    /// them when it passes).
-    flying: Vec<u64>,
     /// Whether `io_uring_enter` takes a timeout (Linux 5.11); without it a deadline is checked
     /// only when completions arrive.
     timed_waits: bool,
 }
 
-/// The user data of a cancellation entry (ops are numbered from 0 and never reach it).
+/// The user data of a cancellation entry. A request's is its lane in the high 32 bits and its
+/// op in the low ones: lanes are few, so never all ones.
 const CANCEL: u64 = u64::MAX;
 
 impl std::fmt::Debug for Ring {
@@ -69,37 +102,121 @@ impl Ring {
             ));
         }
         let timed_waits = ring.params().is_feature_ext_arg();
-        Ok(Self { ring, depth: depth as usize, in_flight: 0, flying: Vec::new(), timed_waits })
+        Ok(Self { ring, depth: depth as usize, in_flight: 0, timed_waits })
     }
 
-    /// Runs `batch` to the end. Returns only when no request of the batch is in flight, also
-    /// when unwinding: the bytes of in-flight requests belong to `batch`, which this call keeps
-    /// borrowed.
-    pub(crate) fn run(&mut self, batch: &mut Batch<'_>) {
-        let ring = Drain(self);
-        ring.0.pump(batch);
-    }
-
-    fn pump(&mut self, batch: &mut Batch<'_>) {
-        let mut deadline = batch.deadline();
-        self.flying.clear();
-        loop {
-            if batch.expired() {
-                batch.time_out();
-                self.cancel_flying();
-                // From here on the ring only waits for the cancelled requests to complete.
-                deadline = None;
+    /// Runs `batch` to the end and hands it back. Returns only when no request of the batch is
+    /// in flight, also when unwinding.
+    #[cfg(test)]
+    pub(crate) fn run(&mut self, batch: Batch) -> Batch {
+        /// Yields one batch, then takes it back.
+        struct Once(Option<Batch>, Option<Batch>);
+        impl Feed for Once {
+            type Owner = ();
+            fn next(&mut self, _busy: bool) -> Option<((), Batch)> {
+                self.0.take().map(|batch| ((), batch))
             }
+            fn done(&mut self, (): (), batch: Batch) {
+                self.1 = Some(batch);
+            }
+        }
+        let mut feed = Once(Some(batch), None);
+        self.serve(&mut feed);
+        feed.1.expect("the ring runs the batch it was fed to the end")
+    }
+
+    /// Runs batches from `feed` until it closes, up to [`LANES`] at once: the oldest first, and
+    /// the next one as soon as every batch in the ring has issued everything, so that the ring
+    /// fills again while they drain. Each batch goes back through [`Feed::done`] when its last
+    /// request completes.
+    ///
+    /// Returns only when no request is in flight, also when unwinding: the requests' bytes
+    /// belong to the batches in the lanes, dropped only after the ring drained.
+    pub(crate) fn serve<F: Feed>(&mut self, feed: &mut F) {
+        let mut lanes: Vec<Option<Lane<F::Owner>>> = (0..LANES).map(|_| None).collect();
+        // Declared after `lanes`, so dropped (and drained) before them when unwinding.
+        let ring = Drain(self);
+        let ring = &mut *ring.0;
+        let mut started = 0u64;
+        loop {
+            for lane in lanes.iter_mut().flatten() {
+                if lane.batch.expired() {
+                    lane.batch.time_out();
+                    ring.cancel(&mut lane.flying);
+                    // From here on the lane only waits for its cancelled requests.
+                    lane.deadline = None;
+                }
+            }
+            ring.issue(&mut lanes);
+            for slot in lanes.iter_mut() {
+                if slot.as_ref().is_some_and(|l| l.in_flight == 0 && l.batch.issued_all()) {
+                    if let Some(lane) = slot.take() {
+                        feed.done(lane.owner, lane.batch);
+                    }
+                }
+            }
+            let free = lanes.iter().position(Option::is_none);
+            let draining = lanes.iter().flatten().all(|l| l.batch.issued_all());
+            if let (Some(free), true, true) = (free, draining, ring.in_flight < ring.depth) {
+                match feed.next(ring.in_flight > 0) {
+                    Some((owner, batch)) => {
+                        started += 1;
+                        let deadline = batch.deadline();
+                        lanes[free] = Some(Lane {
+                            batch,
+                            owner,
+                            in_flight: 0,
+                            flying: Vec::new(),
+                            deadline,
+                            started,
+                        });
+                        continue;
+                    }
+                    None if ring.in_flight == 0 => return,
+                    None => {}
+                }
+            }
+            if ring.in_flight == 0 {
+                continue;
+            }
+            let deadline = lanes.iter().flatten().filter_map(|l| l.deadline).min();
+            ring.enter(deadline);
+            for cqe in ring.ring.completion() {
+                ring.in_flight -= 1;
+                let data = cqe.user_data();
+                if data == CANCEL {
+                    continue;
+                }
+                let (lane, op) = ((data >> 32) as usize, (data & u64::from(u32::MAX)) as usize);
+                let Some(Some(lane)) = lanes.get_mut(lane) else { continue };
+                lane.in_flight -= 1;
+                if let Some(at) = lane.flying.iter().position(|&f| f == data) {
+                    lane.flying.swap_remove(at);
+                }
+                lane.batch.complete(op, cqe.result());
+            }
+        }
+    }
+
+    /// Pushes requests while the ring has room, from the oldest lane first.
+    fn issue<O>(&mut self, lanes: &mut [Option<Lane<O>>]) {
+        let mut order: Vec<(u64, usize)> =
+            lanes.iter().enumerate().filter_map(|(i, l)| Some((l.as_ref()?.started, i))).collect();
+        order.sort_unstable();
+        for (_, i) in order {
+            let Some(lane) = lanes[i].as_mut() else { continue };
             while self.in_flight < self.depth {
-                let Some((index, issue)) = batch.issue() else { break };
+                let Some((index, issue)) = lane.batch.issue() else { break };
                 match issue {
-                    Issue::Fail(result) => batch.complete(index, result),
+                    Issue::Fail(result) => lane.batch.complete(index, result),
                     Issue::Io(request) => {
-                        let entry = entry(&request).user_data(index as u64);
+                        let data = (i as u64) << 32 | index as u64;
+                        let entry = entry(&request).user_data(data);
                         // SAFETY:
                         // 1. the request's bytes stay valid until it completes: they belong to
-                        //    `batch` (see the request invariant in `sys`), which `run` keeps
-                        //    borrowed until every pushed request has completed;
+                        //    the lane's batch (see the request invariant in `sys`), which
+                        //    `serve` keeps until every request it pushed has completed, also
+                        //    when unwinding;
                         // 2. the descriptor is only a number to the kernel: a closed one fails
                         //    the request with EBADF, it cannot touch our memory.
                         let pushed = unsafe { self.ring.submission().push(&entry) };
@@ -107,34 +224,20 @@ impl Ring {
                             "at most `depth` requests are queued, and the queue holds them",
                         );
                         self.in_flight += 1;
-                        if deadline.is_some() {
-                            self.flying.push(index as u64);
+                        lane.in_flight += 1;
+                        if lane.deadline.is_some() {
+                            lane.flying.push(data);
                         }
                     }
                 }
             }
-            if self.in_flight == 0 {
-                return;
-            }
-            self.enter(deadline);
-            for cqe in self.ring.completion() {
-                self.in_flight -= 1;
-                let data = cqe.user_data();
-                if data == CANCEL {
-                    continue;
-                }
-                if let Some(at) = self.flying.iter().position(|&f| f == data) {
-                    self.flying.swap_remove(at);
-                }
-                batch.complete(data as usize, cqe.result());
-            }
         }
     }
 
-    /// Asks the kernel to cancel every request in flight (a read blocked on a pipe, a device
-    /// that stopped answering); each then completes, usually with `ECANCELED` or `EINTR`.
-    fn cancel_flying(&mut self) {
-        for data in std::mem::take(&mut self.flying) {
+    /// Asks the kernel to cancel the requests named in `flying` (a read blocked on a pipe, a
+    /// device that stopped answering); each then completes, usually with `ECANCELED` or `EINTR`.
+    fn cancel(&mut self, flying: &mut Vec<u64>) {
+        for data in std::mem::take(flying) {
             let entry = opcode::AsyncCancel::new(data).build().user_data(CANCEL);
             // SAFETY: a cancellation carries no buffer; it names a request by its user data.
             let pushed = unsafe { self.ring.submission().push(&entry) };

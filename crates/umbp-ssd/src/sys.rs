@@ -16,9 +16,10 @@
 //!    by Rust code until the request completes. The op owning the buffer leaves it alone
 //!    between issuing a request and receiving its completion, and keeps it until it is done.
 //!
-//! The executors ([`run_blocking`] here and `Ring::run`) keep the batch mutably borrowed while
-//! any request they issued is in flight, so neither the op nor its buffer can go away under the
-//! kernel.
+//! The executors keep every batch with a request in flight: [`run_blocking`] here holds it
+//! mutably borrowed, and `Ring::serve` holds it in one of its lanes, which it drops only after
+//! every request it pushed has completed (also when unwinding). So neither the op nor its
+//! buffer can go away under the kernel.
 
 use std::alloc::{self, Layout};
 use std::io;
@@ -218,7 +219,7 @@ impl Drop for BounceBuf {
 }
 
 /// Runs a batch on the calling thread with `pread`/`pwrite`, one request at a time.
-pub(crate) fn run_blocking(batch: &mut Batch<'_>) {
+pub(crate) fn run_blocking(batch: &mut Batch) {
     loop {
         // A blocking call cannot be cancelled: the deadline is checked between calls.
         if batch.expired() {
@@ -238,7 +239,7 @@ pub(crate) fn run_blocking(batch: &mut Batch<'_>) {
 /// [`run_blocking`] with every request cut to at most `piece` bytes, so that every transfer
 /// comes back short and is resubmitted for its remainder.
 #[cfg(test)]
-pub(crate) fn run_blocking_in_pieces(batch: &mut Batch<'_>, piece: u32) {
+pub(crate) fn run_blocking_in_pieces(batch: &mut Batch, piece: u32) {
     while let Some((index, issue)) = batch.issue() {
         let result = match issue {
             Issue::Io(mut request) => {

@@ -1,10 +1,12 @@
 //! The engine's worker threads: each owns an executor (its own ring, or the blocking path) and
-//! a bounce-buffer pool, takes submitted plan sets from one shared queue, runs each to the end
-//! and settles its handle.
+//! bounce-buffer pools, takes submitted plan sets from one shared queue and settles each
+//! handle when its batch is done. A ring runs several batches at once (`ring::LANES`): the
+//! next one starts filling the ring while the last requests of the one before complete. The
+//! blocking path runs one at a time.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 
 use umbp_plan::{
@@ -16,7 +18,7 @@ use crate::batch::{plan_files, Batch, Limits, PlanFiles};
 use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::op::BouncePool;
-use crate::ring::Ring;
+use crate::ring::{Feed, Ring};
 use crate::{sys, Backend, Error};
 
 /// What the engine and its workers share.
@@ -24,7 +26,7 @@ use crate::{sys, Backend, Error};
 pub(crate) struct Shared {
     pub(crate) registry: Arc<EndpointRegistry>,
     pub(crate) files: FileTable,
-    pub(crate) faults: Faults,
+    pub(crate) faults: Arc<Faults>,
     pub(crate) limits: Limits,
     pub(crate) name: String,
     /// The overlap rule's buffers, shared by submitting threads.
@@ -48,8 +50,8 @@ enum Executor {
 
 /// One submitted plan set on its way to a worker.
 struct Job {
-    /// `None` once settled.
-    plans: Option<PlanSet>,
+    /// `None` once settled. Shared with the job's batch while it runs.
+    plans: Option<Arc<PlanSet>>,
     table: Arc<EndpointTable>,
     /// Each plan's file, held open from submit until the job settles.
     files: PlanFiles,
@@ -62,8 +64,17 @@ struct Job {
 }
 
 impl Job {
+    /// The batch that runs this job's plans, with `pool`'s bounce buffers.
+    fn batch(&self, pool: BouncePool) -> Batch {
+        let plans = Arc::clone(self.plans.as_ref().expect("a job is run before it settles"));
+        let shared = &self.engine;
+        Batch::new(plans, &self.table, &self.files, shared.limits, pool, Arc::clone(&shared.faults))
+    }
+
     fn settle(&mut self, mut failures: Vec<Failure>) {
-        let plans = self.plans.take().unwrap_or_default();
+        // The batch is gone by now (it hands the plans back when done, and drops before its
+        // job when unwinding), so the plans are this job's alone; a clone covers the rest.
+        let plans = self.plans.take().map(Arc::unwrap_or_clone).unwrap_or_default();
         failures.append(&mut self.early);
         // Unpinned before the handle sees the batch settled, so a deregistration right after
         // the wait does not wait again.
@@ -109,6 +120,7 @@ impl Workers {
         for i in 0..count {
             let receiver = Arc::clone(&receiver);
             let ready = ready.clone();
+            let name = workers.shared.name.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("{}-{i}", workers.shared.name))
                 .spawn(move || {
@@ -125,7 +137,7 @@ impl Workers {
                     };
                     let _ = ready.send(Ok(()));
                     drop(ready);
-                    work(&receiver, executor);
+                    work(&receiver, executor, &name);
                 })
                 .map_err(|source| Error::Spawn { source })?;
             workers.threads.push(thread);
@@ -161,7 +173,7 @@ impl Workers {
         let files = plan_files(&plans, &table, &self.shared.files);
         let slot = SettleSlot::new();
         let job = Box::new(Job {
-            plans: Some(plans),
+            plans: Some(Arc::new(plans)),
             table,
             files,
             early,
@@ -174,7 +186,7 @@ impl Workers {
             // No worker left to take it: the job came back and settles as failed when dropped.
             Some(Err(returned)) => {
                 let mut job = returned.0;
-                let plans = job.plans.take().unwrap_or_default();
+                let plans = job.plans.take().map(Arc::unwrap_or_clone).unwrap_or_default();
                 let cause = FailureCause::NotAccepted("the engine has no running worker".into());
                 let mut failures = plans.fail_all(&self.shared.name, cause);
                 failures.append(&mut job.early);
@@ -195,30 +207,69 @@ impl Drop for Workers {
     }
 }
 
-/// A worker's loop: take a job, run it, settle it, until the queue closes.
-fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor) {
-    let mut pool = BouncePool::default();
+/// A worker's loop: run the jobs of the queue until it closes. A panic while running fails
+/// the jobs that were running (every batch in the ring) and the worker carries on.
+fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &str) {
+    let mut pools = Vec::new();
     loop {
-        let job = receiver.lock().unwrap_or_else(PoisonError::into_inner).recv();
-        let Ok(mut job) = job else { return };
-        let Some(plans) = job.plans.as_ref() else { continue };
-        let shared = Arc::clone(&job.engine);
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            let mut batch =
-                Batch::new(plans, &job.table, &job.files, shared.limits, &mut pool, &shared.faults);
-            match &mut executor {
-                Executor::Ring(ring) => ring.run(&mut batch),
-                Executor::Blocking => sys::run_blocking(&mut batch),
+        let mut feed = Queue { receiver, pools: &mut pools };
+        let outcome = catch_unwind(AssertUnwindSafe(|| match &mut executor {
+            Executor::Ring(ring) => ring.serve(&mut feed),
+            Executor::Blocking => {
+                while let Some((job, mut batch)) = feed.next(false) {
+                    sys::run_blocking(&mut batch);
+                    feed.done(job, batch);
+                }
             }
-            batch.failures(&shared.name)
         }));
         match outcome {
-            Ok(failures) => job.settle(failures),
+            Ok(()) => return,
             Err(_) => {
-                tracing::error!(engine = %shared.name, "a batch panicked; its plans fail");
-                pool = BouncePool::default();
-                drop(job);
+                // The ring drained before unwinding past the batches; each job dropped with
+                // its batch failed its objects.
+                tracing::error!(engine, "a batch panicked; the batches running with it fail");
+                pools.clear();
             }
         }
+    }
+}
+
+/// A worker's side of the queue, for its executor: jobs in, settled jobs out.
+struct Queue<'a> {
+    receiver: &'a Mutex<Receiver<Box<Job>>>,
+    /// Bounce-buffer pools not lent to a running batch.
+    pools: &'a mut Vec<BouncePool>,
+}
+
+impl Feed for Queue<'_> {
+    type Owner = Box<Job>;
+
+    fn next(&mut self, busy: bool) -> Option<(Box<Job>, Batch)> {
+        loop {
+            let job = if busy {
+                // Never wait for the lock while requests are in flight: an idle worker holds
+                // it while it waits for a job, and will take the next one itself.
+                let receiver = match self.receiver.try_lock() {
+                    Ok(receiver) => receiver,
+                    Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                    Err(TryLockError::WouldBlock) => return None,
+                };
+                receiver.try_recv().ok()?
+            } else {
+                let receiver = self.receiver.lock().unwrap_or_else(PoisonError::into_inner);
+                receiver.recv().ok()?
+            };
+            if job.plans.is_none() {
+                continue;
+            }
+            let batch = job.batch(self.pools.pop().unwrap_or_default());
+            return Some((job, batch));
+        }
+    }
+
+    fn done(&mut self, mut job: Box<Job>, batch: Batch) {
+        let (failures, pool) = batch.outcome(&job.engine.name);
+        self.pools.push(pool);
+        job.settle(failures);
     }
 }

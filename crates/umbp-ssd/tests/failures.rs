@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::io::Write;
 use std::path::Path;
 
 use support::{HostBuf, POISON};
@@ -455,4 +456,73 @@ fn a_read_that_never_completes_ends_at_the_deadline_and_only_its_object_fails() 
         drop(engine);
         assert!(start.elapsed() < std::time::Duration::from_secs(2));
     }
+}
+
+/// One worker runs several batches in its ring at once: batches submitted behind one whose read
+/// cannot complete run and settle while it waits (one batch at a time, they would all have
+/// waited behind it), and it completes, byte-exact, once its bytes arrive.
+#[test]
+fn batches_behind_a_stuck_one_in_the_same_ring_run_and_settle_first() {
+    let dir = support::temp_dir();
+    if !support::backends("batches_behind_a_stuck_one").contains(&Backend::IoUring) {
+        return;
+    }
+    let registry = EndpointRegistry::new();
+    let config = umbp_ssd::SsdConfig::new().backend(Backend::IoUring).workers(1);
+    let engine = support::engine_with(&registry, config);
+    // A FIFO: its read waits until the test writes to it.
+    let fifo = dir.path().join("later.fifo");
+    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
+    let stuck_reg = engine
+        .register_file(FileSource::open(&fifo, FileOptions::new().direct(false)), 0, 1 << 20)
+        .unwrap();
+    let path = dir.path().join("fine.bin");
+    let pages = 16;
+    let file_bytes = support::pattern(29, (pages * PAGE) as usize);
+    support::write_file(&path, &file_bytes);
+    let fine_reg =
+        engine.register_file(FileSource::open(&path, FileOptions::new()), 0, pages * PAGE).unwrap();
+    let (stuck, fine) = (stuck_reg.id(), fine_reg.id());
+    // Destination page 2i for the stuck batch's objects, page 2i + 1 for batch i behind it.
+    let destination = HostBuf::new(&registry, (2 * pages * PAGE) as usize, 0, POISON);
+
+    let mut builder = engine.builder();
+    for (tag, file, at) in [(0u32, stuck, 0), (1, fine, 2 * PAGE)] {
+        builder.begin_object(Tag::new(tag)).unwrap();
+        builder.push(Fragment::new(file, 0, destination.id, at, 4096, Tag::new(tag))).unwrap();
+        builder.commit_object().unwrap();
+    }
+    let stuck_handle = engine.submit(builder.finish().unwrap());
+    let behind: Vec<_> = (0..pages)
+        .map(|i| {
+            let tag = Tag::new(i as u32);
+            let f = Fragment::new(fine, i * PAGE, destination.id, (2 * i + 1) * PAGE, PAGE, tag);
+            builder.begin_object(tag).unwrap();
+            builder.push(f).unwrap();
+            builder.commit_object().unwrap();
+            engine.submit(builder.finish().unwrap())
+        })
+        .collect();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !behind.iter().all(|h| h.is_done()) {
+        assert!(std::time::Instant::now() < give_up, "the batches behind the stuck one wait");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert!(!stuck_handle.is_done(), "the FIFO read completed with nothing written");
+    for (i, handle) in behind.into_iter().enumerate() {
+        let failures = handle.into_settled().failures;
+        assert!(failures.is_empty(), "batch {i}: {failures:?}");
+        let got = &destination.bytes()[((2 * i + 1) as u64 * PAGE) as usize..][..PAGE as usize];
+        assert!(got == &file_bytes[i * PAGE as usize..][..PAGE as usize], "page {i}");
+    }
+
+    // The stuck read's bytes arrive; its batch completes.
+    let sent = support::pattern(31, 4096);
+    std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(&sent).unwrap();
+    let failures = stuck_handle.into_settled().failures;
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(destination.bytes()[..4096] == sent[..]);
+    assert!(destination.bytes()[(2 * PAGE) as usize..][..4096] == file_bytes[..4096]);
 }
