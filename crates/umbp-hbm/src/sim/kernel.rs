@@ -4,12 +4,18 @@ use umbp_plan::host_copy::{copy_non_temporal, non_temporal_supported, store_fenc
 
 use crate::LaunchTable;
 
-/// Slice bodies of at least this many bytes are written with streaming stores, as the
-/// host-copy engine does by default: a GPU's copy does not pass through the CPU's caches, and
-/// a `memcpy` of each 32 KiB slice would read every destination line before writing it. With
-/// it, a simulated restore from DRAM runs at the speed of one large streaming copy of the same
-/// bytes instead of about 0.6 of it (`umbp-bench restore`).
+/// In launches of at least [`STREAM_LAUNCH`] bytes, slice bodies of at least this many bytes
+/// are written with streaming stores (the host-copy engine's default threshold).
 const STREAM_FROM: usize = 2 << 10;
+
+/// Launches that move at least this many bytes stream their slices: a GPU's copy does not pass
+/// through the CPU's caches, and for a restore far larger than the cache a `memcpy` of each
+/// 32 KiB slice reads every destination line before writing it. With streaming, a simulated
+/// restore from DRAM runs as fast as the same pages gathered by one thread with the best copy
+/// (`umbp-bench restore`), where it ran at 0.8 of that. Smaller launches keep `memcpy`: their
+/// destination stays in the cache, where plain stores are faster (`umbp-bench batch`, 4,096
+/// transfers of 4 KiB in one 16 MiB launch, took twice the overhead when streamed).
+const STREAM_LAUNCH: u64 = 32 << 20;
 
 /// Runs every block of `table`.
 ///
@@ -18,7 +24,8 @@ const STREAM_FROM: usize = 2 << 10;
 /// Every descriptor's source is readable and destination writable for its length, and no
 /// destination overlaps a source or another destination.
 pub(super) unsafe fn run(table: &LaunchTable) {
-    let stream_from = if non_temporal_supported() { STREAM_FROM } else { usize::MAX };
+    let stream = table.bytes() >= STREAM_LAUNCH && non_temporal_supported();
+    let stream_from = if stream { STREAM_FROM } else { usize::MAX };
     let mut streamed = false;
     for block in 0..table.blocks() {
         // The kernel's own mapping: find the descriptor, then the slice of it.
