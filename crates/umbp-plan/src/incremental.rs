@@ -13,12 +13,13 @@
 //!
 //! A page range ([`Run::push_walk`], [`PlanBuilder::push_walk`]) checks what holds for all its
 //! pages once: the walk's range rules, one branch-free pass over the pages against the source
-//! length, the destination range, and the pair (pointing the cursor at its plan). The pages are
-//! then written through the spare capacity of the plan's segment array (`append.rs`), so a
-//! page costs the merge decision and a store. Instructions per fragment, counted by
-//! `scripts/plan-instructions` on the Kimi-K3 restore shape: 71.3 at 64 KiB pages and 53.0 at
-//! 32 KiB before this path, 53.2 and 38.5 with it. About 480 of a range's instructions are
-//! fixed (finding the plan, the undo and tag records, the checks), about 20 per page.
+//! length, the destination range, and the pair (its plan found without moving the cursor,
+//! whose copy of the plan's tail is used if it is on that plan). The pages are then written
+//! through the spare capacity of the plan's segment array (`append.rs`), so a page costs the
+//! merge decision and a store. Instructions per fragment, counted by `scripts/plan-instructions`
+//! on the Kimi-K3 restore shape: 71.3 at 64 KiB pages and 53.0 at 32 KiB before this path,
+//! 49.9 and 36.5 with it: about 430 of a range's instructions are fixed (finding the plan, the
+//! undo and tag records, the checks), about 20 per page.
 //!
 //! # Undo log
 //!
@@ -314,7 +315,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     /// checked once.
     ///
     /// One pass over the range's pages checks them against the source endpoint (which rules
-    /// out overflow too), and the cursor is pointed at the pair's plan once. If every page fits,
+    /// out overflow too), and the pair's plan is found (or opened) once. If every page fits,
     /// and the destination range and the page size fit the pair's endpoints and the engine's
     /// maximum segment, each page costs only the engine's own fragment check, the merge
     /// decision and a store, with the tail and the segment array in locals. Otherwise each page
@@ -334,35 +335,44 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     ) -> Result<(), Error> {
         let span = walk.span(offset, len, dst_offset)?;
         let page_size = walk.page_size();
-        let src_len = self.table.get(src).map_or(0, Endpoint::len);
+        // Looked up without side effects: a range the walk refuses leaves no trace.
+        let found = self.find_plan(src, dst);
+        let src_len = match found {
+            Some(index) => self.states[index].src_len,
+            None => self.table.get(src).map_or(0, Endpoint::len),
+        };
         let within = src_len
             .checked_sub(page_size)
             .is_some_and(|limit| limit < 1 << 63 && walk.pages_at_most(&span, limit));
         if !within && walk.overflows(&span) {
             return Err(Error::Walk(crate::WalkError::Overflow));
         }
-        let fragment =
-            |p: PageFragment| Fragment::new(src, p.tier_offset, dst, p.dst_offset, p.len, tag);
-        let c = &self.cursor;
-        if (c.src, c.dst, c.tag) != (src, dst, u64::from(tag.get())) {
-            self.aim(tag, src, dst)?;
-        }
-        let c = &self.cursor;
+        let index = match found {
+            Some(index) => {
+                self.log_touch(index);
+                index
+            }
+            None => self.open_plan(tag, src, dst)?,
+        };
+        let state = &self.states[index];
         // The span's checks guarantee that `dst_offset + len` fits in 64 bits.
         let fits = within
-            && src_len == c.src_len
+            && src_len == state.src_len
             && page_size <= self.max_segment
-            && dst_offset + len <= c.dst_len;
+            && dst_offset + len <= state.dst_len;
         if !fits {
-            // Disarmed, the cursor sends the first page through `push_cold`, which records the
-            // object's tag in the plan.
-            self.cursor.tag = Cursor::DISARMED;
+            // Fragment by fragment through the cursor, which records the object's tag in the
+            // plan on the first one (a cursor already on this pair and object has done so).
+            let fragment =
+                |p: PageFragment| Fragment::new(src, p.tier_offset, dst, p.dst_offset, p.len, tag);
             return walk.fragments(&span, len, dst_offset).try_for_each(|p| self.push(fragment(p)));
         }
-        self.push_fitting(walk, &span, len, dst_offset, tag)
+        self.push_fitting(index, walk, &span, len, dst_offset, tag)
     }
 
-    /// The pages of a range that fits the cursor's plan ([`push_range`](Self::push_range)).
+    /// The pages of a range that fits plan `index` ([`push_range`](Self::push_range)). The
+    /// cursor is left where it was: the plan's tail is the cursor's if the cursor is on it,
+    /// the plan state's otherwise, and is updated where it lives.
     ///
     /// The engine's own check runs over every page first, in order, so a refused page rejects
     /// the object before anything is written (rules without one compile that pass away). Then
@@ -370,14 +380,15 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     /// page the merge decision and a store, with no capacity check or call.
     fn push_fitting(
         &mut self,
+        index: usize,
         walk: &PageWalk<'_>,
         span: &Span,
         len: u64,
         dst_offset: u64,
         tag: Tag,
     ) -> Result<(), Error> {
-        let c = &self.cursor;
-        let (index, src, dst, max) = (c.plan, c.src, c.dst, self.max_segment);
+        let plan = &self.plans[index];
+        let (src, dst, max) = (plan.src, plan.dst, self.max_segment);
         let page_size = walk.page_size();
         let fragment =
             |offset, dst_offset, len| Fragment::new(src, offset, dst, dst_offset, len, tag);
@@ -406,8 +417,11 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         if let Some(f) = refused {
             return self.reject(f);
         }
-        let joined = self.note_first(&first);
-        let mut tail = self.cursor.tail;
+        let on_cursor = self.cursor.plan == index;
+        let mut tail = if on_cursor { self.cursor.tail } else { self.states[index].tail };
+        let joined = tail.joins(first.src_offset, first.dst_offset, first.len, max);
+        let at = if joined { tail.last_len } else { 0 };
+        self.note_tag(index, tag, self.plans[index].segments.len(), at);
         let segments = &mut self.plans[index].segments;
         // Every write goes to the slots, so a page that joins can only join a written slot: a
         // first page that joins the plan's last segment takes that segment along.
@@ -426,7 +440,11 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             }
             slots
         });
-        self.cursor.tail = tail;
+        if on_cursor {
+            self.cursor.tail = tail;
+        } else {
+            self.states[index].tail = tail;
+        }
         Ok(())
     }
 
@@ -484,15 +502,29 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     /// The plan of a pair for the open object `tag`: found (and logged for undo on the object's
     /// first touch) or opened. A pair the engine refuses poisons the object.
     fn plan_for(&mut self, tag: Tag, src: EndpointId, dst: EndpointId) -> Result<usize, Error> {
+        match self.find_plan(src, dst) {
+            Some(index) => {
+                self.log_touch(index);
+                Ok(index)
+            }
+            None => self.open_plan(tag, src, dst),
+        }
+    }
+
+    /// The plan of a pair, if the batch has one: the destination's hint, else the map.
+    #[inline]
+    fn find_plan(&self, src: EndpointId, dst: EndpointId) -> Option<usize> {
         let hinted = self
             .dst_hint
             .get(dst.index())
             .copied()
             .filter(|&i| self.plans.get(i).is_some_and(|p| p.src == src && p.dst == dst));
-        if let Some(index) = hinted.or_else(|| self.by_pair.get(&(src, dst)).copied()) {
-            self.log_touch(index);
-            return Ok(index);
-        }
+        hinted.or_else(|| self.by_pair.get(&(src, dst)).copied())
+    }
+
+    /// Opens a plan for a pair the batch has none of, after checking that the engine carries
+    /// it; a refused pair poisons the open object `tag`.
+    fn open_plan(&mut self, tag: Tag, src: EndpointId, dst: EndpointId) -> Result<usize, Error> {
         match self.validate_pair(src, dst) {
             Ok(endpoints) => Ok(self.new_plan(src, dst, endpoints)),
             Err(reason) => Err(self.poison(tag, reason)),
