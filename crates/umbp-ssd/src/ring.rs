@@ -18,6 +18,11 @@ use crate::sys::{Dir, Request};
 /// its queue, where one batch at a time let the ring run dry at the end of every submit.
 pub(crate) const LANES: usize = 4;
 
+/// How long a ring that could take another batch waits for completions before it looks at the
+/// queue again. Where the kernel cannot bound a wait (before Linux 5.11), it looks only when a
+/// completion arrives.
+const LOOK_FOR_WORK: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Where a ring's batches come from and go ([`Ring::serve`]): the worker's queue.
 pub(crate) trait Feed {
     /// What travels with a batch (the submitted job to settle).
@@ -157,7 +162,8 @@ impl Ring {
             }
             let free = lanes.iter().position(Option::is_none);
             let draining = lanes.iter().flatten().all(|l| l.batch.issued_all());
-            if let (Some(free), true, true) = (free, draining, ring.in_flight < ring.depth) {
+            let admitting = free.is_some() && draining && ring.in_flight < ring.depth;
+            if let (Some(free), true) = (free, admitting) {
                 match feed.next(ring.in_flight > 0) {
                     Some((owner, batch)) => {
                         started += 1;
@@ -179,7 +185,13 @@ impl Ring {
             if ring.in_flight == 0 {
                 continue;
             }
-            let deadline = lanes.iter().flatten().filter_map(|l| l.deadline).min();
+            let mut deadline = lanes.iter().flatten().filter_map(|l| l.deadline).min();
+            if admitting {
+                // A batch queued while this thread waits for completions would wait for the
+                // next one (forever behind a request that never completes): look again soon.
+                let again = std::time::Instant::now() + LOOK_FOR_WORK;
+                deadline = Some(deadline.map_or(again, |d| d.min(again)));
+            }
             ring.enter(deadline);
             for cqe in ring.ring.completion() {
                 ring.in_flight -= 1;
