@@ -34,10 +34,10 @@ pub trait PlanBuilder {
     /// into open object `tag`: exactly what [`PageWalk::walk`] feeding [`push`](Self::push)
     /// does. A range the walk refuses returns [`Error::Walk`] with nothing pushed.
     ///
-    /// The default does just that. The incremental builder overrides it with its
-    /// [`Run`](crate::Run), which checks what holds for the whole range once, so a caller
-    /// holding any builder (a boxed one, the composite's) gets the fast path with one call per
-    /// range.
+    /// The default does just that. The incremental builder overrides it with the path of
+    /// [`Run::push_walk`](crate::Run::push_walk), which checks what holds for the whole range
+    /// once, so a caller holding any builder (a boxed one, the composite's) gets the fast path
+    /// with one call per range.
     #[allow(clippy::too_many_arguments)] // A range: a pair, the walk, three offsets, a tag.
     fn push_walk(
         &mut self,

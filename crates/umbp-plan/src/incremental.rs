@@ -867,12 +867,13 @@ impl<R: PlanRules> Run<'_, R> {
 
     /// Pushes the page fragments of object bytes `offset .. offset + len` of `walk`, destined
     /// for `dst_offset ..`: exactly what [`PageWalk::walk`] feeding [`push`](Self::push) does,
-    /// with the checks that hold for the whole range done once. After the first page (which
-    /// binds the pair), if all pages, the destination range and the page size fit the pair's
-    /// endpoints and the engine's maximum segment, every later page costs only the engine's
-    /// own check, the merge decision and a store.
+    /// with the checks that hold for the whole range done once (the module doc's "Ranges"). If
+    /// all pages, the destination range and the page size fit the pair's endpoints and the
+    /// engine's maximum segment, every page costs only the engine's own check, the merge
+    /// decision and a store; otherwise the pages go one by one through `push`.
     ///
-    /// A range the walk refuses returns [`Error::Walk`] with nothing pushed.
+    /// Errors: [`Error::ObjectRejected`] if the object was already refused; then a range the
+    /// walk refuses returns [`Error::Walk`] with nothing pushed; then those of `push`.
     #[inline]
     pub fn push_walk(
         &mut self,
