@@ -43,8 +43,8 @@ use crate::{
 };
 
 /// Where a plan's last segment ends and its length: what decides whether the next fragment
-/// merges into it. [`Tail::joins`] is the builder's one merge rule; the cursor appends with
-/// [`Tail::extend`], the range loop with [`Tail::put`].
+/// merges into it. [`Tail::joins`] is the builder's one merge rule, and [`Tail::extend`] its
+/// one way to append, for the cursor's pushes and a range's loop alike.
 #[derive(Copy, Clone, Debug)]
 struct Tail {
     next_src: u64,
@@ -77,21 +77,20 @@ impl Tail {
         src == self.next_src && dst == self.next_dst && self.last_len + len <= max
     }
 
-    /// Writes an accepted fragment through `slots`, extending the last slot written when the
-    /// fragment [`joins`](Self::joins) it: the twin of [`extend`](Self::extend) for the range
-    /// loop. A joining fragment needs that slot: the caller writes the segment this tail
-    /// describes into `slots` before anything can join it.
+    /// Appends an accepted fragment to `out`, extending the last segment when the fragment
+    /// [`joins`](Self::joins) it.
     #[inline(always)]
-    fn put(&mut self, slots: &mut Slots<'_, Segment>, max: u64, src: u64, dst: u64, len: u64) {
+    fn extend(&mut self, out: &mut impl Segments, max: u64, src: u64, dst: u64, len: u64) {
         if self.joins(src, dst, len, max) {
             self.last_len += len;
-            let last = slots.last_mut();
-            debug_assert!(last.is_some(), "a joining fragment needs its segment in the slots");
+            // A tail that something joins describes the last segment `out` holds.
+            let last = out.last_mut();
+            debug_assert!(last.is_some(), "a joining fragment needs its segment in `out`");
             if let Some(last) = last {
                 last.len = self.last_len;
             }
         } else {
-            slots.push(Segment { src_offset: src, dst_offset: dst, len });
+            out.push(Segment { src_offset: src, dst_offset: dst, len });
             self.last_len = len;
         }
         // In bounds (checked by the caller), so neither end overflows.
@@ -99,28 +98,41 @@ impl Tail {
         self.next_dst = dst + len;
     }
 
-    /// [`put`](Self::put) for a fragment whose destination starts where the tail's ends.
+    /// [`extend`](Self::extend) with a fragment whose destination starts where the tail's ends.
     #[inline(always)]
-    fn put_next(&mut self, slots: &mut Slots<'_, Segment>, max: u64, src: u64, len: u64) {
-        self.put(slots, max, src, self.next_dst, len);
+    fn extend_next(&mut self, out: &mut impl Segments, max: u64, src: u64, len: u64) {
+        self.extend(out, max, src, self.next_dst, len);
+    }
+}
+
+/// Where a [`Tail`]'s segments go: a plan's segment array (the cursor's pushes), or the spare
+/// capacity of one (a range's, through [`append`]).
+trait Segments {
+    fn push(&mut self, segment: Segment);
+    fn last_mut(&mut self) -> Option<&mut Segment>;
+}
+
+impl Segments for Vec<Segment> {
+    #[inline(always)]
+    fn push(&mut self, segment: Segment) {
+        Vec::push(self, segment);
     }
 
-    /// Appends an accepted fragment to `segments`, extending the last segment when it
-    /// [`joins`](Self::joins) it.
     #[inline(always)]
-    fn extend(&mut self, segments: &mut Vec<Segment>, max: u64, src: u64, dst: u64, len: u64) {
-        if self.joins(src, dst, len, max) {
-            self.last_len += len;
-            if let Some(last) = segments.last_mut() {
-                last.len = self.last_len;
-            }
-        } else {
-            segments.push(Segment { src_offset: src, dst_offset: dst, len });
-            self.last_len = len;
-        }
-        // In bounds (checked by the caller), so neither end overflows.
-        self.next_src = src + len;
-        self.next_dst = dst + len;
+    fn last_mut(&mut self) -> Option<&mut Segment> {
+        self.as_mut_slice().last_mut()
+    }
+}
+
+impl Segments for Slots<'_, Segment> {
+    #[inline(always)]
+    fn push(&mut self, segment: Segment) {
+        Slots::push(self, segment);
+    }
+
+    #[inline(always)]
+    fn last_mut(&mut self) -> Option<&mut Segment> {
+        Slots::last_mut(self)
     }
 }
 
@@ -430,13 +442,13 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             if let Some(segment) = carried {
                 slots.push(segment);
             }
-            tail.put(&mut slots, max, first.src_offset, first.dst_offset, first.len);
+            tail.extend(&mut slots, max, first.src_offset, first.dst_offset, first.len);
             // The destination is contiguous: each later page starts where the last one ended.
             for &page in whole {
-                tail.put_next(&mut slots, max, page, page_size);
+                tail.extend_next(&mut slots, max, page, page_size);
             }
             if let Some(page) = last {
-                tail.put_next(&mut slots, max, page, last_piece);
+                tail.extend_next(&mut slots, max, page, last_piece);
             }
             slots
         });
