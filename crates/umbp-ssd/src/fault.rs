@@ -84,6 +84,17 @@ mod enabled {
     }
 
     impl IoFault {
+        /// The `errno` of a fault that makes the engine's worker panic where the operation
+        /// would start, instead of failing it: to test that a panicking executor fails exactly
+        /// the batches it was running, settles them, and carries on ([`panic_covering`](Self::panic_covering)).
+        pub const PANIC: i32 = i32::MIN;
+
+        /// Makes the worker panic when it starts a read covering byte `offset` of file endpoint
+        /// `endpoint` (see [`PANIC`](Self::PANIC)).
+        pub const fn panic_covering(endpoint: EndpointId, offset: u64) -> Self {
+            Self::read_covering(endpoint, offset, Self::PANIC)
+        }
+
         /// Fails the `n`-th read (from 1) with `errno`, once.
         pub const fn nth_read(n: u64, errno: i32) -> Self {
             Self { op: FaultOp::Read, trigger: FaultTrigger::Nth(n), errno }
@@ -139,8 +150,18 @@ mod enabled {
             self.armed.store(false, Ordering::Relaxed);
         }
 
-        /// The errno to fail `op` (on file endpoint `file`) with, if a fault matches it.
+        /// The errno to fail `op` (on file endpoint `file`) with, if a fault matches it. Panics
+        /// if the matching fault is an [`IoFault::PANIC`].
         pub(crate) fn check(&self, file: EndpointId, op: &Op) -> Option<i32> {
+            let errno = self.matching(file, op);
+            if errno == Some(IoFault::PANIC) {
+                panic!("injected fault: the worker panics starting a read of {}", file.raw());
+            }
+            errno
+        }
+
+        /// The errno of the first fault matching `op`, counting it as seen by every rule.
+        fn matching(&self, file: EndpointId, op: &Op) -> Option<i32> {
             if !self.armed.load(Ordering::Relaxed) {
                 return None;
             }

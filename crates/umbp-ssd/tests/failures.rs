@@ -526,3 +526,68 @@ fn batches_behind_a_stuck_one_in_the_same_ring_run_and_settle_first() {
     assert!(destination.bytes()[..4096] == sent[..]);
     assert!(destination.bytes()[(2 * PAGE) as usize..][..4096] == file_bytes[..4096]);
 }
+
+/// A worker that panics while batches share its ring: every batch it was running settles (none
+/// hangs), each either completed byte-exact or failed whole with the panic as the cause, the
+/// worker carries on, and the next batches complete.
+#[test]
+fn a_worker_panicking_with_several_batches_in_its_ring_settles_them_all_and_carries_on() {
+    let dir = support::temp_dir();
+    for backend in support::backends("a_worker_panicking") {
+        let registry = EndpointRegistry::new();
+        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(1);
+        let engine = support::engine_with(&registry, config);
+        let pages = 32;
+        let path = dir.path().join(format!("panics_{backend:?}.bin"));
+        let file_bytes = support::pattern(37, (pages * PAGE) as usize);
+        support::write_file(&path, &file_bytes);
+        let reg = engine
+            .register_file(FileSource::open(&path, FileOptions::new()), 0, pages * PAGE)
+            .unwrap();
+        let file = reg.id();
+        let destination = HostBuf::new(&registry, (2 * pages * PAGE) as usize, 0, POISON);
+        // Batch b reads pages 4b .. 4b + 4; the read of page 13 (batch 3) panics.
+        engine.inject_fault(IoFault::panic_covering(file, 13 * PAGE + 5));
+        let submit = |b: u64| {
+            let mut builder = engine.builder();
+            for p in 4 * b..4 * b + 4 {
+                let tag = Tag::new(p as u32);
+                builder.begin_object(tag).unwrap();
+                let f = Fragment::new(file, p * PAGE, destination.id, 2 * p * PAGE, PAGE, tag);
+                builder.push(f).unwrap();
+                builder.commit_object().unwrap();
+            }
+            engine.submit(builder.finish().unwrap())
+        };
+        let handles: Vec<_> = (0..6).map(submit).collect();
+        let mut panicked = Vec::new();
+        for (b, handle) in handles.into_iter().enumerate() {
+            let failures = handle.into_settled().failures;
+            let pages_of = (4 * b as u64)..(4 * b as u64 + 4);
+            if failures.is_empty() {
+                for p in pages_of {
+                    let got = &destination.bytes()[(2 * p * PAGE) as usize..][..PAGE as usize];
+                    assert!(got == &file_bytes[(p * PAGE) as usize..][..PAGE as usize], "page {p}");
+                }
+                continue;
+            }
+            let failed: Vec<u32> = failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
+            let all: Vec<u32> = pages_of.map(|p| p as u32).collect();
+            assert_eq!(failed, all, "{backend:?}: batch {b} failed in part: {failures:?}");
+            assert!(
+                failures.iter().all(|f| matches!(&f.cause, FailureCause::NotAccepted(why) if why.contains("panicked"))),
+                "{failures:?}"
+            );
+            panicked.push(b);
+        }
+        assert!(panicked.contains(&3), "{backend:?}: the panicking batch reported success");
+        // The worker carries on: the same reads, fault cleared, all complete.
+        engine.clear_faults();
+        let failures = submit(3).into_settled().failures;
+        assert!(failures.is_empty(), "{backend:?}: {failures:?}");
+        for p in 12..16 {
+            let got = &destination.bytes()[(2 * p * PAGE) as usize..][..PAGE as usize];
+            assert!(got == &file_bytes[(p * PAGE) as usize..][..PAGE as usize], "page {p}");
+        }
+    }
+}
