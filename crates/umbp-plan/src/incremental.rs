@@ -18,7 +18,7 @@
 //! through the spare capacity of the plan's segment array (`append.rs`), so a page costs the
 //! merge decision and a store. Instructions per fragment, counted by `scripts/plan-instructions`
 //! on the Kimi-K3 restore shape: 71.3 at 64 KiB pages and 53.0 at 32 KiB before this path,
-//! 49.9 and 36.5 with it: about 430 of a range's instructions are fixed (finding the plan, the
+//! 50.0 and 36.6 with it: about 430 of a range's instructions are fixed (finding the plan, the
 //! undo and tag records, the checks), about 20 per page.
 //!
 //! # Undo log
@@ -468,35 +468,30 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             return Ok(());
         }
         let tag = self.open_for(f.tag)?;
-        self.aim(tag, f.src, f.dst)?;
+        let index = self.aim(tag, f.src, f.dst)?;
         if !self.cursor_accepts(&f) {
             return self.reject(f);
         }
-        self.note_first(&f);
+        let t = &self.cursor.tail;
+        let at = if t.joins(f.src_offset, f.dst_offset, f.len, self.max_segment) {
+            t.last_len
+        } else {
+            0
+        };
+        self.note_tag(index, tag, self.plans[index].segments.len(), at);
         self.push(f)
     }
 
     /// Points the cursor at the plan of `src → dst` for the open object `tag` (found, or
-    /// opened after checking the pair; see [`plan_for`](Self::plan_for)).
-    fn aim(&mut self, tag: Tag, src: EndpointId, dst: EndpointId) -> Result<(), Error> {
+    /// opened after checking the pair; see [`plan_for`](Self::plan_for)), and returns its index.
+    fn aim(&mut self, tag: Tag, src: EndpointId, dst: EndpointId) -> Result<usize, Error> {
         let index = self.plan_for(tag, src, dst)?;
         if self.cursor.plan == index {
             self.cursor.tag = u64::from(tag.get());
         } else {
             self.enter(index, tag);
         }
-        Ok(())
-    }
-
-    /// Records the open object's tag in the cursor's plan, given the object's first accepted
-    /// fragment there; returns whether that fragment extends the plan's last segment.
-    #[inline]
-    fn note_first(&mut self, f: &Fragment) -> bool {
-        let c = &self.cursor;
-        let joins = c.tail.joins(f.src_offset, f.dst_offset, f.len, self.max_segment);
-        let at = if joins { c.tail.last_len } else { 0 };
-        self.note_tag(c.plan, f.tag, self.plans[c.plan].segments.len(), at);
-        joins
+        Ok(index)
     }
 
     /// The open object's tag, if pushes for `tag` may go into it.

@@ -212,8 +212,12 @@ impl Ring {
 
     /// Pushes requests while the ring has room, from the oldest lane first.
     fn issue<O>(&mut self, lanes: &mut [Option<Lane<O>>]) {
-        let mut order: Vec<(u64, usize)> =
-            lanes.iter().enumerate().filter_map(|(i, l)| Some((l.as_ref()?.started, i))).collect();
+        // Oldest first; free lanes sort last. A fixed array: this runs once per completion
+        // round and allocates nothing.
+        let mut order = [(u64::MAX, 0usize); LANES];
+        for (i, lane) in lanes.iter().enumerate().take(LANES) {
+            order[i] = (lane.as_ref().map_or(u64::MAX, |l| l.started), i);
+        }
         order.sort_unstable();
         for (_, i) in order {
             let Some(lane) = lanes[i].as_mut() else { continue };
