@@ -12,6 +12,7 @@ use crate::batch::Limits;
 use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::ring::Ring;
+use crate::sys;
 use crate::worker::{Shared, Workers};
 use crate::{Backend, Error, FileInfo, SsdConfig, SsdRules};
 
@@ -54,6 +55,9 @@ impl SsdEngine {
         if !(1..=256).contains(&config.workers) {
             return Err(Error::InvalidConfig("the worker count must lie in 1..=256"));
         }
+        if config.worker_cpus.iter().any(|&cpu| cpu >= sys::MAX_CPUS) {
+            return Err(Error::InvalidConfig("a worker CPU must be below 1024"));
+        }
         // Whether io_uring works here, asked once on this thread; each worker then sets up
         // its own ring.
         let backend = match config.backend {
@@ -82,8 +86,13 @@ impl SsdEngine {
             name: config.name,
             overlap: Default::default(),
         });
-        let workers =
-            Workers::start(Arc::clone(&shared), backend, config.queue_depth, config.workers)?;
+        let workers = Workers::start(
+            Arc::clone(&shared),
+            backend,
+            config.queue_depth,
+            config.workers,
+            &config.worker_cpus,
+        )?;
         Ok(Self {
             shared,
             rules: SsdRules::new(config.max_segment),

@@ -23,4 +23,14 @@ pub enum Error {
         /// What the spawn returned.
         source: io::Error,
     },
+    /// A worker could not be pinned to its CPU
+    /// ([`SsdConfig::worker_cpus`](crate::SsdConfig::worker_cpus)): the CPU is offline, or
+    /// outside the CPUs this process may run on.
+    #[error("cannot pin a worker to CPU {cpu}: {source}")]
+    Affinity {
+        /// The CPU asked for.
+        cpu: usize,
+        /// What `sched_setaffinity` returned.
+        source: io::Error,
+    },
 }

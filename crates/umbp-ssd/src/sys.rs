@@ -280,6 +280,31 @@ unsafe fn perform(request: &Request) -> i32 {
     }
 }
 
+/// CPUs a `cpu_set_t` can name ([`pin_current_thread`]).
+pub(crate) const MAX_CPUS: usize = libc::CPU_SETSIZE as usize;
+
+/// Restricts the calling thread to run on `cpu` only. Fails with `EINVAL` for a CPU of
+/// [`MAX_CPUS`] or more, or one that is offline or outside the process's allowed CPUs.
+pub(crate) fn pin_current_thread(cpu: usize) -> io::Result<()> {
+    if cpu >= MAX_CPUS {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: `cpu_set_t` is a plain bit array, valid all zeros; `CPU_SET` writes bit `cpu`,
+    // inside the set because `cpu < CPU_SETSIZE` (checked above); `sched_setaffinity` reads
+    // `size_of::<cpu_set_t>()` bytes of the set, which is exactly its size, and pid 0 names the
+    // calling thread.
+    let result = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set)
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 fn last_errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
 }

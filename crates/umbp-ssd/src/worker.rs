@@ -106,28 +106,39 @@ impl Workers {
     /// Starts `count` workers. With [`Backend::IoUring`] each creates its own ring (a ring
     /// with a single issuer must be set up by the thread that uses it) and reports whether it
     /// could; `start` fails if one could not. With [`Backend::Blocking`] they use
-    /// `pread`/`pwrite`.
+    /// `pread`/`pwrite`. Worker `i` first pins itself to `cpus[i % cpus.len()]` when `cpus` is
+    /// not empty; `start` fails if it could not.
     pub(crate) fn start(
         shared: Arc<Shared>,
         backend: Backend,
         depth: u32,
         count: usize,
+        cpus: &[usize],
     ) -> Result<Self, Error> {
         let (sender, receiver) = channel::<Box<Job>>();
         let receiver = Arc::new(Mutex::new(receiver));
-        let (ready, started) = channel::<std::io::Result<()>>();
+        let (ready, started) = channel::<Result<(), Error>>();
         let mut workers = Self { sender: Some(sender), threads: Vec::new(), shared };
         for i in 0..count {
             let receiver = Arc::clone(&receiver);
             let ready = ready.clone();
             let name = workers.shared.name.clone();
+            let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let thread = std::thread::Builder::new()
                 .name(format!("{}-{i}", workers.shared.name))
                 .spawn(move || {
-                    let executor = match backend {
+                    // Pinned before the ring exists, so the ring's memory is first touched
+                    // on the worker's own CPU.
+                    let pinned = cpu.map_or(Ok(()), |cpu| {
+                        sys::pin_current_thread(cpu)
+                            .map_err(|source| Error::Affinity { cpu, source })
+                    });
+                    let executor = pinned.and_then(|()| match backend {
                         Backend::Blocking => Ok(Executor::Blocking),
-                        _ => Ring::new(depth).map(|ring| Executor::Ring(Box::new(ring))),
-                    };
+                        _ => Ring::new(depth)
+                            .map(|ring| Executor::Ring(Box::new(ring)))
+                            .map_err(|source| Error::RingUnavailable { source }),
+                    });
                     let executor = match executor {
                         Ok(executor) => executor,
                         Err(e) => {
@@ -144,7 +155,7 @@ impl Workers {
         }
         drop(ready);
         for outcome in started.iter() {
-            outcome.map_err(|source| Error::RingUnavailable { source })?;
+            outcome?;
         }
         Ok(workers)
     }
