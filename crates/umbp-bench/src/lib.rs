@@ -20,6 +20,7 @@ pub mod alloc_count;
 pub mod ceiling;
 pub mod chart;
 pub mod counters;
+pub mod disk;
 pub mod host_buffer;
 pub mod measure;
 pub mod perftest;

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
 use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
+use umbp_bench::disk::Placement;
 use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
 use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
@@ -227,6 +228,11 @@ struct SsdArgs {
     /// Skip the fio rows. Default: run fio when it is installed.
     #[arg(long)]
     no_fio: bool,
+    /// Where the engine's worker and fio run, both alike: `completions` (pinned to the CPU
+    /// that takes the disk's completion interrupts, found by a probe read), a CPU number, or
+    /// `none` (unpinned).
+    #[arg(long, default_value = "completions", value_parser = placement)]
+    cpu: Placement,
     /// Directory for the test file, on the SSD to measure (a temporary directory is created
     /// in it and removed afterwards).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
@@ -255,6 +261,15 @@ struct RestoreArgs {
     /// mixed rows). Target: 16 callers reach at least 0.9x one caller's GiB/s.
     #[arg(long, value_delimiter = ',', default_values = ["1", "4", "16"], value_parser = clap::value_parser!(u32).range(1..=64))]
     callers: Vec<u32>,
+    /// Where the SSD engine's workers and fio run, both alike: `completions` (pinned to the
+    /// CPU that takes the disk's completion interrupts, found by a probe read), a CPU number,
+    /// or `none` (unpinned).
+    #[arg(long, default_value = "completions", value_parser = placement)]
+    cpu: Placement,
+    /// Skip the fio runs the SSD restore alternates with. Default: run fio when it is
+    /// installed.
+    #[arg(long)]
+    no_fio: bool,
     /// Directory for the SSD tier's file (a temporary directory is created in it and removed
     /// afterwards).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
@@ -391,6 +406,17 @@ fn seconds(s: &str) -> Result<f64, String> {
         Ok(v)
     } else {
         Err(format!("{v} is not between 0 (excluded) and 3600"))
+    }
+}
+
+fn placement(s: &str) -> Result<Placement, String> {
+    match s {
+        "completions" => Ok(Placement::Completions),
+        "none" => Ok(Placement::Unpinned),
+        cpu => match cpu.parse::<usize>() {
+            Ok(cpu) if cpu < 1024 => Ok(Placement::Cpu(cpu)),
+            _ => Err(format!("`{s}` is not `completions`, `none` or a CPU number below 1024")),
+        },
     }
 }
 
@@ -638,9 +664,10 @@ fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
         seconds: args.seconds,
         repeats: args.repeats as usize,
         fio: !args.no_fio,
+        placement: args.cpu,
         seed: args.seed,
     };
-    let rows_per_size = if args.no_fio { 2 } else { 4 };
+    let rows_per_size = if args.no_fio { 2 } else { 6 };
     let estimate = args.block_sizes.len() as f64
         * rows_per_size as f64
         * f64::from(args.repeats)
@@ -660,6 +687,8 @@ fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
         iterations: args.iterations as usize,
         dir: args.dir.clone(),
         callers: args.callers.iter().map(|&c| c as usize).collect(),
+        placement: args.cpu,
+        fio: !args.no_fio,
         ..RestoreBenchConfig::default()
     };
     // The DRAM tier, the destinations in simulated device memory, and a read-back for
@@ -829,10 +858,13 @@ mod tests {
         let Some(Command::Ssd(s)) = parse(&["ssd"]).unwrap().command else { panic!() };
         assert_eq!(s.block_sizes, [ByteSize(256 << 10), ByteSize(4 << 10)]);
         assert_eq!((s.file_size, s.queue_depth, s.seconds), (ByteSize(1 << 30), 64, 3.0));
-        assert_eq!((s.repeats, s.no_fio), (3, false));
+        assert_eq!((s.repeats, s.no_fio, s.cpu), (3, false, Placement::Completions));
         let Some(Command::Restore(r)) = parse(&["restore"]).unwrap().command else { panic!() };
         assert_eq!((r.scale, r.ssd_fraction, r.page_size), (43, 0.5, ByteSize(64 << 10)));
-        assert_eq!(r.callers, [1, 4, 16]);
+        assert_eq!(
+            (r.callers.as_slice(), r.cpu, r.no_fio),
+            (&[1, 4, 16][..], Placement::Completions, false)
+        );
         let Some(Command::Layers(l)) = parse(&["layers"]).unwrap().command else { panic!() };
         assert_eq!((l.scale, l.ssd_fraction, l.compute_us, l.iterations), (16, 0.5, None, 3));
         let Some(Command::Batch(b)) = parse(&["batch"]).unwrap().command else { panic!() };
@@ -860,6 +892,12 @@ mod tests {
         assert_eq!(cli.out, Some(PathBuf::from("charts")));
         let Some(Command::Hbm(h)) = cli.command else { panic!() };
         assert_eq!(h.batch, ByteSize(3 << 19));
+        for (value, placement) in [("none", Placement::Unpinned), ("3", Placement::Cpu(3))] {
+            let Some(Command::Ssd(s)) = parse(&["ssd", "--cpu", value]).unwrap().command else {
+                panic!()
+            };
+            assert_eq!(s.cpu, placement);
+        }
     }
 
     #[test]
@@ -875,6 +913,8 @@ mod tests {
             &["batch", "--transfer-size", "-4KiB"],
             &["ssd", "--seconds", "0"],
             &["ssd", "--queue-depth", "5000"],
+            &["ssd", "--cpu", "1024"],
+            &["ssd", "--cpu", "irq"],
             &["remote", "--fragment-sizes", "48KiB"],
             &["remote", "--repeats", "0"],
             &["serve", "--bytes", "0"],

@@ -6,6 +6,12 @@
 //! route (SSD engine into a pinned bounce region, device engine from it). The mixed run is
 //! compared with its two halves run alone: when the engines overlap, it takes about as long as
 //! the slower half. Bytes are verified after timing.
+//!
+//! Each restore is set against the best this machine does with the same work from its slowest
+//! tier: the DRAM restore against host copies (one contiguous copy, and the same pages
+//! gathered by one thread), the SSD restore against fio reading the same bytes from the same
+//! file in the engine's read size and depth, alternating with it. The SSD engine's workers and
+//! fio run pinned to the same CPU ([`Placement`]).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -23,6 +29,7 @@ use umbp_ssd::{SsdConfig, SsdEngine};
 
 use crate::ceiling::{with_copy_ceiling, CeilingCopy, CeilingSamples, GatherCeiling};
 use crate::chart::{BarChart, Reference, Series};
+use crate::disk::{self, FioAmount, FioReads, Placement};
 use crate::measure::{Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
@@ -45,6 +52,10 @@ pub struct RestoreBenchConfig {
     /// Caller counts of the many-callers sweep (each shares one composite and restores its
     /// own share of the objects); counts above 1 add rows for the DRAM and mixed sources.
     pub callers: Vec<usize>,
+    /// Where the SSD engine's workers and fio run. Default [`Placement::Completions`].
+    pub placement: Placement,
+    /// Whether the SSD row alternates with fio (when it is installed). Default true.
+    pub fio: bool,
 }
 
 impl Default for RestoreBenchConfig {
@@ -57,6 +68,8 @@ impl Default for RestoreBenchConfig {
             iterations: 3,
             dir: std::env::temp_dir(),
             callers: vec![1, 4, 16],
+            placement: Placement::Completions,
+            fio: true,
         }
     }
 }
@@ -90,12 +103,15 @@ pub struct RestoreRow {
     /// `null` on other rows and when the difference is within the runs' spread.
     pub ratio_to_one_caller: Option<f64>,
     /// The `dram` row: the host-copy ceiling with the same threads (one: the device engine's
-    /// lane copies on one executor thread), GiB/s; `null` on other rows.
+    /// lane copies on one executor thread), GiB/s. The `ssd` row: fio's random reads of the
+    /// restore's bytes from the same file, one page per read at the engine's queue depth, the
+    /// median of its runs alternating with the restore. `null` on other rows.
     pub ceiling_gib_s: Option<f64>,
-    /// `gib_s / ceiling_gib_s` on the `dram` row.
+    /// `gib_s / ceiling_gib_s` on the `dram` and `ssd` rows.
     pub vs_ceiling: Option<f64>,
-    /// The `dram` row: which copy the ceiling is (`memcpy` or `streaming`), and the other
-    /// copy's GiB/s; `null` on other rows.
+    /// Which run the ceiling is: `memcpy` or `streaming` (the `dram` row), `fio` or
+    /// `fio-registered` (fio with registered buffers and files; the `ssd` row); and the other
+    /// one's GiB/s. `null` on other rows.
     pub ceiling_copy: Option<&'static str>,
     /// See `ceiling_copy`.
     pub other_copy_gib_s: Option<f64>,
@@ -108,10 +124,12 @@ pub struct RestoreRow {
     pub vs_gather_ceiling: Option<f64>,
     /// `vs_gather_ceiling` against 0.9 (`met`, `unmet`, `within noise`).
     pub gather_verdict: Option<Verdict>,
-    /// `vs_ceiling` against its target of 0.9 on the DRAM row, `ratio_to_slower_half` against
-    /// its target of at most 1.1 on the incremental mixed row (`met`, `unmet`, `within
+    /// `vs_ceiling` against its target of 0.9 on the DRAM and SSD rows, `ratio_to_slower_half`
+    /// against its target of at most 1.1 on the incremental mixed row (`met`, `unmet`, `within
     /// noise`); `null` on other rows.
     pub verdict: Option<Verdict>,
+    /// The CPU the SSD engine's workers and fio were pinned to; `null`: unpinned.
+    pub ssd_cpu: Option<usize>,
 }
 
 /// A timed run: the median, the spread of its iterations, and whether it was verified.
@@ -147,6 +165,9 @@ pub(crate) struct Setup {
     /// Device memory, one buffer per range of an object; freed when dropped.
     destinations: Vec<Registration>,
     _bounce: Vec<u8>,
+    /// The SSD tier's file, and the CPU its engine's workers are pinned to.
+    path: std::path::PathBuf,
+    ssd_cpu: Option<usize>,
     _dir: tempfile::TempDir,
 }
 
@@ -161,13 +182,14 @@ pub(crate) fn setup(
     let dir = tempfile::tempdir_in(&config.dir)?;
     let path = dir.path().join("kv-tier.bin");
     std::fs::File::create(&path)?.write_all(&arena)?;
+    let ssd_cpu = config.placement.cpu(&path);
 
     let registry = EndpointRegistry::new();
     let gpu = DeviceOrdinal::new(0);
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let hbm_config = HbmConfig { pin_registered_host: Some(gpu), ..HbmConfig::default() };
     let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), hbm_config));
-    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new())?);
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new().worker_cpus(ssd_cpu))?);
     let file = ssd.register_file(
         FileSource::open(&path, FileOptions::new().writable(false)),
         0,
@@ -206,6 +228,8 @@ pub(crate) fn setup(
         hbm,
         destinations,
         _bounce: bounce,
+        path,
+        ssd_cpu,
         _dir: dir,
     };
     Ok((setup, composite))
@@ -421,7 +445,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
 
     progress.step("writing the tiers");
     let (setup_inc, composite) = setup(config, false)?;
-    let shape = setup_inc.shape;
+    let (shape, ssd_cpu) = (setup_inc.shape, setup_inc.ssd_cpu);
     let row = |source, builder, objects: &[usize], callers, t: Timing| {
         let bytes = bytes_of(objects, &shape);
         RestoreRow {
@@ -444,6 +468,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             vs_gather_ceiling: None,
             gather_verdict: None,
             verdict: None,
+            ssd_cpu,
         }
     };
     let it = config.iterations;
@@ -478,8 +503,47 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     dram_row.gather_verdict =
         Some(Verdict::at_least(Some(vs_gather), 0.9, dram.spread + gather_best.spread));
     rows.push(dram_row);
-    progress.step("ssd");
-    rows.push(row("ssd", "incremental", &all, 1, setup_inc.run(&composite, &all, |_| true, it)));
+    let fio = config.fio && disk::fio_available();
+    progress.step(if fio { "ssd, alternating with fio" } else { "ssd" });
+    let reads = FioReads {
+        path: &setup_inc.path,
+        size: setup_inc.table.tier_pages * shape.page_size,
+        block_size: shape.page_size,
+        depth: SsdConfig::DEFAULT_QUEUE_DEPTH,
+        amount: FioAmount::Bytes(bytes_of(&all, &shape)),
+        cpu: setup_inc.ssd_cpu,
+    };
+    // fio's runs, plain and with registered buffers and files, before each timed restore.
+    let mut fio_runs: [Vec<f64>; 2] = Default::default();
+    let mut alternate = |timed: bool| {
+        if !(fio && timed) {
+            return;
+        }
+        for (registered, runs) in fio_runs.iter_mut().enumerate() {
+            match reads.run(registered == 1) {
+                Ok(run) => runs.push(run.gib_s),
+                Err(e) => eprintln!("umbp-bench restore: fio: {e:#}"),
+            }
+        }
+    };
+    let ssd = setup_inc.run_callers(&composite, &all, |_| true, 1, it, &mut alternate);
+    let mut ssd_row = row("ssd", "incremental", &all, 1, ssd);
+    let [plain, registered] = fio_runs.map(|runs| (!runs.is_empty()).then(|| Timed::of(&runs)));
+    let best = match (plain, registered) {
+        (Some(p), Some(r)) if r.median > p.median => Some((r, "fio-registered", Some(p))),
+        (Some(p), r) => Some((p, "fio", r)),
+        (None, Some(r)) => Some((r, "fio-registered", None)),
+        (None, None) => None,
+    };
+    if let Some((best, name, other)) = best {
+        let vs_fio = ssd_row.gib_s / best.median;
+        ssd_row.ceiling_gib_s = Some(best.median);
+        ssd_row.vs_ceiling = Some(vs_fio);
+        ssd_row.ceiling_copy = Some(name);
+        ssd_row.other_copy_gib_s = other.map(|o| o.median);
+        ssd_row.verdict = Some(Verdict::at_least(Some(vs_fio), 0.9, ssd.spread + best.spread));
+    }
+    rows.push(ssd_row);
     progress.step("mixed and its two halves alone, taking turns");
     let dram_only: &(dyn Fn(usize) -> bool + Sync) = &|_| false;
     let ssd_only: &(dyn Fn(usize) -> bool + Sync) = &|_| true;
@@ -570,7 +634,21 @@ pub fn table(rows: &[RestoreRow]) -> String {
             callers
         );
     }
-    for r in rows.iter().filter(|r| r.ceiling_gib_s.is_some()) {
+    for r in rows.iter().filter(|r| r.source == "ssd" && r.ceiling_gib_s.is_some()) {
+        let pinned = r.ssd_cpu.map_or("unpinned".into(), |cpu| format!("pinned to CPU {cpu}"));
+        out += &format!(
+            "\nssd to the device (staged): {:.2} of fio reading the same bytes from the same file \
+             ({:.2} GiB/s, {}, one page per read at depth {}, {pinned} like the engine's \
+             workers; the other fio run: {}): {} (target: at least 0.9)",
+            r.vs_ceiling.unwrap_or(0.0),
+            r.ceiling_gib_s.unwrap_or(0.0),
+            r.ceiling_copy.unwrap_or("-"),
+            SsdConfig::DEFAULT_QUEUE_DEPTH,
+            r.other_copy_gib_s.map_or("-".into(), |x| format!("{x:.2} GiB/s")),
+            r.verdict.map_or("-", Verdict::as_str)
+        );
+    }
+    for r in rows.iter().filter(|r| r.source == "dram" && r.ceiling_gib_s.is_some()) {
         out += &format!(
             "\n{} to the device: {:.2} of the host-copy ceiling with one thread ({:.2} GiB/s, {}; \
              the other copy: {:.2} GiB/s): {} (target: at least 0.9)",
@@ -657,6 +735,8 @@ mod tests {
             objects: 2,
             iterations: 1,
             callers: vec![1, 2],
+            placement: Placement::Unpinned,
+            fio: false,
             ..RestoreBenchConfig::default()
         };
         let rows = run(&config, &Progress::quiet()).unwrap();

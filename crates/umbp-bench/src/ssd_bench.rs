@@ -3,16 +3,23 @@
 //! One file of [`file_size`](SsdBenchConfig::file_size) bytes (1 GiB by default) is created in
 //! a temporary directory and filled with a known pattern. For each block size (256 KiB and
 //! 4 KiB by default) the run measures, on that one file, with the page cache dropped before
-//! each row where permitted:
+//! each measurement where permitted:
 //!
 //! - `engine-qd1`: the engine with queue depth 1;
 //! - `engine`: the engine with its queue depth (64 by default);
-//! - `fio`: `fio --ioengine=io_uring --direct=1 --rw=randread` with the same file, block size
-//!   and depth (1 and the engine's depth), one job. Skipped, with a message, when `fio` is not
-//!   on `PATH`.
+//! - `fio` and `fio-registered`: `fio --ioengine=io_uring --direct=1 --rw=randread` with the
+//!   same file, block size and depth (1 and the engine's depth), one job; the second run adds
+//!   fio's registered buffers and files (`--fixedbufs --registerfiles`). Skipped, with a
+//!   message, when `fio` is not on `PATH`.
 //!
 //! Each row is measured [`repeats`](SsdBenchConfig::repeats) times, the rows of a block size
-//! taking turns, and reports its median measurement with the spread.
+//! taking turns (each round starting at the next row), and reports its median measurement with
+//! the spread. An engine row's `vs_fio` is the median over the rounds of its throughput over
+//! the faster fio run of the same round at the same depth, so drift between rounds cancels and
+//! fio keeps whichever of its options serves it better.
+//!
+//! The engine's worker and fio run pinned to the same CPU ([`Placement`]; by default the one
+//! that takes the disk's completions, see [`disk`](crate::disk) for why).
 //!
 //! The engine runs with one worker (one ring, like one fio job) and a maximum segment of one
 //! block, so every read is one block at a random block-aligned offset. Each submit is a plan
@@ -22,17 +29,16 @@
 //! the last ones of the batch before complete. Each read of a submit lands in its own
 //! block-sized slot of one host buffer (reads into the same memory would break the engine's
 //! overlap rule), so a submit carries at most 64 MiB of slots' worth of reads (256 reads of
-//! 256 KiB, 4,096 of 4 KiB at depth 64); the bytes are not looked at while timing. Before timing, a batch of distinct blocks is read into distinct slots and
-//! checked against the pattern (`verified`).
+//! 256 KiB, 4,096 of 4 KiB at depth 64); the bytes are not looked at while timing. Before
+//! timing, a batch of distinct blocks is read into distinct slots and checked against the
+//! pattern (`verified`).
 //!
-//! Targets: `engine` at least 95 % of `fio` at the same depth for 256 KiB reads
-//! (`vs_fio`), and batched submission at least 1.3 × `engine-qd1` (`vs_qd1`).
+//! Targets (`verdict`): `engine` at least 0.95 of fio at the batched depth and at least 0.9 at
+//! depth 1, for every block size; batched submission at least 1.3 × `engine-qd1` (`vs_qd1`).
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -43,7 +49,9 @@ use umbp_plan::{
 };
 use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
+use crate::disk::{self, FioAmount, FioReads, Placement};
 use crate::host_buffer::HostBuffer;
+use crate::measure::{Timed, Verdict};
 
 /// Settings of `umbp-bench ssd`.
 #[derive(Clone, Debug)]
@@ -60,12 +68,14 @@ pub struct SsdBenchConfig {
     /// Seconds each measurement runs. Default 3.
     pub seconds: f64,
     /// Measurements per row, taken in turns with the other rows of the same block size, each
-    /// round starting at the next row (engine-qd1, engine, fio-qd1, fio; then engine, fio-qd1,
-    /// ...); the row reports the median. A shared disk drifts, and taking turns spreads the
-    /// drift over all rows. Default 3.
+    /// round starting at the next row (engine-qd1, engine, fio-qd1, fio, ...; then engine,
+    /// fio-qd1, ...); the row reports the median. A shared disk drifts, and taking turns
+    /// spreads the drift over all rows. Default 3.
     pub repeats: usize,
     /// Whether to run the `fio` rows. Default true.
     pub fio: bool,
+    /// Where the engine's worker and fio run. Default [`Placement::Completions`].
+    pub placement: Placement,
     /// Seed of the random offsets. Default 42.
     pub seed: u64,
 }
@@ -80,6 +90,7 @@ impl Default for SsdBenchConfig {
             seconds: 3.0,
             repeats: 3,
             fio: true,
+            placement: Placement::Completions,
             seed: 42,
         }
     }
@@ -90,7 +101,7 @@ impl Default for SsdBenchConfig {
 pub struct SsdRow {
     /// Bytes per read.
     pub block_size: u64,
-    /// `engine-qd1`, `engine` or `fio`.
+    /// `engine-qd1`, `engine`, `fio` or `fio-registered`.
     pub mode: &'static str,
     /// Reads in flight at most.
     pub queue_depth: u32,
@@ -110,6 +121,8 @@ pub struct SsdRow {
     pub max_gib_s: f64,
     /// The executor: `io_uring`, `pread` (the engine's fallback) or `fio-io_uring`.
     pub backend: &'static str,
+    /// The CPU the engine's worker (or fio's job) was pinned to; `null`: unpinned.
+    pub cpu: Option<usize>,
     /// Whether the file was read with `O_DIRECT`.
     pub direct: bool,
     /// Whether the page cache was dropped before the row (`posix_fadvise` always; also
@@ -117,9 +130,14 @@ pub struct SsdRow {
     pub cache_dropped: bool,
     /// Engine rows: the verification read before timing matched the file's pattern.
     pub verified: Option<bool>,
-    /// Engine rows: `gib_s` over fio's at the same block size and depth (target for 256 KiB
-    /// at the batched depth: at least 0.95).
+    /// Engine rows: the median over the rounds of `gib_s` over the faster fio run (`fio` or
+    /// `fio-registered`) of the same round, block size and depth; `null` without fio.
     pub vs_fio: Option<f64>,
+    /// Engine rows: the spread of those per-round ratios, `(max - min) / median`.
+    pub vs_fio_spread: Option<f64>,
+    /// Engine rows: `vs_fio` against its target (at least 0.95 at the batched depth, 0.9 at
+    /// depth 1), `within noise` when the target lies inside the ratios' spread.
+    pub verdict: Option<Verdict>,
     /// `engine` rows: `gib_s` over `engine-qd1`'s at the same block size (target: at least
     /// 1.3).
     pub vs_qd1: Option<f64>,
@@ -146,49 +164,112 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         .with_context(|| format!("creating a temporary directory in {}", base.display()))?;
     let path = dir.path().join("ssd-bench.bin");
     create_file(&path, config.file_size)?;
-    let fio = config.fio && fio_available();
+    let fio = config.fio && disk::fio_available();
+    let cpu = config.placement.cpu(&path);
 
     let repeats = config.repeats.max(1);
     let mut rows = Vec::new();
     for &block_size in &config.block_sizes {
-        // Samples of engine-qd1, engine, fio-qd1, fio.
-        let mut samples: [Vec<SsdRow>; 4] = Default::default();
+        // Per depth (1, then batched): the engine's samples and fio's plain and registered
+        // ones, in round order (a failed fio run leaves a NaN).
+        let mut engine: [Vec<SsdRow>; 2] = Default::default();
+        let mut fio_runs: [[Vec<SsdRow>; 2]; 2] = Default::default();
         for repeat in 0..repeats {
-            // Each repeat starts at the next row, so no row always runs first or last.
-            for k in (0..4).map(|k| (k + repeat) % 4) {
-                let depth = if k % 2 == 0 { 1 } else { config.queue_depth };
-                let sample = match k {
-                    0 => measure_engine(&path, config, block_size, depth, "engine-qd1")?,
-                    1 => measure_engine(&path, config, block_size, depth, "engine")?,
-                    _ if !fio => continue,
-                    _ => match measure_fio(&path, config, block_size, depth) {
-                        Ok(row) => row,
-                        Err(e) => {
-                            eprintln!(
-                                "umbp-bench ssd: fio at {block_size} B, depth {depth}: {e:#}"
-                            );
-                            continue;
-                        }
-                    },
+            // Each repeat starts at the next row, so no row always runs first or last: k is
+            // engine-qd1, engine, fio-qd1, fio, fio-registered-qd1, fio-registered.
+            for turn in 0..6 {
+                let k = (turn + repeat) % 6;
+                let (batched, registered) = (k % 2 == 1, k >= 4);
+                let depth = if batched { config.queue_depth } else { 1 };
+                if k < 2 {
+                    let mode = ["engine-qd1", "engine"][k];
+                    engine[k].push(measure_engine(&path, config, block_size, depth, mode, cpu)?);
+                    continue;
+                }
+                if !fio {
+                    continue;
+                }
+                let reads = FioReads {
+                    path: &path,
+                    size: config.file_size,
+                    block_size,
+                    depth,
+                    amount: FioAmount::Seconds(config.seconds),
+                    cpu,
                 };
-                samples[k].push(sample);
+                let sample = reads
+                    .run(registered)
+                    .map(|run| fio_row(block_size, depth, registered, cpu, run));
+                let sample = sample.unwrap_or_else(|e| {
+                    eprintln!("umbp-bench ssd: fio at {block_size} B, depth {depth}: {e:#}");
+                    let mut row = fio_row(block_size, depth, registered, cpu, Default::default());
+                    row.gib_s = f64::NAN;
+                    row
+                });
+                fio_runs[usize::from(batched)][usize::from(registered)].push(sample);
             }
         }
-        let [qd1, batched, fio_qd1, fio_batched] = samples.map(median);
-        let (Some(qd1), Some(mut batched)) = (qd1, batched) else {
-            unreachable!("every repeat measures both engine rows")
-        };
-        batched.vs_qd1 = Some(batched.gib_s / qd1.gib_s);
-        let mut engine_rows = [qd1, batched];
-        let fio_rows: Vec<SsdRow> = [fio_qd1, fio_batched].into_iter().flatten().collect();
-        for row in &mut engine_rows {
-            let fio = fio_rows.iter().find(|f| f.queue_depth == row.queue_depth);
-            row.vs_fio = fio.map(|f| row.gib_s / f.gib_s);
+        let mut engine_rows: Vec<SsdRow> = Vec::new();
+        for (d, samples) in engine.into_iter().enumerate() {
+            let [plain, registered] = &fio_runs[d];
+            // The faster fio run of each round; NaN where both failed.
+            let best: Vec<f64> =
+                plain.iter().zip(registered).map(|(a, b)| a.gib_s.max(b.gib_s)).collect();
+            let ratios: Vec<f64> = samples
+                .iter()
+                .zip(&best)
+                .map(|(e, f)| e.gib_s / f)
+                .filter(|r| r.is_finite())
+                .collect();
+            let mut row = median(samples).expect("every repeat measures both engine rows");
+            if !ratios.is_empty() {
+                let Timed { median: ratio, spread } = Timed::of(&ratios);
+                let target = if d == 1 { 0.95 } else { 0.9 };
+                row.vs_fio = Some(ratio);
+                row.vs_fio_spread = Some(spread);
+                row.verdict = Some(Verdict::at_least(Some(ratio), target, spread));
+            }
+            engine_rows.push(row);
         }
+        engine_rows[1].vs_qd1 = Some(engine_rows[1].gib_s / engine_rows[0].gib_s);
         rows.extend(engine_rows);
-        rows.extend(fio_rows);
+        for runs in fio_runs.into_iter().flatten() {
+            let ok: Vec<SsdRow> = runs.into_iter().filter(|r| r.gib_s.is_finite()).collect();
+            rows.extend(median(ok));
+        }
     }
     Ok(rows)
+}
+
+/// A fio run as a row.
+fn fio_row(
+    block_size: u64,
+    depth: u32,
+    registered: bool,
+    cpu: Option<usize>,
+    run: disk::FioRun,
+) -> SsdRow {
+    SsdRow {
+        block_size,
+        mode: if registered { "fio-registered" } else { "fio" },
+        queue_depth: depth,
+        gib_s: run.gib_s,
+        iops: run.iops,
+        bytes: run.bytes,
+        seconds: run.seconds,
+        samples: 1,
+        min_gib_s: 0.0,
+        max_gib_s: 0.0,
+        backend: "fio-io_uring",
+        cpu,
+        direct: true,
+        cache_dropped: run.cache_dropped,
+        verified: None,
+        vs_fio: None,
+        vs_fio_spread: None,
+        verdict: None,
+        vs_qd1: None,
+    }
 }
 
 /// The median measurement by throughput, with the spread of all of them; `None` if none.
@@ -222,18 +303,6 @@ fn create_file(path: &Path, size: u64) -> anyhow::Result<()> {
     }
     file.sync_all().context("syncing the test file")?;
     Ok(())
-}
-
-/// Drops the file's pages from the page cache: `posix_fadvise(DONTNEED)`, and, where
-/// permitted, `/proc/sys/vm/drop_caches`. Returns whether the global drop worked.
-fn drop_cache(path: &Path) -> bool {
-    if let Ok(file) = File::open(path) {
-        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
-        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    }
-    // SAFETY: sync has no preconditions.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "1").is_ok()
 }
 
 /// A host buffer registered as an endpoint, aligned to 4 KiB.
@@ -285,9 +354,11 @@ fn measure_engine(
     block_size: u64,
     depth: u32,
     mode: &'static str,
+    cpu: Option<usize>,
 ) -> anyhow::Result<SsdRow> {
     let registry = EndpointRegistry::new();
-    let engine_config = SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1);
+    let engine_config =
+        SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1).worker_cpus(cpu);
     let engine = SsdEngine::new(registry.clone(), engine_config).context("starting the engine")?;
     let registration = engine
         .register_file(
@@ -330,7 +401,7 @@ fn measure_engine(
     }
     builder.recycle(settled.plans);
 
-    let cache_dropped = drop_cache(path);
+    let cache_dropped = disk::drop_cache(path);
     let timed = Duration::from_secs_f64(config.seconds);
     let mut reads = 0u64;
     let mut batches = 0u64;
@@ -384,87 +455,13 @@ fn measure_engine(
         min_gib_s: 0.0,
         max_gib_s: 0.0,
         backend,
+        cpu,
         direct,
         cache_dropped,
         verified: Some(verified),
         vs_fio: None,
-        vs_qd1: None,
-    })
-}
-
-/// Whether `fio` runs; prints why the fio rows are skipped when it does not.
-fn fio_available() -> bool {
-    match Command::new("fio").arg("--version").output() {
-        Ok(out) if out.status.success() => true,
-        Ok(out) => {
-            eprintln!(
-                "umbp-bench ssd: skipping the fio rows: `fio --version` failed ({})",
-                out.status
-            );
-            false
-        }
-        Err(e) => {
-            eprintln!("umbp-bench ssd: skipping the fio rows: fio is not installed ({e})");
-            false
-        }
-    }
-}
-
-fn measure_fio(
-    path: &Path,
-    config: &SsdBenchConfig,
-    block_size: u64,
-    depth: u32,
-) -> anyhow::Result<SsdRow> {
-    let cache_dropped = drop_cache(path);
-    let runtime = config.seconds.ceil().max(1.0) as u64;
-    let out = Command::new("fio")
-        .arg("--name=umbp-ssd-bench")
-        .arg(format!("--filename={}", path.display()))
-        .arg("--rw=randread")
-        .arg(format!("--bs={block_size}"))
-        .arg(format!("--iodepth={depth}"))
-        .arg("--ioengine=io_uring")
-        .arg("--direct=1")
-        .arg(format!("--size={}", config.file_size))
-        .arg(format!("--runtime={runtime}"))
-        .arg("--time_based=1")
-        .arg("--numjobs=1")
-        .arg("--norandommap=1")
-        .arg("--randrepeat=0")
-        .arg("--output-format=json")
-        .output()
-        .context("running fio")?;
-    if !out.status.success() {
-        bail!("fio failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let json: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing fio's JSON output")?;
-    let read = &json["jobs"][0]["read"];
-    let (Some(bw), Some(iops), Some(bytes), Some(runtime_ms)) = (
-        read["bw_bytes"].as_f64(),
-        read["iops"].as_f64(),
-        read["io_bytes"].as_u64(),
-        read["runtime"].as_f64(),
-    ) else {
-        bail!("fio's JSON lacks jobs[0].read.{{bw_bytes, iops, io_bytes, runtime}}");
-    };
-    Ok(SsdRow {
-        block_size,
-        mode: "fio",
-        queue_depth: depth,
-        gib_s: bw / f64::from(1u32 << 30),
-        iops,
-        bytes,
-        seconds: runtime_ms / 1000.0,
-        samples: 1,
-        min_gib_s: 0.0,
-        max_gib_s: 0.0,
-        backend: "fio-io_uring",
-        direct: true,
-        cache_dropped,
-        verified: None,
-        vs_fio: None,
+        vs_fio_spread: None,
+        verdict: None,
         vs_qd1: None,
     })
 }
@@ -484,6 +481,7 @@ mod tests {
             seconds: 0.05,
             repeats: 2,
             fio: false,
+            placement: Placement::Unpinned,
             seed: 1,
         };
         let rows = try_run(&config).expect("run");
@@ -491,5 +489,46 @@ mod tests {
         assert!(rows.iter().all(|r| r.verified == Some(true) && r.bytes > 0 && r.samples == 2));
         assert_eq!((rows[0].mode, rows[1].mode), ("engine-qd1", "engine"));
         assert!(rows[1].vs_qd1.is_some());
+    }
+
+    /// With fio: both of its runs appear at both depths, and every engine row carries a ratio
+    /// to the faster of them and a verdict.
+    #[test]
+    fn with_fio_every_engine_row_is_judged_against_it() {
+        if !disk::fio_available() {
+            eprintln!("skipping: fio is not installed");
+            return;
+        }
+        let config = SsdBenchConfig {
+            file_size: 8 << 20,
+            dir: None,
+            block_sizes: vec![64 << 10],
+            queue_depth: 4,
+            seconds: 0.05,
+            repeats: 1,
+            fio: true,
+            placement: Placement::Unpinned,
+            seed: 1,
+        };
+        let rows = try_run(&config).expect("run");
+        let modes: Vec<(&str, u32)> = rows.iter().map(|r| (r.mode, r.queue_depth)).collect();
+        assert_eq!(
+            modes,
+            [
+                ("engine-qd1", 1),
+                ("engine", 4),
+                ("fio", 1),
+                ("fio-registered", 1),
+                ("fio", 4),
+                ("fio-registered", 4)
+            ]
+        );
+        for engine in &rows[..2] {
+            let fio = rows[2..].iter().filter(|f| f.queue_depth == engine.queue_depth);
+            let best = fio.map(|f| f.gib_s).fold(0.0, f64::max);
+            let ratio = engine.vs_fio.expect("a ratio to fio");
+            assert!((ratio - engine.gib_s / best).abs() < 1e-9 * ratio, "{engine:?}");
+            assert!(engine.verdict.is_some() && engine.vs_fio_spread == Some(0.0));
+        }
     }
 }

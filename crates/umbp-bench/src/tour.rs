@@ -68,6 +68,8 @@ impl TourConfig {
             dir: self.dir.clone(),
             // The many-callers sweep is `umbp-bench restore`'s; the tour keeps to one caller.
             callers: vec![1],
+            // A tiny tour (the tests') measures nothing worth a fio run.
+            fio: !self.tiny,
             ..RestoreBenchConfig::default()
         }
     }
@@ -288,6 +290,12 @@ pub fn summarize(
         }
         if let (Some(vs), Some(verdict)) = (dram.vs_gather_ceiling, dram.gather_verdict) {
             let figure = "DRAM restore / the same pages gathered by one thread";
+            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+        }
+    }
+    if let Some(ssd) = restore.iter().find(|r| r.source == "ssd" && r.callers == 1) {
+        if let (Some(vs), Some(verdict)) = (ssd.vs_ceiling, ssd.verdict) {
+            let figure = "SSD restore (staged) / fio reading the same bytes";
             lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
         }
     }

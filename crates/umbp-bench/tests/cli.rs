@@ -387,10 +387,13 @@ fn ssd_json_fields() {
         "min_gib_s",
         "max_gib_s",
         "backend",
+        "cpu",
         "direct",
         "cache_dropped",
         "verified",
         "vs_fio",
+        "vs_fio_spread",
+        "verdict",
         "vs_qd1",
     ];
     check_fields("ssd", &lines, &fields);
@@ -411,6 +414,7 @@ fn restore_json_fields() {
         "1",
         "--callers",
         "1,2",
+        "--no-fio",
         "--dir",
         dir.path().to_str().unwrap(),
         "--json",
@@ -435,6 +439,7 @@ fn restore_json_fields() {
         "vs_gather_ceiling",
         "gather_verdict",
         "verdict",
+        "ssd_cpu",
     ];
     check_fields("restore", &lines, &fields);
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
