@@ -19,7 +19,7 @@
 //! fio keeps whichever of its options serves it better.
 //!
 //! The engine's worker and fio run pinned to the same CPU ([`Placement`]; by default the one
-//! that takes the disk's completions, see [`disk`](crate::disk) for why).
+//! that takes the disk's completions, see [`disk`] for why).
 //!
 //! The engine runs with one worker (one ring, like one fio job) and a maximum segment of one
 //! block, so every read is one block at a random block-aligned offset. Each submit is a plan

@@ -158,9 +158,10 @@ impl Engine {
     #[new]
     ///
     /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
-    /// `None`: UCX's choice).
+    /// `None`: UCX's choice). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
+    /// to, worker `i` to the `i`-th (cycling); `None`: not pinned.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64, remote=false, remote_transports=None))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None))]
     fn new(
         device: &str,
         sim_devices: u32,
@@ -168,6 +169,7 @@ impl Engine {
         workers: usize,
         bounce_bytes: usize,
         ssd_queue_depth: u32,
+        ssd_worker_cpus: Option<Vec<usize>>,
         remote: bool,
         remote_transports: Option<String>,
     ) -> PyResult<Self> {
@@ -195,8 +197,10 @@ impl Engine {
             }
         };
         let host = Arc::new(LocalCopyEngine::new(registry.clone()));
-        let ssd = SsdEngine::new(registry.clone(), SsdConfig::new().queue_depth(ssd_queue_depth))
-            .map_err(error)?;
+        let ssd_config = SsdConfig::new()
+            .queue_depth(ssd_queue_depth)
+            .worker_cpus(ssd_worker_cpus.unwrap_or_default());
+        let ssd = SsdEngine::new(registry.clone(), ssd_config).map_err(error)?;
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
         let remote = match remote {
             true => {

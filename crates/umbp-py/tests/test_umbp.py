@@ -84,6 +84,24 @@ def test_host_copies_and_ssd_round_trip(engine, tmp_path):
     assert m["ssd/host->file"]["bytes"] == 3 * PAGE and m["in_flight"]["batches"] == 0
 
 
+def test_ssd_workers_pinned_to_a_cpu_restore_exactly_and_a_forbidden_cpu_is_an_error(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    engine = umbp.Engine(ssd_worker_cpus=[allowed[-1]])
+    src = pattern(4 * PAGE, 5)
+    path = tmp_path / "pinned.bin"
+    path.write_bytes(bytes(src))
+    dst = np.zeros(4 * PAGE, dtype=np.uint8)
+    with engine.register(dst) as d, engine.register_file(path) as f:
+        pages = [3 * PAGE, 0, 2 * PAGE]
+        restore = umbp.Object(1, f, pages, PAGE, 3 * PAGE, [umbp.Range(0, 3 * PAGE, d, 0)])
+        engine.restore([restore]).raise_for_errors()
+        for k, page in enumerate(pages):
+            assert bytes(dst[k * PAGE:(k + 1) * PAGE]) == bytes(src[page:page + PAGE])
+    forbidden = next(cpu for cpu in range(1023, -1, -1) if cpu not in allowed)
+    with pytest.raises(umbp.Error, match=f"CPU {forbidden}"):
+        umbp.Engine(ssd_worker_cpus=[forbidden])
+
+
 def test_an_invalid_range_rejects_only_its_object_with_the_reason(engine):
     tier_bytes = pattern(8 * PAGE, 3)
     with engine.register(tier_bytes) as tier, engine.alloc_device(4 * PAGE) as kv:

@@ -335,7 +335,10 @@ class Engine:
 
     ``device="sim"`` keeps device memory in host memory (runs anywhere); ``"cuda"`` needs a
     build with the CUDA backend (:data:`CUDA`) and an NVIDIA GPU. Host memory registered here
-    is pinned for ``pin_device`` so the gather kernel reads it directly."""
+    is pinned for ``pin_device`` so the gather kernel reads it directly. ``ssd_worker_cpus``
+    pins the SSD engine's workers (worker ``i`` to the ``i``-th CPU, cycling): best on the CPUs
+    that take the disk's completion interrupts (``/proc/interrupts``), away from the threads
+    that feed the GPU; a CPU this process may not use raises :class:`Error`."""
 
     def __init__(
         self,
@@ -346,6 +349,7 @@ class Engine:
         workers: int = 8,
         bounce_bytes: int = 64 << 20,
         ssd_queue_depth: int = 64,
+        ssd_worker_cpus: Optional[Sequence[int]] = None,
         remote: bool = False,
         remote_transports: Optional[str] = None,
     ):
@@ -356,6 +360,7 @@ class Engine:
             workers=workers,
             bounce_bytes=bounce_bytes,
             ssd_queue_depth=ssd_queue_depth,
+            ssd_worker_cpus=None if ssd_worker_cpus is None else list(ssd_worker_cpus),
             remote=remote,
             remote_transports=remote_transports,
         )

@@ -53,6 +53,7 @@ class Engine:
         workers: int = 8,
         bounce_bytes: int = ...,
         ssd_queue_depth: int = 64,
+        ssd_worker_cpus: Optional[List[int]] = None,
         remote: bool = False,
         remote_transports: Optional[str] = None,
     ) -> None: ...
