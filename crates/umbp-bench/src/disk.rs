@@ -20,7 +20,6 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use serde::Serialize;
 
 /// Where the SSD engine's workers and fio run.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -162,7 +161,7 @@ pub struct FioReads<'a> {
 }
 
 /// One fio run's figures.
-#[derive(Copy, Clone, Debug, Default, Serialize)]
+#[derive(Copy, Clone, Debug)]
 pub struct FioRun {
     /// Throughput, GiB/s.
     pub gib_s: f64,

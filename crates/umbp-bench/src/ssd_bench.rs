@@ -171,9 +171,9 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
     let mut rows = Vec::new();
     for &block_size in &config.block_sizes {
         // Per depth (1, then batched): the engine's samples and fio's plain and registered
-        // ones, in round order (a failed fio run leaves a NaN).
+        // ones, in round order (`None` where a fio run failed).
         let mut engine: [Vec<SsdRow>; 2] = Default::default();
-        let mut fio_runs: [[Vec<SsdRow>; 2]; 2] = Default::default();
+        let mut fio_runs: [[Vec<Option<SsdRow>>; 2]; 2] = Default::default();
         for repeat in 0..repeats {
             // Each repeat starts at the next row, so no row always runs first or last: k is
             // engine-qd1, engine, fio-qd1, fio, fio-registered-qd1, fio-registered.
@@ -197,29 +197,27 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
                     amount: FioAmount::Seconds(config.seconds),
                     cpu,
                 };
-                let sample = reads
-                    .run(registered)
-                    .map(|run| fio_row(block_size, depth, registered, cpu, run));
-                let sample = sample.unwrap_or_else(|e| {
-                    eprintln!("umbp-bench ssd: fio at {block_size} B, depth {depth}: {e:#}");
-                    let mut row = fio_row(block_size, depth, registered, cpu, Default::default());
-                    row.gib_s = f64::NAN;
-                    row
-                });
+                let sample = match reads.run(registered) {
+                    Ok(run) => Some(fio_row(block_size, depth, registered, cpu, run)),
+                    Err(e) => {
+                        eprintln!("umbp-bench ssd: fio at {block_size} B, depth {depth}: {e:#}");
+                        None
+                    }
+                };
                 fio_runs[usize::from(batched)][usize::from(registered)].push(sample);
             }
         }
         let mut engine_rows: Vec<SsdRow> = Vec::new();
         for (d, samples) in engine.into_iter().enumerate() {
             let [plain, registered] = &fio_runs[d];
-            // The faster fio run of each round; NaN where both failed.
-            let best: Vec<f64> =
-                plain.iter().zip(registered).map(|(a, b)| a.gib_s.max(b.gib_s)).collect();
+            // Against the faster fio run of each round; a round where both failed has no ratio.
             let ratios: Vec<f64> = samples
                 .iter()
-                .zip(&best)
-                .map(|(e, f)| e.gib_s / f)
-                .filter(|r| r.is_finite())
+                .zip(plain.iter().zip(registered))
+                .filter_map(|(e, (a, b))| {
+                    let best = a.iter().chain(b).map(|f| f.gib_s).reduce(f64::max)?;
+                    Some(e.gib_s / best)
+                })
                 .collect();
             let mut row = median(samples).expect("every repeat measures both engine rows");
             if !ratios.is_empty() {
@@ -234,8 +232,7 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         engine_rows[1].vs_qd1 = Some(engine_rows[1].gib_s / engine_rows[0].gib_s);
         rows.extend(engine_rows);
         for runs in fio_runs.into_iter().flatten() {
-            let ok: Vec<SsdRow> = runs.into_iter().filter(|r| r.gib_s.is_finite()).collect();
-            rows.extend(median(ok));
+            rows.extend(median(runs.into_iter().flatten().collect()));
         }
     }
     Ok(rows)
@@ -470,20 +467,23 @@ fn measure_engine(
 mod tests {
     use super::*;
 
-    /// A tiny run: the engine rows verify and the ratios are filled in.
-    #[test]
-    fn a_small_run_verifies_and_relates_rows() {
-        let config = SsdBenchConfig {
+    /// An 8 MiB file, 64 KiB reads, 50 ms per measurement, unpinned.
+    fn tiny() -> SsdBenchConfig {
+        SsdBenchConfig {
             file_size: 8 << 20,
             dir: None,
             block_sizes: vec![64 << 10],
-            queue_depth: 8,
             seconds: 0.05,
-            repeats: 2,
-            fio: false,
             placement: Placement::Unpinned,
             seed: 1,
-        };
+            ..SsdBenchConfig::default()
+        }
+    }
+
+    /// A tiny run: the engine rows verify and the ratios are filled in.
+    #[test]
+    fn a_small_run_verifies_and_relates_rows() {
+        let config = SsdBenchConfig { queue_depth: 8, repeats: 2, fio: false, ..tiny() };
         let rows = try_run(&config).expect("run");
         assert_eq!(rows.len(), 2);
         assert!(rows.iter().all(|r| r.verified == Some(true) && r.bytes > 0 && r.samples == 2));
@@ -499,17 +499,7 @@ mod tests {
             eprintln!("skipping: fio is not installed");
             return;
         }
-        let config = SsdBenchConfig {
-            file_size: 8 << 20,
-            dir: None,
-            block_sizes: vec![64 << 10],
-            queue_depth: 4,
-            seconds: 0.05,
-            repeats: 1,
-            fio: true,
-            placement: Placement::Unpinned,
-            seed: 1,
-        };
+        let config = SsdBenchConfig { queue_depth: 4, repeats: 1, fio: true, ..tiny() };
         let rows = try_run(&config).expect("run");
         let modes: Vec<(&str, u32)> = rows.iter().map(|r| (r.mode, r.queue_depth)).collect();
         assert_eq!(
