@@ -11,8 +11,30 @@
 //! Non-temporal stores are weakly ordered: whoever publishes the copied bytes (a completion
 //! count, a `Release` store, a return to the caller) must call [`store_fence`] first.
 //! [`copy_streaming`] does so itself.
+//!
+//! # Four 4 KiB runs at once
+//!
+//! Copying one run of bytes front to back, even with streaming stores, leaves a thread well
+//! below what the memory gives it: the hardware prefetcher does not cross a 4 KiB page, so it
+//! starts cold at every page, and one run keeps too few lines in flight to hide the memory's
+//! latency. glibc's large `memcpy` (above its non-temporal threshold) therefore copies four
+//! 4 KiB runs interleaved, a few lines from each in turn. Where the CPU has AVX2, [`copy_non_temporal`] does the same for every whole 16 KiB
+//! of a copy. Measured on a 2-vCPU Xeon VM, one thread, 1 GiB copied as 64 KiB pieces taken
+//! from random places of a 2 GiB pool, against one contiguous 1 GiB `memcpy` (11.0–11.5 GiB/s):
+//!
+//! | copy of each piece | GiB/s | of the contiguous `memcpy` |
+//! |---|---|---|
+//! | `memcpy` | 6.3–6.5 | 0.57 |
+//! | SSE2 streaming stores, front to back (this kernel's first version) | 7.8–7.9 | 0.70 |
+//! | AVX2 streaming stores, four runs interleaved, prefetching 512 bytes ahead | 9.3–10.4 | 0.83–0.91 |
+//!
+//! `umbp-bench restore`'s DRAM restore into the simulated device, which streams its slices
+//! through this kernel, went from 7.5–7.7 to 9.7–10.0 GiB/s. Eight runs, two or four vectors
+//! per run and step, AVX-512, prefetching 256 or 768 bytes ahead, and prefetching the next
+//! piece's start all stayed inside those figures' spread. AVX2 rather than AVX-512 also keeps
+//! the kernel inside what valgrind's memcheck emulates.
 
-#![allow(unsafe_code)] // The SSE2 kernel and the fence; every block says why it holds.
+#![allow(unsafe_code)] // The SSE2 and AVX2 kernels and the fence; every block says why it holds.
 
 use std::ptr;
 
@@ -59,7 +81,8 @@ pub fn store_fence() {
 }
 
 /// Copies `len` bytes from `src` to `dst` with non-temporal stores where the CPU has them
-/// (a plain copy elsewhere). The stores are not fenced; see [`store_fence`].
+/// (a plain copy elsewhere). The stores are not fenced; see [`store_fence`]. From 16 KiB up,
+/// on CPUs with AVX2, four 4 KiB runs at a time (see the [module docs](self)).
 ///
 /// # Safety
 ///
@@ -69,9 +92,12 @@ pub fn store_fence() {
 /// - [`non_temporal_supported`] must have returned `true`.
 pub unsafe fn copy_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller's conditions are exactly `copy_non_temporal_sse2`'s.
-    unsafe {
-        copy_non_temporal_sse2(src, dst, len)
+    if len >= INTERLEAVED_BLOCK && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the caller's conditions, and AVX2 is present (checked just now).
+        unsafe { copy_non_temporal_avx2(src, dst, len) }
+    } else {
+        // SAFETY: the caller's conditions are exactly `copy_non_temporal_sse2`'s.
+        unsafe { copy_non_temporal_sse2(src, dst, len) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     // SAFETY: the caller's first condition is `copy_nonoverlapping`'s.
@@ -126,6 +152,81 @@ unsafe fn copy_non_temporal_sse2(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done) };
 }
 
+/// Bytes of one run of the interleaved kernel: the hardware prefetcher's range, a 4 KiB page.
+const RUN: usize = 4096;
+
+/// Runs the interleaved kernel copies at once.
+const RUNS: usize = 4;
+
+/// The interleaved kernel's unit: [`RUNS`] runs side by side. Shorter copies take the SSE2
+/// kernel.
+const INTERLEAVED_BLOCK: usize = RUN * RUNS;
+
+/// Bytes each run moves per step: four 32-byte vectors, two cache lines. With [`RUNS`] runs a
+/// step holds 16 vectors, every AVX2 register.
+const STEP: usize = 128;
+
+/// How far ahead of its loads each run prefetches (256 and 768 bytes were no faster, 1,024
+/// slower).
+const PREFETCH_AHEAD: usize = 512;
+
+/// The AVX2 kernel: a plain head copy up to the destination's next 32-byte boundary, then
+/// blocks of [`RUNS`] × [`RUN`] bytes, each block's runs copied side by side [`STEP`] bytes at a
+/// time with unaligned loads and `vmovntdq` streaming stores, then the rest through the SSE2
+/// kernel. See the [module docs](self) for why.
+///
+/// # Safety
+///
+/// As [`copy_non_temporal`]: valid, non-overlapping, unshared ranges; and AVX2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_non_temporal_avx2(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm256_setzero_si256, _mm256_stream_si256, _mm_prefetch,
+        _MM_HINT_T0,
+    };
+
+    let head = (dst.addr().wrapping_neg() & 31).min(len);
+    // SAFETY: `head <= len`, so both ranges are inside the caller's valid, disjoint ranges.
+    unsafe { ptr::copy_nonoverlapping(src, dst, head) };
+    let mut done = head;
+    while len - done >= INTERLEAVED_BLOCK {
+        for at in (0..RUN).step_by(STEP) {
+            let mut v = [[_mm256_setzero_si256(); 4]; RUNS];
+            for (run, vectors) in v.iter_mut().enumerate() {
+                let from = done + run * RUN + at;
+                // Prefetching is a hint that never faults and has no effect the program can
+                // observe, so its address (which may lie past the source at the last block) is
+                // computed with wrapping arithmetic and needs no validity.
+                let ahead = src.wrapping_add(from + PREFETCH_AHEAD).cast::<i8>();
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                let s = src.wrapping_add(from).cast::<__m256i>();
+                for (i, vector) in vectors.iter_mut().enumerate() {
+                    // SAFETY: bytes `from .. from + STEP` lie inside the source: the block
+                    // `done .. done + INTERLEAVED_BLOCK` does (loop condition), `run < RUNS`
+                    // and `at + STEP <= RUN`; `_mm256_loadu_si256` needs no alignment.
+                    *vector = unsafe { _mm256_loadu_si256(s.add(i)) };
+                }
+            }
+            for (run, vectors) in v.iter().enumerate() {
+                let d = dst.wrapping_add(done + run * RUN + at).cast::<__m256i>();
+                for (i, vector) in vectors.iter().enumerate() {
+                    // SAFETY:
+                    // 1. the same bytes of the destination, inside it for the same reasons;
+                    // 2. `dst + done` is 32-byte aligned (the head brought it there, and every
+                    //    offset added since is a multiple of 32), as `_mm256_stream_si256`
+                    //    requires.
+                    unsafe { _mm256_stream_si256(d.add(i), *vector) };
+                }
+            }
+        }
+        done += INTERLEAVED_BLOCK;
+    }
+    // SAFETY: `done <= len`: the rest lies inside both ranges; SSE2 is part of AVX2.
+    unsafe { copy_non_temporal_sse2(src.add(done), dst.add(done), len - done) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +247,57 @@ mod tests {
                     assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
                 }
             }
+        }
+    }
+
+    /// Lengths around the interleaved kernel's block, at every destination alignment modulo 32
+    /// and a few source ones: whole blocks, a block and a byte short or over, blocks plus an
+    /// odd tail, and pseudo-random lengths up to 96 KiB. The bytes around the destination must
+    /// stay untouched.
+    #[test]
+    fn interleaved_copy_matches_copy_nonoverlapping_around_whole_blocks() {
+        const MAX: usize = 96 << 10;
+        let src: Vec<u8> = (0..MAX as u32 + 64).map(|i| (i * 13 + i / 4099) as u8).collect();
+        let mut got = vec![0u8; MAX + 64];
+        let mut want = vec![0u8; MAX + 64];
+        let block = INTERLEAVED_BLOCK;
+        let mut lengths = vec![block - 1, block, block + 1, 2 * block + 31, 3 * block + 4097];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        lengths.extend((0..8).map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            block + (seed % (MAX - block) as u64) as usize
+        }));
+        for &len in &lengths {
+            for dst_offset in 0..33 {
+                for src_offset in [0, 1, 16, 33] {
+                    got.fill(0xEE);
+                    want.fill(0xEE);
+                    let from = &src[src_offset..src_offset + len];
+                    copy_streaming(&mut got[dst_offset..dst_offset + len], from);
+                    want[dst_offset..dst_offset + len].copy_from_slice(from);
+                    assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
+                }
+            }
+        }
+    }
+
+    /// The SSE2 kernel, which CPUs without AVX2 use for long copies too.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn sse2_kernel_copies_long_runs_exactly() {
+        let src: Vec<u8> = (0..70_000u32).map(|i| (i * 31 + i / 257) as u8).collect();
+        for (len, offset) in [(INTERLEAVED_BLOCK, 0), (65_536 + 17, 5), (69_000, 31)] {
+            let mut got = vec![0xEEu8; len + offset + 1];
+            // SAFETY: `src[offset..]` holds `len` bytes and `got[offset..]` `len + 1`; two
+            // distinct vectors; SSE2 is part of every x86_64 CPU.
+            unsafe {
+                copy_non_temporal_sse2(src[offset..].as_ptr(), got[offset..].as_mut_ptr(), len)
+            };
+            store_fence();
+            assert_eq!(&got[offset..offset + len], &src[offset..offset + len], "len {len}");
+            assert!(got[..offset].iter().chain(&got[offset + len..]).all(|&b| b == 0xEE));
         }
     }
 
