@@ -175,10 +175,63 @@ pub struct FioRun {
     pub cache_dropped: bool,
 }
 
+/// The memory fio reads into. The benches run fio with each kind the machine allows and
+/// compare the engine with the fastest, because the engine's own buffers
+/// ([`umbp_plan::AlignedBuffer::for_direct_io`]) ask for huge pages: on a disk that serves
+/// requests with few memory segments faster, fio's default buffers alone would be a ceiling
+/// the engine could beat for the wrong reason.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FioBuffers {
+    /// fio's own buffers and file descriptors (`--iomem=malloc`, its default).
+    Default,
+    /// Buffers and the file registered with the ring (`--fixedbufs --registerfiles`).
+    Registered,
+    /// Buffers in huge pages (`--iomem=shmhuge`), which needs free huge pages reserved
+    /// (`vm.nr_hugepages`).
+    HugePages,
+}
+
+impl FioBuffers {
+    /// The row name of a fio run with these buffers.
+    pub fn mode(self) -> &'static str {
+        match self {
+            FioBuffers::Default => "fio",
+            FioBuffers::Registered => "fio-registered",
+            FioBuffers::HugePages => "fio-huge",
+        }
+    }
+
+    /// The kinds fio can use for `depth` reads of `block_size` bytes in flight: all three
+    /// where enough reserved huge pages are free for its buffers, else the first two.
+    pub fn available(depth: u32, block_size: u64) -> Vec<FioBuffers> {
+        let mut kinds = vec![FioBuffers::Default, FioBuffers::Registered];
+        let needed = u64::from(depth) * block_size + HUGE_PAGE;
+        if free_huge_page_bytes().is_some_and(|free| free >= needed) {
+            kinds.push(FioBuffers::HugePages);
+        }
+        kinds
+    }
+}
+
+/// fio's huge pages, and the engine's: 2 MiB.
+const HUGE_PAGE: u64 = umbp_plan::AlignedBuffer::HUGE_PAGE as u64;
+
+/// Bytes of reserved huge pages free now (`HugePages_Free` of `/proc/meminfo`, in pages of
+/// 2 MiB); `None` where it cannot be read or the pages are of another size.
+fn free_huge_page_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        meminfo.lines().find_map(|line| {
+            let value = line.strip_prefix(name)?.strip_prefix(':')?;
+            value.split_whitespace().next()?.parse::<u64>().ok()
+        })
+    };
+    (field("Hugepagesize")? * 1024 == HUGE_PAGE).then_some(field("HugePages_Free")? * HUGE_PAGE)
+}
+
 impl FioReads<'_> {
-    /// Runs fio once, with its default buffers and file descriptors, or with `registered`
-    /// buffers and files (`--fixedbufs --registerfiles`), after dropping the file's cache.
-    pub fn run(&self, registered: bool) -> anyhow::Result<FioRun> {
+    /// Runs fio once into `buffers`, after dropping the file's cache.
+    pub fn run(&self, buffers: FioBuffers) -> anyhow::Result<FioRun> {
         let cache_dropped = drop_cache(self.path);
         let mut fio = Command::new("fio");
         fio.arg("--name=umbp-bench")
@@ -199,8 +252,14 @@ impl FioReads<'_> {
             }
             FioAmount::Bytes(bytes) => fio.arg(format!("--io_size={bytes}")),
         };
-        if registered {
-            fio.arg("--fixedbufs=1").arg("--registerfiles=1");
+        match buffers {
+            FioBuffers::Default => {}
+            FioBuffers::Registered => {
+                fio.arg("--fixedbufs=1").arg("--registerfiles=1");
+            }
+            FioBuffers::HugePages => {
+                fio.arg("--iomem=shmhuge");
+            }
         }
         if let Some(cpu) = self.cpu {
             fio.arg(format!("--cpus_allowed={cpu}"));

@@ -7,16 +7,19 @@
 //!
 //! - `engine-qd1`: the engine with queue depth 1;
 //! - `engine`: the engine with its queue depth (64 by default);
-//! - `fio` and `fio-registered`: `fio --ioengine=io_uring --direct=1 --rw=randread` with the
-//!   same file, block size and depth (1 and the engine's depth), one job; the second run adds
-//!   fio's registered buffers and files (`--fixedbufs --registerfiles`). Skipped, with a
-//!   message, when `fio` is not on `PATH`.
+//! - `fio`, `fio-registered` and `fio-huge`: `fio --ioengine=io_uring --direct=1
+//!   --rw=randread` with the same file, block size and depth (1 and the engine's depth), one
+//!   job; the second run adds fio's registered buffers and files (`--fixedbufs
+//!   --registerfiles`), the third reads into huge pages (`--iomem=shmhuge`), as the engine's
+//!   slots do ([`umbp_plan::AlignedBuffer::for_direct_io`]). `fio-huge` runs only where enough
+//!   reserved huge pages are free (`vm.nr_hugepages`), and says so on stderr otherwise. All of
+//!   fio is skipped, with a message, when `fio` is not on `PATH`.
 //!
 //! Each row is measured [`repeats`](SsdBenchConfig::repeats) times, the rows of a block size
 //! taking turns (each round starting at the next row), and reports its median measurement with
 //! the spread. An engine row's `vs_fio` is the median over the rounds of its throughput over
-//! the faster fio run of the same round at the same depth, so drift between rounds cancels and
-//! fio keeps whichever of its options serves it better.
+//! the fastest fio run of the same round at the same depth, so drift between rounds cancels and
+//! fio keeps whichever of its options serves it best.
 //!
 //! The engine's worker and fio run pinned to the same CPU ([`Placement`]; by default the one
 //! that takes the disk's completions, see [`disk`] for why).
@@ -49,7 +52,7 @@ use umbp_plan::{
 };
 use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
-use crate::disk::{self, FioAmount, FioReads, Placement};
+use crate::disk::{self, FioAmount, FioBuffers, FioReads, Placement};
 use crate::host_buffer::HostBuffer;
 use crate::measure::{Timed, Verdict};
 
@@ -101,7 +104,7 @@ impl Default for SsdBenchConfig {
 pub struct SsdRow {
     /// Bytes per read.
     pub block_size: u64,
-    /// `engine-qd1`, `engine`, `fio` or `fio-registered`.
+    /// `engine-qd1`, `engine`, `fio`, `fio-registered` or `fio-huge`.
     pub mode: &'static str,
     /// Reads in flight at most.
     pub queue_depth: u32,
@@ -130,14 +133,19 @@ pub struct SsdRow {
     pub cache_dropped: bool,
     /// Engine rows: the verification read before timing matched the file's pattern.
     pub verified: Option<bool>,
-    /// Engine rows: the median over the rounds of `gib_s` over the faster fio run (`fio` or
-    /// `fio-registered`) of the same round, block size and depth; `null` without fio.
+    /// Engine rows: the median over the rounds of `gib_s` over the fastest fio run (`fio`,
+    /// `fio-registered` or `fio-huge`) of the same round, block size and depth; `null`
+    /// without fio.
     pub vs_fio: Option<f64>,
     /// Engine rows: the spread of those per-round ratios, `(max - min) / median`.
     pub vs_fio_spread: Option<f64>,
     /// Engine rows: `vs_fio` against its target (at least 0.95 at the batched depth, 0.9 at
     /// depth 1), `within noise` when the target lies inside the ratios' spread.
     pub verdict: Option<Verdict>,
+    /// Engine rows: whether fio also ran into huge pages (`fio-huge`), as the engine's
+    /// buffers do where the kernel grants them; `false` when too few huge pages were reserved
+    /// and free, so that fio's best may fall short of the disk's; `null` without fio.
+    pub fio_huge_pages: Option<bool>,
     /// `engine` rows: `gib_s` over `engine-qd1`'s at the same block size (target: at least
     /// 1.3).
     pub vs_qd1: Option<f64>,
@@ -170,25 +178,33 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
     let repeats = config.repeats.max(1);
     let mut rows = Vec::new();
     for &block_size in &config.block_sizes {
-        // Per depth (1, then batched): the engine's samples and fio's plain and registered
-        // ones, in round order (`None` where a fio run failed).
+        let kinds =
+            if fio { FioBuffers::available(config.queue_depth, block_size) } else { Vec::new() };
+        if fio && !kinds.contains(&FioBuffers::HugePages) {
+            eprintln!(
+                "umbp-bench ssd: fio runs without huge pages at {block_size} B: too few are \
+                 reserved and free (vm.nr_hugepages), while the engine's buffers ask for them"
+            );
+        }
+        // Per depth (1, then batched): the engine's samples, and per kind of fio buffers fio's,
+        // in round order (`None` where a fio run failed).
         let mut engine: [Vec<SsdRow>; 2] = Default::default();
-        let mut fio_runs: [[Vec<Option<SsdRow>>; 2]; 2] = Default::default();
+        let mut fio_runs: [Vec<Vec<Option<SsdRow>>>; 2] =
+            [vec![Vec::new(); kinds.len()], vec![Vec::new(); kinds.len()]];
+        let turns = 2 + 2 * kinds.len();
         for repeat in 0..repeats {
             // Each repeat starts at the next row, so no row always runs first or last: k is
-            // engine-qd1, engine, fio-qd1, fio, fio-registered-qd1, fio-registered.
-            for turn in 0..6 {
-                let k = (turn + repeat) % 6;
-                let (batched, registered) = (k % 2 == 1, k >= 4);
+            // engine-qd1, engine, then each kind of fio buffers at depth 1 and batched.
+            for turn in 0..turns {
+                let k = (turn + repeat) % turns;
+                let batched = k % 2 == 1;
                 let depth = if batched { config.queue_depth } else { 1 };
                 if k < 2 {
                     let mode = ["engine-qd1", "engine"][k];
                     engine[k].push(measure_engine(&path, config, block_size, depth, mode, cpu)?);
                     continue;
                 }
-                if !fio {
-                    continue;
-                }
+                let kind = (k - 2) / 2;
                 let reads = FioReads {
                     path: &path,
                     size: config.file_size,
@@ -197,26 +213,28 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
                     amount: FioAmount::Seconds(config.seconds),
                     cpu,
                 };
-                let sample = match reads.run(registered) {
-                    Ok(run) => Some(fio_row(block_size, depth, registered, cpu, run)),
+                let sample = match reads.run(kinds[kind]) {
+                    Ok(run) => Some(fio_row(block_size, depth, kinds[kind], cpu, run)),
                     Err(e) => {
-                        eprintln!("umbp-bench ssd: fio at {block_size} B, depth {depth}: {e:#}");
+                        let mode = kinds[kind].mode();
+                        eprintln!("umbp-bench ssd: {mode} at {block_size} B, depth {depth}: {e:#}");
                         None
                     }
                 };
-                fio_runs[usize::from(batched)][usize::from(registered)].push(sample);
+                fio_runs[usize::from(batched)][kind].push(sample);
             }
         }
         let mut engine_rows: Vec<SsdRow> = Vec::new();
         for (d, samples) in engine.into_iter().enumerate() {
-            let [plain, registered] = &fio_runs[d];
-            // Against the faster fio run of each round; a round where both failed has no ratio.
-            let ratios: Vec<f64> = samples
-                .iter()
-                .zip(plain.iter().zip(registered))
-                .filter_map(|(e, (a, b))| {
-                    let best = a.iter().chain(b).map(|f| f.gib_s).reduce(f64::max)?;
-                    Some(e.gib_s / best)
+            // Against the fastest fio run of each round; a round where all failed has no ratio.
+            let ratios: Vec<f64> = (0..samples.len())
+                .filter_map(|round| {
+                    let fastest = fio_runs[d]
+                        .iter()
+                        .filter_map(|runs| runs[round].as_ref())
+                        .map(|f| f.gib_s)
+                        .reduce(f64::max)?;
+                    Some(samples[round].gib_s / fastest)
                 })
                 .collect();
             let mut row = median(samples).expect("every repeat measures both engine rows");
@@ -226,6 +244,7 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
                 row.vs_fio = Some(ratio);
                 row.vs_fio_spread = Some(spread);
                 row.verdict = Some(Verdict::at_least(Some(ratio), target, spread));
+                row.fio_huge_pages = Some(kinds.contains(&FioBuffers::HugePages));
             }
             engine_rows.push(row);
         }
@@ -242,13 +261,13 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
 fn fio_row(
     block_size: u64,
     depth: u32,
-    registered: bool,
+    buffers: FioBuffers,
     cpu: Option<usize>,
     run: disk::FioRun,
 ) -> SsdRow {
     SsdRow {
         block_size,
-        mode: if registered { "fio-registered" } else { "fio" },
+        mode: buffers.mode(),
         queue_depth: depth,
         gib_s: run.gib_s,
         iops: run.iops,
@@ -265,6 +284,7 @@ fn fio_row(
         vs_fio: None,
         vs_fio_spread: None,
         verdict: None,
+        fio_huge_pages: None,
         vs_qd1: None,
     }
 }
@@ -459,6 +479,7 @@ fn measure_engine(
         vs_fio: None,
         vs_fio_spread: None,
         verdict: None,
+        fio_huge_pages: None,
         vs_qd1: None,
     })
 }
@@ -491,8 +512,9 @@ mod tests {
         assert!(rows[1].vs_qd1.is_some());
     }
 
-    /// With fio: both of its runs appear at both depths, and every engine row carries a ratio
-    /// to the faster of them and a verdict.
+    /// With fio: each kind of fio buffers the machine allows appears at both depths (huge
+    /// pages only where enough are reserved), and every engine row carries a ratio to the
+    /// fastest of them, a verdict, and whether fio had huge pages.
     #[test]
     fn with_fio_every_engine_row_is_judged_against_it() {
         if !disk::fio_available() {
@@ -500,25 +522,24 @@ mod tests {
             return;
         }
         let config = SsdBenchConfig { queue_depth: 4, repeats: 1, fio: true, ..tiny() };
+        let kinds = FioBuffers::available(config.queue_depth, config.block_sizes[0]);
+        let huge = kinds.contains(&FioBuffers::HugePages);
+        if !huge {
+            eprintln!("no free huge pages: the fio-huge rows are not expected");
+        }
         let rows = try_run(&config).expect("run");
         let modes: Vec<(&str, u32)> = rows.iter().map(|r| (r.mode, r.queue_depth)).collect();
-        assert_eq!(
-            modes,
-            [
-                ("engine-qd1", 1),
-                ("engine", 4),
-                ("fio", 1),
-                ("fio-registered", 1),
-                ("fio", 4),
-                ("fio-registered", 4)
-            ]
-        );
+        let mut want = vec![("engine-qd1", 1), ("engine", 4)];
+        want.extend(kinds.iter().map(|k| (k.mode(), 1)));
+        want.extend(kinds.iter().map(|k| (k.mode(), 4)));
+        assert_eq!(modes, want);
         for engine in &rows[..2] {
             let fio = rows[2..].iter().filter(|f| f.queue_depth == engine.queue_depth);
             let best = fio.map(|f| f.gib_s).fold(0.0, f64::max);
             let ratio = engine.vs_fio.expect("a ratio to fio");
             assert!((ratio - engine.gib_s / best).abs() < 1e-9 * ratio, "{engine:?}");
             assert!(engine.verdict.is_some() && engine.vs_fio_spread == Some(0.0));
+            assert_eq!(engine.fio_huge_pages, Some(huge));
         }
     }
 }

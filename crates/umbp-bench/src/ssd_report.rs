@@ -10,7 +10,9 @@ use crate::ssd_bench::SsdRow;
 /// `fio-qd1`).
 fn label(r: &SsdRow) -> String {
     match r.mode {
-        "engine" | "fio" | "fio-registered" => format!("{}-qd{}", r.mode, r.queue_depth),
+        "engine" | "fio" | "fio-registered" | "fio-huge" => {
+            format!("{}-qd{}", r.mode, r.queue_depth)
+        }
         mode => mode.to_owned(),
     }
 }
@@ -62,9 +64,13 @@ pub fn table(rows: &[SsdRow]) -> String {
         );
     }
     out +=
-        "\nvs fio: the median over the rounds of the engine over the faster fio run of the same \
+        "\nvs fio: the median over the rounds of the engine over the fastest fio run of the same \
             round (± half the ratios' spread)\ntargets: `engine` at least 0.95 of fio at the \
             batched depth and 0.9 at depth 1; `engine` at least 1.3x `engine-qd1`\n";
+    if rows.iter().any(|r| r.fio_huge_pages == Some(false)) {
+        out += "fio ran without huge pages (too few reserved and free: vm.nr_hugepages), while \
+                the engine's buffers ask for them: its ratios may flatter it\n";
+    }
     out
 }
 

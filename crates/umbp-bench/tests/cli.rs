@@ -394,6 +394,7 @@ fn ssd_json_fields() {
         "vs_fio",
         "vs_fio_spread",
         "verdict",
+        "fio_huge_pages",
         "vs_qd1",
     ];
     check_fields("ssd", &lines, &fields);
@@ -440,6 +441,7 @@ fn restore_json_fields() {
         "gather_verdict",
         "verdict",
         "ssd_cpu",
+        "fio_huge_pages",
     ];
     check_fields("restore", &lines, &fields);
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
