@@ -177,9 +177,9 @@ pub struct FioRun {
 
 /// The memory fio reads into. The benches run fio with each kind the machine allows and
 /// compare the engine with the fastest, because the engine's own buffers
-/// ([`umbp_plan::AlignedBuffer::for_direct_io`]) ask for huge pages: on a disk that serves
-/// requests with few memory segments faster, fio's default buffers alone would be a ceiling
-/// the engine could beat for the wrong reason.
+/// ([`umbp_plan::AlignedBuffer::for_direct_io`]) ask for huge pages: where reads into huge
+/// pages run faster (on this project's virtual machine they do, for fio too), fio's default
+/// buffers alone would be a ceiling the engine could beat for the wrong reason.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FioBuffers {
     /// fio's own buffers and file descriptors (`--iomem=malloc`, its default).
@@ -202,12 +202,19 @@ impl FioBuffers {
     }
 
     /// The kinds fio can use for `depth` reads of `block_size` bytes in flight: all three
-    /// where enough reserved huge pages are free for its buffers, else the first two.
-    pub fn available(depth: u32, block_size: u64) -> Vec<FioBuffers> {
+    /// where enough reserved huge pages are free for its buffers, else the first two, and
+    /// `bench` (the subcommand) says on stderr that fio's best may fall short.
+    pub fn available(depth: u32, block_size: u64, bench: &str) -> Vec<FioBuffers> {
         let mut kinds = vec![FioBuffers::Default, FioBuffers::Registered];
         let needed = u64::from(depth) * block_size + HUGE_PAGE;
         if free_huge_page_bytes().is_some_and(|free| free >= needed) {
             kinds.push(FioBuffers::HugePages);
+        } else {
+            eprintln!(
+                "umbp-bench {bench}: fio runs without huge pages at {block_size} B, depth \
+                 {depth}: too few are reserved and free (vm.nr_hugepages), while the engine's \
+                 buffers ask for them"
+            );
         }
         kinds
     }

@@ -524,13 +524,11 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
         cpu: setup_inc.ssd_cpu,
     };
     // fio's runs, one per kind of buffers, before each timed restore.
-    let kinds = if fio { FioBuffers::available(reads.depth, reads.block_size) } else { Vec::new() };
-    if fio && !kinds.contains(&FioBuffers::HugePages) {
-        eprintln!(
-            "umbp-bench restore: fio runs without huge pages: too few are reserved and free \
-             (vm.nr_hugepages), while the bounce region asks for them"
-        );
-    }
+    let kinds = if fio {
+        FioBuffers::available(reads.depth, reads.block_size, "restore")
+    } else {
+        Vec::new()
+    };
     let mut fio_runs: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
     let mut alternate = |timed: bool| {
         if !timed {

@@ -186,14 +186,11 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
     let repeats = config.repeats.max(1);
     let mut rows = Vec::new();
     for &block_size in &config.block_sizes {
-        let kinds =
-            if fio { FioBuffers::available(config.queue_depth, block_size) } else { Vec::new() };
-        if fio && !kinds.contains(&FioBuffers::HugePages) {
-            eprintln!(
-                "umbp-bench ssd: fio runs without huge pages at {block_size} B: too few are \
-                 reserved and free (vm.nr_hugepages), while the engine's buffers ask for them"
-            );
-        }
+        let kinds = if fio {
+            FioBuffers::available(config.queue_depth, block_size, "ssd")
+        } else {
+            Vec::new()
+        };
         // Per depth (1, then batched): the engine's samples, and per kind of fio buffers fio's,
         // in round order (`None` where a fio run failed).
         let mut engine: [Vec<SsdRow>; 2] = Default::default();
@@ -534,11 +531,8 @@ mod tests {
             return;
         }
         let config = SsdBenchConfig { queue_depth: 4, repeats: 1, fio: true, ..tiny() };
-        let kinds = FioBuffers::available(config.queue_depth, config.block_sizes[0]);
+        let kinds = FioBuffers::available(config.queue_depth, config.block_sizes[0], "ssd");
         let huge = kinds.contains(&FioBuffers::HugePages);
-        if !huge {
-            eprintln!("no free huge pages: the fio-huge rows are not expected");
-        }
         let rows = try_run(&config).expect("run");
         let modes: Vec<(&str, u32)> = rows.iter().map(|r| (r.mode, r.queue_depth)).collect();
         let mut want = vec![("engine-qd1", 1), ("engine", 4)];

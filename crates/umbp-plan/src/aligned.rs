@@ -5,24 +5,6 @@
 //! memory aligned to the file's logical block size (4096 on most devices). The standard
 //! library has no aligned byte buffer, and the crates that offer one add more than the twenty
 //! lines of `unsafe` this needs, so it is written here, once, for every crate of the workspace.
-//!
-//! # Huge pages
-//!
-//! From [`AlignedBuffer::HUGE_PAGE`] (2 MiB) up, on Linux, [`AlignedBuffer::for_direct_io`]
-//! maps the buffer on its own at a 2 MiB boundary and asks for transparent huge pages
-//! (`madvise(MADV_HUGEPAGE)`) before touching it. The kernel then backs it with physically
-//! contiguous 2 MiB pages where it can, and a disk read into it is one memory segment per
-//! 2 MiB instead of one per 4 KiB page. On a 2-vCPU virtual machine whose virtio disk serves
-//! requests with few segments faster, that lifted the staged SSD restore (`umbp-bench restore`,
-//! 64 KiB pages merged into reads of up to 1 MiB at depth 64) from 0.95–1.43 to 1.50–2.20
-//! GiB/s, in alternating runs. fio gains from huge pages there too (64 KiB reads at depth 64:
-//! 1.22–1.82 GiB/s into its default buffers, 1.77–2.11 into huge pages). Fewer TLB misses and
-//! a cheaper pinning by a GPU runtime come with it.
-//!
-//! Where transparent huge pages are off (`never` in
-//! `/sys/kernel/mm/transparent_hugepage/enabled`) or memory is too fragmented, the buffer keeps
-//! 4 KiB pages and works the same. Whole 2 MiB pages are mapped, so a buffer of 2 MiB and one
-//! byte takes 4 MiB.
 #![allow(unsafe_code)] // The allocation and the mapping; every block says why it holds.
 
 use std::alloc::{self, Layout, LayoutError};
@@ -30,10 +12,31 @@ use std::ptr::NonNull;
 
 use crate::register::HostMemory;
 
-/// A heap buffer of `len` bytes whose address is a multiple of `align`, zeroed when made.
+/// A buffer of `len` bytes whose address is a multiple of `align`, zeroed when made: a heap
+/// allocation, or from 2 MiB up a mapping of its own (see [huge pages](#huge-pages)).
 ///
 /// It dereferences to `[u8]`; moving the buffer never moves its bytes, so it can be
 /// [registered](crate::Register::register_memory) and handed back unchanged.
+///
+/// # Huge pages
+///
+/// From [`HUGE_PAGE`](Self::HUGE_PAGE) (2 MiB) up, on Linux,
+/// [`for_direct_io`](Self::for_direct_io) maps the buffer on its own at a 2 MiB boundary and
+/// asks for transparent huge pages
+/// (`madvise(MADV_HUGEPAGE)`) before touching it. The kernel then backs it with physically
+/// contiguous 2 MiB pages where it can, and a disk read into it is one memory segment per
+/// 2 MiB instead of one per 4 KiB page. On this project's 2-vCPU virtual machine that lifted
+/// the staged SSD restore (`umbp-bench restore`, 64 KiB pages merged into reads of up to 1 MiB
+/// at depth 64) from 0.95–1.43 to 1.50–2.20 GiB/s, in alternating runs, and fio gains there
+/// too (64 KiB reads at depth 64: 1.22–1.82 GiB/s into its default buffers, 1.77–2.11 into
+/// huge pages). Whether the virtual disk gains from the fewer segments per request or from
+/// fewer page walks on its host was not measured. Fewer TLB misses and a cheaper pinning by a
+/// GPU runtime come with huge pages anywhere.
+///
+/// Where transparent huge pages are off (`never` in
+/// `/sys/kernel/mm/transparent_hugepage/enabled`) or memory is too fragmented, the buffer keeps
+/// 4 KiB pages and works the same. Whole 2 MiB pages are mapped, so a buffer of 2 MiB and one
+/// byte takes 4 MiB.
 ///
 /// ```
 /// use umbp_plan::AlignedBuffer;
@@ -84,8 +87,8 @@ impl AlignedBuffer {
 
     /// `len` zero bytes aligned for `O_DIRECT` ([`DIRECT_IO_ALIGN`](Self::DIRECT_IO_ALIGN)),
     /// every page already touched. From [`HUGE_PAGE`](Self::HUGE_PAGE) bytes up, on Linux, a
-    /// mapping of its own on a 2 MiB boundary with transparent huge pages asked for (see the
-    /// [module docs](self)).
+    /// mapping of its own on a 2 MiB boundary with transparent huge pages asked for (see
+    /// [huge pages](AlignedBuffer#huge-pages)).
     pub fn for_direct_io(len: usize) -> Self {
         #[cfg(target_os = "linux")]
         if len >= Self::HUGE_PAGE {
