@@ -34,8 +34,8 @@
 //! overlap rule); the bytes are not looked at while timing. Before timing, a batch of distinct
 //! blocks is read into distinct slots and checked against the pattern (`verified`).
 //!
-//! A submit carries as many reads as the queue depth, or more for small blocks, up to 1 MiB of
-//! slots: the engine reads into about as much memory as fio does (its `depth` buffers of one
+//! A submit carries as many reads as the queue depth, or for small blocks enough to fill 1 MiB
+//! of slots in all: the engine reads into about as much memory as fio does (its `depth` buffers of one
 //! block each), twice over for the two submits in flight. That matters. On this project's
 //! virtual machine the host's cost per read grows with the memory the reads land in, and
 //! earlier versions of this bench, whose submits carried up to 64 MiB of slots each (128 MiB in
@@ -397,8 +397,8 @@ fn measure_engine(
     let blocks = config.file_size / block_size;
     // Every read of one submit lands in its own slot (reads into the same memory would break
     // the engine's overlap rule and fail), and each submit in flight has slots of its own. As
-    // few as fio's footprint allows (see the module docs): `depth` reads per submit, or more
-    // for small blocks, up to 1 MiB of slots in all, so that a submit still carries enough
+    // few as fio's footprint allows (see the module docs): `depth` reads per submit, or for
+    // small blocks enough to fill 1 MiB of slots in all, so that a submit still carries enough
     // reads to pay for itself.
     let reads_per_submit = u64::from(depth).max(SLOT_FLOOR / IN_FLIGHT as u64 / block_size).max(1);
     let slots = reads_per_submit * IN_FLIGHT as u64;

@@ -234,19 +234,38 @@ mod tests {
     #[test]
     fn streaming_copy_matches_copy_nonoverlapping_at_every_size_and_offset() {
         let src: Vec<u8> = (0..6000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-        let mut got = vec![0u8; 6000];
-        let mut want = vec![0u8; 6000];
+        let mut scratch = Scratch::new(6000);
         for src_offset in 0..17 {
             for dst_offset in 0..17 {
                 for len in (1..5000).step_by(if src_offset + dst_offset == 0 { 1 } else { 37 }) {
-                    got.fill(0xEE);
-                    want.fill(0xEE);
-                    let from = &src[src_offset..src_offset + len];
-                    copy_streaming(&mut got[dst_offset..dst_offset + len], from);
-                    want[dst_offset..dst_offset + len].copy_from_slice(from);
-                    assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
+                    scratch.check(&src, (src_offset, len), dst_offset);
                 }
             }
+        }
+    }
+
+    /// A destination buffer, copied into at an offset by `copy_streaming` and by
+    /// `copy_from_slice` side by side; the two must agree on every byte, the untouched ones
+    /// around the copy included.
+    struct Scratch {
+        got: Vec<u8>,
+        want: Vec<u8>,
+    }
+
+    impl Scratch {
+        fn new(len: usize) -> Self {
+            Self { got: vec![0; len], want: vec![0; len] }
+        }
+
+        /// Copies `src[src_offset..][..len]` to offset `dst_offset` both ways and compares.
+        fn check(&mut self, src: &[u8], (src_offset, len): (usize, usize), dst_offset: usize) {
+            let (got, want) = (&mut self.got, &mut self.want);
+            got.fill(0xEE);
+            want.fill(0xEE);
+            let from = &src[src_offset..src_offset + len];
+            copy_streaming(&mut got[dst_offset..dst_offset + len], from);
+            want[dst_offset..dst_offset + len].copy_from_slice(from);
+            assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
         }
     }
 
@@ -258,8 +277,7 @@ mod tests {
     fn interleaved_copy_matches_copy_nonoverlapping_around_whole_blocks() {
         const MAX: usize = 96 << 10;
         let src: Vec<u8> = (0..MAX as u32 + 64).map(|i| (i * 13 + i / 4099) as u8).collect();
-        let mut got = vec![0u8; MAX + 64];
-        let mut want = vec![0u8; MAX + 64];
+        let mut scratch = Scratch::new(MAX + 64);
         let block = INTERLEAVED_BLOCK;
         let mut lengths = vec![block - 1, block, block + 1, 2 * block + 31, 3 * block + 4097];
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -272,12 +290,7 @@ mod tests {
         for &len in &lengths {
             for dst_offset in 0..33 {
                 for src_offset in [0, 1, 16, 33] {
-                    got.fill(0xEE);
-                    want.fill(0xEE);
-                    let from = &src[src_offset..src_offset + len];
-                    copy_streaming(&mut got[dst_offset..dst_offset + len], from);
-                    want[dst_offset..dst_offset + len].copy_from_slice(from);
-                    assert!(got == want, "len {len}, offsets {src_offset} -> {dst_offset}");
+                    scratch.check(&src, (src_offset, len), dst_offset);
                 }
             }
         }
