@@ -34,15 +34,24 @@
 //! overlap rule); the bytes are not looked at while timing. Before timing, a batch of distinct
 //! blocks is read into distinct slots and checked against the pattern (`verified`).
 //!
-//! A submit carries as many reads as the queue depth, or for small blocks enough to fill 1 MiB
-//! of slots in all: the engine reads into about as much memory as fio does (its `depth` buffers of one
-//! block each), twice over for the two submits in flight. That matters. On this project's
-//! virtual machine the host's cost per read grows with the memory the reads land in, and
-//! earlier versions of this bench, whose submits carried up to 64 MiB of slots each (128 MiB in
-//! flight against fio's 4 MiB at 64 KiB, depth 64), measured that instead of the engine: 0.70
-//! and 0.73 of fio there, 0.94 and 1.10 with 64 reads per submit, in alternating runs. fio
-//! itself slows the same way: one buffer against 128 at depth 1 was 6.0 against 4.9 k reads per
-//! second at 256 KiB.
+//! The engine reads into as much memory as fio does, and into huge pages as `fio-huge` does:
+//!
+//! - a submit carries half the queue depth in reads (the two submits in flight together fill
+//!   the ring, as fio's `depth` buffers of one block each do), or for small blocks enough to
+//!   fill 1 MiB of slots in all, so that a submit still carries enough reads to pay for itself;
+//! - the slots' buffer is at least one huge page ([`AlignedBuffer::HUGE_PAGE`]), so
+//!   [`AlignedBuffer::for_direct_io`] maps it with huge pages even where the slots alone are
+//!   smaller (1 MiB at depth 1).
+//!
+//! Both matter on this project's virtual machine, where the host's cost per read grows with the
+//! memory the reads land in and falls with huge pages. Measured in alternating runs at 256 KiB
+//! (engine over `fio-huge`): with two submits of `depth` reads each (32 MiB of slots at depth
+//! 64, twice fio's) and 1 MiB of slots on 4 KiB pages at depth 1, the engine reached 0.86 and
+//! 0.83 at depth 64 and 0.65 and 0.55 at depth 1; with the slots above, 1.02 and 0.99 and 0.91
+//! and 0.92. Older versions of the bench, with up to 128 MiB of slots, measured 64 KiB reads at
+//! depth 64 at 0.70 of fio where 8 MiB gave 0.94–1.10. fio slows the same way: one buffer
+//! against 128 at depth 1 was 6.0 against 4.9 k reads per second at 256 KiB, and at depth 64
+//! `fio-huge` ran 1.0–1.8 × `fio` in the same runs.
 //!
 //! Targets (`verdict`): `engine` at least 0.95 of fio at the batched depth and at least 0.9 at
 //! depth 1, for every block size; batched submission at least 1.3 × `engine-qd1` (`vs_qd1`).
@@ -55,8 +64,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::Serialize;
 use umbp_plan::{
-    EndpointId, EndpointRegistry, FileOptions, FileSource, Fragment, PlanBuilder, Register,
-    Registration, Tag, TransferEngine,
+    AlignedBuffer, EndpointId, EndpointRegistry, FileOptions, FileSource, Fragment, PlanBuilder,
+    Register, Registration, Tag, TransferEngine,
 };
 use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
@@ -327,7 +336,7 @@ fn create_file(path: &Path, size: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A host buffer registered as an endpoint, aligned to 4 KiB.
+/// A host buffer registered as an endpoint, on huge pages where the kernel grants them.
 struct Slots {
     /// Declared (so dropped) before the buffer it registers.
     registration: Registration,
@@ -335,8 +344,10 @@ struct Slots {
 }
 
 impl Slots {
+    /// At least `len` bytes: never less than a huge page, so that `for_direct_io` maps the
+    /// buffer with huge pages as `fio-huge`'s are (see the module docs).
     fn new(engine: &SsdEngine, len: usize) -> anyhow::Result<Self> {
-        let buffer = HostBuffer::zeroed(len);
+        let buffer = HostBuffer::zeroed(len.max(AlignedBuffer::HUGE_PAGE));
         // SAFETY: the buffer outlives its registration (the field order), and the bench reads
         // it only after every handle that writes it was waited on.
         let registration = unsafe { buffer.lend(engine) }.context("registering the slots")?;
@@ -397,11 +408,14 @@ fn measure_engine(
     let blocks = config.file_size / block_size;
     // Every read of one submit lands in its own slot (reads into the same memory would break
     // the engine's overlap rule and fail), and each submit in flight has slots of its own. As
-    // few as fio's footprint allows (see the module docs): `depth` reads per submit, or for
-    // small blocks enough to fill 1 MiB of slots in all, so that a submit still carries enough
-    // reads to pay for itself.
-    let reads_per_submit = u64::from(depth).max(SLOT_FLOOR / IN_FLIGHT as u64 / block_size).max(1);
-    let slots = reads_per_submit * IN_FLIGHT as u64;
+    // much memory as fio reads into (see the module docs): the submits in flight carry `depth`
+    // reads together, or for small blocks enough to fill 1 MiB of slots in all, so that a
+    // submit still carries enough reads to pay for itself.
+    let submits_in_flight = IN_FLIGHT as u64;
+    let reads_per_submit = (u64::from(depth) / submits_in_flight)
+        .max(SLOT_FLOOR / submits_in_flight / block_size)
+        .max(1);
+    let slots = reads_per_submit * submits_in_flight;
     let host = Slots::new(&engine, (slots * block_size) as usize)?;
     let mut rng = Rng(config.seed ^ block_size ^ u64::from(depth));
     let mut builder = engine.incremental_builder();
@@ -444,7 +458,7 @@ fn measure_engine(
     let start = Instant::now();
     while start.elapsed() < timed || batches == 0 {
         // Each submit in flight reads into its own share of the slots.
-        let first_slot = (batches % IN_FLIGHT as u64) * (slots / IN_FLIGHT as u64);
+        let first_slot = (batches % submits_in_flight) * reads_per_submit;
         for i in 0..reads_per_submit {
             let tag = Tag::new(i as u32);
             let src = rng.below(blocks) * block_size;
