@@ -45,7 +45,7 @@
 //!
 //! Both matter on this project's virtual machine, where the host's cost per read grows with the
 //! memory the reads land in and falls with huge pages. Measured in alternating runs at 256 KiB
-//! (engine over `fio-huge`): with two submits of `depth` reads each (32 MiB of slots at depth
+//! (engine over the fastest fio run): with two submits of `depth` reads each (32 MiB of slots at depth
 //! 64, twice fio's) and 1 MiB of slots on 4 KiB pages at depth 1, the engine reached 0.86 and
 //! 0.83 at depth 64 and 0.65 and 0.55 at depth 1; with the slots above, 1.02 and 0.99 and 0.91
 //! and 0.92. Older versions of the bench, with up to 128 MiB of slots, measured 64 KiB reads at
