@@ -17,9 +17,12 @@
 //!
 //! Each row is measured [`repeats`](SsdBenchConfig::repeats) times, the rows of a block size
 //! taking turns (each round starting at the next row), and reports its median measurement with
-//! the spread. An engine row's `vs_fio` is the median over the rounds of its throughput over
-//! the fastest fio run of the same round at the same depth, so drift between rounds cancels and
-//! fio keeps whichever of its options serves it best.
+//! the spread. fio's ceiling at a depth is the kind of buffers with the fastest median there,
+//! so fio keeps whichever of its options serves it best (the restore bench picks it the same
+//! way). An engine row's `vs_fio` is the median over the rounds of its throughput over that
+//! kind's run of the same round, so drift between rounds cancels. (Each round's fastest run of
+//! any kind would pick up fio's noise instead: the largest of three runs that swing by ±10 %
+//! each lies above what any kind does typically.)
 //!
 //! The engine's worker and fio run pinned to the same CPU ([`Placement`]; by default the one
 //! that takes the disk's completions, see [`disk`] for why).
@@ -45,7 +48,7 @@
 //!
 //! Both matter on this project's virtual machine, where the host's cost per read grows with the
 //! memory the reads land in and falls with huge pages. Measured in alternating runs at 256 KiB
-//! (engine over the fastest fio run): with two submits of `depth` reads each (32 MiB of slots at depth
+//! (engine over each round's fastest fio run): with two submits of `depth` reads each (32 MiB of slots at depth
 //! 64, twice fio's) and 1 MiB of slots on 4 KiB pages at depth 1, the engine reached 0.86 and
 //! 0.83 at depth 64 and 0.65 and 0.55 at depth 1; with the slots above, 1.02 and 0.99 and 0.91
 //! and 0.92. Older versions of the bench, with up to 128 MiB of slots, measured 64 KiB reads at
@@ -150,9 +153,9 @@ pub struct SsdRow {
     pub cache_dropped: bool,
     /// Engine rows: the verification read before timing matched the file's pattern.
     pub verified: Option<bool>,
-    /// Engine rows: the median over the rounds of `gib_s` over the fastest fio run (`fio`,
-    /// `fio-registered` or `fio-huge`) of the same round, block size and depth; `null`
-    /// without fio.
+    /// Engine rows: the median over the rounds of `gib_s` over the run of the same round,
+    /// block size and depth of fio's fastest kind of buffers ([`fio_ceiling`](Self::fio_ceiling));
+    /// `null` without fio.
     pub vs_fio: Option<f64>,
     /// Engine rows: the spread of those per-round ratios, `(max - min) / median`.
     pub vs_fio_spread: Option<f64>,
@@ -163,6 +166,9 @@ pub struct SsdRow {
     /// buffers do where the kernel grants them; `false` when too few huge pages were reserved
     /// and free, so that fio's best may fall short of the disk's; `null` without fio.
     pub fio_huge_pages: Option<bool>,
+    /// Engine rows: the fio kind `vs_fio` is against (`fio`, `fio-registered` or `fio-huge`):
+    /// the one with the fastest median at the row's block size and depth; `null` without fio.
+    pub fio_ceiling: Option<&'static str>,
     /// `engine` rows: `gib_s` over `engine-qd1`'s at the same block size (target: at least
     /// 1.3).
     pub vs_qd1: Option<f64>,
@@ -240,17 +246,28 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         }
         let mut engine_rows: Vec<SsdRow> = Vec::new();
         for (d, samples) in engine.into_iter().enumerate() {
-            // Against the fastest fio run of each round; a round where all failed has no ratio.
-            let ratios: Vec<f64> = (0..samples.len())
-                .filter_map(|round| {
-                    let fastest = fio_runs[d]
-                        .iter()
-                        .filter_map(|runs| runs[round].as_ref())
-                        .map(|f| f.gib_s)
-                        .reduce(f64::max)?;
-                    Some(samples[round].gib_s / fastest)
+            // fio's ceiling is the kind of buffers with the fastest median at this depth, and
+            // each round's engine run is set against that kind's run of the same round (a round
+            // where it failed has no ratio). Each round's fastest of the kinds would be a
+            // ceiling raised by their noise: the largest of three runs that each swing by
+            // ±10 % lies above what any of them does typically.
+            let fastest = fio_runs[d]
+                .iter()
+                .enumerate()
+                .filter_map(|(kind, runs)| {
+                    let gib_s: Vec<f64> = runs.iter().flatten().map(|f| f.gib_s).collect();
+                    (!gib_s.is_empty()).then(|| (Timed::of(&gib_s).median, kind))
                 })
-                .collect();
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+                .map(|(_, kind)| kind);
+            let ratios: Vec<f64> = fastest.map_or_else(Vec::new, |kind| {
+                (0..samples.len())
+                    .filter_map(|round| {
+                        let fio = fio_runs[d][kind][round].as_ref()?;
+                        Some(samples[round].gib_s / fio.gib_s)
+                    })
+                    .collect()
+            });
             let mut row = median(samples).expect("every repeat measures both engine rows");
             if !ratios.is_empty() {
                 let Timed { median: ratio, spread } = Timed::of(&ratios);
@@ -259,6 +276,7 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
                 row.vs_fio_spread = Some(spread);
                 row.verdict = Some(Verdict::at_least(Some(ratio), target, spread));
                 row.fio_huge_pages = Some(kinds.contains(&FioBuffers::HugePages));
+                row.fio_ceiling = fastest.map(|kind| kinds[kind].mode());
             }
             engine_rows.push(row);
         }
@@ -299,6 +317,7 @@ fn fio_row(
         vs_fio_spread: None,
         verdict: None,
         fio_huge_pages: None,
+        fio_ceiling: None,
         vs_qd1: None,
     }
 }
@@ -503,6 +522,7 @@ fn measure_engine(
         vs_fio_spread: None,
         verdict: None,
         fio_huge_pages: None,
+        fio_ceiling: None,
         vs_qd1: None,
     })
 }
@@ -537,7 +557,7 @@ mod tests {
 
     /// With fio: each kind of fio buffers the machine allows appears at both depths (huge
     /// pages only where enough are reserved), and every engine row carries a ratio to the
-    /// fastest of them, a verdict, and whether fio had huge pages.
+    /// fastest of them, named, a verdict, and whether fio had huge pages.
     #[test]
     fn with_fio_every_engine_row_is_judged_against_it() {
         if !disk::fio_available() {
@@ -555,9 +575,10 @@ mod tests {
         assert_eq!(modes, want);
         for engine in &rows[..2] {
             let fio = rows[2..].iter().filter(|f| f.queue_depth == engine.queue_depth);
-            let best = fio.map(|f| f.gib_s).fold(0.0, f64::max);
+            let best = fio.max_by(|a, b| a.gib_s.total_cmp(&b.gib_s)).expect("fio rows");
             let ratio = engine.vs_fio.expect("a ratio to fio");
-            assert!((ratio - engine.gib_s / best).abs() < 1e-9 * ratio, "{engine:?}");
+            assert!((ratio - engine.gib_s / best.gib_s).abs() < 1e-9 * ratio, "{engine:?}");
+            assert_eq!(engine.fio_ceiling, Some(best.mode));
             assert!(engine.verdict.is_some() && engine.vs_fio_spread == Some(0.0));
             assert_eq!(engine.fio_huge_pages, Some(huge));
         }

@@ -64,8 +64,8 @@ pub fn table(rows: &[SsdRow]) -> String {
         );
     }
     out +=
-        "\nvs fio: the median over the rounds of the engine over the fastest fio run of the same \
-            round (± half the ratios' spread)\ntargets: `engine` at least 0.95 of fio at the \
+        "\nvs fio: the median over the rounds of the engine over the same round's run of the fio \
+            kind with the fastest median (± half the ratios' spread)\ntargets: `engine` at least 0.95 of fio at the \
             batched depth and 0.9 at depth 1; `engine` at least 1.3x `engine-qd1`\n";
     if rows.iter().any(|r| r.fio_huge_pages == Some(false)) {
         out += "fio ran without huge pages (too few reserved and free: vm.nr_hugepages), while \

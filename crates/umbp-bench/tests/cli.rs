@@ -395,6 +395,7 @@ fn ssd_json_fields() {
         "vs_fio_spread",
         "verdict",
         "fio_huge_pages",
+        "fio_ceiling",
         "vs_qd1",
     ];
     check_fields("ssd", &lines, &fields);
