@@ -489,7 +489,7 @@ mod tests {
     use crate::fault::Faults;
     use crate::file::FileTable;
     use crate::op::BouncePool;
-    use crate::ring::Ring;
+    use crate::ring::{Feed, Ring};
     use crate::{sys, SsdRules};
 
     const PAGE: u64 = 64 << 10;
@@ -693,6 +693,72 @@ mod tests {
                 };
                 assert_eq!(got, [short(5, 1000), short(6, 0), short(7, 0)]);
             }
+        }
+    }
+
+    /// A ring at depth 1 fed two batches takes the second (and sends its first read to the
+    /// kernel) before it hands the first back, so the device does not wait for the hand-back's
+    /// wake-up of its caller; and it waits for more work only once every batch it took is
+    /// handed back (its callers may be what would submit the next one).
+    #[test]
+    fn a_ring_starts_the_next_batch_before_it_hands_the_last_one_back() {
+        /// Hands out `batches` in order and records what the ring asks of it.
+        struct Recorder {
+            batches: std::vec::IntoIter<Batch>,
+            events: Vec<String>,
+            taken: usize,
+            done: Vec<Batch>,
+        }
+        impl Feed for Recorder {
+            type Owner = usize;
+            fn next(&mut self, busy: bool) -> Option<(usize, Batch)> {
+                if !busy {
+                    assert_eq!(self.done.len(), self.taken, "waited with a batch to hand back");
+                }
+                let batch = self.batches.next()?;
+                self.events.push(format!("take {}", self.taken));
+                self.taken += 1;
+                Some((self.taken - 1, batch))
+            }
+            fn done(&mut self, owner: usize, batch: Batch) {
+                self.events.push(format!("hand back {owner}"));
+                self.done.push(batch);
+            }
+        }
+
+        let fx = Fixture::new();
+        let path = fx.path("two-batches.bin");
+        let content = pattern(9, (16 * PAGE) as usize);
+        std::fs::write(&path, &content).unwrap();
+        let file = fx.open(&path, 16 * PAGE, false).expect("a buffered file");
+        let destination = Host::new(&fx.registry, (8 * PAGE) as usize, 0, 0);
+        // Two reads per batch, none adjacent to another, so each is an op of its own.
+        let read = |page: u64, slot: u64| {
+            Fragment::new(file, page * PAGE, destination.id, slot * PAGE, PAGE, Tag::new(0))
+        };
+        let batches = vec![
+            fx.batch(fx.plan(&[read(0, 0), read(4, 2)])),
+            fx.batch(fx.plan(&[read(8, 4), read(12, 6)])),
+        ];
+        let mut ring = match Ring::new(1) {
+            Ok(ring) => ring,
+            Err(e) => {
+                eprintln!("SKIP: no io_uring here: {e}");
+                return;
+            }
+        };
+        let mut feed =
+            Recorder { batches: batches.into_iter(), events: Vec::new(), taken: 0, done: vec![] };
+        ring.serve(&mut feed);
+        assert_eq!(feed.events, ["take 0", "take 1", "hand back 0", "hand back 1"]);
+        for batch in feed.done {
+            let (failures, _) = batch.outcome("t");
+            assert!(failures.is_empty(), "{failures:?}");
+        }
+        for (page, slot) in [(0, 0), (4, 2), (8, 4), (12, 6)] {
+            let (from, to) = ((page * PAGE) as usize, (slot * PAGE) as usize);
+            let len = PAGE as usize;
+            assert!(destination.bytes()[to..to + len] == content[from..from + len], "page {page}");
         }
     }
 }

@@ -2,6 +2,13 @@
 //! [`LANES`] batches, every request queued since the last call submitted by one
 //! `io_uring_enter`, completions reaped in batches.
 //!
+//! A batch whose last request completed is handed back (its caller woken) only after the
+//! requests queued meanwhile, the next batch's first ones among them, went to the kernel: at
+//! depth 1 the wake-up used to sit between one read's completion and the next one's issue.
+//! Traced at the block layer (256 KiB reads at depth 1 on this project's virtual machine), the
+//! time from a completion to the next issue fell from mostly 16–32 µs to mostly 8–16 µs,
+//! where fio's is.
+//!
 //! The ring's submission queue holds at least `depth` entries and its completion queue twice
 //! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
 //! submission queue full and completions never overflow.
@@ -28,8 +35,9 @@ pub(crate) trait Feed {
     /// What travels with a batch (the submitted job to settle).
     type Owner;
 
-    /// The next batch. With requests in flight (`busy`) only one that is ready now, without
-    /// waiting; otherwise the next one, waiting for it. `None` when idle means the feed closed.
+    /// The next batch. When the ring is `busy` (requests in flight, or batches to hand back)
+    /// only one that is ready now, without waiting; otherwise the next one, waiting for it.
+    /// `None` when not busy means the feed closed.
     fn next(&mut self, busy: bool) -> Option<(Self::Owner, Batch)>;
 
     /// A batch none of whose requests is in flight any more, done.
@@ -139,6 +147,10 @@ impl Ring {
     /// belong to the batches in the lanes, dropped only after the ring drained.
     pub(crate) fn serve<F: Feed>(&mut self, feed: &mut F) {
         let mut lanes: Vec<Option<Lane<F::Owner>>> = (0..LANES).map(|_| None).collect();
+        // Batches whose last request completed, handed back once the requests queued after
+        // them are on their way to the device (see below). None of their requests is in
+        // flight, so they may drop in any order.
+        let mut finished: Vec<Lane<F::Owner>> = Vec::with_capacity(LANES);
         // Declared after `lanes`, so dropped (and drained) before them when unwinding.
         let ring = Drain(self);
         let ring = &mut *ring.0;
@@ -155,16 +167,16 @@ impl Ring {
             ring.issue(&mut lanes);
             for slot in lanes.iter_mut() {
                 if slot.as_ref().is_some_and(|l| l.in_flight == 0 && l.batch.issued_all()) {
-                    if let Some(lane) = slot.take() {
-                        feed.done(lane.owner, lane.batch);
-                    }
+                    finished.extend(slot.take());
                 }
             }
             let free = lanes.iter().position(Option::is_none);
             let draining = lanes.iter().flatten().all(|l| l.batch.issued_all());
             let admitting = free.is_some() && draining && ring.in_flight < ring.depth;
             if let (Some(free), true) = (free, admitting) {
-                match feed.next(ring.in_flight > 0) {
+                // Never wait for work while batches wait to be handed back: their callers may
+                // be what submits the next one.
+                match feed.next(ring.in_flight > 0 || !finished.is_empty()) {
                     Some((owner, batch)) => {
                         started += 1;
                         let deadline = batch.deadline();
@@ -178,9 +190,20 @@ impl Ring {
                         });
                         continue;
                     }
-                    None if ring.in_flight == 0 => return,
+                    None if ring.in_flight == 0 && finished.is_empty() => return,
                     None => {}
                 }
+            }
+            if !finished.is_empty() {
+                // Handing a batch back wakes its caller, a system call that on a virtual
+                // machine takes microseconds: the requests queued meanwhile (the next batch's
+                // first ones) go to the kernel before it, so at depth 1 the device does not
+                // wait for it.
+                ring.submit();
+                for lane in finished.drain(..) {
+                    feed.done(lane.owner, lane.batch);
+                }
+                continue;
             }
             if ring.in_flight == 0 {
                 continue;
@@ -268,6 +291,15 @@ impl Ring {
             }
             self.in_flight += 1;
         }
+    }
+
+    /// Submits everything queued, without waiting. A failure leaves the requests queued, and
+    /// the next [`enter`](Self::enter) submits them.
+    fn submit(&mut self) {
+        if self.ring.submission().is_empty() {
+            return;
+        }
+        let _ = self.ring.submit();
     }
 
     /// Submits everything queued and waits for at least one completion, or until `deadline`.
