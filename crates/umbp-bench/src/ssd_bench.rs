@@ -48,13 +48,13 @@
 //!
 //! Both matter on this project's virtual machine, where the host's cost per read grows with the
 //! memory the reads land in and falls with huge pages. Measured in alternating runs at 256 KiB
-//! (engine over each round's fastest fio run): with two submits of `depth` reads each (32 MiB of slots at depth
-//! 64, twice fio's) and 1 MiB of slots on 4 KiB pages at depth 1, the engine reached 0.86 and
-//! 0.83 at depth 64 and 0.65 and 0.55 at depth 1; with the slots above, 1.02 and 0.99 and 0.91
-//! and 0.92. Older versions of the bench, with up to 128 MiB of slots, measured 64 KiB reads at
-//! depth 64 at 0.70 of fio where 8 MiB gave 0.94–1.10. fio slows the same way: one buffer
-//! against 128 at depth 1 was 6.0 against 4.9 k reads per second at 256 KiB, and at depth 64
-//! `fio-huge` ran 1.0–1.8 × `fio` in the same runs.
+//! (engine over each round's fastest fio run): with two submits of `depth` reads each (32 MiB
+//! of slots at depth 64, twice fio's) and 1 MiB of slots on 4 KiB pages at depth 1, the engine
+//! reached 0.86 and 0.83 at depth 64 and 0.65 and 0.55 at depth 1; with the slots above, 1.02
+//! and 0.99 and 0.91 and 0.92. Older versions of the bench, with up to 128 MiB of slots,
+//! measured 64 KiB reads at depth 64 at 0.70 of fio where 8 MiB gave 0.94–1.10. fio slows the
+//! same way: one buffer against 128 at depth 1 was 6.0 against 4.9 k reads per second at 256
+//! KiB, and at depth 64 `fio-huge` ran 1.0–1.8 × `fio` in the same runs.
 //!
 //! Targets (`verdict`): `engine` at least 0.95 of fio at the batched depth and at least 0.9 at
 //! depth 1, for every block size; batched submission at least 1.3 × `engine-qd1` (`vs_qd1`).
@@ -246,11 +246,9 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         }
         let mut engine_rows: Vec<SsdRow> = Vec::new();
         for (d, samples) in engine.into_iter().enumerate() {
-            // fio's ceiling is the kind of buffers with the fastest median at this depth, and
-            // each round's engine run is set against that kind's run of the same round (a round
-            // where it failed has no ratio). Each round's fastest of the kinds would be a
-            // ceiling raised by their noise: the largest of three runs that each swing by
-            // ±10 % lies above what any of them does typically.
+            // fio's ceiling is the kind of buffers with the fastest median at this depth (see
+            // the module docs), and each round's engine run is set against that kind's run of
+            // the same round; a round where it failed has no ratio.
             let fastest = fio_runs[d]
                 .iter()
                 .enumerate()

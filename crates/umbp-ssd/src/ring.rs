@@ -7,7 +7,9 @@
 //! depth 1 the wake-up used to sit between one read's completion and the next one's issue.
 //! Traced at the block layer (256 KiB reads at depth 1 on this project's virtual machine), the
 //! time from a completion to the next issue fell from mostly 16–32 µs to mostly 8–16 µs,
-//! where fio's is.
+//! where fio's is. At 4 KiB, where a submit carries 128 reads and hand-backs are rare, some
+//! engine runs sit at fio's 8–16 µs and others at 16–32 µs, for a reason those tracepoints do
+//! not show.
 //!
 //! The ring's submission queue holds at least `depth` entries and its completion queue twice
 //! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
