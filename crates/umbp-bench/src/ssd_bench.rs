@@ -577,6 +577,10 @@ mod tests {
             let ratio = engine.vs_fio.expect("a ratio to fio");
             assert!((ratio - engine.gib_s / best.gib_s).abs() < 1e-9 * ratio, "{engine:?}");
             assert_eq!(engine.fio_ceiling, Some(best.mode));
+            // The table names the kind too: `engine-qd1` and `engine` at depth 4 (`engine-qd4`).
+            let label = format!("engine-qd{}", engine.queue_depth);
+            let named = format!("{label} against {}-qd{}", best.mode, engine.queue_depth);
+            assert!(crate::ssd_report::table(&rows).contains(&named), "{named}");
             assert!(engine.verdict.is_some() && engine.vs_fio_spread == Some(0.0));
             assert_eq!(engine.fio_huge_pages, Some(huge));
         }

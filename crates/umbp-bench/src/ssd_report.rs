@@ -67,6 +67,18 @@ pub fn table(rows: &[SsdRow]) -> String {
         "\nvs fio: the median over the rounds of the engine over the same round's run of the fio \
             kind with the fastest median (± half the ratios' spread)\ntargets: `engine` at least 0.95 of fio at the \
             batched depth and 0.9 at depth 1; `engine` at least 1.3x `engine-qd1`\n";
+    let ceilings: Vec<String> = rows
+        .iter()
+        .filter_map(|r| {
+            let kind = r.fio_ceiling?;
+            let block = ByteSize(r.block_size);
+            Some(format!("{block} {} against {kind}-qd{}", label(r), r.queue_depth))
+        })
+        .collect();
+    if !ceilings.is_empty() {
+        out +=
+            &format!("fio ceilings (the kind with the fastest median): {}\n", ceilings.join("; "));
+    }
     if rows.iter().any(|r| r.fio_huge_pages == Some(false)) {
         out += "fio ran without huge pages (too few reserved and free: vm.nr_hugepages), while \
                 the engine's buffers ask for them: its ratios may flatter it\n";
