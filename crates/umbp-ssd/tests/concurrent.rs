@@ -102,12 +102,5 @@ fn concurrent(backend: Backend, direct: bool, dir: &std::path::Path) {
 #[test]
 fn eight_threads_submitting_concurrently_get_every_byte_right() {
     let name = "eight_threads_submitting_concurrently_get_every_byte_right";
-    let direct = support::direct_dir(name);
-    let buffered = support::temp_dir();
-    for backend in support::backends(name) {
-        concurrent(backend, false, buffered.path());
-        if let Some(dir) = &direct {
-            concurrent(backend, true, dir.path());
-        }
-    }
+    support::each_backend_and_mode(name, concurrent);
 }

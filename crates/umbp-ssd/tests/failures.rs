@@ -75,14 +75,7 @@ fn short_file(dir: &Path, backend: Backend, direct: bool) {
 #[test]
 fn a_short_file_fails_only_the_objects_past_its_end() {
     let name = "a_short_file_fails_only_the_objects_past_its_end";
-    let buffered = support::temp_dir();
-    let direct = support::direct_dir(name);
-    for backend in support::backends(name) {
-        short_file(buffered.path(), backend, false);
-        if let Some(dir) = &direct {
-            short_file(dir.path(), backend, true);
-        }
-    }
+    support::each_backend_and_mode(name, |backend, direct, dir| short_file(dir, backend, direct));
 }
 
 #[test]
@@ -189,14 +182,7 @@ fn injected(dir: &Path, backend: Backend, direct: bool) {
 #[test]
 fn injected_errors_fail_only_their_objects() {
     let name = "injected_errors_fail_only_their_objects";
-    let buffered = support::temp_dir();
-    let direct = support::direct_dir(name);
-    for backend in support::backends(name) {
-        injected(buffered.path(), backend, false);
-        if let Some(dir) = &direct {
-            injected(dir.path(), backend, true);
-        }
-    }
+    support::each_backend_and_mode(name, |backend, direct, dir| injected(dir, backend, direct));
 }
 
 #[test]
@@ -326,14 +312,9 @@ fn failure_inside_a_merged_segment(dir: &Path, backend: Backend, direct: bool) {
 #[test]
 fn a_failure_inside_a_merged_segment_fails_only_the_objects_whose_bytes_failed() {
     let name = "a_failure_inside_a_merged_segment";
-    let buffered = support::temp_dir();
-    let direct = support::direct_dir(name);
-    for backend in support::backends(name) {
-        failure_inside_a_merged_segment(buffered.path(), backend, false);
-        if let Some(dir) = &direct {
-            failure_inside_a_merged_segment(dir.path(), backend, true);
-        }
-    }
+    support::each_backend_and_mode(name, |backend, direct, dir| {
+        failure_inside_a_merged_segment(dir, backend, direct)
+    });
 }
 
 #[test]

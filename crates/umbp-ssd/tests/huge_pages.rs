@@ -83,12 +83,5 @@ fn sixteen_threads_restore_into_huge_page_buffers_byte_exact() {
         return;
     }
     let name = "sixteen_threads_restore_into_huge_page_buffers_byte_exact";
-    let direct = support::direct_dir(name);
-    let buffered = support::temp_dir();
-    for backend in support::backends(name) {
-        restore_by_threads(backend, false, buffered.path());
-        if let Some(dir) = &direct {
-            restore_by_threads(backend, true, dir.path());
-        }
-    }
+    support::each_backend_and_mode(name, restore_by_threads);
 }

@@ -57,6 +57,20 @@ pub fn backends(test: &str) -> Vec<Backend> {
     out
 }
 
+/// Runs `run(backend, direct, dir)` on every backend this machine has ([`backends`]): on a
+/// buffered file in a temporary directory, then with `O_DIRECT` where the filesystem takes it
+/// ([`direct_dir`]; skipped with a message otherwise).
+pub fn each_backend_and_mode(test: &str, mut run: impl FnMut(Backend, bool, &Path)) {
+    let buffered = temp_dir();
+    let direct = direct_dir(test);
+    for backend in backends(test) {
+        run(backend, false, buffered.path());
+        if let Some(dir) = &direct {
+            run(backend, true, dir.path());
+        }
+    }
+}
+
 /// An engine with `backend` and otherwise default settings.
 pub fn engine(registry: &Arc<EndpointRegistry>, backend: Backend) -> SsdEngine {
     engine_with(registry, SsdConfig::new().backend(backend))
