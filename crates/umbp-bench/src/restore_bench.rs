@@ -556,19 +556,13 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     let ssd = setup_inc.run_callers(&composite, &all, |_| true, 1, it, &mut alternate);
     let mut ssd_row = row("ssd", "incremental", &all, 1, ssd);
     // The fastest kind by its median is the ceiling; the next one is reported beside it.
-    let mut fio_medians: Vec<(Timed, &'static str)> = kinds
-        .iter()
-        .zip(&fio_runs)
-        .filter(|(_, runs)| !runs.is_empty())
-        .map(|(kind, runs)| (Timed::of(runs), kind.mode()))
-        .collect();
-    fio_medians.sort_by(|a, b| b.0.median.total_cmp(&a.0.median));
-    if let Some(&(best, name)) = fio_medians.first() {
+    let ranked = disk::rank_by_median(&fio_runs);
+    if let Some(&(kind, best)) = ranked.first() {
         let vs_fio = ssd_row.gib_s / best.median;
         ssd_row.ceiling_gib_s = Some(best.median);
         ssd_row.vs_ceiling = Some(vs_fio);
-        ssd_row.ceiling_copy = Some(name);
-        ssd_row.other_copy_gib_s = fio_medians.get(1).map(|(other, _)| other.median);
+        ssd_row.ceiling_copy = Some(kinds[kind].mode());
+        ssd_row.other_copy_gib_s = ranked.get(1).map(|(_, other)| other.median);
         ssd_row.verdict = Some(Verdict::at_least(Some(vs_fio), 0.9, ssd.spread + best.spread));
         ssd_row.fio_huge_pages = Some(kinds.contains(&FioBuffers::HugePages));
     }

@@ -18,11 +18,9 @@
 //! Each row is measured [`repeats`](SsdBenchConfig::repeats) times, the rows of a block size
 //! taking turns (each round starting at the next row), and reports its median measurement with
 //! the spread. fio's ceiling at a depth is the kind of buffers with the fastest median there,
-//! so fio keeps whichever of its options serves it best (the restore bench picks it the same
-//! way). An engine row's `vs_fio` is the median over the rounds of its throughput over that
-//! kind's run of the same round, so drift between rounds cancels. (Each round's fastest run of
-//! any kind would pick up fio's noise instead: the largest of three runs that swing by ±10 %
-//! each lies above what any kind does typically.)
+//! so fio keeps whichever of its options serves it best ([`disk::rank_by_median`], as in the
+//! restore bench, says why by median). An engine row's `vs_fio` is the median over the rounds
+//! of its throughput over that kind's run of the same round, so drift between rounds cancels.
 //!
 //! The engine's worker and fio run pinned to the same CPU ([`Placement`]; by default the one
 //! that takes the disk's completions, see [`disk`] for why).
@@ -249,15 +247,11 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
             // fio's ceiling is the kind of buffers with the fastest median at this depth (see
             // the module docs), and each round's engine run is set against that kind's run of
             // the same round; a round where it failed has no ratio.
-            let fastest = fio_runs[d]
+            let gib_s: Vec<Vec<f64>> = fio_runs[d]
                 .iter()
-                .enumerate()
-                .filter_map(|(kind, runs)| {
-                    let gib_s: Vec<f64> = runs.iter().flatten().map(|f| f.gib_s).collect();
-                    (!gib_s.is_empty()).then(|| (Timed::of(&gib_s).median, kind))
-                })
-                .max_by(|a, b| a.0.total_cmp(&b.0))
-                .map(|(_, kind)| kind);
+                .map(|runs| runs.iter().flatten().map(|f| f.gib_s).collect())
+                .collect();
+            let fastest = disk::rank_by_median(&gib_s).first().map(|&(kind, _)| kind);
             let ratios: Vec<f64> = fastest.map_or_else(Vec::new, |kind| {
                 (0..samples.len())
                     .filter_map(|round| {
