@@ -161,7 +161,7 @@ impl Engine {
     /// `None`: UCX's choice). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
     /// to, worker `i` to the `i`-th (cycling); `None`: not pinned.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=64 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None))]
     fn new(
         device: &str,
         sim_devices: u32,

@@ -338,7 +338,10 @@ class Engine:
     is pinned for ``pin_device`` so the gather kernel reads it directly. ``ssd_worker_cpus``
     pins the SSD engine's workers (worker ``i`` to the ``i``-th CPU, cycling): best on the CPUs
     that take the disk's completion interrupts (``/proc/interrupts``), away from the threads
-    that feed the GPU; a CPU this process may not use raises :class:`Error`."""
+    that feed the GPU; a CPU this process may not use raises :class:`Error`. ``bounce_bytes``
+    sizes the host region that SSD <-> device transfers pass through, in 2 MiB stages: at most
+    ``workers`` stages run at once, so ``workers`` x 2 MiB (the default 16 MiB) is all of it they
+    use, and a small region also reads faster."""
 
     def __init__(
         self,
@@ -347,7 +350,7 @@ class Engine:
         sim_devices: int = 1,
         pin_device: Optional[int] = 0,
         workers: int = 8,
-        bounce_bytes: int = 64 << 20,
+        bounce_bytes: int = 16 << 20,
         ssd_queue_depth: int = 64,
         ssd_worker_cpus: Optional[Sequence[int]] = None,
         remote: bool = False,
