@@ -692,8 +692,8 @@ fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
         ..RestoreBenchConfig::default()
     };
     // The DRAM tier, the destinations in simulated device memory, and a read-back for
-    // verification, plus the 64 MiB bounce region.
-    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (64 << 20), "--scale");
+    // verification, plus the 16 MiB bounce region.
+    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (16 << 20), "--scale");
     let rows = restore_bench::run(&config, out.progress)?;
     out.emit(&Report::new(
         "restore",
@@ -720,7 +720,7 @@ fn layers(args: &LayersArgs, out: &Output<'_>) -> anyhow::Result<()> {
         compute_us: args.compute_us,
         ..LayersBenchConfig::default()
     };
-    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (64 << 20), "--scale");
+    check_memory(u64::from(args.scale) * (24 << 20) * 5 / 2 + (16 << 20), "--scale");
     let rows = layers_bench::run(&config, out.progress)?;
     out.emit(&Report::new(
         "layers",

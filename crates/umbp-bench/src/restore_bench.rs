@@ -196,7 +196,13 @@ pub(crate) fn setup(
     }
     let dir = tempfile::tempdir_in(&config.dir)?;
     let path = dir.path().join("kv-tier.bin");
-    std::fs::File::create(&path)?.write_all(arena.bytes())?;
+    let mut file = std::fs::File::create(&path)?;
+    file.write_all(arena.bytes())?;
+    // On disk before anything is timed: left to writeback, 650 MB of the file went out as the
+    // SSD restores began (on this project's virtual machine), and an `O_DIRECT` read of a dirty
+    // page waits for its write.
+    file.sync_all()?;
+    drop(file);
     let ssd_cpu = config.placement.cpu(&path);
 
     let registry = EndpointRegistry::new();
@@ -221,8 +227,9 @@ pub(crate) fn setup(
         composite = composite.with_buffered_builders();
     }
     // The bounce region the SSD engine reads into: huge pages where the kernel grants them
-    // (`AlignedBuffer::for_direct_io`), as a server should allocate it.
-    let bounce = HostBuffer::zeroed(64 << 20);
+    // (`AlignedBuffer::for_direct_io`), as a server should allocate it, and as large as the
+    // staged route uses: the executor's 8 workers × 2 MiB stages (see `Staging`).
+    let bounce = HostBuffer::zeroed(16 << 20);
     let arena_endpoint = Endpoint::host(arena.addr(), tier_len);
     let bounce_endpoint = Endpoint::host(bounce.addr(), bounce.len() as u64);
     // SAFETY: both buffers live in the returned Setup, dropped after their registrations (the
