@@ -32,6 +32,15 @@ use crate::builder::StagedFragment;
 /// one (0.90–1.03 of fio replaying the same reads, against 0.77–0.87), except in minutes when
 /// the disk slowed every staged restore alike (0.97–1.04×). Smaller stages than 2 MiB cost
 /// more plans and waits per byte (two hops each), for no gain measured here.
+///
+/// What a larger working set buys is slack for a second hop that lags: a slot is free again
+/// only once its stage's second hop is done. Where that hop shares CPUs with other work, as
+/// the simulated device's copies share this machine's two with a DRAM restore's, the SSD
+/// waits for slots sooner with small ones: over 15 rounds alternating in one process, the
+/// mixed DRAM + SSD restore took a median 1.09× (1.00–1.16) its slower half alone with 8 MiB
+/// stages in 64 MiB, and 1.11× (1.09–1.38) with 2 MiB stages in 16 MiB. A GPU's second hop
+/// is a DMA that does not wait for CPUs; raise `stage_bytes` (and the region) where yours
+/// does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
