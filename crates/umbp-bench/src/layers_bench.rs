@@ -167,7 +167,7 @@ impl Run<'_> {
 pub fn run(config: &LayersBenchConfig, progress: &Progress) -> anyhow::Result<Vec<LayersRow>> {
     progress.section("layers", 7);
     progress.step("writing the tiers");
-    let (setup, composite) = setup(&config.restore, false)?;
+    let (setup, composite) = setup(&config.restore)?;
     let n = config.restore.objects;
     let f = config.restore.ssd_fraction;
     let on_ssd = move |b: usize| ((b + 1) as f64 * f).floor() > (b as f64 * f).floor();

@@ -96,9 +96,9 @@ pub struct RestoreRow {
     pub gib_s: f64,
     /// Every object completed and every destination byte matched after timing.
     pub verified: bool,
-    /// Mixed runs: time over the slower of the two halves run alone (the incremental row: the
-    /// median over rounds of that ratio within each round, the three taking turns; the
-    /// buffered row: over the halves' medians); `null` on other rows.
+    /// Mixed runs of one caller: time over the slower of the two halves run alone, the median
+    /// over rounds of that ratio within each round (the halves and both mixed runs take
+    /// turns); `null` on other rows.
     pub ratio_to_slower_half: Option<f64>,
     /// Rows of several callers: aggregate GiB/s over the same source's one-caller GiB/s;
     /// `null` on other rows and when the difference is within the runs' spread.
@@ -155,8 +155,9 @@ impl Timing {
     }
 }
 
-/// One restore workload: its objects, and which of them come from SSD.
-type Workload<'a> = (&'a [usize], &'a (dyn Fn(usize) -> bool + Sync));
+/// One restore workload: its objects, which of them come from SSD, and the composite that
+/// restores them.
+type Workload<'a> = (&'a [usize], &'a (dyn Fn(usize) -> bool + Sync), &'a CompositeEngine);
 
 /// The tiers, engines and destinations of a restore.
 pub(crate) struct Setup {
@@ -172,16 +173,16 @@ pub(crate) struct Setup {
     /// Device memory, one buffer per range of an object; freed when dropped.
     destinations: Vec<Registration>,
     _bounce: HostBuffer,
+    /// What a second composite over the same tiers and engines needs.
+    registry: Arc<EndpointRegistry>,
+    engines: Vec<Arc<dyn TransferEngine>>,
     /// The SSD tier's file, and the CPU its engine's workers are pinned to.
     path: std::path::PathBuf,
     ssd_cpu: Option<usize>,
     _dir: tempfile::TempDir,
 }
 
-pub(crate) fn setup(
-    config: &RestoreBenchConfig,
-    buffered: bool,
-) -> anyhow::Result<(Setup, CompositeEngine)> {
+pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, CompositeEngine)> {
     let shape = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(config.page_size) };
     let table = PageTable::scatter(&shape, config.contiguity, 7);
     let tier_len = table.tier_pages * shape.page_size;
@@ -222,10 +223,7 @@ pub(crate) fn setup(
         tier_len,
     )?;
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
-    let mut composite = CompositeEngine::new(registry, engines);
-    if buffered {
-        composite = composite.with_buffered_builders();
-    }
+    let composite = CompositeEngine::new(registry.clone(), engines.clone());
     // The bounce region the SSD engine reads into: huge pages where the kernel grants them
     // (`AlignedBuffer::for_direct_io`), as a server should allocate it, and as large as the
     // staged route uses: the executor's 8 workers × 2 MiB stages (see `Staging`).
@@ -241,7 +239,7 @@ pub(crate) fn setup(
         ]
     };
     let arena_id = lent[0].id();
-    composite = composite.with_staging(Staging::new(lent[1].id()))?;
+    let composite = composite.with_staging(Staging::new(lent[1].id()))?;
     let destination_len = shape.objects as u64 * shape.range_len;
     let destinations = (0..shape.ranges)
         .map(|_| hbm.alloc_device(gpu, destination_len))
@@ -256,6 +254,8 @@ pub(crate) fn setup(
         hbm,
         destinations,
         _bounce: bounce,
+        registry,
+        engines,
         path,
         ssd_cpu,
         _dir: dir,
@@ -264,6 +264,15 @@ pub(crate) fn setup(
 }
 
 impl Setup {
+    /// A second composite over the same tiers, engines and bounce region, with the buffered
+    /// builders (the baseline), so that the two take turns on the same bytes. The two never
+    /// run at once: they share the bounce region.
+    fn buffered_composite(&self) -> anyhow::Result<CompositeEngine> {
+        let composite = CompositeEngine::new(Arc::clone(&self.registry), self.engines.clone())
+            .with_buffered_builders();
+        Ok(composite.with_staging(Staging::new(self._lent[1].id()))?)
+    }
+
     /// The ranges of `objects`: range `r` of object `b` to destination `r` at `b × range_len`,
     /// in layer group `group(r)`.
     pub(crate) fn ranges(
@@ -322,17 +331,6 @@ impl Setup {
         }
     }
 
-    /// Restores `objects` (each from SSD when `from_ssd(object)`), timed, then verified.
-    fn run(
-        &self,
-        composite: &CompositeEngine,
-        objects: &[usize],
-        from_ssd: impl Fn(usize) -> bool + Sync,
-        iterations: usize,
-    ) -> Timing {
-        self.run_callers(composite, objects, from_ssd, 1, iterations, &mut |_| {})
-    }
-
     /// Restores `objects` from `callers` threads sharing `composite`, each restoring its own
     /// share of the objects with its own builder, timed from the first start to the last
     /// finish, then verified. `between` runs before each restore (`true` before the timed
@@ -382,22 +380,22 @@ impl Setup {
         Timing::of(times, completed && self.verify(objects))
     }
 
-    /// Restores each of `workloads` (objects, and which come from SSD) once per round, for
+    /// Restores each of `workloads` (objects, which come from SSD, and the composite) once per round, for
     /// `iterations` rounds, each round starting at the next workload so that drift of a shared
     /// machine falls on all alike; every restore is timed alone. One untimed round warms the
     /// builders first; after the rounds each workload is restored once more and verified.
     /// Returns each workload's times and whether it verified.
     fn run_alternating(
         &self,
-        composite: &CompositeEngine,
         workloads: &[Workload<'_>],
         iterations: usize,
     ) -> Vec<(Vec<f64>, bool)> {
         let ranges: Vec<_> =
-            workloads.iter().map(|(objects, _)| self.ranges(objects, |_| 0)).collect();
-        let mut builders: Vec<_> = workloads.iter().map(|_| composite.builder()).collect();
+            workloads.iter().map(|(objects, _, _)| self.ranges(objects, |_| 0)).collect();
+        let mut builders: Vec<_> =
+            workloads.iter().map(|(_, _, composite)| composite.builder()).collect();
         let mut once = |i: usize| {
-            let (objects, from_ssd) = workloads[i];
+            let (objects, from_ssd, _) = workloads[i];
             let batch = self.transfers(objects, &ranges[i], from_ssd);
             restore(&mut builders[i], &batch).is_ok_and(|r| r.aggregate == BatchState::Completed)
         };
@@ -415,7 +413,7 @@ impl Setup {
                 results[i].0.push(t.elapsed().as_secs_f64());
             }
         }
-        for (i, (objects, _)) in workloads.iter().enumerate() {
+        for (i, (objects, _, _)) in workloads.iter().enumerate() {
             self.poison();
             results[i].1 &= once(i) && self.verify(objects);
         }
@@ -458,7 +456,8 @@ impl Setup {
 /// Runs every restore: DRAM only, SSD only, the mixed run and its halves (each engine's own
 /// builders), and the mixed run with buffered builders.
 pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<Vec<RestoreRow>> {
-    progress.section("restore", 8);
+    let sweeps = config.callers.iter().filter(|&&c| c > 1).count();
+    progress.section("restore", 4 + 2 * sweeps);
     let mut rows = Vec::new();
     let n = config.objects;
     let all: Vec<usize> = (0..n).collect();
@@ -472,7 +471,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     let bytes_of = |objects: &[usize], s: &RestoreShape| objects.len() as u64 * s.object_size();
 
     progress.step("writing the tiers");
-    let (setup_inc, composite) = setup(config, false)?;
+    let (setup_inc, composite) = setup(config)?;
     let (shape, ssd_cpu) = (setup_inc.shape, setup_inc.ssd_cpu);
     let row = |source, builder, objects: &[usize], callers, t: Timing| {
         let bytes = bytes_of(objects, &shape);
@@ -574,20 +573,28 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
         ssd_row.fio_huge_pages = Some(kinds.contains(&FioBuffers::HugePages));
     }
     rows.push(ssd_row);
-    progress.step("mixed and its two halves alone, taking turns");
+    progress.step("mixed, its two halves alone and mixed with buffered builders, taking turns");
     let dram_only: &(dyn Fn(usize) -> bool + Sync) = &|_| false;
     let ssd_only: &(dyn Fn(usize) -> bool + Sync) = &|_| true;
-    let workloads: [Workload<'_>; 3] =
-        [(&dram_half, dram_only), (&ssd_half, ssd_only), (&all, &on_ssd)];
-    let [(dram_times, dram_ok), (ssd_times, ssd_ok), (mixed_times, mixed_ok)]: [_; 3] =
-        setup_inc.run_alternating(&composite, &workloads, it).try_into().expect("three workloads");
+    let buffered = setup_inc.buffered_composite()?;
+    let workloads: [Workload<'_>; 4] = [
+        (&dram_half, dram_only, &composite),
+        (&ssd_half, ssd_only, &composite),
+        (&all, &on_ssd, &composite),
+        (&all, &on_ssd, &buffered),
+    ];
+    let [(dram_times, dram_ok), (ssd_times, ssd_ok), (mixed_times, mixed_ok), (buf_times, buf_ok)]: [_;
+        4] = setup_inc.run_alternating(&workloads, it).try_into().expect("four workloads");
+    drop(buffered);
     // Mixed over the slower half of the same round: drift between rounds cancels.
-    let per_round: Vec<f64> =
-        (0..mixed_times.len()).map(|r| mixed_times[r] / dram_times[r].max(ssd_times[r])).collect();
-    let mixed_vs_slower = Timed::of(&per_round);
+    let vs_slower = |times: &[f64]| {
+        let per_round: Vec<f64> =
+            (0..times.len()).map(|r| times[r] / dram_times[r].max(ssd_times[r])).collect();
+        Timed::of(&per_round)
+    };
+    let (mixed_vs_slower, buffered_vs_slower) = (vs_slower(&mixed_times), vs_slower(&buf_times));
     let (dram_alone, ssd_alone) = (Timing::of(dram_times, dram_ok), Timing::of(ssd_times, ssd_ok));
     let mixed = Timing::of(mixed_times, mixed_ok);
-    let slower = dram_alone.seconds.max(ssd_alone.seconds);
     rows.push(row("dram-half", "incremental", &dram_half, 1, dram_alone));
     rows.push(row("ssd-half", "incremental", &ssd_half, 1, ssd_alone));
     let mut mixed_row = row("mixed", "incremental", &all, 1, mixed);
@@ -611,15 +618,8 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             rows.push(r);
         }
     }
-    drop(composite);
-    drop(setup_inc);
-
-    progress.step("writing the tiers again");
-    let (setup_buf, composite) = setup(config, true)?;
-    progress.step("mixed, buffered builders");
-    let mixed_buffered = setup_buf.run(&composite, &all, on_ssd, it);
-    let mut buffered_row = row("mixed", "buffered", &all, 1, mixed_buffered);
-    buffered_row.ratio_to_slower_half = Some(mixed_buffered.seconds / slower);
+    let mut buffered_row = row("mixed", "buffered", &all, 1, Timing::of(buf_times, buf_ok));
+    buffered_row.ratio_to_slower_half = Some(buffered_vs_slower.median);
     rows.push(buffered_row);
     Ok(rows)
 }
@@ -795,5 +795,6 @@ mod tests {
         }
         assert!(rows[4].ratio_to_slower_half.is_some());
         assert_eq!(rows[7].builder, "buffered");
+        assert!(rows[7].ratio_to_slower_half.is_some(), "the buffered row took turns too");
     }
 }
