@@ -36,11 +36,12 @@ use crate::builder::StagedFragment;
 /// What a larger working set buys is slack for a second hop that lags: a slot is free again
 /// only once its stage's second hop is done. Where that hop shares CPUs with other work, as
 /// the simulated device's copies share this machine's two with a DRAM restore's, the SSD
-/// waits for slots sooner with small ones: over 15 rounds alternating in one process, the
-/// mixed DRAM + SSD restore took a median 1.09× (1.00–1.16) its slower half alone with 8 MiB
-/// stages in 64 MiB, and 1.11× (1.09–1.38) with 2 MiB stages in 16 MiB. A GPU's second hop
-/// is a DMA that does not wait for CPUs; raise `stage_bytes` (and the region) where yours
-/// does.
+/// waits for slots sooner with small ones. In rounds alternating in one process, the mixed
+/// DRAM + SSD restore took 1.00–1.19× its slower half alone with 8 MiB stages in 64 MiB and
+/// 1.03–1.38× with 2 MiB stages in 16 MiB, although it finished sooner with the small ones
+/// (0.23 against 0.26 s where the disk was fast): their SSD half was faster, and the DRAM
+/// half's copies overlapped it less. A GPU's second hop is a DMA that does not wait for CPUs;
+/// raise `stage_bytes` (and the region) where yours does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
