@@ -26,8 +26,8 @@ use crate::builder::StagedFragment;
 /// Keep that working set small: the SSD engine reads into it with `O_DIRECT`, and on this
 /// project's virtual machine the reads' speed fell with the memory they land in. The SSD
 /// engine alone, reading one restore's 1 GiB (reads of 64–320 KiB at depth 64) in stages,
-/// ran at 0.66–0.78 of its speed into 16 MiB or less (which matched fio's) when its stages
-/// spread over 64 MiB. Through the composite, in 24 rounds alternating in one process, 2 MiB
+/// ran at 0.65–0.89 (mostly 0.75–0.80) of its speed into 16 MiB or less (which matched
+/// fio's) when its stages spread over 64 MiB. Through the composite, in 24 rounds alternating in one process, 2 MiB
 /// stages in a 16 MiB region restored from SSD 1.11–1.27× as fast as 8 MiB stages in a 64 MiB
 /// one (0.90–1.03 of fio replaying the same reads, against 0.77–0.87), except in minutes when
 /// the disk slowed every staged restore alike (0.97–1.04×). Smaller stages than 2 MiB cost
