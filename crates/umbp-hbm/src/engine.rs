@@ -77,8 +77,12 @@ pub struct HbmEngine<D: DeviceRuntime> {
     kernel_disabled: Arc<AtomicBool>,
     /// Gather launches so far.
     launches: AtomicU64,
-    /// Buffers reused across submits (one submit at a time uses them).
-    scratch: Mutex<Scratch>,
+    /// Buffers reused across submits: a submit takes one set (or makes one) and puts it back
+    /// when its work is done, so concurrent submits never wait for each other's launches.
+    /// Held under the lock only to take or return a set: a submit that held one lock through
+    /// its launches made every other caller wait for them (a DRAM restore's 0.5 GiB launch
+    /// stalled the staged route's second hops, and through them the SSD's reads).
+    scratch: Mutex<Vec<Scratch>>,
     /// What calibration measured, per device; its threshold replaces the configured one.
     calibrations: Mutex<BTreeMap<DeviceOrdinal, Calibration>>,
 }
@@ -255,7 +259,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             memory,
             kernel_disabled: Arc::new(AtomicBool::new(false)),
             launches: AtomicU64::new(0),
-            scratch: Mutex::new(Scratch::default()),
+            scratch: Mutex::new(Vec::new()),
             calibrations: Mutex::new(BTreeMap::new()),
         };
         if config.calibrate {
@@ -661,8 +665,9 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
         let mut on_stream = None;
         let overlapping;
         {
-            let mut guard = lock(&self.scratch);
-            let scratch = &mut *guard;
+            // This submit's own buffers: no lock is held while its work runs.
+            let mut taken = lock(&self.scratch).pop().unwrap_or_default();
+            let scratch = &mut taken;
             overlapping = scratch.overlap.exclude(&mut plans, self.name(), |id| {
                 let e = table.get(id)?;
                 match e.device_ordinal() {
@@ -700,6 +705,7 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                     on_stream = Some((launched, carried));
                 }
             }
+            lock(&self.scratch).push(taken);
         }
         let pending = match (stream, on_stream) {
             (Some(stream), Some((launched, plans_on_stream))) => {
