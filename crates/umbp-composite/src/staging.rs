@@ -34,14 +34,15 @@ use crate::builder::StagedFragment;
 /// more plans and waits per byte (two hops each), for no gain measured here.
 ///
 /// What a larger working set buys is slack for a second hop that lags: a slot is free again
-/// only once its stage's second hop is done. Where that hop shares CPUs with other work, as
-/// the simulated device's copies share this machine's two with a DRAM restore's, the SSD
-/// waits for slots sooner with small ones. In rounds alternating in one process, the mixed
-/// DRAM + SSD restore took 1.00–1.19× its slower half alone with 8 MiB stages in 64 MiB and
+/// only once its stage's second hop is done. The simulated device runs one launch at a time,
+/// so there a DRAM restore's launches hold the staged route's second hops, and the SSD waits
+/// for slots sooner with small ones. In rounds alternating in one process, the mixed DRAM +
+/// SSD restore took 1.00–1.19× its slower half alone with 8 MiB stages in 64 MiB and
 /// 1.03–1.38× with 2 MiB stages in 16 MiB, although it finished sooner with the small ones
-/// (0.23 against 0.26 s where the disk was fast): their SSD half was faster, and the DRAM
-/// half's copies overlapped it less. A GPU's second hop is a DMA that does not wait for CPUs;
-/// raise `stage_bytes` (and the region) where yours does.
+/// (0.23 against 0.26 s where the disk was fast): their SSD half was faster. With the
+/// simulator's launches let run side by side (an experiment), 2 MiB stages took 0.87–1.07×.
+/// A GPU runs launches from several streams at once; raise `stage_bytes` (and the region)
+/// where your second hop waits.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
