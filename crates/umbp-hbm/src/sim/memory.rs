@@ -19,7 +19,8 @@ pub(super) struct Allocation {
 }
 
 // SAFETY: the allocation is plain heap memory owned by this value; the pointer is only
-// dereferenced under the simulator's lock or by work the engine synchronizes.
+// dereferenced under the simulator's lock, or by running work whose footprint keeps `free`
+// from dropping the allocation until it ends (see `footprint`).
 unsafe impl Send for Allocation {}
 
 impl Allocation {

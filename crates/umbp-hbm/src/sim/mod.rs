@@ -8,6 +8,10 @@
 //! - Work runs at submit: a copy or a gather launch executes before the call returns, on
 //!   whatever [`Queue`] it names (a caller's stream handle is any value here), and
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
+//! - Work from several threads runs side by side, outside the state lock, as kernels from
+//!   several streams of a GPU do, unless one would write bytes another running one reads or
+//!   writes: then it waits for that one ([`footprint`]). Freeing or unpinning memory waits for
+//!   the running work that touches it, as freeing GPU memory waits for the device.
 //! - Events complete on the host: one recorded after work is complete when recorded, and
 //!   waiting for it reports an injected [`DeviceFault::Synchronize`], as a GPU reports a
 //!   faulting kernel at the event after it. Handles are checked: an unknown or destroyed
@@ -22,16 +26,18 @@
 //! - [`SimDevice::inject`] fails the next launch, synchronization or copy, to test the
 //!   engine's fallbacks.
 
+mod footprint;
 mod kernel;
 mod memory;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::DeviceOrdinal;
 
 use crate::{DeviceError, DeviceRuntime, GatherDescriptor, LaunchTable, Queue};
+use footprint::Footprint;
 use memory::Allocation;
 
 /// An operation the simulator can be told to fail once.
@@ -55,6 +61,8 @@ thread_local! {
 pub struct SimDevice {
     devices: u32,
     state: Mutex<State>,
+    /// Signalled when running work ends.
+    settled: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +77,10 @@ struct State {
     uploaded: LaunchTable,
     /// The overlap check's scratch: (start, end, is a destination, descriptor index).
     ranges: Vec<(u64, u64, bool, usize)>,
+    /// Work running outside the lock: its number and what it reads and writes.
+    running: Vec<(u64, Footprint)>,
+    /// The number of the next piece of running work.
+    next_work: u64,
     /// Live events: handle to device.
     events: BTreeMap<u64, DeviceOrdinal>,
     /// The next event handle (never 0).
@@ -78,7 +90,11 @@ struct State {
 impl SimDevice {
     /// A simulator with `devices` devices (at least one).
     pub fn new(devices: u32) -> Self {
-        Self { devices: devices.max(1), state: Mutex::new(State::default()) }
+        Self {
+            devices: devices.max(1),
+            state: Mutex::new(State::default()),
+            settled: Condvar::new(),
+        }
     }
 
     /// Fails the next operation of kind `fault` with [`DeviceError::Injected`].
@@ -88,20 +104,21 @@ impl SimDevice {
 
     /// A copy of `len` bytes of device memory at `addr` (which must lie in one allocation).
     pub fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
-        let state = self.lock();
+        let state = self.clear_of(self.lock(), &Footprint::read(addr, len));
         let (device, _) = state
             .allocation_holding(addr, len)
             .ok_or(DeviceError::InvalidAddress { device: DeviceOrdinal::new(0), addr, len })?;
         debug_assert!(device.get() < self.devices);
         // SAFETY: `addr .. + len` lies inside a live allocation (checked above, and the state
-        // lock keeps it from being freed meanwhile).
+        // lock keeps it from being freed meanwhile); no running work writes it (waited for
+        // above, and none starts while the lock is held).
         Ok(unsafe { memory::read(addr, len) })
     }
 
     /// Fills `len` bytes of device memory at `addr` (which must lie in one allocation) with
     /// `byte`.
     pub fn fill(&self, addr: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
-        let state = self.lock();
+        let state = self.clear_of(self.lock(), &Footprint::write(addr, len));
         if state.allocation_holding(addr, len).is_none() {
             return Err(DeviceError::InvalidAddress { device: DeviceOrdinal::new(0), addr, len });
         }
@@ -115,6 +132,31 @@ impl SimDevice {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Waits until some running work ends (the lock released meanwhile).
+    fn wait<'a>(&'a self, state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.settled.wait(state).unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until no running work conflicts with `footprint`.
+    fn clear_of<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        footprint: &Footprint,
+    ) -> MutexGuard<'a, State> {
+        while state.conflicts(footprint) {
+            state = self.wait(state);
+        }
+        state
+    }
+
+    /// Records work with `footprint` as running until the returned guard drops.
+    fn start(&self, state: &mut State, footprint: Footprint) -> Running<'_> {
+        let id = state.next_work;
+        state.next_work += 1;
+        state.running.push((id, footprint));
+        Running { sim: self, id }
+    }
+
     fn check_device(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
         if device.get() < self.devices {
             Ok(())
@@ -124,7 +166,26 @@ impl SimDevice {
     }
 }
 
+/// Work running outside the lock; ends it (and wakes whoever waits for it) when dropped, also
+/// when unwinding.
+struct Running<'a> {
+    sim: &'a SimDevice,
+    id: u64,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.sim.lock().running.retain(|(id, _)| *id != self.id);
+        self.sim.settled.notify_all();
+    }
+}
+
 impl State {
+    /// Whether running work conflicts with `footprint`.
+    fn conflicts(&self, footprint: &Footprint) -> bool {
+        self.running.iter().any(|(_, f)| f.conflicts(footprint))
+    }
+
     /// The allocation wholly holding `addr .. + len`: its device and start.
     fn allocation_holding(&self, addr: u64, len: u64) -> Option<(DeviceOrdinal, u64)> {
         let (&start, a) = self.allocations.range(..=addr).next_back()?;
@@ -201,12 +262,17 @@ impl DeviceRuntime for SimDevice {
 
     unsafe fn free(&self, device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
         let mut state = self.lock();
-        match state.allocations.get(&addr) {
-            Some(a) if a.device == device => {
+        loop {
+            let whole = match state.allocations.get(&addr) {
+                Some(a) if a.device == device => Footprint::write(addr, a.len),
+                _ => return Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+            };
+            if !state.conflicts(&whole) {
                 state.allocations.remove(&addr);
-                Ok(())
+                return Ok(());
             }
-            _ => Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+            // Work running on it ends first; the allocation may be gone after the wait.
+            state = self.wait(state);
         }
     }
 
@@ -226,9 +292,17 @@ impl DeviceRuntime for SimDevice {
     }
 
     unsafe fn unregister_host(&self, device: DeviceOrdinal, addr: u64) -> Result<(), DeviceError> {
-        match self.lock().pinned.remove(&addr) {
-            Some(_) => Ok(()),
-            None => Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+        let mut state = self.lock();
+        loop {
+            let whole = match state.pinned.get(&addr) {
+                Some(&(_, len)) => Footprint::write(addr, len),
+                None => return Err(DeviceError::InvalidAddress { device, addr, len: 0 }),
+            };
+            if !state.conflicts(&whole) {
+                state.pinned.remove(&addr);
+                return Ok(());
+            }
+            state = self.wait(state);
         }
     }
 
@@ -243,21 +317,34 @@ impl DeviceRuntime for SimDevice {
         self.check_device(device)?;
         let mut state = self.lock();
         state.take_fault(DeviceFault::Copy)?;
-        // Each side lies wholly in one allocation, or (host memory) overlaps none; and at least
-        // one side is memory of this simulator.
-        let side_ok = |addr: u64| {
-            state.allocation_holding(addr, len).is_some() || !state.touches_allocation(addr, len)
-        };
-        let device_side = state.allocation_holding(src, len).is_some()
-            || state.allocation_holding(dst, len).is_some();
-        if !side_ok(src) || !side_ok(dst) || !device_side {
-            let addr = if side_ok(src) { dst } else { src };
-            return Err(DeviceError::InvalidAddress { device, addr, len });
+        let footprint = Footprint::copy(src, dst, len);
+        // Checked again after every wait: memory may be freed meanwhile.
+        loop {
+            // Each side lies wholly in one allocation, or (host memory) overlaps none; and at
+            // least one side is memory of this simulator.
+            let side_ok = |addr: u64| {
+                state.allocation_holding(addr, len).is_some()
+                    || !state.touches_allocation(addr, len)
+            };
+            let device_side = state.allocation_holding(src, len).is_some()
+                || state.allocation_holding(dst, len).is_some();
+            if !side_ok(src) || !side_ok(dst) || !device_side {
+                let addr = if side_ok(src) { dst } else { src };
+                return Err(DeviceError::InvalidAddress { device, addr, len });
+            }
+            if !state.conflicts(&footprint) {
+                break;
+            }
+            state = self.wait(state);
         }
-        // SAFETY: the device side lies in a live allocation (checked, and kept alive by the
-        // lock); the host side is valid by this function's contract; `ptr::copy` tolerates
-        // overlap.
+        let running = self.start(&mut state, footprint);
+        drop(state);
+        // SAFETY: the device side lies in a live allocation (checked), which `free` leaves
+        // alone while this work runs (its footprint covers the bytes); the host side is valid
+        // by this function's contract; no other running work writes what this copy touches
+        // or touches what it writes (footprints); `ptr::copy` tolerates overlap.
         unsafe { memory::copy(dst, src, len) };
+        drop(running);
         Ok(())
     }
 
@@ -270,33 +357,51 @@ impl DeviceRuntime for SimDevice {
         self.check_device(device)?;
         let mut state = self.lock();
         state.take_fault(DeviceFault::Launch)?;
-        // Descriptors of one launch mostly fall in the same few regions: try the region the
-        // previous descriptor's side fell in before searching.
-        let mut last = [(0u64, 0u64); 2];
-        for d in &table.descriptors {
-            for (side, addr) in [d.src, d.dst].into_iter().enumerate() {
-                let (start, end) = last[side];
-                let inside = addr >= start && addr.checked_add(d.len).is_some_and(|e| e <= end);
-                if !inside {
-                    last[side] = state
-                        .visible_region(device, addr, d.len)
-                        .ok_or(DeviceError::InvalidAddress { device, addr, len: d.len })?;
+        // Checked again after every wait: memory may be freed or unpinned meanwhile.
+        let footprint = loop {
+            // Descriptors of one launch mostly fall in the same few regions: try the region the
+            // previous descriptor's side fell in before searching.
+            let mut last = [(0u64, 0u64); 2];
+            for d in &table.descriptors {
+                for (side, addr) in [d.src, d.dst].into_iter().enumerate() {
+                    let (start, end) = last[side];
+                    let inside = addr >= start && addr.checked_add(d.len).is_some_and(|e| e <= end);
+                    if !inside {
+                        last[side] = state
+                            .visible_region(device, addr, d.len)
+                            .ok_or(DeviceError::InvalidAddress { device, addr, len: d.len })?;
+                    }
                 }
             }
-        }
-        // The kernel's blocks run in no order: a destination that overlaps a source or another
-        // destination has no defined result (a race on the GPU). The engine never launches
-        // one; a caller of this trait that does gets an error, not undefined behaviour.
-        if let Some(d) = first_overlap(&table.descriptors, &mut state.ranges) {
-            return Err(DeviceError::InvalidAddress { device, addr: d.dst, len: d.len });
-        }
-        // The upload the GPU backend does into its descriptor buffer.
-        state.uploaded.descriptors.clone_from(&table.descriptors);
-        state.uploaded.block_starts.clone_from(&table.block_starts);
+            // The kernel's blocks run in no order: a destination that overlaps a source or
+            // another destination has no defined result (a race on the GPU). The engine never
+            // launches one; a caller of this trait that does gets an error, not undefined
+            // behaviour.
+            if let Some(d) = first_overlap(&table.descriptors, &mut state.ranges) {
+                return Err(DeviceError::InvalidAddress { device, addr: d.dst, len: d.len });
+            }
+            let footprint = Footprint::of_sorted(&state.ranges);
+            if !state.conflicts(&footprint) {
+                break footprint;
+            }
+            state = self.wait(state);
+        };
+        // The upload the GPU backend does into its descriptor buffer (reused across launches;
+        // one running beside this one uploads into a buffer of its own).
+        let mut uploaded = std::mem::take(&mut state.uploaded);
+        uploaded.descriptors.clone_from(&table.descriptors);
+        uploaded.block_starts.clone_from(&table.block_starts);
+        let running = self.start(&mut state, footprint);
+        drop(state);
         // SAFETY: every descriptor side lies in memory visible to this device (checked above):
-        // allocations the lock keeps alive, or pinned host regions valid by `register_host`'s
-        // contract; no destination overlaps a source or another destination (checked above).
-        unsafe { kernel::run(&state.uploaded) };
+        // allocations, which `free` leaves alone while this work runs (its footprint covers
+        // them), or pinned host regions, valid by `register_host`'s contract and not unpinned
+        // while this runs; no destination overlaps a source or another destination (checked
+        // above), and no other running work writes what this launch touches or touches what it
+        // writes (footprints).
+        unsafe { kernel::run(&uploaded) };
+        self.lock().uploaded = uploaded;
+        drop(running);
         Ok(())
     }
 
