@@ -34,15 +34,13 @@ use crate::builder::StagedFragment;
 /// more plans and waits per byte (two hops each), for no gain measured here.
 ///
 /// What a larger working set buys is slack for a second hop that lags: a slot is free again
-/// only once its stage's second hop is done. The simulated device runs one launch at a time,
-/// so there a DRAM restore's launches hold the staged route's second hops, and the SSD waits
-/// for slots sooner with small ones. In rounds alternating in one process, the mixed DRAM +
-/// SSD restore took 1.00–1.19× its slower half alone with 8 MiB stages in 64 MiB and
-/// 1.03–1.38× with 2 MiB stages in 16 MiB, although it finished sooner with the small ones
-/// (0.23 against 0.26 s where the disk was fast): their SSD half was faster. With the
-/// simulator's launches let run side by side (an experiment), 2 MiB stages took 0.87–1.07×.
-/// A GPU runs launches from several streams at once; raise `stage_bytes` (and the region)
-/// where your second hop waits.
+/// only once its stage's second hop is done, so when that hop waits behind other work on its
+/// engine, the SSD runs out of slots sooner with small stages. While the simulated device ran
+/// one launch at a time, a DRAM restore's launches held the second hops of a mixed DRAM + SSD
+/// restore, which then took 1.03–1.38× its slower half alone with 2 MiB stages in 16 MiB and
+/// 1.00–1.19× with 8 MiB stages in 64 MiB (in rounds alternating in one process). With
+/// launches side by side, as a GPU runs its streams, it took 1.01–1.02× with 2 MiB stages.
+/// Raise `stage_bytes` (and the region) where your second hop waits.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
