@@ -10,8 +10,8 @@
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
 //! - Work from several threads runs side by side, outside the state lock, as kernels from
 //!   several streams of a GPU do, unless one would write bytes another running one reads or
-//!   writes: then it waits for that one (module `footprint`). Freeing or unpinning memory waits for
-//!   the running work that touches it, as freeing GPU memory waits for the device.
+//!   writes: then it waits for that one (module `footprint`). Freeing or unpinning memory
+//!   waits for the running work that touches it, as freeing GPU memory waits for the device.
 //! - Events complete on the host: one recorded after work is complete when recorded, and
 //!   waiting for it reports an injected [`DeviceFault::Synchronize`], as a GPU reports a
 //!   faulting kernel at the event after it. Handles are checked: an unknown or destroyed
