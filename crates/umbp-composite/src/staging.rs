@@ -39,7 +39,7 @@ use crate::builder::StagedFragment;
 /// one launch at a time, a DRAM restore's launches held the second hops of a mixed DRAM + SSD
 /// restore, which then took 1.03–1.38× its slower half alone with 2 MiB stages in 16 MiB and
 /// 1.00–1.19× with 8 MiB stages in 64 MiB (in rounds alternating in one process). With
-/// launches side by side, as a GPU runs its streams, it took 1.01–1.02× with 2 MiB stages.
+/// launches side by side, as a GPU runs its streams, it took 1.01–1.05× with 2 MiB stages.
 /// Raise `stage_bytes` (and the region) where your second hop waits.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
