@@ -165,7 +165,7 @@ pub(crate) struct Setup {
     table: PageTable,
     /// The arena's and the bounce region's registrations: declared (so dropped) before the
     /// buffers they register.
-    _lent: [Registration; 2],
+    lent: [Registration; 2],
     arena: HostBuffer,
     arena_id: EndpointId,
     file: Registration<std::fs::File>,
@@ -247,7 +247,7 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
     let setup = Setup {
         shape,
         table,
-        _lent: lent,
+        lent,
         arena,
         arena_id,
         file,
@@ -270,7 +270,7 @@ impl Setup {
     fn buffered_composite(&self) -> anyhow::Result<CompositeEngine> {
         let composite = CompositeEngine::new(Arc::clone(&self.registry), self.engines.clone())
             .with_buffered_builders();
-        Ok(composite.with_staging(Staging::new(self._lent[1].id()))?)
+        Ok(composite.with_staging(Staging::new(self.lent[1].id()))?)
     }
 
     /// The ranges of `objects`: range `r` of object `b` to destination `r` at `b × range_len`,
@@ -380,9 +380,9 @@ impl Setup {
         Timing::of(times, completed && self.verify(objects))
     }
 
-    /// Restores each of `workloads` (objects, which come from SSD, and the composite) once per round, for
-    /// `iterations` rounds, each round starting at the next workload so that drift of a shared
-    /// machine falls on all alike; every restore is timed alone. One untimed round warms the
+    /// Restores each of `workloads` (objects, which come from SSD, and the composite) once per
+    /// round, for `iterations` rounds, each round starting at the next workload so that drift
+    /// of a shared machine falls on all alike; every restore is timed alone. One untimed round warms the
     /// builders first; after the rounds each workload is restored once more and verified.
     /// Returns each workload's times and whether it verified.
     fn run_alternating(
