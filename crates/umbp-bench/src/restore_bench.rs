@@ -173,9 +173,6 @@ pub(crate) struct Setup {
     /// Device memory, one buffer per range of an object; freed when dropped.
     destinations: Vec<Registration>,
     _bounce: HostBuffer,
-    /// What a second composite over the same tiers and engines needs.
-    registry: Arc<EndpointRegistry>,
-    engines: Vec<Arc<dyn TransferEngine>>,
     /// The SSD tier's file, and the CPU its engine's workers are pinned to.
     path: std::path::PathBuf,
     ssd_cpu: Option<usize>,
@@ -223,7 +220,7 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
         tier_len,
     )?;
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
-    let composite = CompositeEngine::new(registry.clone(), engines.clone());
+    let composite = CompositeEngine::new(registry, engines);
     // The bounce region the SSD engine reads into: huge pages where the kernel grants them
     // (`AlignedBuffer::for_direct_io`), as a server should allocate it, and as large as the
     // staged route uses: the executor's 8 workers × 2 MiB stages (see `Staging`).
@@ -254,8 +251,6 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
         hbm,
         destinations,
         _bounce: bounce,
-        registry,
-        engines,
         path,
         ssd_cpu,
         _dir: dir,
@@ -264,12 +259,13 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
 }
 
 impl Setup {
-    /// A second composite over the same tiers, engines and bounce region, with the buffered
-    /// builders (the baseline), so that the two take turns on the same bytes. The two never
-    /// run at once: they share the bounce region.
-    fn buffered_composite(&self) -> anyhow::Result<CompositeEngine> {
-        let composite = CompositeEngine::new(Arc::clone(&self.registry), self.engines.clone())
-            .with_buffered_builders();
+    /// A second composite over the tiers, engines and bounce region of `composite` (made by
+    /// [`setup`]), with the buffered builders (the baseline), so that the two take turns on
+    /// the same bytes. The two never run at once: they share the bounce region.
+    fn buffered_composite(&self, composite: &CompositeEngine) -> anyhow::Result<CompositeEngine> {
+        let composite =
+            CompositeEngine::new(Arc::clone(composite.registry()), composite.engines().to_vec())
+                .with_buffered_builders();
         Ok(composite.with_staging(Staging::new(self.lent[1].id()))?)
     }
 
@@ -576,7 +572,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     progress.step("mixed, its two halves alone and mixed with buffered builders, taking turns");
     let dram_only: &(dyn Fn(usize) -> bool + Sync) = &|_| false;
     let ssd_only: &(dyn Fn(usize) -> bool + Sync) = &|_| true;
-    let buffered = setup_inc.buffered_composite()?;
+    let buffered = setup_inc.buffered_composite(&composite)?;
     let workloads: [Workload<'_>; 4] = [
         (&dram_half, dram_only, &composite),
         (&ssd_half, ssd_only, &composite),
