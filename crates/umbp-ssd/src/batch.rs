@@ -696,6 +696,53 @@ mod tests {
         }
     }
 
+    /// A round that issues many requests sends them to the kernel in chunks while it pushes
+    /// them: at most a chunk's worth ever waits in the submission queue for the round's end,
+    /// and every read lands.
+    #[test]
+    fn a_ring_submits_a_long_round_in_chunks() {
+        let fx = Fixture::new();
+        let path = fx.path("chunks.bin");
+        let pages = 80u64;
+        let content = pattern(4, (pages * PAGE) as usize);
+        std::fs::write(&path, &content).unwrap();
+        let file = fx.open(&path, pages * PAGE, false).expect("a buffered file");
+        let destination = Host::new(&fx.registry, (2 * pages * PAGE) as usize, 0, 0);
+        // Every other slot, so that no two reads merge: one request per page, 40 of them.
+        let reads: Vec<Fragment> = (0..pages / 2)
+            .map(|i| {
+                let (page, slot) = (2 * i, 4 * i);
+                Fragment::new(
+                    file,
+                    page * PAGE,
+                    destination.id,
+                    slot * PAGE,
+                    PAGE,
+                    Tag::new(i as u32),
+                )
+            })
+            .collect();
+        let mut ring = match Ring::new(64) {
+            Ok(ring) => ring,
+            Err(e) => {
+                eprintln!("SKIP: no io_uring here: {e}");
+                return;
+            }
+        };
+        let batch = ring.run(fx.batch(fx.plan(&reads)));
+        let (failures, _) = batch.outcome("t");
+        assert!(failures.is_empty(), "{failures:?}");
+        assert!(
+            ring.most_left_queued() < crate::ring::SUBMIT_CHUNK,
+            "{} requests waited for the end of a round",
+            ring.most_left_queued()
+        );
+        for f in &reads {
+            let (from, to, len) = (f.src_offset as usize, f.dst_offset as usize, f.len as usize);
+            assert!(destination.bytes()[to..to + len] == content[from..from + len], "{f:?}");
+        }
+    }
+
     /// A ring at depth 1 fed two batches takes the second (and sends its first read to the
     /// kernel) before it hands the first back, so the device does not wait for the hand-back's
     /// wake-up of its caller; and it waits for more work only once every batch it took is
