@@ -3,6 +3,9 @@
 use umbp_plan::EndpointId;
 
 /// The error type of umbp-composite.
+///
+/// `Display` gives this error's own words; a cause (the system's error, an engine's) is its
+/// [`source`](std::error::Error::source), to print after it (anyhow's `{:#}` does).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -26,6 +29,6 @@ pub enum Error {
     #[error("{0} objects do not fit one batch")]
     TooManyObjects(usize),
     /// The executor's threads could not be started.
-    #[error("could not start the composite's executor: {0}")]
+    #[error("could not start the composite's executor")]
     Executor(#[source] std::io::Error),
 }

@@ -46,7 +46,7 @@ fn a_registration_an_engine_refuses_leaves_nothing_behind() {
     let err = composite.register_memory(vec![0u8; 64]).unwrap_err();
     assert!(
         matches!(&err, umbp_plan::RegisterError::Engine { engine, .. } if engine == "hbm"),
-        "{err}"
+        "{err:?}"
     );
     assert_eq!(registry.snapshot().iter().count(), 0, "the registration was undone");
     assert_eq!(

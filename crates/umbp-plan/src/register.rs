@@ -173,6 +173,9 @@ fn open(path: &Path, options: &FileOptions) -> io::Result<(File, bool)> {
 }
 
 /// Why a registration was refused. Nothing of it remains registered.
+///
+/// `Display` gives this error's own words; a cause (the system's error, an engine's) is its
+/// [`source`](std::error::Error::source), to print after it (anyhow's `{:#}` does).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RegisterError {
@@ -196,7 +199,7 @@ pub enum RegisterError {
         len: u64,
     },
     /// The file could not be opened.
-    #[error("could not open {path}: {source}")]
+    #[error("could not open {path}")]
     Open {
         /// The path.
         path: PathBuf,
@@ -204,7 +207,7 @@ pub enum RegisterError {
         source: io::Error,
     },
     /// A descriptor could not be inspected (its flags, its block size).
-    #[error("could not inspect descriptor {fd}: {source}")]
+    #[error("could not inspect descriptor {fd}")]
     Inspect {
         /// The descriptor.
         fd: i32,
@@ -212,7 +215,7 @@ pub enum RegisterError {
         source: io::Error,
     },
     /// An engine refused to prepare the endpoint (pinning failed, say).
-    #[error("engine `{engine}` refused the endpoint: {source}")]
+    #[error("engine `{engine}` refused the endpoint")]
     Engine {
         /// The engine's name.
         engine: String,
@@ -513,7 +516,7 @@ mod tests {
         let picky =
             Picky { registry: EndpointRegistry::new(), limit: 10, released: Default::default() };
         let err = picky.register_memory(vec![0u8; 11]).unwrap_err();
-        assert!(matches!(err, RegisterError::Engine { .. }), "{err}");
+        assert!(matches!(err, RegisterError::Engine { .. }), "{err:?}");
         assert_eq!(picky.registry.snapshot().iter().count(), 0);
         // SAFETY: refused before anything could use it.
         let raw = unsafe { picky.register_raw_memory(Endpoint::host(u64::MAX - 1, 4)) };
@@ -523,8 +526,12 @@ mod tests {
         assert!(matches!(file, Err(RegisterError::NotMemory)));
         let overflow = picky.register_file(Path::new("/nonexistent"), u64::MAX, 1);
         assert!(matches!(overflow, Err(RegisterError::RangeOverflow { .. })));
-        let missing = picky.register_file(Path::new("/nonexistent/umbp"), 0, 1);
-        assert!(matches!(missing, Err(RegisterError::Open { .. })));
+        let missing = picky.register_file(Path::new("/nonexistent/umbp"), 0, 1).unwrap_err();
+        assert!(matches!(missing, RegisterError::Open { .. }), "{missing:?}");
+        // Its words, and the system's as its source, once each in a printed chain.
+        assert_eq!(missing.to_string(), "could not open /nonexistent/umbp");
+        let cause = std::error::Error::source(&missing).expect("the system's error").to_string();
+        assert!(cause.contains("No such file"), "{cause}");
         assert_eq!(picky.registry.snapshot().iter().count(), 0);
         assert!(picky.released.0.lock().unwrap().is_empty());
     }

@@ -139,15 +139,28 @@ fn registration_error(e: RegisterError) -> PyErr {
         }
         _ => None,
     };
-    let err = RegistrationError::new_err(e.to_string());
+    let err = RegistrationError::new_err(message(&e));
     Python::with_gil(|py| {
         let _ = err.value(py).setattr("errno", errno);
     });
     err
 }
 
-fn error(e: impl std::fmt::Display) -> PyErr {
-    Error::new_err(e.to_string())
+fn error(e: impl std::error::Error + 'static) -> PyErr {
+    Error::new_err(message(&e))
+}
+
+/// An error's words, then its causes' (its `source()` chain), as one message: a Rust error's
+/// `Display` gives only its own words, and Python shows one string.
+fn message(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 #[pymethods]
@@ -329,7 +342,7 @@ impl Engine {
         let composite = Arc::clone(&self.composite);
         let bytes = py.allow_threads(move || -> Result<Vec<u8>, String> {
             let out =
-                composite.register_memory(vec![0u8; length as usize]).map_err(|e| e.to_string())?;
+                composite.register_memory(vec![0u8; length as usize]).map_err(|e| message(&e))?;
             let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
             run_one(&composite, f)?;
             Ok(out.deregister())
@@ -350,7 +363,7 @@ impl Engine {
         let composite = Arc::clone(&self.composite);
         py.allow_threads(move || -> Result<(), String> {
             let len = data.len() as u64;
-            let src = composite.register_memory(data).map_err(|e| e.to_string())?;
+            let src = composite.register_memory(data).map_err(|e| message(&e))?;
             run_one(&composite, Fragment::new(src.id(), 0, id, offset, len, Tag::new(0)))
         })
         .map_err(Error::new_err)
@@ -476,8 +489,8 @@ fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), String> {
         builder.commit_object()?;
         builder.finish()
     })();
-    let plans = plan.map_err(|e| e.to_string())?;
-    let report = composite.submit(plans).map_err(|e| e.to_string())?.wait();
+    let plans = plan.map_err(|e| message(&e))?;
+    let report = composite.submit(plans).map_err(|e| message(&e))?.wait();
     match report.objects.first().and_then(|o| o.error.clone()) {
         Some(e) => Err(e.to_string()),
         None => Ok(()),
@@ -814,7 +827,7 @@ impl Server {
     /// `host:port` where clients connect.
     #[getter]
     fn address(&self) -> PyResult<String> {
-        let server = self.server.as_ref().ok_or_else(|| error("the server is closed"))?;
+        let server = self.server.as_ref().ok_or_else(|| Error::new_err("the server is closed"))?;
         Ok(server.local_addr().to_string())
     }
 

@@ -127,6 +127,9 @@ def test_missing_and_read_only_files_are_typed_errors(engine, tmp_path):
     with pytest.raises(umbp.RegistrationError) as missing:
         engine.register_file(tmp_path / "absent.bin", 0, PAGE)
     assert missing.value.errno == 2
+    # The engine's words, then the system's, once each.
+    message = str(missing.value)
+    assert "could not open" in message and message.count("No such file") == 1, message
     with pytest.raises(umbp.RegistrationError):
         engine.register_file(tmp_path / "absent.bin")
     path = tmp_path / "ro.bin"

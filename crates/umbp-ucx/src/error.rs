@@ -4,6 +4,9 @@ use std::io;
 use std::net::SocketAddr;
 
 /// What went wrong while setting up UCX, connecting to a peer or serving memory.
+///
+/// `Display` gives this error's own words; a cause (the system's error, an engine's) is its
+/// [`source`](std::error::Error::source), to print after it (anyhow's `{:#}` does).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -29,7 +32,7 @@ pub enum Error {
         reason: String,
     },
     /// The control connection to a peer (or the server's listening socket) failed.
-    #[error("control connection {addr}: {source}")]
+    #[error("control connection {addr}")]
     Connect {
         /// The peer's (or the listener's) address.
         addr: String,
@@ -37,7 +40,7 @@ pub enum Error {
         source: io::Error,
     },
     /// The peer's handshake was refused or malformed.
-    #[error("handshake with {addr}: {source}")]
+    #[error("handshake with {addr}")]
     Handshake {
         /// The peer's address.
         addr: SocketAddr,
@@ -112,7 +115,7 @@ pub enum Error {
 #[non_exhaustive]
 pub enum HandshakeError {
     /// Reading or writing the socket failed (or timed out).
-    #[error("I/O: {0}")]
+    #[error("I/O on the control connection")]
     Io(#[from] io::Error),
     /// The other side does not speak this protocol.
     #[error("not an umbp-ucx peer (bad magic)")]

@@ -231,7 +231,7 @@ mod tests {
         send_welcome(&mut wire, Some(&welcome())).unwrap();
         for cut in 0..wire.len() {
             let err = read_welcome(&mut &wire[..cut]).unwrap_err();
-            assert!(matches!(err, HandshakeError::Io(_)), "cut at {cut}: {err}");
+            assert!(matches!(err, HandshakeError::Io(_)), "cut at {cut}: {err:?}");
         }
         // Flip every byte in turn: each result is a welcome or a typed error, never a panic
         // and never an allocation past the limits.

@@ -345,7 +345,10 @@ fn serve_client(
     match answered {
         Ok(true) => tracing::debug!(?peer, "client connected"),
         Ok(false) => return tracing::warn!(?peer, "refused a client with the wrong token"),
-        Err(e) => return tracing::warn!(?peer, error = %e, "malformed handshake"),
+        Err(e) => {
+            let error = &e as &dyn std::error::Error;
+            return tracing::warn!(?peer, error, "malformed handshake");
+        }
     }
     let _ = stream.set_read_timeout(None);
     let Ok(kept) = stream.try_clone() else { return };

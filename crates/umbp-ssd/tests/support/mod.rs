@@ -51,7 +51,7 @@ pub fn backends(test: &str) -> Vec<Backend> {
     let mut out = Vec::new();
     match SsdEngine::new(EndpointRegistry::new(), SsdConfig::new().backend(Backend::IoUring)) {
         Ok(_) => out.push(Backend::IoUring),
-        Err(e) => eprintln!("SKIP {test} on io_uring: {e}"),
+        Err(e) => eprintln!("SKIP {test} on io_uring: {e:?}"),
     }
     out.push(Backend::Blocking);
     out

@@ -50,7 +50,14 @@ fn main() {
         builder = builder.export("ro", fill(seed.wrapping_add(1), read_only), false);
     }
     let server = builder.serve(listen.as_str()).unwrap_or_else(|e| {
-        eprintln!("umbp-ucx-serve: {e}");
+        // The error's words, then its causes'.
+        let mut message = format!("umbp-ucx-serve: {e}");
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            message += &format!(": {c}");
+            cause = c.source();
+        }
+        eprintln!("{message}");
         std::process::exit(1);
     });
     println!("listening {}", server.local_addr());
