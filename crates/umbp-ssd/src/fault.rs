@@ -85,8 +85,9 @@ mod enabled {
 
     impl IoFault {
         /// The `errno` of a fault that makes the engine's worker panic where the operation
-        /// would start, instead of failing it: to test that a panicking executor fails exactly
-        /// the batches it was running, settles them, and carries on ([`panic_covering`](Self::panic_covering)).
+        /// would start, instead of failing it: to test that a batch that panics fails whole and
+        /// alone, settles, and that the worker carries on
+        /// ([`panic_covering`](Self::panic_covering)).
         pub const PANIC: i32 = i32::MIN;
 
         /// Makes the worker panic when it starts a read covering byte `offset` of file endpoint

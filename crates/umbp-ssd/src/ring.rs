@@ -21,6 +21,7 @@
 //! submission queue full and completions never overflow.
 
 use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
@@ -61,6 +62,9 @@ pub(crate) trait Feed {
     fn next(&mut self, busy: bool) -> Option<(Self::Owner, Batch)>;
 
     /// A batch none of whose requests is in flight any more, done.
+    ///
+    /// A batch that panicked is not handed back: once none of its requests is in flight it is
+    /// dropped, then its owner (a job fails its objects when dropped unsettled).
     fn done(&mut self, owner: Self::Owner, batch: Batch);
 }
 
@@ -78,6 +82,33 @@ struct Lane<O> {
     deadline: Option<std::time::Instant>,
     /// Order of arrival: the oldest lane issues first.
     started: u64,
+    /// Whether a call into the batch panicked. The ring then tells it nothing more and issues
+    /// nothing more for it, cancels what it can of its requests, and drops it (with its owner)
+    /// once none is in flight; the batches beside it run on.
+    panicked: bool,
+}
+
+impl<O> Lane<O> {
+    /// Whether the lane will issue nothing more.
+    fn issued_all(&self) -> bool {
+        self.panicked || self.batch.issued_all()
+    }
+
+    /// `call` on the batch, unless it panicked before; a panic now marks the lane instead of
+    /// unwinding through the ring and the batches beside it.
+    fn guarded<R>(&mut self, call: impl FnOnce(&mut Batch) -> R) -> Option<R> {
+        if self.panicked {
+            return None;
+        }
+        match catch_unwind(AssertUnwindSafe(|| call(&mut self.batch))) {
+            Ok(result) => Some(result),
+            Err(_) => {
+                tracing::error!("a batch panicked; it fails whole, the batches beside it run on");
+                self.panicked = true;
+                None
+            }
+        }
+    }
 }
 
 /// A worker's ring.
@@ -171,7 +202,8 @@ impl Ring {
     /// Runs batches from `feed` until it closes, up to [`LANES`] at once: the oldest first, and
     /// the next one as soon as every batch in the ring has issued everything, so that the ring
     /// fills again while they drain. Each batch goes back through [`Feed::done`] when its last
-    /// request completes.
+    /// request completes. A batch that panics (a bug, or an injected fault) fails alone: see
+    /// `Lane::panicked`.
     ///
     /// Returns only when no request is in flight, also when unwinding: the requests' bytes
     /// belong to the batches in the lanes, dropped only after the ring drained.
@@ -187,8 +219,11 @@ impl Ring {
         let mut started = 0u64;
         loop {
             for lane in lanes.iter_mut().flatten() {
-                if lane.batch.expired() {
-                    lane.batch.time_out();
+                let expired = lane.guarded(|b| b.expired()).unwrap_or(false);
+                if expired {
+                    lane.guarded(Batch::time_out);
+                }
+                if expired || lane.panicked {
                     ring.cancel(&mut lane.flying);
                     // From here on the lane only waits for its cancelled requests.
                     lane.deadline = None;
@@ -196,12 +231,12 @@ impl Ring {
             }
             ring.issue(&mut lanes);
             for slot in lanes.iter_mut() {
-                if slot.as_ref().is_some_and(|l| l.in_flight == 0 && l.batch.issued_all()) {
+                if slot.as_ref().is_some_and(|l| l.in_flight == 0 && l.issued_all()) {
                     finished.extend(slot.take());
                 }
             }
             let free = lanes.iter().position(Option::is_none);
-            let draining = lanes.iter().flatten().all(|l| l.batch.issued_all());
+            let draining = lanes.iter().flatten().all(Lane::issued_all);
             let admitting = free.is_some() && draining && ring.in_flight < ring.depth;
             if let (Some(free), true) = (free, admitting) {
                 // Never wait for work while batches wait to be handed back: their callers may
@@ -217,6 +252,7 @@ impl Ring {
                             flying: Vec::new(),
                             deadline,
                             started,
+                            panicked: false,
                         });
                         continue;
                     }
@@ -231,7 +267,9 @@ impl Ring {
                 // wait for it.
                 ring.submit();
                 for lane in finished.drain(..) {
-                    feed.done(lane.owner, lane.batch);
+                    if !lane.panicked {
+                        feed.done(lane.owner, lane.batch);
+                    }
                 }
                 continue;
             }
@@ -258,7 +296,7 @@ impl Ring {
                 if let Some(at) = lane.flying.iter().position(|&f| f == data) {
                     lane.flying.swap_remove(at);
                 }
-                lane.batch.complete(op, cqe.result());
+                lane.guarded(|b| b.complete(op, cqe.result()));
             }
         }
     }
@@ -275,9 +313,11 @@ impl Ring {
         for (_, i) in order {
             let Some(lane) = lanes[i].as_mut() else { continue };
             while self.in_flight < self.depth {
-                let Some((index, issue)) = lane.batch.issue() else { break };
+                let Some(Some((index, issue))) = lane.guarded(Batch::issue) else { break };
                 match issue {
-                    Issue::Fail(result) => lane.batch.complete(index, result),
+                    Issue::Fail(result) => {
+                        lane.guarded(|b| b.complete(index, result));
+                    }
                     Issue::Io(request) => {
                         let data = (i as u64) << 32 | index as u64;
                         let entry = entry(&request).user_data(data);

@@ -84,11 +84,12 @@ impl Job {
 }
 
 impl Drop for Job {
-    /// A job dropped unsettled (its worker panicked) fails every plan, so no handle waits
-    /// forever.
+    /// A job dropped unsettled (its batch, or its worker, panicked) fails every plan, so no
+    /// handle waits forever.
     fn drop(&mut self) {
         let Some(plans) = &self.plans else { return };
-        let cause = FailureCause::NotAccepted("the worker running this batch panicked".into());
+        let cause =
+            FailureCause::NotAccepted("a panic in the engine's worker stopped this batch".into());
         let failures = plans.fail_all(&self.engine.name, cause);
         self.settle(failures);
     }
@@ -218,8 +219,10 @@ impl Drop for Workers {
     }
 }
 
-/// A worker's loop: run the jobs of the queue until it closes. A panic while running fails
-/// the jobs that were running (every batch in the ring) and the worker carries on.
+/// A worker's loop: run the jobs of the queue until it closes. A batch that panics in the ring
+/// fails alone (the ring catches it); a panic anywhere else while running fails the jobs that
+/// were running (every batch in the ring, or the blocking path's one) and the worker carries
+/// on.
 fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &str) {
     let mut pools = Vec::new();
     loop {
@@ -238,7 +241,7 @@ fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &s
             Err(_) => {
                 // The ring drained before unwinding past the batches; each job dropped with
                 // its batch failed its objects.
-                tracing::error!(engine, "a batch panicked; the batches running with it fail");
+                tracing::error!(engine, "the worker panicked; the batches it was running fail");
                 pools.clear();
             }
         }
