@@ -15,6 +15,12 @@ const STREAM_FROM: usize = 2 << 10;
 /// (`umbp-bench restore`), where it ran at 0.8 of that. Smaller launches keep `memcpy`: their
 /// destination stays in the cache, where plain stores are faster (`umbp-bench batch`, 4,096
 /// transfers of 4 KiB in one 16 MiB launch, took twice the overhead when streamed).
+///
+/// The launch decides, not the restore: a restore in layer groups launches once per group, so
+/// one in groups under 32 MiB copies with `memcpy` throughout. From DRAM, 24 groups of 16 MiB
+/// ran at 0.59–0.63 of the same objects in one group (`crates/umbp-py/bench/restore_bench.py`
+/// before it moved to one group). A GPU's copy is the same in both; compare layer-wise
+/// figures on the simulated device with layer-wise ones only.
 const STREAM_LAUNCH: u64 = 32 << 20;
 
 /// Runs every block of `table`.
