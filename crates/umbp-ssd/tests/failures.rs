@@ -570,3 +570,74 @@ fn a_batch_panicking_beside_others_in_its_ring_fails_alone() {
         }
     }
 }
+
+/// Sixteen threads submit batches to one engine with two workers while the read of one page
+/// panics: exactly the batches that read that page fail (whole, with the panic as the cause),
+/// every other batch lands byte-exact, and no handle hangs.
+#[test]
+fn sixteen_threads_lose_only_the_batches_that_read_the_panicking_page() {
+    const THREADS: u64 = 16;
+    const ROUNDS: u64 = 12;
+    const PAGES: u64 = 64;
+    const BAD: u64 = 13;
+    let dir = support::temp_dir();
+    for backend in support::backends("sixteen_threads_lose_only") {
+        let registry = EndpointRegistry::new();
+        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(2);
+        let engine = support::engine_with(&registry, config);
+        let path = dir.path().join(format!("sixteen_{backend:?}.bin"));
+        let file_bytes = support::pattern(41, (PAGES * PAGE) as usize);
+        support::write_file(&path, &file_bytes);
+        let reg = engine
+            .register_file(FileSource::open(&path, FileOptions::new()), 0, PAGES * PAGE)
+            .unwrap();
+        let file = reg.id();
+        engine.inject_fault(IoFault::panic_covering(file, BAD * PAGE + 5));
+        let failed_batches = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for t in 0..THREADS {
+                let (engine, registry, file_bytes) = (&engine, &registry, &file_bytes);
+                let failed_batches = &failed_batches;
+                scope.spawn(move || {
+                    // Four destination pages of its own, a gap after each.
+                    let destination = HostBuf::new(registry, (8 * PAGE) as usize, 0, POISON);
+                    for round in 0..ROUNDS {
+                        let first = (t * 5 + round * 7) % (PAGES - 3);
+                        let mut builder = engine.builder();
+                        for k in 0..4 {
+                            let tag = Tag::new(k as u32);
+                            let (page, slot) = (first + k, 2 * k);
+                            let f = Fragment::new(file, page * PAGE, destination.id, slot * PAGE, PAGE, tag);
+                            builder.begin_object(tag).unwrap();
+                            builder.push(f).unwrap();
+                            builder.commit_object().unwrap();
+                        }
+                        let failures = engine.submit(builder.finish().unwrap()).into_settled().failures;
+                        if (first..first + 4).contains(&BAD) {
+                            let tags: Vec<u32> = failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
+                            assert_eq!(tags, [0, 1, 2, 3], "{backend:?}: thread {t} round {round}");
+                            assert!(
+                                failures.iter().all(|f| matches!(&f.cause, FailureCause::NotAccepted(why) if why.contains("a panic"))),
+                                "{failures:?}"
+                            );
+                            failed_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            continue;
+                        }
+                        assert!(failures.is_empty(), "{backend:?}: thread {t} round {round}: {failures:?}");
+                        for k in 0..4 {
+                            let got = &destination.bytes()[(2 * k * PAGE) as usize..][..PAGE as usize];
+                            let want = &file_bytes[((first + k) * PAGE) as usize..][..PAGE as usize];
+                            assert!(got == want, "{backend:?}: thread {t} round {round} page {}", first + k);
+                        }
+                    }
+                });
+            }
+        });
+        let expected = (0..THREADS)
+            .flat_map(|t| (0..ROUNDS).map(move |r| (t * 5 + r * 7) % (PAGES - 3)))
+            .filter(|&first| (first..first + 4).contains(&BAD))
+            .count() as u64;
+        assert!(expected > 0, "the test reads the panicking page at least once");
+        assert_eq!(failed_batches.into_inner(), expected, "{backend:?}");
+    }
+}
