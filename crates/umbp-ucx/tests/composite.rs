@@ -11,7 +11,8 @@ use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, Page
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    BatchState, DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag, TransferEngine,
+    BatchState, DeviceOrdinal, EndpointId, EndpointRegistry, Fragment, Register, Tag,
+    TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 use umbp_ucx::{UcxConfig, UcxEngine};
@@ -32,6 +33,28 @@ fn page_table(o: usize, pages: usize, tier_pages: usize) -> Vec<u64> {
     (0..pages).map(|k| (((o * pages + k) * 7 + 3) % tier_pages) as u64 * PAGE).collect()
 }
 
+/// Object `o` of `tables` (its page table) as a transfer from tier `tier_of(o)` over
+/// `ranges[o]`, tagged `o`.
+fn transfers<'a>(
+    tables: &'a [Vec<u64>],
+    ranges: &'a [[ObjectRange; 1]],
+    tier_of: impl Fn(usize) -> EndpointId,
+    size: u64,
+) -> Vec<ObjectTransfer<'a>> {
+    (0..tables.len())
+        .map(|o| ObjectTransfer {
+            tag: o as u64,
+            object: PagedObject {
+                tier: tier_of(o),
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
+            ranges: &ranges[o],
+        })
+        .collect()
+}
+
 struct Tiers {
     composite: CompositeEngine,
     hbm: Arc<HbmEngine<SimDevice>>,
@@ -40,10 +63,10 @@ struct Tiers {
     // Registrations live as long as the tiers.
     _keep: Vec<Box<dyn std::any::Any>>,
     dram: Vec<u8>,
-    dram_id: umbp_plan::EndpointId,
+    dram_id: EndpointId,
     file: Vec<u8>,
-    file_id: umbp_plan::EndpointId,
-    remote_id: umbp_plan::EndpointId,
+    file_id: EndpointId,
+    remote_id: EndpointId,
 }
 
 /// [host copies, device (simulated), SSD, remote] over one registry, with a DRAM arena, an SSD
@@ -107,18 +130,7 @@ fn one_batch_restores_from_dram_ssd_and_a_peer_into_the_device() {
     let ranges: Vec<[ObjectRange; 1]> = (0..objects)
         .map(|o| [ObjectRange::new(1000, size - 1000, dev.id(), o as u64 * size + 1000)])
         .collect();
-    let batch: Vec<ObjectTransfer> = (0..objects)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: tier_of(o),
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-        })
-        .collect();
+    let batch = transfers(&tables, &ranges, tier_of, size);
     let report = restore(&mut t.composite.builder(), &batch).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
 
@@ -195,18 +207,7 @@ fn a_peer_that_dies_mid_restore_costs_only_its_objects() {
     let tier_of = |o: usize| [t.dram_id, t.file_id, t.remote_id][o % 3];
     let ranges: Vec<[ObjectRange; 1]> =
         (0..objects).map(|o| [ObjectRange::new(0, size, out.id(), o as u64 * size)]).collect();
-    let batch: Vec<ObjectTransfer> = (0..objects)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: tier_of(o),
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-        })
-        .collect();
+    let batch = transfers(&tables, &ranges, tier_of, size);
     let mut builder = t.composite.builder();
     let started = umbp_composite::start_restore(&mut builder, &batch).unwrap();
     t.server.kill();
