@@ -1,6 +1,6 @@
 //! The io_uring executor: one ring per worker, up to `depth` requests in flight from up to
-//! [`LANES`] batches, requests submitted in small chunks as they are queued, completions
-//! reaped in batches.
+//! [`LANES`] batches, requests submitted early in small chunks while the device has little to
+//! do, completions reaped in batches.
 //!
 //! A batch whose last request completed is handed back (its caller woken) only after the
 //! requests queued meanwhile, the next batch's first ones among them, went to the kernel: at
@@ -11,10 +11,11 @@
 //! engine runs sit at fio's 8–16 µs and others at 16–32 µs, for a reason those tracepoints do
 //! not show.
 //!
-//! Requests go to the kernel in chunks of [`SUBMIT_CHUNK`] while they are pushed, not all at the
-//! end of a round: the kernel prepares every request of one `io_uring_enter` (file system,
-//! block layer) before the device sees the first of them, so after a round that reaped many
-//! completions the first new read waited for the preparation of all the others.
+//! While fewer than half the depth are submitted, requests go to the kernel in chunks of
+//! [`SUBMIT_CHUNK`] as they are pushed, not all at the end of a round: the kernel prepares
+//! every request of one `io_uring_enter` (file system, block layer) before the device sees the
+//! first of them, so after a round that reaped many completions the first new read waited for
+//! the preparation of all the others.
 //!
 //! The ring's submission queue holds at least `depth` entries and its completion queue twice
 //! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
@@ -33,12 +34,20 @@ use crate::sys::{Dir, Request};
 /// its queue, where one batch at a time let the ring run dry at the end of every submit.
 pub(crate) const LANES: usize = 4;
 
-/// Requests pushed before they are submitted, without waiting, while a round issues. The
+/// Requests pushed before they are submitted, without waiting, while a round issues and fewer
+/// than half the ring's depth are submitted. The
 /// kernel gathers the requests of one `io_uring_enter` in a block plug and starts them on the
 /// device only once it has prepared them (up to 32 at a time, traced here). At about 2 µs of
 /// kernel time per read on this project's virtual machine, a round of 60 held its first
 /// request back by about 100 µs. Eight keeps that wait short and costs one system call per
 /// eight requests.
+///
+/// Only while the device has little to do: submitting every round in chunks made the staged
+/// SSD restore (`umbp-bench restore`, 64–320 KiB reads) slower in 10 of 11 runs alternating
+/// with the build before, often by a third, in runs where the disk slowed down; there the
+/// worker shares its CPU with the second hop's copies, and a device with half the depth or
+/// more queued gains nothing from an early start. With the condition, four such pairs showed
+/// no loss (the SSD half 1.52, 2.32, 2.44, 1.84 GiB/s against 2.35, 1.99, 2.26, 1.33).
 ///
 /// Measured with 4 KiB random reads at depth 64 (`umbp-bench ssd`, three runs of each build in
 /// turns): 116–122 k reads/s and 0.82–0.89 of fio submitting each round at once, 127–143 k and
@@ -337,7 +346,9 @@ impl Ring {
                         if lane.deadline.is_some() {
                             lane.flying.push(data);
                         }
-                        if self.ring.submission().len() >= SUBMIT_CHUNK {
+                        // Entries pushed and not yet submitted; the rest are in the kernel.
+                        let queued = self.ring.submission().len();
+                        if queued >= SUBMIT_CHUNK && self.in_flight - queued < self.depth / 2 {
                             self.submit();
                         }
                     }
