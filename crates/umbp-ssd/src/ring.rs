@@ -35,12 +35,11 @@ use crate::sys::{Dir, Request};
 pub(crate) const LANES: usize = 4;
 
 /// Requests pushed before they are submitted, without waiting, while a round issues and fewer
-/// than half the ring's depth are submitted. The
-/// kernel gathers the requests of one `io_uring_enter` in a block plug and starts them on the
-/// device only once it has prepared them (up to 32 at a time, traced here). At about 2 µs of
-/// kernel time per read on this project's virtual machine, a round of 60 held its first
-/// request back by about 100 µs. Eight keeps that wait short and costs one system call per
-/// eight requests.
+/// than half the ring's depth are submitted. The kernel gathers the requests of one
+/// `io_uring_enter` in a block plug and starts them on the device only once it has prepared
+/// them (up to 32 at a time, traced here). At about 2 µs of kernel time per read on this
+/// project's virtual machine, a round of 60 held its first request back by about 100 µs.
+/// Eight keeps that wait short and costs one system call per eight requests.
 ///
 /// Only while the device has little to do: submitting every round in chunks made the staged
 /// SSD restore (`umbp-bench restore`, 64–320 KiB reads) slower in 10 of 11 runs alternating

@@ -508,66 +508,89 @@ fn batches_behind_a_stuck_one_in_the_same_ring_run_and_settle_first() {
     assert!(destination.bytes()[(2 * PAGE) as usize..][..4096] == file_bytes[..4096]);
 }
 
+/// An engine of `workers` workers and a file of `pages` pattern pages (`seed`) registered with
+/// it, whose read covering page `bad` panics.
+struct PanickingFile {
+    /// The file's registration, declared first so that it ends before the engine drops.
+    _registration: umbp_plan::Registration<std::fs::File>,
+    registry: std::sync::Arc<EndpointRegistry>,
+    engine: SsdEngine,
+    bytes: Vec<u8>,
+    file: EndpointId,
+}
+
+impl PanickingFile {
+    fn new(path: &Path, backend: Backend, workers: usize, pages: u64, seed: u64, bad: u64) -> Self {
+        let registry = EndpointRegistry::new();
+        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(workers);
+        let engine = support::engine_with(&registry, config);
+        let bytes = support::pattern(seed, (pages * PAGE) as usize);
+        support::write_file(path, &bytes);
+        let registration = engine
+            .register_file(FileSource::open(path, FileOptions::new()), 0, pages * PAGE)
+            .unwrap();
+        let file = registration.id();
+        engine.inject_fault(IoFault::panic_covering(file, bad * PAGE + 5));
+        Self { registry, engine, bytes, file, _registration: registration }
+    }
+
+    /// Submits one batch reading pages `first .. first + 4` into `destination` pages `slot`,
+    /// `slot + 2`, `slot + 4`, `slot + 6`: one object per page, tagged 0 to 3.
+    fn read_four(&self, destination: &HostBuf, first: u64, slot: u64) -> umbp_plan::TransferHandle {
+        let mut builder = self.engine.builder();
+        for k in 0..4 {
+            let tag = Tag::new(k as u32);
+            let (from, to) = ((first + k) * PAGE, (slot + 2 * k) * PAGE);
+            builder.begin_object(tag).unwrap();
+            builder.push(Fragment::new(self.file, from, destination.id, to, PAGE, tag)).unwrap();
+            builder.commit_object().unwrap();
+        }
+        self.engine.submit(builder.finish().unwrap())
+    }
+
+    /// Whether `destination` pages `slot`, `slot + 2`, ... hold file pages `first .. first + 4`.
+    fn landed(&self, destination: &HostBuf, first: u64, slot: u64) -> bool {
+        (0..4).all(|k| {
+            let got = &destination.bytes()[((slot + 2 * k) * PAGE) as usize..][..PAGE as usize];
+            got == &self.bytes[((first + k) * PAGE) as usize..][..PAGE as usize]
+        })
+    }
+}
+
+/// Asserts that a batch of [`PanickingFile::read_four`] failed whole, with the panic as cause.
+fn assert_failed_whole_by_panic(failures: &[umbp_plan::Failure], what: &str) {
+    let tags: Vec<u32> = failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
+    assert_eq!(tags, [0, 1, 2, 3], "{what} failed in part: {failures:?}");
+    let by_panic = |f: &umbp_plan::Failure| matches!(&f.cause, FailureCause::NotAccepted(why) if why.contains("a panic"));
+    assert!(failures.iter().all(by_panic), "{what}: {failures:?}");
+}
+
 /// A batch that panics while others share its worker's ring fails whole, with the panic as the
 /// cause; every other batch completes byte-exact (none hangs), the worker carries on, and the
 /// next batches complete.
 #[test]
 fn a_batch_panicking_beside_others_in_its_ring_fails_alone() {
     let dir = support::temp_dir();
-    for backend in support::backends("a_worker_panicking") {
-        let registry = EndpointRegistry::new();
-        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(1);
-        let engine = support::engine_with(&registry, config);
-        let pages = 32;
+    for backend in support::backends("a_batch_panicking_beside_others") {
         let path = dir.path().join(format!("panics_{backend:?}.bin"));
-        let file_bytes = support::pattern(37, (pages * PAGE) as usize);
-        support::write_file(&path, &file_bytes);
-        let reg = engine
-            .register_file(FileSource::open(&path, FileOptions::new()), 0, pages * PAGE)
-            .unwrap();
-        let file = reg.id();
-        let destination = HostBuf::new(&registry, (2 * pages * PAGE) as usize, 0, POISON);
         // Batch b reads pages 4b .. 4b + 4; the read of page 13 (batch 3) panics.
-        engine.inject_fault(IoFault::panic_covering(file, 13 * PAGE + 5));
-        let submit = |b: u64| {
-            let mut builder = engine.builder();
-            for p in 4 * b..4 * b + 4 {
-                let tag = Tag::new(p as u32);
-                builder.begin_object(tag).unwrap();
-                let f = Fragment::new(file, p * PAGE, destination.id, 2 * p * PAGE, PAGE, tag);
-                builder.push(f).unwrap();
-                builder.commit_object().unwrap();
-            }
-            engine.submit(builder.finish().unwrap())
-        };
-        let handles: Vec<_> = (0..6).map(submit).collect();
-        for (b, handle) in handles.into_iter().enumerate() {
+        let fx = PanickingFile::new(&path, backend, 1, 32, 37, 13);
+        let destination = HostBuf::new(&fx.registry, (64 * PAGE) as usize, 0, POISON);
+        let handles: Vec<_> = (0..6).map(|b| fx.read_four(&destination, 4 * b, 8 * b)).collect();
+        for (b, handle) in (0u64..).zip(handles) {
             let failures = handle.into_settled().failures;
-            let pages_of = (4 * b as u64)..(4 * b as u64 + 4);
-            if b != 3 {
-                assert!(failures.is_empty(), "{backend:?}: batch {b} beside the panic failed");
-                for p in pages_of {
-                    let got = &destination.bytes()[(2 * p * PAGE) as usize..][..PAGE as usize];
-                    assert!(got == &file_bytes[(p * PAGE) as usize..][..PAGE as usize], "page {p}");
-                }
+            if b == 3 {
+                assert_failed_whole_by_panic(&failures, &format!("{backend:?}: batch {b}"));
                 continue;
             }
-            let failed: Vec<u32> = failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
-            let all: Vec<u32> = pages_of.map(|p| p as u32).collect();
-            assert_eq!(failed, all, "{backend:?}: batch {b} failed in part: {failures:?}");
-            assert!(
-                failures.iter().all(|f| matches!(&f.cause, FailureCause::NotAccepted(why) if why.contains("a panic"))),
-                "{failures:?}"
-            );
+            assert!(failures.is_empty(), "{backend:?}: batch {b} beside the panic failed");
+            assert!(fx.landed(&destination, 4 * b, 8 * b), "{backend:?}: batch {b}");
         }
         // The worker carries on: the same reads, fault cleared, all complete.
-        engine.clear_faults();
-        let failures = submit(3).into_settled().failures;
+        fx.engine.clear_faults();
+        let failures = fx.read_four(&destination, 12, 24).into_settled().failures;
         assert!(failures.is_empty(), "{backend:?}: {failures:?}");
-        for p in 12..16 {
-            let got = &destination.bytes()[(2 * p * PAGE) as usize..][..PAGE as usize];
-            assert!(got == &file_bytes[(p * PAGE) as usize..][..PAGE as usize], "page {p}");
-        }
+        assert!(fx.landed(&destination, 12, 24), "{backend:?}: batch 3 again");
     }
 }
 
@@ -580,61 +603,35 @@ fn sixteen_threads_lose_only_the_batches_that_read_the_panicking_page() {
     const ROUNDS: u64 = 12;
     const PAGES: u64 = 64;
     const BAD: u64 = 13;
+    let first_page = |t: u64, round: u64| (t * 5 + round * 7) % (PAGES - 3);
     let dir = support::temp_dir();
     for backend in support::backends("sixteen_threads_lose_only") {
-        let registry = EndpointRegistry::new();
-        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(2);
-        let engine = support::engine_with(&registry, config);
         let path = dir.path().join(format!("sixteen_{backend:?}.bin"));
-        let file_bytes = support::pattern(41, (PAGES * PAGE) as usize);
-        support::write_file(&path, &file_bytes);
-        let reg = engine
-            .register_file(FileSource::open(&path, FileOptions::new()), 0, PAGES * PAGE)
-            .unwrap();
-        let file = reg.id();
-        engine.inject_fault(IoFault::panic_covering(file, BAD * PAGE + 5));
+        let fx = PanickingFile::new(&path, backend, 2, PAGES, 41, BAD);
         let failed_batches = std::sync::atomic::AtomicU64::new(0);
         std::thread::scope(|scope| {
             for t in 0..THREADS {
-                let (engine, registry, file_bytes) = (&engine, &registry, &file_bytes);
-                let failed_batches = &failed_batches;
+                let (fx, failed_batches) = (&fx, &failed_batches);
                 scope.spawn(move || {
                     // Four destination pages of its own, a gap after each.
-                    let destination = HostBuf::new(registry, (8 * PAGE) as usize, 0, POISON);
+                    let destination = HostBuf::new(&fx.registry, (8 * PAGE) as usize, 0, POISON);
                     for round in 0..ROUNDS {
-                        let first = (t * 5 + round * 7) % (PAGES - 3);
-                        let mut builder = engine.builder();
-                        for k in 0..4 {
-                            let tag = Tag::new(k as u32);
-                            let (page, slot) = (first + k, 2 * k);
-                            let f = Fragment::new(file, page * PAGE, destination.id, slot * PAGE, PAGE, tag);
-                            builder.begin_object(tag).unwrap();
-                            builder.push(f).unwrap();
-                            builder.commit_object().unwrap();
-                        }
-                        let failures = engine.submit(builder.finish().unwrap()).into_settled().failures;
+                        let first = first_page(t, round);
+                        let failures = fx.read_four(&destination, first, 0).into_settled().failures;
+                        let what = format!("{backend:?}: thread {t} round {round}");
                         if (first..first + 4).contains(&BAD) {
-                            let tags: Vec<u32> = failures.iter().flat_map(|f| &f.tags).map(|t| t.get()).collect();
-                            assert_eq!(tags, [0, 1, 2, 3], "{backend:?}: thread {t} round {round}");
-                            assert!(
-                                failures.iter().all(|f| matches!(&f.cause, FailureCause::NotAccepted(why) if why.contains("a panic"))),
-                                "{failures:?}"
-                            );
+                            assert_failed_whole_by_panic(&failures, &what);
                             failed_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             continue;
                         }
-                        assert!(failures.is_empty(), "{backend:?}: thread {t} round {round}: {failures:?}");
-                        for k in 0..4 {
-                            let got = &destination.bytes()[(2 * k * PAGE) as usize..][..PAGE as usize];
-                            let want = &file_bytes[((first + k) * PAGE) as usize..][..PAGE as usize];
-                            assert!(got == want, "{backend:?}: thread {t} round {round} page {}", first + k);
-                        }
+                        assert!(failures.is_empty(), "{what}: {failures:?}");
+                        assert!(fx.landed(&destination, first, 0), "{what}");
                     }
                 });
             }
         });
         let expected = (0..THREADS)
-            .flat_map(|t| (0..ROUNDS).map(move |r| (t * 5 + r * 7) % (PAGES - 3)))
+            .flat_map(|t| (0..ROUNDS).map(move |r| first_page(t, r)))
             .filter(|&first| (first..first + 4).contains(&BAD))
             .count() as u64;
         assert!(expected > 0, "the test reads the panicking page at least once");
