@@ -11,6 +11,10 @@
 //! last part settled without failing it is completed. A failure, a rejection or a cancellation
 //! is final: a later part cannot revive the object. Groups settle in order: group `k` is
 //! settled once every part of it and of every earlier group has settled.
+//!
+//! The batch is *done* once its last part settled, the listener heard of every group and the
+//! batch's endpoints went free: [`Batch::wait`] returns only then, so a caller that waited may
+//! deregister at once and finds every listener call made.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -127,6 +131,13 @@ pub(crate) enum PartEnd {
     Cancelled,
 }
 
+/// Group slots the listener heard of, as prefixes of the batch's groups.
+#[derive(Default)]
+struct Told {
+    enqueued: usize,
+    settled: usize,
+}
+
 /// Everything the handle and the executor share about one batch.
 pub(crate) struct BatchShared {
     keys: Vec<u64>,
@@ -141,6 +152,9 @@ pub(crate) struct BatchShared {
     changed: Condvar,
     cancelled: AtomicBool,
     listener: Option<Arc<dyn GroupListener>>,
+    /// The group slots the listener has been told of, enqueued and settled. Held while telling,
+    /// so that calls from threads settling parts side by side queue up in group order.
+    told: Mutex<Told>,
     in_flight: Arc<InFlight>,
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
@@ -159,11 +173,13 @@ struct Progress {
     part_enqueued: Vec<bool>,
     /// Parts still to enqueue, per group slot.
     group_unqueued: Vec<usize>,
-    /// Group slots enqueued so far, as a prefix of `groups` (listener told).
+    /// Group slots enqueued so far, as a prefix of `groups` (the listener hears of them after).
     groups_enqueued: usize,
-    /// Group slots settled so far, as a prefix of `groups` (listener told).
+    /// Group slots settled so far, as a prefix of `groups` (the listener hears of them after).
     groups_settled: usize,
     parts_pending: usize,
+    /// The last part settled, the listener heard of every group and the endpoints went free.
+    done: bool,
     /// What the engines gave back, for the builder's next batch.
     returned: RoutedPlans,
 }
@@ -284,11 +300,13 @@ impl BatchShared {
                 groups_enqueued: 0,
                 groups_settled: 0,
                 parts_pending,
+                done: false,
                 returned: plans,
             }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
             listener,
+            told: Mutex::default(),
             in_flight,
             pins: Mutex::new(Some(pins)),
             deadline,
@@ -350,52 +368,62 @@ impl BatchShared {
     /// Part `index` is enqueued: submitted to its engine, whose handle may still be pending on
     /// a stream. Tells the listener of the groups that became enqueued by it.
     pub(crate) fn enqueued(&self, index: usize) {
-        let newly = {
-            let mut p = self.lock();
-            self.mark_enqueued(&mut p, index)
-        };
-        self.tell(newly, |listener, group| listener.group_enqueued(group));
+        self.mark_enqueued(&mut self.lock(), index);
+        self.deliver();
         self.changed.notify_all();
     }
 
-    /// Marks part `index` enqueued (once); returns the groups that became enqueued.
-    fn mark_enqueued(&self, p: &mut Progress, index: usize) -> Vec<u32> {
-        let mut newly = Vec::new();
+    /// Marks part `index` enqueued (once), advancing the enqueued groups.
+    fn mark_enqueued(&self, p: &mut Progress, index: usize) {
         if std::mem::replace(&mut p.part_enqueued[index], true) {
-            return newly;
+            return;
         }
         p.group_unqueued[self.parts[index].group_slot] -= 1;
         while p.groups_enqueued < self.groups.len() && p.group_unqueued[p.groups_enqueued] == 0 {
-            newly.push(self.groups[p.groups_enqueued]);
             p.groups_enqueued += 1;
         }
-        newly
     }
 
-    /// Tells the listener, if any, of `groups` through `call`; a panic is logged, not spread.
-    fn tell(&self, groups: Vec<u32>, call: impl Fn(&dyn GroupListener, u32)) {
+    /// Tells the listener, if any, of every group enqueued or settled that it has not heard of:
+    /// in group order, each group's enqueueing before its settling, however the threads that
+    /// advanced them interleave (a thread that finds another telling waits for it on `told`,
+    /// then tells what is left). A panicking listener is logged, not spread.
+    fn deliver(&self) {
         let Some(listener) = &self.listener else { return };
-        for group in groups {
+        let mut told = self.told.lock().unwrap_or_else(PoisonError::into_inner);
+        // A group settles only once enqueued (settling a part enqueues it), so every group
+        // settled in this snapshot is told enqueued first.
+        let (enqueued, settled) = {
+            let p = self.lock();
+            (p.groups_enqueued, p.groups_settled)
+        };
+        let tell = |slot: usize, call: fn(&dyn GroupListener, u32)| {
+            let group = self.groups[slot];
             let listener = std::panic::AssertUnwindSafe(&**listener);
-            let call = std::panic::AssertUnwindSafe(&call);
             if std::panic::catch_unwind(|| call(*listener, group)).is_err() {
                 tracing::error!(group, "a group listener panicked");
             }
+        };
+        for slot in told.enqueued..enqueued {
+            tell(slot, |listener, group| listener.group_enqueued(group));
         }
+        for slot in told.settled..settled {
+            tell(slot, |listener, group| listener.group_settled(group));
+        }
+        // The snapshot was taken under `told` and the counts only grow: it is at or past it.
+        *told = Told { enqueued, settled };
     }
 
     /// Settles part `index`: fails the objects its failures name, cancels its objects if it
     /// never ran, completes the objects whose last part this was, and advances the groups.
     pub(crate) fn settle(&self, index: usize, end: PartEnd, returned: Option<ReturnedWork>) {
         let part = &self.parts[index];
-        let mut newly_settled = Vec::new();
-        let newly_enqueued;
         let all_done;
         {
             let mut p = self.lock();
             // A part that settles without having been submitted (cancelled, timed out, a
             // stage that failed before its second hop) is enqueued by settling.
-            newly_enqueued = self.mark_enqueued(&mut p, index);
+            self.mark_enqueued(&mut p, index);
             match end {
                 PartEnd::Ran(failures) => {
                     for f in failures {
@@ -437,24 +465,27 @@ impl BatchShared {
             }
             p.group_pending[part.group_slot] -= 1;
             while p.groups_settled < self.groups.len() && p.group_pending[p.groups_settled] == 0 {
-                newly_settled.push(self.groups[p.groups_settled]);
                 p.groups_settled += 1;
             }
             p.parts_pending -= 1;
             all_done = p.parts_pending == 0;
         }
-        self.tell(newly_enqueued, |listener, group| listener.group_enqueued(group));
-        self.tell(newly_settled, |listener, group| listener.group_settled(group));
+        self.deliver();
         if all_done {
             self.finished();
         }
         self.changed.notify_all();
     }
 
-    /// The last part settled: the endpoints go free and the batch leaves the in-flight count.
+    /// The last part settled and the listener heard of it: the endpoints go free, the batch
+    /// leaves the in-flight count and is done, all under the progress lock, so that whoever
+    /// sees one of them (a deregistration that returns, a wait) finds the others done too.
+    /// (Releasing pins only counts down and notifies; it takes no lock of a batch.)
     fn finished(&self) {
+        let mut p = self.lock();
         drop(self.pins.lock().unwrap_or_else(PoisonError::into_inner).take());
         self.in_flight.end(self.bytes);
+        p.done = true;
     }
 
     fn report(&self, p: &Progress) -> TransferReport {
@@ -503,8 +534,9 @@ pub(crate) enum ReturnedWork {
 /// cancel it.
 ///
 /// - Every method takes `&self`: one thread may wait for layer groups while another polls.
-/// - [`wait`](Self::wait) blocks until every object has settled and returns the report; it may
-///   be called again and returns the same report.
+/// - [`wait`](Self::wait) blocks until the batch is done (every object settled, every listener
+///   call made, the endpoints free) and returns the report; it may be called again and returns
+///   the same report.
 /// - Dropping a batch waits for it, so no memory a transfer reads or writes is freed under it.
 ///   [`cancel`](Self::cancel) is the quick way out: work not yet started is skipped.
 #[must_use = "dropping a batch blocks until its transfers finish"]
@@ -532,9 +564,9 @@ impl Batch {
         self.shared.bytes
     }
 
-    /// Whether every object has settled, without blocking.
+    /// Whether the batch is done (see [`wait`](Self::wait)), without blocking.
     pub fn is_done(&self) -> bool {
-        self.shared.lock().parts_pending == 0
+        self.shared.lock().done
     }
 
     /// Where the object the caller tagged `tag` stands now, without blocking.
@@ -565,16 +597,20 @@ impl Batch {
         self.shared.lock().groups_settled >= through
     }
 
-    /// Blocks until every object has settled; returns the report.
+    /// Blocks until the batch is done, and returns the report. Done: every object has settled,
+    /// the [group listener](crate::CompositeBuilder::set_group_listener) heard of every group,
+    /// the batch's endpoints are free (deregistering one returns at once) and the batch left
+    /// [`in_flight`](crate::CompositeEngine::in_flight).
     pub fn wait(&self) -> TransferReport {
-        self.shared.wait_until(None, |p| p.parts_pending == 0);
+        self.shared.wait_until(None, |p| p.done);
         self.report()
     }
 
-    /// Blocks until every object has settled or `timeout` passes; the report if it settled.
+    /// Blocks until the batch is done (see [`wait`](Self::wait)) or `timeout` passes; the
+    /// report if it is done.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<TransferReport> {
         let deadline = Instant::now().checked_add(timeout);
-        self.shared.wait_until(deadline, |p| p.parts_pending == 0).then(|| self.report())
+        self.shared.wait_until(deadline, |p| p.done).then(|| self.report())
     }
 
     /// Whether every transfer of groups up to `group` is enqueued (see
@@ -651,7 +687,7 @@ impl std::fmt::Debug for Batch {
 
 impl Drop for Batch {
     fn drop(&mut self) {
-        self.shared.wait_until(None, |p| p.parts_pending == 0);
+        self.shared.wait_until(None, |p| p.done);
     }
 }
 

@@ -56,9 +56,7 @@ pub(crate) struct Shared {
 /// Tells every engine that a registration through the composite ended.
 impl EndpointRelease for Shared {
     fn release(&self, id: EndpointId) {
-        for e in &self.engines {
-            e.endpoint_deregistering(id);
-        }
+        self.release_in(id, self.engines.len());
     }
 }
 
@@ -71,6 +69,18 @@ impl Shared {
             Box::new(BufferedPlanBuilder::new(engine))
         } else {
             engine.builder()
+        }
+    }
+
+    /// Tells the first `count` engines that registration `id` ended. An engine that panics is
+    /// logged and the others are still told, so each releases what it holds (a panic here
+    /// would also leave a registration's drop, perhaps while unwinding already).
+    fn release_in(&self, id: EndpointId, count: usize) {
+        for (i, e) in self.engines[..count].iter().enumerate() {
+            if catch_unwind(AssertUnwindSafe(|| e.endpoint_deregistering(id))).is_err() {
+                let engine = self.engine_name(i);
+                tracing::error!(%engine, endpoint = id.raw(), "an engine panicked releasing an endpoint");
+            }
         }
     }
 
@@ -103,6 +113,18 @@ impl Shared {
                 c.seconds += seconds * plan.bytes() as f64 / total;
                 c.failures += failed as u64;
             });
+        }
+    }
+
+    /// Counts the failures of engine `i` that no settled plan set reports: those of plans it
+    /// panicked with.
+    pub(crate) fn record_failures(&self, i: usize, failures: &[Failure]) {
+        let engine = self.engine_name(i);
+        for f in failures {
+            let (Some(s), Some(d)) = (self.registry.get(f.src), self.registry.get(f.dst)) else {
+                continue;
+            };
+            self.metrics.record(&engine, direction(&s, &d), |c| c.failures += 1);
         }
     }
 }
@@ -338,9 +360,7 @@ impl Register for CompositeEngine {
                 Ok(Err(source)) => source,
                 Err(panic) => format!("panicked: {}", panic_message(&*panic)).into(),
             };
-            for earlier in &engines[..i] {
-                earlier.endpoint_deregistering(id);
-            }
+            self.shared.release_in(id, i);
             let engine = self.shared.engine_name(i);
             return Err(RegisterError::Engine { engine, source: refusal });
         }

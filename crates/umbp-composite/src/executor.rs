@@ -124,7 +124,7 @@ fn panicked(
     let name = shared.engine_name(index);
     let message = panic_message(payload);
     tracing::error!(engine = %name, %message, "engine panicked while executing");
-    carried
+    let failures: Vec<Failure> = carried
         .into_iter()
         .map(|(src, dst, tags)| Failure {
             engine: name.clone(),
@@ -133,7 +133,9 @@ fn panicked(
             tags,
             cause: FailureCause::Panicked { message: message.clone() },
         })
-        .collect()
+        .collect();
+    shared.record_failures(index, &failures);
+    failures
 }
 
 /// Submits `plans` to engine `index`. A panic fails every object of every plan (one failure
@@ -163,6 +165,28 @@ fn settle(shared: &Shared, submitted: Submitted) -> (Vec<Failure>, PlanSet) {
     }
 }
 
+/// Asks a submitted handle `question` (whether it is queued on the stream, whether it is
+/// done), which the engine's completion answers; `Err` with the payload if it panicked.
+fn ask(
+    submitted: &Submitted,
+    question: impl FnOnce(&TransferHandle) -> bool,
+) -> Result<bool, Box<dyn Any + Send>> {
+    catch_unwind(AssertUnwindSafe(|| question(&submitted.handle)))
+}
+
+/// Settles a plan set whose engine panicked while asked about it (`payload`): waits for the
+/// engine to be done with the memory, then fails every object it carried, whatever the wait
+/// says, since an engine that panicked is not trusted with a success.
+fn settle_panicked(
+    shared: &Shared,
+    submitted: Submitted,
+    payload: Box<dyn Any + Send>,
+) -> (Vec<Failure>, PlanSet) {
+    let Submitted { index, handle, carried, .. } = submitted;
+    let plans = catch_unwind(AssertUnwindSafe(|| handle.into_settled().plans)).unwrap_or_default();
+    (panicked(shared, index, carried, &*payload), plans)
+}
+
 /// Submits `plans` to engine `index`, waits, and records metrics.
 fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, PlanSet) {
     match submit(shared, index, plans) {
@@ -177,8 +201,13 @@ fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, Plan
 pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, RoutedPart)>) {
     // Parts queued on the stream, oldest first: (part index, group, engine, submitted).
     let mut queued: VecDeque<(usize, u32, usize, Submitted)> = VecDeque::new();
-    let settle_part = |(index, group, engine, submitted): (usize, u32, usize, Submitted)| {
-        let (failures, plans) = settle(shared, submitted);
+    // Settles a submitted part; `panic` when its engine panicked while asked about it.
+    let settle_part = |(index, group, engine, submitted): (usize, u32, usize, Submitted),
+                       panic: Option<Box<dyn Any + Send>>| {
+        let (failures, plans) = match panic {
+            None => settle(shared, submitted),
+            Some(payload) => settle_panicked(shared, submitted, payload),
+        };
         batch.settle(index, PartEnd::Ran(failures), Some(returned_part(group, engine, plans)));
     };
     for (index, mut part) in lane {
@@ -203,17 +232,29 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
                 let returned = returned_part(part.group, part.engine, PlanSet::default());
                 batch.settle(index, PartEnd::Ran(failures), Some(returned));
             }
-            Ok(submitted) if submitted.handle.is_queued() && !submitted.handle.is_done() => {
-                batch.enqueued(index);
-                queued.push_back((index, part.group, part.engine, submitted));
+            Ok(submitted) => {
+                let on_stream = ask(&submitted, |h| h.is_queued() && !h.is_done());
+                let part = (index, part.group, part.engine, submitted);
+                match on_stream {
+                    Ok(true) => {
+                        batch.enqueued(index);
+                        queued.push_back(part);
+                    }
+                    Ok(false) => settle_part(part, None),
+                    Err(payload) => settle_part(part, Some(payload)),
+                }
             }
-            Ok(submitted) => settle_part((index, part.group, part.engine, submitted)),
         }
-        while queued.front().is_some_and(|q| q.3.handle.is_done()) {
-            settle_part(queued.pop_front().expect("checked above"));
+        while let Some(front) = queued.front() {
+            let panic = match ask(&front.3, TransferHandle::is_done) {
+                Ok(false) => break,
+                Ok(true) => None,
+                Err(payload) => Some(payload),
+            };
+            settle_part(queued.pop_front().expect("checked above"), panic);
         }
     }
-    queued.into_iter().for_each(settle_part);
+    queued.into_iter().for_each(|part| settle_part(part, None));
 }
 
 /// A stage waiting for, or holding, a bounce slot.

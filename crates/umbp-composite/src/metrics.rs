@@ -29,7 +29,7 @@ pub struct Counters {
     pub bytes: u64,
     /// Seconds spent executing (an engine's wall time, shared among its directions by bytes).
     pub seconds: f64,
-    /// Failed plans or segments reported by the engine.
+    /// Failed plans or segments reported by the engine, and plans it panicked with.
     pub failures: u64,
     /// Fragments refused while planning.
     pub rejected_fragments: u64,

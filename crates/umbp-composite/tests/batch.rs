@@ -14,8 +14,8 @@ use umbp_composite::{
 };
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    BatchState, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, ObjectState, Tag,
-    TransferEngine,
+    BatchState, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, ObjectState,
+    Register, Tag, TransferEngine,
 };
 
 const OBJECT: u64 = 4096;
@@ -155,6 +155,70 @@ fn a_group_listener_hears_each_group_once_in_order() {
     assert_eq!(tags, [[Tag::new(3)], [Tag::new(2)], [Tag::new(1)], [Tag::new(0)]]);
 }
 
+/// Records what it is told, `(true, k)` for "group k enqueued" and `(false, k)` for "settled",
+/// each after a short sleep, so that lanes settling side by side would overtake each other's
+/// calls if nothing kept them in order.
+#[derive(Default)]
+struct SlowHeard(std::sync::Mutex<Vec<(bool, u32)>>);
+
+impl umbp_composite::GroupListener for SlowHeard {
+    fn group_enqueued(&self, group: u32) {
+        std::thread::sleep(Duration::from_micros(50));
+        self.0.lock().unwrap().push((true, group));
+    }
+
+    fn group_settled(&self, group: u32) {
+        std::thread::sleep(Duration::from_micros(50));
+        self.0.lock().unwrap().push((false, group));
+    }
+}
+
+/// Each group has an object on the host copy engine's lane and one on the device engine's, so
+/// two executor threads settle parts of every group side by side: the listener still hears
+/// every group enqueued and settled in order, each enqueued before it settled, and all of it
+/// before `wait` returns, when the batch has also left the in-flight count.
+#[test]
+fn two_lanes_settling_side_by_side_tell_the_listener_in_order_before_wait_returns() {
+    const GROUPS: u32 = 24;
+    let rig = Rig::new();
+    let len = GROUPS as usize * OBJECT as usize;
+    let mut src = pattern(len, 4);
+    let mut host_dst = vec![POISON; len];
+    let (src_id, host_id) = (rig.host(&mut src), rig.host(&mut host_dst));
+    let device = rig.device(len as u64);
+    for round in 0..50 {
+        let heard = Arc::new(SlowHeard::default());
+        let mut b = rig.composite.builder();
+        b.set_group_listener(heard.clone());
+        for g in 0..GROUPS {
+            b.set_group(g);
+            let at = u64::from(g) * OBJECT;
+            for (tag, dst) in [(Tag::new(2 * g), host_id), (Tag::new(2 * g + 1), device.id)] {
+                b.begin_object(tag).unwrap();
+                b.push(Fragment::new(src_id, at, dst, at, OBJECT, tag)).unwrap();
+                b.commit_object().unwrap();
+            }
+        }
+        let batch = rig.composite.submit(b.finish().unwrap()).unwrap();
+        let report = batch.wait();
+        assert_eq!(report.aggregate, BatchState::Completed, "round {round}: {report:?}");
+        assert_eq!(rig.composite.in_flight().batches, 0, "round {round}: still in flight");
+        let events = std::mem::take(&mut *heard.0.lock().unwrap());
+        let told = |enqueued: bool| -> Vec<u32> {
+            events.iter().filter(|e| e.0 == enqueued).map(|e| e.1).collect()
+        };
+        let all: Vec<u32> = (0..GROUPS).collect();
+        assert_eq!(told(true), all, "round {round}: enqueued out of order or missing");
+        assert_eq!(told(false), all, "round {round}: settled out of order or missing");
+        for g in 0..GROUPS {
+            let at = |e| events.iter().position(|&x| x == e);
+            assert!(at((true, g)) < at((false, g)), "round {round}: group {g} settled first");
+        }
+    }
+    assert_eq!(host_dst, src);
+    assert_eq!(rig.read_device(&device), src);
+}
+
 #[test]
 fn cancel_skips_groups_not_started_and_returns_once_the_engine_is_idle() {
     let rig = host_rig(8, |w| w.slow(Duration::from_millis(80)));
@@ -250,6 +314,14 @@ fn a_panicking_engine_in_a_direct_part_fails_exactly_that_part() {
     }
     assert!(out[..OBJECT as usize].iter().all(|&x| x == POISON));
     assert_eq!(&out[2 * OBJECT as usize..], &src[2 * OBJECT as usize..]);
+    // The panic counts as one failed plan of that engine.
+    let failures: u64 = composite
+        .metrics_snapshot()
+        .iter()
+        .filter(|((engine, _), _)| engine == "panicky")
+        .map(|(_, c)| c.failures)
+        .sum();
+    assert_eq!(failures, 1);
     let device = rig.read_device(&dev);
     assert_eq!(
         &device[OBJECT as usize..2 * OBJECT as usize],
@@ -413,6 +485,28 @@ fn deregistering_an_endpoint_of_a_batch_in_flight_waits_for_the_batch() {
         rig.composite.registry().deregister(rig.ids.1),
         Err(umbp_plan::Error::UnknownEndpoint { .. })
     ));
+}
+
+/// An engine that panics when told a registration ended costs nothing else: the drop of the
+/// guard returns, and the engines after it are still told (so each releases what it holds).
+#[test]
+fn an_engine_panicking_as_an_endpoint_is_released_does_not_stop_the_others_being_told() {
+    let registry = EndpointRegistry::new();
+    let host: Arc<dyn TransferEngine> = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let wrap = |name| Wrapped::new(host.clone(), registry.clone(), name);
+    let (first, second) =
+        (Arc::new(wrap("first").panicking_on_release()), Arc::new(wrap("second")));
+    let composite = CompositeEngine::new(registry, vec![first.clone(), second.clone()]);
+    let mut bytes = vec![0u8; 4096];
+    // SAFETY: `bytes` outlives the registration, and no transfer uses it.
+    let registration =
+        unsafe { composite.register_raw_memory(Endpoint::host(bytes.as_mut_ptr() as u64, 4096)) }
+            .unwrap();
+    let id = registration.id();
+    drop(registration);
+    assert_eq!(*first.released.lock().unwrap(), [id]);
+    assert_eq!(*second.released.lock().unwrap(), [id], "the second engine was never told");
+    assert!(composite.registry().get(id).is_none());
 }
 
 #[test]

@@ -46,12 +46,13 @@ impl Gate {
 
 /// The host copy engine, behaving like a device engine with a stream: with a stream on the
 /// plan set, it moves the bytes at submit but its handle stays pending, queued on the stream,
-/// until the gate opens (or panics while waited for, when told to). Without a stream it is the
-/// host copy engine.
+/// until the gate opens (or panics while waited for, or when asked whether it is done, when
+/// told to). Without a stream it is the host copy engine.
 struct StreamLike {
     inner: Arc<LocalCopyEngine>,
     gate: Arc<Gate>,
     panic_in_wait: AtomicBool,
+    panic_in_is_done: AtomicBool,
     streams_seen: Mutex<Vec<Option<DeviceStream>>>,
 }
 
@@ -59,10 +60,12 @@ struct Gated {
     gate: Arc<Gate>,
     settled: Option<Settled>,
     panic: bool,
+    panic_in_is_done: bool,
 }
 
 impl Completion for Gated {
     fn is_done(&self) -> bool {
+        assert!(!self.panic_in_is_done, "the stream-like engine was told to panic when asked");
         self.gate.is_open()
     }
 
@@ -104,6 +107,7 @@ impl TransferEngine for StreamLike {
                 gate: Arc::clone(&self.gate),
                 settled: Some(settled),
                 panic: self.panic_in_wait.load(Ordering::Relaxed),
+                panic_in_is_done: self.panic_in_is_done.load(Ordering::Relaxed),
             })),
         }
     }
@@ -153,6 +157,7 @@ fn stream_rig(objects: usize) -> StreamRig {
         inner: Arc::new(LocalCopyEngine::new(registry.clone())),
         gate: Arc::default(),
         panic_in_wait: AtomicBool::new(false),
+        panic_in_is_done: AtomicBool::new(false),
         streams_seen: Mutex::new(Vec::new()),
     });
     let composite = CompositeEngine::new(registry, vec![engine.clone()]);
@@ -251,6 +256,32 @@ fn a_panic_while_waiting_for_the_stream_fails_exactly_those_objects() {
     }
     // Every group was still told, in order, each enqueued before it settled.
     assert_eq!(heard.events(), vec![(true, 0), (true, 1), (false, 0), (false, 1)]);
+}
+
+/// The executor asks a handle whether it is done; an engine that panics there fails the
+/// objects of that part (even though its wait then reports success: an engine that panicked
+/// is not trusted with one), and the batch still ends, every group told.
+#[test]
+fn a_panic_when_asked_whether_done_fails_exactly_those_objects_and_the_batch_ends() {
+    let rig = stream_rig(2);
+    rig.engine.panic_in_is_done.store(true, Ordering::Relaxed);
+    rig.engine.gate.open();
+    let heard = Arc::new(Heard::default());
+    let batch = rig.submit(2, Some(stream()), heard.clone());
+    let Some(report) = batch.wait_timeout(Duration::from_secs(10)) else {
+        // Dropping the batch or the composite would wait for ever.
+        std::mem::forget((batch, rig));
+        panic!("the batch never ended");
+    };
+    for object in &report.objects {
+        let Some(umbp_composite::ObjectError::Failed { cause, .. }) = &object.error else {
+            panic!("{object:?}")
+        };
+        assert!(matches!(cause, FailureCause::Panicked { .. }), "{cause:?}");
+    }
+    assert_eq!(heard.events(), vec![(true, 0), (false, 0), (true, 1), (false, 1)]);
+    // The engine had moved the bytes: failing them was the executor's choice, not a loss.
+    assert_eq!(rig.dst, rig.src);
 }
 
 #[test]

@@ -55,8 +55,10 @@ impl DeviceStream {
 /// finished (or their objects failed or were cancelled), as the host sees it. A batch without
 /// a stream, or whose engines all finish on the host, enqueues each group when it settles.
 ///
-/// Both calls run on the executor thread that advanced the batch, after the batch's own state
-/// shows the change. Keep them short. Uses: a server's per-layer counters
+/// Both calls run on an executor thread that advanced the batch, after the batch's own state
+/// shows the change, one call at a time per batch. Keep them short: a call holds up the
+/// batch's later calls and, for its last group, the batch's end (a wait for the batch returns
+/// only after every call). Uses: a server's per-layer counters
 /// ([`group_settled`](Self::group_settled)), or an event recorded on the stream that another
 /// stream waits on ([`group_enqueued`](Self::group_enqueued); the device engine's layer
 /// events do this).

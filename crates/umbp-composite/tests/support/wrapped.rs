@@ -1,5 +1,6 @@
 //! An engine that wraps a real one and misbehaves on demand: slow submits, panics on chosen
-//! objects, refusals at `finish` (a buffered builder), and a log of what each submit carried.
+//! objects or when an endpoint is released, refusals at `finish` (a buffered builder), and a
+//! log of what each submit carried and which endpoints it was told to release.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,11 @@ pub(crate) struct Wrapped {
     pub(crate) refuse_len_multiple_of: Option<u64>,
     /// When set, the engine's builder panics on the first push of this object.
     pub(crate) builder_panics_on: Option<Tag>,
+    /// When set, the engine panics when told an endpoint is released (after logging it).
+    pub(crate) release_panics: bool,
     pub(crate) log: Mutex<Vec<SubmitRecord>>,
+    /// The endpoints it was told are released, in order.
+    pub(crate) released: Mutex<Vec<EndpointId>>,
 }
 
 impl Wrapped {
@@ -49,7 +54,9 @@ impl Wrapped {
             panic_on: Mutex::new(HashSet::new()),
             refuse_len_multiple_of: None,
             builder_panics_on: None,
+            release_panics: false,
             log: Mutex::new(Vec::new()),
+            released: Mutex::new(Vec::new()),
         }
     }
 
@@ -70,6 +77,11 @@ impl Wrapped {
 
     pub(crate) fn builder_panicking_on(mut self, tag: u32) -> Self {
         self.builder_panics_on = Some(Tag::new(tag));
+        self
+    }
+
+    pub(crate) fn panicking_on_release(mut self) -> Self {
+        self.release_panics = true;
         self
     }
 
@@ -138,7 +150,9 @@ impl TransferEngine for Wrapped {
     }
 
     fn endpoint_deregistering(&self, id: EndpointId) {
-        self.inner.endpoint_deregistering(id)
+        self.inner.endpoint_deregistering(id);
+        self.released.lock().unwrap().push(id);
+        assert!(!self.release_panics, "{} was told to panic on release", self.name);
     }
 
     fn submit(&self, plans: PlanSet) -> TransferHandle {
