@@ -80,9 +80,13 @@ impl<D: DeviceRuntime> std::fmt::Debug for DeviceEvent<D> {
 pub struct LayerEvents<D: DeviceRuntime> {
     runtime: Arc<D>,
     stream: DeviceStream,
-    recorded: Mutex<BTreeMap<u32, Result<DeviceEvent<D>, DeviceError>>>,
+    recorded: Mutex<Recorded<D>>,
     changed: Condvar,
 }
+
+/// Each group's event, or why it could not be recorded. Events are shared, so a host wait
+/// holds its event without holding the map's lock.
+type Recorded<D> = BTreeMap<u32, Result<Arc<DeviceEvent<D>>, DeviceError>>;
 
 impl<D: DeviceRuntime> LayerEvents<D> {
     /// Layer events on `stream`, recorded through `runtime` (the device engine's runtime).
@@ -100,7 +104,7 @@ impl<D: DeviceRuntime> LayerEvents<D> {
         self.stream
     }
 
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<u32, Result<DeviceEvent<D>, DeviceError>>> {
+    fn lock(&self) -> MutexGuard<'_, Recorded<D>> {
         // Single inserts under the lock: a panic cannot leave the map torn.
         self.recorded.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -108,7 +112,8 @@ impl<D: DeviceRuntime> LayerEvents<D> {
     /// Waits until group `group`'s event is recorded (or `timeout` passes: `Ok(None)`), then
     /// returns its raw handle. The handle stays valid while `self` lives.
     pub fn event(&self, group: u32, timeout: Option<Duration>) -> Result<Option<u64>, DeviceError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what the clock can add waits as long as none.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut recorded = self.lock();
         loop {
             if let Some(event) = recorded.get(&group) {
@@ -140,19 +145,22 @@ impl<D: DeviceRuntime> LayerEvents<D> {
     }
 
     /// Blocks the host until group `group`'s event is recorded and the stream has reached it.
+    /// The wait holds no lock: later groups' events are recorded (and other threads served)
+    /// meanwhile.
     pub fn synchronize(&self, group: u32) -> Result<(), DeviceError> {
         self.event(group, None)?;
-        match self.lock().get(&group) {
-            Some(Ok(event)) => event.wait(),
-            Some(Err(e)) => Err(e.clone()),
+        let event = match self.lock().get(&group) {
+            Some(Ok(event)) => Arc::clone(event),
+            Some(Err(e)) => return Err(e.clone()),
             None => unreachable!("recorded events are never removed"),
-        }
+        };
+        event.wait()
     }
 }
 
 impl<D: DeviceRuntime> GroupListener for LayerEvents<D> {
     fn group_enqueued(&self, group: u32) {
-        let event = DeviceEvent::record(Arc::clone(&self.runtime), self.stream);
+        let event = DeviceEvent::record(Arc::clone(&self.runtime), self.stream).map(Arc::new);
         if let Err(error) = &event {
             tracing::warn!(group, %error, "could not record a layer group's event");
         }

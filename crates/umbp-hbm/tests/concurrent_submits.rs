@@ -1,26 +1,60 @@
 //! Submits from different threads never wait for each other's device work: a launch that has
 //! not finished holds nothing another submit needs. (A mixed restore's DRAM part and its staged
-//! SSD part reach the same device engine from two executor threads at once.)
+//! SSD part reach the same device engine from two executor threads at once.) Likewise a host
+//! thread waiting for a layer group's event holds nothing the next group's event needs.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use umbp_hbm::{DeviceError, DeviceRuntime, HbmConfig, HbmEngine, LaunchTable, Queue, SimDevice};
-use umbp_plan::{DeviceOrdinal, EndpointRegistry, Fragment, Register, Tag, TransferEngine};
+use umbp_hbm::{
+    DeviceError, DeviceRuntime, HbmConfig, HbmEngine, LaunchTable, LayerEvents, Queue, SimDevice,
+};
+use umbp_plan::{
+    DeviceOrdinal, DeviceStream, EndpointRegistry, Fragment, GroupListener, Register, Tag,
+    TransferEngine,
+};
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
-/// The simulator, except that its first gather launch waits: it says so on `entered`, then
-/// runs only once `release` fires.
-struct HeldFirstLaunch {
+/// The simulator, except that its first call of one kind (`Hold`) waits: it says so on
+/// `entered`, then runs only once `release` fires.
+struct Held {
     inner: SimDevice,
+    hold: Hold,
     gate: Mutex<Option<(Sender<()>, Receiver<()>)>>,
 }
 
-impl DeviceRuntime for HeldFirstLaunch {
+#[derive(PartialEq)]
+enum Hold {
+    Launch,
+    EventWait,
+}
+
+impl Held {
+    fn new(hold: Hold) -> (Arc<Self>, Receiver<()>, Sender<()>) {
+        let (entered, entered_rx) = channel();
+        let (release, release_rx) = channel();
+        let gate = Mutex::new(Some((entered, release_rx)));
+        (Arc::new(Self { inner: SimDevice::new(1), hold, gate }), entered_rx, release)
+    }
+
+    /// Waits for `release` if this is the first call of the held kind.
+    fn maybe_hold(&self, this: Hold) {
+        if this != self.hold {
+            return;
+        }
+        let held = self.gate.lock().unwrap().take();
+        if let Some((entered, release)) = held {
+            entered.send(()).unwrap();
+            release.recv().unwrap();
+        }
+    }
+}
+
+impl DeviceRuntime for Held {
     fn name(&self) -> &'static str {
-        "held-first-launch"
+        "held"
     }
     fn device_count(&self) -> Result<u32, DeviceError> {
         self.inner.device_count()
@@ -68,11 +102,7 @@ impl DeviceRuntime for HeldFirstLaunch {
         table: &LaunchTable,
         queue: Queue,
     ) -> Result<(), DeviceError> {
-        let held = self.gate.lock().unwrap().take();
-        if let Some((entered, release)) = held {
-            entered.send(()).unwrap();
-            release.recv().unwrap();
-        }
+        self.maybe_hold(Hold::Launch);
         // SAFETY: the caller's contract, passed on.
         unsafe { self.inner.gather(device, table, queue) }
     }
@@ -85,6 +115,7 @@ impl DeviceRuntime for HeldFirstLaunch {
         unsafe { self.inner.event_done(device, event) }
     }
     unsafe fn event_wait(&self, device: DeviceOrdinal, event: u64) -> Result<(), DeviceError> {
+        self.maybe_hold(Hold::EventWait);
         // SAFETY: the caller's contract, passed on.
         unsafe { self.inner.event_wait(device, event) }
     }
@@ -107,12 +138,7 @@ impl DeviceRuntime for HeldFirstLaunch {
 
 #[test]
 fn a_submit_does_not_wait_for_another_submits_launch() {
-    let (entered, entered_rx) = channel();
-    let (release, release_rx) = channel();
-    let runtime = Arc::new(HeldFirstLaunch {
-        inner: SimDevice::new(1),
-        gate: Mutex::new(Some((entered, release_rx))),
-    });
+    let (runtime, entered_rx, release) = Held::new(Hold::Launch);
     let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
     let engine = HbmEngine::new(Arc::clone(&runtime), EndpointRegistry::new(), config);
     let len = 256usize << 10;
@@ -155,4 +181,29 @@ fn a_submit_does_not_wait_for_another_submits_launch() {
             assert_eq!(bytes[at..at + (4 << 10)], sources[i][at..at + (4 << 10)], "{i}, {k}");
         }
     }
+}
+
+#[test]
+fn a_host_wait_for_a_layer_event_does_not_hold_up_the_next_group_s_event() {
+    let (runtime, entered_rx, release) = Held::new(Hold::EventWait);
+    // SAFETY: the simulator takes any handle as a stream.
+    let stream = unsafe { DeviceStream::new(GPU, 3) };
+    let events = LayerEvents::new(Arc::clone(&runtime), stream);
+    events.group_enqueued(0);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| events.synchronize(0));
+        entered_rx.recv_timeout(Duration::from_secs(30)).expect("the host wait started");
+        // Group 0's wait is held on the device; the executor records group 1 meanwhile.
+        let (recorded, recorded_rx) = channel();
+        let events = &events;
+        scope.spawn(move || {
+            events.group_enqueued(1);
+            recorded.send(()).unwrap();
+        });
+        let next = recorded_rx.recv_timeout(Duration::from_secs(20));
+        release.send(()).unwrap();
+        next.expect("recording group 1 waited for the host wait on group 0");
+        assert!(events.event(1, Some(Duration::ZERO)).unwrap().is_some());
+        waiter.join().unwrap().unwrap();
+    });
 }
