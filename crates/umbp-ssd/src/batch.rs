@@ -99,7 +99,8 @@ pub(crate) struct Batch {
     ops: Vec<Op>,
     /// The file endpoint of each plan (for fault rules).
     plan_files: Vec<EndpointId>,
-    /// Keeps the descriptors of the files the batch uses open until it settles.
+    /// The entries of the files the batch uses. Their descriptors stay open while it runs
+    /// because its job pins their endpoints (see [`FileEntry`]), not because of these.
     _files: Vec<Arc<FileEntry>>,
     pool: BouncePool,
     faults: Arc<Faults>,

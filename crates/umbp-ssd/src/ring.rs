@@ -91,8 +91,9 @@ struct Lane<O> {
     /// Order of arrival: the oldest lane issues first.
     started: u64,
     /// Whether a call into the batch panicked. The ring then tells it nothing more and issues
-    /// nothing more for it, cancels what it can of its requests, and drops it (with its owner)
-    /// once none is in flight; the batches beside it run on.
+    /// nothing more for it, cancels the requests it tracks (`flying`: only a batch with a
+    /// deadline tracks them; the others' run to their end), and drops it (with its owner) once
+    /// none is in flight; the batches beside it run on.
     panicked: bool,
 }
 
@@ -334,8 +335,10 @@ impl Ring {
                         //    the lane's batch (see the request invariant in `sys`), which
                         //    `serve` keeps until every request it pushed has completed, also
                         //    when unwinding;
-                        // 2. the descriptor is only a number to the kernel: a closed one fails
-                        //    the request with EBADF, it cannot touch our memory.
+                        // 2. the descriptor is only a number to the kernel, which cannot touch
+                        //    our memory through it; it names the plan's file until the request
+                        //    completes, since the batch's job pins its file endpoints until it
+                        //    settles, after this ring is done with the batch (see `FileEntry`).
                         let pushed = unsafe { self.ring.submission().push(&entry) };
                         pushed.expect(
                             "at most `depth` requests are queued, and the queue holds them",
