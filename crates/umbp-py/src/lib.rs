@@ -15,7 +15,7 @@
 #![allow(unsafe_code)] // Registering raw addresses the Python layer vouches for.
 
 use std::fs::File;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::create_exception;
@@ -29,9 +29,9 @@ use umbp_composite::{
 use umbp_hbm::{HbmConfig, HbmEngine, LayerEvents, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    AlignedBuffer, DeviceOrdinal, DeviceStream, Endpoint, EndpointRegistry, FailureCause,
-    FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register, RegisterError,
-    Registration as Guard, Tag, TransferEngine,
+    AlignedBuffer, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointRegistry,
+    FailureCause, FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register,
+    RegisterError, Registration as Guard, Tag, TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 use umbp_ucx::{ServerBuilder, UcxConfig, UcxEngine, UcxServer};
@@ -126,10 +126,21 @@ impl Events {
 /// remote (UCX) engine.
 #[pyclass(module = "umbp._native", frozen)]
 struct Engine {
-    composite: Arc<CompositeEngine>,
+    /// `None` only while being dropped.
+    composite: Option<Arc<CompositeEngine>>,
     device: Device,
     remote: Option<Arc<UcxEngine>>,
-    _bounce: Guard<AlignedBuffer>,
+    /// The region the staged route passes through; `None` only while being dropped.
+    bounce: Option<Guard<AlignedBuffer>>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let (composite, bounce) = (self.composite.take(), self.bounce.take());
+        // Dropping the composite waits for the batches in flight, which may take as long as
+        // their deadlines (or a dead peer's): never with the GIL held.
+        Python::with_gil(|py| py.allow_threads(move || drop((composite, bounce))));
+    }
 }
 
 fn registration_error(e: RegisterError) -> PyErr {
@@ -148,6 +159,16 @@ fn registration_error(e: RegisterError) -> PyErr {
 
 fn error(e: impl std::error::Error + 'static) -> PyErr {
     Error::new_err(message(&e))
+}
+
+/// A timeout in seconds from Python: `None`, an infinite one or one past what a clock can add
+/// means no limit (`None`); a negative one is zero; NaN is a `ValueError`.
+fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s.is_nan() => Err(PyValueError::new_err("a timeout cannot be NaN")),
+        Some(s) => Ok(Duration::try_from_secs_f64(s.max(0.0)).ok()),
+    }
 }
 
 /// An error's words, then its causes' (its `source()` chain), as one message: a Rust error's
@@ -233,7 +254,7 @@ impl Engine {
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes.max(2)))
             .map_err(registration_error)?;
         let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
-        Ok(Self { composite: Arc::new(composite), device, remote, _bounce: bounce })
+        Ok(Self { composite: Some(Arc::new(composite)), device, remote, bounce: Some(bounce) })
     }
 
     /// Connects the remote engine to the memory node serving at `addr`: its peer number and
@@ -263,8 +284,8 @@ impl Engine {
         self.remote()?;
         let region = umbp_plan::RemoteRegion { peer, region };
         let guard =
-            self.composite.register_remote(region, offset, length).map_err(registration_error)?;
-        Ok(Registration::new(Kept::Memory(guard), None, "remote"))
+            self.composite().register_remote(region, offset, length).map_err(registration_error)?;
+        Ok(self.registration(Kept::Memory(guard), None, "remote"))
     }
 
     /// The device runtime: `"sim"` or `"cuda"`.
@@ -279,9 +300,9 @@ impl Engine {
         // SAFETY: the package's Python layer passes the address of a buffer it holds exported
         // in `owner`, which the registration keeps until it has ended (and so until no batch
         // uses it).
-        let guard = unsafe { self.composite.register_raw_memory(Endpoint::host(addr, length)) }
+        let guard = unsafe { self.composite().register_raw_memory(Endpoint::host(addr, length)) }
             .map_err(registration_error)?;
-        Ok(Registration::new(Kept::Memory(guard), Some(owner), "host"))
+        Ok(self.registration(Kept::Memory(guard), Some(owner), "host"))
     }
 
     /// Registers `length` bytes of device memory at `addr` on `device`; as `register_host`.
@@ -294,9 +315,9 @@ impl Engine {
     ) -> PyResult<Registration> {
         let endpoint = Endpoint::device(DeviceOrdinal::new(device), addr, length);
         // SAFETY: as in `register_host`: `owner` (a tensor) keeps the memory allocated.
-        let guard =
-            unsafe { self.composite.register_raw_memory(endpoint) }.map_err(registration_error)?;
-        Ok(Registration::new(Kept::Memory(guard), Some(owner), "device"))
+        let guard = unsafe { self.composite().register_raw_memory(endpoint) }
+            .map_err(registration_error)?;
+        Ok(self.registration(Kept::Memory(guard), Some(owner), "device"))
     }
 
     /// Registers bytes `offset .. offset + length` of the file at `path`.
@@ -313,24 +334,27 @@ impl Engine {
         create: bool,
     ) -> PyResult<Registration> {
         let options = FileOptions::new().direct(direct).writable(writable).create(create);
-        let composite = Arc::clone(&self.composite);
+        let composite = Arc::clone(self.composite());
         let guard = py
             .allow_threads(move || {
                 composite.register_file(FileSource::open(path, options), offset, length)
             })
             .map_err(registration_error)?;
-        Ok(Registration::new(Kept::File(guard), None, "file"))
+        Ok(self.registration(Kept::File(guard), None, "file"))
     }
 
     /// Allocates `length` bytes on `device`, freed when the registration ends.
     #[pyo3(signature = (length, device=0))]
     fn alloc_device(&self, length: u64, device: u32) -> PyResult<Registration> {
         let guard = self.device.alloc(DeviceOrdinal::new(device), length).map_err(error)?;
-        Ok(Registration::new(Kept::Memory(guard), None, "device"))
+        Ok(self.registration(Kept::Memory(guard), None, "device"))
     }
 
     /// Bytes `offset .. offset + length` of a registered endpoint, copied out through the
     /// engines (device memory included).
+    /// Raises what a failed object raises in a report ([`TransferError`] with its errno, a
+    /// [`RejectedError`]...); a range past the registration's end is a `ValueError`, raised
+    /// before anything is allocated.
     fn read(
         &self,
         py: Python<'_>,
@@ -338,20 +362,23 @@ impl Engine {
         offset: u64,
         length: u64,
     ) -> PyResult<Py<PyBytes>> {
-        let id = source.endpoint_id()?;
-        let composite = Arc::clone(&self.composite);
-        let bytes = py.allow_threads(move || -> Result<Vec<u8>, String> {
-            let out =
-                composite.register_memory(vec![0u8; length as usize]).map_err(|e| message(&e))?;
+        let id = self.endpoint(source)?;
+        source.check_range(offset, length)?;
+        let composite = Arc::clone(self.composite());
+        let bytes = py.allow_threads(move || -> Result<Vec<u8>, OneError> {
+            let out = composite
+                .register_memory(vec![0u8; length as usize])
+                .map_err(|e| OneError::Other(message(&e)))?;
             let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
             run_one(&composite, f)?;
             Ok(out.deregister())
         });
-        let bytes = bytes.map_err(Error::new_err)?;
+        let bytes = bytes.map_err(|e| e.into_py_err(py))?;
         Ok(PyBytes::new(py, &bytes).unbind())
     }
 
-    /// Writes `data` into a registered endpoint at `offset`, through the engines.
+    /// Writes `data` into a registered endpoint at `offset`, through the engines; raises as
+    /// `read` does.
     fn write(
         &self,
         py: Python<'_>,
@@ -359,26 +386,28 @@ impl Engine {
         offset: u64,
         data: Vec<u8>,
     ) -> PyResult<()> {
-        let id = target.endpoint_id()?;
-        let composite = Arc::clone(&self.composite);
-        py.allow_threads(move || -> Result<(), String> {
+        let id = self.endpoint(target)?;
+        target.check_range(offset, data.len() as u64)?;
+        let composite = Arc::clone(self.composite());
+        py.allow_threads(move || -> Result<(), OneError> {
             let len = data.len() as u64;
-            let src = composite.register_memory(data).map_err(|e| message(&e))?;
+            let src = composite.register_memory(data).map_err(|e| OneError::Other(message(&e)))?;
             run_one(&composite, Fragment::new(src.id(), 0, id, offset, len, Tag::new(0)))
         })
-        .map_err(Error::new_err)
+        .map_err(|e| e.into_py_err(py))
     }
 
     /// Starts restoring (`restore=True`) or offloading `objects` and returns the batch at once.
-    /// Each object is `(tag, tier_id, page_offsets_u64_le, page_size, size, ranges)`, each range
-    /// `(offset, length, endpoint_id, endpoint_offset, group)`. With `stream` (a raw stream
-    /// handle of device `stream_device`), device work is queued on that stream and one event
-    /// per layer group is recorded there.
+    /// Each object is `(tag, tier, page_offsets_u64_le, page_size, size, ranges)`, each range
+    /// `(offset, length, endpoint, endpoint_offset, group)`; `tier` and `endpoint` are
+    /// registrations of this engine or raw endpoint ids. With `stream` (a raw stream handle of
+    /// device `stream_device`), device work is queued on that stream and one event per layer
+    /// group is recorded there.
     #[pyo3(signature = (objects, restore, timeout=None, stream=None, stream_device=0))]
     fn start(
         &self,
         py: Python<'_>,
-        objects: Vec<ObjectTuple>,
+        objects: Vec<ObjectTuple<'_>>,
         restore: bool,
         timeout: Option<f64>,
         stream: Option<u64>,
@@ -397,15 +426,15 @@ impl Engine {
                 let ranges = ranges
                     .into_iter()
                     .map(|(offset, len, endpoint, at, group)| {
-                        ObjectRange::new(offset, len, umbp_plan::EndpointId::from_raw(endpoint), at)
-                            .in_group(group)
+                        let endpoint = self.named(&endpoint)?;
+                        Ok(ObjectRange::new(offset, len, endpoint, at).in_group(group))
                     })
-                    .collect();
-                Ok(Spec { tag, tier, pages, page_size, size, ranges })
+                    .collect::<PyResult<_>>()?;
+                Ok(Spec { tag, tier: self.named(&tier)?, pages, page_size, size, ranges })
             })
             .collect::<PyResult<_>>()?;
-        let composite = Arc::clone(&self.composite);
-        let deadline = timeout.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
+        let composite = Arc::clone(self.composite());
+        let deadline = timeout_of(timeout)?.and_then(|t| Instant::now().checked_add(t));
         // SAFETY: the Python layer documents the promise (a live stream of that device, kept
         // until the batch settles), as a raw handle from torch is all Python can give.
         let stream =
@@ -418,7 +447,7 @@ impl Engine {
                 .map(|s| ObjectTransfer {
                     tag: s.tag,
                     object: PagedObject {
-                        tier: umbp_plan::EndpointId::from_raw(s.tier),
+                        tier: s.tier,
                         page_offsets: &s.pages,
                         page_size: s.page_size,
                         size: s.size,
@@ -444,7 +473,7 @@ impl Engine {
     /// Counters per (engine, direction), and what is in flight, as a dict.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for ((engine, direction), c) in self.composite.metrics_snapshot() {
+        for ((engine, direction), c) in self.composite().metrics_snapshot() {
             let d = PyDict::new(py);
             d.set_item("operations", c.operations)?;
             d.set_item("bytes", c.bytes)?;
@@ -453,7 +482,7 @@ impl Engine {
             d.set_item("rejected_fragments", c.rejected_fragments)?;
             out.set_item(format!("{engine}/{direction}"), d)?;
         }
-        let flight = self.composite.in_flight();
+        let flight = self.composite().in_flight();
         let d = PyDict::new(py);
         d.set_item("batches", flight.batches)?;
         d.set_item("bytes", flight.bytes)?;
@@ -462,9 +491,17 @@ impl Engine {
     }
 }
 
-/// An object as Python hands it over: `(tag, tier_id, page_offsets_u64_le, page_size, size,
-/// ranges)`, each range `(offset, length, endpoint_id, endpoint_offset, group)`.
-type ObjectTuple = (u64, u32, Vec<u8>, u64, u64, Vec<(u64, u64, u32, u64, u32)>);
+/// An object as Python hands it over: `(tag, tier, page_offsets_u64_le, page_size, size,
+/// ranges)`, each range `(offset, length, endpoint, endpoint_offset, group)`.
+type ObjectTuple<'py> =
+    (u64, EndpointArg<'py>, Vec<u8>, u64, u64, Vec<(u64, u64, EndpointArg<'py>, u64, u32)>);
+
+/// An endpoint as Python names it: a registration, or a raw endpoint id.
+#[derive(FromPyObject)]
+enum EndpointArg<'py> {
+    Registration(Bound<'py, Registration>),
+    Raw(u32),
+}
 
 /// A report as Python receives it: the aggregate, then `(tag, state, error or None)` per
 /// object.
@@ -473,15 +510,35 @@ type ReportTuple = (String, Vec<(u64, &'static str, Option<PyObject>)>);
 /// One object of a batch, owned while it is planned.
 struct Spec {
     tag: u64,
-    tier: u32,
+    tier: EndpointId,
     pages: Vec<u64>,
     page_size: u64,
     size: u64,
     ranges: Vec<ObjectRange>,
 }
 
+/// Why a one-fragment transfer (`Engine.read`, `Engine.write`) failed.
+enum OneError {
+    /// The object's own error, raised as in a report.
+    Object(ObjectError),
+    /// Anything else (registering the bounce of the copy, planning, submitting).
+    Other(String),
+}
+
+impl OneError {
+    fn into_py_err(self, py: Python<'_>) -> PyErr {
+        match self {
+            OneError::Object(e) => match object_error(py, &e) {
+                Ok(value) => PyErr::from_value(value.into_bound(py)),
+                Err(e) => e,
+            },
+            OneError::Other(text) => Error::new_err(text),
+        }
+    }
+}
+
 /// Moves one fragment as one object and waits for it.
-fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), String> {
+fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), OneError> {
     let mut builder = composite.builder();
     let plan = (|| {
         builder.begin_object(Tag::new(0))?;
@@ -489,10 +546,18 @@ fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), String> {
         builder.commit_object()?;
         builder.finish()
     })();
-    let plans = plan.map_err(|e| message(&e))?;
-    let report = composite.submit(plans).map_err(|e| message(&e))?.wait();
+    let plans = match plan {
+        Ok(plans) => plans,
+        // A refused fragment is the object's rejection, as a batch would report it.
+        Err(e @ umbp_plan::Error::Rejected { .. }) => {
+            return Err(OneError::Object(ObjectError::Rejected(e)))
+        }
+        Err(e) => return Err(OneError::Other(message(&e))),
+    };
+    let submitted = composite.submit(plans).map_err(|e| OneError::Other(message(&e)))?;
+    let report = submitted.wait();
     match report.objects.first().and_then(|o| o.error.clone()) {
-        Some(e) => Err(e.to_string()),
+        Some(e) => Err(OneError::Object(e)),
         None => Ok(()),
     }
 }
@@ -504,7 +569,7 @@ enum Kept {
 }
 
 impl Kept {
-    fn id(&self) -> umbp_plan::EndpointId {
+    fn id(&self) -> EndpointId {
         match self {
             Kept::Memory(g) => g.id(),
             Kept::File(g) => g.id(),
@@ -520,26 +585,36 @@ impl Kept {
 }
 
 /// A registered endpoint. Closing it (or its garbage collection) deregisters it once no batch
-/// uses it, then lets go of what kept the memory alive.
-#[pyclass(module = "umbp._native")]
+/// uses it, then lets go of what kept the memory alive. Any thread may use or close it at any
+/// time: its state sits behind locks held only for a moment, never while waiting.
+#[pyclass(module = "umbp._native", frozen)]
 struct Registration {
-    kept: Option<Kept>,
-    owner: Option<PyObject>,
+    kept: Mutex<Option<Kept>>,
+    owner: Mutex<Option<PyObject>>,
+    /// The registry of the engine it was made by, whose ids it names.
+    registry: Arc<EndpointRegistry>,
     kind: &'static str,
     id: u32,
     length: u64,
 }
 
 impl Registration {
-    fn new(kept: Kept, owner: Option<PyObject>, kind: &'static str) -> Self {
-        let (id, length) = (kept.id().raw(), kept.len());
-        Self { kept: Some(kept), owner, kind, id, length }
-    }
-
-    fn endpoint_id(&self) -> PyResult<umbp_plan::EndpointId> {
-        match &self.kept {
+    /// The endpoint id, unless the registration is closed.
+    fn endpoint_id(&self) -> PyResult<EndpointId> {
+        match &*self.kept.lock().unwrap_or_else(PoisonError::into_inner) {
             Some(k) => Ok(k.id()),
             None => Err(Error::new_err("the registration is closed")),
+        }
+    }
+
+    /// Refuses bytes `offset .. offset + length` unless they lie inside the registration.
+    fn check_range(&self, offset: u64, length: u64) -> PyResult<()> {
+        match offset.checked_add(length) {
+            Some(end) if end <= self.length => Ok(()),
+            _ => Err(PyValueError::new_err(format!(
+                "bytes {offset} .. {offset} + {length} lie outside the registration's {} bytes",
+                self.length
+            ))),
         }
     }
 }
@@ -567,7 +642,7 @@ impl Registration {
     /// Whether it has been closed.
     #[getter]
     fn closed(&self) -> bool {
-        self.kept.is_none()
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).is_none()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -575,29 +650,35 @@ impl Registration {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
     }
 
     fn __repr__(&self) -> String {
-        let state = if self.kept.is_some() { "" } else { ", closed" };
+        let state = if self.closed() { ", closed" } else { "" };
         format!("Registration(id={}, kind={}, length={}{state})", self.id, self.kind, self.length)
     }
 
     /// Deregisters (waiting for the batches that use it, with the GIL released), then releases
-    /// the memory or file it kept. Idempotent.
-    fn close(&mut self, py: Python<'_>) {
-        if let Some(kept) = self.kept.take() {
+    /// the memory or file it kept. Idempotent; a close racing another returns once the memory
+    /// is no longer registered, or at once if the other close took it first.
+    fn close(&self, py: Python<'_>) {
+        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(kept) = kept {
             py.allow_threads(move || drop(kept));
         }
-        self.owner = None;
+        // Taken out of the lock before it goes: letting go of a Python object may run Python
+        // code, which may come back here.
+        let owner = self.owner.lock().unwrap_or_else(PoisonError::into_inner).take();
+        drop(owner);
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        if let Some(kept) = self.kept.take() {
+        let kept = self.kept.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(kept) = kept {
             // Garbage collection runs with the GIL held; deregistering may wait for a batch.
             Python::with_gil(|py| py.allow_threads(move || drop(kept)));
         }
@@ -702,10 +783,10 @@ impl Batch {
     /// returns None).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<ReportTuple>> {
-        let batch = self.get()?;
+        let (batch, timeout) = (self.get()?, timeout_of(timeout)?);
         let report = py.allow_threads(|| match timeout {
             None => Some(batch.wait()),
-            Some(t) => batch.wait_timeout(Duration::from_secs_f64(t.max(0.0))),
+            Some(t) => batch.wait_timeout(t),
         });
         report.map(|r| report_tuple(py, &r)).transpose()
     }
@@ -713,13 +794,13 @@ impl Batch {
     /// Blocks (GIL released) until layer groups up to `group` settled; False on timeout.
     #[pyo3(signature = (group, timeout=None))]
     fn wait_group(&self, py: Python<'_>, group: u32, timeout: Option<f64>) -> PyResult<bool> {
-        let batch = self.get()?;
+        let (batch, timeout) = (self.get()?, timeout_of(timeout)?);
         Ok(py.allow_threads(|| match timeout {
             None => {
                 batch.wait_group(group);
                 true
             }
-            Some(t) => batch.wait_group_timeout(group, Duration::from_secs_f64(t.max(0.0))),
+            Some(t) => batch.wait_group_timeout(group, t),
         }))
     }
 
@@ -732,15 +813,13 @@ impl Batch {
         group: u32,
         timeout: Option<f64>,
     ) -> PyResult<bool> {
-        let batch = self.get()?;
+        let (batch, timeout) = (self.get()?, timeout_of(timeout)?);
         Ok(py.allow_threads(|| match timeout {
             None => {
                 batch.wait_group_enqueued(group);
                 true
             }
-            Some(t) => {
-                batch.wait_group_enqueued_timeout(group, Duration::from_secs_f64(t.max(0.0)))
-            }
+            Some(t) => batch.wait_group_enqueued_timeout(group, t),
         }))
     }
 
@@ -757,7 +836,7 @@ impl Batch {
             .events
             .as_ref()
             .ok_or_else(|| Error::new_err("the batch was started without a stream"))?;
-        let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+        let timeout = timeout_of(timeout)?;
         py.allow_threads(|| events.event(group, timeout)).map_err(error)
     }
 
@@ -779,6 +858,57 @@ impl Drop for Batch {
 }
 
 impl Engine {
+    fn composite(&self) -> &Arc<CompositeEngine> {
+        self.composite.as_ref().expect("taken only when the engine is dropped")
+    }
+
+    /// A registration of this engine's, keeping `kept` (and `owner`).
+    fn registration(
+        &self,
+        kept: Kept,
+        owner: Option<PyObject>,
+        kind: &'static str,
+    ) -> Registration {
+        let (id, length) = (kept.id().raw(), kept.len());
+        Registration {
+            kept: Mutex::new(Some(kept)),
+            owner: Mutex::new(owner),
+            registry: Arc::clone(self.composite().registry()),
+            kind,
+            id,
+            length,
+        }
+    }
+
+    /// The endpoint `registration` names, if it is open and this engine's: another engine's
+    /// ids name other memory here.
+    fn endpoint(&self, registration: &Registration) -> PyResult<EndpointId> {
+        if !Arc::ptr_eq(&registration.registry, self.composite().registry()) {
+            return Err(PyValueError::new_err(format!(
+                "registration {} belongs to another engine",
+                registration.id
+            )));
+        }
+        registration.endpoint_id()
+    }
+
+    /// The endpoint an object or range names: a registration ([`endpoint`](Self::endpoint)),
+    /// or a raw id, which may not be the bounce region the staged route owns.
+    fn named(&self, endpoint: &EndpointArg<'_>) -> PyResult<EndpointId> {
+        match endpoint {
+            EndpointArg::Registration(r) => self.endpoint(r.get()),
+            EndpointArg::Raw(raw) => {
+                let bounce = self.bounce.as_ref().expect("taken only when the engine is dropped");
+                if *raw == bounce.id().raw() {
+                    return Err(PyValueError::new_err(format!(
+                        "endpoint {raw} is the engine's bounce region, not one of yours"
+                    )));
+                }
+                Ok(EndpointId::from_raw(*raw))
+            }
+        }
+    }
+
     fn remote(&self) -> PyResult<&Arc<UcxEngine>> {
         self.remote.as_ref().ok_or_else(|| {
             PyValueError::new_err("this engine has no remote tier: make it with remote=True")

@@ -145,6 +145,89 @@ def test_missing_and_read_only_files_are_typed_errors(engine, tmp_path):
         assert path.read_bytes() == b"\1" * (4 * PAGE), "the read-only file is unchanged"
 
 
+def test_read_and_write_raise_the_objects_typed_error_and_refuse_bytes_past_the_end(engine, tmp_path):
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"\1" * (4 * PAGE))
+    with engine.register_file(path, writable=False) as ro, engine.alloc_device(PAGE) as kv:
+        with pytest.raises(umbp.TransferError) as failed:
+            engine.write(ro, 0, b"x" * PAGE)
+        assert failed.value.errno == 9 and failed.value.engine  # EBADF, from the SSD engine
+        with pytest.raises(ValueError, match="outside the registration"):
+            engine.read(kv, 0, 2 * PAGE)
+        with pytest.raises(ValueError, match="outside the registration"):
+            engine.read(kv, 1, (1 << 64) - 1)  # no allocation of 16 EiB is ever tried
+        with pytest.raises(ValueError):
+            engine.write(kv, PAGE - 1, b"ab")
+    assert path.read_bytes() == b"\1" * (4 * PAGE)
+
+
+def test_a_registration_works_only_with_the_engine_that_made_it(engine):
+    other = umbp.Engine()
+    ours, theirs = pattern(PAGE, 1), np.zeros(PAGE, dtype=np.uint8)
+    with engine.register(ours) as tier, other.register(theirs) as foreign:
+        # Both are the first user registration of their engine: the same id, other memory.
+        assert tier.id == foreign.id
+        obj = umbp.Object(0, tier, [0], PAGE, PAGE, [umbp.Range(0, PAGE, foreign, 0)])
+        with pytest.raises(ValueError, match="another engine"):
+            engine.start_restore([obj])
+        with pytest.raises(ValueError, match="another engine"):
+            engine.read(foreign, 0, 8)
+        # A raw id may name anything of the engine's but its bounce region.
+        with pytest.raises(ValueError, match="bounce region"):
+            engine.start_restore([umbp.Object(0, tier, [0], PAGE, PAGE, [umbp.Range(0, PAGE, 0, 0)])])
+    assert not theirs.any(), "nothing was written into the other engine's memory"
+
+
+def test_closing_a_registration_in_use_while_other_threads_look_at_it(engine, tmp_path):
+    # One thread closes the tier while a batch still reads it (so the close waits); others
+    # keep using the registration meanwhile and see it open, then closed, never an error.
+    n = 1024
+    tier_bytes = pattern(n * PAGE, 8)
+    tier = engine.register(tier_bytes)
+    kv = engine.alloc_device(n * PAGE)
+    objects = [umbp.Object(i, tier, [(n - 1 - i) * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, i * PAGE, group=i)]) for i in range(n)]
+    batch = engine.start_restore(objects)
+    errors, closing = [], threading.Event()
+
+    def look():
+        try:
+            while True:
+                repr(tier), tier.id, tier.length
+                if tier.closed:
+                    return
+                try:
+                    engine.read(tier, 0, 8)
+                except umbp.Error as e:  # closed between the check and the read
+                    assert "closed" in str(e) or "not registered" in str(e), e
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    lookers = [threading.Thread(target=look) for _ in range(4)]
+    for t in lookers:
+        t.start()
+    tier.close()
+    for t in lookers:
+        t.join()
+    assert not errors, errors
+    assert batch.wait().ok
+    kv.close()
+
+
+def test_timeouts_without_limit_wait_and_nan_is_refused(engine):
+    src = pattern(4 * PAGE, 2)
+    with engine.register(src) as tier, engine.alloc_device(4 * PAGE) as kv:
+        obj = umbp.Object(0, tier, [0], PAGE, PAGE, [umbp.Range(0, PAGE, kv, 0)])
+        batch = engine.start_restore([obj], timeout=1e300)
+        assert batch.wait(float("inf")).ok
+        assert batch.wait_group(0, 1e19) and batch.wait_group_enqueued(0, float("inf"))
+        with pytest.raises(ValueError, match="NaN"):
+            batch.wait(float("nan"))
+        with pytest.raises(ValueError, match="NaN"):
+            engine.start_restore([obj], timeout=float("nan"))
+        # A negative timeout waits no time: None while in flight, the report once settled.
+        assert batch.wait(-1.0).ok
+
+
 def test_a_registration_outlives_del_of_its_array_while_a_batch_runs(engine):
     tier_bytes = pattern(64 * PAGE, 5)
     expected = bytes(tier_bytes)
@@ -303,6 +386,47 @@ def test_the_kv_connector_loads_61_layers_in_groups_in_order(engine, tmp_path):
         b.close()
 
 
+def test_a_failed_or_partial_save_leaves_what_was_cached_loadable_and_frees_its_slot(engine, tmp_path):
+    from umbp.connector import KVConnector
+
+    layers, blocks, block_bytes = 4, 2, 4096
+    buffers = [engine.alloc_device(blocks * block_bytes) for _ in range(layers)]
+    kv = KVConnector(engine, buffers, block_bytes, dram_slots=3, ssd_path=str(tmp_path / "kv.bin"), ssd_slots=1, layers_per_group=2)
+    cached = bytes(pattern(layers * block_bytes, 11))
+    kv.store("k", "dram", cached)
+
+    # A new copy of "k" whose layer 1 is refused (block 9 lies past the layer's buffer).
+    for layer in range(layers):
+        kv.save_layer(layer, [("k", 9 if layer == 1 else 0)])
+    # A key saved in one layer only.
+    kv.save_layer(0, [("partial", 1)])
+    assert kv.wait_for_save() == ["k", "partial"]
+    assert kv.finished() == (set(), set())
+
+    # "k" still loads its cached bytes, untouched by the save's layers that did land.
+    kv.start_load([("k", 1)])
+    assert kv.wait_for_layer(layers - 1, timeout=30) == []
+    assert kv.finished()[0] == {"k"}
+    for layer in range(layers):
+        got = engine.read(buffers[layer], block_bytes, block_bytes)
+        assert got == cached[layer * block_bytes:(layer + 1) * block_bytes], layer
+    with pytest.raises(KeyError):
+        kv.start_load([("partial", 0)])
+
+    # Both new slots went back: two more keys fit beside "k" in three DRAM slots, and saving
+    # one of them again frees its first slot once the new copy is whole.
+    for key in ("x", "y"):
+        kv.store(key, "dram", cached)
+    for layer in range(layers):
+        kv.save_layer(layer, [("x", 0)], tier="ssd")
+    assert kv.wait_for_save() == []
+    assert kv.index["x"][0] is kv.ssd
+    kv.store("z", "dram", cached)
+    kv.close()
+    for b in buffers:
+        b.close()
+
+
 def test_torch_tensors_register_when_torch_is_installed(engine):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     t = torch.arange(4 * PAGE, dtype=torch.uint8)
@@ -311,6 +435,8 @@ def test_torch_tensors_register_when_torch_is_installed(engine):
         obj = umbp.Object(1, src, [2 * PAGE, 0], PAGE, 2 * PAGE, [umbp.Range(0, 2 * PAGE, dst, 0)])
         engine.restore([obj]).raise_for_errors()
     assert torch.equal(out[:PAGE], t[2 * PAGE:3 * PAGE]) and torch.equal(out[PAGE:2 * PAGE], t[:PAGE])
+    with pytest.raises(ValueError, match="not host memory"):
+        engine.register(torch.empty(PAGE, dtype=torch.uint8, device="meta"))
     if umbp.CUDA and torch.cuda.is_available():
         gpu = umbp.Engine("cuda")
         dev = torch.zeros(2 * PAGE, dtype=torch.uint8, device="cuda")

@@ -67,11 +67,8 @@ CUDA: bool = _native.CUDA
 
 #: A registered endpoint (see :meth:`Engine.register`): ``id``, ``length``, ``kind``
 #: (``"host"``, ``"device"``, ``"file"``), ``closed``; ``close()`` or a ``with`` block ends it.
+#: It belongs to the engine that made it: another engine refuses it (``ValueError``).
 Registration = _native.Registration
-
-
-def _endpoint(x: Union["Registration", int]) -> int:
-    return x if isinstance(x, int) else x.id
 
 
 @dataclass(frozen=True)
@@ -103,12 +100,12 @@ class Object:
     def _native(self):
         return (
             int(self.tag),
-            _endpoint(self.tier),
+            self.tier,
             _offsets_bytes(self.page_offsets),
             int(self.page_size),
             int(self.size),
             [
-                (int(r.offset), int(r.length), _endpoint(r.endpoint), int(r.endpoint_offset), int(r.group))
+                (int(r.offset), int(r.length), r.endpoint, int(r.endpoint_offset), int(r.group))
                 for r in self.ranges
             ],
         )
@@ -226,6 +223,8 @@ def _host_address(buffer: Any):
     """The address, length and keep-alive of a writable host buffer or host tensor."""
     data_ptr = getattr(buffer, "data_ptr", None)
     if callable(data_ptr) and hasattr(buffer, "device"):  # torch.Tensor
+        if getattr(buffer.device, "type", None) != "cpu":
+            raise ValueError(f"a {buffer.device} tensor is not host memory (cpu and cuda register)")
         if not buffer.is_contiguous():
             raise ValueError("the tensor must be contiguous")
         return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
@@ -398,7 +397,8 @@ class Engine:
     def register(self, buffer: Any) -> Registration:
         """Registers host memory (a numpy array, ``bytearray``, writable ``memoryview``, or a
         CPU torch tensor) or a CUDA torch tensor (as device memory). The registration keeps the
-        buffer alive until closed."""
+        buffer alive until closed; a tensor is kept, not locked, so do not resize it (or
+        ``set_()`` its storage) while it is registered."""
         device = getattr(buffer, "device", None)
         if getattr(device, "type", None) == "cuda":
             if not buffer.is_contiguous():
@@ -437,11 +437,13 @@ class Engine:
         return self._native.alloc_device(length, device)
 
     def read(self, source: Registration, offset: int, length: int) -> bytes:
-        """Copies bytes of any registered endpoint (device memory, a file) out to Python."""
+        """Copies bytes of any registered endpoint (device memory, a file) out to Python.
+        Raises what a failed object of a batch carries (:class:`TransferError` with ``.errno``
+        for a failed read...), and ``ValueError`` for bytes past the registration's end."""
         return self._native.read(source, offset, length)
 
     def write(self, target: Registration, offset: int, data: bytes) -> None:
-        """Copies ``data`` into any registered endpoint at ``offset``."""
+        """Copies ``data`` into any registered endpoint at ``offset``; raises as :meth:`read`."""
         self._native.write(target, offset, bytes(data))
 
     def start_restore(

@@ -1,6 +1,6 @@
 """Type stubs of the Rust half of umbp (see umbp/__init__.py for the public API)."""
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 CUDA: bool
 
@@ -17,8 +17,8 @@ class TransferError(Error):
 class CancelledError(Error): ...
 
 _Result = Tuple[str, List[Tuple[int, str, Optional[Error]]]]
-_Range = Tuple[int, int, int, int, int]
-_Object = Tuple[int, int, bytes, int, int, List[_Range]]
+_Range = Tuple[int, int, Union["Registration", int], int, int]
+_Object = Tuple[int, Union["Registration", int], bytes, int, int, List[_Range]]
 
 class Registration:
     @property

@@ -67,7 +67,8 @@ class KVConnector:
         self._load_on_stream = False
         self._load_keys: Dict[int, Hashable] = {}
         self._saves: List[Tuple[Batch, Dict[int, Hashable]]] = []
-        self._saving: Dict[Hashable, Tuple[Registration, int]] = {}
+        # key -> (tier registration, slot, layers started) of the saves since wait_for_save
+        self._saving: Dict[Hashable, Tuple[Registration, int, Set[int]]] = {}
         self._loaded: Set[Hashable] = set()
         self._saved: Set[Hashable] = set()
 
@@ -89,14 +90,24 @@ class KVConnector:
             raise Error(f"no free {tier} slot")
         return reg, free.pop()
 
+    def _release(self, reg: Registration, slot: int) -> None:
+        self._free[id(reg)].append(slot)
+
     def store(self, key: Hashable, tier: str, data: bytes) -> None:
         """Puts a whole cached block (``layers × block_bytes`` bytes, layer after layer) into a
         slot of ``tier`` directly, as a cache that was filled earlier would hold it."""
         if len(data) != self.slot_bytes:
             raise ValueError(f"a block is {self.slot_bytes} bytes, got {len(data)}")
         reg, slot = self.place(key, tier)
-        self.engine.write(reg, slot * self.slot_bytes, data)
+        try:
+            self.engine.write(reg, slot * self.slot_bytes, data)
+        except BaseException:
+            self._release(reg, slot)
+            raise
+        old = self.index.get(key)
         self.index[key] = (reg, slot)
+        if old is not None:
+            self._release(*old)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -154,14 +165,16 @@ class KVConnector:
 
     def save_layer(self, layer: int, blocks: Sequence[Tuple[Hashable, int]], tier: str = "dram") -> None:
         """Starts writing ``layer``'s part of each block ``(key, block)`` from the layer's
-        buffer into the key's slot (reserved in ``tier`` on the key's first layer). Returns at
-        once; :meth:`wait_for_save` waits for every save."""
+        buffer into a slot for the key, reserved in ``tier`` on the key's first layer. A key
+        already cached is saved into a new slot: its cached bytes stay loadable, untouched,
+        until :meth:`wait_for_save` finds every layer of the new copy saved. Returns at once."""
         objects = []
         keys = {}
         for tag, (key, block) in enumerate(blocks):
             if key not in self._saving:
-                self._saving[key] = self.index.get(key) or self.place(key, tier)
-            reg, slot = self._saving[key]
+                self._saving[key] = (*self.place(key, tier), set())
+            reg, slot, layers = self._saving[key]
+            layers.add(layer)
             page = self._slot_pages(slot)[layer]
             ranges = [Range(0, self.block_bytes, self.buffers[layer], block * self.block_bytes)]
             objects.append(Object(tag, reg, [page], self.block_bytes, self.block_bytes, ranges))
@@ -170,18 +183,26 @@ class KVConnector:
             self._saves.append((self.engine.start_offload(objects), keys))
 
     def wait_for_save(self) -> List[Hashable]:
-        """Waits for every save started since the last call; the keys whose every layer was
-        saved become loadable. Returns the keys that failed (they stay unloadable)."""
+        """Waits for every save started since the last call. A key whose every layer was
+        saved becomes loadable from its new slot (the slot of what it held before is freed).
+        Returns the keys whose save failed or missed a layer: their new slots are freed, and
+        what was cached for them before stays loadable, untouched."""
         failed: Set[Hashable] = set()
         for batch, keys in self._saves:
             for o in batch.wait().objects:
                 if not o.ok:
                     failed.add(keys[o.tag])
         self._saves = []
-        for key, place in self._saving.items():
-            if key not in failed:
-                self.index[key] = place
-                self._saved.add(key)
+        for key, (reg, slot, layers) in self._saving.items():
+            if key in failed or len(layers) != self.layers:
+                failed.add(key)
+                self._release(reg, slot)
+                continue
+            old = self.index.get(key)
+            self.index[key] = (reg, slot)
+            if old is not None:
+                self._release(*old)
+            self._saved.add(key)
         self._saving = {}
         return sorted(failed, key=repr)
 
