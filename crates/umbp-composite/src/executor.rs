@@ -240,18 +240,16 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
                         batch.enqueued(index);
                         queued.push_back(part);
                     }
-                    Ok(false) => settle_part(part, None),
-                    Err(payload) => settle_part(part, Some(payload)),
+                    asked => settle_part(part, asked.err()),
                 }
             }
         }
         while let Some(front) = queued.front() {
-            let panic = match ask(&front.3, TransferHandle::is_done) {
-                Ok(false) => break,
-                Ok(true) => None,
-                Err(payload) => Some(payload),
-            };
-            settle_part(queued.pop_front().expect("checked above"), panic);
+            let asked = ask(&front.3, TransferHandle::is_done);
+            if asked.as_ref().is_ok_and(|done| !done) {
+                break;
+            }
+            settle_part(queued.pop_front().expect("checked above"), asked.err());
         }
     }
     queued.into_iter().for_each(|part| settle_part(part, None));

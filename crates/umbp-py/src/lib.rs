@@ -366,9 +366,8 @@ impl Engine {
         source.check_range(offset, length)?;
         let composite = Arc::clone(self.composite());
         let bytes = py.allow_threads(move || -> Result<Vec<u8>, OneError> {
-            let out = composite
-                .register_memory(vec![0u8; length as usize])
-                .map_err(|e| OneError::Other(message(&e)))?;
+            let out =
+                composite.register_memory(vec![0u8; length as usize]).map_err(OneError::other)?;
             let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
             run_one(&composite, f)?;
             Ok(out.deregister())
@@ -391,7 +390,7 @@ impl Engine {
         let composite = Arc::clone(self.composite());
         py.allow_threads(move || -> Result<(), OneError> {
             let len = data.len() as u64;
-            let src = composite.register_memory(data).map_err(|e| OneError::Other(message(&e)))?;
+            let src = composite.register_memory(data).map_err(OneError::other)?;
             run_one(&composite, Fragment::new(src.id(), 0, id, offset, len, Tag::new(0)))
         })
         .map_err(|e| e.into_py_err(py))
@@ -526,6 +525,10 @@ enum OneError {
 }
 
 impl OneError {
+    fn other(e: impl std::error::Error + 'static) -> Self {
+        OneError::Other(message(&e))
+    }
+
     fn into_py_err(self, py: Python<'_>) -> PyErr {
         match self {
             OneError::Object(e) => match object_error(py, &e) {
@@ -552,9 +555,9 @@ fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), OneError> {
         Err(e @ umbp_plan::Error::Rejected { .. }) => {
             return Err(OneError::Object(ObjectError::Rejected(e)))
         }
-        Err(e) => return Err(OneError::Other(message(&e))),
+        Err(e) => return Err(OneError::other(e)),
     };
-    let submitted = composite.submit(plans).map_err(|e| OneError::Other(message(&e)))?;
+    let submitted = composite.submit(plans).map_err(OneError::other)?;
     let report = submitted.wait();
     match report.objects.first().and_then(|o| o.error.clone()) {
         Some(e) => Err(OneError::Object(e)),
