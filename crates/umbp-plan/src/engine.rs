@@ -49,6 +49,12 @@ pub trait TransferEngine: Send + Sync {
     /// Starts executing `plans`. Every plan either completes or yields a [`Failure`] naming its
     /// tags; the plan set's rejected tags are the caller's to report. The returned handle
     /// follows the rules of [`TransferHandle`]: waiting is idempotent and dropping waits.
+    ///
+    /// A panic here or in the handle's [`Completion`] ends the plan set for the caller: a
+    /// composite fails its objects, hands its bounce slots to other batches and releases its
+    /// endpoints (so their memory may be freed). An engine must therefore not touch a plan
+    /// set's memory after panicking with it: finish or cancel what it started before the
+    /// panic leaves it, as the SSD engine's ring does for a batch that panics.
     fn submit(&self, plans: PlanSet) -> TransferHandle;
 }
 

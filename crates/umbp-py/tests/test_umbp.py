@@ -427,6 +427,34 @@ def test_a_failed_or_partial_save_leaves_what_was_cached_loadable_and_frees_its_
         b.close()
 
 
+def test_a_slot_replaced_while_a_load_may_read_it_is_reused_only_after_the_load(engine, tmp_path):
+    from umbp.connector import KVConnector
+
+    layers, block_bytes = 2, 4096
+    buffers = [engine.alloc_device(2 * block_bytes) for _ in range(layers)]
+    kv = KVConnector(engine, buffers, block_bytes, dram_slots=2, ssd_path=str(tmp_path / "kv.bin"), ssd_slots=1)
+    old, new = bytes(pattern(layers * block_bytes, 1)), bytes(pattern(layers * block_bytes, 2))
+    kv.store("k", "dram", old)
+    kv.start_load([("k", 0)])  # reads the old slot until `finished` sees it over
+    for layer in range(layers):
+        engine.write(buffers[layer], block_bytes, new[layer * block_bytes:(layer + 1) * block_bytes])
+        kv.save_layer(layer, [("k", 1)])
+    assert kv.wait_for_save() == []
+    # Both DRAM slots are taken: the new copy's, and the old one the load may still read.
+    with pytest.raises(umbp.Error, match="no free dram slot"):
+        kv.store("other", "dram", old)
+    loaded, saved = kv.finished()
+    assert loaded == {"k"} and saved == {"k"}
+    assert engine.read(buffers[1], 0, block_bytes) == old[block_bytes:]
+    kv.store("other", "dram", old)  # the old slot is free now
+    kv.start_load([("k", 0)])
+    kv.wait_for_layer(layers - 1, timeout=30)
+    assert engine.read(buffers[1], 0, block_bytes) == new[block_bytes:]
+    kv.close()
+    for b in buffers:
+        b.close()
+
+
 def test_torch_tensors_register_when_torch_is_installed(engine):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     t = torch.arange(4 * PAGE, dtype=torch.uint8)

@@ -69,6 +69,8 @@ class KVConnector:
         self._saves: List[Tuple[Batch, Dict[int, Hashable]]] = []
         # key -> (tier registration, slot, layers started) of the saves since wait_for_save
         self._saving: Dict[Hashable, Tuple[Registration, int, Set[int]]] = {}
+        # Slots replaced while a load was in flight: freed once it is over (it may read them).
+        self._retired: List[Tuple[Registration, int]] = []
         self._loaded: Set[Hashable] = set()
         self._saved: Set[Hashable] = set()
 
@@ -93,6 +95,13 @@ class KVConnector:
     def _release(self, reg: Registration, slot: int) -> None:
         self._free[id(reg)].append(slot)
 
+    def _retire(self, reg: Registration, slot: int) -> None:
+        """Frees a replaced slot, or, while a load may still read it, once the load is over."""
+        if self._load is None:
+            self._release(reg, slot)
+        else:
+            self._retired.append((reg, slot))
+
     def store(self, key: Hashable, tier: str, data: bytes) -> None:
         """Puts a whole cached block (``layers × block_bytes`` bytes, layer after layer) into a
         slot of ``tier`` directly, as a cache that was filled earlier would hold it."""
@@ -107,7 +116,7 @@ class KVConnector:
         old = self.index.get(key)
         self.index[key] = (reg, slot)
         if old is not None:
-            self._release(*old)
+            self._retire(*old)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -184,7 +193,8 @@ class KVConnector:
 
     def wait_for_save(self) -> List[Hashable]:
         """Waits for every save started since the last call. A key whose every layer was
-        saved becomes loadable from its new slot (the slot of what it held before is freed).
+        saved becomes loadable from its new slot (the slot of what it held before is freed, once
+        no load in flight may read it).
         Returns the keys whose save failed or missed a layer: their new slots are freed, and
         what was cached for them before stays loadable, untouched."""
         failed: Set[Hashable] = set()
@@ -201,7 +211,7 @@ class KVConnector:
             old = self.index.get(key)
             self.index[key] = (reg, slot)
             if old is not None:
-                self._release(*old)
+                self._retire(*old)
             self._saved.add(key)
         self._saving = {}
         return sorted(failed, key=repr)
@@ -215,6 +225,9 @@ class KVConnector:
             report = self._load.wait()
             self._loaded |= {self._load_keys[o.tag] for o in report.objects if o.ok}
             self._load = None
+            for place in self._retired:
+                self._release(*place)
+            self._retired = []
         loaded, saved = self._loaded, self._saved
         self._loaded, self._saved = set(), set()
         return loaded, saved
