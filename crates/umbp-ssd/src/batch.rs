@@ -809,4 +809,70 @@ mod tests {
             assert!(destination.bytes()[to..to + len] == content[from..from + len], "page {page}");
         }
     }
+
+    /// A panic while the feed makes a batch, or while it takes one back (a job settling),
+    /// costs that batch alone: the ring runs the others to the end, hands each back, and
+    /// returns as usual.
+    #[test]
+    fn a_panic_making_or_handing_back_a_batch_costs_that_batch_alone() {
+        /// Hands out `batches`; making the second one panics, and so does taking back the
+        /// first.
+        struct Faulty {
+            batches: std::vec::IntoIter<Batch>,
+            made: usize,
+            done: Vec<(usize, Batch)>,
+        }
+        impl Feed for Faulty {
+            type Owner = usize;
+            fn next(&mut self, _busy: bool) -> Option<(usize, Batch)> {
+                let batch = self.batches.next()?;
+                self.made += 1;
+                assert_ne!(self.made, 2, "injected: making batch 1 panics");
+                Some((self.made - 1, batch))
+            }
+            fn done(&mut self, owner: usize, batch: Batch) {
+                assert_ne!(owner, 0, "injected: taking batch 0 back panics");
+                self.done.push((owner, batch));
+            }
+        }
+
+        let fx = Fixture::new();
+        let path = fx.path("faulty-feed.bin");
+        let content = pattern(5, (16 * PAGE) as usize);
+        std::fs::write(&path, &content).unwrap();
+        let file = fx.open(&path, 16 * PAGE, false).expect("a buffered file");
+        let destination = Host::new(&fx.registry, (16 * PAGE) as usize, 0, 0);
+        // Batch `b` reads pages 4b and 4b + 2 into the same slots.
+        let read = |page: u64| {
+            Fragment::new(file, page * PAGE, destination.id, page * PAGE, PAGE, Tag::new(0))
+        };
+        let batches =
+            (0..4).map(|b| fx.batch(fx.plan(&[read(4 * b), read(4 * b + 2)]))).collect::<Vec<_>>();
+        let mut ring = match Ring::new(64) {
+            Ok(ring) => ring,
+            Err(e) => {
+                eprintln!("SKIP: no io_uring here: {e}");
+                return;
+            }
+        };
+        let mut feed = Faulty { batches: batches.into_iter(), made: 0, done: Vec::new() };
+        let served =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ring.serve(&mut feed)));
+        assert!(served.is_ok(), "a panic left the ring");
+        let owners: Vec<usize> = feed.done.iter().map(|(owner, _)| *owner).collect();
+        assert_eq!(owners, [2, 3], "batches 2 and 3 (owners 2 and 3) are handed back");
+        for (_, batch) in feed.done {
+            let (failures, _) = batch.outcome("t");
+            assert!(failures.is_empty(), "{failures:?}");
+        }
+        // Batch 0 ran (only taking it back panicked); batch 1 never did.
+        for page in [0, 2, 8, 10, 12, 14] {
+            let at = (page * PAGE) as usize..((page + 1) * PAGE) as usize;
+            assert!(destination.bytes()[at.clone()] == content[at], "page {page}");
+        }
+        for page in [4, 6] {
+            let at = (page * PAGE) as usize..((page + 1) * PAGE) as usize;
+            assert!(destination.bytes()[at].iter().all(|&b| b == 0), "page {page} was read");
+        }
+    }
 }

@@ -211,8 +211,9 @@ impl Ring {
     /// Runs batches from `feed` until it closes, up to [`LANES`] at once: the oldest first, and
     /// the next one as soon as every batch in the ring has issued everything, so that the ring
     /// fills again while they drain. Each batch goes back through [`Feed::done`] when its last
-    /// request completes. A batch that panics (a bug, or an injected fault) fails alone: see
-    /// `Lane::panicked`.
+    /// request completes. A batch that panics (a bug, or an injected fault) fails alone,
+    /// whether in a call of the ring (see `Lane::panicked`), while the feed makes it or while
+    /// it is handed back.
     ///
     /// Returns only when no request is in flight, also when unwinding: the requests' bytes
     /// belong to the batches in the lanes, dropped only after the ring drained.
@@ -249,8 +250,14 @@ impl Ring {
             let admitting = free.is_some() && draining && ring.in_flight < ring.depth;
             if let (Some(free), true) = (free, admitting) {
                 // Never wait for work while batches wait to be handed back: their callers may
-                // be what submits the next one.
-                match feed.next(ring.in_flight > 0 || !finished.is_empty()) {
+                // be what submits the next one. A panic while making the next batch costs that
+                // one alone (its owner fails as it unwinds), not the batches in the ring.
+                let busy = ring.in_flight > 0 || !finished.is_empty();
+                let Ok(next) = catch_unwind(AssertUnwindSafe(|| feed.next(busy))) else {
+                    tracing::error!("making the next batch panicked; the ring runs on");
+                    continue;
+                };
+                match next {
                     Some((owner, batch)) => {
                         started += 1;
                         let deadline = batch.deadline();
@@ -276,8 +283,13 @@ impl Ring {
                 // wait for it.
                 ring.submit();
                 for lane in finished.drain(..) {
-                    if !lane.panicked {
-                        feed.done(lane.owner, lane.batch);
+                    if lane.panicked {
+                        continue;
+                    }
+                    let (owner, batch) = (lane.owner, lane.batch);
+                    // A panic handing one back (settling its job) costs that batch alone.
+                    if catch_unwind(AssertUnwindSafe(|| feed.done(owner, batch))).is_err() {
+                        tracing::error!("handing a finished batch back panicked; the ring runs on");
                     }
                 }
                 continue;

@@ -219,10 +219,10 @@ impl Drop for Workers {
     }
 }
 
-/// A worker's loop: run the jobs of the queue until it closes. A batch that panics in the ring
-/// fails alone (the ring catches it); a panic anywhere else while running fails the jobs that
-/// were running (every batch in the ring, or the blocking path's one) and the worker carries
-/// on.
+/// A worker's loop: run the jobs of the queue until it closes. A batch that panics in the ring,
+/// while it is made or while it is settled fails alone (the ring catches it); a panic anywhere
+/// else while running (the ring's own code, the blocking path) fails the jobs that were running
+/// and the worker carries on.
 fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &str) {
     let mut pools = Vec::new();
     loop {
