@@ -405,6 +405,9 @@ impl<'a> CompositeBuilder<'a> {
     /// An object that an engine rejects only here (an engine with a buffered builder validates
     /// at `finish`) is taken out of every other engine's plans too, to the byte, so no byte of
     /// a rejected object is ever written.
+    ///
+    /// An engine's builder that fails here otherwise (breaking its contract) refuses the whole
+    /// batch with its error; the builder is still left ready for the next batch.
     pub fn finish(&mut self) -> Result<RoutedPlans, Error> {
         if let Scope::Open(open) | Scope::Poisoned(open) = self.scope {
             return Err(Error::ObjectOpen { open });
@@ -423,6 +426,9 @@ impl<'a> CompositeBuilder<'a> {
         // found below is not listed twice.
         let mut late: HashSet<Tag> = out.rejected.iter().map(|&(t, _)| t).collect();
         let rejected_at_push = late.len();
+        // The first error an engine's builder gave that `finish` may not give (anything but a
+        // rejection): the batch is refused with it, once the builder is left clean below.
+        let mut broken = None;
         for sub in &mut self.subs {
             match guarded(sub, |b| b.finish()) {
                 Ok(plans) => {
@@ -437,7 +443,14 @@ impl<'a> CompositeBuilder<'a> {
                 }
                 // Its plans went with the panic; `guarded` counted its objects lost.
                 Err(Error::Rejected { .. }) => {}
-                Err(other) => return Err(other),
+                // A builder that broke its contract is not trusted with the next batch: the
+                // sub gets a fresh one, as after a panic.
+                Err(other) => {
+                    tracing::error!(engine = sub.engine, %other, "an engine's builder failed finish");
+                    sub.builder = None;
+                    sub.open = false;
+                    broken.get_or_insert(other);
+                }
             }
             sub.objects.clear();
             for tag in sub.lost.drain(..) {
@@ -460,7 +473,10 @@ impl<'a> CompositeBuilder<'a> {
         self.group = 0;
         self.last = None;
         self.table = self.composite.registry().snapshot();
-        Ok(out)
+        match broken {
+            Some(error) => Err(error),
+            None => Ok(out),
+        }
     }
 
     /// Hands a batch's buffers back to the engines' builders for the next batch (from

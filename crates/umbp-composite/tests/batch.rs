@@ -509,6 +509,30 @@ fn an_engine_panicking_as_an_endpoint_is_released_does_not_stop_the_others_being
     assert!(composite.registry().get(id).is_none());
 }
 
+/// An engine builder whose `finish` fails with an error it may not give: the batch is refused
+/// with that error and nothing moves, and the composite's builder is left clean: the same
+/// objects (the same tags) plan and run in the next batch.
+#[test]
+fn an_engine_builder_failing_finish_refuses_the_batch_and_leaves_the_builder_clean() {
+    let rig = host_rig(2, Wrapped::finish_failing_once);
+    let mut b = rig.composite.builder();
+    let plan = |b: &mut umbp_composite::CompositeBuilder<'_>| {
+        for o in 0..2u32 {
+            let (tag, at) = (Tag::new(o), u64::from(o) * OBJECT);
+            b.begin_object(tag).unwrap();
+            b.push(Fragment::new(rig.ids.0, at, rig.ids.1, at, OBJECT, tag)).unwrap();
+            b.commit_object().unwrap();
+        }
+        b.finish()
+    };
+    assert!(matches!(plan(&mut b), Err(umbp_plan::Error::ObjectOpen { .. })));
+    assert!(rig.object_untouched(0) && rig.object_untouched(1));
+    let plans = plan(&mut b).expect("the builder is clean again");
+    let report = rig.composite.submit(plans).unwrap().wait();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+    assert!(rig.object_arrived(0) && rig.object_arrived(1));
+}
+
 #[test]
 fn a_deadline_times_out_the_work_not_done_by_then() {
     let rig = host_rig(4, |w| w.slow(Duration::from_millis(100)));

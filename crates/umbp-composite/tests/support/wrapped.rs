@@ -3,6 +3,7 @@
 //! log of what each submit carried and which endpoints it was told to release.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,9 @@ pub(crate) struct Wrapped {
     pub(crate) builder_panics_on: Option<Tag>,
     /// When set, the engine panics when told an endpoint is released (after logging it).
     pub(crate) release_panics: bool,
+    /// While set, the next builder's `finish` fails with an error it may not give (and
+    /// clears it).
+    pub(crate) finish_fails_once: AtomicBool,
     pub(crate) log: Mutex<Vec<SubmitRecord>>,
     /// The endpoints it was told are released, in order.
     pub(crate) released: Mutex<Vec<EndpointId>>,
@@ -55,6 +59,7 @@ impl Wrapped {
             refuse_len_multiple_of: None,
             builder_panics_on: None,
             release_panics: false,
+            finish_fails_once: AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
             released: Mutex::new(Vec::new()),
         }
@@ -77,6 +82,11 @@ impl Wrapped {
 
     pub(crate) fn builder_panicking_on(mut self, tag: u32) -> Self {
         self.builder_panics_on = Some(Tag::new(tag));
+        self
+    }
+
+    pub(crate) fn finish_failing_once(self) -> Self {
+        self.finish_fails_once.store(true, Ordering::Relaxed);
         self
     }
 
@@ -139,10 +149,11 @@ impl TransferEngine for Wrapped {
             Some(_) => Box::new(BufferedPlanBuilder::new(self)),
             None => self.inner.builder(),
         };
-        match self.builder_panics_on {
+        let inner: Box<dyn PlanBuilder + Send + '_> = match self.builder_panics_on {
             Some(tag) => Box::new(PanickyBuilder { inner, tag }),
             None => inner,
-        }
+        };
+        Box::new(FailingFinish { inner, once: &self.finish_fails_once })
     }
 
     fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
@@ -201,6 +212,43 @@ impl PlanBuilder for PanickyBuilder<'_> {
 
     fn finish(&mut self) -> Result<PlanSet, umbp_plan::Error> {
         self.inner.finish()
+    }
+
+    fn recycle(&mut self, plans: PlanSet) {
+        self.inner.recycle(plans)
+    }
+}
+
+/// A builder whose `finish`, while `once` is set, clears it and fails with an error `finish`
+/// may not give (an object still open, though none is), as a broken engine's builder would.
+struct FailingFinish<'a> {
+    inner: Box<dyn PlanBuilder + Send + 'a>,
+    once: &'a AtomicBool,
+}
+
+impl PlanBuilder for FailingFinish<'_> {
+    fn begin_object(&mut self, tag: Tag) -> Result<(), umbp_plan::Error> {
+        self.inner.begin_object(tag)
+    }
+
+    fn push(&mut self, f: Fragment) -> Result<(), umbp_plan::Error> {
+        self.inner.push(f)
+    }
+
+    fn commit_object(&mut self) -> Result<(), umbp_plan::Error> {
+        self.inner.commit_object()
+    }
+
+    fn rollback_object(&mut self) -> Result<(), umbp_plan::Error> {
+        self.inner.rollback_object()
+    }
+
+    fn finish(&mut self) -> Result<PlanSet, umbp_plan::Error> {
+        let plans = self.inner.finish()?;
+        if self.once.swap(false, Ordering::Relaxed) {
+            return Err(umbp_plan::Error::ObjectOpen { open: Tag::new(0) });
+        }
+        Ok(plans)
     }
 
     fn recycle(&mut self, plans: PlanSet) {
