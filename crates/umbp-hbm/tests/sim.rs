@@ -281,6 +281,33 @@ fn unpinned_host_memory_takes_the_copy_path() {
     }
 }
 
+/// Host memory pinned for the device cannot be pinned again, in whole or in part, while it is,
+/// as CUDA's and HIP's host registration refuse it (CUDA's error 712): the simulator refuses
+/// it too, so a program that would fail on a GPU fails here. The refusal is a typed error that
+/// leaves the first pin working; once that pin ends, the slice pins.
+#[test]
+fn memory_pinned_once_refuses_an_overlapping_pin() {
+    let e = engine(HbmConfig::default());
+    let src = host(&e, pattern(64 << 10, 6), true);
+    let base = src.bytes.as_ptr() as u64;
+    // SAFETY: a slice of `src`'s buffer, which outlives this registration (dropped first).
+    let slice = unsafe { e.register_raw_memory(Endpoint::host(base + 8192, 4096)) }.unwrap();
+    let refused = e.pin(slice.id(), GPU).expect_err("a slice of pinned memory pinned again");
+    assert!(refused.to_string().contains("712"), "{refused}");
+    let dev = device(&e, GPU, 64 << 10);
+    let fragments: Vec<Fragment> = (0..16u64)
+        .map(|i| Fragment::new(src.id, (15 - i) << 12, dev.id, i << 12, 4096, Tag::new(0)))
+        .collect();
+    assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
+    assert_eq!(e.launches(), 1, "the first pin still serves the gather kernel");
+    e.unpin(src.id).unwrap();
+    e.pin(slice.id(), GPU).expect("nothing else pins the slice now");
+    let got = e.runtime().read(dev.addr, 64 << 10).unwrap();
+    for i in 0..16usize {
+        assert_eq!(&got[i << 12..][..4096], &src.bytes[(15 - i) << 12..][..4096]);
+    }
+}
+
 #[test]
 fn launches_are_split_into_bounded_chunks() {
     let config = HbmConfig { launch_max_bytes: 40 << 10, ..HbmConfig::default() };

@@ -178,6 +178,18 @@ def test_a_registration_works_only_with_the_engine_that_made_it(engine):
     assert not theirs.any(), "nothing was written into the other engine's memory"
 
 
+def test_the_same_memory_registered_twice_is_refused_as_on_a_gpu(engine):
+    # Host memory is pinned for the device when registered; CUDA refuses to pin bytes twice,
+    # and so does the simulated device: register an arena once and name its bytes by offset.
+    arena = pattern(4 * PAGE, 3)
+    with engine.register(arena) as whole:
+        with pytest.raises(umbp.RegistrationError, match="712"):
+            engine.register(arena[PAGE:2 * PAGE])
+        assert not whole.closed
+    with engine.register(arena[PAGE:2 * PAGE]) as part:  # nothing pins those bytes now
+        assert part.length == PAGE
+
+
 def test_closing_a_registration_in_use_while_other_threads_look_at_it(engine, tmp_path):
     # One thread closes the tier while a batch still reads it (so the close waits); others
     # keep using the registration meanwhile and see it open, then closed, never an error.

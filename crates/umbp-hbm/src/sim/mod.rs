@@ -4,7 +4,10 @@
 //!
 //! - Device memory is host memory the simulator allocates (256-byte aligned, zeroed) and owns;
 //!   its "device address" is its host address, so descriptors are real pointers.
-//! - Pinning host memory records the region; its device alias is its own address.
+//! - Pinning host memory records the region; its device alias is its own address. Like CUDA's
+//!   and HIP's host registration, it refuses a region that overlaps one already pinned (with
+//!   CUDA's code, 712, as a [`DeviceError::Runtime`]), so a program that pins the same bytes
+//!   twice fails here as it would on a GPU.
 //! - Work runs at submit: a copy or a gather launch executes before the call returns, on
 //!   whatever [`Queue`] it names (a caller's stream handle is any value here), and
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
@@ -286,6 +289,15 @@ impl DeviceRuntime for SimDevice {
         let mut state = self.lock();
         if len == 0 || addr.checked_add(len).is_none() || state.touches_allocation(addr, len) {
             return Err(DeviceError::InvalidAddress { device, addr, len });
+        }
+        // A GPU runtime refuses to register host memory twice, in whole or in part.
+        let end = addr + len;
+        if state.pinned.range(..end).next_back().is_some_and(|(&s, &(_, l))| s + l > addr) {
+            return Err(DeviceError::Runtime {
+                device,
+                code: 712,
+                message: "part of the range is already registered".into(),
+            });
         }
         state.pinned.insert(addr, (device, len));
         Ok(addr)
