@@ -258,14 +258,27 @@ fn one_large_contiguous_run_is_a_copy_not_a_launch() {
     assert_eq!(e.runtime().read(dev.addr, 4 << 20).unwrap(), src.bytes);
 }
 
+/// The 16 pages of 4 KiB of `src`, last first, into `dev`'s first 64 KiB, as one object.
+fn reversed_pages(src: &Host, dev: &Dev) -> Vec<Fragment> {
+    (0..16u64)
+        .map(|i| Fragment::new(src.id, (15 - i) << 12, dev.id, i << 12, 4096, Tag::new(0)))
+        .collect()
+}
+
+/// Checks that `dev` holds what [`reversed_pages`] moves.
+fn assert_reversed(e: &HbmEngine<SimDevice>, src: &Host, dev: &Dev) {
+    let got = e.runtime().read(dev.addr, 64 << 10).unwrap();
+    for i in 0..16usize {
+        assert_eq!(&got[i << 12..][..4096], &src.bytes[(15 - i) << 12..][..4096], "page {i}");
+    }
+}
+
 #[test]
 fn unpinned_host_memory_takes_the_copy_path() {
     let e = engine(HbmConfig::default());
     let src = host(&e, pattern(64 << 10, 4), false);
     let dev = device(&e, GPU, 64 << 10);
-    let fragments: Vec<Fragment> = (0..16u64)
-        .map(|i| Fragment::new(src.id, (15 - i) << 12, dev.id, i << 12, 4096, Tag::new(0)))
-        .collect();
+    let fragments = reversed_pages(&src, &dev);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
     assert_eq!(e.launches(), 0, "the device cannot see unpinned memory");
     // Pinning is explicit and reversible: pinned, the same transfer is a gather.
@@ -275,10 +288,7 @@ fn unpinned_host_memory_takes_the_copy_path() {
     e.unpin(src.id).unwrap();
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
     assert_eq!(e.launches(), 1);
-    let got = e.runtime().read(dev.addr, 64 << 10).unwrap();
-    for i in 0..16usize {
-        assert_eq!(&got[i << 12..][..4096], &src.bytes[(15 - i) << 12..][..4096]);
-    }
+    assert_reversed(&e, &src, &dev);
 }
 
 /// Host memory pinned for the device cannot be pinned again, in whole or in part, while it is,
@@ -295,17 +305,12 @@ fn memory_pinned_once_refuses_an_overlapping_pin() {
     let refused = e.pin(slice.id(), GPU).expect_err("a slice of pinned memory pinned again");
     assert!(refused.to_string().contains("712"), "{refused}");
     let dev = device(&e, GPU, 64 << 10);
-    let fragments: Vec<Fragment> = (0..16u64)
-        .map(|i| Fragment::new(src.id, (15 - i) << 12, dev.id, i << 12, 4096, Tag::new(0)))
-        .collect();
+    let fragments = reversed_pages(&src, &dev);
     assert_eq!(transfer(&e, &fragments), (vec![], vec![]));
     assert_eq!(e.launches(), 1, "the first pin still serves the gather kernel");
     e.unpin(src.id).unwrap();
     e.pin(slice.id(), GPU).expect("nothing else pins the slice now");
-    let got = e.runtime().read(dev.addr, 64 << 10).unwrap();
-    for i in 0..16usize {
-        assert_eq!(&got[i << 12..][..4096], &src.bytes[(15 - i) << 12..][..4096]);
-    }
+    assert_reversed(&e, &src, &dev);
 }
 
 #[test]

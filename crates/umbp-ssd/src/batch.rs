@@ -496,6 +496,11 @@ mod tests {
     const PAGE: u64 = 64 << 10;
     const LIMITS: Limits = Limits { max_io: 1 << 20, bounce_budget: 16 << 20 };
 
+    /// A ring of `depth`, or `None` after saying why the test is skipped.
+    fn ring_or_skip(depth: u32) -> Option<Ring> {
+        Ring::new(depth).map_err(|e| eprintln!("SKIP: no io_uring here: {e}")).ok()
+    }
+
     fn pattern(seed: u8, len: usize) -> Vec<u8> {
         (0..len).map(|i| (i as u64 * 131 + u64::from(seed) * 7 + (i as u64 >> 9)) as u8).collect()
     }
@@ -723,13 +728,7 @@ mod tests {
                 )
             })
             .collect();
-        let mut ring = match Ring::new(64) {
-            Ok(ring) => ring,
-            Err(e) => {
-                eprintln!("SKIP: no io_uring here: {e}");
-                return;
-            }
-        };
+        let Some(mut ring) = ring_or_skip(64) else { return };
         let batch = ring.run(fx.batch(fx.plan(&reads)));
         let (failures, _) = batch.outcome("t");
         assert!(failures.is_empty(), "{failures:?}");
@@ -788,13 +787,7 @@ mod tests {
             fx.batch(fx.plan(&[read(0, 0), read(4, 2)])),
             fx.batch(fx.plan(&[read(8, 4), read(12, 6)])),
         ];
-        let mut ring = match Ring::new(1) {
-            Ok(ring) => ring,
-            Err(e) => {
-                eprintln!("SKIP: no io_uring here: {e}");
-                return;
-            }
-        };
+        let Some(mut ring) = ring_or_skip(1) else { return };
         let mut feed =
             Recorder { batches: batches.into_iter(), events: Vec::new(), taken: 0, done: vec![] };
         ring.serve(&mut feed);
@@ -848,13 +841,7 @@ mod tests {
         };
         let batches =
             (0..4).map(|b| fx.batch(fx.plan(&[read(4 * b), read(4 * b + 2)]))).collect::<Vec<_>>();
-        let mut ring = match Ring::new(64) {
-            Ok(ring) => ring,
-            Err(e) => {
-                eprintln!("SKIP: no io_uring here: {e}");
-                return;
-            }
-        };
+        let Some(mut ring) = ring_or_skip(64) else { return };
         let mut feed = Faulty { batches: batches.into_iter(), made: 0, done: Vec::new() };
         let served =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ring.serve(&mut feed)));

@@ -149,11 +149,8 @@ impl TransferEngine for Wrapped {
             Some(_) => Box::new(BufferedPlanBuilder::new(self)),
             None => self.inner.builder(),
         };
-        let inner: Box<dyn PlanBuilder + Send + '_> = match self.builder_panics_on {
-            Some(tag) => Box::new(PanickyBuilder { inner, tag }),
-            None => inner,
-        };
-        Box::new(FailingFinish { inner, once: &self.finish_fails_once })
+        let (panic_on, fail_finish) = (self.builder_panics_on, &self.finish_fails_once);
+        Box::new(Misbehaving { inner, panic_on, fail_finish })
     }
 
     fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
@@ -184,19 +181,22 @@ impl TransferEngine for Wrapped {
     }
 }
 
-/// A builder that panics on a push of one object, as a broken engine's builder would.
-struct PanickyBuilder<'a> {
+/// A builder that misbehaves as a broken engine's would: it panics on a push of `panic_on`,
+/// and its `finish`, while `fail_finish` is set, clears it and fails with an error `finish`
+/// may not give (an object still open, though none is).
+struct Misbehaving<'a> {
     inner: Box<dyn PlanBuilder + Send + 'a>,
-    tag: Tag,
+    panic_on: Option<Tag>,
+    fail_finish: &'a AtomicBool,
 }
 
-impl PlanBuilder for PanickyBuilder<'_> {
+impl PlanBuilder for Misbehaving<'_> {
     fn begin_object(&mut self, tag: Tag) -> Result<(), umbp_plan::Error> {
         self.inner.begin_object(tag)
     }
 
     fn push(&mut self, f: Fragment) -> Result<(), umbp_plan::Error> {
-        if f.tag == self.tag {
+        if Some(f.tag) == self.panic_on {
             panic!("the builder was told to panic on object {}", f.tag.get());
         }
         self.inner.push(f)
@@ -211,41 +211,8 @@ impl PlanBuilder for PanickyBuilder<'_> {
     }
 
     fn finish(&mut self) -> Result<PlanSet, umbp_plan::Error> {
-        self.inner.finish()
-    }
-
-    fn recycle(&mut self, plans: PlanSet) {
-        self.inner.recycle(plans)
-    }
-}
-
-/// A builder whose `finish`, while `once` is set, clears it and fails with an error `finish`
-/// may not give (an object still open, though none is), as a broken engine's builder would.
-struct FailingFinish<'a> {
-    inner: Box<dyn PlanBuilder + Send + 'a>,
-    once: &'a AtomicBool,
-}
-
-impl PlanBuilder for FailingFinish<'_> {
-    fn begin_object(&mut self, tag: Tag) -> Result<(), umbp_plan::Error> {
-        self.inner.begin_object(tag)
-    }
-
-    fn push(&mut self, f: Fragment) -> Result<(), umbp_plan::Error> {
-        self.inner.push(f)
-    }
-
-    fn commit_object(&mut self) -> Result<(), umbp_plan::Error> {
-        self.inner.commit_object()
-    }
-
-    fn rollback_object(&mut self) -> Result<(), umbp_plan::Error> {
-        self.inner.rollback_object()
-    }
-
-    fn finish(&mut self) -> Result<PlanSet, umbp_plan::Error> {
         let plans = self.inner.finish()?;
-        if self.once.swap(false, Ordering::Relaxed) {
+        if self.fail_finish.swap(false, Ordering::Relaxed) {
             return Err(umbp_plan::Error::ObjectOpen { open: Tag::new(0) });
         }
         Ok(plans)

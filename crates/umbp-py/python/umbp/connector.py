@@ -95,6 +95,13 @@ class KVConnector:
     def _release(self, reg: Registration, slot: int) -> None:
         self._free[id(reg)].append(slot)
 
+    def _publish(self, key: Hashable, reg: Registration, slot: int) -> None:
+        """Makes ``key`` load from ``slot`` of ``reg``, retiring the slot it loaded from."""
+        old = self.index.get(key)
+        self.index[key] = (reg, slot)
+        if old is not None:
+            self._retire(*old)
+
     def _retire(self, reg: Registration, slot: int) -> None:
         """Frees a replaced slot, or, while a load may still read it, once the load is over."""
         if self._load is None:
@@ -113,10 +120,7 @@ class KVConnector:
         except BaseException:
             self._release(reg, slot)
             raise
-        old = self.index.get(key)
-        self.index[key] = (reg, slot)
-        if old is not None:
-            self._retire(*old)
+        self._publish(key, reg, slot)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -208,10 +212,7 @@ class KVConnector:
                 failed.add(key)
                 self._release(reg, slot)
                 continue
-            old = self.index.get(key)
-            self.index[key] = (reg, slot)
-            if old is not None:
-                self._retire(*old)
+            self._publish(key, reg, slot)
             self._saved.add(key)
         self._saving = {}
         return sorted(failed, key=repr)
