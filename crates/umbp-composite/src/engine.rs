@@ -93,7 +93,7 @@ impl Shared {
 
     /// The bounce endpoint (only asked for when stages exist).
     pub(crate) fn bounce(&self) -> EndpointId {
-        self.staging.get().map_or(EndpointId::from_raw(u32::MAX), |p| p.staging.bounce)
+        self.staging.get().map_or(EndpointId::from_raw(u64::MAX), |p| p.staging.bounce)
     }
 
     /// Adds what engine `i` did to the metrics, per direction.

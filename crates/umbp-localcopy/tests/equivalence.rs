@@ -65,7 +65,7 @@ fn engine_bytes_equal_reference(scenario: &Scenario, config: LocalCopyConfig) {
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let id = EndpointId::from_raw(i as u32);
+            let id = EndpointId::from_raw(i as u64);
             let len = e.len() as usize;
             let buf = if i < scenario.sources {
                 HostBuf::new(len, |k| pattern_byte(id, k as u64))
@@ -112,7 +112,7 @@ fn engine_bytes_equal_reference(scenario: &Scenario, config: LocalCopyConfig) {
     failed.dedup();
     assert_eq!(failed, overlapping, "exactly the overlapping objects fail");
     for (i, buf) in buffers.iter().enumerate() {
-        let id = EndpointId::from_raw(i as u32);
+        let id = EndpointId::from_raw(i as u64);
         let want = reference.get(id).expect("every endpoint has memory");
         assert!(buf.bytes() == want, "endpoint {i} differs from the reference executor");
         if i >= scenario.sources {

@@ -42,7 +42,7 @@ pub fn plan_batch<R: PlanRules + ?Sized>(
         });
         append(&mut plans[index], f, max_segment);
     }
-    PlanSet { plans, rejected, reasons, deadline: None, stream: None }
+    PlanSet { plans, rejected, reasons, deadline: None, stream: None, cancel: None }
 }
 
 /// Appends a validated fragment to `plan`, merging into its last segment when allowed.

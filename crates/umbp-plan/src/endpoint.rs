@@ -9,26 +9,39 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::Error;
 
-/// Names a registered endpoint. Ids are handed out in registration order starting at 0 and are
-/// never reused within one [`EndpointRegistry`], so a stale id can only be unknown, never wrong.
+/// Names a registered endpoint: a slot of its [`EndpointRegistry`] and the generation of that
+/// slot. A slot is reused once its endpoint is deregistered, with the next generation, so the
+/// registry's state stays as small as what is registered now, and a stale id can only be
+/// unknown, never name the memory registered after it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(transparent)]
-pub struct EndpointId(u32);
+pub struct EndpointId(u64);
 
 impl EndpointId {
     /// Builds an id from its raw value, for example one read back from a log or a test table.
-    pub const fn from_raw(raw: u32) -> Self {
+    pub const fn from_raw(raw: u64) -> Self {
         Self(raw)
     }
 
-    /// The raw value of this id.
-    pub const fn raw(self) -> u32 {
+    /// The raw value of this id: the generation in the high 32 bits, the slot in the low 32.
+    pub const fn raw(self) -> u64 {
         self.0
     }
 
-    /// The id as an index into a table of endpoints.
+    /// The id's slot, as an index into a dense per-slot table. Two registered endpoints never
+    /// share a slot, but a stale id shares one with the endpoint that reused it: a table
+    /// indexed by slot must compare whole ids where identity matters.
     pub const fn index(self) -> usize {
-        self.0 as usize
+        self.0 as u32 as usize
+    }
+
+    /// How many endpoints held this id's slot before it.
+    pub const fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+
+    const fn new(slot: u32, generation: u32) -> Self {
+        Self(((generation as u64) << 32) | slot as u64)
     }
 }
 
@@ -208,30 +221,47 @@ impl Endpoint {
 /// looking an endpoint up on the push path is an array index, not a lock.
 #[derive(Clone, Debug, Default)]
 pub struct EndpointTable {
-    slots: Vec<Option<Endpoint>>,
+    slots: Vec<Slot>,
+}
+
+/// One slot of a table: the generation it is at, and its endpoint while registered.
+#[derive(Copy, Clone, Debug, Default)]
+struct Slot {
+    generation: u32,
+    endpoint: Option<Endpoint>,
 }
 
 impl EndpointTable {
     /// The description of `id`, if it is registered in this snapshot.
     #[inline]
     pub fn get(&self, id: EndpointId) -> Option<&Endpoint> {
-        self.slots.get(id.index()).and_then(Option::as_ref)
+        self.slots
+            .get(id.index())
+            .filter(|slot| slot.generation == id.generation())
+            .and_then(|slot| slot.endpoint.as_ref())
     }
 
     /// Every registered endpoint of this snapshot with its id.
     pub fn iter(&self) -> impl Iterator<Item = (EndpointId, &Endpoint)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.as_ref().map(|e| (EndpointId(i as u32), e)))
+        self.slots.iter().enumerate().filter_map(|(i, slot)| {
+            slot.endpoint.as_ref().map(|e| (EndpointId::new(i as u32, slot.generation), e))
+        })
+    }
+
+    /// How many slots the table holds, registered or free: at most the largest number of
+    /// endpoints registered at once, however many came and went.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
     }
 }
 
 /// Names endpoints for every engine that shares it.
 ///
 /// Registration is copy-on-write: each change publishes a new [`EndpointTable`], and
-/// [`snapshot`](Self::snapshot) hands out the current one without copying. Registration is rare
-/// (once per arena, buffer or file); lookups are constant.
+/// [`snapshot`](Self::snapshot) hands out the current one without copying. A registration
+/// copies one slot per endpoint registered now (deregistered slots are reused, see
+/// [`EndpointId`]), so its cost and the registry's memory follow what is registered, not how
+/// many registrations came before; lookups are constant.
 ///
 /// # Lifetimes
 ///
@@ -247,24 +277,41 @@ impl EndpointTable {
 /// one after another cannot hold a deregistration off.
 #[derive(Debug, Default)]
 pub struct EndpointRegistry {
-    current: Mutex<Arc<EndpointTable>>,
+    current: Mutex<Current>,
     pins: Mutex<Pins>,
     /// Signalled when an endpoint's pin count drops to zero.
     unpinned: Condvar,
 }
 
+/// The published table, and the slots free for the next registrations.
+#[derive(Debug, Default)]
+struct Current {
+    table: Arc<EndpointTable>,
+    /// Deregistered slots, reused last-freed first. A slot whose generation cannot grow is
+    /// retired instead, so an id is never handed out twice.
+    free: Vec<u32>,
+}
+
 /// Pin counts, and the endpoints whose deregistration is waiting for theirs to drain.
 #[derive(Debug, Default)]
 struct Pins {
-    /// Pin count per endpoint, indexed by id (ids are dense and never reused): an array
-    /// index per pin, no hashing, on every submit's path.
-    counts: Vec<u32>,
+    /// Pin count per slot: an array index per pin, no hashing, on every submit's path. A slot
+    /// is freed only once its count is zero, so the count of a slot is its endpoint's.
+    counts: Vec<(EndpointId, u32)>,
     dying: Vec<EndpointId>,
 }
 
 impl Pins {
     fn count(&self, id: EndpointId) -> u32 {
-        self.counts.get(id.index()).copied().unwrap_or(0)
+        held(&self.counts, id)
+    }
+}
+
+/// The pins on `id` in `counts` (a count left by an earlier generation of its slot is zero).
+fn held(counts: &[(EndpointId, u32)], id: EndpointId) -> u32 {
+    match counts.get(id.index()) {
+        Some(&(holder, n)) if holder == id => n,
+        _ => 0,
     }
 }
 
@@ -294,7 +341,7 @@ impl Drop for EndpointPins {
         let mut pins = self.registry.lock_pins();
         let mut released = false;
         for id in &self.ids {
-            if let Some(n) = pins.counts.get_mut(id.index()) {
+            if let Some((_, n)) = pins.counts.get_mut(id.index()) {
                 *n = n.saturating_sub(1);
                 released |= *n == 0;
             }
@@ -336,9 +383,20 @@ impl EndpointRegistry {
 
     /// Adds `endpoint` to the table; the caller has checked what `register` asks.
     pub(crate) fn insert(&self, endpoint: Endpoint) -> EndpointId {
-        self.publish(|slots| {
-            slots.push(Some(endpoint));
-            EndpointId((slots.len() - 1) as u32)
+        self.publish(|slots, free| match free.pop() {
+            Some(slot) => {
+                let entry = &mut slots[slot as usize];
+                entry.generation += 1;
+                entry.endpoint = Some(endpoint);
+                EndpointId::new(slot, entry.generation)
+            }
+            None => {
+                // Every slot holds a registered endpoint (or a retired id): more than u32::MAX
+                // of them would need hundreds of GiB for the table alone.
+                let slot = u32::try_from(slots.len()).expect("fewer than 2^32 endpoints at once");
+                slots.push(Slot { generation: 0, endpoint: Some(endpoint) });
+                EndpointId::new(slot, 0)
+            }
         })
     }
 
@@ -362,8 +420,16 @@ impl EndpointRegistry {
             pins.dying.swap_remove(at);
         }
         // Published while the pins are locked: a batch pinning now finds it gone.
-        self.publish(|slots| {
-            slots.get_mut(id.index()).and_then(Option::take).ok_or(Error::UnknownEndpoint { id })
+        self.publish(|slots, free| {
+            let slot = slots
+                .get_mut(id.index())
+                .filter(|slot| slot.generation == id.generation())
+                .ok_or(Error::UnknownEndpoint { id })?;
+            let endpoint = slot.endpoint.take().ok_or(Error::UnknownEndpoint { id })?;
+            if slot.generation < u32::MAX {
+                free.push(id.index() as u32);
+            }
+            Ok(endpoint)
         })
     }
 
@@ -392,14 +458,20 @@ impl EndpointRegistry {
             if table.get(id).is_none() {
                 return false;
             }
-            if dying.contains(&id) && counts.get(id.index()).is_none_or(|&n| n == 0) {
+            if dying.contains(&id) && held(counts, id) == 0 {
                 refused.push(id);
                 return false;
             }
             if counts.len() <= id.index() {
-                counts.resize(id.index() + 1, 0);
+                counts.resize(id.index() + 1, (id, 0));
             }
-            counts[id.index()] += 1;
+            // A slot is reused only once its count fell to zero: a count of another
+            // generation is that zero.
+            let (holder, n) = &mut counts[id.index()];
+            if *holder != id {
+                (*holder, *n) = (id, 0);
+            }
+            *n += 1;
             true
         });
         drop(pins);
@@ -407,7 +479,7 @@ impl EndpointRegistry {
             let mut without = EndpointTable::clone(&table);
             for id in refused {
                 if let Some(slot) = without.slots.get_mut(id.index()) {
-                    *slot = None;
+                    slot.endpoint = None;
                 }
             }
             table = Arc::new(without);
@@ -427,25 +499,29 @@ impl EndpointRegistry {
 
     /// The description of `id` as currently registered.
     pub fn get(&self, id: EndpointId) -> Option<Endpoint> {
-        self.lock().get(id).copied()
+        self.lock().table.get(id).copied()
     }
 
     /// The current table; later registrations do not change it.
     pub fn snapshot(&self) -> Arc<EndpointTable> {
-        Arc::clone(&self.lock())
+        Arc::clone(&self.lock().table)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Arc<EndpointTable>> {
+    fn lock(&self) -> MutexGuard<'_, Current> {
         // A panic while holding the lock cannot leave the table half-written: publication is a
-        // single `Arc` store, so a poisoned lock still guards a consistent table.
+        // single `Arc` store after the free list's change, which cannot panic, so a poisoned
+        // lock still guards a consistent table.
         self.current.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn publish<T>(&self, change: impl FnOnce(&mut Vec<Option<Endpoint>>) -> T) -> T {
+    /// Applies `change` to a copy of the slots and the free list, and publishes the copy.
+    fn publish<T>(&self, change: impl FnOnce(&mut Vec<Slot>, &mut Vec<u32>) -> T) -> T {
         let mut current = self.lock();
-        let mut slots = current.slots.clone();
-        let out = change(&mut slots);
-        *current = Arc::new(EndpointTable { slots });
+        let mut slots = current.table.slots.clone();
+        let mut free = current.free.clone();
+        let out = change(&mut slots, &mut free);
+        current.free = free;
+        current.table = Arc::new(EndpointTable { slots });
         out
     }
 }
@@ -461,21 +537,65 @@ mod tests {
     }
 
     #[test]
-    fn ids_are_dense_never_reused_and_snapshots_do_not_change() {
+    fn slots_are_reused_with_a_new_generation_and_snapshots_do_not_change() {
         let registry = EndpointRegistry::new();
         let a = registry.insert_file(3, 0, 100, true);
         let before = registry.snapshot();
         let b = registry.insert_file(4, 4096, 200, false);
-        assert_eq!((a.raw(), b.raw()), (0, 1));
+        assert_eq!((a.raw(), b.raw()), (0, 1), "the first ids are the slots in order");
         assert!(before.get(b).is_none(), "a snapshot does not see later registrations");
         assert_eq!(registry.deregister(a).map(|e| e.len()), Ok(100));
         assert_eq!(registry.deregister(a), Err(Error::UnknownEndpoint { id: a }));
         assert!(registry.get(a).is_none());
         assert!(before.get(a).is_some(), "an old snapshot still describes it");
         let c = registry.insert_file(5, 0, 1, false);
-        assert_eq!(c.raw(), 2, "deregistered ids are not reused");
+        assert_eq!((c.index(), c.generation()), (a.index(), 1), "a's slot, one generation on");
+        assert_ne!(c, a);
+        assert!(registry.get(a).is_none(), "the stale id does not name the new endpoint");
+        assert_eq!(registry.deregister(a), Err(Error::UnknownEndpoint { id: a }));
+        assert!(!registry.is_pinned(a));
+        assert_eq!(registry.get(c).and_then(|e| e.file_range()).map(|f| f.fd), Some(5));
+        assert!(before.get(c).is_none(), "nor does an old snapshot name the new one");
         let file = registry.get(b).and_then(|e| e.file_range());
         assert_eq!(file, Some(FileRange { fd: 4, file_offset: 4096, direct: false }));
+        let ids: Vec<_> = registry.snapshot().iter().map(|(id, _)| id).collect();
+        assert_eq!(ids, [c, b]);
+    }
+
+    #[test]
+    fn a_million_registrations_leave_the_table_as_small_as_what_is_registered() {
+        let registry = EndpointRegistry::new();
+        let live: Vec<_> = (0..3).map(|i| registry.insert_file(i, 0, 10, false)).collect();
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..1_000_000u32 {
+            let id = registry.insert_file(10, u64::from(i), 1, false);
+            assert!(seen.insert(id), "id {id:?} handed out twice");
+            let pins = registry.pin([id, live[0]]);
+            drop(pins);
+            assert!(registry.deregister(id).is_ok());
+        }
+        let table = registry.snapshot();
+        assert_eq!(table.slot_count(), 4);
+        assert_eq!(table.iter().map(|(id, _)| id).collect::<Vec<_>>(), live);
+        assert_eq!(registry.lock_pins().counts.len(), 4);
+    }
+
+    #[test]
+    fn a_pin_on_a_stale_id_pins_nothing_and_does_not_touch_the_new_endpoint() {
+        let registry = EndpointRegistry::new();
+        let old = registry.insert_file(3, 0, 10, false);
+        assert!(registry.deregister(old).is_ok());
+        let new = registry.insert_file(4, 0, 10, false);
+        assert_eq!(new.index(), old.index());
+        let stale = registry.pin([old]);
+        assert!(stale.table().get(old).is_none());
+        assert!(!registry.is_pinned(new));
+        let live = registry.pin([new]);
+        assert!(registry.is_pinned(new) && !registry.is_pinned(old));
+        drop(stale);
+        assert!(registry.is_pinned(new), "dropping the stale pin left the new one's count");
+        drop(live);
+        assert!(registry.deregister(new).is_ok());
     }
 
     #[test]
@@ -511,9 +631,9 @@ mod tests {
         // A batch that pins it once the last pin went and before it was removed would see it
         // gone; after removal it is simply unknown, and so is an id never handed out: neither
         // is pinned (nor sizes anything).
-        let late = registry.pin([a, EndpointId::from_raw(u32::MAX)]);
+        let late = registry.pin([a, EndpointId::from_raw(u64::MAX)]);
         assert!(late.table().get(a).is_none());
-        assert!(!registry.is_pinned(a) && !registry.is_pinned(EndpointId::from_raw(u32::MAX)));
+        assert!(!registry.is_pinned(a) && !registry.is_pinned(EndpointId::from_raw(u64::MAX)));
         drop(late);
         assert!(!registry.is_pinned(a) && !registry.is_pinned(b));
         assert!(registry.get(a).is_none());

@@ -109,6 +109,11 @@ pub enum FailureCause {
     /// of its bytes.
     #[error("the batch's deadline passed")]
     TimedOut,
+    /// The plan set's [cancel token](crate::PlanSet::cancel_token) was cancelled before the
+    /// object's bytes arrived; what was in flight was cancelled, and the object's destination
+    /// may hold some of its bytes.
+    #[error("the batch was cancelled")]
+    Cancelled,
     /// The remote peer holding the bytes failed, went away or stopped answering: every object
     /// in flight to it fails with this, and nothing else does.
     #[error("peer {peer} failed: {message}")]

@@ -193,8 +193,8 @@ struct Cursor {
 impl Cursor {
     /// A cursor no fragment matches: the sentinel ids are never handed out together.
     const NONE: Cursor = Cursor {
-        src: EndpointId::from_raw(u32::MAX),
-        dst: EndpointId::from_raw(u32::MAX),
+        src: EndpointId::from_raw(u64::MAX),
+        dst: EndpointId::from_raw(u64::MAX),
         tag: Cursor::DISARMED,
         plan: usize::MAX,
         src_len: 0,
@@ -787,6 +787,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
             rejected: std::mem::take(&mut self.rejected),
             reasons: std::mem::take(&mut self.reasons),
             deadline: None,
+            cancel: None,
             stream: None,
         })
     }

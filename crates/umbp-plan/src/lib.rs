@@ -85,6 +85,7 @@ mod aligned;
 mod append;
 mod batch;
 mod builder;
+mod cancel;
 mod endpoint;
 mod engine;
 mod error;
@@ -105,6 +106,7 @@ pub mod testing;
 pub use aligned::AlignedBuffer;
 pub use batch::plan_batch;
 pub use builder::{BatchPlanner, BufferedPlanBuilder, PlanBuilder, RulePlanner};
+pub use cancel::CancelToken;
 pub use endpoint::{
     DeviceOrdinal, Endpoint, EndpointId, EndpointKind, EndpointPins, EndpointRegistry,
     EndpointTable, FileRange, RemoteRegion, Tag,

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::{DeviceStream, EndpointId, Failure, FailureCause, RejectReason, Tag};
+use crate::{CancelToken, DeviceStream, EndpointId, Failure, FailureCause, RejectReason, Tag};
 
 /// One contiguous copy inside a plan. The layout is fixed (`repr(C)`, three `u64`s) so that an
 /// engine can hand a plan's segment array to an executor as descriptors without converting it.
@@ -268,6 +268,7 @@ pub struct PlanSet {
     pub(crate) reasons: Vec<RejectReason>,
     pub(crate) deadline: Option<Instant>,
     pub(crate) stream: Option<DeviceStream>,
+    pub(crate) cancel: Option<CancelToken>,
 }
 
 impl PlanSet {
@@ -304,6 +305,21 @@ impl PlanSet {
     /// Sets (or clears) the [stream](Self::stream).
     pub fn set_stream(&mut self, stream: Option<DeviceStream>) {
         self.stream = stream;
+    }
+
+    /// The token that cancels this plan set's transfers; `None` (the default, and what builders
+    /// produce) means nothing cancels them. Engines that can cancel transfers in flight (the
+    /// SSD engine) stop on it and fail what had not arrived with
+    /// [`FailureCause::Cancelled`](crate::FailureCause::Cancelled); others run what they were
+    /// given, and the submitter (a composite) leaves the parts it has not submitted yet. See
+    /// [`CancelToken`].
+    pub fn cancel_token(&self) -> Option<&CancelToken> {
+        self.cancel.as_ref()
+    }
+
+    /// Sets (or clears) the [cancel token](Self::cancel_token).
+    pub fn set_cancel(&mut self, token: Option<CancelToken>) {
+        self.cancel = token;
     }
 
     /// Whether the deadline has passed.

@@ -93,15 +93,15 @@ pub enum Error {
     #[error("endpoint {src} -> endpoint {dst} is not a pair of host memory and a remote region")]
     PairNotCarried {
         /// Source endpoint id.
-        src: u32,
+        src: u64,
         /// Destination endpoint id.
-        dst: u32,
+        dst: u64,
     },
     /// A segment lies outside its local endpoint.
     #[error("a segment of {len} bytes at {offset} lies outside local endpoint {endpoint}")]
     OutsideLocal {
         /// The local endpoint id.
-        endpoint: u32,
+        endpoint: u64,
         /// Offset into it.
         offset: u64,
         /// Length.

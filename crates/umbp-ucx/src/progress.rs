@@ -82,7 +82,7 @@ impl Route {
         peer: u32::MAX,
         rkey: u32::MAX,
         write: false,
-        local: EndpointId::from_raw(u32::MAX),
+        local: EndpointId::from_raw(u64::MAX),
         local_base: 0,
         remote_base: 0,
     };

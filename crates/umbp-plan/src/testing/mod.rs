@@ -144,7 +144,7 @@ impl Scenario {
         }
         let sources = config.sources.len().max(1);
         let destinations = config.destinations.len().max(1);
-        let unknown = EndpointId::from_raw(endpoints.len() as u32 + 7);
+        let unknown = EndpointId::from_raw(endpoints.len() as u64 + 7);
         // Where the last fragment of each destination ended, to make adjacent follow-ups.
         let mut last_end: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
         let object_count = 1 + rng.below(config.max_objects.max(1) as u64) as usize;
@@ -157,8 +157,8 @@ impl Scenario {
                 if rng.below(100) < 30 {
                     d = rng.below(destinations as u64) as usize;
                 }
-                let mut src = EndpointId::from_raw((d % sources) as u32);
-                let mut dst = EndpointId::from_raw((sources + d) as u32);
+                let mut src = EndpointId::from_raw((d % sources) as u64);
+                let mut dst = EndpointId::from_raw((sources + d) as u64);
                 let mut flen = 1 + rng.below(config.max_fragment.max(1));
                 let roll = rng.below(100);
                 let (mut src_offset, mut dst_offset) = match last_end.get(&d) {
@@ -309,7 +309,7 @@ pub struct ReferenceMemory {
 
 /// Byte `i` of the source pattern of endpoint `id`.
 pub fn pattern_byte(id: EndpointId, i: u64) -> u8 {
-    (i.wrapping_mul(31).wrapping_add(u64::from(id.raw()) * 101) % 251) as u8
+    (i.wrapping_mul(31).wrapping_add(id.raw().wrapping_mul(101)) % 251) as u8
 }
 
 /// The value destinations hold before a transfer.
@@ -320,7 +320,7 @@ impl ReferenceMemory {
     pub fn for_scenario(scenario: &Scenario) -> Self {
         let mut buffers = BTreeMap::new();
         for (i, e) in scenario.endpoints.iter().enumerate() {
-            let id = EndpointId::from_raw(i as u32);
+            let id = EndpointId::from_raw(i as u64);
             let bytes = if i < scenario.sources {
                 (0..e.len()).map(|k| pattern_byte(id, k)).collect()
             } else {
