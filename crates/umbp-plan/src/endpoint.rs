@@ -563,11 +563,11 @@ mod tests {
     }
 
     #[test]
-    fn a_million_registrations_leave_the_table_as_small_as_what_is_registered() {
+    fn a_hundred_thousand_registrations_leave_the_table_as_small_as_what_is_registered() {
         let registry = EndpointRegistry::new();
         let live: Vec<_> = (0..3).map(|i| registry.insert_file(i, 0, 10, false)).collect();
         let mut seen = std::collections::HashSet::new();
-        for i in 0..1_000_000u32 {
+        for i in 0..100_000u32 {
             let id = registry.insert_file(10, u64::from(i), 1, false);
             assert!(seen.insert(id), "id {id:?} handed out twice");
             let pins = registry.pin([id, live[0]]);
