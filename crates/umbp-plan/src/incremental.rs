@@ -170,6 +170,9 @@ pub struct IncrementalBuilder<R> {
     undo: Vec<PlanSnapshot>,
     plans_at_begin: usize,
     rejected_at_begin: usize,
+    /// Tag starts recorded so far in this batch, in every plan: the next start's order (see
+    /// `TagStart`). Rollback leaves it: the order only has to grow.
+    starts: u64,
 }
 
 /// Destination ids below this get a slot in the builder's hint table.
@@ -265,6 +268,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             undo: Vec::new(),
             plans_at_begin: 0,
             rejected_at_begin: 0,
+            starts: 0,
         }
     }
 
@@ -548,7 +552,8 @@ impl<R: PlanRules> IncrementalBuilder<R> {
             let segment = segments_before - usize::from(at != 0);
             let plan = &mut self.plans[index];
             plan.tags.push(tag);
-            plan.tag_starts.push(TagStart { segment, at });
+            plan.tag_starts.push(TagStart { segment, at, order: self.starts });
+            self.starts += 1;
         }
     }
 
@@ -659,8 +664,8 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         dst: EndpointId,
         endpoints: (Endpoint, Endpoint),
     ) -> usize {
-        let mut plan = self.spare.pop().unwrap_or_else(|| Plan::new(src, dst));
-        plan.reset(src, dst);
+        let mut plan = self.spare.pop().unwrap_or_else(|| Plan::new(src, dst, self.max_segment));
+        plan.reset(src, dst, self.max_segment);
         let index = self.plans.len();
         self.plans.push(plan);
         self.by_pair.insert((src, dst), index);
@@ -782,6 +787,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
         self.undo.clear();
         self.plans_at_begin = 0;
         self.rejected_at_begin = 0;
+        self.starts = 0;
         Ok(PlanSet {
             plans: std::mem::take(&mut self.plans),
             rejected: std::mem::take(&mut self.rejected),

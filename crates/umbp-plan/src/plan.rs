@@ -22,11 +22,26 @@ pub struct Segment {
 /// the segment's length so far when it extended a segment an earlier tag had opened (a
 /// *joined* start), so a plan knows to the byte which object owns which part of a merged
 /// segment.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+///
+/// `order` says when the start happened among all the tag starts of its plan set (it grows
+/// with every start a builder records, in any plan): the one record of how the fragments of
+/// different plans interleaved, which [`PlanSet::retain_tags`] needs to put the plans in the
+/// order planning without the dropped objects gives. It is bookkeeping, not meaning: two
+/// starts are equal when `segment` and `at` are, whatever their `order`.
+#[derive(Copy, Clone, Debug)]
 pub(crate) struct TagStart {
     pub(crate) segment: usize,
     pub(crate) at: u64,
+    pub(crate) order: u64,
 }
+
+impl PartialEq for TagStart {
+    fn eq(&self, other: &Self) -> bool {
+        (self.segment, self.at) == (other.segment, other.at)
+    }
+}
+
+impl Eq for TagStart {}
 
 impl TagStart {
     /// Whether the tag's first bytes extended a segment an earlier tag opened.
@@ -49,6 +64,9 @@ impl TagStart {
 pub struct Plan {
     pub(crate) src: EndpointId,
     pub(crate) dst: EndpointId,
+    /// The longest segment the engine that planned it issues (its
+    /// [`PlanRules::max_segment_len`](crate::PlanRules::max_segment_len)).
+    pub(crate) max_segment: u64,
     pub(crate) segments: Vec<Segment>,
     pub(crate) tags: Vec<Tag>,
     pub(crate) tag_starts: Vec<TagStart>,
@@ -74,6 +92,12 @@ impl Plan {
     /// The destination endpoint of every segment.
     pub fn dst(&self) -> EndpointId {
         self.dst
+    }
+
+    /// The longest segment the engine that planned this plan issues: no segment is longer, and
+    /// [`retain_tags`](Self::retain_tags) joins pieces only up to it.
+    pub fn max_segment(&self) -> u64 {
+        self.max_segment
     }
 
     /// Number of segments.
@@ -173,55 +197,78 @@ impl Plan {
         })
     }
 
-    /// Keeps only the bytes of the objects whose tag `keep` accepts, to the byte: segments
-    /// shared with dropped objects are narrowed, segments of dropped objects alone disappear,
-    /// and kept neighbours that shared a segment still share it. Pieces that only a dropped
-    /// object kept in separate segments stay separate (joining them could pass the engine's
-    /// maximum segment), so the bytes moved are exactly those of planning without the dropped
-    /// objects, and without a segment limit so are the plans. Plans built for one batch then
-    /// describe the batch without those objects, whatever builder made them. Allocates only
-    /// when some tag is dropped.
+    /// Keeps only the bytes of the objects whose tag `keep` accepts, to the byte: the plan
+    /// becomes what the batch planner makes of the kept objects' bytes alone. Segments shared
+    /// with dropped objects are narrowed, segments of dropped objects alone disappear, and kept
+    /// pieces that a dropped object's bytes held apart join again where they are adjacent on
+    /// both sides and the joined segment stays within [`max_segment`](Self::max_segment), as
+    /// the planner joins fragments. `keep` is called once per tag.
+    ///
+    /// Without a binding maximum segment the result is exactly the plan the engine's batch
+    /// planner makes of the kept objects' fragments. When the maximum cuts a run of adjacent
+    /// pieces, the planner would have cut it at a fragment boundary, which a plan no longer
+    /// knows; the result is then the planner's plan of the kept objects' pieces (each piece one
+    /// fragment): the same bytes, the same objects in the same order, no segment past the
+    /// maximum, but possibly cut at other places. Allocates only when some tag is dropped.
     pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {
-        let keeps: Vec<bool> = self.tags.iter().map(|&t| keep(t)).collect();
-        if keeps.iter().all(|&k| k) {
-            return;
-        }
-        let mut plan = Plan::new(self.src, self.dst);
-        // The segment the last kept piece came from: a kept piece of the same segment that
-        // starts where it ended continues it, as it did before.
-        let mut last_from = None;
+        let Some(first_dropped) = self.tags.iter().position(|&t| !keep(t)) else { return };
+        let keeps: Vec<bool> = (0..self.tags.len())
+            .map(|k| k < first_dropped || (k > first_dropped && keep(self.tags[k])))
+            .collect();
+        let mut plan = Plan::new(self.src, self.dst, self.max_segment);
         for (k, &tag) in self.tags.iter().enumerate().filter(|&(k, _)| keeps[k]) {
-            for (n, (from, piece)) in self.indexed_pieces(k).enumerate() {
-                let joins = last_from == Some(from)
-                    && plan.segments.last().is_some_and(|l| {
-                        l.src_offset + l.len == piece.src_offset
-                            && l.dst_offset + l.len == piece.dst_offset
-                    });
-                if n == 0 {
-                    let (segment, at) = match plan.segments.last() {
-                        Some(l) if joins => (plan.segments.len() - 1, l.len),
-                        _ => (plan.segments.len(), 0),
-                    };
-                    plan.tags.push(tag);
-                    plan.tag_starts.push(TagStart { segment, at });
-                }
-                match plan.segments.last_mut() {
-                    Some(l) if joins => l.len += piece.len,
-                    _ => plan.segments.push(piece),
-                }
-                last_from = Some(from);
+            let order = self.tag_starts[k].order;
+            for piece in self.tag_pieces(k) {
+                plan.append(piece, tag, order);
             }
         }
         *self = plan;
     }
 
-    pub(crate) fn new(src: EndpointId, dst: EndpointId) -> Self {
-        Self { src, dst, segments: Vec::new(), tags: Vec::new(), tag_starts: Vec::new() }
+    /// Appends the bytes `piece` of object `tag` as the batch planner appends a fragment:
+    /// extending the last segment when both sides are exactly adjacent to it and the joined
+    /// length stays within the maximum, else as a new segment; the tag is recorded (with
+    /// `order`) when it is not the plan's last tag already. Returns whether it was recorded.
+    pub(crate) fn append(&mut self, piece: Segment, tag: Tag, order: u64) -> bool {
+        let max = self.max_segment;
+        let (segment, at) = match self.segments.last_mut() {
+            Some(s)
+                if s.src_offset.checked_add(s.len) == Some(piece.src_offset)
+                    && s.dst_offset.checked_add(s.len) == Some(piece.dst_offset)
+                    && s.len.checked_add(piece.len).is_some_and(|sum| sum <= max) =>
+            {
+                let at = s.len;
+                s.len += piece.len;
+                (self.segments.len() - 1, at)
+            }
+            _ => {
+                self.segments.push(piece);
+                (self.segments.len() - 1, 0)
+            }
+        };
+        let starts = self.tags.last() != Some(&tag);
+        if starts {
+            self.tags.push(tag);
+            self.tag_starts.push(TagStart { segment, at, order });
+        }
+        starts
     }
 
-    pub(crate) fn reset(&mut self, src: EndpointId, dst: EndpointId) {
+    pub(crate) fn new(src: EndpointId, dst: EndpointId, max_segment: u64) -> Self {
+        Self {
+            src,
+            dst,
+            max_segment,
+            segments: Vec::new(),
+            tags: Vec::new(),
+            tag_starts: Vec::new(),
+        }
+    }
+
+    pub(crate) fn reset(&mut self, src: EndpointId, dst: EndpointId, max_segment: u64) {
         self.src = src;
         self.dst = dst;
+        self.max_segment = max_segment;
         self.segments.clear();
         self.tags.clear();
         self.tag_starts.clear();
@@ -360,12 +407,20 @@ impl PlanSet {
     }
 
     /// Keeps only the bytes of the objects whose tag `keep` accepts, in every plan (see
-    /// [`Plan::retain_tags`]); plans left empty go. Rejected tags are left as they are.
+    /// [`Plan::retain_tags`]): plans left empty go, and the others are put in the order of
+    /// their first kept object's first bytes, as planning without the dropped objects orders
+    /// them. Rejected tags are left as they are. Without a binding maximum segment the plans
+    /// are then exactly the batch planner's plans of the kept objects' fragments.
     pub fn retain_tags(&mut self, mut keep: impl FnMut(Tag) -> bool) {
         for plan in &mut self.plans {
             plan.retain_tags(&mut keep);
         }
         self.plans.retain(|p| !p.segments.is_empty());
+        let first = |p: &Plan| p.tag_starts.first().map_or(0, |s| s.order);
+        // Already sorted unless a plan's first object went.
+        if !self.plans.is_sorted_by_key(first) {
+            self.plans.sort_by_key(first);
+        }
     }
 
     /// The objects a failure at `at` costs: every object of the plan, of the segment, or the

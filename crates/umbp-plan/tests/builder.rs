@@ -266,3 +266,55 @@ fn segment_tags_name_exactly_the_objects_in_each_segment() {
     assert_eq!(plan.segment_tags(2), &[t(2), t(3)]);
     assert_eq!(plan.segment_tags(3), &[] as &[Tag]);
 }
+
+/// An object: its tag and its fragments as `(destination, source offset, length)`, the
+/// destination offset equal to the source offset.
+type Object<'a> = (u32, &'a [(EndpointId, u64, u64)]);
+
+/// Builds one batch of `objects` from `src` with `b`.
+fn batch(b: &mut dyn PlanBuilder, src: EndpointId, objects: &[Object<'_>]) {
+    for &(tag, fragments) in objects {
+        b.begin_object(t(tag)).unwrap();
+        for &(dst, off, len) in fragments {
+            b.push(Fragment::new(src, off, dst, off, len, t(tag))).unwrap();
+        }
+        b.commit_object().unwrap();
+    }
+}
+
+#[test]
+fn retaining_tags_joins_the_pieces_a_dropped_object_held_apart() {
+    let (registry, [src, d1, _, _]) = setup();
+    let planner = RulePlanner::new(HostOnly, registry.clone());
+    let mut b = IncrementalBuilder::new(HostOnly, registry);
+    // Object 1 sits between object 0 and object 2, which are adjacent to each other.
+    let objects: [Object<'_>; 3] =
+        [(0, &[(d1, 0, 10)]), (1, &[(d1, 500, 10)]), (2, &[(d1, 10, 10), (d1, 20, 5)])];
+    batch(&mut b, src, &objects);
+    let mut plans = b.finish().unwrap();
+    assert_eq!(lens(&plans.plans()[0]), [10, 10, 15]);
+    plans.retain_tags(|tag| tag != t(1));
+    assert_eq!(lens(&plans.plans()[0]), [25], "planning objects 0 and 2 gives one segment");
+    assert_eq!(plans.plans()[0].tags(), [t(0), t(2)]);
+    let mut without = BufferedPlanBuilder::new(planner);
+    batch(&mut without, src, &[objects[0], objects[2]]);
+    assert_eq!(plans, without.finish().unwrap());
+}
+
+#[test]
+fn retaining_tags_orders_the_plans_as_planning_without_the_dropped_objects() {
+    let (registry, [src, d1, d2, _]) = setup();
+    let planner = RulePlanner::new(HostOnly, registry.clone());
+    let mut b = IncrementalBuilder::new(HostOnly, registry);
+    // Object 0 opens the plan to d1; object 1 writes d2 first, then d1.
+    let objects: [Object<'_>; 2] = [(0, &[(d1, 0, 10)]), (1, &[(d2, 100, 10), (d1, 200, 10)])];
+    batch(&mut b, src, &objects);
+    let mut plans = b.finish().unwrap();
+    let dsts = |plans: &umbp_plan::PlanSet| plans.plans().iter().map(Plan::dst).collect::<Vec<_>>();
+    assert_eq!(dsts(&plans), [d1, d2]);
+    plans.retain_tags(|tag| tag != t(0));
+    assert_eq!(dsts(&plans), [d2, d1], "object 1's first bytes went to d2");
+    let mut without = BufferedPlanBuilder::new(planner);
+    batch(&mut without, src, &objects[1..]);
+    assert_eq!(plans, without.finish().unwrap());
+}

@@ -68,10 +68,12 @@ fn check(scenario: &Scenario, rules: Rules) {
     assert_eq!(again.plans, expected, "a recycled builder differs");
 }
 
-/// Taking objects out of a finished plan set, to the byte, moves exactly the bytes the batch
-/// planner's plans without their fragments move, with the same objects in each plan; without a
-/// segment cap the plans are identical. (With a cap, two kept pieces that a dropped object's
-/// bytes pushed into separate segments stay separate: joining them could pass the cap.)
+/// Taking objects out of a finished plan set, to the byte, gives the batch planner's plans of
+/// the kept objects' fragments: identical plans in the same order without a segment cap. With a
+/// cap, a plan no longer knows where its fragments began, so where the cap cuts a run of kept
+/// pieces it cuts them as the planner cuts the pieces themselves: each plan equals the
+/// planner's plan of its kept pieces, and the plan order, the objects of each plan and the
+/// bytes moved equal planning the kept fragments.
 fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
     let registry = EndpointRegistry::new();
     // SAFETY: these plans are compared, never executed.
@@ -108,22 +110,29 @@ fn check_retain(scenario: &Scenario, rules: Rules, drop_mask: u64) {
     let kept: Vec<Fragment> =
         outcome.committed.iter().copied().filter(|f| !dropped(f.tag)).collect();
     let expected = planner.plan_batch(&kept);
-    let sorted = |plans: &[umbp_plan::Plan]| {
-        let mut v = plans.to_vec();
-        v.sort_by_key(|p| (p.src(), p.dst()));
-        v
-    };
     if rules.max_segment == u64::MAX {
-        assert_eq!(sorted(narrowed.plans()), sorted(expected.plans()), "retain_tags differs");
+        assert_eq!(narrowed.plans(), expected.plans(), "retain_tags differs from planning");
     }
     let tags = |plans: &[umbp_plan::Plan]| -> Vec<_> {
-        sorted(plans).iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect()
+        plans.iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect()
     };
-    assert_eq!(tags(narrowed.plans()), tags(expected.plans()), "other objects per plan");
+    assert_eq!(tags(narrowed.plans()), tags(expected.plans()), "plan order or objects differ");
     for plan in narrowed.plans() {
         assert!(
             plan.segments().iter().all(|s| s.len <= rules.max_segment),
             "a segment passes the cap"
+        );
+        // The planner's plan of the kept pieces, each piece one fragment.
+        let pieces: Vec<Fragment> = (0..plan.tags().len())
+            .flat_map(|k| plan.tag_pieces(k).map(move |s| (plan.tags()[k], s)))
+            .map(|(tag, s)| {
+                Fragment::new(plan.src(), s.src_offset, plan.dst(), s.dst_offset, s.len, tag)
+            })
+            .collect();
+        assert_eq!(
+            planner.plan_batch(&pieces).plans(),
+            std::slice::from_ref(plan),
+            "pieces differ"
         );
     }
     let mut by_plans = ReferenceMemory::for_scenario(scenario);
