@@ -491,7 +491,7 @@ mod tests {
     use crate::file::FileTable;
     use crate::op::BouncePool;
     use crate::ring::{Feed, Ring};
-    use crate::{sys, SsdRules};
+    use crate::{fallback, SsdRules};
 
     const PAGE: u64 = 64 << 10;
     const LIMITS: Limits = Limits { max_io: 1 << 20, bounce_budget: 16 << 20 };
@@ -621,7 +621,7 @@ mod tests {
             let source = Host::new(&fx.registry, (4 * PAGE) as usize, 0, 0);
             let writes = pieces(file, source.id, false);
             let mut batch = fx.batch(fx.plan(&writes));
-            sys::run_blocking_in_pieces(&mut batch, piece);
+            fallback::run_in_pieces(&mut batch, piece);
             assert!(batch.outcome("t").0.is_empty());
             for f in &writes {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
@@ -633,7 +633,7 @@ mod tests {
             let destination = Host::new(&fx.registry, (4 * PAGE) as usize, 1, 0xA5);
             let reads = pieces(file, destination.id, true);
             let mut batch = fx.batch(fx.plan(&reads));
-            sys::run_blocking_in_pieces(&mut batch, piece);
+            fallback::run_in_pieces(&mut batch, piece);
             assert!(batch.outcome("t").0.is_empty());
             for f in &reads {
                 let (at, from) = (f.dst_offset as usize, f.src_offset as usize);
@@ -685,7 +685,7 @@ mod tests {
                         }
                     }
                 } else {
-                    sys::run_blocking(&mut batch);
+                    fallback::run(&mut batch);
                 }
                 let (failures, _) = batch.outcome("t");
                 let failed: Vec<u32> =

@@ -77,8 +77,9 @@
 //!
 //! # Unsafe code
 //!
-//! Two private modules hold all of it: `sys` (system calls, raw host memory, bounce buffers)
-//! and `ring` (pushing submission entries). Every segment is bounds-checked against its
+//! Three private modules hold all of it: `sys` (system calls, raw host memory, bounce
+//! buffers), `ring` (pushing submission entries) and `fallback` (performing a request with
+//! `pread`/`pwrite`). Every segment is bounds-checked against its
 //! endpoints at submit; beyond that, the engine relies on the contract of registration
 //! ([`umbp_plan::Register`]): registered memory stays valid until the registration has ended,
 //! which waits for every batch that used it.
@@ -92,6 +93,7 @@ mod batch;
 mod config;
 mod engine;
 mod error;
+mod fallback;
 mod fault;
 mod file;
 mod op;

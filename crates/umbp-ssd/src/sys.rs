@@ -1,5 +1,6 @@
 //! Every system call and every raw-memory access of the crate, except the ring's queue pushes
-//! (in `ring.rs`).
+//! (in `ring.rs`) and the fallback's calls of [`perform`] (in `fallback.rs`). A leaf: it knows
+//! nothing of batches or executors.
 //!
 //! # The request invariant
 //!
@@ -16,7 +17,7 @@
 //!    by Rust code until the request completes. The op owning the buffer leaves it alone
 //!    between issuing a request and receiving its completion, and keeps it until it is done.
 //!
-//! The executors keep every batch with a request in flight: [`run_blocking`] here holds it
+//! The executors keep every batch with a request in flight: `fallback::run` holds it
 //! mutably borrowed, and `Ring::serve` holds it in one of its lanes, which it drops only after
 //! every request it pushed has completed (also when unwinding). So neither the op nor its
 //! buffer can go away under the kernel.
@@ -28,8 +29,6 @@ use std::os::fd::RawFd;
 use std::ptr::NonNull;
 
 use umbp_plan::{EndpointId, EndpointTable};
-
-use crate::batch::{Batch, Issue};
 
 /// Whether the kernel reads from the file into memory or writes memory to the file.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -70,6 +69,14 @@ impl Request {
 
     pub(crate) fn len(&self) -> u32 {
         self.len
+    }
+
+    /// The first `len` bytes of this request (at most all of them), for tests that make every
+    /// transfer come back short.
+    #[cfg(test)]
+    pub(crate) fn prefix(mut self, len: u32) -> Self {
+        self.len = self.len.min(len);
+        self
     }
 }
 
@@ -218,42 +225,6 @@ impl Drop for BounceBuf {
     }
 }
 
-/// Runs a batch on the calling thread with `pread`/`pwrite`, one request at a time.
-pub(crate) fn run_blocking(batch: &mut Batch) {
-    loop {
-        // A blocking call cannot be cancelled: the deadline is checked between calls.
-        if batch.expired() {
-            batch.time_out();
-        }
-        let Some((index, issue)) = batch.issue() else { break };
-        let result = match issue {
-            // SAFETY: `request` was just issued by `batch`, which this call keeps borrowed, and
-            // `perform` returns only once the kernel is done with the bytes (module invariant).
-            Issue::Io(request) => unsafe { perform(&request) },
-            Issue::Fail(result) => result,
-        };
-        batch.complete(index, result);
-    }
-}
-
-/// [`run_blocking`] with every request cut to at most `piece` bytes, so that every transfer
-/// comes back short and is resubmitted for its remainder.
-#[cfg(test)]
-pub(crate) fn run_blocking_in_pieces(batch: &mut Batch, piece: u32) {
-    while let Some((index, issue)) = batch.issue() {
-        let result = match issue {
-            Issue::Io(mut request) => {
-                request.len = request.len.min(piece);
-                // SAFETY: as in `run_blocking`; the shortened request names a prefix of the
-                // issued one's bytes.
-                unsafe { perform(&request) }
-            }
-            Issue::Fail(result) => result,
-        };
-        batch.complete(index, result);
-    }
-}
-
 /// Performs `request` synchronously; returns the byte count or a negated errno, like an
 /// io_uring completion.
 ///
@@ -261,7 +232,7 @@ pub(crate) fn run_blocking_in_pieces(batch: &mut Batch, piece: u32) {
 ///
 /// `request.buf .. + request.len` must be valid for the access (writable for a read, readable
 /// for a write) for the duration of the call.
-unsafe fn perform(request: &Request) -> i32 {
+pub(crate) unsafe fn perform(request: &Request) -> i32 {
     let Ok(offset) = libc::off_t::try_from(request.offset) else {
         return -libc::EINVAL;
     };

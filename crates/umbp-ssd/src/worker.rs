@@ -19,7 +19,7 @@ use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::op::BouncePool;
 use crate::ring::{Feed, Ring};
-use crate::{sys, Backend, Error};
+use crate::{fallback, sys, Backend, Error};
 
 /// What the engine and its workers share.
 #[derive(Debug)]
@@ -231,7 +231,7 @@ fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &s
             Executor::Ring(ring) => ring.serve(&mut feed),
             Executor::Blocking => {
                 while let Some((job, mut batch)) = feed.next(false) {
-                    sys::run_blocking(&mut batch);
+                    fallback::run(&mut batch);
                     feed.done(job, batch);
                 }
             }
