@@ -3,9 +3,9 @@
 #![allow(unsafe_code)] // `HostMemory` and `register_raw_memory` state promises; one `fcntl`.
 
 use std::fs::{File, OpenOptions};
-use std::io;
+use std::io::{self, Seek, SeekFrom};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -46,12 +46,13 @@ unsafe impl HostMemory for Vec<u8> {
     }
 }
 
-/// How [`FileSource::open`] opens a file. Defaults: readable and writable, not created,
-/// `O_DIRECT`.
+/// How [`FileSource::open`] opens a file. Defaults: readable and writable, not created, not
+/// extended, `O_DIRECT`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct FileOptions {
     writable: bool,
     create: bool,
+    extend: bool,
     direct: bool,
 }
 
@@ -64,7 +65,7 @@ impl Default for FileOptions {
 impl FileOptions {
     /// Read-write, existing file, `O_DIRECT`.
     pub const fn new() -> Self {
-        Self { writable: true, create: false, direct: true }
+        Self { writable: true, create: false, extend: false, direct: true }
     }
 
     /// Whether the file is opened for writing as well as reading (default `true`). Writes into
@@ -77,6 +78,17 @@ impl FileOptions {
     /// Whether a missing file is created (default `false`; needs `writable`).
     pub const fn create(mut self, create: bool) -> Self {
         self.create = create;
+        self
+    }
+
+    /// Whether a regular file shorter than the registered range is extended to the range's
+    /// end when it is registered (default `false`; needs `writable`): the file then holds
+    /// every registered byte (zeros, sparse, until written), so a read of bytes no offload
+    /// wrote yet returns zeros instead of failing as
+    /// [`ShortFile`](crate::FailureCause::ShortFile). A file is never shortened. With
+    /// [`create`](Self::create), what makes a new offload tier of its full size in one call.
+    pub const fn extend(mut self, extend: bool) -> Self {
+        self.extend = extend;
         self
     }
 
@@ -107,11 +119,14 @@ impl FileSource {
         Self(Source::Path(path.into(), options))
     }
 
-    /// The open file and whether its descriptor has `O_DIRECT`.
-    fn into_file(self) -> Result<(File, bool), RegisterError> {
-        match self.0 {
+    /// The open file, checked to hold `file_offset .. end` (or extended to, as the options
+    /// say; see [`Register::register_file`]), and whether its descriptor has `O_DIRECT`.
+    fn into_file(self, file_offset: u64, end: u64) -> Result<(File, bool), RegisterError> {
+        let (file, direct, writable, extend) = match self.0 {
             Source::Path(path, options) => {
-                open(&path, &options).map_err(|source| RegisterError::Open { path, source })
+                let (file, direct) =
+                    open(&path, &options).map_err(|source| RegisterError::Open { path, source })?;
+                (file, direct, options.writable, options.extend)
             }
             Source::Open(file) => {
                 let fd = file.as_raw_fd();
@@ -121,9 +136,21 @@ impl FileSource {
                 if flags < 0 {
                     return Err(RegisterError::Inspect { fd, source: io::Error::last_os_error() });
                 }
-                Ok((file, flags & libc::O_DIRECT != 0))
+                let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
+                (file, flags & libc::O_DIRECT != 0, writable, false)
+            }
+        };
+        let inspect = |source| RegisterError::Inspect { fd: file.as_raw_fd(), source };
+        let Some(file_len) = size(&file).map_err(inspect)? else { return Ok((file, direct)) };
+        if end > file_len {
+            if extend && writable {
+                file.set_len(end).map_err(|source| RegisterError::Extend { len: end, source })?;
+            } else if !writable {
+                let len = end - file_offset;
+                return Err(RegisterError::PastEnd { file_offset, len, file_len });
             }
         }
+        Ok((file, direct))
     }
 }
 
@@ -150,6 +177,22 @@ impl From<File> for FileSource {
 impl From<OwnedFd> for FileSource {
     fn from(fd: OwnedFd) -> Self {
         Self(Source::Open(File::from(fd)))
+    }
+}
+
+/// How many bytes `file` holds, if it has a size: a regular file's length, a block device's
+/// capacity; `None` for what has none (a pipe, a character device).
+fn size(file: &File) -> io::Result<Option<u64>> {
+    let kind = file.metadata()?;
+    if kind.is_file() {
+        Ok(Some(kind.len()))
+    } else if kind.file_type().is_block_device() {
+        // A block device's `st_size` is 0; its end is its capacity. Engines address the
+        // descriptor with explicit offsets, so moving its position changes nothing.
+        let mut file = file;
+        file.seek(SeekFrom::End(0)).map(Some)
+    } else {
+        Ok(None)
     }
 }
 
@@ -206,7 +249,30 @@ pub enum RegisterError {
         /// What the system said.
         source: io::Error,
     },
-    /// A descriptor could not be inspected (its flags, its block size).
+    /// A registration that cannot write the file names bytes past its end (or its device's):
+    /// no transfer could ever read them. A writable one may (see
+    /// [`register_file`](Register::register_file)).
+    #[error(
+        "the range at {file_offset} of {len} bytes ends past the end of the file ({file_len} bytes)"
+    )]
+    PastEnd {
+        /// Start offset in the file.
+        file_offset: u64,
+        /// Length in bytes.
+        len: u64,
+        /// The file's length when it was registered.
+        file_len: u64,
+    },
+    /// The file could not be extended to the registered range
+    /// ([`FileOptions::extend`]).
+    #[error("could not extend the file to {len} bytes")]
+    Extend {
+        /// The length it was to have.
+        len: u64,
+        /// What the system said.
+        source: io::Error,
+    },
+    /// A descriptor could not be inspected (its flags, its block size, its length).
     #[error("could not inspect descriptor {fd}")]
     Inspect {
         /// The descriptor.
@@ -244,7 +310,8 @@ pub struct Registration<K = ()> {
 
 impl<K> Registration<K> {
     /// The endpoint's id: what fragments and objects name it by. Once the registration ends,
-    /// the id is unknown (ids are never reused), so transfers naming it fail as
+    /// the id is unknown (a slot is reused only under a new generation, so the old id never
+    /// names another endpoint), so transfers naming it fail as
     /// [`EndpointGone`](crate::FailureCause::EndpointGone) and never touch other memory.
     pub fn id(&self) -> EndpointId {
         self.id
@@ -374,6 +441,19 @@ pub trait Register {
     /// default [`FileOptions`], or as [`FileSource::open`] says) or a descriptor. The
     /// registration owns the descriptor and closes it when it ends; whether transfers align for
     /// `O_DIRECT` follows the descriptor's flags.
+    ///
+    /// Past the end of the file:
+    /// - a registration that cannot write the file (opened with
+    ///   [`writable(false)`](FileOptions::writable), or a read-only descriptor) is refused
+    ///   with [`RegisterError::PastEnd`]: no transfer could ever read those bytes;
+    /// - a writable one is accepted: it is how an offload tier starts on an empty or short file
+    ///   (offloads write it and the file grows). Until a byte is written, a read of it fails
+    ///   with [`ShortFile`](crate::FailureCause::ShortFile), as a read of a file truncated
+    ///   after registering does. [`FileOptions::extend`] sizes the file to the range at
+    ///   registration instead (the caller may as well size it first, `File::set_len`).
+    ///
+    /// The length checked is a regular file's, or a block device's capacity; pipes and
+    /// character devices have none and are not checked.
     fn register_file(
         &self,
         file: impl Into<FileSource>,
@@ -386,7 +466,7 @@ pub trait Register {
         if file_offset.checked_add(len).is_none() {
             return Err(RegisterError::RangeOverflow { file_offset, len });
         }
-        let (file, direct) = file.into().into_file()?;
+        let (file, direct) = file.into().into_file(file_offset, file_offset + len)?;
         let endpoint = Endpoint::file(file.as_raw_fd(), file_offset, len, direct);
         let id = self.registry().insert(endpoint);
         finish(self, id, endpoint, file)
@@ -558,6 +638,57 @@ mod tests {
         let reg = registry.register_file(opened, 0, 8192).unwrap();
         assert!(!reg.endpoint().file_range().unwrap().direct);
         drop(reg);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_range_past_the_end_is_refused_unless_the_registration_can_write_it() {
+        let dir = std::env::temp_dir().join(format!("umbp-past-end-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, [1u8; 8192]).unwrap();
+        let registry = EndpointRegistry::new();
+        let read_only = || FileSource::open(&path, FileOptions::new().writable(false));
+
+        // Read-only, by path or by descriptor: the range must lie inside the file.
+        let whole = registry.register_file(read_only(), 4096, 4096).unwrap();
+        for (offset, len) in [(4096, 4097), (8192, 1), (0, 1 << 40)] {
+            let err = registry.register_file(read_only(), offset, len).unwrap_err();
+            assert!(
+                matches!(err, RegisterError::PastEnd { file_offset, len: l, file_len: 8192 }
+                    if file_offset == offset && l == len),
+                "{err:?}"
+            );
+            let err = registry.register_file(File::open(&path).unwrap(), offset, len);
+            assert!(matches!(err, Err(RegisterError::PastEnd { .. })), "{err:?}");
+        }
+        // `extend` cannot write a read-only file either.
+        let extended = FileSource::open(&path, FileOptions::new().writable(false).extend(true));
+        let err = registry.register_file(extended, 0, 8193);
+        assert!(matches!(err, Err(RegisterError::PastEnd { .. })), "{err:?}");
+        assert_eq!(registry.snapshot().iter().count(), 1, "refusals leave nothing registered");
+        drop(whole);
+
+        // Writable: an offload tier may start on a short file, which stays as it is ...
+        let plain = FileSource::open(&path, FileOptions::new().direct(false));
+        let tier = registry.register_file(plain, 0, 1 << 20).unwrap();
+        assert_eq!(tier.deregister().metadata().unwrap().len(), 8192);
+        // ... or be sized to the range (never shortened).
+        let extend = || FileSource::open(&path, FileOptions::new().direct(false).extend(true));
+        let tier = registry.register_file(extend(), 4096, 1 << 20).unwrap();
+        assert_eq!(tier.deregister().metadata().unwrap().len(), 4096 + (1 << 20));
+        let shorter = registry.register_file(extend(), 0, 4096).unwrap();
+        assert_eq!(shorter.deregister().metadata().unwrap().len(), 4096 + (1 << 20));
+        let fresh = FileSource::open(
+            dir.join("new"),
+            FileOptions::new().direct(false).create(true).extend(true),
+        );
+        let tier = registry.register_file(fresh, 0, 12_345).unwrap();
+        assert_eq!(tier.deregister().metadata().unwrap().len(), 12_345);
+
+        // What has no length (a character device) is not checked.
+        let null = registry.register_file(File::open("/dev/null").unwrap(), 0, 1 << 20);
+        assert!(null.is_ok(), "{null:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
