@@ -268,6 +268,20 @@ impl BatchShared {
                 errors[i].get_or_insert(ObjectError::Rejected(error));
             }
         }
+        // Objects the builder failed before anything runs (the overlap rule across parts).
+        for f in std::mem::take(&mut plans.failed) {
+            for &tag in &f.tags {
+                if let Some(i) = position(tag) {
+                    let _ = status.set(Tag::new(i as u32), ObjectState::Failed);
+                    errors[i].get_or_insert_with(|| ObjectError::Failed {
+                        engine: f.engine.clone(),
+                        src: f.src,
+                        dst: f.dst,
+                        cause: f.cause.clone(),
+                    });
+                }
+            }
+        }
         // Objects no part carries (nothing but empty ranges) have nothing left to wait for.
         for (i, &p) in pending.iter().enumerate() {
             if p == 0 {

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use umbp_plan::{
-    DeviceStream, EndpointId, EndpointTable, Error, Fragment, GroupListener, PageWalk, PlanBuilder,
-    PlanSet, RejectReason, Tag,
+    DeviceStream, EndpointId, EndpointTable, Error, Failure, FailureCause, Fragment, GroupListener,
+    PageWalk, PlanBuilder, PlanSet, RejectReason, Tag,
 };
 
 use crate::metrics::direction;
+use crate::overlap::BatchOverlap;
 use crate::route::{route, Route};
 use crate::CompositeEngine;
 
@@ -50,6 +51,8 @@ pub struct RoutedPlans {
     pub(crate) objects: Vec<Tag>,
     /// Every rejected object, from routing and from every engine's builder, with its reason.
     pub(crate) rejected: Vec<(Tag, Error)>,
+    /// Objects failed before anything runs: those that break the overlap rule.
+    pub(crate) failed: Vec<Failure>,
     pub(crate) listener: Option<Arc<dyn GroupListener>>,
     pub(crate) deadline: Option<Instant>,
     pub(crate) stream: Option<DeviceStream>,
@@ -76,6 +79,13 @@ impl RoutedPlans {
         &self.rejected
     }
 
+    /// Objects that fail before anything runs: those whose bytes break the overlap rule
+    /// across the batch (see [`CompositeBuilder::finish`]), one failure per object, from
+    /// engine `composite` with [`FailureCause::Overlap`]. Nothing of them is in any plan.
+    pub fn failed(&self) -> &[Failure] {
+        &self.failed
+    }
+
     /// When the batch must be over (see [`CompositeBuilder::set_deadline`]).
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
@@ -86,6 +96,7 @@ impl RoutedPlans {
         self.parts.iter().all(|p| p.plans.plans().is_empty())
             && self.staged.is_empty()
             && self.rejected.is_empty()
+            && self.failed.is_empty()
     }
 }
 
@@ -96,6 +107,7 @@ impl std::fmt::Debug for RoutedPlans {
             .field("staged", &self.staged)
             .field("objects", &self.objects)
             .field("rejected", &self.rejected)
+            .field("failed", &self.failed)
             .field("listener", &self.listener.is_some())
             .field("deadline", &self.deadline)
             .field("stream", &self.stream)
@@ -161,6 +173,8 @@ pub struct CompositeBuilder<'a> {
     deadline: Option<Instant>,
     stream: Option<DeviceStream>,
     scope: Scope,
+    /// The whole batch's overlap check, its buffers kept for the next batch.
+    overlap: BatchOverlap,
 }
 
 impl<'a> CompositeBuilder<'a> {
@@ -182,6 +196,7 @@ impl<'a> CompositeBuilder<'a> {
             deadline: None,
             stream: None,
             scope: Scope::Closed,
+            overlap: BatchOverlap::default(),
         }
     }
 
@@ -406,6 +421,15 @@ impl<'a> CompositeBuilder<'a> {
     /// at `finish`) is taken out of every other engine's plans too, to the byte, so no byte of
     /// a rejected object is ever written.
     ///
+    /// Then the overlap rule ([`OverlapCheck`](umbp_plan::OverlapCheck)) applies to the whole
+    /// batch, as each engine applies it to its own plan set: no byte one object writes may be
+    /// read or written by another object, whichever engines, layer groups, routes (direct or
+    /// staged) and stages carry them. Objects that break it are taken out of every plan and
+    /// every stage and fail before anything runs ([`RoutedPlans::failed`]: engine `composite`,
+    /// [`FailureCause::Overlap`]); nothing of them is written, and the other objects run as
+    /// usual. The check reuses its buffers: a reused builder allocates nothing for it in the
+    /// common case.
+    ///
     /// An engine's builder that fails here otherwise (breaking its contract) refuses the whole
     /// batch with its error; the builder is still left ready for the next batch.
     pub fn finish(&mut self) -> Result<RoutedPlans, Error> {
@@ -418,6 +442,7 @@ impl<'a> CompositeBuilder<'a> {
             staged: std::mem::take(&mut self.staged),
             objects: std::mem::take(&mut self.objects),
             rejected: std::mem::take(&mut self.rejected),
+            failed: Vec::new(),
             listener: self.listener.take(),
             deadline: self.deadline.take(),
             stream: self.stream.take(),
@@ -466,6 +491,26 @@ impl<'a> CompositeBuilder<'a> {
             }
             out.parts.retain(|p| !p.plans.plans().is_empty());
             out.staged.retain(|s| !late.contains(&s.fragment.tag));
+        }
+        let found = self.overlap.conflicts(&out.parts, &out.staged, &self.table);
+        if !found.is_empty() {
+            let hit = |t: Tag| found.binary_search_by_key(&t, |c| c.0).is_ok();
+            for part in &mut out.parts {
+                part.plans.retain_tags(|t| !hit(t));
+            }
+            out.parts.retain(|p| !p.plans.plans().is_empty());
+            out.staged.retain(|s| !hit(s.fragment.tag));
+            tracing::debug!(objects = found.len(), "objects overlapping across the batch excluded");
+            out.failed = found
+                .iter()
+                .map(|&(tag, src, dst)| Failure {
+                    engine: "composite".into(),
+                    src,
+                    dst,
+                    tags: vec![tag],
+                    cause: FailureCause::Overlap,
+                })
+                .collect();
         }
         out.parts.sort_by_key(|p| (p.group, p.engine));
         self.staged_at_begin = 0;

@@ -24,6 +24,10 @@
 //! # Promises
 //!
 //! - No object is ever partially planned: an object rejected anywhere has no byte in any plan.
+//! - One batch never writes a byte twice: the overlap rule holds across the whole batch (every
+//!   engine, layer group, route and stage), checked at [`CompositeBuilder::finish`]; objects
+//!   that break it fail with [`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap)
+//!   before anything runs, and nothing of them is written.
 //! - A failure lands on exactly its objects: a failed transfer, an engine that panics (in a
 //!   direct part or either hop of a stage) fail the objects of that work with a typed cause
 //!   naming the engine; nothing reports completed for bytes that did not arrive, and nothing
@@ -78,6 +82,7 @@ mod engine;
 mod error;
 mod executor;
 mod metrics;
+mod overlap;
 mod restore;
 mod route;
 mod staging;
