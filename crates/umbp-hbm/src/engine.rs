@@ -1,6 +1,6 @@
 //! The device engine: planning rules, memory registration, and submit (kernel or copies).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
@@ -117,6 +117,10 @@ struct Scratch {
 /// allocated. Registrations through the engine release it ([`EndpointRelease`]) when they end.
 struct Memory<D> {
     runtime: Arc<D>,
+    /// Host endpoints whose end the engine hears of: registered through it (its release) or
+    /// through a composite holding it ([`TransferEngine::endpoint_deregistering`]). Only
+    /// these may be pinned, so no pinning outlives its registration. Locked before `pinned`.
+    followed: Mutex<HashSet<EndpointId>>,
     /// Host endpoints pinned for a device: (device, device-visible alias, host address).
     pinned: Mutex<HashMap<EndpointId, (DeviceOrdinal, u64, u64)>>,
     /// Device memory this engine allocated: (device, address).
@@ -181,6 +185,31 @@ impl<D: DeviceRuntime> Memory<D> {
         Running { memory: Arc::clone(self), uses }
     }
 
+    /// Starts following host endpoint `id`: the engine was told it was registered, and will
+    /// be told when it ends.
+    fn follow(&self, id: EndpointId, endpoint: &Endpoint) {
+        if endpoint.is_host() {
+            lock(&self.followed).insert(id);
+        }
+    }
+
+    /// Pins followed host endpoint `endpoint` for `device`; refuses one the engine does not
+    /// follow (its pinning would outlive its registration).
+    fn pin_followed(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+        device: DeviceOrdinal,
+    ) -> Result<(), Error> {
+        // Held while pinning: `forget` stops following before it looks for a pinning, so it
+        // either finds this one or this refuses.
+        let followed = lock(&self.followed);
+        if !followed.contains(&id) {
+            return Err(Error::UnknownEndpoint(id));
+        }
+        self.pin(id, endpoint, device)
+    }
+
     /// Pins registered host endpoint `endpoint` for `device`, so gathers can use it.
     fn pin(&self, id: EndpointId, endpoint: &Endpoint, device: DeviceOrdinal) -> Result<(), Error> {
         let mut pinned = lock(&self.pinned);
@@ -222,8 +251,9 @@ impl<D: DeviceRuntime> Memory<D> {
         Ok(())
     }
 
-    /// What follows a deregistration: unpin, free.
+    /// What follows a deregistration: stop following, unpin, free.
     fn forget(&self, id: EndpointId) -> Result<(), Error> {
+        lock(&self.followed).remove(&id);
         if lock(&self.pinned).contains_key(&id) {
             self.unpin(id)?;
         }
@@ -247,6 +277,7 @@ impl<D: DeviceRuntime> HbmEngine<D> {
     pub fn new(runtime: Arc<D>, registry: Arc<EndpointRegistry>, config: HbmConfig) -> Self {
         let memory = Arc::new(Memory {
             runtime: Arc::clone(&runtime),
+            followed: Mutex::new(HashSet::new()),
             pinned: Mutex::new(HashMap::new()),
             owned: Mutex::new(HashMap::new()),
             in_use: Mutex::new(HashMap::new()),
@@ -368,12 +399,18 @@ impl<D: DeviceRuntime> HbmEngine<D> {
 
     /// Pins registered host endpoint `id` for `device`, so gathers can read and write it
     /// (unpinned host memory moves by copies). Registrations through the engine pin host
-    /// memory by themselves when [`HbmConfig::pin_registered_host`] names a device; the pin
-    /// goes when the registration ends.
+    /// memory by themselves when [`HbmConfig::pin_registered_host`] names a device. The pin
+    /// goes when the registration ends (or at [`unpin`](Self::unpin)).
+    ///
+    /// Only host memory registered through this engine, or through a composite that holds it
+    /// (which tells it of the registration and of its end), can be pinned: the engine hears
+    /// when that registration ends and unpins. Memory registered elsewhere (the registry
+    /// alone, another engine) is refused with [`Error::UnknownEndpoint`]: its pinning would
+    /// outlive it, keeping freed memory pinned and refusing a later pin of the same bytes.
     pub fn pin(&self, id: EndpointId, device: DeviceOrdinal) -> Result<(), Error> {
         let endpoint = self.registry.get(id).filter(Endpoint::is_host);
         let endpoint = endpoint.ok_or(Error::UnknownEndpoint(id))?;
-        self.memory.pin(id, &endpoint, device)
+        self.memory.pin_followed(id, &endpoint, device)
     }
 
     /// Undoes [`pin`](Self::pin); the endpoint stays registered and moves by copies. Waits
@@ -618,15 +655,24 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
         Box::new(self.incremental_builder())
     }
 
-    /// Pins host endpoints for [`HbmConfig::pin_registered_host`], if set.
+    /// Follows host endpoints (so [`HbmEngine::pin`] may pin them), and pins them for
+    /// [`HbmConfig::pin_registered_host`], if set.
     fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        self.memory.follow(id, endpoint);
         match self.config.pin_registered_host {
-            Some(device) if endpoint.is_host() => Ok(self.memory.pin(id, endpoint, device)?),
+            Some(device) if endpoint.is_host() => {
+                self.memory.pin(id, endpoint, device).inspect_err(|_| {
+                    // Refused: nobody tells this engine of an end now.
+                    lock(&self.memory.followed).remove(&id);
+                })?;
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
 
-    /// Unpins the endpoint if this engine pinned it (and frees it if this engine allocated it).
+    /// Stops following the endpoint, unpins it if this engine pinned it (and frees it if this
+    /// engine allocated it).
     fn endpoint_deregistering(&self, id: EndpointId) {
         self.memory.release(id);
     }

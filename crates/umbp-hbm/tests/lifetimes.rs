@@ -5,9 +5,10 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
+use umbp_hbm::{Error, HbmConfig, HbmEngine, SimDevice};
 use umbp_plan::{
-    DeviceOrdinal, EndpointRegistry, FailureCause, Fragment, Register, Tag, TransferEngine,
+    DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, FailureCause, Fragment,
+    Register, RegisterError, Tag, TransferEngine,
 };
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
@@ -76,4 +77,75 @@ fn free_while_submitting() {
     });
     assert!(completed > 0, "some submits ran before the memory went");
     assert!(gone > 0, "submits after it were refused or failed with EndpointGone");
+}
+
+/// Registers through the registry alone, then tells the engine of the registration and of its
+/// end as a composite holding it does ([`TransferEngine::endpoint_registered`],
+/// [`TransferEngine::endpoint_deregistering`]).
+struct Composite(Arc<HbmEngine<SimDevice>>);
+
+impl Register for Composite {
+    fn registry(&self) -> &Arc<EndpointRegistry> {
+        self.0.registry()
+    }
+
+    fn prepare(
+        &self,
+        id: EndpointId,
+        endpoint: &Endpoint,
+    ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
+        self.0
+            .endpoint_registered(id, endpoint)
+            .map_err(|source| RegisterError::Engine { engine: "hbm".into(), source })?;
+        Ok(Some(Arc::new(Composite(Arc::clone(&self.0)))))
+    }
+}
+
+impl EndpointRelease for Composite {
+    fn release(&self, id: EndpointId) {
+        self.0.endpoint_deregistering(id);
+    }
+}
+
+/// A pin ends with the registration it pins, however the memory was registered: through the
+/// engine, or through a composite that tells it; memory whose end the engine never hears of
+/// (registered through the registry alone, or another engine) is refused. So the same bytes
+/// registered and pinned again later pin (the simulated device, like CUDA and HIP, refuses a
+/// second pin of pinned memory with error 712), and freed memory never stays pinned.
+#[test]
+fn a_pin_ends_with_the_registration_it_pins() {
+    let registry = EndpointRegistry::new();
+    let engine = Arc::new(HbmEngine::new(
+        Arc::new(SimDevice::new(1)),
+        Arc::clone(&registry),
+        HbmConfig::default(),
+    ));
+    let composite = Composite(Arc::clone(&engine));
+    let mut buffer = vec![7u8; 64 << 10];
+    for round in 0..3 {
+        // Through a composite: pinned, and unpinned when the registration ends.
+        let told = composite.register_memory(buffer).unwrap();
+        engine.pin(told.id(), GPU).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        buffer = told.deregister();
+        // Through the engine.
+        let own = engine.register_memory(buffer).unwrap();
+        engine.pin(own.id(), GPU).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        buffer = own.deregister();
+        // Through the registry alone: the engine would never hear of its end.
+        let foreign = registry.register_memory(buffer).unwrap();
+        let refused = engine.pin(foreign.id(), GPU);
+        assert_eq!(refused, Err(Error::UnknownEndpoint(foreign.id())));
+        buffer = foreign.deregister();
+    }
+    // A registration the engine refuses to pin leaves nothing followed or pinned behind.
+    let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
+    let pinning = HbmEngine::new(Arc::new(SimDevice::new(1)), registry, config);
+    let whole = pinning.register_memory(buffer).unwrap();
+    let base = whole.endpoint().addr();
+    // SAFETY: a slice of `whole`'s buffer, which outlives it (refused before anything ran).
+    let slice = unsafe { pinning.register_raw_memory(Endpoint::host(base + 4096, 4096)) };
+    assert!(matches!(slice, Err(RegisterError::Engine { .. })), "pinned twice: {slice:?}");
+    let buffer = whole.deregister();
+    let again = pinning.register_memory(buffer).expect("the first pin went with its registration");
+    drop(again);
 }
