@@ -3,7 +3,7 @@
 //! cause.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 
 use umbp_hbm::{Error, HbmConfig, HbmEngine, SimDevice};
 use umbp_plan::{
@@ -15,7 +15,8 @@ const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
 #[test]
 fn free_device_and_deregister_during_running_submits_never_touch_released_memory() {
-    // The free lands at a different point of a submit each time.
+    // The free lands at a different point of a submit each time. No step depends on timing:
+    // the memory goes once a submit completed, and submits go on until one found it gone.
     for _ in 0..6 {
         free_while_submitting();
     }
@@ -30,11 +31,14 @@ fn free_while_submitting() {
     let region = engine.alloc_device(GPU, len as u64).unwrap();
     let (host, device) = (src.id(), region.id());
     let stop = AtomicBool::new(false);
+    let (first_completed, completion) = mpsc::channel();
     let (mut completed, mut gone) = (0, 0);
     std::thread::scope(|scope| {
         let submitter = scope.spawn(|| {
             let (mut completed, mut gone) = (0, 0);
-            for round in 0..200u32 {
+            // Until a submit after the release found the memory gone (`stop` is set once both
+            // releases returned, so every later submit does).
+            for round in 0u32.. {
                 let mut b = engine.builder();
                 let tag = Tag::new(round);
                 b.begin_object(tag).unwrap();
@@ -48,7 +52,11 @@ fn free_while_submitting() {
                 let Ok(plans) = b.finish() else { continue };
                 let mut handle = engine.submit(plans);
                 match handle.wait() {
-                    [] if pushed => completed += 1,
+                    [] if pushed => {
+                        completed += 1;
+                        // The receiver goes once the memory did; nothing to tell then.
+                        let _ = first_completed.send(());
+                    }
                     // Planned after the memory went: refused while planning (a typed error).
                     [] => gone += 1,
                     failures => {
@@ -67,11 +75,12 @@ fn free_while_submitting() {
             }
             (completed, gone)
         });
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        // Frees the device memory, then unpins and frees the host buffer: each waits for the
-        // submit running now.
+        completion.recv().expect("the submitter completes a submit before the memory goes");
+        // Frees the device memory, then unpins and frees the host buffer while submits keep
+        // coming: each waits for the submit running now.
         drop(region);
         drop(src);
+        drop(completion);
         stop.store(true, Ordering::Relaxed);
         (completed, gone) = submitter.join().unwrap();
     });
