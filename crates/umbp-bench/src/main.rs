@@ -240,6 +240,10 @@ struct SsdArgs {
     /// Seed of the random offsets.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Also measure block-aligned writes through the engine (`engine-write`), into a second
+    /// file of --file-size.
+    #[arg(long)]
+    writes: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -666,8 +670,9 @@ fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
         fio: !args.no_fio,
         placement: args.cpu,
         seed: args.seed,
+        writes: args.writes,
     };
-    let rows_per_size = if args.no_fio { 2 } else { 6 };
+    let rows_per_size = (if args.no_fio { 2 } else { 6 }) + usize::from(args.writes);
     let estimate = args.block_sizes.len() as f64
         * rows_per_size as f64
         * f64::from(args.repeats)

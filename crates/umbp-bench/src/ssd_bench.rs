@@ -56,6 +56,14 @@
 //!
 //! Targets (`verdict`): `engine` at least 0.95 of fio at the batched depth and at least 0.9 at
 //! depth 1, for every block size; batched submission at least 1.3 × `engine-qd1` (`vs_qd1`).
+//!
+//! With [`writes`](SsdBenchConfig::writes), an `engine-write` row per block size writes
+//! block-aligned blocks from the slots to random blocks of a second file of the same size (so
+//! the read rows' pattern stays intact), at the batched depth, two submits in flight, each
+//! submit one block in each of as many equal regions of the file as it carries writes (no two
+//! writes of a submit meet, as the engine's overlap rule wants). It takes its turn with the
+//! other rows; it has no fio row to compare with. Its `verified`: a batch of such writes read
+//! back from the file around the engine.
 
 use std::fs::File;
 use std::io::Write;
@@ -99,6 +107,8 @@ pub struct SsdBenchConfig {
     pub placement: Placement,
     /// Seed of the random offsets. Default 42.
     pub seed: u64,
+    /// Whether to measure `engine-write` rows too (see the module docs). Default false.
+    pub writes: bool,
 }
 
 impl Default for SsdBenchConfig {
@@ -113,6 +123,7 @@ impl Default for SsdBenchConfig {
             fio: true,
             placement: Placement::Completions,
             seed: 42,
+            writes: false,
         }
     }
 }
@@ -122,7 +133,7 @@ impl Default for SsdBenchConfig {
 pub struct SsdRow {
     /// Bytes per read.
     pub block_size: u64,
-    /// `engine-qd1`, `engine`, `fio`, `fio-registered` or `fio-huge`.
+    /// `engine-qd1`, `engine`, `engine-write`, `fio`, `fio-registered` or `fio-huge`.
     pub mode: &'static str,
     /// Reads in flight at most.
     pub queue_depth: u32,
@@ -193,6 +204,11 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         .with_context(|| format!("creating a temporary directory in {}", base.display()))?;
     let path = dir.path().join("ssd-bench.bin");
     create_file(&path, config.file_size)?;
+    let write_path = dir.path().join("ssd-bench-writes.bin");
+    if config.writes {
+        create_file(&write_path, config.file_size)?;
+    }
+    let writes = usize::from(config.writes);
     let fio = config.fio && disk::fio_available();
     let cpu = config.placement.cpu(&path);
 
@@ -207,21 +223,29 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         // Per depth (1, then batched): the engine's samples, and per kind of fio buffers fio's,
         // in round order (`None` where a fio run failed).
         let mut engine: [Vec<SsdRow>; 2] = Default::default();
+        let mut written: Vec<SsdRow> = Vec::new();
         let mut fio_runs: [Vec<Vec<Option<SsdRow>>>; 2] =
             [vec![Vec::new(); kinds.len()], vec![Vec::new(); kinds.len()]];
-        let turns = 2 + 2 * kinds.len();
+        let turns = 2 + writes + 2 * kinds.len();
         for repeat in 0..repeats {
             // Each repeat starts at the next row, so no row always runs first or last: k is
-            // engine-qd1, engine, then each kind of fio buffers at depth 1 and batched.
+            // engine-qd1, engine, engine-write (with `writes`), then each kind of fio buffers
+            // at depth 1 and batched.
             for turn in 0..turns {
                 let k = (turn + repeat) % turns;
-                let batched = k % 2 == 1;
-                let depth = if batched { config.queue_depth } else { 1 };
                 if k < 2 {
+                    let depth = if k == 1 { config.queue_depth } else { 1 };
                     let mode = ["engine-qd1", "engine"][k];
                     engine[k].push(measure_engine(&path, config, block_size, depth, mode, cpu)?);
                     continue;
                 }
+                if k < 2 + writes {
+                    written.push(measure_writes(&write_path, config, block_size, cpu)?);
+                    continue;
+                }
+                let k = k - writes;
+                let batched = k % 2 == 1;
+                let depth = if batched { config.queue_depth } else { 1 };
                 let kind = (k - 2) / 2;
                 let reads = FioReads {
                     path: &path,
@@ -274,6 +298,7 @@ pub fn try_run(config: &SsdBenchConfig) -> anyhow::Result<Vec<SsdRow>> {
         }
         engine_rows[1].vs_qd1 = Some(engine_rows[1].gib_s / engine_rows[0].gib_s);
         rows.extend(engine_rows);
+        rows.extend(median(written));
         for runs in fio_runs.into_iter().flatten() {
             rows.extend(median(runs.into_iter().flatten().collect()));
         }
@@ -519,6 +544,126 @@ fn measure_engine(
     })
 }
 
+/// An `engine-write` row: block-aligned writes from the slots to random blocks of `path`, at
+/// the batched depth (see the module docs).
+fn measure_writes(
+    path: &Path,
+    config: &SsdBenchConfig,
+    block_size: u64,
+    cpu: Option<usize>,
+) -> anyhow::Result<SsdRow> {
+    let depth = config.queue_depth;
+    let registry = EndpointRegistry::new();
+    let engine_config =
+        SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1).worker_cpus(cpu);
+    let engine = SsdEngine::new(registry.clone(), engine_config).context("starting the engine")?;
+    let registration = engine
+        .register_file(FileSource::open(path, FileOptions::new()), 0, config.file_size)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let file = registration.id();
+    let direct = engine.file_info(file).is_some_and(|i| i.direct);
+    let blocks = config.file_size / block_size;
+    // The slots as the read rows size them; each write's bytes are its slot's.
+    let submits_in_flight = IN_FLIGHT as u64;
+    let per_submit = (u64::from(depth) / submits_in_flight)
+        .max(SLOT_FLOOR / submits_in_flight / block_size)
+        .clamp(1, blocks);
+    let slots = per_submit * submits_in_flight;
+    let mut host = Slots::new(&engine, (slots * block_size) as usize)?;
+    for (i, byte) in host.buffer.bytes_mut().iter_mut().enumerate() {
+        *byte = (i as u64).wrapping_mul(0x9e37_79b9) as u8 ^ (i >> 12) as u8;
+    }
+    let region = blocks / per_submit;
+    let mut rng = Rng(config.seed ^ block_size ^ 0x5752_4954);
+    let mut builder = engine.incremental_builder();
+    // Submit `batch`: write `i` of it goes from its slot to a random block of region `i`.
+    let mut submit = |batch: u64,
+                      builder: &mut umbp_plan::IncrementalBuilder<umbp_ssd::SsdRules>,
+                      targets: Option<&mut Vec<(u64, u64)>>|
+     -> anyhow::Result<umbp_plan::TransferHandle> {
+        let first_slot = (batch % submits_in_flight) * per_submit;
+        let mut targets = targets;
+        for i in 0..per_submit {
+            let tag = Tag::new(i as u32);
+            let dst = (i * region + rng.below(region)) * block_size;
+            let src = (first_slot + i) * block_size;
+            builder.begin_object(tag)?;
+            builder.push(Fragment::new(host.id(), src, file, dst, block_size, tag))?;
+            builder.commit_object()?;
+            if let Some(targets) = targets.as_mut() {
+                targets.push((src, dst));
+            }
+        }
+        Ok(engine.submit(builder.finish()?))
+    };
+
+    // Verification: one submit, read back around the engine.
+    let mut targets = Vec::new();
+    let settled = submit(0, &mut builder, Some(&mut targets))?.into_settled();
+    let mut verified = settled.failures.is_empty();
+    builder.recycle(settled.plans);
+    let back = std::fs::read(path).context("reading the written file back")?;
+    for &(src, dst) in &targets {
+        let (src, dst, len) = (src as usize, dst as usize, block_size as usize);
+        verified &= host.bytes(src, len) == &back[dst..dst + len];
+    }
+
+    let timed = Duration::from_secs_f64(config.seconds);
+    let (mut writes, mut batches) = (0u64, 0u64);
+    let mut in_flight = std::collections::VecDeque::new();
+    let settle = |handle: umbp_plan::TransferHandle,
+                  builder: &mut umbp_plan::IncrementalBuilder<umbp_ssd::SsdRules>|
+     -> anyhow::Result<()> {
+        let settled = handle.into_settled();
+        if let Some(failure) = settled.failures.first() {
+            bail!("a timed write failed: {failure}");
+        }
+        builder.recycle(settled.plans);
+        Ok(())
+    };
+    let start = Instant::now();
+    while start.elapsed() < timed || batches == 0 {
+        in_flight.push_back(submit(batches, &mut builder, None)?);
+        if in_flight.len() == IN_FLIGHT {
+            settle(in_flight.pop_front().expect("one in flight"), &mut builder)?;
+        }
+        writes += per_submit;
+        batches += 1;
+    }
+    while let Some(handle) = in_flight.pop_front() {
+        settle(handle, &mut builder)?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let bytes = writes * block_size;
+    let backend = match engine.backend() {
+        Backend::Blocking => "pread",
+        _ => "io_uring",
+    };
+    Ok(SsdRow {
+        block_size,
+        mode: "engine-write",
+        queue_depth: depth,
+        gib_s: bytes as f64 / seconds / f64::from(1u32 << 30),
+        iops: writes as f64 / seconds,
+        bytes,
+        seconds,
+        samples: 1,
+        min_gib_s: 0.0,
+        max_gib_s: 0.0,
+        backend,
+        cpu,
+        direct,
+        cache_dropped: false,
+        verified: Some(verified),
+        vs_fio: None,
+        vs_fio_spread: None,
+        verdict: None,
+        fio_huge_pages: None,
+        fio_ceiling: None,
+        vs_qd1: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,6 +690,17 @@ mod tests {
         assert!(rows.iter().all(|r| r.verified == Some(true) && r.bytes > 0 && r.samples == 2));
         assert_eq!((rows[0].mode, rows[1].mode), ("engine-qd1", "engine"));
         assert!(rows[1].vs_qd1.is_some());
+    }
+
+    /// With `writes`, an `engine-write` row follows the read rows and verifies.
+    #[test]
+    fn a_small_run_with_writes_verifies_them() {
+        let config =
+            SsdBenchConfig { queue_depth: 8, repeats: 2, fio: false, writes: true, ..tiny() };
+        let rows = try_run(&config).expect("run");
+        let modes: Vec<&str> = rows.iter().map(|r| r.mode).collect();
+        assert_eq!(modes, ["engine-qd1", "engine", "engine-write"]);
+        assert!(rows.iter().all(|r| r.verified == Some(true) && r.bytes > 0 && r.samples == 2));
     }
 
     /// With fio: each kind of fio buffers the machine allows appears at both depths (huge
