@@ -290,8 +290,15 @@ impl CompositeEngine {
                 .chain(staged_endpoints)
                 .chain(bounce),
         );
+        // Stages into an `O_DIRECT` file end on its blocks where they can.
+        let table = Arc::clone(pins.table());
+        let direct_file = |id| {
+            let file = table.get(id).and_then(|e| e.file_range()).filter(|f| f.direct);
+            file.map(|f| f.file_offset)
+        };
+        let cut = |staged| cut_stages(staged, slot, direct_file);
         let Prepared { batch, direct, stages } =
-            BatchShared::prepare(plans, keys, |staged| cut_stages(staged, slot), in_flight, pins);
+            BatchShared::prepare(plans, keys, cut, in_flight, pins);
 
         // One lane per engine, its parts in group order (the builder sorted them so).
         let mut lanes: Vec<Vec<(usize, RoutedPart)>> = Vec::new();

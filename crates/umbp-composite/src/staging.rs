@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use umbp_plan::EndpointId;
+use umbp_plan::{AlignedBuffer, EndpointId};
 
 use crate::builder::StagedFragment;
 
@@ -41,6 +41,15 @@ use crate::builder::StagedFragment;
 /// 1.00–1.19× with 8 MiB stages in 64 MiB (in rounds alternating in one process). With
 /// launches side by side, as a GPU runs its streams, it took 1.01–1.05× with 2 MiB stages.
 /// Raise `stage_bytes` (and the region) where your second hop waits.
+///
+/// # Where stages are cut
+///
+/// Stages hold one layer group and one pair of engines each, and are cut by bytes, except
+/// into a file opened `O_DIRECT` (an offload to SSD): there a full stage ends on the last
+/// 4 KiB block boundary of the file it reaches and the next stage starts there, so stages
+/// running side by side rarely write parts of one block (which the SSD engine must then read,
+/// modify and write back one after another). The bytes are right either way: the SSD engine
+/// orders read-modify-writes of one block across batches.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
@@ -139,36 +148,108 @@ pub(crate) struct StagePiece {
     pub(crate) at: u64,
 }
 
+/// The block the staged route cuts `O_DIRECT` files at: the direct-I/O alignment, a multiple of
+/// every logical block size up to it.
+pub(crate) const FILE_BLOCK: u64 = AlignedBuffer::DIRECT_IO_ALIGN as u64;
+
 /// Cuts staged fragments into stages of at most `slot` bytes. A stage holds one layer group and
 /// one route (the same two engines), groups in ascending order; a fragment longer than the room
 /// left is cut into pieces of the same object.
-pub(crate) fn cut_stages(mut staged: Vec<StagedFragment>, slot: u64) -> Vec<Vec<StagedFragment>> {
+///
+/// Where a fragment's destination is a file opened `O_DIRECT` (`direct_file` gives the file
+/// offset of the endpoint's offset 0), a full stage ends at the last [`FILE_BLOCK`] boundary
+/// of its destination bytes it holds, and what follows starts the next stage: stages run side
+/// by side as separate batches of the file's engine, and cut so they rarely write parts of
+/// one block, which the engine would have to read, modify and write back in turn. (Correctness
+/// does not depend on it: the engine orders such writes of one block.) A stage holding no such
+/// boundary is cut by bytes.
+pub(crate) fn cut_stages(
+    mut staged: Vec<StagedFragment>,
+    slot: u64,
+    mut direct_file: impl FnMut(EndpointId) -> Option<u64>,
+) -> Vec<Vec<StagedFragment>> {
     staged.sort_by_key(|s| (s.group, s.read, s.write));
     let mut stages: Vec<Vec<StagedFragment>> = Vec::new();
-    let mut used = slot;
+    let mut stage: Vec<StagedFragment> = Vec::new();
+    let mut used = 0;
     let mut key = None;
+    // The last cut in `stage` that lands on a block boundary of a direct file: the piece and
+    // how many of its bytes stay before the cut.
+    let mut clean: Option<(usize, u64)> = None;
+    let mut last: Option<(EndpointId, Option<u64>)> = None;
     for sf in staged {
         let this = Some((sf.group, sf.read, sf.write));
+        if key != this {
+            if !stage.is_empty() {
+                stages.push(std::mem::take(&mut stage));
+            }
+            (used, clean, key) = (0, None, this);
+        }
+        let base = match last {
+            Some((id, base)) if id == sf.fragment.dst => base,
+            _ => {
+                let base = direct_file(sf.fragment.dst);
+                last = Some((sf.fragment.dst, base));
+                base
+            }
+        };
         let mut done = 0;
         while done < sf.fragment.len {
-            if used == slot || key != this {
-                stages.push(Vec::new());
-                used = 0;
-                key = this;
-            }
             let n = (sf.fragment.len - done).min(slot - used);
-            let mut piece = sf;
-            piece.fragment.src_offset += done;
-            piece.fragment.dst_offset += done;
-            piece.fragment.len = n;
-            if let Some(stage) = stages.last_mut() {
-                stage.push(piece);
+            let piece = narrow(sf, done, n);
+            if let Some(base) = base {
+                let start = base.saturating_add(piece.fragment.dst_offset);
+                let end = start.saturating_add(n);
+                let boundary = end - end % FILE_BLOCK;
+                // A cut before the piece's first byte needs something before it in the stage.
+                if boundary > start || (boundary == start && !stage.is_empty()) {
+                    clean = Some((stage.len(), boundary - start));
+                }
             }
+            stage.push(piece);
             used += n;
             done += n;
+            if used == slot {
+                let end = (stage.len() - 1, stage[stage.len() - 1].fragment.len);
+                let carry = match clean {
+                    Some(cut) if cut != end => split(&mut stage, cut),
+                    _ => Vec::new(),
+                };
+                stages.push(std::mem::replace(&mut stage, carry));
+                used = stage.iter().map(|s| s.fragment.len).sum();
+                // What was carried lies past the last boundary: it holds none.
+                clean = None;
+            }
         }
     }
+    if !stage.is_empty() {
+        stages.push(stage);
+    }
     stages
+}
+
+/// Bytes `from .. from + len` of a staged fragment, as a fragment of the same object.
+fn narrow(sf: StagedFragment, from: u64, len: u64) -> StagedFragment {
+    let mut piece = sf;
+    piece.fragment.src_offset += from;
+    piece.fragment.dst_offset += from;
+    piece.fragment.len = len;
+    piece
+}
+
+/// Cuts `stage` before byte `keep` of piece `at`, and returns what follows the cut.
+fn split(stage: &mut Vec<StagedFragment>, (at, keep): (usize, u64)) -> Vec<StagedFragment> {
+    let mut rest = stage.split_off(at);
+    if keep > 0 {
+        let piece = rest[0];
+        if keep >= piece.fragment.len {
+            stage.push(rest.remove(0));
+        } else {
+            stage.push(narrow(piece, 0, keep));
+            rest[0] = narrow(piece, keep, piece.fragment.len - keep);
+        }
+    }
+    rest
 }
 
 /// Where each fragment of a stage sits in its slot: one after the other.
@@ -202,8 +283,11 @@ mod tests {
 
     #[test]
     fn stages_hold_one_group_and_route_and_fit_a_slot() {
-        let stages =
-            cut_stages(vec![staged(0, 100, 1, 0), staged(1, 250, 0, 0), staged(2, 30, 0, 2)], 100);
+        let stages = cut_stages(
+            vec![staged(0, 100, 1, 0), staged(1, 250, 0, 0), staged(2, 30, 0, 2)],
+            100,
+            |_| None,
+        );
         let shape: Vec<Vec<(u32, u64, u32)>> = stages
             .iter()
             .map(|s| s.iter().map(|p| (p.fragment.tag.get(), p.fragment.len, p.group)).collect())
@@ -222,6 +306,63 @@ mod tests {
         );
         let offsets: Vec<u64> = stages[1].iter().map(|p| p.fragment.src_offset).collect();
         assert_eq!(offsets, [100]);
+    }
+
+    /// 32 objects of 1,000 bytes to file offsets `100 + 1000 k` of an endpoint at file offset
+    /// `base`, cut into stages of 4 KiB.
+    fn offload_stages(base: Option<u64>) -> Vec<Vec<StagedFragment>> {
+        let (host, file) = (EndpointId::from_raw(1), EndpointId::from_raw(5));
+        let staged = (0..32u32)
+            .map(|k| {
+                let at = u64::from(k) * 1000;
+                let fragment = Fragment::new(host, at, file, 100 + at, 1000, Tag::new(k));
+                StagedFragment { fragment, read: 0, write: 1, group: 0 }
+            })
+            .collect();
+        cut_stages(staged, 4096, |id| base.filter(|_| id == file))
+    }
+
+    /// Each stage's first and last destination byte, checking that the stages carry every
+    /// object's bytes once, in order, each stage in one slot.
+    fn extents(stages: &[Vec<StagedFragment>]) -> Vec<(u64, u64)> {
+        let mut next = 100;
+        let mut extents = Vec::new();
+        for stage in stages {
+            assert!(stage.iter().map(|p| p.fragment.len).sum::<u64>() <= 4096);
+            for p in stage {
+                let f = p.fragment;
+                assert_eq!((f.dst_offset, f.src_offset + 100), (next, next), "{stage:?}");
+                assert_eq!(u64::from(f.tag.get()), (f.dst_offset - 100) / 1000);
+                assert!(f.len > 0 && (f.dst_offset - 100) % 1000 + f.len <= 1000);
+                next += f.len;
+            }
+            extents.push((stage[0].fragment.dst_offset, next));
+        }
+        assert_eq!(next, 32_100, "every byte once");
+        extents
+    }
+
+    #[test]
+    fn stages_into_a_direct_file_end_on_its_blocks() {
+        for base in [0u64, 96, 5000] {
+            let stages = offload_stages(Some(base));
+            let extents = extents(&stages);
+            let last = extents.len() - 1;
+            for (i, &(start, end)) in extents.iter().enumerate() {
+                if i > 0 {
+                    assert_eq!((base + start) % FILE_BLOCK, 0, "stage {i} of {extents:?}");
+                }
+                if i < last {
+                    assert_eq!((base + end) % FILE_BLOCK, 0, "stage {i} of {extents:?}");
+                }
+            }
+            // No more stages than blocks touched.
+            let blocks = (base + 32_100).div_ceil(FILE_BLOCK) - (base + 100) / FILE_BLOCK;
+            assert_eq!(stages.len() as u64, blocks, "{extents:?}");
+        }
+        // Into memory, or a buffered file: stages by bytes alone.
+        let extents = extents(&offload_stages(None));
+        assert_eq!(extents[..2], [(100, 4196), (4196, 8292)]);
     }
 
     #[test]
