@@ -43,10 +43,12 @@ impl LocalCopyEngine {
     /// pass without sorting. An object without transfers completes.
     ///
     /// Errors, with nothing planned or copied: [`Error::UnknownTag`] when a transfer's tag is
-    /// `objects` or more; [`Error::TooManyObjects`] when `objects` passes 2^32, one per tag.
+    /// `objects` or more; [`Error::TooManyObjects`] when `objects` passes 2^32, one per tag;
+    /// [`Error::OutOfMemory`] when the report's states (one byte per object: 4 GiB for 2^32
+    /// objects) or the order of unsorted transfers (a word each) cannot be allocated.
     /// Per-object outcomes are in the report, never an error. Memory: the report holds one
-    /// state per object (`objects` bytes); planning takes memory in proportion to `transfers`
-    /// only, whatever their tags.
+    /// state per object; planning takes memory in proportion to `transfers` only, whatever
+    /// their tags.
     ///
     /// ```
     /// use umbp_localcopy::LocalCopyEngine;
@@ -80,18 +82,21 @@ impl LocalCopyEngine {
         if let Some(f) = transfers.iter().find(|f| f.tag.index() >= objects) {
             return Err(Error::UnknownTag { tag: f.tag, objects });
         }
+        // Before planning, so that nothing runs for a batch whose report cannot be made.
+        let mut status = BatchStatus::try_new(objects)
+            .map_err(|_| Error::OutOfMemory { what: "object states", count: objects })?;
         let mut builder = self.incremental_builder();
         let mut rejections = Vec::new();
         if transfers.windows(2).all(|w| w[0].tag <= w[1].tag) {
             plan_objects(&mut builder, transfers.iter(), &mut rejections)?;
         } else {
-            let order = by_tag(transfers);
+            let order = by_tag(transfers)
+                .ok_or(Error::OutOfMemory { what: "transfer order", count: transfers.len() })?;
             let sorted = order.iter().map(|&i| &transfers[i]);
             plan_objects(&mut builder, sorted, &mut rejections)?;
         }
         let plans = builder.finish()?;
         let settled = self.submit(plans).into_settled();
-        let mut status = BatchStatus::new(objects);
         status.settle(settled.plans.rejected(), &settled.failures)?;
         Ok(BatchReport { status, rejections, failures: settled.failures })
     }
@@ -125,13 +130,16 @@ fn plan_objects<'a>(
     Ok(())
 }
 
-/// The indices of `transfers` ordered by tag, stable within a tag. A comparison sort, so the
-/// memory it takes follows the number of transfers, never the values of their tags (a
-/// counting sort over tags up to 2^32 would take 32 GiB).
-fn by_tag(transfers: &[Fragment]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..transfers.len()).collect();
-    order.sort_by_key(|&i| transfers[i].tag);
-    order
+/// The indices of `transfers` ordered by tag, stable within a tag, or `None` if they cannot
+/// be allocated. A comparison sort, so the memory it takes follows the number of transfers,
+/// never the values of their tags (a counting sort over tags up to 2^32 would take 32 GiB).
+fn by_tag(transfers: &[Fragment]) -> Option<Vec<usize>> {
+    let mut order = Vec::new();
+    order.try_reserve_exact(transfers.len()).ok()?;
+    order.extend(0..transfers.len());
+    // Unstable (no buffer to allocate), and stable all the same: the keys break ties by index.
+    order.sort_unstable_by_key(|&i| (transfers[i].tag, i));
+    Some(order)
 }
 
 #[cfg(test)]
@@ -145,7 +153,7 @@ mod tests {
             Fragment::new(EndpointId::from_raw(0), 0, EndpointId::from_raw(1), 0, 1, Tag::new(tag))
         };
         let transfers = [f(2), f(0), f(2), f(1), f(0)];
-        assert_eq!(by_tag(&transfers), [1, 4, 3, 0, 2]);
-        assert!(by_tag(&[]).is_empty());
+        assert_eq!(by_tag(&transfers).unwrap(), [1, 4, 3, 0, 2]);
+        assert!(by_tag(&[]).unwrap().is_empty());
     }
 }

@@ -57,6 +57,16 @@ pub enum Error {
         /// Objects asked for.
         objects: usize,
     },
+    /// Memory for a batch's bookkeeping, sized by a count the caller gave, could not be
+    /// allocated (the report's state per object, the order of the transfers). Nothing was
+    /// planned or copied.
+    #[error("cannot allocate the {what} of a batch of {count}")]
+    OutOfMemory {
+        /// What was to be allocated.
+        what: &'static str,
+        /// The count it was sized by (objects, transfers).
+        count: usize,
+    },
     /// An environment variable is set to a value its configuration field cannot take.
     #[error("environment variable {var}={value:?} is not valid")]
     InvalidEnv {

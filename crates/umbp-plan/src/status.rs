@@ -49,9 +49,19 @@ pub struct BatchStatus {
 }
 
 impl BatchStatus {
-    /// A batch of `objects` objects, all in flight.
+    /// A batch of `objects` objects, all in flight. Takes a byte per object; see
+    /// [`try_new`](Self::try_new) for counts that come from input.
     pub fn new(objects: usize) -> Self {
         Self { states: vec![ObjectState::InFlight; objects], in_flight: objects, completed: 0 }
+    }
+
+    /// [`new`](Self::new), or an error instead of an abort when the byte per object cannot be
+    /// allocated: what a count from a caller (a batch of 2^32 objects) needs.
+    pub fn try_new(objects: usize) -> Result<Self, std::collections::TryReserveError> {
+        let mut states = Vec::new();
+        states.try_reserve_exact(objects)?;
+        states.resize(objects, ObjectState::InFlight);
+        Ok(Self { states, in_flight: objects, completed: 0 })
     }
 
     /// Number of objects.
