@@ -2,20 +2,38 @@
 
 use std::time::Duration;
 
+use crate::handshake::{MAX_SECRET, MIN_SECRET};
+use crate::Error;
+
+/// The environment variable [`UcxConfig::default`] takes the shared secret from.
+pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
+
 /// Settings shared by [`UcxEngine`](crate::UcxEngine) and [`ServerBuilder`](crate::ServerBuilder).
 ///
 /// UCX reads its own `UCX_*` environment as usual (`UCX_TLS`, `UCX_NET_DEVICES`...); the
 /// settings here override what they name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Peers authenticate each other with a shared secret ([`token`](Self::token)); a server or
+/// client without one refuses to start or connect unless
+/// [`insecure_no_auth`](Self::insecure_no_auth) says to run without authentication.
+#[derive(Clone, PartialEq, Eq)]
 pub struct UcxConfig {
-    /// UCX transports to use (`UCX_TLS`'s syntax: `tcp`, `sm`, `rc,sm`, `^ib`...). `None`:
-    /// the environment's `UCX_TLS`, else UCX's own choice (RDMA where the hardware has it).
+    /// UCX transports to use (`UCX_TLS`'s syntax: `tcp`, `sm`, `rc,sm`...). `None`: the
+    /// environment's `UCX_TLS`, else UCX's own choice. Only a list of RDMA transports alone
+    /// (`rc`, `dc` and their variants) lets a server hand out remote keys for one-sided
+    /// access; anything else is served through the checked request path (see the README).
     pub transports: Option<String>,
-    /// A shared secret the client sends and the server compares before handing out keys.
-    /// It travels in clear over the control connection: it keeps strangers and
-    /// misconfigured clients out of a trusted network, nothing more. Default: none.
+    /// The shared secret both sides prove they hold (HMAC-SHA256 challenge-response over
+    /// fresh nonces from both sides; the secret itself never travels). 16 to 4096 bytes.
+    /// Default: the bytes of the environment variable [`SECRET_ENV`] when set, else none.
     pub token: Option<Vec<u8>>,
-    /// How long connecting and the handshake may take. Default: 10 s.
+    /// Run without authentication: a server serves whoever connects, a client connects to a
+    /// server that runs so. Anyone who can reach the port can then read every exported
+    /// region and write the writable ones. Default: off.
+    pub insecure_no_auth: bool,
+    /// How long all of `connect` may take (resolving aside: the TCP connection, the whole
+    /// handshake and setting up the peer), and how long a server waits for a connection's
+    /// whole handshake. Default: 10 s.
     pub connect_timeout: Duration,
     /// How long a peer may leave requests unanswered before it is declared dead and every
     /// object in flight to it fails. Default: 5 s.
@@ -26,17 +44,65 @@ pub struct UcxConfig {
     /// so RDMA transports read and write it without registering per request. A mapping UCX
     /// refuses is logged and skipped (UCX then registers per request). Default: on.
     pub map_host_memory: bool,
+    /// What a server spends on connections at most.
+    pub limits: ServerLimits,
+}
+
+/// What a [`UcxServer`](crate::UcxServer) spends on connections at most. One thread answers
+/// every handshake (an event loop), so connections that have not authenticated cost a socket
+/// each and no thread; each authenticated client costs one thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Authenticated clients served at once; one more is told the server is full. Default: 64.
+    pub max_clients: usize,
+    /// Authenticated clients from one IP address at once. Default: 16.
+    pub max_clients_per_ip: usize,
+    /// Connections in their handshake at once; a new one past this closes the oldest.
+    /// Default: 1024.
+    pub max_handshakes: usize,
+    /// Connections in their handshake at once from one IP address; a new one past this
+    /// closes that address's oldest. Default: 64.
+    pub max_handshakes_per_ip: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self {
+            max_clients: 64,
+            max_clients_per_ip: 16,
+            max_handshakes: 1024,
+            max_handshakes_per_ip: 64,
+        }
+    }
+}
+
+impl std::fmt::Debug for UcxConfig {
+    /// Says whether a secret is set, never the secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxConfig")
+            .field("transports", &self.transports)
+            .field("token", &self.token.as_ref().map(|_| "<secret>"))
+            .field("insecure_no_auth", &self.insecure_no_auth)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("peer_timeout", &self.peer_timeout)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("map_host_memory", &self.map_host_memory)
+            .field("limits", &self.limits)
+            .finish()
+    }
 }
 
 impl Default for UcxConfig {
     fn default() -> Self {
         Self {
             transports: None,
-            token: None,
+            token: std::env::var_os(SECRET_ENV).map(|s| s.into_encoded_bytes()),
+            insecure_no_auth: false,
             connect_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
             max_in_flight: 256,
             map_host_memory: true,
+            limits: ServerLimits::default(),
         }
     }
 }
@@ -45,5 +111,45 @@ impl UcxConfig {
     /// The defaults with `transports`.
     pub fn with_transports(transports: &str) -> Self {
         Self { transports: Some(transports.to_owned()), ..Self::default() }
+    }
+
+    /// This configuration with the shared secret `secret`.
+    pub fn with_secret(self, secret: impl Into<Vec<u8>>) -> Self {
+        Self { token: Some(secret.into()), ..self }
+    }
+
+    /// This configuration without authentication: see
+    /// [`insecure_no_auth`](Self::insecure_no_auth) for what that gives away.
+    pub fn insecure_no_auth(self) -> Self {
+        Self { insecure_no_auth: true, ..self }
+    }
+
+    /// How this side authenticates: the secret, or the explicit choice to run without one.
+    pub(crate) fn auth(&self) -> Result<crate::handshake::Auth<'_>, Error> {
+        use crate::handshake::Auth;
+        match (&self.token, self.insecure_no_auth) {
+            (Some(_), true) => Err(Error::Config {
+                setting: "insecure_no_auth",
+                reason: "set together with a secret: choose one".into(),
+            }),
+            (Some(secret), false) if !(MIN_SECRET..=MAX_SECRET).contains(&secret.len()) => {
+                Err(Error::Config {
+                    setting: "token",
+                    reason: format!(
+                        "a secret of {} bytes; it must have {MIN_SECRET} to {MAX_SECRET}",
+                        secret.len()
+                    ),
+                })
+            }
+            (Some(secret), false) => Ok(Auth::Keyed(secret)),
+            (None, true) => Ok(Auth::Insecure),
+            (None, false) => Err(Error::Config {
+                setting: "token",
+                reason: format!(
+                    "no shared secret: set one (or {SECRET_ENV}), or run explicitly without \
+                     authentication (insecure_no_auth)"
+                ),
+            }),
+        }
     }
 }

@@ -2,11 +2,13 @@
 //! The work itself runs on the progress thread ([`crate::progress`]).
 
 use std::collections::HashMap;
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use umbp_plan::{
     plan_batch, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, EndpointTable,
@@ -15,9 +17,9 @@ use umbp_plan::{
     SettleSlot, Space, TransferEngine, TransferHandle,
 };
 
-use crate::handshake::{self, WireRegion};
-use crate::progress::{self, BatchRun, Command, Op, Route};
-use crate::{Error, UcxConfig};
+use crate::handshake::{self, Mode, WireRegion};
+use crate::progress::{self, BatchRun, Command, LinkSpec, Op, Route};
+use crate::{Error, HandshakeError, UcxConfig};
 
 /// The engine's name in logs and failures.
 pub(crate) const NAME: &str = "ucx";
@@ -62,8 +64,10 @@ pub(crate) struct Peer {
     pub(crate) info: PeerInfo,
     /// The peer's index on the progress thread.
     pub(crate) slot: u32,
-    /// The regions' addresses in the peer's process.
+    /// The regions' addresses in the peer's process (one-sided); zeros when checked.
     pub(crate) bases: Vec<u64>,
+    /// Reached through the checked request path.
+    pub(crate) checked: bool,
     /// Cleared (Release) once the peer is declared dead; submits then fail its plans at once.
     pub(crate) alive: Arc<AtomicBool>,
     /// Why it died, once it did.
@@ -245,19 +249,31 @@ impl UcxEngine {
         )
     }
 
-    /// Connects to the server listening at `addr`: the handshake (bounded by
-    /// [`UcxConfig::connect_timeout`]), then a UCX endpoint to its worker with its regions'
-    /// keys. The peer stays connected until it goes away or the engine is dropped.
+    /// Connects to the server listening at `addr`: the TCP connection and the mutual
+    /// authentication (see the README), then the path to its memory: the checked request
+    /// path on that connection, or, where the server serves one-sided RDMA, a UCX endpoint to
+    /// its worker with its regions' keys. The peer stays connected until it goes away or the
+    /// engine is dropped.
+    ///
+    /// [`UcxConfig::connect_timeout`] bounds all of it after the address resolved: a server
+    /// that answers slowly, or not at all, is a [`HandshakeError::DeadlinePassed`] then.
+    /// Nothing the server sends reaches UCX before it proved that it holds the secret.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerInfo, Error> {
+        let auth = self.shared.config.auth()?;
         let timeout = self.shared.config.connect_timeout;
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map_err(|source| Error::Connect { addr: "peer address".into(), source })?
             .collect();
+        let deadline = Instant::now() + timeout;
         let mut last = None;
         let mut stream = None;
         for a in &addrs {
-            match TcpStream::connect_timeout(a, timeout) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Handshake { addr: *a, source: HandshakeError::DeadlinePassed });
+            }
+            match TcpStream::connect_timeout(a, left) {
                 Ok(s) => {
                     stream = Some((s, *a));
                     break;
@@ -265,35 +281,51 @@ impl UcxEngine {
                 Err(e) => last = Some(Error::Connect { addr: a.to_string(), source: e }),
             }
         }
-        let Some((mut stream, addr)) = stream else {
+        let Some((stream, addr)) = stream else {
             return Err(last.unwrap_or_else(|| Error::Connect {
                 addr: "peer address".into(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no address"),
+                source: io::Error::new(io::ErrorKind::NotFound, "no address"),
             }));
         };
         let handshake_error = |source| Error::Handshake { addr, source };
-        let io = |e: std::io::Error| Error::Connect { addr: addr.to_string(), source: e };
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(timeout)).map_err(io)?;
+        let io = |e: io::Error| Error::Connect { addr: addr.to_string(), source: e };
         let _ = stream.set_nodelay(true);
-        let token = self.shared.config.token.as_deref().unwrap_or_default();
-        handshake::send_hello(&mut stream, token).map_err(handshake_error)?;
-        let welcome = handshake::read_welcome(&mut stream).map_err(handshake_error)?;
+        let welcome = handshake::client(&mut Deadlined { stream: &stream, deadline }, auth)
+            .map_err(|e| match e {
+                HandshakeError::Io(e) if is_timeout(&e) => HandshakeError::DeadlinePassed,
+                other => other,
+            })
+            .map_err(handshake_error)?;
         stream.set_read_timeout(None).map_err(io)?;
+        stream.set_write_timeout(None).map_err(io)?;
 
         let id = NEXT_PEER.fetch_add(1, Ordering::Relaxed);
         let alive = Arc::new(AtomicBool::new(true));
         let reason = Arc::new(Mutex::new(String::new()));
         let (reply, answer) = mpsc::channel();
-        let rkeys = welcome.regions.iter().map(|r| r.rkey.clone()).collect();
+        let mode = welcome.mode();
+        let link = match (&welcome.address, mode) {
+            (Some(address), Mode::OneSided) => LinkSpec::Ucx {
+                address: address.clone(),
+                rkeys: welcome
+                    .regions
+                    .iter()
+                    .map(|r| r.one_sided.as_ref().map(|(_, k)| k.clone()).unwrap_or_default())
+                    .collect(),
+            },
+            _ => LinkSpec::Checked {
+                stream: stream.try_clone().map_err(io)?,
+                notify: self.commands.clone().ok_or(Error::ProgressThreadGone)?,
+            },
+        };
         self.send(Command::Connect {
             peer: id,
-            address: welcome.address,
-            rkeys,
+            link,
             alive: Arc::clone(&alive),
             reason: Arc::clone(&reason),
             reply,
         })?;
+        // The progress thread's part is local (no network wait): an endpoint, or two threads.
         let slot = answer.recv().map_err(|_| Error::ProgressThreadGone)??;
         let info = PeerInfo {
             id,
@@ -310,18 +342,27 @@ impl UcxEngine {
                 })
                 .collect(),
         };
-        let watch = stream.try_clone().map_err(io)?;
+        let checked = mode == Mode::Checked;
         let peer = Arc::new(Peer {
             info: info.clone(),
             slot,
-            bases: welcome.regions.iter().map(|r| r.base).collect(),
+            bases: welcome
+                .regions
+                .iter()
+                .map(|r| r.one_sided.as_ref().map_or(0, |(base, _)| *base))
+                .collect(),
+            checked,
             alive,
             reason,
-            control: stream,
+            control: stream.try_clone().map_err(io)?,
         });
-        self.watch(watch, id, slot)?;
+        if !checked {
+            // One-sided: the silent control connection's end says the peer went away (the
+            // checked link's reader notices that itself).
+            self.watch(stream, id, slot)?;
+        }
         self.shared.peers.write().unwrap_or_else(PoisonError::into_inner).insert(id, peer);
-        tracing::info!(peer = id, %addr, regions = info.regions.len(), "connected");
+        tracing::info!(peer = id, %addr, regions = info.regions.len(), checked, "connected");
         Ok(info)
     }
 
@@ -469,9 +510,50 @@ impl UcxEngine {
             local: local_id,
             local_base: local.addr(),
             remote_base: peer.bases[r.region as usize] + remote.addr(),
+            checked: peer.checked,
         };
         Ok((route, local, remote))
     }
+}
+
+/// A socket whose reads and writes all end by one deadline.
+struct Deadlined<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Deadlined<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(io::ErrorKind::TimedOut.into())
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether a socket error is its timeout firing.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)
 }
 
 /// Appends one request per segment of `plan`, each checked against its local endpoint and

@@ -110,7 +110,8 @@ pub enum Error {
 }
 
 /// Why a handshake failed. Every field of the wire format is bounded, so a malformed or
-/// hostile peer costs at most a few hundred kilobytes and the handshake timeout.
+/// hostile peer costs at most a few hundred kilobytes and the connect timeout, and nothing it
+/// sends reaches UCX before it proved that it holds the shared secret.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandshakeError {
@@ -141,7 +142,18 @@ pub enum HandshakeError {
     /// A field's value makes no sense (a region that wraps the address space, say).
     #[error("malformed: {0}")]
     Malformed(&'static str),
-    /// The server refused this client.
-    #[error("refused by the server: {0}")]
+    /// The server refused this client (or the client refused what the server offered).
+    #[error("refused: {0}")]
     Refused(&'static str),
+    /// The server could not prove that it holds the shared secret: nothing it sends is used.
+    #[error("the server did not prove that it holds the shared secret")]
+    ServerNotAuthenticated,
+    /// The server runs without authentication, and this side was not told to accept that
+    /// ([`UcxConfig::insecure_no_auth`](crate::UcxConfig::insecure_no_auth)).
+    #[error("the server runs without authentication (insecure) and this side requires it")]
+    ServerInsecure,
+    /// The whole handshake (connecting included) took longer than
+    /// [`UcxConfig::connect_timeout`](crate::UcxConfig::connect_timeout).
+    #[error("the handshake did not finish within the connect timeout")]
+    DeadlinePassed,
 }

@@ -1,114 +1,253 @@
-//! The control connection's handshake: how a client gets a server's worker address and the
-//! keys of the regions it exports.
+//! The control connection's handshake: mutual authentication, then what the server exports.
 //!
-//! One exchange over a TCP socket, little-endian, every length bounded:
+//! Four messages over a TCP socket, little-endian, every field of fixed size or bounded:
 //!
 //! ```text
-//! client -> server   magic "UMBPUCX\0", version u32, token_len u32 (<= 4 KiB), token
-//! server -> client   magic, version u32, verdict u8 (0 accepted, 1 bad token),
-//!                    then, when accepted: address_len u32 (<= 64 KiB), worker address,
-//!                    region_count u32 (<= 4096), and per region:
-//!                    name_len u8, name (UTF-8), writable u8, base u64, len u64,
-//!                    rkey_len u32 (<= 64 KiB), packed remote key
+//! client -> server   hello      magic "UMBPUCX\0", version u32, client nonce [32]
+//! server -> client   challenge  magic, version u32, auth u8 (0 keyed, 1 insecure: no secret),
+//!                               server nonce [32], server proof [32]
+//! client -> server   proof      client proof [32]
+//! server -> client   verdict    u8 (0 accepted, 1 wrong proof, 2 server full), then when
+//!                               accepted: mode u8 (0 checked, 1 one-sided),
+//!                               [one-sided: address_len u32 (16 ..= 64 KiB), worker address],
+//!                               region_count u32 (<= 4096), and per region: name_len u8,
+//!                               name (UTF-8), writable u8, len u64,
+//!                               [one-sided: base u64, rkey_len u32 (<= 64 KiB), packed key]
 //! ```
 //!
-//! After it the socket stays open and silent: it is how each side learns that the other went
-//! away (end of file), whatever the UCX transport notices.
+//! # Authentication
 //!
-//! # What it trusts
+//! Both sides hold a shared secret `K` (at least [`MIN_SECRET`] bytes); neither sends it. Each
+//! proves knowledge of it with `HMAC-SHA256(K, role label ‖ client nonce ‖ server nonce)`:
+//! the server with the label [`SERVER_LABEL`], the client with [`CLIENT_LABEL`]. Both nonces
+//! are fresh random bytes, so a recorded proof is worthless for another connection (replay),
+//! and the labels differ, so a server's proof sent back to it is not a client's (reflection).
+//! Proofs are compared in constant time. The client checks the server's proof *before* it
+//! reads anything else the server says, so nothing from a server that does not hold the
+//! secret reaches UCX (or anything but this parser).
 //!
-//! The server trusts whoever holds the token (or anyone who can connect, without one): it
-//! hands them keys that let them read (and write, for writable regions) the exported regions.
-//! Nothing is encrypted. On RDMA the NIC enforces that a key reaches only its region; over
-//! TCP and shared memory UCX emulates the access in software, so the boundary is the network
-//! and the engine's own checks (it never sends a request outside a region's exported bounds).
-//! The client trusts the server's region list; a malformed one is a typed error.
+//! A server started insecure says so (`auth` 1) and a client connects to it only when it was
+//! configured insecure too; a client that expects authentication refuses it.
+//!
+//! After the verdict, in checked mode, the same connection carries the data requests
+//! ([`crate::checked`]); in one-sided mode it stays silent and tells each side, by closing,
+//! that the other went away.
 
 use std::io::{Read, Write};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use crate::HandshakeError;
 
 const MAGIC: [u8; 8] = *b"UMBPUCX\0";
 /// The protocol version.
-pub(crate) const VERSION: u32 = 1;
-const MAX_TOKEN: u64 = 4096;
+pub(crate) const VERSION: u32 = 2;
+/// Bytes of each nonce.
+pub(crate) const NONCE: usize = 32;
+/// Bytes of each proof (an HMAC-SHA256).
+pub(crate) const PROOF: usize = 32;
+/// The shortest secret accepted.
+pub const MIN_SECRET: usize = 16;
+/// The longest secret accepted.
+pub const MAX_SECRET: usize = 4096;
+/// What the server's proof covers besides the nonces.
+pub(crate) const SERVER_LABEL: &[u8] = b"umbp-ucx/2 server proof";
+/// What the client's proof covers besides the nonces.
+pub(crate) const CLIENT_LABEL: &[u8] = b"umbp-ucx/2 client proof";
+/// Bytes of the hello.
+pub(crate) const HELLO_LEN: usize = 8 + 4 + NONCE;
+/// Bytes of the challenge.
+pub(crate) const CHALLENGE_LEN: usize = 8 + 4 + 1 + NONCE + PROOF;
+const MIN_ADDRESS: u64 = 16;
 const MAX_ADDRESS: u64 = 64 << 10;
 const MAX_REGIONS: u64 = 4096;
 const MAX_RKEY: u64 = 64 << 10;
+
+/// How the server reaches its exported memory for a client.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Every read and write is a request on the control connection that the server checks
+    /// (region, offset, length, writable) before it touches memory. No UCX on the path.
+    Checked,
+    /// One-sided UCX operations with the regions' remote keys, enforced by RDMA hardware.
+    OneSided,
+}
 
 /// One exported region as the wire carries it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct WireRegion {
     pub(crate) name: String,
     pub(crate) writable: bool,
-    /// The region's address in the server's process.
-    pub(crate) base: u64,
     pub(crate) len: u64,
-    pub(crate) rkey: Vec<u8>,
+    /// One-sided mode: the region's address in the server's process, and its packed key.
+    pub(crate) one_sided: Option<(u64, Vec<u8>)>,
 }
 
-/// What the server tells an accepted client.
+/// What the server tells an authenticated client.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Welcome {
-    pub(crate) address: Vec<u8>,
+    /// One-sided mode: the server's UCX worker address.
+    pub(crate) address: Option<Vec<u8>>,
     pub(crate) regions: Vec<WireRegion>,
 }
 
-/// Sends the client's hello.
-pub(crate) fn send_hello(w: &mut impl Write, token: &[u8]) -> Result<(), HandshakeError> {
-    let mut out = Vec::with_capacity(16 + token.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    put_bytes(&mut out, token);
-    w.write_all(&out)?;
-    Ok(w.flush()?)
-}
-
-/// Reads a client's hello and returns its token.
-pub(crate) fn read_hello(r: &mut impl Read) -> Result<Vec<u8>, HandshakeError> {
-    read_preamble(r)?;
-    read_bytes(r, "token", MAX_TOKEN)
-}
-
-/// Sends the server's answer: the welcome, or a refusal when `welcome` is `None`.
-pub(crate) fn send_welcome(
-    w: &mut impl Write,
-    welcome: Option<&Welcome>,
-) -> Result<(), HandshakeError> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    match welcome {
-        None => out.push(1),
-        Some(welcome) => {
-            out.push(0);
-            put_bytes(&mut out, &welcome.address);
-            out.extend_from_slice(&(welcome.regions.len() as u32).to_le_bytes());
-            for region in &welcome.regions {
-                let name = region.name.as_bytes();
-                let name = &name[..name.len().min(255)];
-                out.push(name.len() as u8);
-                out.extend_from_slice(name);
-                out.push(region.writable.into());
-                out.extend_from_slice(&region.base.to_le_bytes());
-                out.extend_from_slice(&region.len.to_le_bytes());
-                put_bytes(&mut out, &region.rkey);
-            }
+impl Welcome {
+    pub(crate) fn mode(&self) -> Mode {
+        if self.address.is_some() {
+            Mode::OneSided
+        } else {
+            Mode::Checked
         }
     }
-    w.write_all(&out)?;
-    Ok(w.flush()?)
 }
 
-/// Reads the server's answer.
-pub(crate) fn read_welcome(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
-    read_preamble(r)?;
+/// The shared secret, or the explicit choice to run without one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Auth<'a> {
+    Keyed(&'a [u8]),
+    Insecure,
+}
+
+/// The server's answer to a proof.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Accepted,
+    WrongProof,
+    Full,
+}
+
+/// Fresh random bytes for a nonce.
+pub(crate) fn nonce() -> Result<[u8; NONCE], HandshakeError> {
+    let mut n = [0; NONCE];
+    getrandom::fill(&mut n).map_err(|_| HandshakeError::Malformed("no system randomness"))?;
+    Ok(n)
+}
+
+/// `HMAC-SHA256(secret, label ‖ client nonce ‖ server nonce)`.
+pub(crate) fn proof(
+    secret: &[u8],
+    label: &[u8],
+    client: &[u8; NONCE],
+    server: &[u8; NONCE],
+) -> [u8; PROOF] {
+    proof_mac(secret, label, client, server).finalize().into_bytes().into()
+}
+
+fn proof_mac(
+    secret: &[u8],
+    label: &[u8],
+    client: &[u8; NONCE],
+    server: &[u8; NONCE],
+) -> Hmac<Sha256> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key");
+    mac.update(label);
+    mac.update(client);
+    mac.update(server);
+    mac
+}
+
+/// Whether `got` is the proof of `label` over the nonces, compared in constant time.
+pub(crate) fn verify(
+    secret: &[u8],
+    label: &[u8],
+    client: &[u8; NONCE],
+    server: &[u8; NONCE],
+    got: &[u8; PROOF],
+) -> bool {
+    proof_mac(secret, label, client, server).verify_slice(got).is_ok()
+}
+
+/// The client's hello.
+pub(crate) fn hello(client_nonce: &[u8; NONCE]) -> [u8; HELLO_LEN] {
+    let mut out = [0; HELLO_LEN];
+    out[..8].copy_from_slice(&MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[12..].copy_from_slice(client_nonce);
+    out
+}
+
+/// Parses a hello: the client's nonce.
+pub(crate) fn parse_hello(bytes: &[u8; HELLO_LEN]) -> Result<[u8; NONCE], HandshakeError> {
+    check_preamble(&bytes[..12])?;
+    Ok(bytes[12..].try_into().expect("32 bytes"))
+}
+
+/// The server's challenge: its nonce and its proof (zeros when insecure).
+pub(crate) fn challenge(
+    auth: Auth<'_>,
+    client_nonce: &[u8; NONCE],
+    server_nonce: &[u8; NONCE],
+) -> [u8; CHALLENGE_LEN] {
+    let mut out = [0; CHALLENGE_LEN];
+    out[..8].copy_from_slice(&MAGIC);
+    out[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    out[13..13 + NONCE].copy_from_slice(server_nonce);
+    match auth {
+        Auth::Keyed(secret) => {
+            let p = proof(secret, SERVER_LABEL, client_nonce, server_nonce);
+            out[13 + NONCE..].copy_from_slice(&p);
+        }
+        Auth::Insecure => out[12] = 1,
+    }
+    out
+}
+
+/// The client's side of the handshake, from hello to verdict: proves the secret, checks the
+/// server's proof before anything else it sends, and returns the server's welcome.
+pub(crate) fn client(
+    stream: &mut (impl Read + Write),
+    auth: Auth<'_>,
+) -> Result<Welcome, HandshakeError> {
+    let client_nonce = nonce()?;
+    stream.write_all(&hello(&client_nonce))?;
+    stream.flush()?;
+    let mut challenge = [0; CHALLENGE_LEN];
+    stream.read_exact(&mut challenge)?;
+    check_preamble(&challenge[..12])?;
+    let server_nonce: [u8; NONCE] = challenge[13..13 + NONCE].try_into().expect("32 bytes");
+    let server_proof: [u8; PROOF] = challenge[13 + NONCE..].try_into().expect("32 bytes");
+    let answer = match (challenge[12], auth) {
+        (0, Auth::Keyed(secret)) => {
+            if !verify(secret, SERVER_LABEL, &client_nonce, &server_nonce, &server_proof) {
+                return Err(HandshakeError::ServerNotAuthenticated);
+            }
+            proof(secret, CLIENT_LABEL, &client_nonce, &server_nonce)
+        }
+        (0, Auth::Insecure) => {
+            return Err(HandshakeError::Refused("the server requires a secret; none is set"))
+        }
+        (1, Auth::Keyed(_)) => return Err(HandshakeError::ServerInsecure),
+        (1, Auth::Insecure) => [0; PROOF],
+        _ => return Err(HandshakeError::Malformed("unknown authentication")),
+    };
+    stream.write_all(&answer)?;
+    stream.flush()?;
+    read_verdict(stream)
+}
+
+/// Reads the verdict and, when accepted, the welcome.
+fn read_verdict(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
     match read_u8(r)? {
         0 => {}
-        1 => return Err(HandshakeError::Refused("wrong token")),
+        1 => return Err(HandshakeError::Refused("the server did not accept this side's proof")),
+        2 => return Err(HandshakeError::Refused("the server serves as many clients as it may")),
         _ => return Err(HandshakeError::Malformed("unknown verdict")),
     }
-    let address = read_bytes(r, "worker address", MAX_ADDRESS)?;
+    let one_sided = match read_u8(r)? {
+        0 => false,
+        1 => true,
+        _ => return Err(HandshakeError::Malformed("unknown mode")),
+    };
+    let address = if one_sided {
+        let address = read_bytes(r, "worker address", MAX_ADDRESS)?;
+        if (address.len() as u64) < MIN_ADDRESS {
+            return Err(HandshakeError::Malformed("a worker address shorter than any UCX's"));
+        }
+        Some(address)
+    } else {
+        None
+    };
     let count = u64::from(read_u32(r)?);
     if count > MAX_REGIONS {
         return Err(HandshakeError::TooLong { field: "region list", len: count, max: MAX_REGIONS });
@@ -124,29 +263,58 @@ pub(crate) fn read_welcome(r: &mut impl Read) -> Result<Welcome, HandshakeError>
             1 => true,
             _ => return Err(HandshakeError::Malformed("region access")),
         };
-        let base = read_u64(r)?;
         let len = read_u64(r)?;
-        if base.checked_add(len).is_none() {
-            return Err(HandshakeError::Malformed("a region wraps the address space"));
-        }
-        let rkey = read_bytes(r, "remote key", MAX_RKEY)?;
-        regions.push(WireRegion { name, writable, base, len, rkey });
+        let one_sided = if one_sided {
+            let base = read_u64(r)?;
+            if base.checked_add(len).is_none() {
+                return Err(HandshakeError::Malformed("a region wraps the address space"));
+            }
+            let rkey = read_bytes(r, "remote key", MAX_RKEY)?;
+            if rkey.is_empty() {
+                return Err(HandshakeError::Malformed("an empty remote key"));
+            }
+            Some((base, rkey))
+        } else {
+            None
+        };
+        regions.push(WireRegion { name, writable, len, one_sided });
     }
     Ok(Welcome { address, regions })
 }
 
-/// Compares two tokens in time that depends only on their lengths.
-pub(crate) fn tokens_match(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// The server's verdict, and the welcome when accepted.
+pub(crate) fn verdict(verdict: Verdict, welcome: &Welcome) -> Vec<u8> {
+    let mut out = Vec::new();
+    match verdict {
+        Verdict::Accepted => out.push(0),
+        Verdict::WrongProof => return vec![1],
+        Verdict::Full => return vec![2],
+    }
+    out.push(u8::from(welcome.address.is_some()));
+    if let Some(address) = &welcome.address {
+        put_bytes(&mut out, address);
+    }
+    out.extend_from_slice(&(welcome.regions.len() as u32).to_le_bytes());
+    for region in &welcome.regions {
+        let name = region.name.as_bytes();
+        let name = &name[..name.len().min(255)];
+        out.push(name.len() as u8);
+        out.extend_from_slice(name);
+        out.push(region.writable.into());
+        out.extend_from_slice(&region.len.to_le_bytes());
+        if let Some((base, rkey)) = &region.one_sided {
+            out.extend_from_slice(&base.to_le_bytes());
+            put_bytes(&mut out, rkey);
+        }
+    }
+    out
 }
 
-fn read_preamble(r: &mut impl Read) -> Result<(), HandshakeError> {
-    let mut magic = [0; 8];
-    r.read_exact(&mut magic)?;
-    if magic != MAGIC {
+fn check_preamble(bytes: &[u8]) -> Result<(), HandshakeError> {
+    if bytes[..8] != MAGIC {
         return Err(HandshakeError::BadMagic);
     }
-    let got = read_u32(r)?;
+    let got = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if got != VERSION {
         return Err(HandshakeError::Version { got, expected: VERSION });
     }
@@ -190,88 +358,160 @@ fn read_u64(r: &mut impl Read) -> Result<u64, HandshakeError> {
 mod tests {
     use super::*;
 
-    fn welcome() -> Welcome {
+    fn welcome(one_sided: bool) -> Welcome {
+        let key = |k: Vec<u8>, base| one_sided.then_some((base, k));
         Welcome {
-            address: vec![7; 300],
+            address: one_sided.then(|| vec![7; 300]),
             regions: vec![
                 WireRegion {
                     name: "arena".into(),
                     writable: true,
-                    base: 0x7f00_0000,
                     len: 1 << 20,
-                    rkey: vec![1, 2, 3],
+                    one_sided: key(vec![1, 2, 3], 0x7f00_0000),
                 },
                 WireRegion {
                     name: "ro".into(),
                     writable: false,
-                    base: 0x1000,
                     len: 4096,
-                    rkey: vec![9; 40],
+                    one_sided: key(vec![9; 40], 0x1000),
                 },
             ],
         }
     }
 
+    /// A server's side run against a scripted peer: `after_proof` is what it answers once it
+    /// has read the client's proof.
+    struct Script {
+        input: Vec<u8>,
+        output: std::io::Cursor<Vec<u8>>,
+        secret: Option<Vec<u8>>,
+        server_nonce: [u8; NONCE],
+        after_proof: Vec<u8>,
+        sent_proof: Option<[u8; PROOF]>,
+    }
+
+    impl Read for Script {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.output.read(buf)
+        }
+    }
+
+    impl Write for Script {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.input.extend_from_slice(buf);
+            if self.input.len() == HELLO_LEN {
+                let hello: [u8; HELLO_LEN] = self.input[..].try_into().unwrap();
+                let cn = parse_hello(&hello).unwrap();
+                let auth = self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed);
+                let c = challenge(auth, &cn, &self.server_nonce);
+                self.output = std::io::Cursor::new(c.to_vec());
+            } else if self.input.len() == HELLO_LEN + PROOF {
+                self.sent_proof = Some(self.input[HELLO_LEN..].try_into().unwrap());
+                self.output = std::io::Cursor::new(self.after_proof.clone());
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn script(secret: Option<&[u8]>, after_proof: Vec<u8>) -> Script {
+        Script {
+            input: Vec::new(),
+            output: std::io::Cursor::new(Vec::new()),
+            secret: secret.map(<[u8]>::to_vec),
+            server_nonce: [3; NONCE],
+            after_proof,
+            sent_proof: None,
+        }
+    }
+
+    const SECRET: &[u8] = b"0123456789abcdef-shared";
+
     #[test]
-    fn hello_and_welcome_round_trip() {
-        let mut wire = Vec::new();
-        send_hello(&mut wire, b"secret").unwrap();
-        assert_eq!(read_hello(&mut wire.as_slice()).unwrap(), b"secret");
-        let mut wire = Vec::new();
-        send_welcome(&mut wire, Some(&welcome())).unwrap();
-        assert_eq!(read_welcome(&mut wire.as_slice()).unwrap(), welcome());
-        let mut wire = Vec::new();
-        send_welcome(&mut wire, None).unwrap();
-        assert!(matches!(read_welcome(&mut wire.as_slice()), Err(HandshakeError::Refused(_))));
+    fn both_sides_prove_the_secret_and_the_welcome_round_trips() {
+        for one_sided in [false, true] {
+            let w = welcome(one_sided);
+            let mut s = script(Some(SECRET), verdict(Verdict::Accepted, &w));
+            assert_eq!(client(&mut s, Auth::Keyed(SECRET)).unwrap(), w);
+            // The client's proof is the keyed hash of its label over both nonces.
+            let cn: [u8; NONCE] = s.input[12..HELLO_LEN].try_into().unwrap();
+            let sent = s.sent_proof.unwrap();
+            assert!(verify(SECRET, CLIENT_LABEL, &cn, &[3; NONCE], &sent));
+            // Not the server's proof reflected, not valid under another secret.
+            assert!(!verify(SECRET, SERVER_LABEL, &cn, &[3; NONCE], &sent));
+            assert!(!verify(b"another secret, 16+", CLIENT_LABEL, &cn, &[3; NONCE], &sent));
+            // The secret is nowhere in what the client sent.
+            assert!(!s.input.windows(SECRET.len()).any(|w| w == SECRET));
+        }
     }
 
     #[test]
-    fn every_truncation_and_corruption_is_a_typed_error() {
-        let mut wire = Vec::new();
-        send_welcome(&mut wire, Some(&welcome())).unwrap();
-        for cut in 0..wire.len() {
-            let err = read_welcome(&mut &wire[..cut]).unwrap_err();
-            assert!(matches!(err, HandshakeError::Io(_)), "cut at {cut}: {err:?}");
+    fn a_server_without_the_secret_is_refused_before_its_welcome_is_read() {
+        // The welcome would be garbage that reaches UCX; the client never reads it.
+        let mut s = script(Some(b"not the right secret!"), vec![0, 1, 0xff, 0xff, 0xff, 0xff]);
+        let err = client(&mut s, Auth::Keyed(SECRET)).unwrap_err();
+        assert!(matches!(err, HandshakeError::ServerNotAuthenticated), "{err:?}");
+        assert!(s.sent_proof.is_none(), "the client answered an unauthenticated server");
+        // A server that runs insecure is refused by a client that expects a secret.
+        let mut s = script(None, verdict(Verdict::Accepted, &welcome(false)));
+        let err = client(&mut s, Auth::Keyed(SECRET)).unwrap_err();
+        assert!(matches!(err, HandshakeError::ServerInsecure), "{err:?}");
+        // Both insecure: accepted.
+        let mut s = script(None, verdict(Verdict::Accepted, &welcome(false)));
+        assert_eq!(client(&mut s, Auth::Insecure).unwrap(), welcome(false));
+    }
+
+    #[test]
+    fn every_truncation_and_corruption_of_the_welcome_is_a_typed_error() {
+        for one_sided in [false, true] {
+            let wire = verdict(Verdict::Accepted, &welcome(one_sided));
+            for cut in 0..wire.len() {
+                let err = read_verdict(&mut &wire[..cut]).unwrap_err();
+                assert!(matches!(err, HandshakeError::Io(_)), "cut at {cut}: {err:?}");
+            }
+            // Flip every byte in turn: each result is a welcome or a typed error, never a
+            // panic and never an allocation past the limits.
+            for i in 0..wire.len() {
+                let mut bad = wire.clone();
+                bad[i] ^= 0xff;
+                let _ = read_verdict(&mut bad.as_slice());
+            }
         }
-        // Flip every byte in turn: each result is a welcome or a typed error, never a panic
-        // and never an allocation past the limits.
-        for i in 0..wire.len() {
-            let mut bad = wire.clone();
-            bad[i] ^= 0xff;
-            let _ = read_welcome(&mut bad.as_slice());
-        }
-        let mut bad = wire.clone();
-        bad[0] = b'X';
-        assert!(matches!(read_welcome(&mut bad.as_slice()), Err(HandshakeError::BadMagic)));
-        let mut bad = wire.clone();
-        bad[8] = 9;
-        assert!(matches!(
-            read_welcome(&mut bad.as_slice()),
-            Err(HandshakeError::Version { got: 9, .. })
-        ));
+        let wire = verdict(Verdict::Accepted, &welcome(true));
         // A huge address length is refused before anything is allocated for it.
-        let mut bad = wire[..13].to_vec();
+        let mut bad = wire[..2].to_vec();
         bad.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
-            read_welcome(&mut bad.as_slice()),
+            read_verdict(&mut bad.as_slice()),
             Err(HandshakeError::TooLong { field: "worker address", .. })
         ));
+        // So is a worker address too short to be one.
+        let mut bad = wire[..2].to_vec();
+        bad.extend_from_slice(&3u32.to_le_bytes());
+        bad.extend_from_slice(&[1, 2, 3, 0, 0, 0, 0]);
+        assert!(matches!(read_verdict(&mut bad.as_slice()), Err(HandshakeError::Malformed(_))));
+        assert!(matches!(read_verdict(&mut [1u8].as_slice()), Err(HandshakeError::Refused(_))));
+        assert!(matches!(read_verdict(&mut [2u8].as_slice()), Err(HandshakeError::Refused(_))));
     }
 
     #[test]
     fn a_region_that_wraps_the_address_space_is_malformed() {
-        let mut w = welcome();
-        w.regions[0].base = u64::MAX - 10;
-        let mut wire = Vec::new();
-        send_welcome(&mut wire, Some(&w)).unwrap();
-        assert!(matches!(read_welcome(&mut wire.as_slice()), Err(HandshakeError::Malformed(_))));
+        let mut w = welcome(true);
+        w.regions[0].one_sided = Some((u64::MAX - 10, vec![1]));
+        let wire = verdict(Verdict::Accepted, &w);
+        assert!(matches!(read_verdict(&mut wire.as_slice()), Err(HandshakeError::Malformed(_))));
     }
 
     #[test]
-    fn tokens_compare_whole() {
-        assert!(tokens_match(b"abc", b"abc"));
-        assert!(!tokens_match(b"abc", b"abd"));
-        assert!(!tokens_match(b"abc", b"abcd"));
-        assert!(tokens_match(b"", b""));
+    fn a_bad_preamble_is_typed() {
+        let mut h = hello(&[1; NONCE]);
+        assert_eq!(parse_hello(&h).unwrap(), [1; NONCE]);
+        h[0] = b'X';
+        assert!(matches!(parse_hello(&h), Err(HandshakeError::BadMagic)));
+        let mut h = hello(&[1; NONCE]);
+        h[8] = 9;
+        assert!(matches!(parse_hello(&h), Err(HandshakeError::Version { got: 9, .. })));
     }
 }

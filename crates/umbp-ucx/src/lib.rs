@@ -50,6 +50,8 @@
 
 #![deny(unsafe_code)]
 
+#[allow(unsafe_code)] // Moves request bytes between sockets and memory; SAFETY at each block.
+mod checked;
 mod config;
 mod engine;
 mod error;
@@ -60,9 +62,10 @@ mod server;
 #[allow(unsafe_code)] // The FFI.
 mod ucp;
 
-pub use config::UcxConfig;
+pub use config::{ServerLimits, UcxConfig, SECRET_ENV};
 pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
 pub use error::{Error, HandshakeError};
+pub use handshake::{MAX_SECRET, MIN_SECRET};
 pub use server::{Exports, ServerBuilder, UcxServer};
 
 #[cfg(doctest)]

@@ -24,6 +24,7 @@ use umbp_plan::{
     EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot, Settled, Tag,
 };
 
+use crate::checked;
 use crate::engine::NAME;
 use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker};
 use crate::{Error, UcxConfig};
@@ -72,8 +73,11 @@ pub(crate) struct Route {
     pub(crate) local: EndpointId,
     /// Its address.
     pub(crate) local_base: u64,
-    /// The remote endpoint's first byte in the peer's process.
+    /// The remote endpoint's first byte: in the peer's process (one-sided), or in its
+    /// region (checked).
     pub(crate) remote_base: u64,
+    /// Through the checked request path (no flush: the server confirms each put).
+    pub(crate) checked: bool,
 }
 
 impl Route {
@@ -85,6 +89,7 @@ impl Route {
         local: EndpointId::from_raw(u64::MAX),
         local_base: 0,
         remote_base: 0,
+        checked: false,
     };
 }
 
@@ -122,12 +127,20 @@ impl Op {
     }
 }
 
-/// What the engine asks of its progress thread.
+/// How the progress thread reaches a peer it connects to.
+pub(crate) enum LinkSpec {
+    /// One-sided UCX operations: the server's worker address and its regions' keys.
+    Ucx { address: Vec<u8>, rkeys: Vec<Vec<u8>> },
+    /// The checked request path on the authenticated connection; its threads report to
+    /// `notify` (this thread's own command channel).
+    Checked { stream: std::net::TcpStream, notify: mpsc::Sender<Command> },
+}
+
+/// What the engine (and the checked links' threads) ask of the progress thread.
 pub(crate) enum Command {
     Connect {
         peer: u32,
-        address: Vec<u8>,
-        rkeys: Vec<Vec<u8>>,
+        link: LinkSpec,
         alive: Arc<AtomicBool>,
         reason: Arc<Mutex<String>>,
         reply: mpsc::Sender<Result<u32, Error>>,
@@ -142,6 +155,11 @@ pub(crate) enum Command {
         id: EndpointId,
     },
     Submit(Box<BatchRun>),
+    /// A checked request completed (or was refused: the words).
+    CheckedDone {
+        user_data: u64,
+        result: Result<(), String>,
+    },
     PeerLost {
         slot: u32,
         reason: String,
@@ -302,10 +320,27 @@ impl Drop for BatchRun {
     }
 }
 
+/// How the thread reaches a peer.
+enum Link {
+    Ucx(Endpoint),
+    Checked(checked::Link),
+}
+
+impl Link {
+    /// Closes the link; with `force`, without waiting for what is in flight (which ends).
+    /// Either way, once this returns nothing of the link touches local memory any more.
+    fn close(self, force: bool) {
+        match self {
+            Self::Ucx(ep) => ep.close(force, CLOSE_TIMEOUT),
+            Self::Checked(link) => link.close(),
+        }
+    }
+}
+
 /// A peer as the thread holds it.
 struct PeerConn {
     id: u32,
-    ep: Option<Endpoint>,
+    ep: Option<Link>,
     alive: Arc<AtomicBool>,
     reason: Arc<Mutex<String>>,
     /// Requests (ops and flushes) in flight to it.
@@ -354,7 +389,7 @@ pub(crate) fn start(
     std::thread::Builder::new()
         .name("umbp-ucx-progress".into())
         .spawn(move || {
-            let setup = Context::new(config.transports.as_deref())
+            let setup = Context::new(config.transports.as_deref(), ucp::Features::Initiator)
                 .and_then(|context| Worker::new(&context).map(|worker| (context, worker)));
             let (context, worker) = match setup {
                 Ok(ucx) => ucx,
@@ -390,7 +425,8 @@ impl Progress {
     fn run(&mut self) {
         let mut spins = 0u32;
         loop {
-            if self.live == 0 {
+            // Nothing to poll UCX for (checked requests report through the channel): block.
+            if self.live == 0 || !self.ucx_in_flight() {
                 match self.commands.recv_timeout(IDLE_TICK) {
                     Ok(command) => self.handle(command),
                     Err(RecvTimeoutError::Timeout) => {}
@@ -418,7 +454,7 @@ impl Progress {
             if !self.closing.is_empty() {
                 self.close_drained();
             }
-            if progressed == 0 && self.in_flight > 0 {
+            if progressed == 0 && self.ucx_in_flight() {
                 spins += 1;
                 if spins >= SPINS_BEFORE_SLEEP {
                     self.worker.wait(SLEEP);
@@ -429,24 +465,38 @@ impl Progress {
             }
         }
         for peer in &mut self.peers {
-            if let Some(ep) = peer.ep.take() {
-                ep.close(false, CLOSE_TIMEOUT);
+            if let Some(link) = peer.ep.take() {
+                link.close(false);
             }
         }
     }
 
+    /// Whether a UCX request (or flush) is in flight, which only polling the worker completes.
+    fn ucx_in_flight(&self) -> bool {
+        self.peers.iter().any(|p| p.in_flight > 0 && matches!(p.ep, Some(Link::Ucx(_))))
+    }
+
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Connect { peer, address, rkeys, alive, reason, reply } => {
+            Command::Connect { peer, link, alive, reason, reply } => {
                 let slot = self.peers.len() as u32;
-                let connected =
-                    self.worker.connect(&address, slot as usize).map_err(explain_unreachable);
-                let connected = connected.and_then(|mut ep| {
-                    for rkey in &rkeys {
-                        ep.unpack(rkey)?;
+                let connected = match link {
+                    LinkSpec::Ucx { address, rkeys } => self
+                        .worker
+                        .connect(&address, slot as usize)
+                        .map_err(explain_unreachable)
+                        .and_then(|mut ep| {
+                            for rkey in &rkeys {
+                                ep.unpack(rkey)?;
+                            }
+                            Ok(Link::Ucx(ep))
+                        }),
+                    LinkSpec::Checked { stream, notify } => {
+                        checked::Link::start(stream, slot, notify).map(Link::Checked).map_err(
+                            |source| Error::Connect { addr: "checked link".into(), source },
+                        )
                     }
-                    Ok(ep)
-                });
+                };
                 let answer = connected.map(|ep| {
                     self.peers.push(PeerConn {
                         id: peer,
@@ -491,6 +541,7 @@ impl Progress {
                 self.order.push(key);
                 self.live += 1;
             }
+            Command::CheckedDone { user_data, result } => self.done(user_data, result),
             Command::PeerLost { slot, reason } => self.kill(slot, reason),
             Command::Disconnect { slot, reply } => {
                 if let Some(peer) = self.peers.get(slot as usize) {
@@ -527,10 +578,42 @@ impl Progress {
                     b.record(i, peer.failure());
                     continue;
                 };
-                let memh = self.maps.get(&route.local);
                 let (local, remote) =
                     (route.local_base + op.local_offset, route.remote_base + op.remote_offset);
                 let user_data = user_data(false, key, self.generations[key as usize], i as u32);
+                let ep = match ep {
+                    Link::Ucx(ep) => ep,
+                    Link::Checked(link) => {
+                        // The same promise as for a UCX request below: `local .. + len` stays
+                        // registered and untouched by others until the request completes or
+                        // the link closes (which ends every touch of it).
+                        let post = checked::Post {
+                            user_data,
+                            write: route.write,
+                            region: route.rkey,
+                            offset: remote,
+                            local,
+                            len: op.len,
+                        };
+                        if link.post(post) {
+                            b.ops[i].state = OpState::InFlight;
+                            b.in_flight += 1;
+                            self.in_flight += 1;
+                            if peer.in_flight == 0 {
+                                peer.last_progress = now;
+                            }
+                            peer.in_flight += 1;
+                        } else {
+                            let cause = FailureCause::PeerFailed {
+                                peer: peer.id,
+                                message: "its link is gone".into(),
+                            };
+                            b.record(i, cause);
+                        }
+                        continue;
+                    }
+                };
+                let memh = self.maps.get(&route.local);
                 // SAFETY: `local .. local + len` lies inside the host endpoint `route.local`
                 // (checked at submit against the pinned registration), which stays registered,
                 // hence valid, until this batch settles, and the batch settles only after this
@@ -555,7 +638,7 @@ impl Progress {
                         }
                         peer.in_flight += 1;
                     }
-                    Posted::Failed(status) => fail(b, i, peer, status),
+                    Posted::Failed(status) => fail(b, i, peer, status_failure(status)),
                 }
             }
         }
@@ -567,7 +650,14 @@ impl Progress {
         ucp::take_events(&mut events);
         for event in events.drain(..) {
             match event {
-                Event::Done { user_data, status } => self.done(user_data, status),
+                Event::Done { user_data, status } => {
+                    let result = if status == ucp::sys::UCS_OK {
+                        Ok(())
+                    } else {
+                        Err(status_failure(status).1)
+                    };
+                    self.done(user_data, result);
+                }
                 Event::EndpointFailed { arg, status } => {
                     self.kill(arg as u32, format!("UCX: {}", ucp::status_message(status)));
                 }
@@ -576,7 +666,7 @@ impl Progress {
         self.events = events;
     }
 
-    fn done(&mut self, user_data: u64, status: ucp::sys::Status) {
+    fn done(&mut self, user_data: u64, result: Result<(), String>) {
         let (flush, key, generation, index) = parts(user_data);
         if self.generations.get(key).is_none_or(|&g| g & 0x7fff != generation) {
             return; // For a batch that settled: its request was swept.
@@ -588,10 +678,10 @@ impl Progress {
             let peer = &mut self.peers[index as usize];
             peer.in_flight -= 1;
             peer.last_progress = Instant::now();
-            if status != ucp::sys::UCS_OK {
+            if let Err(message) = result {
                 let cause = FailureCause::PeerFailed {
                     peer: peer.id,
-                    message: format!("flush: {}", ucp::status_message(status)),
+                    message: format!("flush: {message}"),
                 };
                 b.fail_puts(index, &cause);
             }
@@ -606,10 +696,9 @@ impl Progress {
         let peer = &mut self.peers[b.routes[b.ops[i].plan as usize].peer as usize];
         peer.in_flight -= 1;
         peer.last_progress = Instant::now();
-        if status == ucp::sys::UCS_OK {
-            complete(b, i);
-        } else {
-            fail(b, i, peer, status);
+        match result {
+            Ok(()) => complete(b, i),
+            Err(message) => fail(b, i, peer, (false, message)),
         }
     }
 
@@ -623,8 +712,8 @@ impl Progress {
         tracing::warn!(peer = peer.id, %reason, "peer declared dead");
         *peer.reason.lock().unwrap_or_else(PoisonError::into_inner) = reason;
         peer.alive.store(false, Ordering::Release);
-        if let Some(ep) = peer.ep.take() {
-            ep.close(true, CLOSE_TIMEOUT);
+        if let Some(link) = peer.ep.take() {
+            link.close(true);
         }
         // The forced close completed every request on the endpoint with an error (UCX purges
         // the requests it tracks for endpoints in peer-failure mode inside the close); handle
@@ -663,8 +752,8 @@ impl Progress {
             if peer.in_flight > 0 || unconfirmed {
                 return true;
             }
-            if let Some(ep) = peer.ep.take() {
-                ep.close(false, CLOSE_TIMEOUT);
+            if let Some(link) = peer.ep.take() {
+                link.close(false);
             }
             let _ = reply.send(());
             false
@@ -698,7 +787,7 @@ impl Progress {
                 b.flush_started = true;
                 for peer_slot in std::mem::take(&mut b.flush) {
                     let peer = &mut self.peers[peer_slot as usize];
-                    let Some(ep) = peer.ep.as_ref() else {
+                    let Some(Link::Ucx(ep)) = peer.ep.as_ref() else {
                         b.fail_puts(peer_slot, &peer.failure());
                         continue;
                     };
@@ -761,26 +850,28 @@ fn explain_unreachable(e: Error) -> Error {
 fn complete(b: &mut BatchRun, i: usize) {
     b.ops[i].state = OpState::Done;
     let route = b.routes[b.ops[i].plan as usize];
-    if route.write && !b.flush.contains(&route.peer) {
+    if route.write && !route.checked && !b.flush.contains(&route.peer) {
         b.flush.push(route.peer);
     }
 }
 
-/// Op `i` of `b` failed with `status`: re-issued per object when it carried several and its
-/// peer lives, else recorded.
-fn fail(b: &mut BatchRun, i: usize, peer: &PeerConn, status: ucp::sys::Status) {
+/// A UCX status as a failure: whether the request was cancelled, and UCX's words.
+fn status_failure(status: ucp::sys::Status) -> (bool, String) {
+    (ucp::is_canceled(status), ucp::status_message(status))
+}
+
+/// Op `i` of `b` failed (`canceled` by a forced close, or with `message`): re-issued per
+/// object when it carried several and its peer lives, else recorded.
+fn fail(b: &mut BatchRun, i: usize, peer: &PeerConn, (canceled, message): (bool, String)) {
     let op = b.ops[i];
-    let alive = peer.alive.load(Ordering::Acquire) && !ucp::is_canceled(status);
+    let alive = peer.alive.load(Ordering::Acquire) && !canceled;
     let shared = b.plans().plans()[op.plan as usize].segment_tags(op.segment as usize).len() > 1;
     if alive && op.only.is_none() && shared {
         b.reissue(i);
         return;
     }
     let cause = if alive {
-        FailureCause::PeerFailed {
-            peer: peer.id,
-            message: format!("request: {}", ucp::status_message(status)),
-        }
+        FailureCause::PeerFailed { peer: peer.id, message: format!("request: {message}") }
     } else {
         peer.failure()
     };

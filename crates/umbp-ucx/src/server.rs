@@ -1,26 +1,51 @@
 //! The serving side: the node that owns the memory exports regions of it to peers.
+//!
+//! One thread (an event loop over non-blocking sockets) accepts connections and runs every
+//! handshake, each under one deadline for the whole of it; a connection that has not proved
+//! the secret costs a socket and no thread, and past [`ServerLimits`]' bounds the oldest such
+//! connection is closed. An authenticated client gets one thread, which serves its checked
+//! requests (or, in one-sided mode, watches its connection), up to
+//! [`ServerLimits::max_clients`].
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::io::Read;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use umbp_plan::HostMemory;
 
-use crate::handshake::{self, Welcome, WireRegion};
+use crate::checked::{self, Served};
+use crate::handshake::{self, Auth, Verdict, Welcome, WireRegion};
 use crate::ucp::{self, Access, Context, Worker};
-use crate::{Error, UcxConfig};
+use crate::{Error, ServerLimits, UcxConfig};
 
-/// How long the server's thread sleeps between checks for shutdown while idle.
+/// How long the server's threads sleep between checks for shutdown while idle.
 const IDLE_TICK: Duration = Duration::from_millis(50);
-/// Empty polls before the server's thread sleeps on the worker's descriptor: while clients
-/// keep requests coming (TCP needs the target to take part), it answers without a wake-up.
+/// Empty polls before the UCX thread sleeps on the worker's descriptor.
 const SPINS_BEFORE_SLEEP: u32 = 4096;
+/// The first pause after `accept` fails (out of descriptors, say); doubled up to the next.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// RDMA transports, on which the NIC enforces a remote key's bounds and rights.
+const HARDWARE_RMA: &[&str] =
+    &["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ib"];
+
+/// Whether `transports` name RDMA transports only: then, and only then, the server hands
+/// out remote keys for one-sided access. Anything else (TCP, shared memory, UCX's own
+/// choice, which may fall back to either) is served through the checked request path.
+fn hardware_enforced(transports: Option<&str>) -> bool {
+    transports.is_some_and(|t| {
+        let mut names = t.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
+        names.peek().is_some() && names.all(|n| HARDWARE_RMA.contains(&n))
+    })
+}
 
 /// One region to export, before serving.
 struct Export {
@@ -37,9 +62,10 @@ struct Export {
 /// use umbp_ucx::{ServerBuilder, UcxConfig};
 ///
 /// let arena = vec![0u8; 64 << 20]; // the KV pool's pages
+/// // The secret comes from UMBP_UCX_SECRET; clients need the same one.
 /// let server = ServerBuilder::new(UcxConfig::default())
 ///     .export("kv-arena", arena, true)
-///     .serve("0.0.0.0:7400")?;
+///     .serve("10.0.0.2:7400")?; // the interface the compute nodes reach, not 0.0.0.0
 /// println!("serving on {}", server.local_addr());
 /// // ... until the node shuts down; `shutdown` hands the arena back.
 /// let arena: Vec<u8> = server.shutdown().take("kv-arena").unwrap();
@@ -51,21 +77,22 @@ pub struct ServerBuilder {
 }
 
 impl ServerBuilder {
-    /// A server with `config` (its transports and token) and no region yet.
+    /// A server with `config` (its transports, secret and limits) and no region yet.
     pub fn new(config: UcxConfig) -> Self {
         Self { config, exports: Vec::new() }
     }
 
     /// Exports `memory` as region `name` (regions are numbered in the order they are
-    /// exported). Peers may read it, and write it when `writable`, until the server shuts
-    /// down; the server owns it meanwhile and [`UcxServer::shutdown`] hands it back.
+    /// exported). Authenticated peers may read it, and write it when `writable`, until the
+    /// server shuts down; the server owns it meanwhile and [`UcxServer::shutdown`] hands it
+    /// back.
     pub fn export<M: HostMemory + Send>(
         mut self,
         name: &str,
         mut memory: M,
         writable: bool,
     ) -> Self {
-        // Exposed, so that the address UCX is given can be turned back into a pointer.
+        // Exposed, so that the address can be turned back into a pointer.
         let (addr, len) = (memory.as_mut_ptr().expose_provenance() as u64, memory.len() as u64);
         self.exports.push(Export {
             name: name.to_owned(),
@@ -82,9 +109,9 @@ impl ServerBuilder {
     /// # Safety
     ///
     /// `addr .. addr + len` stays mapped until the server has shut down (or been dropped),
-    /// and the caller accepts that peers read it, and write it when `writable`, at any time
-    /// meanwhile.
-    #[allow(unsafe_code)] // Declares the obligation; the server maps what it is given.
+    /// and the caller accepts that authenticated peers read it, and write it when
+    /// `writable`, at any time meanwhile.
+    #[allow(unsafe_code)] // Declares the obligation; the server serves what it is given.
     pub unsafe fn export_raw(mut self, name: &str, addr: u64, len: u64, writable: bool) -> Self {
         self.exports.push(Export {
             name: name.to_owned(),
@@ -96,40 +123,71 @@ impl ServerBuilder {
         self
     }
 
-    /// Starts serving: a thread that progresses UCX (transports such as TCP need the target
-    /// to take part in one-sided operations), and a thread that accepts control connections
-    /// on `listen` and answers their handshakes.
+    /// Starts serving on `listen`: a thread that accepts connections and answers their
+    /// handshakes, and, on RDMA transports only, a thread that progresses UCX.
+    ///
+    /// Refused ([`Error::Config`]) without a shared secret unless the configuration says
+    /// [`insecure_no_auth`](UcxConfig::insecure_no_auth).
     pub fn serve(self, listen: impl ToSocketAddrs) -> Result<UcxServer, Error> {
+        let auth = match self.config.auth()? {
+            Auth::Keyed(secret) => Some(secret.to_vec()),
+            Auth::Insecure => None,
+        };
+        let limits = self.config.limits.clone();
+        if limits.max_clients == 0 || limits.max_handshakes == 0 {
+            return Err(Error::Config {
+                setting: "limits",
+                reason: "a server must take at least one client and one handshake".into(),
+            });
+        }
         let listener = TcpListener::bind(listen)
             .map_err(|source| Error::Connect { addr: "listen address".into(), source })?;
         let local_addr = listener
             .local_addr()
             .map_err(|source| Error::Connect { addr: "listener".into(), source })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| Error::Connect { addr: "listener".into(), source })?;
         let stop = Arc::new(AtomicBool::new(false));
-        let ranges: Vec<(u64, u64, bool)> =
-            self.exports.iter().map(|e| (e.addr, e.len, e.writable)).collect();
-        let (ready, started) = mpsc::channel();
-        let transports = self.config.transports.clone();
-        let progress = {
-            let stop = Arc::clone(&stop);
-            std::thread::Builder::new()
-                .name("umbp-ucx-serve".into())
-                .spawn(move || serve_ucx(transports.as_deref(), &ranges, &ready, &stop))
-                .map_err(|source| Error::Connect { addr: "progress thread".into(), source })?
-        };
+        let one_sided = hardware_enforced(self.config.transports.as_deref());
         let mut server = UcxServer {
             local_addr,
             stop,
-            progress: Some(progress),
+            progress: None,
             accept: None,
             clients: Arc::new(Mutex::new(HashMap::new())),
-            regions: Vec::new(),
+            regions: self.exports.iter().map(|e| (e.name.clone(), e.len, e.writable)).collect(),
             exports: Mutex::new(Vec::new()),
+            one_sided,
         };
-        let (address, rkeys) = match started.recv() {
-            Ok(Ok(keys)) => keys,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(Error::ProgressThreadGone),
+        let keys = if one_sided {
+            let ranges: Vec<(u64, u64, bool)> =
+                self.exports.iter().map(|e| (e.addr, e.len, e.writable)).collect();
+            let (ready, started) = mpsc::channel();
+            let transports = self.config.transports.clone();
+            let stop = Arc::clone(&server.stop);
+            server.progress = Some(
+                std::thread::Builder::new()
+                    .name("umbp-ucx-serve".into())
+                    .spawn(move || serve_ucx(transports.as_deref(), &ranges, &ready, &stop))
+                    .map_err(|source| Error::Connect { addr: "progress thread".into(), source })?,
+            );
+            match started.recv() {
+                Ok(Ok(keys)) => Some(keys),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(Error::ProgressThreadGone),
+            }
+        } else {
+            None
+        };
+        let served: Arc<[Served]> = self
+            .exports
+            .iter()
+            .map(|e| Served { addr: e.addr, len: e.len, writable: e.writable })
+            .collect();
+        let (address, rkeys) = match keys {
+            Some((address, rkeys)) => (Some(address), rkeys.into_iter().map(Some).collect()),
+            None => (None, vec![None; self.exports.len()]),
         };
         let regions: Vec<WireRegion> = self
             .exports
@@ -138,42 +196,49 @@ impl ServerBuilder {
             .map(|(e, rkey)| WireRegion {
                 name: e.name.clone(),
                 writable: e.writable,
-                base: e.addr,
                 len: e.len,
-                rkey,
+                one_sided: rkey.map(|k| (e.addr, k)),
             })
             .collect();
-        server.regions = regions.iter().map(|r| (r.name.clone(), r.len, r.writable)).collect();
         server.exports = Mutex::new(self.exports.into_iter().map(|e| (e.name, e.keep)).collect());
-        let welcome = Arc::new(Welcome { address, regions });
+        let welcome = handshake::verdict(Verdict::Accepted, &Welcome { address, regions });
         let accept = {
-            let (stop, clients) = (Arc::clone(&server.stop), Arc::clone(&server.clients));
-            let (token, timeout) = (self.config.token.clone(), self.config.connect_timeout);
+            let ctx = Handshakes {
+                listener,
+                welcome,
+                secret: auth,
+                deadline: self.config.connect_timeout,
+                limits,
+                served,
+                one_sided,
+                stop: Arc::clone(&server.stop),
+                clients: Arc::clone(&server.clients),
+                next: 0,
+            };
             std::thread::Builder::new()
                 .name("umbp-ucx-accept".into())
-                .spawn(move || {
-                    accept(listener, &welcome, token.as_deref(), timeout, &stop, &clients)
-                })
+                .spawn(move || ctx.run())
                 .map_err(|source| Error::Connect { addr: "accept thread".into(), source })?
         };
         server.accept = Some(accept);
-        tracing::info!(%local_addr, regions = server.regions.len(), "serving");
+        tracing::info!(%local_addr, regions = server.regions.len(), one_sided, "serving");
         Ok(server)
     }
 }
 
-/// Memory exported to peers over UCX, served until [`shutdown`](Self::shutdown) or drop.
+/// Memory exported to peers, served until [`shutdown`](Self::shutdown) or drop.
 pub struct UcxServer {
     local_addr: SocketAddr,
     stop: Arc<AtomicBool>,
     progress: Option<JoinHandle<()>>,
     accept: Option<JoinHandle<()>>,
-    /// Control connections of connected clients, shut down when the server stops.
+    /// Authenticated clients: their connection and their thread, ended when the server stops.
     clients: Clients,
     regions: Vec<(String, u64, bool)>,
-    /// What backs each region; dropped only after the UCX mappings are gone.
+    /// What backs each region; dropped only once no thread can reach it.
     /// (Behind a lock only so that the server is `Sync`: nothing reads them while serving.)
     exports: Mutex<Vec<(String, Box<dyn Any + Send>)>>,
+    one_sided: bool,
 }
 
 impl std::fmt::Debug for UcxServer {
@@ -181,6 +246,7 @@ impl std::fmt::Debug for UcxServer {
         f.debug_struct("UcxServer")
             .field("local_addr", &self.local_addr)
             .field("regions", &self.regions)
+            .field("one_sided", &self.one_sided)
             .finish()
     }
 }
@@ -196,12 +262,19 @@ impl UcxServer {
         &self.regions
     }
 
-    /// Clients whose control connection is open now.
+    /// Authenticated clients whose connection is open now.
     pub fn clients(&self) -> usize {
         self.clients.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
-    /// Stops serving (clients see their peer go away) and hands back what backed the regions.
+    /// Whether clients reach the regions with one-sided RDMA operations (remote keys,
+    /// enforced by the NIC); else every access is a request the server checks.
+    pub fn one_sided(&self) -> bool {
+        self.one_sided
+    }
+
+    /// Stops serving (clients see their peer go away) and hands back what backed the regions,
+    /// once no thread of the server can touch them.
     pub fn shutdown(mut self) -> Exports {
         self.stop_threads();
         Exports(std::mem::take(self.exports.get_mut().unwrap_or_else(PoisonError::into_inner)))
@@ -209,13 +282,16 @@ impl UcxServer {
 
     fn stop_threads(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wakes the accept loop.
-        let _ = TcpStream::connect_timeout(&self.local_addr, Duration::from_secs(1));
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
-        for (_, client) in self.clients.lock().unwrap_or_else(PoisonError::into_inner).drain() {
-            let _ = client.shutdown(Shutdown::Both);
+        let clients: Vec<_> =
+            self.clients.lock().unwrap_or_else(PoisonError::into_inner).drain().collect();
+        for (_, (stream, _)) in &clients {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for (_, (_, thread)) in clients {
+            let _ = thread.join();
         }
         if let Some(progress) = self.progress.take() {
             let _ = progress.join();
@@ -226,7 +302,7 @@ impl UcxServer {
 impl Drop for UcxServer {
     fn drop(&mut self) {
         self.stop_threads();
-        // `exports` drops after this, once UCX has unmapped them.
+        // `exports` drops after this, once nothing can reach them.
     }
 }
 
@@ -246,8 +322,10 @@ impl Exports {
 /// remote key.
 type Keys = (Vec<u8>, Vec<Vec<u8>>);
 
-/// The server's UCX thread: maps the regions, reports the keys, then progresses until told
-/// to stop.
+/// The server's UCX thread (one-sided mode): maps the regions, reports the keys, then
+/// progresses until told to stop. Its context has no RMA feature, so UCX's software
+/// emulation of one-sided operations (which checks no key) is not even installed: only the
+/// NIC serves peers' gets and puts, within the registered regions and their rights.
 fn serve_ucx(
     transports: Option<&str>,
     ranges: &[(u64, u64, bool)],
@@ -255,7 +333,7 @@ fn serve_ucx(
     stop: &AtomicBool,
 ) {
     let setup = || -> Result<_, Error> {
-        let context = Context::new(transports)?;
+        let context = Context::new(transports, ucp::Features::TargetOnly)?;
         let worker = Worker::new(&context)?;
         let mut maps = Vec::new();
         let mut keys = Vec::new();
@@ -298,63 +376,358 @@ fn serve_ucx(
     }
 }
 
-/// The control connections of accepted clients, by connection number.
-type Clients = Arc<Mutex<HashMap<u64, TcpStream>>>;
+/// Authenticated clients by connection number: their connection and their thread.
+type Clients = Arc<Mutex<HashMap<u64, (TcpStream, JoinHandle<()>)>>>;
 
-/// Accepts control connections until told to stop. Each gets its own thread, which answers the
-/// handshake (so a slow or silent client delays no other) and then watches the connection
-/// until the client goes away; connections are few, one per client node.
-fn accept(
+/// Where one connection's handshake stands.
+enum Step {
+    /// Reading the hello (`have` bytes so far).
+    Hello { buf: [u8; handshake::HELLO_LEN], have: usize },
+    /// Sending the challenge.
+    Challenge { out: Vec<u8>, sent: usize, client: [u8; 32], server: [u8; 32] },
+    /// Reading the client's proof.
+    Proof { buf: [u8; handshake::PROOF], have: usize, client: [u8; 32], server: [u8; 32] },
+    /// Sending the verdict; `admit` when it accepts the client.
+    Verdict { out: Vec<u8>, sent: usize, admit: bool },
+}
+
+/// A connection in its handshake.
+struct Pending {
+    stream: TcpStream,
+    ip: IpAddr,
+    deadline: Instant,
+    step: Step,
+}
+
+/// The accept thread's state.
+struct Handshakes {
     listener: TcpListener,
-    welcome: &Arc<Welcome>,
-    token: Option<&[u8]>,
-    timeout: Duration,
-    stop: &AtomicBool,
-    clients: &Clients,
-) {
-    for (number, stream) in (0u64..).zip(listener.incoming()) {
-        if stop.load(Ordering::Acquire) {
+    /// The accepted verdict and welcome, the same for every client.
+    welcome: Vec<u8>,
+    /// The shared secret; `None` when running insecure.
+    secret: Option<Vec<u8>>,
+    deadline: Duration,
+    limits: ServerLimits,
+    served: Arc<[Served]>,
+    one_sided: bool,
+    stop: Arc<AtomicBool>,
+    clients: Clients,
+    next: u64,
+}
+
+/// What one step of a handshake came to.
+enum Outcome {
+    /// Waiting for the socket.
+    Wait,
+    /// Handshake done: serve the client.
+    Admit,
+    /// Over (refused, failed, or finished telling a refusal).
+    Close(&'static str),
+}
+
+impl Handshakes {
+    fn run(mut self) {
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut backoff = ACCEPT_BACKOFF;
+        let mut accept_after = Instant::now();
+        // Clients by IP, counted here: only this thread admits, client threads remove.
+        while !self.stop.load(Ordering::Acquire) {
+            let now = Instant::now();
+            // Close what passed its deadline.
+            pending.retain(|p| {
+                let alive = p.deadline > now;
+                if !alive {
+                    tracing::debug!(ip = %p.ip, "handshake deadline passed; closed");
+                }
+                alive
+            });
+            fds.clear();
+            let listening = now >= accept_after;
+            fds.push(libc::pollfd {
+                fd: self.listener.as_raw_fd(),
+                events: if listening { libc::POLLIN } else { 0 },
+                revents: 0,
+            });
+            for p in &pending {
+                let events = match p.step {
+                    Step::Hello { .. } | Step::Proof { .. } => libc::POLLIN,
+                    Step::Challenge { .. } | Step::Verdict { .. } => libc::POLLOUT,
+                };
+                fds.push(libc::pollfd { fd: p.stream.as_raw_fd(), events, revents: 0 });
+            }
+            let mut wait = IDLE_TICK;
+            if let Some(first) = pending.iter().map(|p| p.deadline).min() {
+                wait = wait.min(first.saturating_duration_since(now));
+            }
+            if !listening {
+                wait = wait.min(accept_after.saturating_duration_since(now));
+            }
+            // SAFETY: `fds` is a live, initialised array of `fds.len()` pollfds.
+            #[allow(unsafe_code)]
+            let ready = unsafe {
+                libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as i32)
+            };
+            if ready <= 0 {
+                continue;
+            }
+            // Step the connections that are ready (before accepting, so indexes match).
+            let mut i = 0;
+            let mut k = 1;
+            while i < pending.len() {
+                let revents = fds[k].revents;
+                k += 1;
+                if revents == 0 {
+                    i += 1;
+                    continue;
+                }
+                match self.step(&mut pending[i]) {
+                    Outcome::Wait => i += 1,
+                    Outcome::Admit => {
+                        let p = pending.swap_remove(i);
+                        fds.swap_remove(k - 1);
+                        k -= 1;
+                        self.admit(p);
+                    }
+                    Outcome::Close(why) => {
+                        let p = pending.swap_remove(i);
+                        fds.swap_remove(k - 1);
+                        k -= 1;
+                        tracing::debug!(ip = %p.ip, why, "handshake ended");
+                    }
+                }
+            }
+            if listening && fds[0].revents != 0 {
+                match self.accept(&mut pending) {
+                    Ok(()) => backoff = ACCEPT_BACKOFF,
+                    Err(e) => {
+                        tracing::warn!(error = %e, pause = ?backoff, "accept failed; pausing");
+                        accept_after = Instant::now() + backoff;
+                        backoff = (backoff * 2).min(MAX_ACCEPT_BACKOFF);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Accepts every waiting connection; each starts its handshake under its deadline.
+    fn accept(&mut self, pending: &mut Vec<Pending>) -> io::Result<()> {
+        loop {
+            let (stream, peer) = match self.listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
+                Err(e) => return Err(e),
+            };
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let _ = stream.set_nodelay(true);
+            let ip = peer.ip();
+            // Past a bound, the oldest connection (of this address, else of all) makes room.
+            let of_ip = pending.iter().filter(|p| p.ip == ip).count();
+            if of_ip >= self.limits.max_handshakes_per_ip.max(1) {
+                if let Some(at) = oldest(pending, Some(ip)) {
+                    pending.swap_remove(at);
+                }
+            } else if pending.len() >= self.limits.max_handshakes {
+                if let Some(at) = oldest(pending, None) {
+                    pending.swap_remove(at);
+                }
+            }
+            pending.push(Pending {
+                stream,
+                ip,
+                deadline: Instant::now() + self.deadline,
+                step: Step::Hello { buf: [0; handshake::HELLO_LEN], have: 0 },
+            });
+        }
+    }
+
+    /// Moves one handshake on as far as its socket allows.
+    fn step(&self, p: &mut Pending) -> Outcome {
+        loop {
+            let next = match &mut p.step {
+                Step::Hello { buf, have } => match fill(&mut p.stream, &mut buf[..], have) {
+                    Ok(false) => return Outcome::Wait,
+                    Err(_) => return Outcome::Close("the connection failed"),
+                    Ok(true) => {
+                        let Ok(client) = handshake::parse_hello(buf) else {
+                            return Outcome::Close("not an umbp-ucx hello");
+                        };
+                        let Ok(server) = handshake::nonce() else {
+                            return Outcome::Close("no randomness");
+                        };
+                        let auth = self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed);
+                        let out = handshake::challenge(auth, &client, &server).to_vec();
+                        Step::Challenge { out, sent: 0, client, server }
+                    }
+                },
+                Step::Challenge { out, sent, client, server } => {
+                    match drain(&mut p.stream, out, sent) {
+                        Ok(false) => return Outcome::Wait,
+                        Err(_) => return Outcome::Close("the connection failed"),
+                        Ok(true) => Step::Proof {
+                            buf: [0; handshake::PROOF],
+                            have: 0,
+                            client: *client,
+                            server: *server,
+                        },
+                    }
+                }
+                Step::Proof { buf, have, client, server } => {
+                    match fill(&mut p.stream, &mut buf[..], have) {
+                        Ok(false) => return Outcome::Wait,
+                        Err(_) => return Outcome::Close("the connection failed"),
+                        Ok(true) => {
+                            let proven = self.secret.as_deref().is_none_or(|secret| {
+                                handshake::verify(
+                                    secret,
+                                    handshake::CLIENT_LABEL,
+                                    client,
+                                    server,
+                                    buf,
+                                )
+                            });
+                            if !proven {
+                                tracing::warn!(ip = %p.ip, "refused a client without the secret");
+                                let out = handshake::verdict(
+                                    Verdict::WrongProof,
+                                    &Welcome { address: None, regions: Vec::new() },
+                                );
+                                Step::Verdict { out, sent: 0, admit: false }
+                            } else if !self.room_for(p.ip) {
+                                tracing::warn!(ip = %p.ip, "refused a client: serving as many as allowed");
+                                let out = handshake::verdict(
+                                    Verdict::Full,
+                                    &Welcome { address: None, regions: Vec::new() },
+                                );
+                                Step::Verdict { out, sent: 0, admit: false }
+                            } else {
+                                Step::Verdict { out: self.welcome.clone(), sent: 0, admit: true }
+                            }
+                        }
+                    }
+                }
+                Step::Verdict { out, sent, admit } => match drain(&mut p.stream, out, sent) {
+                    Ok(false) => return Outcome::Wait,
+                    Err(_) => return Outcome::Close("the connection failed"),
+                    Ok(true) if *admit => return Outcome::Admit,
+                    Ok(true) => return Outcome::Close("refused"),
+                },
+            };
+            p.step = next;
+        }
+    }
+
+    /// Whether another client from `ip` may be served now.
+    fn room_for(&self, ip: IpAddr) -> bool {
+        let clients = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
+        let of_ip =
+            clients.values().filter(|(s, _)| s.peer_addr().is_ok_and(|a| a.ip() == ip)).count();
+        clients.len() < self.limits.max_clients && of_ip < self.limits.max_clients_per_ip
+    }
+
+    /// Serves an authenticated client on a thread of its own.
+    fn admit(&mut self, p: Pending) {
+        let number = self.next;
+        self.next += 1;
+        let stream = p.stream;
+        if stream.set_nonblocking(false).is_err() {
             return;
         }
-        let Ok(stream) = stream else { continue };
-        let (welcome, clients) = (Arc::clone(welcome), Arc::clone(clients));
-        let token = token.map(<[u8]>::to_vec);
-        let _ = std::thread::Builder::new().name("umbp-ucx-client".into()).spawn(move || {
-            serve_client(stream, number, &welcome, token.as_deref(), timeout, &clients)
+        let Ok(kept) = stream.try_clone() else { return };
+        let (served, clients, one_sided) =
+            (Arc::clone(&self.served), Arc::clone(&self.clients), self.one_sided);
+        // Registered under the lock before the thread can remove itself.
+        let mut map = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
+        let thread = std::thread::Builder::new().name("umbp-ucx-client".into()).spawn(move || {
+            let peer = stream.peer_addr().ok();
+            tracing::debug!(?peer, "client connected");
+            let ended = if one_sided {
+                watch(stream)
+            } else {
+                // SAFETY: the regions stay mapped until the server stopped, which joins this
+                // thread first (`stop_threads`); their owner accepted peers' access.
+                #[allow(unsafe_code)]
+                unsafe {
+                    checked::serve(stream, &served)
+                }
+            };
+            if let Err(e) = ended {
+                tracing::debug!(?peer, error = %e, "client connection failed");
+            }
+            clients.lock().unwrap_or_else(PoisonError::into_inner).remove(&number);
+            tracing::debug!(?peer, "client left");
         });
+        match thread {
+            Ok(thread) => {
+                map.insert(number, (kept, thread));
+            }
+            Err(e) => tracing::warn!(error = %e, "no thread for a client; closed"),
+        }
     }
 }
 
-/// Answers one client's handshake, then holds its connection until it closes.
-fn serve_client(
-    mut stream: TcpStream,
-    number: u64,
-    welcome: &Welcome,
-    token: Option<&[u8]>,
-    timeout: Duration,
-    clients: &Clients,
-) {
-    let peer = stream.peer_addr().ok();
-    let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.set_write_timeout(Some(timeout));
-    let _ = stream.set_nodelay(true);
-    let answered = handshake::read_hello(&mut stream).and_then(|got| {
-        let accepted = token.is_none_or(|t| handshake::tokens_match(t, &got));
-        handshake::send_welcome(&mut stream, accepted.then_some(welcome)).map(|()| accepted)
-    });
-    match answered {
-        Ok(true) => tracing::debug!(?peer, "client connected"),
-        Ok(false) => return tracing::warn!(?peer, "refused a client with the wrong token"),
-        Err(e) => {
-            let error = &e as &dyn std::error::Error;
-            return tracing::warn!(?peer, error, "malformed handshake");
+/// The index of the oldest pending connection (of `ip`, when given).
+fn oldest(pending: &[Pending], ip: Option<IpAddr>) -> Option<usize> {
+    pending
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| ip.is_none_or(|ip| p.ip == ip))
+        .min_by_key(|(_, p)| p.deadline)
+        .map(|(i, _)| i)
+}
+
+/// Reads into `buf` from `*have`; `Ok(true)` once full. End of file is an error.
+fn fill(stream: &mut TcpStream, buf: &mut [u8], have: &mut usize) -> io::Result<bool> {
+    while *have < buf.len() {
+        match stream.read(&mut buf[*have..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => *have += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
-    let _ = stream.set_read_timeout(None);
-    let Ok(kept) = stream.try_clone() else { return };
-    clients.lock().unwrap_or_else(PoisonError::into_inner).insert(number, kept);
+    Ok(true)
+}
+
+/// Writes `out` from `*sent`; `Ok(true)` once all is sent.
+fn drain(stream: &mut TcpStream, out: &[u8], sent: &mut usize) -> io::Result<bool> {
+    while *sent < out.len() {
+        match stream.write(&out[*sent..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => *sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// One-sided mode: holds a client's connection until it closes (its end tells the client
+/// the server went away, and the other way round). Anything the client sends is ignored.
+fn watch(mut stream: TcpStream) -> io::Result<()> {
     let mut buf = [0u8; 64];
-    while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
-    clients.lock().unwrap_or_else(PoisonError::into_inner).remove(&number);
-    tracing::debug!(?peer, "client left");
+    while stream.read(&mut buf)? > 0 {}
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hardware_enforced;
+
+    #[test]
+    fn only_rdma_transports_alone_are_taken_as_hardware_enforced() {
+        assert!(hardware_enforced(Some("rc")));
+        assert!(hardware_enforced(Some("rc_x, dc_x")));
+        for doubtful in [None, Some(""), Some("tcp"), Some("sm"), Some("rc,tcp"), Some("^tcp")] {
+            assert!(!hardware_enforced(doubtful), "{doubtful:?}");
+        }
+        assert!(!hardware_enforced(Some("rc,sm")));
+        assert!(!hardware_enforced(Some("all")));
+    }
 }

@@ -15,7 +15,7 @@ use umbp_plan::{
     TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
-use umbp_ucx::{UcxConfig, UcxEngine};
+use umbp_ucx::UcxEngine;
 
 use support::{fill_byte, ucx_or_skip, Served, POISON};
 
@@ -81,8 +81,7 @@ fn tiers(pages: usize) -> Tiers {
         HbmConfig::default(),
     ));
     let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
-    let ucx =
-        Arc::new(UcxEngine::new(registry.clone(), UcxConfig::with_transports("tcp")).unwrap());
+    let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
     let peer = ucx.connect(server.addr).unwrap();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];
     let composite = CompositeEngine::new(registry, engines);

@@ -191,8 +191,7 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
     let server = Served::start("tcp", 64 * MIB, 8, &[]);
     let registry = umbp_plan::EndpointRegistry::new();
     // One request in flight at a time, so the deadline finds most of them unsent.
-    let config =
-        umbp_ucx::UcxConfig { max_in_flight: 1, ..umbp_ucx::UcxConfig::with_transports("tcp") };
+    let config = umbp_ucx::UcxConfig { max_in_flight: 1, ..support::config("tcp") };
     let engine = umbp_ucx::UcxEngine::new(registry, config).unwrap();
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();

@@ -3,8 +3,15 @@
 //!
 //! ```text
 //! umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS]
-//!                [--read-only-bytes N] [--token TEXT]
+//!                [--read-only-bytes N] [--secret-file PATH | --insecure-no-auth]
+//!                [--max-clients N] [--handshake-timeout-ms N]
 //! ```
+//!
+//! The shared secret comes from `--secret-file` (the file's bytes, a trailing newline
+//! dropped) or else from the environment variable `UMBP_UCX_SECRET`; never from the command
+//! line, which other users of the machine can read. Without one it refuses to start unless
+//! `--insecure-no-auth` says to serve whoever connects. It listens on 127.0.0.1 unless
+//! `--listen` says otherwise.
 //!
 //! Region 0, `arena`, is writable and holds `--bytes` bytes (default 64 MiB); byte `i` is
 //! `fill_byte(SEED, i)` (see [`fill_byte`]). With `--read-only-bytes`, region 1, `ro`, is
@@ -40,10 +47,35 @@ fn main() {
             }
             "--fill" => seed = value().parse().unwrap_or_else(|_| usage("--fill: 0..=255")),
             "--transports" => config.transports = Some(value()),
-            "--token" => config.token = Some(value().into_bytes()),
+            "--secret-file" => {
+                let path = value();
+                let mut secret = std::fs::read(&path)
+                    .unwrap_or_else(|e| usage(&format!("--secret-file {path}: {e}")));
+                if secret.last() == Some(&b'\n') {
+                    secret.pop();
+                }
+                config.token = Some(secret);
+            }
+            "--insecure-no-auth" => config.insecure_no_auth = true,
+            "--max-clients" => {
+                config.limits.max_clients =
+                    value().parse().unwrap_or_else(|_| usage("--max-clients: a number"))
+            }
+            "--handshake-timeout-ms" => {
+                let ms =
+                    value().parse().unwrap_or_else(|_| usage("--handshake-timeout-ms: a number"));
+                config.connect_timeout = std::time::Duration::from_millis(ms);
+            }
             "--help" | "-h" => usage(""),
             other => usage(&format!("unknown argument {other}")),
         }
+    }
+    if config.insecure_no_auth {
+        config.token = None;
+        eprintln!(
+            "umbp-ucx-serve: serving WITHOUT authentication: whoever reaches {listen} reads \
+             and writes the exported regions"
+        );
     }
     let mut builder = ServerBuilder::new(config).export("arena", fill(seed, bytes), true);
     if read_only > 0 {
@@ -73,7 +105,8 @@ fn usage(problem: &str) -> ! {
     }
     eprintln!(
         "usage: umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS] \
-         [--read-only-bytes N] [--token TEXT]"
+         [--read-only-bytes N] [--secret-file PATH | --insecure-no-auth] [--max-clients N] \
+         [--handshake-timeout-ms N]"
     );
     std::process::exit(if problem.is_empty() { 0 } else { 2 })
 }

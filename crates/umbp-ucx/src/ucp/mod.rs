@@ -136,15 +136,28 @@ fn request_param(user_data: u64, memh: sys::MemH) -> sys::RequestParam {
     }
 }
 
-/// A UCP context with the RMA and wakeup features.
+/// What a context is for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Features {
+    /// Posting one-sided gets and puts (the engine): RMA and wakeup.
+    Initiator,
+    /// Only being the target of the NIC's one-sided operations (a server on RDMA): no RMA
+    /// feature, so UCX installs none of its software handlers for one-sided operations,
+    /// which would write wherever a peer's forged key says. Active messages (unused) and
+    /// wakeup, as UCX needs some feature.
+    TargetOnly,
+}
+
+/// A UCP context.
 pub(crate) struct Context {
     api: &'static sys::Api,
     raw: sys::Context,
 }
 
 impl Context {
-    /// A context; `transports` overrides `UCX_TLS` when given (`tcp`, `sm`, `rc,sm`...).
-    pub(crate) fn new(transports: Option<&str>) -> Result<Rc<Self>, Error> {
+    /// A context for `features`; `transports` overrides `UCX_TLS` when given (`tcp`, `sm`,
+    /// `rc,sm`...).
+    pub(crate) fn new(transports: Option<&str>, features: Features) -> Result<Rc<Self>, Error> {
         let api = api()?;
         let mut config: sys::Config = ptr::null_mut();
         // SAFETY: null prefix and file mean "the UCX_ environment"; `config` is written.
@@ -164,7 +177,10 @@ impl Context {
         }
         let params = sys::Params {
             field_mask: sys::UCP_PARAM_FIELD_FEATURES,
-            features: sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+            features: match features {
+                Features::Initiator => sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
+                Features::TargetOnly => sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP,
+            },
             request_size: 0,
             request_init: None,
             request_cleanup: None,

@@ -10,6 +10,9 @@ use umbp_ucx::{UcxConfig, UcxEngine};
 /// The byte every destination holds before a transfer.
 pub(crate) const POISON: u8 = 0xA5;
 
+/// The shared secret of the tests' servers and engines.
+pub(crate) const SECRET: &str = "umbp-ucx test secret, 32 bytes!!";
+
 /// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
 /// failure.
 pub(crate) fn ucx_or_skip() -> bool {
@@ -52,6 +55,7 @@ impl Served {
                 &seed.to_string(),
             ])
             .args(extra)
+            .env(umbp_ucx::SECRET_ENV, SECRET)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -83,8 +87,12 @@ impl Drop for Served {
     }
 }
 
-/// An engine over a new registry, on `transports`.
+/// The configuration of the tests' engines: `transports` and the tests' secret.
+pub(crate) fn config(transports: &str) -> UcxConfig {
+    UcxConfig::with_transports(transports).with_secret(SECRET)
+}
+
+/// An engine over a new registry, on `transports`, with the tests' secret.
 pub(crate) fn engine(transports: &str) -> UcxEngine {
-    let registry = EndpointRegistry::new();
-    UcxEngine::new(registry, UcxConfig::with_transports(transports)).expect("the engine starts")
+    UcxEngine::new(EndpointRegistry::new(), config(transports)).expect("the engine starts")
 }
