@@ -379,6 +379,56 @@ fn a_client_killed_between_batches_leaves_the_server_serving() {
     server.kill();
 }
 
+/// The child half of the next test: a client that restores from `UMBP_UCX_CHILD_SERVER` over
+/// and over until it is killed.
+#[test]
+#[ignore = "the client process of a_client_killed_mid_get_leaves_the_server_serving"]
+fn child_client_restores_until_killed() {
+    let addr = std::env::var("UMBP_UCX_CHILD_SERVER").expect("started by its parent test");
+    let engine = engine("tcp");
+    let peer = engine.connect(addr.as_str()).unwrap();
+    let remote = arena(&engine, &peer);
+    let local = engine.register_memory(vec![0u8; 32 * MIB]).unwrap();
+    println!("restoring");
+    loop {
+        let mut handle = engine.submit(plan(&engine, [mib_by_mib(remote.id(), local.id(), 32)]));
+        assert!(handle.wait().is_empty());
+    }
+}
+
+/// A client process killed while its gets are in flight: the server keeps serving. (Over
+/// UCX's TCP transport, UCX 1.13 ended the server with `ucs_fatal` here; the checked path
+/// sees a closed socket.)
+#[test]
+fn a_client_killed_mid_get_leaves_the_server_serving() {
+    if !ucx_or_skip() {
+        return;
+    }
+    use std::io::BufRead;
+    let mut server = Served::start("tcp", 32 * MIB, 5, &[]);
+    for round in 0..3 {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "child_client_restores_until_killed", "--nocapture"])
+            .env("UMBP_UCX_CHILD_SERVER", server.addr.to_string())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        assert!(lines.any(|l| l.is_ok_and(|l| l.contains("restoring"))), "the child never started");
+        std::thread::sleep(Duration::from_millis(30 + 40 * round));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(server.child.try_wait().unwrap().is_none(), "the server died with its client");
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = arena(&engine, &peer);
+    let (failures, bytes) = restore_one(&engine, remote.id(), 7 * MIB as u64, MIB);
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(5, 7 * MIB + i)));
+}
+
 #[test]
 fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
     if !ucx_or_skip() {

@@ -1,0 +1,586 @@
+//! Peers that are not honest: rogue clients, strangers without the secret, floods of idle
+//! connections, hostile servers. Everything on loopback (127.0.0.1).
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
+use umbp_ucx::{Error, HandshakeError, ServerBuilder, UcxConfig, UcxEngine};
+
+use support::{config, engine, fill_byte, ucx_or_skip, Served, POISON, SECRET};
+
+// The wire format as an attacker reads it in the crate's docs.
+const MAGIC: &[u8; 8] = b"UMBPUCX\0";
+const VERSION: u32 = 2;
+const CLIENT_LABEL: &[u8] = b"umbp-ucx/2 client proof";
+const SERVER_LABEL: &[u8] = b"umbp-ucx/2 server proof";
+const GET: u8 = 1;
+const PUT: u8 = 2;
+
+fn mac(secret: &[u8], label: &[u8], client: &[u8], server: &[u8]) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap();
+    m.update(label);
+    m.update(client);
+    m.update(server);
+    m.finalize().into_bytes().into()
+}
+
+fn hello(nonce: &[u8; 32]) -> Vec<u8> {
+    let mut out = MAGIC.to_vec();
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(nonce);
+    out
+}
+
+/// Reads the server's challenge: (auth byte, server nonce, server proof).
+fn read_challenge(s: &mut TcpStream) -> (u8, [u8; 32], [u8; 32]) {
+    let mut c = [0u8; 77];
+    s.read_exact(&mut c).unwrap();
+    assert_eq!(&c[..8], MAGIC);
+    (c[12], c[13..45].try_into().unwrap(), c[45..].try_into().unwrap())
+}
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s
+}
+
+/// A client that knows the protocol and the secret and ignores every rule past them:
+/// completes the handshake and returns the connection and the exported regions
+/// (name, writable, len). The server must offer the checked path: no worker address.
+fn rogue_session(addr: SocketAddr) -> (TcpStream, Vec<(String, bool, u64)>) {
+    let mut s = connect(addr);
+    let cn = [0x11u8; 32];
+    s.write_all(&hello(&cn)).unwrap();
+    let (auth, sn, _) = read_challenge(&mut s);
+    assert_eq!(auth, 0, "the server runs authenticated");
+    s.write_all(&mac(SECRET.as_bytes(), CLIENT_LABEL, &cn, &sn)).unwrap();
+    let mut head = [0u8; 2];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head, [0, 0], "accepted, checked mode (no worker address, no keys)");
+    let mut count = [0u8; 4];
+    s.read_exact(&mut count).unwrap();
+    let mut regions = Vec::new();
+    for _ in 0..u32::from_le_bytes(count) {
+        let mut n = [0u8; 1];
+        s.read_exact(&mut n).unwrap();
+        let mut name = vec![0u8; n[0].into()];
+        s.read_exact(&mut name).unwrap();
+        let mut w = [0u8; 9];
+        s.read_exact(&mut w).unwrap();
+        let len = u64::from_le_bytes(w[1..].try_into().unwrap());
+        regions.push((String::from_utf8(name).unwrap(), w[0] == 1, len));
+    }
+    (s, regions)
+}
+
+fn request(op: u8, region: u32, id: u64, offset: u64, len: u64) -> [u8; 32] {
+    let mut r = [0u8; 32];
+    r[0] = op;
+    r[4..8].copy_from_slice(&region.to_le_bytes());
+    r[8..16].copy_from_slice(&id.to_le_bytes());
+    r[16..24].copy_from_slice(&offset.to_le_bytes());
+    r[24..32].copy_from_slice(&len.to_le_bytes());
+    r
+}
+
+/// Reads an answer: (status, id, len).
+fn answer(s: &mut TcpStream) -> std::io::Result<(u8, u64, u64)> {
+    let mut a = [0u8; 24];
+    s.read_exact(&mut a)?;
+    Ok((
+        a[0],
+        u64::from_le_bytes(a[8..16].try_into().unwrap()),
+        u64::from_le_bytes(a[16..].try_into().unwrap()),
+    ))
+}
+
+/// Whether the server closed `s` (end of file or reset) without sending more.
+fn closed_without_data(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+const GUARD: usize = 64 << 10;
+const ARENA: usize = 1 << 20;
+const RO: usize = 64 << 10;
+
+#[test]
+fn a_rogue_client_reaches_exactly_the_exported_bytes_with_exactly_their_rights() {
+    if !ucx_or_skip() {
+        return;
+    }
+    // One allocation: guard, arena (writable), guard, ro (read-only), guard.
+    let total = GUARD + ARENA + GUARD + RO + GUARD;
+    let mut memory: Vec<u8> = (0..total).map(|i| fill_byte(77, i)).collect();
+    let expected = memory.clone();
+    let base = memory.as_mut_ptr().expose_provenance() as u64;
+    let (arena_at, ro_at) = (GUARD, GUARD + ARENA + GUARD);
+    let builder = ServerBuilder::new(config("tcp"));
+    // SAFETY: `memory` outlives the server (shut down below before it is read or dropped);
+    // peers touching it meanwhile is what the test is about.
+    #[allow(unsafe_code)]
+    let builder = unsafe {
+        builder.export_raw("arena", base + arena_at as u64, ARENA as u64, true).export_raw(
+            "ro",
+            base + ro_at as u64,
+            RO as u64,
+            false,
+        )
+    };
+    let server = builder.serve("127.0.0.1:0").unwrap();
+    assert!(!server.one_sided(), "over TCP the server must not hand out keys");
+    let addr = server.local_addr();
+
+    // The rogue client speaks the protocol: a get inside the export works for it too.
+    let (mut s, regions) = rogue_session(addr);
+    assert_eq!(regions, [("arena".into(), true, ARENA as u64), ("ro".into(), false, RO as u64)]);
+    s.write_all(&request(GET, 0, 0, 0, 4096)).unwrap();
+    assert_eq!(answer(&mut s).unwrap(), (0, 0, 4096));
+    let mut got = vec![0u8; 4096];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(got, expected[arena_at..arena_at + 4096]);
+
+    // Everything outside what was exported, or past its rights: refused, connection closed.
+    let a = ARENA as u64;
+    // What, the request, its payload, the refusal expected.
+    type Attempt = (&'static str, [u8; 32], Option<Vec<u8>>, u8);
+    let attempts: Vec<Attempt> = vec![
+        ("get across the arena's end", request(GET, 0, 0, a - 16, 64), None, 1),
+        ("get past the arena", request(GET, 0, 0, a, 1), None, 1),
+        ("get before the arena (wrapping)", request(GET, 0, 0, u64::MAX - 63, 64), None, 1),
+        ("get of everything", request(GET, 0, 0, 0, u64::MAX), None, 1),
+        ("get past the read-only region", request(GET, 1, 0, RO as u64 - 1, 2), None, 1),
+        ("get of a region never exported", request(GET, 2, 0, 0, 16), None, 3),
+        ("put past the arena", request(PUT, 0, 0, a, 64), Some(vec![0xEE; 64]), 1),
+        ("put across the arena's end", request(PUT, 0, 0, a - 32, 64), Some(vec![0xEE; 64]), 1),
+        ("put before the arena", request(PUT, 0, 0, u64::MAX - 63, 64), Some(vec![0xEE; 64]), 1),
+        ("put into the read-only region", request(PUT, 1, 0, 0, 64), Some(vec![0xEE; 64]), 2),
+        (
+            "put into the read-only region's end",
+            request(PUT, 1, 0, RO as u64 - 64, 64),
+            Some(vec![0xEE; 64]),
+            2,
+        ),
+        ("unknown operation", request(9, 0, 0, 0, 64), None, 4),
+    ];
+    for (what, header, payload, status) in attempts {
+        let (mut s, _) = rogue_session(addr);
+        s.write_all(&header).unwrap();
+        if let Some(payload) = payload {
+            // The server may close before reading it: a failed write is a refusal too.
+            let _ = s.write_all(&payload);
+        }
+        match answer(&mut s) {
+            Ok((got, _, len)) => {
+                assert_eq!((got, len), (status, 0), "{what}: answered {got}");
+                assert!(closed_without_data(&mut s), "{what}: the connection stayed open");
+            }
+            Err(e) => panic!("{what}: no refusal, the connection failed: {e}"),
+        }
+    }
+
+    // Skipping the handshake: requests sent straight away get nothing and a closed socket.
+    let mut s = connect(addr);
+    let mut raw = request(GET, 0, 0, 0, 4096).to_vec();
+    raw.extend_from_slice(&request(GET, 0, 1, 0, 4096));
+    s.write_all(&raw).unwrap();
+    assert!(closed_without_data(&mut s), "a request without a handshake was answered");
+    // Half a handshake (the hello, then requests instead of a proof): nothing either.
+    let mut s = connect(addr);
+    s.write_all(&hello(&[5; 32])).unwrap();
+    let _ = read_challenge(&mut s);
+    s.write_all(&request(GET, 0, 0, 0, 4096)).unwrap();
+    let mut verdict = Vec::new();
+    let _ = s.read_to_end(&mut verdict);
+    assert_eq!(verdict, [1], "a request in place of the proof got more than a refusal");
+
+    // The server is alive and serves an honest client, byte for byte.
+    let engine = engine("tcp");
+    let peer = engine.connect(addr).unwrap();
+    for (name, at, len) in [("arena", arena_at, ARENA), ("ro", ro_at, RO)] {
+        let region = peer.region(name).unwrap();
+        let remote = engine.register_remote(region.region, 0, region.len).unwrap();
+        let local = engine.register_memory(vec![POISON; len]).unwrap();
+        let mut builder = engine.incremental_builder();
+        builder.begin_object(Tag::new(0)).unwrap();
+        builder
+            .push(Fragment::new(remote.id(), 0, local.id(), 0, len as u64, Tag::new(0)))
+            .unwrap();
+        builder.commit_object().unwrap();
+        let mut handle = engine.submit(builder.finish().unwrap());
+        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+        drop(handle);
+        assert!(local.deregister() == expected[at..at + len], "{name} read back differs");
+    }
+    drop(engine);
+    drop(server.shutdown());
+    // Not one byte of the process changed: guards, arena and the read-only region.
+    let changed = memory.iter().zip(&expected).position(|(a, b)| a != b);
+    assert_eq!(changed, None, "byte {changed:?} of the served memory changed");
+}
+
+/// Bytes a relay recorded one way.
+type Log = Arc<Mutex<Vec<u8>>>;
+
+/// A TCP relay between a client and `to` that records every byte each way: its address, then
+/// what went up (client to server) and down.
+fn recording_relay(to: SocketAddr) -> (SocketAddr, Log, Log) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (up, down) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let (u, d) = (Arc::clone(&up), Arc::clone(&down));
+    std::thread::spawn(move || {
+        let (client, _) = listener.accept().unwrap();
+        let server = TcpStream::connect(to).unwrap();
+        let pump = |mut from: TcpStream, mut to: TcpStream, log: Log| {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 16];
+                while let Ok(n @ 1..) = from.read(&mut buf) {
+                    log.lock().unwrap().extend_from_slice(&buf[..n]);
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to.shutdown(std::net::Shutdown::Write);
+            })
+        };
+        pump(client.try_clone().unwrap(), server.try_clone().unwrap(), u);
+        pump(server, client, d);
+    });
+    (addr, up, down)
+}
+
+#[test]
+fn without_the_secret_nothing_is_served_and_the_secret_never_travels() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let arena: Vec<u8> = (0..ARENA).map(|i| fill_byte(9, i)).collect();
+    let server = ServerBuilder::new(config("tcp"))
+        .export("arena", arena.clone(), true)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    let addr = server.local_addr();
+
+    // No secret and no insecure flag: neither side starts.
+    let bare = UcxConfig { token: None, ..UcxConfig::with_transports("tcp") };
+    let refused = ServerBuilder::new(bare.clone()).serve("127.0.0.1:0").unwrap_err();
+    assert!(matches!(refused, Error::Config { setting: "token", .. }), "{refused}");
+    let e =
+        UcxEngine::new(EndpointRegistry::new(), bare.clone()).unwrap().connect(addr).unwrap_err();
+    assert!(matches!(e, Error::Config { setting: "token", .. }), "{e}");
+    // A short secret is refused as a setting.
+    let short = bare.clone().with_secret("too short");
+    assert!(matches!(ServerBuilder::new(short).serve("127.0.0.1:0"), Err(Error::Config { .. })));
+
+    // A wrong secret: the server's proof does not verify, the client stops there.
+    let wrong = bare.clone().with_secret("a wrong secret of thirty-two b!!");
+    let e = UcxEngine::new(EndpointRegistry::new(), wrong).unwrap().connect(addr).unwrap_err();
+    assert!(
+        matches!(e, Error::Handshake { source: HandshakeError::ServerNotAuthenticated, .. }),
+        "{e}"
+    );
+    // An insecure client: the server wants a secret.
+    let insecure = bare.clone().insecure_no_auth();
+    let e = UcxEngine::new(EndpointRegistry::new(), insecure.clone())
+        .unwrap()
+        .connect(addr)
+        .unwrap_err();
+    assert!(matches!(e, Error::Handshake { source: HandshakeError::Refused(_), .. }), "{e}");
+    // A client with the secret does not take an insecure server's word.
+    let open = ServerBuilder::new(insecure)
+        .export("arena", vec![0u8; 4096], true)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    let e = engine("tcp").connect(open.local_addr()).unwrap_err();
+    assert!(matches!(e, Error::Handshake { source: HandshakeError::ServerInsecure, .. }), "{e}");
+    drop(open);
+
+    // A stranger guessing the proof, or reflecting the server's own: one byte of refusal.
+    for reflect in [false, true] {
+        let mut s = connect(addr);
+        s.write_all(&hello(&[7; 32])).unwrap();
+        let (_, _, server_proof) = read_challenge(&mut s);
+        s.write_all(&if reflect { server_proof } else { [0x42; 32] }).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert_eq!(rest, [1], "reflect {reflect}: the server said more than no");
+    }
+
+    // An honest restore through a relay that records the wire.
+    let (relay, up, down) = recording_relay(addr);
+    let engine = engine("tcp");
+    let peer = engine.connect(relay).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, ARENA as u64).unwrap();
+    let local = engine.register_memory(vec![POISON; 64 << 10]).unwrap();
+    let mut builder = engine.incremental_builder();
+    builder.begin_object(Tag::new(0)).unwrap();
+    builder.push(Fragment::new(remote.id(), 4096, local.id(), 0, 64 << 10, Tag::new(0))).unwrap();
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    drop(handle);
+    assert!(local.deregister() == arena[4096..4096 + (64 << 10)]);
+    drop(engine);
+    let (up, down) = (up.lock().unwrap().clone(), down.lock().unwrap().clone());
+    assert!(up.starts_with(MAGIC) && down.starts_with(MAGIC), "the relay saw no handshake");
+    let secret = SECRET.as_bytes();
+    for (way, bytes) in [("client to server", &up), ("server to client", &down)] {
+        assert!(!bytes.windows(secret.len()).any(|w| w == secret), "the secret went {way}");
+        // Nor any 8-byte piece of it.
+        for piece in secret.chunks(8) {
+            assert!(
+                !bytes.windows(piece.len()).any(|w| w == piece),
+                "part of the secret went {way}"
+            );
+        }
+    }
+    // Replaying the recorded hello and proof: the server's fresh nonce makes the proof stale.
+    let mut s = connect(addr);
+    s.write_all(&up[..44]).unwrap();
+    let _ = read_challenge(&mut s);
+    s.write_all(&up[44..76]).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert_eq!(rest, [1], "a replayed proof was accepted");
+}
+
+/// The number of threads of process `pid`.
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.count()).unwrap_or(0)
+}
+
+#[test]
+fn a_thousand_idle_or_slow_connections_keep_no_client_out() {
+    if !ucx_or_skip() {
+        return;
+    }
+    const MAX_CLIENTS: usize = 8;
+    let mut server = Served::start(
+        "tcp",
+        16 << 20,
+        4,
+        &["--max-clients", &MAX_CLIENTS.to_string(), "--handshake-timeout-ms", "3000"],
+    );
+    let pid = server.child.id();
+    let before = threads_of(pid);
+    // 1,000 connections: half never say a thing, half trickle a valid hello's first bytes.
+    let mut idle = Vec::new();
+    for i in 0..1000 {
+        let mut s = TcpStream::connect(server.addr).expect("the listener takes connections");
+        if i % 2 == 1 {
+            let _ = s.write_all(&MAGIC[..3]);
+        }
+        idle.push(s);
+    }
+    let threads = threads_of(pid);
+    // The main thread, the accept thread, one per authenticated client (none yet).
+    assert!(threads <= 2 + MAX_CLIENTS, "{threads} threads with 1,000 idle connections");
+
+    // An honest client still connects and restores, byte for byte.
+    let started = Instant::now();
+    let engine = engine("tcp");
+    let peer = engine.connect(server.addr).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, 16 << 20).unwrap();
+    let local = engine.register_memory(vec![POISON; 4 << 20]).unwrap();
+    let mut builder = engine.incremental_builder();
+    builder.begin_object(Tag::new(0)).unwrap();
+    for page in 0..64u64 {
+        let src = (page * 37 % 256) * (64 << 10);
+        builder
+            .push(Fragment::new(
+                remote.id(),
+                src,
+                local.id(),
+                page * (64 << 10),
+                64 << 10,
+                Tag::new(0),
+            ))
+            .unwrap();
+    }
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+    drop(handle);
+    let took = started.elapsed();
+    let got = local.deregister();
+    for page in 0..64usize {
+        let src = (page * 37 % 256) * (64 << 10);
+        let at = page * (64 << 10);
+        assert!((0..64 << 10).all(|i| got[at + i] == fill_byte(4, src + i)), "page {page}");
+    }
+    let threads = threads_of(pid);
+    eprintln!(
+        "server threads: {before} before, {threads} with 1,000 idle connections and one client; \
+         the client connected and restored 4 MiB in {took:?}"
+    );
+    assert!(threads <= 2 + MAX_CLIENTS, "{threads} threads");
+
+    // Every idle or slow connection is closed by the handshake deadline (3 s; 10 s allowed).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (i, s) in idle.iter_mut().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        s.set_read_timeout(Some(left)).unwrap();
+        assert!(closed_without_data(s), "connection {i} was still open past the deadline");
+    }
+    assert!(server.child.try_wait().is_ok_and(|s| s.is_none()), "the server died");
+}
+
+/// A fake server on loopback that answers the first connection with `script`.
+fn fake_server(script: impl FnOnce(TcpStream) + Send + 'static) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        if let Ok((s, _)) = listener.accept() {
+            script(s);
+        }
+    });
+    addr
+}
+
+/// Answers a hello with a valid challenge (it holds the secret) and reads the client's proof.
+fn authenticate(s: &mut TcpStream) {
+    let mut h = [0u8; 44];
+    s.read_exact(&mut h).unwrap();
+    let sn = [9u8; 32];
+    let mut c = MAGIC.to_vec();
+    c.extend_from_slice(&VERSION.to_le_bytes());
+    c.push(0);
+    c.extend_from_slice(&sn);
+    c.extend_from_slice(&mac(SECRET.as_bytes(), SERVER_LABEL, &h[12..], &sn));
+    s.write_all(&c).unwrap();
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).unwrap();
+}
+
+#[test]
+fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let timeout = Duration::from_millis(1500);
+    let engine = UcxEngine::new(
+        EndpointRegistry::new(),
+        UcxConfig { connect_timeout: timeout, ..config("tcp") },
+    )
+    .unwrap();
+    let hold = Duration::from_secs(30);
+    type Check = fn(&HandshakeError) -> bool;
+    let cases: Vec<(&str, SocketAddr, Check)> = vec![
+        (
+            "garbage",
+            fake_server(|mut s| {
+                let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n0123456789012345678901234567890123456789012345678901234567890");
+                std::thread::sleep(Duration::from_secs(2));
+            }),
+            |e| matches!(e, HandshakeError::BadMagic),
+        ),
+        (
+            "truncated challenge",
+            fake_server(|mut s| {
+                let mut c = MAGIC.to_vec();
+                c.extend_from_slice(&VERSION.to_le_bytes());
+                let _ = s.write_all(&c);
+            }),
+            |e| matches!(e, HandshakeError::Io(_)),
+        ),
+        (
+            "a proof without the secret",
+            fake_server(|mut s| {
+                let mut h = [0u8; 44];
+                let _ = s.read_exact(&mut h);
+                let mut c = MAGIC.to_vec();
+                c.extend_from_slice(&VERSION.to_le_bytes());
+                c.push(0);
+                c.extend_from_slice(&[1u8; 64]);
+                // Then a welcome with a malformed worker address, which must never reach UCX.
+                c.extend_from_slice(&[0, 1, 20, 0, 0, 0]);
+                c.extend_from_slice(&[0xff; 20]);
+                let _ = s.write_all(&c);
+                std::thread::sleep(Duration::from_secs(2));
+            }),
+            |e| matches!(e, HandshakeError::ServerNotAuthenticated),
+        ),
+        (
+            "a malformed worker address (from a server with the secret)",
+            fake_server(|mut s| {
+                authenticate(&mut s);
+                let mut w = vec![0u8, 1];
+                w.extend_from_slice(&20u32.to_le_bytes());
+                w.extend_from_slice(&[0xff; 20]);
+                w.extend_from_slice(&0u32.to_le_bytes());
+                let _ = s.write_all(&w);
+                std::thread::sleep(Duration::from_secs(2));
+            }),
+            |e| matches!(e, HandshakeError::Refused(_)),
+        ),
+        (
+            "an oversized region list",
+            fake_server(|mut s| {
+                authenticate(&mut s);
+                let mut w = vec![0u8, 0];
+                w.extend_from_slice(&u32::MAX.to_le_bytes());
+                let _ = s.write_all(&w);
+                std::thread::sleep(Duration::from_secs(2));
+            }),
+            |e| matches!(e, HandshakeError::TooLong { .. }),
+        ),
+        (
+            "a truncated welcome",
+            fake_server(|mut s| {
+                authenticate(&mut s);
+                let mut w = vec![0u8, 0];
+                w.extend_from_slice(&1u32.to_le_bytes());
+                w.extend_from_slice(&[5, b'a', b'r']);
+                let _ = s.write_all(&w);
+            }),
+            |e| matches!(e, HandshakeError::Io(_)),
+        ),
+        (
+            "silence",
+            fake_server(move |s| {
+                std::thread::sleep(hold);
+                drop(s);
+            }),
+            |e| matches!(e, HandshakeError::DeadlinePassed),
+        ),
+        (
+            "one byte every 500 ms",
+            fake_server(move |mut s| {
+                let mut c = MAGIC.to_vec();
+                c.extend_from_slice(&VERSION.to_le_bytes());
+                c.extend_from_slice(&[0u8; 65]);
+                for b in c {
+                    if s.write_all(&[b]).is_err() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }),
+            |e| matches!(e, HandshakeError::DeadlinePassed),
+        ),
+    ];
+    for (what, addr, expected) in cases {
+        let started = Instant::now();
+        let e = engine.connect(addr).unwrap_err();
+        let took = started.elapsed();
+        match &e {
+            Error::Handshake { source, .. } => assert!(expected(source), "{what}: {source:?}"),
+            other => panic!("{what}: {other}"),
+        }
+        // The deadline is the connect timeout; the margin is for a loaded machine's scheduling.
+        assert!(took < timeout + Duration::from_secs(2), "{what}: connect took {took:?}");
+        eprintln!(
+            "{what}: {e} ({source}) after {took:?}",
+            source = std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default()
+        );
+    }
+}
