@@ -499,7 +499,7 @@ type ObjectTuple<'py> =
 #[derive(FromPyObject)]
 enum EndpointArg<'py> {
     Registration(Bound<'py, Registration>),
-    Raw(u32),
+    Raw(u64),
 }
 
 /// A report as Python receives it: the aggregate, then `(tag, state, error or None)` per
@@ -597,7 +597,7 @@ struct Registration {
     /// The registry of the engine it was made by, whose ids it names.
     registry: Arc<EndpointRegistry>,
     kind: &'static str,
-    id: u32,
+    id: u64,
     length: u64,
 }
 
@@ -624,9 +624,11 @@ impl Registration {
 
 #[pymethods]
 impl Registration {
-    /// The endpoint id objects and ranges name it by.
+    /// The endpoint id objects and ranges name it by: a slot of the engine's registry in the
+    /// low 32 bits, its generation in the high 32. A slot is reused after its registration
+    /// ends, with the next generation, so the id of an ended registration names nothing.
     #[getter]
-    fn id(&self) -> u32 {
+    fn id(&self) -> u64 {
         self.id
     }
 
