@@ -15,11 +15,11 @@
 #![allow(unsafe_code)] // Registering raw addresses the Python layer vouches for.
 
 use std::fs::File;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use umbp_composite::{
@@ -47,10 +47,19 @@ create_exception!(
 create_exception!(_native, TransferError, Error, "A transfer carrying an object's bytes failed.");
 create_exception!(
     _native,
+    ClosedError,
+    Error,
+    "The registration is closed, or was closed while the call used it."
+);
+create_exception!(
+    _native,
     CancelledError,
     Error,
     "The batch was cancelled before the object's transfers all started."
 );
+
+/// The most executor threads an [`Engine`] starts (`workers`).
+const MAX_WORKERS: usize = 1024;
 
 /// The device engine, over whichever runtime this engine drives.
 enum Device {
@@ -145,9 +154,9 @@ impl Drop for Engine {
 
 fn registration_error(e: RegisterError) -> PyErr {
     let errno = match &e {
-        RegisterError::Open { source, .. } | RegisterError::Inspect { source, .. } => {
-            source.raw_os_error()
-        }
+        RegisterError::Open { source, .. }
+        | RegisterError::Inspect { source, .. }
+        | RegisterError::Extend { source, .. } => source.raw_os_error(),
         _ => None,
     };
     let err = RegistrationError::new_err(message(&e));
@@ -193,7 +202,9 @@ impl Engine {
     ///
     /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
     /// `None`: UCX's choice). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
-    /// to, worker `i` to the `i`-th (cycling); `None`: not pinned.
+    /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
+    /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
+    /// anything is allocated or started.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
     #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None))]
     fn new(
@@ -201,12 +212,20 @@ impl Engine {
         sim_devices: u32,
         pin_device: Option<u32>,
         workers: usize,
-        bounce_bytes: usize,
+        bounce_bytes: u64,
         ssd_queue_depth: u32,
         ssd_worker_cpus: Option<Vec<usize>>,
         remote: bool,
         remote_transports: Option<String>,
     ) -> PyResult<Self> {
+        // Checked before anything starts: the bounce region is allocated whole (an allocation
+        // the system refuses aborts), and each worker is a thread.
+        let bounce_bytes = host_len(bounce_bytes, "a bounce region")?.max(2);
+        if workers > MAX_WORKERS {
+            return Err(PyValueError::new_err(format!(
+                "workers={workers}: at most {MAX_WORKERS} executor threads"
+            )));
+        }
         let registry = EndpointRegistry::new();
         let config = HbmConfig {
             pin_registered_host: pin_device.map(DeviceOrdinal::new),
@@ -251,7 +270,7 @@ impl Engine {
             CompositeConfig::default().with_workers(workers),
         );
         let bounce = composite
-            .register_memory(AlignedBuffer::for_direct_io(bounce_bytes.max(2)))
+            .register_memory(AlignedBuffer::for_direct_io(bounce_bytes))
             .map_err(registration_error)?;
         let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
         Ok(Self { composite: Some(Arc::new(composite)), device, remote, bounce: Some(bounce) })
@@ -320,9 +339,11 @@ impl Engine {
         Ok(self.registration(Kept::Memory(guard), Some(owner), "device"))
     }
 
-    /// Registers bytes `offset .. offset + length` of the file at `path`.
+    /// Registers bytes `offset .. offset + length` of the file at `path`; with `extend`, a
+    /// shorter file is first sized to the range's end. A read-only range past the end of the
+    /// file is a `RegistrationError`.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false))]
+    #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false, extend=false))]
     fn register_file(
         &self,
         py: Python<'_>,
@@ -332,8 +353,10 @@ impl Engine {
         direct: bool,
         writable: bool,
         create: bool,
+        extend: bool,
     ) -> PyResult<Registration> {
-        let options = FileOptions::new().direct(direct).writable(writable).create(create);
+        let options =
+            FileOptions::new().direct(direct).writable(writable).create(create).extend(extend);
         let composite = Arc::clone(self.composite());
         let guard = py
             .allow_threads(move || {
@@ -364,10 +387,13 @@ impl Engine {
     ) -> PyResult<Py<PyBytes>> {
         let id = self.endpoint(source)?;
         source.check_range(offset, length)?;
+        let len = host_len(length, "a read")?;
         let composite = Arc::clone(self.composite());
         let bytes = py.allow_threads(move || -> Result<Vec<u8>, OneError> {
-            let out =
-                composite.register_memory(vec![0u8; length as usize]).map_err(OneError::other)?;
+            let mut out = Vec::new();
+            out.try_reserve_exact(len).map_err(|_| OneError::NoMemory(length))?;
+            out.resize(len, 0);
+            let out = composite.register_memory(out).map_err(OneError::other)?;
             let f = Fragment::new(id, offset, out.id(), 0, length, Tag::new(0));
             run_one(&composite, f)?;
             Ok(out.deregister())
@@ -520,6 +546,8 @@ struct Spec {
 enum OneError {
     /// The object's own error, raised as in a report.
     Object(ObjectError),
+    /// The buffer of a read (this many bytes) could not be allocated.
+    NoMemory(u64),
     /// Anything else (registering the bounce of the copy, planning, submitting).
     Other(String),
 }
@@ -535,9 +563,39 @@ impl OneError {
                 Ok(value) => PyErr::from_value(value.into_bound(py)),
                 Err(e) => e,
             },
+            OneError::NoMemory(len) => {
+                PyMemoryError::new_err(format!("could not allocate {len} bytes to read into"))
+            }
             OneError::Other(text) => Error::new_err(text),
         }
     }
+}
+
+/// `len` bytes of host memory to allocate for Python, as a `usize`, if this machine could
+/// hold them: past its physical memory it is a `MemoryError`, raised before anything is
+/// allocated (an allocation the system refuses would abort the process).
+fn host_len(len: u64, what: &str) -> PyResult<usize> {
+    let limit = physical_memory().min(isize::MAX as u64);
+    match usize::try_from(len) {
+        Ok(n) if len <= limit => Ok(n),
+        _ => Err(PyMemoryError::new_err(format!(
+            "{what} of {len} bytes exceeds this machine's {limit} bytes of memory"
+        ))),
+    }
+}
+
+/// This machine's physical memory in bytes (`MemTotal` in `/proc/meminfo`), read once;
+/// `u64::MAX` where it cannot be read.
+fn physical_memory() -> u64 {
+    static TOTAL: OnceLock<u64> = OnceLock::new();
+    *TOTAL.get_or_init(|| {
+        let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = info
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|rest| rest.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()));
+        kib.and_then(|k| k.checked_mul(1024)).unwrap_or(u64::MAX)
+    })
 }
 
 /// Moves one fragment as one object and waits for it.
@@ -592,7 +650,9 @@ impl Kept {
 /// time: its state sits behind locks held only for a moment, never while waiting.
 #[pyclass(module = "umbp._native", frozen)]
 struct Registration {
-    kept: Mutex<Option<Kept>>,
+    state: Mutex<State>,
+    /// Signalled when a close's deregistration has ended ([`State::Closed`]).
+    ended: Condvar,
     owner: Mutex<Option<PyObject>>,
     /// The registry of the engine it was made by, whose ids it names.
     registry: Arc<EndpointRegistry>,
@@ -601,12 +661,48 @@ struct Registration {
     length: u64,
 }
 
+/// Where a [`Registration`] stands.
+enum State {
+    /// Registered, keeping what backs it.
+    Open(Kept),
+    /// A close is deregistering it: waiting for the batches that use it, then releasing what
+    /// engines hold for it. The memory may still be written meanwhile.
+    Closing,
+    /// Deregistered: no batch uses it or ever will.
+    Closed,
+}
+
+/// Marks a registration [`State::Closed`] and wakes every close waiting for it when dropped,
+/// so a deregistration that unwinds still releases the other closers.
+struct MarkClosed<'a>(&'a Registration);
+
+impl Drop for MarkClosed<'_> {
+    fn drop(&mut self) {
+        *self.0.state() = State::Closed;
+        self.0.ended.notify_all();
+    }
+}
+
 impl Registration {
-    /// The endpoint id, unless the registration is closed.
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The endpoint id, unless the registration is closed or closing.
     fn endpoint_id(&self) -> PyResult<EndpointId> {
-        match &*self.kept.lock().unwrap_or_else(PoisonError::into_inner) {
-            Some(k) => Ok(k.id()),
-            None => Err(Error::new_err("the registration is closed")),
+        match &*self.state() {
+            State::Open(k) => Ok(k.id()),
+            State::Closing | State::Closed => {
+                Err(ClosedError::new_err(format!("registration {} is closed", self.id)))
+            }
+        }
+    }
+
+    /// Blocks until no close is deregistering it any more.
+    fn wait_closed(&self) {
+        let mut state = self.state();
+        while matches!(*state, State::Closing) {
+            state = self.ended.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
@@ -647,7 +743,7 @@ impl Registration {
     /// Whether it has been closed.
     #[getter]
     fn closed(&self) -> bool {
-        self.kept.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+        !matches!(*self.state(), State::Open(_))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -666,12 +762,26 @@ impl Registration {
     }
 
     /// Deregisters (waiting for the batches that use it, with the GIL released), then releases
-    /// the memory or file it kept. Idempotent; a close racing another returns once the memory
-    /// is no longer registered, or at once if the other close took it first.
+    /// the memory or file it kept. Idempotent, from any number of threads at once: every close
+    /// returns only once the registration has ended, whichever of them deregisters it.
     fn close(&self, py: Python<'_>) {
-        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(kept) = kept {
-            py.allow_threads(move || drop(kept));
+        let kept = {
+            let mut state = self.state();
+            match std::mem::replace(&mut *state, State::Closing) {
+                State::Open(kept) => Some(kept),
+                other => {
+                    *state = other;
+                    None
+                }
+            }
+        };
+        match kept {
+            Some(kept) => {
+                let _closed = MarkClosed(self);
+                py.allow_threads(move || drop(kept));
+            }
+            // Closed, or another close is deregistering it: wait for the same end.
+            None => py.allow_threads(|| self.wait_closed()),
         }
         // Taken out of the lock before it goes: letting go of a Python object may run Python
         // code, which may come back here.
@@ -682,9 +792,13 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        let kept = self.kept.get_mut().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(kept) = kept {
+        let state = std::mem::replace(
+            self.state.get_mut().unwrap_or_else(PoisonError::into_inner),
+            State::Closed,
+        );
+        if let State::Open(kept) = state {
             // Garbage collection runs with the GIL held; deregistering may wait for a batch.
+            // The owner (a field) goes after this, once the memory is no longer registered.
             Python::with_gil(|py| py.allow_threads(move || drop(kept)));
         }
     }
@@ -876,7 +990,8 @@ impl Engine {
     ) -> Registration {
         let (id, length) = (kept.id().raw(), kept.len());
         Registration {
-            kept: Mutex::new(Some(kept)),
+            state: Mutex::new(State::Open(kept)),
+            ended: Condvar::new(),
             owner: Mutex::new(owner),
             registry: Arc::clone(self.composite().registry()),
             kind,
@@ -1001,6 +1116,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RejectedError", py.get_type::<RejectedError>())?;
     m.add("TransferError", py.get_type::<TransferError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -31,12 +31,15 @@ from __future__ import annotations
 import array as _array
 import ctypes as _ctypes
 import os as _os
+import re as _re
+import stat as _stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exported)
     CancelledError,
+    ClosedError,
     Error,
     RegistrationError,
     RejectedError,
@@ -56,6 +59,7 @@ __all__ = [
     "RejectedError",
     "TransferError",
     "CancelledError",
+    "ClosedError",
     "CUDA",
     "Peer",
     "RemoteRegion",
@@ -67,7 +71,10 @@ CUDA: bool = _native.CUDA
 
 #: A registered endpoint (see :meth:`Engine.register`): ``id``, ``length``, ``kind``
 #: (``"host"``, ``"device"``, ``"file"``), ``closed``; ``close()`` or a ``with`` block ends it.
-#: It belongs to the engine that made it: another engine refuses it (``ValueError``).
+#: ``close()`` waits for the batches using it; from any number of threads at once, each
+#: returns only once the registration has ended. Used once closed (or while closing), it
+#: raises :class:`ClosedError`. It belongs to the engine that made it: another engine refuses
+#: it (``ValueError``).
 Registration = _native.Registration
 
 
@@ -219,19 +226,57 @@ class Batch:
         return Report._from(self._native.cancel())
 
 
+#: Struct codes of plain numbers and bytes (``struct`` and PEP 3118): any bytes written into
+#: them are a valid value. ``O`` (a Python object), ``P`` / ``z`` / ``&`` (pointers) and text
+#: (``u``, ``w``) are not: a transfer writing into those could crash the interpreter.
+_PLAIN_CODES = frozenset("bBhHiIlLqQnNefdg?cspx")
+
+
+def _plain_format(fmt: str) -> bool:
+    """Whether a buffer of PEP 3118 format ``fmt`` holds only numbers and bytes, structured
+    formats (``T{...}``) and sub-arrays included. Anything not understood is refused."""
+    fmt = _re.sub(r":[^:]*:", "", fmt)  # the field names of a structured format
+    fmt = _re.sub(r"\([0-9, ]*\)", "", fmt)  # sub-array shapes
+    fmt = _re.sub(r"Z(?=[efdg])", "", fmt)  # complex numbers
+    fmt = fmt.replace("T{", "").replace("}", "")
+    return all(c in _PLAIN_CODES or c in "@=<>!^ " or c.isdigit() for c in fmt)
+
+
+#: The integer and bool dtypes of torch (floating and complex ones are told by the dtype).
+_TORCH_INTEGERS = frozenset(
+    ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
+)
+
+
+def _check_tensor_dtype(tensor: Any) -> None:
+    """Refuses (``TypeError``) a tensor whose dtype is not plain numbers (quantized ones)."""
+    dtype = tensor.dtype
+    plain = getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False)
+    if not plain and str(dtype).replace("torch.", "", 1) not in _TORCH_INTEGERS:
+        raise TypeError(f"a {dtype} tensor does not register: only plain numbers and bytes")
+
+
 def _host_address(buffer: Any):
-    """The address, length and keep-alive of a writable host buffer or host tensor."""
+    """The address, length and keep-alive of a writable host buffer or host tensor of plain
+    numbers or bytes."""
     data_ptr = getattr(buffer, "data_ptr", None)
     if callable(data_ptr) and hasattr(buffer, "device"):  # torch.Tensor
         if getattr(buffer.device, "type", None) != "cpu":
             raise ValueError(f"a {buffer.device} tensor is not host memory (cpu and cuda register)")
         if not buffer.is_contiguous():
             raise ValueError("the tensor must be contiguous")
+        _check_tensor_dtype(buffer)
         return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
     try:
         view = memoryview(buffer)
     except TypeError as e:
         raise TypeError(f"{type(buffer).__name__} exposes no buffer to register") from e
+    if not _plain_format(view.format):
+        # Object arrays hold pointers to Python objects: bytes restored into them would be
+        # dereferenced as objects.
+        raise TypeError(
+            f"a buffer of format {view.format!r} does not register: only plain numbers and bytes"
+        )
     if view.readonly:
         raise ValueError("the buffer is read-only; transfers write into registered memory")
     if not view.c_contiguous:
@@ -316,6 +361,26 @@ class Server:
         self.close()
 
 
+def _file_size(path: Any) -> Optional[int]:
+    """The size of the file (or block device) at ``path``; None if it does not exist. Raises
+    :class:`RegistrationError` (with ``.errno``) if it cannot be inspected."""
+    try:
+        st = _os.stat(path)
+        if not _stat.S_ISBLK(st.st_mode):
+            return st.st_size
+        fd = _os.open(path, _os.O_RDONLY)
+        try:
+            return _os.lseek(fd, 0, _os.SEEK_END)
+        finally:
+            _os.close(fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        err = RegistrationError(f"could not open {path}: {e.strerror}")
+        err.errno = e.errno
+        raise err from None
+
+
 def _stream(stream: Any, device: Optional[int]):
     """The raw handle and device of a ``torch.cuda.Stream``, a raw int, or None."""
     if stream is None:
@@ -340,7 +405,8 @@ class Engine:
     that feed the GPU; a CPU this process may not use raises :class:`Error`. ``bounce_bytes``
     sizes the host region that SSD <-> device transfers pass through, in 2 MiB stages: at most
     ``workers`` stages run at once, so ``workers`` x 2 MiB (the default 16 MiB) is all of it they
-    use, and a small region also reads faster."""
+    use, and a small region also reads faster. A ``bounce_bytes`` past this machine's memory
+    raises ``MemoryError``, more than 1024 ``workers`` ``ValueError``."""
 
     def __init__(
         self,
@@ -398,11 +464,14 @@ class Engine:
         """Registers host memory (a numpy array, ``bytearray``, writable ``memoryview``, or a
         CPU torch tensor) or a CUDA torch tensor (as device memory). The registration keeps the
         buffer alive until closed; a tensor is kept, not locked, so do not resize it (or
-        ``set_()`` its storage) while it is registered."""
+        ``set_()`` its storage) while it is registered. Only plain numbers and bytes register:
+        an object array, a structured array with an object field, or any buffer format but
+        numbers and bytes raises ``TypeError`` (transfers write raw bytes into it)."""
         device = getattr(buffer, "device", None)
         if getattr(device, "type", None) == "cuda":
             if not buffer.is_contiguous():
                 raise ValueError("the tensor must be contiguous")
+            _check_tensor_dtype(buffer)
             nbytes = buffer.numel() * buffer.element_size()
             return self._native.register_device(device.index or 0, buffer.data_ptr(), nbytes, buffer)
         address, nbytes, keep = _host_address(buffer)
@@ -417,19 +486,30 @@ class Engine:
         direct: bool = True,
         writable: bool = True,
         create: bool = False,
+        extend: bool = False,
     ) -> Registration:
-        """Registers bytes ``offset .. offset + length`` of a file (to its end by default),
-        opened with ``O_DIRECT`` where the filesystem allows it. Raises
-        :class:`RegistrationError` (with ``.errno``) if it cannot be opened."""
+        """Registers bytes ``offset .. offset + length`` of a file or block device (to its end
+        by default), opened with ``O_DIRECT`` where the filesystem allows it. Raises
+        :class:`RegistrationError` (with ``.errno``) if it cannot be opened, and for a
+        read-only range past the end of the file (no transfer could read those bytes). A
+        writable range may reach past the end (an offload tier may start empty; reading bytes
+        no offload wrote fails as a short file) unless ``extend``, which sizes the file to the
+        range's end at once (zeros, sparse)."""
         if length is None:
-            try:
-                length = _os.path.getsize(path) - offset
-            except OSError as e:
-                err = RegistrationError(f"could not open {path}: {e.strerror}")
-                err.errno = e.errno
-                raise err from None
+            size = _file_size(path)
+            if size is None:  # missing: the native open raises the system's error
+                size = offset
+            if offset > size:
+                raise ValueError(f"offset {offset} lies past the end of {path} ({size} bytes)")
+            length = size - offset
         return self._native.register_file(
-            _os.fspath(path), offset, length, direct=direct, writable=writable, create=create
+            _os.fspath(path),
+            offset,
+            length,
+            direct=direct,
+            writable=writable,
+            create=create,
+            extend=extend,
         )
 
     def alloc_device(self, length: int, device: int = 0) -> Registration:
@@ -439,7 +519,9 @@ class Engine:
     def read(self, source: Registration, offset: int, length: int) -> bytes:
         """Copies bytes of any registered endpoint (device memory, a file) out to Python.
         Raises what a failed object of a batch carries (:class:`TransferError` with ``.errno``
-        for a failed read...), and ``ValueError`` for bytes past the registration's end."""
+        for a failed read...), :class:`ClosedError` if ``source`` is closed, ``ValueError``
+        for bytes past the registration's end and ``MemoryError`` for more than this machine
+        could hold, both before anything is allocated."""
         return self._native.read(source, offset, length)
 
     def write(self, target: Registration, offset: int, data: bytes) -> None:

@@ -15,6 +15,7 @@ class TransferError(Error):
     errno: Optional[int]
     device_code: Optional[int]
 class CancelledError(Error): ...
+class ClosedError(Error): ...
 
 _Result = Tuple[str, List[Tuple[int, str, Optional[Error]]]]
 _Range = Tuple[int, int, Union["Registration", int], int, int]
@@ -65,7 +66,15 @@ class Engine:
     def register_host(self, addr: int, length: int, owner: object) -> Registration: ...
     def register_device(self, device: int, addr: int, length: int, owner: object) -> Registration: ...
     def register_file(
-        self, path: str, offset: int, length: int, *, direct: bool = True, writable: bool = True, create: bool = False
+        self,
+        path: str,
+        offset: int,
+        length: int,
+        *,
+        direct: bool = True,
+        writable: bool = True,
+        create: bool = False,
+        extend: bool = False,
     ) -> Registration: ...
     def alloc_device(self, length: int, device: int = 0) -> Registration: ...
     def read(self, source: Registration, offset: int, length: int) -> bytes: ...
