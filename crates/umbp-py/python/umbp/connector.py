@@ -66,8 +66,10 @@ class KVConnector:
         self._load: Optional[Batch] = None
         self._load_on_stream = False
         self._load_keys: Dict[int, Hashable] = {}
-        self._saves: List[Tuple[Batch, Dict[int, Hashable]]] = []
-        # key -> (tier registration, slot, layers started) of the saves since wait_for_save
+        # (offload, layer, tag -> key) of the saves since wait_for_save
+        self._saves: List[Tuple[Batch, int, Dict[int, Hashable]]] = []
+        # key -> (tier registration, slot, layers whose offload succeeded) of the saves since
+        # wait_for_save: a layer counts only once the offload carrying it completed.
         self._saving: Dict[Hashable, Tuple[Registration, int, Set[int]]] = {}
         # Slots replaced while a load was in flight: freed once it is over (it may read them).
         self._retired: List[Tuple[Registration, int]] = []
@@ -180,32 +182,51 @@ class KVConnector:
         """Starts writing ``layer``'s part of each block ``(key, block)`` from the layer's
         buffer into a slot for the key, reserved in ``tier`` on the key's first layer. A key
         already cached is saved into a new slot: its cached bytes stay loadable, untouched,
-        until :meth:`wait_for_save` finds every layer of the new copy saved. Returns at once."""
+        until :meth:`wait_for_save` finds every layer of the new copy saved. Returns at once.
+
+        If it raises (no free slot, a refused object), nothing of this call remains: the slots
+        it reserved are free again and no layer of it counts as saved."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer {layer} is not one of the {self.layers} layers")
         objects = []
         keys = {}
-        for tag, (key, block) in enumerate(blocks):
-            if key not in self._saving:
-                self._saving[key] = (*self.place(key, tier), set())
-            reg, slot, layers = self._saving[key]
-            layers.add(layer)
-            page = self._slot_pages(slot)[layer]
-            ranges = [Range(0, self.block_bytes, self.buffers[layer], block * self.block_bytes)]
-            objects.append(Object(tag, reg, [page], self.block_bytes, self.block_bytes, ranges))
-            keys[tag] = key
-        if objects:
-            self._saves.append((self.engine.start_offload(objects), keys))
+        reserved = []
+        started = None
+        try:
+            for tag, (key, block) in enumerate(blocks):
+                if key not in self._saving:
+                    self._saving[key] = (*self.place(key, tier), set())
+                    reserved.append(key)
+                reg, slot, _ = self._saving[key]
+                page = self._slot_pages(slot)[layer]
+                ranges = [Range(0, self.block_bytes, self.buffers[layer], block * self.block_bytes)]
+                objects.append(Object(tag, reg, [page], self.block_bytes, self.block_bytes, ranges))
+                keys[tag] = key
+            if objects:
+                started = self.engine.start_offload(objects)
+                self._saves.append((started, layer, keys))
+        except BaseException:
+            if started is not None:
+                started.wait()  # it writes into the slots about to be freed
+            for key in reserved:
+                reg, slot, _ = self._saving.pop(key)
+                self._release(reg, slot)
+            raise
 
     def wait_for_save(self) -> List[Hashable]:
         """Waits for every save started since the last call. A key whose every layer was
-        saved becomes loadable from its new slot (the slot of what it held before is freed, once
-        no load in flight may read it).
+        saved (its offload completed) becomes loadable from its new slot (the slot of what it
+        held before is freed, once no load in flight may read it).
         Returns the keys whose save failed or missed a layer: their new slots are freed, and
         what was cached for them before stays loadable, untouched."""
         failed: Set[Hashable] = set()
-        for batch, keys in self._saves:
+        for batch, layer, keys in self._saves:
             for o in batch.wait().objects:
-                if not o.ok:
-                    failed.add(keys[o.tag])
+                key = keys[o.tag]
+                if o.ok:
+                    self._saving[key][2].add(layer)
+                else:
+                    failed.add(key)
         self._saves = []
         for key, (reg, slot, layers) in self._saving.items():
             if key in failed or len(layers) != self.layers:
