@@ -31,7 +31,7 @@ use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
     AlignedBuffer, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointRegistry,
     FailureCause, FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register,
-    RegisterError, Registration as Guard, Tag, TransferEngine,
+    RegisterError, Registration as Guard, RejectReason, Tag, TransferEngine,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 use umbp_ucx::{ServerBuilder, UcxConfig, UcxEngine, UcxServer};
@@ -398,7 +398,7 @@ impl Engine {
             run_one(&composite, f)?;
             Ok(out.deregister())
         });
-        let bytes = bytes.map_err(|e| e.into_py_err(py))?;
+        let bytes = bytes.map_err(|e| e.into_py_err(py, id))?;
         Ok(PyBytes::new(py, &bytes).unbind())
     }
 
@@ -419,7 +419,7 @@ impl Engine {
             let src = composite.register_memory(data).map_err(OneError::other)?;
             run_one(&composite, Fragment::new(src.id(), 0, id, offset, len, Tag::new(0)))
         })
-        .map_err(|e| e.into_py_err(py))
+        .map_err(|e| e.into_py_err(py, id))
     }
 
     /// Starts restoring (`restore=True`) or offloading `objects` and returns the batch at once.
@@ -557,8 +557,14 @@ impl OneError {
         OneError::Other(message(&e))
     }
 
-    fn into_py_err(self, py: Python<'_>) -> PyErr {
+    /// The exception of a read or write of the registration that named `id`: the object's
+    /// error as a report carries it, but [`ClosedError`] when the registration ended while
+    /// the call used it (a close racing it), however far the transfer had come.
+    fn into_py_err(self, py: Python<'_>, id: EndpointId) -> PyErr {
         match self {
+            OneError::Object(e) if gone(&e) == Some(id) => {
+                ClosedError::new_err(format!("registration {} was closed", id.raw()))
+            }
             OneError::Object(e) => match object_error(py, &e) {
                 Ok(value) => PyErr::from_value(value.into_bound(py)),
                 Err(e) => e,
@@ -568,6 +574,19 @@ impl OneError {
             }
             OneError::Other(text) => Error::new_err(text),
         }
+    }
+}
+
+/// The endpoint whose deregistration failed an object, if that is why it failed: refused
+/// while planning as unknown, or failed in flight as gone.
+fn gone(e: &ObjectError) -> Option<EndpointId> {
+    match e {
+        ObjectError::Rejected(umbp_plan::Error::Rejected {
+            reason: RejectReason::UnknownEndpoint(id),
+            ..
+        })
+        | ObjectError::Failed { cause: FailureCause::EndpointGone(id), .. } => Some(*id),
+        _ => None,
     }
 }
 

@@ -519,9 +519,9 @@ class Engine:
     def read(self, source: Registration, offset: int, length: int) -> bytes:
         """Copies bytes of any registered endpoint (device memory, a file) out to Python.
         Raises what a failed object of a batch carries (:class:`TransferError` with ``.errno``
-        for a failed read...), :class:`ClosedError` if ``source`` is closed, ``ValueError``
-        for bytes past the registration's end and ``MemoryError`` for more than this machine
-        could hold, both before anything is allocated."""
+        for a failed read...), :class:`ClosedError` if ``source`` was closed before or during
+        the call, ``ValueError`` for bytes past the registration's end and ``MemoryError`` for
+        more than this machine could hold, both before anything is allocated."""
         return self._native.read(source, offset, length)
 
     def write(self, target: Registration, offset: int, data: bytes) -> None:
