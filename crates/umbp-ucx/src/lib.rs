@@ -1,14 +1,16 @@
 //! The remote memory engine of umbp: a KV cache that outgrows one node restores objects from,
-//! and offloads them to, other nodes' memory, over [UCX](https://openucx.org) (RDMA where the
-//! hardware has it, shared memory or TCP otherwise).
+//! and offloads them to, other nodes' memory: one-sided RDMA over [UCX](https://openucx.org)
+//! where the transports are RDMA, requests the server checks over TCP otherwise.
 //!
 //! - The node that owns the memory runs a [`UcxServer`] ([`ServerBuilder::export`] its pool's
 //!   regions, then [`serve`](ServerBuilder::serve)).
 //! - A node that wants the bytes runs a [`UcxEngine`], [`connect`](UcxEngine::connect)s to
-//!   each server (a TCP handshake gives it the server's UCX worker address and one remote key
-//!   per exported region) and registers the regions as remote endpoints
+//!   each server (a TCP handshake in which both prove they hold the shared secret, then the
+//!   list of exported regions) and registers the regions as remote endpoints
 //!   ([`Register::register_remote`](umbp_plan::Register::register_remote)). Fragments between
-//!   its host memory and those endpoints become one-sided gets (restore) and puts (offload).
+//!   its host memory and those endpoints become gets (restore) and puts (offload).
+//!
+//! Who is trusted and what a peer can reach: the crate README's threat model.
 //! - In a composite beside the local engines, a restore whose objects live partly in local
 //!   DRAM, partly on SSD and partly on other nodes is one batch, with the same per-object
 //!   rollback and failure isolation as the rest of umbp.
@@ -21,6 +23,7 @@
 //! use umbp_ucx::{UcxConfig, UcxEngine};
 //!
 //! let registry = Arc::new(EndpointRegistry::new());
+//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::with_secret`.
 //! let engine = UcxEngine::new(Arc::clone(&registry), UcxConfig::default())?;
 //! let peer = engine.connect("10.0.0.2:7400")?;
 //! let arena = peer.region("kv-arena").expect("the peer exports its arena");
@@ -42,8 +45,9 @@
 //! # Unsafe code
 //!
 //! The UCX calls live in the `ucp` module (declarations checked against the installed headers
-//! by a test, and thin owning wrappers). One other `unsafe` block posts a request on the
-//! progress thread, where the batch's pins keep the local memory registered until the request
+//! by a test, and thin owning wrappers). The `checked` module moves request bytes between
+//! sockets and memory (within a checked region on the server, within the batch's pinned
+//! memory on the client). One other `unsafe` block posts a request on the progress thread, where the batch's pins keep the local memory registered until the request
 //! completes, and one on the server maps the exported memory, which the server owns (or the
 //! caller of [`ServerBuilder::export_raw`], an `unsafe` function, vouches for) until UCX has
 //! let go of it.
