@@ -12,18 +12,24 @@
 //! is final: a later part cannot revive the object. Groups settle in order: group `k` is
 //! settled once every part of it and of every earlier group has settled.
 //!
+//! A part settles exactly once, by whoever *claims* it first: the executor thread that is about
+//! to run it, or [`Batch::cancel`] and the deadline watcher, which settle every part still
+//! waiting (in the executor's queue, for a bounce slot, behind the earlier parts of its lane)
+//! at once, as cancelled or timed out, without waiting for a thread to pick it up. A thread
+//! that finds its part already claimed drops it.
+//!
 //! The batch is *done* once its last part settled, the listener heard of every group and the
 //! batch's endpoints went free: [`Batch::wait`] returns only then, so a caller that waited may
 //! deregister at once and finds every listener call made.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    BatchState, BatchStatus, DeviceStream, EndpointId, EndpointPins, Failure, FailureCause,
-    GroupListener, ObjectState, PlanSet, Tag,
+    BatchState, BatchStatus, CancelToken, DeviceStream, EndpointId, EndpointPins, Failure,
+    FailureCause, GroupListener, ObjectState, PlanSet, Tag,
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
@@ -51,9 +57,11 @@ pub enum ObjectError {
         /// What went wrong.
         cause: FailureCause,
     },
-    /// The batch was cancelled before all of the object's transfers started; those that had
-    /// started finished first, so its destination ranges may hold some of its bytes.
-    #[error("cancelled before all of its transfers started")]
+    /// The batch was cancelled before all of the object's bytes arrived: its transfers not
+    /// yet started were skipped, and those running were cancelled where their engine can
+    /// cancel (the SSD engine cancels its I/O) and finished otherwise. Its destination ranges
+    /// may hold some of its bytes; nothing outside them was written.
+    #[error("cancelled before all of its bytes arrived")]
     Cancelled,
 }
 
@@ -110,10 +118,14 @@ enum Positions {
     Map(HashMap<Tag, usize>),
 }
 
-/// One part of a batch: the group it belongs to and the objects it carries, each once.
+/// One part of a batch: the group it belongs to, its engine (`None` for a stage of the staged
+/// route) and the objects it carries, each once, with the pair of the first plan or fragment
+/// of the part that carries it.
 pub(crate) struct Part {
     group_slot: usize,
+    engine: Option<usize>,
     tags: Vec<Tag>,
+    pairs: Vec<(EndpointId, EndpointId)>,
 }
 
 impl Part {
@@ -129,7 +141,17 @@ pub(crate) enum PartEnd {
     Ran(Vec<Failure>),
     /// It never started: the batch was cancelled.
     Cancelled,
+    /// It never started: the batch's deadline passed first. Its objects fail with
+    /// [`FailureCause::TimedOut`], named after this engine (`staged` for a stage).
+    TimedOut(String),
 }
+
+/// A part not yet claimed (see the module docs).
+const WAITING: u8 = 0;
+/// A part an executor thread claimed to run it.
+const STARTED: u8 = 1;
+/// A part settled without running (cancelled or timed out while it waited).
+const SKIPPED: u8 = 2;
 
 /// Group slots the listener heard of, as prefixes of the batch's groups.
 #[derive(Default)]
@@ -151,6 +173,10 @@ pub(crate) struct BatchShared {
     /// Signalled on every change of `progress`.
     changed: Condvar,
     cancelled: AtomicBool,
+    /// Given to every plan set the batch submits; cancelled by [`Batch::cancel`].
+    token: CancelToken,
+    /// Per part: [`WAITING`], [`STARTED`] or [`SKIPPED`].
+    claims: Vec<AtomicU8>,
     listener: Option<Arc<dyn GroupListener>>,
     /// The group slots the listener has been told of, enqueued and settled. Held while telling,
     /// so that calls from threads settling parts side by side queue up in group order.
@@ -228,35 +254,44 @@ impl BatchShared {
         let mut pending = vec![0u32; n];
         let mut stamp = vec![usize::MAX; n];
         let mut parts = Vec::new();
-        let mut part_of = |group: u32, tags: &mut dyn Iterator<Item = Tag>| {
-            let index = parts.len();
-            let mut carried = Vec::new();
-            for tag in tags {
-                if let Some(i) = position(tag) {
-                    if stamp[i] != index {
-                        stamp[i] = index;
-                        pending[i] += 1;
-                        carried.push(tag);
+        let mut part_of =
+            |group: u32,
+             engine: Option<usize>,
+             tags: &mut dyn Iterator<Item = (Tag, EndpointId, EndpointId)>| {
+                let index = parts.len();
+                let (mut carried, mut pairs) = (Vec::new(), Vec::new());
+                for (tag, src, dst) in tags {
+                    if let Some(i) = position(tag) {
+                        if stamp[i] != index {
+                            stamp[i] = index;
+                            pending[i] += 1;
+                            carried.push(tag);
+                            pairs.push((src, dst));
+                        }
                     }
                 }
-            }
-            parts.push(Part { group_slot: slot(group), tags: carried });
-            index
-        };
+                parts.push(Part { group_slot: slot(group), engine, tags: carried, pairs });
+                index
+            };
 
         let mut direct = Vec::new();
         let mut bytes = 0;
         for part in std::mem::take(&mut plans.parts) {
             bytes += part.plans.bytes();
-            let index =
-                part_of(part.group, &mut part.plans.plans().iter().flat_map(|p| p.tags()).copied());
+            let mut tags = part
+                .plans
+                .plans()
+                .iter()
+                .flat_map(|p| p.tags().iter().map(|&t| (t, p.src(), p.dst())));
+            let index = part_of(part.group, Some(part.engine), &mut tags);
             direct.push((index, part));
         }
         let mut staged_parts = Vec::new();
         for stage in stages(std::mem::take(&mut plans.staged)) {
             let Some(first) = stage.first() else { continue };
             bytes += stage.iter().map(|s| s.fragment.len).sum::<u64>();
-            let index = part_of(first.group, &mut stage.iter().map(|s| s.fragment.tag));
+            let mut tags = stage.iter().map(|s| (s.fragment.tag, s.fragment.src, s.fragment.dst));
+            let index = part_of(first.group, None, &mut tags);
             staged_parts.push((index, stage));
         }
 
@@ -319,6 +354,8 @@ impl BatchShared {
             }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
+            token: CancelToken::new(),
+            claims: (0..parts_pending).map(|_| AtomicU8::new(WAITING)).collect(),
             listener,
             told: Mutex::default(),
             in_flight,
@@ -371,6 +408,60 @@ impl BatchShared {
     /// Whether the batch's deadline has passed.
     pub(crate) fn expired(&self) -> bool {
         self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// The token every plan set of the batch carries ([`PlanSet::set_cancel`]).
+    pub(crate) fn token(&self) -> &CancelToken {
+        &self.token
+    }
+
+    /// Claims part `index` for an executor thread that is about to run it (or settle it
+    /// itself); `false` if it was settled while it waited, and the thread drops it.
+    pub(crate) fn claim(&self, index: usize) -> bool {
+        self.claim_as(index, STARTED)
+    }
+
+    /// Moves part `index` from waiting to `to`; whether this call did. One atomic location
+    /// decides, so exactly one of the executor and the cancellers wins; what the winner then
+    /// does to the batch is published under the progress lock, hence `Relaxed`.
+    fn claim_as(&self, index: usize, to: u8) -> bool {
+        self.claims[index]
+            .compare_exchange(WAITING, to, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// Settles every part still waiting, with what `end` says for it; returns how many.
+    fn settle_waiting(&self, end: impl Fn(&Part) -> PartEnd) -> usize {
+        let mut settled = 0;
+        for (index, part) in self.parts.iter().enumerate() {
+            if self.claim_as(index, SKIPPED) {
+                self.settle(index, end(part), None);
+                settled += 1;
+            }
+        }
+        settled
+    }
+
+    /// Cancels the batch: later claims see it, running parts' engines are told through the
+    /// token, and every part still waiting settles as cancelled now.
+    pub(crate) fn cancel(&self) {
+        // Relaxed: see `is_cancelled`.
+        self.cancelled.store(true, Ordering::Relaxed);
+        self.token.cancel();
+        self.settle_waiting(|_| PartEnd::Cancelled);
+    }
+
+    /// The deadline passed: every part still waiting settles as timed out now, its failures
+    /// named after `name(engine)`. Returns how many parts it settled.
+    pub(crate) fn expire(&self, name: &dyn Fn(usize) -> String) -> usize {
+        self.settle_waiting(|part| {
+            PartEnd::TimedOut(part.engine.map_or_else(|| "staged".to_string(), name))
+        })
+    }
+
+    /// Whether the batch is done (see [`Batch::wait`]).
+    pub(crate) fn is_done(&self) -> bool {
+        self.lock().done
     }
 
     /// Whether object `tag` already failed, was rejected or cancelled (so later hops can skip
@@ -443,15 +534,41 @@ impl BatchShared {
                     for f in failures {
                         for &tag in &f.tags {
                             let Some(i) = self.position(tag) else { continue };
-                            if !p.status.objects()[i].is_unsuccessful() {
-                                let _ = p.status.set(Tag::new(i as u32), ObjectState::Failed);
-                                p.errors[i] = Some(ObjectError::Failed {
-                                    engine: f.engine.clone(),
-                                    src: f.src,
-                                    dst: f.dst,
-                                    cause: f.cause.clone(),
-                                });
+                            if p.status.objects()[i].is_unsuccessful() {
+                                continue;
                             }
+                            // An engine that cancelled the object's transfers on the batch's
+                            // token: the object is cancelled, as if they had never started.
+                            let (state, error) = match f.cause {
+                                FailureCause::Cancelled if self.is_cancelled() => {
+                                    (ObjectState::Cancelled, ObjectError::Cancelled)
+                                }
+                                _ => (
+                                    ObjectState::Failed,
+                                    ObjectError::Failed {
+                                        engine: f.engine.clone(),
+                                        src: f.src,
+                                        dst: f.dst,
+                                        cause: f.cause.clone(),
+                                    },
+                                ),
+                            };
+                            let _ = p.status.set(Tag::new(i as u32), state);
+                            p.errors[i] = Some(error);
+                        }
+                    }
+                }
+                PartEnd::TimedOut(engine) => {
+                    for (&tag, &(src, dst)) in part.tags.iter().zip(&part.pairs) {
+                        let Some(i) = self.position(tag) else { continue };
+                        if !p.status.objects()[i].is_unsuccessful() {
+                            let _ = p.status.set(Tag::new(i as u32), ObjectState::Failed);
+                            p.errors[i] = Some(ObjectError::Failed {
+                                engine: engine.clone(),
+                                src,
+                                dst,
+                                cause: FailureCause::TimedOut,
+                            });
                         }
                     }
                 }
@@ -552,7 +669,12 @@ pub(crate) enum ReturnedWork {
 ///   call made, the endpoints free) and returns the report; it may be called again and returns
 ///   the same report.
 /// - Dropping a batch waits for it, so no memory a transfer reads or writes is freed under it.
-///   [`cancel`](Self::cancel) is the quick way out: work not yet started is skipped.
+///   [`cancel`](Self::cancel) is the quick way out: work not yet started settles at once and
+///   running work is cancelled where its engine can.
+/// - A [deadline](crate::CompositeBuilder::set_deadline) settles the work not started by then
+///   the moment it passes (the executor's deadline watcher does it, whatever the executor's
+///   threads are busy with), its objects failing with
+///   [`TimedOut`](umbp_plan::FailureCause::TimedOut).
 #[must_use = "dropping a batch blocks until its transfers finish"]
 pub struct Batch {
     shared: Arc<BatchShared>,
@@ -668,12 +790,21 @@ impl Batch {
         self.shared.wait_until(deadline, |p| p.groups_settled >= through)
     }
 
-    /// Cancels the batch: parts not yet started are skipped and their objects reported
-    /// [`Cancelled`](ObjectState::Cancelled); parts already running finish. Returns once no
-    /// engine works for the batch any more, with the final report.
+    /// Cancels the batch and returns the final report once no engine works for it any more.
+    ///
+    /// - Parts not yet started settle at once, here, wherever they wait (behind other batches
+    ///   in the executor's queue, for a bounce slot, behind earlier groups of their lane): no
+    ///   engine ever sees them, and their objects are reported
+    ///   [`Cancelled`](ObjectState::Cancelled).
+    /// - Parts running are told through the batch's [`CancelToken`] (every plan set the batch
+    ///   submits carries it, [`PlanSet::cancel_token`]): engines that can cancel (the SSD
+    ///   engine cancels its I/O in the kernel) stop, and the objects whose bytes had not
+    ///   arrived are reported cancelled too; other engines finish what they were given.
+    ///
+    /// So `cancel` returns as soon as the running parts' engines let go of the caller's memory:
+    /// it never returns while an engine still writes it.
     pub fn cancel(&self) -> TransferReport {
-        // Relaxed: see `BatchShared::is_cancelled`; `wait` synchronises through the lock.
-        self.shared.cancelled.store(true, Ordering::Relaxed);
+        self.shared.cancel();
         self.wait()
     }
 

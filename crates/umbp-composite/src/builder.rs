@@ -236,11 +236,13 @@ impl<'a> CompositeBuilder<'a> {
         self.stream = stream;
     }
 
-    /// Gives the next batch a deadline: work not started by then is skipped and its objects
-    /// fail with [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut); work running
-    /// then gets it as its plan set's [deadline](umbp_plan::PlanSet::deadline), which engines
-    /// that can cancel honour (the SSD engine cancels its reads). Cleared by `finish`, which
-    /// hands it to the batch.
+    /// Gives the next batch a deadline: work not started by then settles the moment it passes
+    /// (the executor's deadline watcher settles it wherever it waits, whatever the executor's
+    /// threads are busy with), its objects failing with
+    /// [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut); work running then gets
+    /// it as its plan set's [deadline](umbp_plan::PlanSet::deadline), which engines that can
+    /// cancel honour (the SSD engine cancels its I/O). Cleared by `finish`, which hands it to
+    /// the batch.
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
     }

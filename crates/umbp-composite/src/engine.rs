@@ -24,6 +24,8 @@ pub struct CompositeConfig {
     /// Executor threads, started once at the first submit. Each runs one engine's lane of one
     /// batch, or one stage of the staged route, at a time, and blocks while its engine works;
     /// so this bounds how many engine submits run at once across all callers. Default: 8.
+    /// (One more thread, the deadline watcher, starts with them; work waiting for a thread
+    /// still settles at once when its batch is cancelled or its deadline passes.)
     pub workers: usize,
 }
 
@@ -273,7 +275,8 @@ impl CompositeEngine {
         let _enter = span.enter();
         let mut executor = self.executor.lock().unwrap_or_else(PoisonError::into_inner);
         if executor.is_none() {
-            *executor = Some(Executor::start(self.config.workers).map_err(Error::Executor)?);
+            let started = Executor::start(self.config.workers, Arc::clone(&self.shared));
+            *executor = Some(started.map_err(Error::Executor)?);
         }
         let Some(executor) = executor.as_ref() else { unreachable!("started above") };
         tracing::trace!(threads = executor.threads(), "executor");
@@ -320,6 +323,9 @@ impl CompositeEngine {
                 fragments,
             };
             executor.spawn(Box::new(move || run_stage(job)));
+        }
+        if let Some(deadline) = batch.deadline() {
+            executor.watch(deadline, &batch);
         }
         Ok(Batch::new(batch))
     }

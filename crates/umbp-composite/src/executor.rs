@@ -19,11 +19,21 @@
 //! Threads block inside engines (a host copy, an SSD wait), which is why their number is a
 //! configuration ([`CompositeConfig::workers`](crate::CompositeConfig)) and not the core count;
 //! no thread is spawned per submit.
+//!
+//! # Deadlines
+//!
+//! One more thread, the deadline watcher, starts with the executor. It sleeps until the
+//! earliest deadline of the batches submitted with one and, the moment it passes, settles
+//! every part of that batch still waiting (behind other batches in the queue, for a bounce
+//! slot, behind earlier groups of its lane) as timed out, whatever the executor's threads are
+//! busy with. Parts already running got the deadline with their plan set, which engines that
+//! can cancel honour.
 
 use std::any::Any;
-use std::collections::{HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -37,15 +47,19 @@ use crate::staging::{place, Lease, StagePiece};
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The executor's threads and the queue they take jobs from.
+/// The executor's threads and the queue they take jobs from, and the deadline watcher.
 pub(crate) struct Executor {
     sender: Option<Sender<Job>>,
     threads: Vec<JoinHandle<()>>,
+    /// Dropped after the threads are joined.
+    watcher: Watcher,
 }
 
 impl Executor {
-    /// Starts `workers` threads (at least one).
-    pub(crate) fn start(workers: usize) -> std::io::Result<Self> {
+    /// Starts `workers` threads (at least one) and the deadline watcher, which names the
+    /// engines of the parts it times out through `shared`.
+    pub(crate) fn start(workers: usize, shared: Arc<Shared>) -> std::io::Result<Self> {
+        let watcher = Watcher::start(shared)?;
         let (sender, receiver) = crossbeam_channel::unbounded::<Job>();
         let mut threads = Vec::new();
         for i in 0..workers.max(1) {
@@ -69,7 +83,12 @@ impl Executor {
                 }
             }
         }
-        Ok(Self { sender: Some(sender), threads })
+        Ok(Self { sender: Some(sender), threads, watcher })
+    }
+
+    /// Has the watcher settle `batch`'s waiting parts once `deadline` passes.
+    pub(crate) fn watch(&self, deadline: Instant, batch: &Arc<BatchShared>) {
+        self.watcher.watch(deadline, batch);
     }
 
     /// Queues `job`; jobs start in the order they were queued.
@@ -92,6 +111,142 @@ impl Drop for Executor {
         self.sender = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// The deadline watcher: one thread that times out the waiting parts of each batch the moment
+/// its deadline passes (see the module docs).
+struct Watcher {
+    state: Arc<WatchState>,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct WatchState {
+    deadlines: Mutex<Deadlines>,
+    /// Signalled when an earlier deadline arrives, and to stop.
+    changed: Condvar,
+}
+
+struct Deadlines {
+    /// Earliest first.
+    heap: BinaryHeap<Reverse<Watched>>,
+    /// The heap's size at which batches done before their deadline are dropped from it: twice
+    /// what was left the last time, so the heap stays within twice the batches still pending
+    /// at a cost of one step per batch watched.
+    prune_at: usize,
+    stop: bool,
+}
+
+/// A batch and its deadline; ordered by the deadline alone.
+struct Watched {
+    at: Instant,
+    batch: Weak<BatchShared>,
+}
+
+impl PartialEq for Watched {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl Eq for Watched {}
+
+impl PartialOrd for Watched {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Watched {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.at.cmp(&other.at)
+    }
+}
+
+/// The fewest watched batches the heap is pruned at.
+const PRUNE_MIN: usize = 64;
+
+impl WatchState {
+    fn lock(&self) -> MutexGuard<'_, Deadlines> {
+        // Each critical section is one push, pop or prune of the heap: a poisoned lock still
+        // guards a valid heap.
+        self.deadlines.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Watcher {
+    fn start(shared: Arc<Shared>) -> std::io::Result<Self> {
+        let state = Arc::new(WatchState {
+            deadlines: Mutex::new(Deadlines {
+                heap: BinaryHeap::new(),
+                prune_at: PRUNE_MIN,
+                stop: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let watched = Arc::clone(&state);
+        let thread = std::thread::Builder::new()
+            .name("umbp-composite-deadlines".into())
+            .spawn(move || watch(&watched, &shared))?;
+        Ok(Self { state, thread: Some(thread) })
+    }
+
+    fn watch(&self, at: Instant, batch: &Arc<BatchShared>) {
+        let mut deadlines = self.state.lock();
+        if deadlines.heap.len() >= deadlines.prune_at {
+            deadlines.heap.retain(|Reverse(w)| w.batch.upgrade().is_some_and(|b| !b.is_done()));
+            deadlines.prune_at = (2 * deadlines.heap.len()).max(PRUNE_MIN);
+        }
+        let earliest = deadlines.heap.peek().is_none_or(|Reverse(w)| at < w.at);
+        deadlines.heap.push(Reverse(Watched { at, batch: Arc::downgrade(batch) }));
+        drop(deadlines);
+        if earliest {
+            self.state.changed.notify_one();
+        }
+    }
+}
+
+/// The watcher's thread: sleeps until the earliest deadline, then times out what of that
+/// batch still waits.
+fn watch(state: &WatchState, shared: &Shared) {
+    let mut deadlines = state.lock();
+    loop {
+        if deadlines.stop {
+            return;
+        }
+        let now = Instant::now();
+        deadlines = match deadlines.heap.peek().map(|Reverse(w)| w.at) {
+            None => state.changed.wait(deadlines).unwrap_or_else(PoisonError::into_inner),
+            Some(at) if at > now => {
+                let slept = state.changed.wait_timeout(deadlines, at - now);
+                slept.unwrap_or_else(PoisonError::into_inner).0
+            }
+            Some(_) => {
+                let due = deadlines.heap.pop();
+                drop(deadlines);
+                if let Some(batch) = due.and_then(|Reverse(w)| w.batch.upgrade()) {
+                    let expire = || batch.expire(&|i| shared.engine_name(i));
+                    match catch_unwind(AssertUnwindSafe(expire)) {
+                        Ok(0) => {}
+                        Ok(parts) => {
+                            tracing::debug!(parts, "deadline passed: waiting parts timed out")
+                        }
+                        Err(_) => tracing::error!("timing out a batch's waiting parts panicked"),
+                    }
+                }
+                state.lock()
+            }
+        };
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.state.lock().stop = true;
+        self.state.changed.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
         }
     }
 }
@@ -211,6 +366,10 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
         batch.settle(index, PartEnd::Ran(failures), Some(returned_part(group, engine, plans)));
     };
     for (index, mut part) in lane {
+        // Settled while it waited (a cancel, the deadline watcher): nothing left to do.
+        if !batch.claim(index) {
+            continue;
+        }
         if batch.is_cancelled() {
             let returned = returned_part(part.group, part.engine, part.plans);
             batch.settle(index, PartEnd::Cancelled, Some(returned));
@@ -225,6 +384,7 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
         }
         part.plans.set_deadline(batch.deadline());
         part.plans.set_stream(batch.stream());
+        part.plans.set_cancel(Some(batch.token().clone()));
         let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
         let _enter = span.enter();
         match submit(shared, part.engine, part.plans) {
@@ -271,17 +431,22 @@ pub(crate) fn run_stage(job: StageJob) {
         unreachable!("stages exist only with staging configured")
     };
     // A stage that will not run does not wait for a slot.
-    if job.batch.is_cancelled() {
-        cancel_stage(job);
-        return;
-    }
-    if job.batch.expired() {
-        time_out_stage(job);
+    if job.batch.is_cancelled() || job.batch.expired() {
+        if !job.batch.claim(job.part) {
+            // Already settled while it waited in the queue.
+        } else if job.batch.is_cancelled() {
+            cancel_stage(job);
+        } else {
+            time_out_stage(job);
+        }
         return;
     }
     let mut next = pool.lease_or_park(job);
     while let Some((job, lease)) = next {
-        let lease = if job.batch.is_cancelled() {
+        let lease = if !job.batch.claim(job.part) {
+            // Settled while it waited for the slot: the slot goes straight on.
+            lease
+        } else if job.batch.is_cancelled() {
             cancel_stage(job);
             lease
         } else if job.batch.expired() {
@@ -408,6 +573,7 @@ fn hop(
         Ok(Ok((mut plans, mut rejected))) => {
             rejected.extend_from_slice(plans.rejected());
             plans.set_deadline(batch.deadline());
+            plans.set_cancel(Some(batch.token().clone()));
             let (mut failures, _) = execute(shared, index, plans);
             if !rejected.is_empty() {
                 failures.push(refused(rejected, "staged hop refused by its engine".into()));

@@ -36,6 +36,11 @@
 //! - Nothing returns while an engine still writes caller memory for a batch that the call
 //!   settles: [`Batch::wait`], [`Batch::cancel`], dropping a batch and dropping the composite
 //!   all wait for the work they end.
+//! - Cancel and deadlines settle work that has not started at once, wherever it waits (behind
+//!   other batches for an executor thread, for a bounce slot): [`Batch::cancel`] settles it
+//!   itself and cancels running work through the batch's
+//!   [`CancelToken`](umbp_plan::CancelToken) (the SSD engine cancels its I/O in the kernel);
+//!   a deadline watcher thread times it out the moment the deadline passes.
 //!
 //! # Example: a layer-wise restore
 //!

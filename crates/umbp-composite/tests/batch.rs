@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::tiered::*;
-use support::wrapped::Wrapped;
+use support::wrapped::{Gate, Wrapped};
 use support::*;
 use umbp_composite::{
-    restore, CompositeEngine, Error, ObjectError, ObjectRange, ObjectTransfer, PagedObject,
+    restore, CompositeConfig, CompositeEngine, Error, ObjectError, ObjectRange, ObjectTransfer,
+    PagedObject,
 };
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
@@ -31,10 +32,19 @@ struct HostRig {
 }
 
 fn host_rig(objects: usize, wrap: impl FnOnce(Wrapped) -> Wrapped) -> HostRig {
+    host_rig_with(objects, CompositeConfig::default(), wrap)
+}
+
+/// [`host_rig`] with the composite's executor configured as `config` says.
+fn host_rig_with(
+    objects: usize,
+    config: CompositeConfig,
+    wrap: impl FnOnce(Wrapped) -> Wrapped,
+) -> HostRig {
     let registry = EndpointRegistry::new();
     let host: Arc<dyn TransferEngine> = Arc::new(LocalCopyEngine::new(registry.clone()));
     let engine = Arc::new(wrap(Wrapped::new(host, registry.clone(), "wrapped")));
-    let composite = CompositeEngine::new(registry, vec![engine.clone()]);
+    let composite = CompositeEngine::with_config(registry, vec![engine.clone()], config);
     let len = objects * OBJECT as usize;
     let mut src = pattern(len, 3);
     let mut dst = vec![POISON; len];
@@ -50,6 +60,24 @@ fn host_rig(objects: usize, wrap: impl FnOnce(Wrapped) -> Wrapped) -> HostRig {
 }
 
 impl HostRig {
+    /// Objects `objects` (each its 4 KiB, group 0), with `deadline`.
+    fn plans_of(
+        &self,
+        objects: std::ops::Range<usize>,
+        deadline: Option<Instant>,
+    ) -> umbp_composite::RoutedPlans {
+        let mut b = self.composite.builder();
+        b.set_deadline(deadline);
+        for o in objects {
+            let tag = Tag::new(o as u32);
+            b.begin_object(tag).unwrap();
+            let at = o as u64 * OBJECT;
+            b.push(Fragment::new(self.ids.0, at, self.ids.1, at, OBJECT, tag)).unwrap();
+            b.commit_object().unwrap();
+        }
+        b.finish().unwrap()
+    }
+
     /// Object `o` copies its 4 KiB in layer group `group(o)`.
     fn plans(&self, objects: usize, group: impl Fn(usize) -> u32) -> umbp_composite::RoutedPlans {
         let mut b = self.composite.builder();
@@ -632,4 +660,142 @@ fn a_panicking_engine_builder_loses_its_objects_of_the_batch_and_nothing_panics_
     let at = 3 * OBJECT as usize;
     assert_eq!(out[at..at + half], src[at..at + half]);
     assert_eq!(device[at..at + half], src[at + half..at + 2 * half]);
+}
+
+/// Opens the gate when dropped, so that a failing test does not hold the executor's thread
+/// (and the rig's drop) for the gate's whole hold.
+struct OpenOnDrop(Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+#[test]
+fn cancel_and_a_deadline_settle_a_batch_queued_behind_a_running_job_at_once() {
+    // One executor thread, held inside the engine by a job that would run for 15 s.
+    let gate = Gate::new();
+    let rig = host_rig_with(4, CompositeConfig::default().with_workers(1), |w| w.gated(&gate));
+    let _open = OpenOnDrop(Arc::clone(&gate));
+    let running = rig.composite.submit(rig.plans_of(0..1, None)).unwrap();
+    gate.wait_arrivals(1);
+
+    // A batch queued behind it: cancel settles it at once, without the executor's thread.
+    let queued = rig.composite.submit(rig.plans_of(1..3, None)).unwrap();
+    let t = Instant::now();
+    let report = queued.cancel();
+    let took = t.elapsed();
+    println!("cancel of a batch queued behind a 15 s job returned in {took:?}");
+    // The issue asks for under 100 ms (here it takes microseconds: no thread, no engine is
+    // waited for). The bound is generous so that a loaded machine cannot fail it; waiting for
+    // the running job, as before, takes the gate's 15 s.
+    assert!(took < Duration::from_secs(2), "cancel waited for the running job: {took:?}");
+    assert_eq!(report.aggregate, BatchState::Failed, "{report:?}");
+    for o in &report.objects {
+        assert_eq!((o.state, &o.error), (ObjectState::Cancelled, &Some(ObjectError::Cancelled)));
+    }
+
+    // A 100 ms deadline behind the same job: the watcher times it out when it passes.
+    let start = Instant::now();
+    let timed =
+        rig.composite.submit(rig.plans_of(3..4, Some(start + Duration::from_millis(100)))).unwrap();
+    let settled = loop {
+        if timed.state(3) != Some(ObjectState::InFlight) || start.elapsed() > Duration::from_secs(5)
+        {
+            break start.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    println!("a 100 ms deadline behind a 15 s job settled after {settled:?}");
+    // The issue asks for 200 ms; polled up to 5 s so that a loaded machine cannot fail it,
+    // where before the object stayed in flight for the gate's 15 s.
+    let report = timed.wait_timeout(Duration::from_secs(1)).expect("done once its part settled");
+    assert!(settled >= Duration::from_millis(100), "settled before its deadline: {settled:?}");
+    assert!(settled < Duration::from_secs(5), "the deadline waited for the running job");
+    let error = report.objects[0].error.clone();
+    assert!(
+        matches!(&error, Some(ObjectError::Failed { engine, cause: FailureCause::TimedOut, .. }) if engine == "wrapped"),
+        "{report:?}"
+    );
+
+    gate.open();
+    assert_eq!(running.wait().aggregate, BatchState::Completed);
+    drop((running, queued, timed));
+    // The job behind them ran once the gate opened; the settled batches never reached it.
+    let carried: Vec<Tag> = rig.engine.records().iter().flat_map(|r| r.tags.clone()).collect();
+    assert_eq!(carried, [Tag::new(0)]);
+    assert!(rig.object_arrived(0));
+    for o in 1..4 {
+        assert!(rig.object_untouched(o), "object {o} was written");
+    }
+}
+
+#[test]
+fn cancel_of_a_running_part_reaches_its_engine_through_the_token() {
+    // The gated engine cancels on the plan set's token, as the SSD engine cancels its I/O.
+    let gate = Gate::new();
+    let rig = host_rig_with(2, CompositeConfig::default().with_workers(1), |w| w.gated(&gate));
+    let _open = OpenOnDrop(Arc::clone(&gate));
+    let running = rig.composite.submit(rig.plans_of(0..2, None)).unwrap();
+    gate.wait_arrivals(1);
+    let t = Instant::now();
+    let report = running.cancel();
+    let took = t.elapsed();
+    println!("cancel of a running part whose engine cancels returned in {took:?}");
+    // Generous, as above: without the token the engine holds the part for 15 s.
+    assert!(took < Duration::from_secs(2), "the engine never heard of the cancel: {took:?}");
+    for o in &report.objects {
+        assert_eq!((o.state, &o.error), (ObjectState::Cancelled, &Some(ObjectError::Cancelled)));
+    }
+    assert!(rig.object_untouched(0) && rig.object_untouched(1));
+}
+
+#[test]
+fn cancel_settles_stages_waiting_for_a_bounce_slot_and_cancels_the_running_hops() {
+    // Eight objects from the SSD file to the device through the staged route, one 64 KiB stage
+    // each, four bounce slots: four stages hold the slots, held in their first hop by the
+    // gated SSD engine; the other four wait for a slot.
+    let gate = Gate::new();
+    let t = tiered_with(16, true, |i, engine, registry| match i {
+        2 => Arc::new(Wrapped::new(engine, registry.clone(), "gated ssd").gated(&gate)),
+        _ => engine,
+    });
+    let _open = OpenOnDrop(Arc::clone(&gate));
+    let dev = device(&t.hbm, 32 * PAGE);
+    t.hbm.runtime().fill(dev.addr, dev.len, POISON).unwrap();
+    let tables: Vec<Vec<u64>> = (0..8).map(|o| page_table(o, 4, 16)).collect();
+    let size = 4 * PAGE;
+    let ranges: Vec<[ObjectRange; 1]> =
+        (0..8).map(|o| [ObjectRange::new(0, size, dev.id, o as u64 * size)]).collect();
+    let objects: Vec<ObjectTransfer> = (0..8)
+        .map(|o| ObjectTransfer {
+            tag: o as u64,
+            object: PagedObject {
+                tier: t.file_id,
+                page_offsets: &tables[o],
+                page_size: PAGE,
+                size,
+            },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let mut builder = t.composite.builder();
+    let batch = umbp_composite::start_restore(&mut builder, &objects).unwrap();
+    gate.wait_arrivals(4);
+    let started = Instant::now();
+    let report = batch.cancel();
+    let took = started.elapsed();
+    println!("cancel of a staged restore (4 stages running, 4 waiting for a slot) took {took:?}");
+    // Generous, as above: without the token the running hops hold the slots for 15 s.
+    assert!(took < Duration::from_secs(2), "cancel waited for the running hops: {took:?}");
+    for o in &report.objects {
+        assert_eq!((o.state, &o.error), (ObjectState::Cancelled, &Some(ObjectError::Cancelled)));
+    }
+    let device = t.hbm.runtime().read(dev.addr, dev.len).unwrap();
+    assert!(device.iter().all(|&b| b == POISON), "a cancelled stage wrote the device");
+    // The slots came back: the same restore runs once the gate is open.
+    gate.open();
+    let report = restore(&mut builder, &objects).unwrap();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
 }

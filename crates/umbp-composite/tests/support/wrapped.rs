@@ -1,16 +1,68 @@
-//! An engine that wraps a real one and misbehaves on demand: slow submits, panics on chosen
-//! objects or when an endpoint is released, refusals at `finish` (a buffered builder), and a
-//! log of what each submit carried and which endpoints it was told to release.
+//! An engine that wraps a real one and misbehaves on demand: slow submits, submits held at a
+//! gate, panics on chosen objects or when an endpoint is released, refusals at `finish` (a
+//! buffered builder), and a log of what each submit carried and which endpoints it was told to
+//! release.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    plan_batch, BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, EngineError, Fragment,
-    PlanBuilder, PlanRules, PlanSet, RejectReason, Tag, TransferEngine, TransferHandle,
+    plan_batch, BufferedPlanBuilder, CancelToken, Endpoint, EndpointId, EndpointRegistry,
+    EngineError, FailureCause, Fragment, PlanBuilder, PlanRules, PlanSet, RejectReason, Tag,
+    TransferEngine, TransferHandle,
 };
+
+/// Holds every submit of a gated engine, as a job that runs for up to [`Gate::HOLD`] would,
+/// until opened, or until the submitted plan set's cancel token is cancelled: the engine then
+/// cancels, as the SSD engine cancels its I/O, failing the objects with `Cancelled`.
+pub(crate) struct Gate {
+    /// Whether open, and how many submits came to the gate.
+    state: Mutex<(bool, usize)>,
+    changed: Condvar,
+}
+
+impl Gate {
+    /// How long a closed gate holds a submit at most.
+    pub(crate) const HOLD: Duration = Duration::from_secs(15);
+
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self { state: Mutex::new((false, 0)), changed: Condvar::new() })
+    }
+
+    pub(crate) fn open(&self) {
+        self.state.lock().unwrap().0 = true;
+        self.changed.notify_all();
+    }
+
+    /// Blocks until `n` submits came to the gate (panics after 10 s).
+    pub(crate) fn wait_arrivals(&self, n: usize) {
+        let state = self.state.lock().unwrap();
+        let (state, timeout) =
+            self.changed.wait_timeout_while(state, Duration::from_secs(10), |s| s.1 < n).unwrap();
+        assert!(!timeout.timed_out(), "{} of {n} submits came to the gate", state.1);
+    }
+
+    /// Holds a submit until the gate opens or [`HOLD`](Self::HOLD) passes (`false`), or
+    /// `token` is cancelled (`true`).
+    fn pass(self: &Arc<Self>, token: Option<&CancelToken>) -> bool {
+        if let Some(token) = token {
+            let gate = Arc::clone(self);
+            token.on_cancel(Box::new(move || {
+                let _state = gate.state.lock().unwrap();
+                gate.changed.notify_all();
+            }));
+        }
+        let cancelled = || token.is_some_and(CancelToken::is_cancelled);
+        let mut state = self.state.lock().unwrap();
+        state.1 += 1;
+        self.changed.notify_all();
+        let (_state, _) =
+            self.changed.wait_timeout_while(state, Self::HOLD, |s| !s.0 && !cancelled()).unwrap();
+        cancelled()
+    }
+}
 
 /// What one submit carried and when it started and ended.
 #[derive(Clone, Debug)]
@@ -27,6 +79,8 @@ pub(crate) struct Wrapped {
     pub(crate) name: String,
     /// Each submit sleeps this long before the inner engine runs.
     pub(crate) delay: Duration,
+    /// Each submit waits at this gate before the inner engine runs.
+    pub(crate) gate: Option<Arc<Gate>>,
     /// A submit whose plans carry one of these objects panics (before any byte moves).
     pub(crate) panic_on: Mutex<HashSet<Tag>>,
     /// When set, the engine plans with a buffered builder whose planner refuses the fragments
@@ -55,6 +109,7 @@ impl Wrapped {
             registry,
             name: name.into(),
             delay: Duration::ZERO,
+            gate: None,
             panic_on: Mutex::new(HashSet::new()),
             refuse_len_multiple_of: None,
             builder_panics_on: None,
@@ -67,6 +122,11 @@ impl Wrapped {
 
     pub(crate) fn slow(mut self, delay: Duration) -> Self {
         self.delay = delay;
+        self
+    }
+
+    pub(crate) fn gated(mut self, gate: &Arc<Gate>) -> Self {
+        self.gate = Some(Arc::clone(gate));
         self
     }
 
@@ -167,6 +227,11 @@ impl TransferEngine for Wrapped {
         let started = Instant::now();
         let tags: Vec<Tag> = plans.plans().iter().flat_map(|p| p.tags()).copied().collect();
         std::thread::sleep(self.delay);
+        if self.gate.as_ref().is_some_and(|gate| gate.pass(plans.cancel_token())) {
+            let failures = plans.fail_all(&self.name, FailureCause::Cancelled);
+            self.log.lock().unwrap().push(SubmitRecord { tags, started, ended: Instant::now() });
+            return TransferHandle::settled(failures, plans);
+        }
         let boom = {
             let panic_on = self.panic_on.lock().unwrap();
             tags.iter().find(|t| panic_on.contains(t)).copied()
