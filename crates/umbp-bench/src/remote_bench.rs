@@ -87,6 +87,26 @@ pub const TARGET_FROM: u64 = 64 << 10;
 /// What a destination holds before the verification restore.
 const POISON: u8 = 0xA5;
 
+/// The shared secret of the memory node and the client (umbp-ucx serves only peers that prove
+/// it): `UMBP_UCX_SECRET` when set (a node started elsewhere needs the same), else one drawn
+/// for this run from the process's random hash keys and handed to the child server.
+fn secret() -> &'static str {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET.get_or_init(|| {
+        std::env::var(umbp_ucx::SECRET_ENV).unwrap_or_else(|_| {
+            use std::hash::{BuildHasher, Hasher};
+            let state = std::collections::hash_map::RandomState::new();
+            (0..4u64)
+                .map(|i| {
+                    let mut h = state.build_hasher();
+                    h.write_u64(i);
+                    format!("{:016x}", h.finish())
+                })
+                .collect()
+        })
+    })
+}
+
 /// How long a child server may take to say where it listens.
 const SERVER_START: Duration = Duration::from_secs(60);
 
@@ -307,7 +327,8 @@ impl ChildServer {
         let mut command = Command::new(program);
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--bytes", &bytes.to_string()])
-            .args(["--transports", &config.transports]);
+            .args(["--transports", &config.transports])
+            .env(umbp_ucx::SECRET_ENV, secret());
         if let Some(port) = perftest_port {
             command.args(["--perftest-port", &port.to_string()]);
         }
@@ -399,9 +420,11 @@ impl Client {
         config: &RemoteBenchConfig,
         shape: &RestoreShape,
     ) -> anyhow::Result<Self> {
-        let engine =
-            UcxEngine::new(EndpointRegistry::new(), UcxConfig::with_transports(&config.transports))
-                .context("starting the UCX engine")?;
+        let engine = UcxEngine::new(
+            EndpointRegistry::new(),
+            UcxConfig::with_transports(&config.transports).with_secret(secret()),
+        )
+        .context("starting the UCX engine")?;
         let peer = engine.connect(addr).with_context(|| format!("connecting to {addr}"))?;
         let arena = peer.region(ARENA).with_context(|| format!("{addr} exports no `{ARENA}`"))?;
         ensure!(
