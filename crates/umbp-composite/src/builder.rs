@@ -161,7 +161,10 @@ pub struct CompositeBuilder<'a> {
     subs: Vec<Sub<'a>>,
     /// Sub-builders the open object is open in.
     touched: Vec<usize>,
+    /// Routes of the pairs seen, pruned of deregistered endpoints as it grows.
     routes: HashMap<(EndpointId, EndpointId), Route>,
+    /// The cache's size at which it is next pruned.
+    prune_routes_at: usize,
     last: Option<LastPush>,
     group: u32,
     staged: Vec<StagedFragment>,
@@ -185,6 +188,7 @@ impl<'a> CompositeBuilder<'a> {
             subs: Vec::new(),
             touched: Vec::new(),
             routes: HashMap::new(),
+            prune_routes_at: ROUTES_KEPT,
             last: None,
             group: 0,
             staged: Vec::new(),
@@ -571,6 +575,9 @@ impl<'a> CompositeBuilder<'a> {
                 };
                 // Unknown endpoints may be registered later: only cache known pairs.
                 if r != Route::Unrouted {
+                    if self.routes.len() >= self.prune_routes_at {
+                        self.prune_routes();
+                    }
                     self.routes.insert((src, dst), r);
                 }
                 r
@@ -583,6 +590,25 @@ impl<'a> CompositeBuilder<'a> {
         let last = LastPush { pair: (src, dst), group: self.group, route, sub };
         self.last = Some(last);
         last
+    }
+
+    /// Drops the cached routes of pairs with an endpoint no longer registered (a deregistered
+    /// id never names an endpoint again, so those routes would never be asked for), and prunes
+    /// next when the cache
+    /// has doubled: it stays within twice the pairs of live endpoints (plus [`ROUTES_KEPT`]),
+    /// however many endpoints came and went, at one step per route cached.
+    #[cold]
+    fn prune_routes(&mut self) {
+        self.table = self.composite.registry().snapshot();
+        let table = &self.table;
+        self.routes.retain(|&(s, d), _| table.get(s).is_some() && table.get(d).is_some());
+        self.prune_routes_at = (2 * self.routes.len()).max(ROUTES_KEPT);
+    }
+
+    /// How many pairs' routes the builder has cached.
+    #[cfg(test)]
+    fn cached_routes(&self) -> usize {
+        self.routes.len()
     }
 
     /// The sub-builder of `engine` for `group`, created on first use.
@@ -653,12 +679,13 @@ impl<'a> CompositeBuilder<'a> {
         let error = Error::Rejected { tag, reason };
         self.rejected.push((tag, error));
         self.scope = Scope::Poisoned(tag);
-        let name = engine.map_or("unrouted", |i| self.composite.engines()[i].name());
+        // Asking the engine its name may panic; the composite's answer does not.
+        let name = engine.map_or_else(|| "unrouted".to_string(), |i| self.composite.engine_name(i));
         let dir = match (self.table.get(f.src), self.table.get(f.dst)) {
             (Some(s), Some(d)) => direction(s, d),
             _ => "unknown".into(),
         };
-        self.composite.metrics().record(name, dir, |c| c.rejected_fragments += 1);
+        self.composite.metrics().record(&name, dir, |c| c.rejected_fragments += 1);
         tracing::debug!(tag = tag.get(), %reason, "object rejected");
         error
     }
@@ -682,6 +709,9 @@ impl<'a> CompositeBuilder<'a> {
         result
     }
 }
+
+/// The route cache's size below which it is never pruned.
+const ROUTES_KEPT: usize = 64;
 
 /// Engine `engine`'s builder from `composite`, or `None` if making it panics.
 fn new_builder<'a>(
@@ -717,5 +747,39 @@ fn guarded<T>(
             sub.lost.append(&mut objects);
             Err(Error::Rejected { tag, reason: RejectReason::BuilderPanicked })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use umbp_plan::{BatchState, EndpointRegistry, Fragment, Register, Tag};
+
+    use super::ROUTES_KEPT;
+    use crate::CompositeEngine;
+
+    #[test]
+    fn the_route_cache_stays_bounded_as_endpoints_come_and_go() {
+        let registry = EndpointRegistry::new();
+        let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+        let composite = CompositeEngine::new(registry, vec![host]);
+        let src = composite.register_memory(vec![7u8; 64]).unwrap();
+        let mut builder = composite.builder();
+        let mut most = 0;
+        // Register, copy into, deregister: a new pair each cycle.
+        for _ in 0..20_000 {
+            let dst = composite.register_memory(vec![0u8; 64]).unwrap();
+            let tag = Tag::new(0);
+            builder.begin_object(tag).unwrap();
+            builder.push(Fragment::new(src.id(), 0, dst.id(), 0, 64, tag)).unwrap();
+            builder.commit_object().unwrap();
+            let batch = composite.submit(builder.finish().unwrap()).unwrap();
+            assert_eq!(batch.wait().aggregate, BatchState::Completed);
+            builder.recycle(batch.into_plans());
+            assert_eq!(dst.deregister(), vec![7u8; 64]);
+            most = most.max(builder.cached_routes());
+        }
+        assert!(most <= ROUTES_KEPT, "the route cache grew to {most} pairs with 2 endpoints live");
     }
 }

@@ -205,6 +205,11 @@ impl CompositeEngine {
         self.shared.engine_builder(i)
     }
 
+    /// Engine `i`'s name, even if asking the engine panics.
+    pub(crate) fn engine_name(&self, i: usize) -> String {
+        self.shared.engine_name(i)
+    }
+
     /// The engines, in preference order.
     pub fn engines(&self) -> &[Arc<dyn TransferEngine>] {
         &self.shared.engines
@@ -343,7 +348,10 @@ impl Drop for CompositeEngine {
 impl std::fmt::Debug for CompositeEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CompositeEngine")
-            .field("engines", &self.shared.engines.iter().map(|e| e.name()).collect::<Vec<_>>())
+            .field(
+                "engines",
+                &(0..self.shared.engines.len()).map(|i| self.engine_name(i)).collect::<Vec<_>>(),
+            )
             .field("staging", &self.staging())
             .field("config", &self.config)
             .finish()

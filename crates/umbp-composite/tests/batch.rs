@@ -799,3 +799,84 @@ fn cancel_settles_stages_waiting_for_a_bounce_slot_and_cancels_the_running_hops(
     let report = restore(&mut builder, &objects).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
 }
+
+/// The host copy engine, except that asking its name panics.
+struct Nameless(LocalCopyEngine);
+
+impl TransferEngine for Nameless {
+    fn name(&self) -> &str {
+        panic!("this engine was told to panic when asked its name")
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.0.can_handle(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> umbp_plan::PlanSet {
+        self.0.plan(fragments)
+    }
+
+    fn builder(&self) -> Box<dyn umbp_plan::PlanBuilder + Send + '_> {
+        self.0.builder()
+    }
+
+    fn submit(&self, plans: umbp_plan::PlanSet) -> umbp_plan::TransferHandle {
+        self.0.submit(plans)
+    }
+}
+
+#[test]
+fn an_engine_whose_name_panics_rejects_its_objects_and_leaves_the_builder_usable() {
+    let registry = EndpointRegistry::new();
+    let engine = Arc::new(Nameless(LocalCopyEngine::new(registry.clone())));
+    let composite = CompositeEngine::new(registry, vec![engine]);
+    let mut src = pattern(2 * OBJECT as usize, 5);
+    let mut dst = vec![POISON; 2 * OBJECT as usize];
+    // SAFETY: both buffers outlive the composite's batches (each restore waits).
+    let (src_id, dst_id) = unsafe {
+        (
+            register(&composite, Endpoint::host(src.as_mut_ptr() as u64, src.len() as u64)),
+            register(&composite, Endpoint::host(dst.as_mut_ptr() as u64, dst.len() as u64)),
+        )
+    };
+    let (src_id, dst_id) = (src_id.unwrap(), dst_id.unwrap());
+    let pages = [[0], [OBJECT]];
+    // Object 2's range passes the end of the destination: the engine's builder rejects it, and
+    // the composite, recording the rejection, names the engine.
+    let ranges =
+        [[ObjectRange::new(0, OBJECT, dst_id, 0)], [ObjectRange::new(0, OBJECT, dst_id, 6000)]];
+    let objects: Vec<ObjectTransfer> = (0..2)
+        .map(|o| ObjectTransfer {
+            tag: 1 + o as u64,
+            object: PagedObject {
+                tier: src_id,
+                page_offsets: &pages[o],
+                page_size: OBJECT,
+                size: OBJECT,
+            },
+            ranges: &ranges[o],
+        })
+        .collect();
+    let mut builder = composite.builder();
+    let restored =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| restore(&mut builder, &objects)));
+    let report = restored.expect("no panic leaves restore").unwrap();
+    assert_eq!(report.object(1).unwrap().state, ObjectState::Completed, "{report:?}");
+    let rejected = report.object(2).unwrap();
+    assert!(
+        matches!(
+            &rejected.error,
+            Some(ObjectError::Rejected(umbp_plan::Error::Rejected {
+                reason: umbp_plan::RejectReason::OutOfBounds { .. },
+                ..
+            }))
+        ),
+        "{rejected:?}"
+    );
+    assert_eq!(dst[..OBJECT as usize], src[..OBJECT as usize]);
+    assert!(dst[OBJECT as usize..].iter().all(|&b| b == POISON), "nothing of object 2");
+    // The builder is idle and plans the next batch.
+    assert!(builder.is_idle());
+    let report = restore(&mut builder, &objects[..1]).unwrap();
+    assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
+}
