@@ -201,12 +201,14 @@ impl Engine {
     #[new]
     ///
     /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
-    /// `None`: UCX's choice). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
+    /// `None`: UCX's choice), authenticating memory nodes with the shared secret
+    /// `remote_secret` (`None`: `UMBP_UCX_SECRET` from the environment), or connecting to
+    /// nodes that run without authentication when `remote_insecure_no_auth`. `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
     /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
     /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
     /// anything is allocated or started.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false))]
     fn new(
         device: &str,
         sim_devices: u32,
@@ -217,6 +219,8 @@ impl Engine {
         ssd_worker_cpus: Option<Vec<usize>>,
         remote: bool,
         remote_transports: Option<String>,
+        remote_secret: Option<Vec<u8>>,
+        remote_insecure_no_auth: bool,
     ) -> PyResult<Self> {
         // Checked before anything starts: the bounce region is allocated whole (an allocation
         // the system refuses aborts), and each worker is a thread.
@@ -257,7 +261,7 @@ impl Engine {
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
         let remote = match remote {
             true => {
-                let config = UcxConfig { transports: remote_transports, ..UcxConfig::default() };
+                let config = ucx_config(remote_transports, remote_secret, remote_insecure_no_auth);
                 let ucx = Arc::new(UcxEngine::new(registry.clone(), config).map_err(error)?);
                 engines.push(ucx.clone());
                 Some(ucx)
@@ -1055,6 +1059,20 @@ impl Engine {
     }
 }
 
+/// The remote tier's settings from Python: `transports`, the shared `secret` (`None`: the
+/// default's, from `UMBP_UCX_SECRET`) and whether to run without authentication.
+fn ucx_config(
+    transports: Option<String>,
+    secret: Option<Vec<u8>>,
+    insecure_no_auth: bool,
+) -> UcxConfig {
+    let mut config = UcxConfig { transports, insecure_no_auth, ..UcxConfig::default() };
+    if secret.is_some() {
+        config.token = secret;
+    }
+    config
+}
+
 /// `(region, name, length, writable)` of one region a peer exports.
 type RegionTuple = (u32, String, u64, bool);
 
@@ -1069,17 +1087,19 @@ struct Server {
 #[pymethods]
 impl Server {
     /// Exports `regions` (`(name, addr, length, writable, owner)`: the Python layer passes
-    /// buffers it holds exported in `owner`) and serves them on `listen`.
+    /// buffers it holds exported in `owner`) and serves them on `listen` to clients that prove
+    /// they hold `secret` (`None`: `UMBP_UCX_SECRET`), or to anyone with `insecure_no_auth`.
     #[new]
-    #[pyo3(signature = (listen, regions, transports=None, token=None))]
+    #[pyo3(signature = (listen, regions, transports=None, secret=None, insecure_no_auth=false))]
     fn new(
         py: Python<'_>,
         listen: String,
         regions: Vec<(String, u64, u64, bool, PyObject)>,
         transports: Option<String>,
-        token: Option<Vec<u8>>,
+        secret: Option<Vec<u8>>,
+        insecure_no_auth: bool,
     ) -> PyResult<Self> {
-        let config = UcxConfig { transports, token, ..UcxConfig::default() };
+        let config = ucx_config(transports, secret, insecure_no_auth);
         let mut builder = ServerBuilder::new(config);
         let mut owners = Vec::with_capacity(regions.len());
         for (name, addr, length, writable, owner) in regions {

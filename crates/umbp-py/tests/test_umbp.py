@@ -487,10 +487,14 @@ def test_torch_tensors_register_when_torch_is_installed(engine):
         assert torch.equal(dev.cpu()[:PAGE], t[2 * PAGE:3 * PAGE])
 
 
+#: The shared secret the remote tests' servers and engines authenticate each other with.
+SECRET = b"umbp python tests: 32 bytes long"
+
+
 def _remote_engine():
     """An engine with the remote tier over TCP, or a skip with the reason when UCX is missing."""
     try:
-        return umbp.Engine(remote=True, remote_transports="tcp")
+        return umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET)
     except umbp.Error as e:
         if os.environ.get("UMBP_REQUIRE_UCX") == "1":
             raise
@@ -501,7 +505,7 @@ def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_
     engine = _remote_engine()
     arena = pattern(64 * PAGE, 5)
     dram_bytes = pattern(64 * PAGE, 9)
-    server = umbp.Server({"arena": arena, "ro": (pattern(4 * PAGE, 3), False)}, transports="tcp")
+    server = umbp.Server({"arena": arena, "ro": (pattern(4 * PAGE, 3), False)}, transports="tcp", secret=SECRET)
     peer = engine.connect(server.address)
     assert [r.name for r in peer.regions] == ["arena", "ro"] and not peer.region("ro").writable
     with engine.register(dram_bytes) as dram, engine.register_remote(peer.region("arena")) as remote, \
@@ -539,7 +543,7 @@ def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_
 
 def test_a_disconnected_node_fails_its_objects_at_once():
     engine = _remote_engine()
-    with umbp.Server({"arena": pattern(8 * PAGE, 2)}, transports="tcp") as server:
+    with umbp.Server({"arena": pattern(8 * PAGE, 2)}, transports="tcp", secret=SECRET) as server:
         peer = engine.connect(server.address)
         out = np.zeros(PAGE, dtype=np.uint8)
         with engine.register_remote(peer.region("arena")) as remote, engine.register(out) as dst:
@@ -549,3 +553,22 @@ def test_a_disconnected_node_fails_its_objects_at_once():
             engine.disconnect(peer)
             report = engine.restore([obj])
             assert not report.ok and "disconnected" in report.object(1).error.cause
+
+
+def test_a_memory_node_serves_only_engines_that_prove_its_secret():
+    engine = _remote_engine()
+    stranger = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=b"another secret of 32 bytes here!")
+    arena = pattern(4 * PAGE, 6)
+    with umbp.Server({"arena": arena}, transports="tcp", secret=SECRET) as server:
+        assert engine.connect(server.address).region("arena").length == 4 * PAGE
+        with pytest.raises(umbp.Error):
+            stranger.connect(server.address)
+    if os.environ.get("UMBP_UCX_SECRET") is None:
+        # No secret anywhere: refused, unless running without authentication is asked for.
+        with pytest.raises(umbp.Error):
+            umbp.Server({"arena": arena}, transports="tcp")
+        with umbp.Server({"arena": arena}, transports="tcp", insecure_no_auth=True) as open_node:
+            insecure = umbp.Engine(remote=True, remote_transports="tcp", remote_insecure_no_auth=True)
+            peer = insecure.connect(open_node.address)
+            with insecure.register_remote(peer.region("arena")) as remote:
+                assert insecure.read(remote, PAGE, 64) == bytes(arena[PAGE:PAGE + 64])

@@ -322,8 +322,10 @@ class Server:
     ``(buffer, writable)`` (default writable). The server holds the buffers until closed, and
     closing stops serving first (clients then see the node go away).
 
-    ``transports`` follows ``UCX_TLS`` (``"tcp"``, ``"rc,sm"``...); ``token``, when set, must
-    match the clients' (it travels in clear: a guard against strangers on a trusted network)."""
+    ``transports`` follows ``UCX_TLS`` (``"tcp"``, ``"rc,sm"``...). Clients must prove they hold
+    ``secret`` (16 to 4096 bytes; ``None``: the ``UMBP_UCX_SECRET`` environment variable),
+    which never travels; without one the server refuses to start unless ``insecure_no_auth``,
+    which lets anyone who reaches the port read every region and write the writable ones."""
 
     def __init__(
         self,
@@ -331,14 +333,15 @@ class Server:
         listen: str = "127.0.0.1:0",
         *,
         transports: Optional[str] = None,
-        token: Optional[bytes] = None,
+        secret: Optional[bytes] = None,
+        insecure_no_auth: bool = False,
     ):
         exports = []
         for name, value in regions.items():
             buffer, writable = value if isinstance(value, tuple) else (value, True)
             address, nbytes, keep = _host_address(buffer)
             exports.append((name, address, nbytes, bool(writable), keep))
-        self._native = _native.Server(listen, exports, transports, token)
+        self._native = _native.Server(listen, exports, transports, secret, insecure_no_auth)
 
     @property
     def address(self) -> str:
@@ -406,7 +409,12 @@ class Engine:
     sizes the host region that SSD <-> device transfers pass through, in 2 MiB stages: at most
     ``workers`` stages run at once, so ``workers`` x 2 MiB (the default 16 MiB) is all of it they
     use, and a small region also reads faster. A ``bounce_bytes`` past this machine's memory
-    raises ``MemoryError``, more than 1024 ``workers`` ``ValueError``."""
+    raises ``MemoryError``, more than 1024 ``workers`` ``ValueError``.
+
+    ``remote=True`` adds the remote tier (UCX) over ``remote_transports``; it proves to memory
+    nodes that it holds ``remote_secret`` (``None``: the ``UMBP_UCX_SECRET`` environment
+    variable) and checks that they hold it too, or, with ``remote_insecure_no_auth``, connects
+    to nodes that run without authentication."""
 
     def __init__(
         self,
@@ -420,6 +428,8 @@ class Engine:
         ssd_worker_cpus: Optional[Sequence[int]] = None,
         remote: bool = False,
         remote_transports: Optional[str] = None,
+        remote_secret: Optional[bytes] = None,
+        remote_insecure_no_auth: bool = False,
     ):
         self._native = _native.Engine(
             device=device,
@@ -431,6 +441,8 @@ class Engine:
             ssd_worker_cpus=None if ssd_worker_cpus is None else list(ssd_worker_cpus),
             remote=remote,
             remote_transports=remote_transports,
+            remote_secret=remote_secret,
+            remote_insecure_no_auth=remote_insecure_no_auth,
         )
 
     def connect(self, address: str) -> "Peer":

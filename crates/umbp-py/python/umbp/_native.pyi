@@ -57,6 +57,8 @@ class Engine:
         ssd_worker_cpus: Optional[List[int]] = None,
         remote: bool = False,
         remote_transports: Optional[str] = None,
+        remote_secret: Optional[bytes] = None,
+        remote_insecure_no_auth: bool = False,
     ) -> None: ...
     @property
     def device_kind(self) -> str: ...
@@ -95,7 +97,8 @@ class Server:
         listen: str,
         regions: List[Tuple[str, int, int, bool, object]],
         transports: Optional[str] = None,
-        token: Optional[bytes] = None,
+        secret: Optional[bytes] = None,
+        insecure_no_auth: bool = False,
     ) -> None: ...
     @property
     def address(self) -> str: ...
