@@ -9,12 +9,14 @@
 //!
 //! Scheduling hands the executor one request at a time: resubmissions first, then ops that had
 //! to wait, then new ops in plan order. Bounce ops wait while the bounce buffers in use would
-//! pass the budget, and a read-modify-write waits while another one rewrites a block it shares
-//! (running together, the later write would put back the block as it was before the earlier
-//! one). With nothing in flight every op is admitted, so a batch always finishes.
+//! pass the budget; a bounce write waits while any other op of the engine (of this batch or
+//! another) rewrites a block it shares, and a bounce read while one of its blocks is being
+//! rewritten (see `sectors`). An op that waits for another batch's blocks registers the
+//! executor's waker, so the executor looks again when they are released; with nothing of its
+//! own in flight and nothing owned elsewhere, every op is admitted, so a batch always
+//! finishes.
 
 use std::collections::VecDeque;
-use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use umbp_plan::{
@@ -24,7 +26,9 @@ use umbp_plan::{
 use crate::fault::Faults;
 use crate::file::{FileEntry, FileTable};
 use crate::op::{BouncePool, Op, Step};
+use crate::sectors::Sectors;
 use crate::sys::{Dir, HostSlice, Request};
+use crate::wake::Waker;
 
 /// The largest single request: well inside the kernel's per-call limit and `i32` results.
 pub(crate) const MAX_IO: u64 = 1 << 30;
@@ -45,6 +49,17 @@ pub(crate) struct Limits {
     pub(crate) max_io: u64,
     /// Bounce-buffer bytes in use at once (one op may always run alone).
     pub(crate) bounce_budget: u64,
+}
+
+/// What a batch shares with its engine and with the executor that runs it.
+#[derive(Clone, Debug)]
+pub(crate) struct Context {
+    pub(crate) limits: Limits,
+    pub(crate) faults: Arc<Faults>,
+    /// The engine's sector ownership table.
+    pub(crate) sectors: Arc<Sectors>,
+    /// Wakes the executor running the batch (when blocks it waits for are released).
+    pub(crate) waker: Waker,
 }
 
 /// A failure before it is mapped to the objects it costs.
@@ -109,9 +124,9 @@ pub(crate) struct Batch {
     ready: Vec<usize>,
     deferred: VecDeque<usize>,
     bounce_in_use: u64,
-    /// The blocks each running read-modify-write rewrites: (descriptor, start, end).
-    rmw_windows: Vec<(RawFd, u64, u64)>,
     bounce_budget: u64,
+    sectors: Arc<Sectors>,
+    waker: Waker,
     /// Whether the plan set's deadline passed: nothing more is issued, and what completes
     /// without its bytes fails with `TimedOut`.
     timed_out: bool,
@@ -123,15 +138,15 @@ const DEFERRED_SCAN: usize = 8;
 impl Batch {
     /// Resolves `plans` against `table` (the registry at submit) and their files (from
     /// [`plan_files`], at submit), with `pool`'s bounce buffers (handed back by
-    /// [`outcome`](Self::outcome)).
+    /// [`outcome`](Self::outcome)), to run as `context` says.
     pub(crate) fn new(
         plans: Arc<PlanSet>,
         table: &EndpointTable,
         files: &PlanFiles,
-        limits: Limits,
         pool: BouncePool,
-        faults: Arc<Faults>,
+        context: Context,
     ) -> Self {
+        let Context { limits, faults, sectors, waker } = context;
         let mut batch = Self {
             plans: Arc::clone(&plans),
             ops: Vec::with_capacity(plans.segment_count()),
@@ -144,8 +159,9 @@ impl Batch {
             ready: Vec::new(),
             deferred: VecDeque::new(),
             bounce_in_use: 0,
-            rmw_windows: Vec::new(),
             bounce_budget: limits.bounce_budget,
+            sectors,
+            waker,
             timed_out: false,
         };
         for (index, plan) in plans.plans().iter().enumerate() {
@@ -234,8 +250,8 @@ impl Batch {
                         continue;
                     }
                 };
-                let whole =
-                    Op::new((index, s, file_offset), entry.fd(), dir, absolute, host, align);
+                let key = (index, s, file_offset);
+                let whole = Op::new(key, (entry.fd(), entry.key), dir, absolute, host, align);
                 let Some(whole) = whole else {
                     let cause = FailureCause::NotAccepted(format!(
                         "file offset {absolute}..+{len} overflows at block alignment"
@@ -291,27 +307,34 @@ impl Batch {
         }
     }
 
-    /// Whether op `index` may start now.
-    fn admits(&self, index: usize) -> bool {
-        let op = &self.ops[index];
+    /// Whether op `index` may start now: within the bounce budget, and its blocks free (a
+    /// bounce write then owns them; see `sectors`). Aligned ops always may.
+    fn admits(&mut self, index: usize) -> bool {
+        let op = &mut self.ops[index];
         let bytes = op.bounce_bytes();
         if bytes == 0 {
             return true;
         }
-        if let Some((fd, start, end)) = op.rmw_window() {
-            let shares_a_block = |&(f, s, e): &(RawFd, u64, u64)| f == fd && s < end && start < e;
-            if self.rmw_windows.iter().any(shares_a_block) {
-                return false;
-            }
+        if self.bounce_in_use != 0 && self.bounce_in_use + bytes > self.bounce_budget {
+            return false;
         }
-        self.bounce_in_use == 0 || self.bounce_in_use + bytes <= self.bounce_budget
+        let Some(window) = op.window() else { return true };
+        match op.dir() {
+            Dir::Read => self.sectors.readable(window, &self.waker),
+            Dir::Write => match self.sectors.claim(window, &self.waker) {
+                Some(owned) => {
+                    op.own(owned);
+                    true
+                }
+                None => false,
+            },
+        }
     }
 
-    /// Starts op `index` and returns its first issue.
+    /// Starts op `index`, admitted, and returns its first issue.
     fn start(&mut self, index: usize) -> Issue {
         let op = &mut self.ops[index];
         self.bounce_in_use += op.bounce_bytes();
-        self.rmw_windows.extend(op.rmw_window());
         op.start(&mut self.pool);
         match self.faults.check(self.plan_files[op.plan as usize], op) {
             Some(errno) => Issue::Fail(-errno),
@@ -325,9 +348,12 @@ impl Batch {
         if let Some(index) = self.ready.pop() {
             return Some((index, Issue::Io(self.ops[index].request())));
         }
-        let waiting = self.deferred.iter().take(DEFERRED_SCAN).position(|&i| self.admits(i));
-        if let Some(index) = waiting.and_then(|at| self.deferred.remove(at)) {
-            return Some((index, self.start(index)));
+        for at in 0..self.deferred.len().min(DEFERRED_SCAN) {
+            let index = self.deferred[at];
+            if self.admits(index) {
+                self.deferred.remove(at);
+                return Some((index, self.start(index)));
+            }
         }
         while self.next < self.ops.len() {
             let index = self.next;
@@ -361,15 +387,10 @@ impl Batch {
         }
     }
 
-    /// Releases what started op `index` holds (bounce buffer, read-modify-write window).
+    /// Releases what started op `index` holds (bounce buffer, owned blocks).
     fn retire(&mut self, index: usize) {
         let op = &mut self.ops[index];
         self.bounce_in_use -= op.bounce_bytes();
-        if let Some(window) = op.rmw_window() {
-            if let Some(at) = self.rmw_windows.iter().position(|w| *w == window) {
-                self.rmw_windows.swap_remove(at);
-            }
-        }
         op.finish(&mut self.pool);
     }
 
@@ -486,11 +507,13 @@ mod tests {
         IncrementalBuilder, PlanBuilder, PlanSet, Register, Registration, Tag,
     };
 
-    use super::{plan_files, Batch, Limits};
+    use super::{plan_files, Batch, Context, Limits};
     use crate::fault::Faults;
     use crate::file::FileTable;
     use crate::op::BouncePool;
     use crate::ring::{Feed, Ring};
+    use crate::sectors::Sectors;
+    use crate::wake::Waker;
     use crate::{fallback, SsdRules};
 
     const PAGE: u64 = 64 << 10;
@@ -532,6 +555,7 @@ mod tests {
     struct Fixture {
         registry: Arc<EndpointRegistry>,
         files: FileTable,
+        sectors: Arc<Sectors>,
         /// The open files, closed when the fixture goes (before the directory).
         opened: std::sync::Mutex<Vec<Registration<std::fs::File>>>,
         _dir: tempfile::TempDir,
@@ -544,6 +568,7 @@ mod tests {
                 _dir: dir,
                 registry: EndpointRegistry::new(),
                 files: FileTable::default(),
+                sectors: Arc::default(),
                 opened: Default::default(),
             }
         }
@@ -574,8 +599,13 @@ mod tests {
         fn batch(&self, plans: PlanSet) -> Batch {
             let table = self.registry.snapshot();
             let files = plan_files(&plans, &table, &self.files);
-            let faults = Arc::new(Faults::new());
-            Batch::new(Arc::new(plans), &table, &files, LIMITS, BouncePool::default(), faults)
+            let context = Context {
+                limits: LIMITS,
+                faults: Arc::new(Faults::new()),
+                sectors: Arc::clone(&self.sectors),
+                waker: Waker::current_thread(),
+            };
+            Batch::new(Arc::new(plans), &table, &files, BouncePool::default(), context)
         }
 
         fn plan(&self, fragments: &[Fragment]) -> PlanSet {

@@ -83,6 +83,7 @@ impl SsdEngine {
             files: FileTable::default(),
             faults: Arc::new(Faults::new()),
             limits,
+            sectors: Default::default(),
             name: config.name,
             overlap: Default::default(),
         });

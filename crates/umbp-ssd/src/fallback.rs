@@ -10,12 +10,25 @@ use crate::batch::{Batch, Issue};
 use crate::sys;
 
 /// Runs `batch` to the end on the calling thread with `pread`/`pwrite`, one request at a time.
+/// While every op left waits for blocks another batch rewrites, the thread parks until they
+/// are released (the batch's waker is this thread's) or the deadline passes.
 pub(crate) fn run(batch: &mut Batch) {
     loop {
         if batch.expired() {
             batch.time_out();
         }
-        let Some((index, issue)) = batch.issue() else { break };
+        let Some((index, issue)) = batch.issue() else {
+            if batch.issued_all() {
+                break;
+            }
+            match batch.deadline() {
+                Some(deadline) => std::thread::park_timeout(
+                    deadline.saturating_duration_since(std::time::Instant::now()),
+                ),
+                None => std::thread::park(),
+            }
+            continue;
+        };
         let result = match issue {
             // SAFETY: `request` was just issued by `batch`, which this call keeps borrowed, and
             // `perform` returns only once the kernel is done with the bytes (the request

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use umbp_plan::{EndpointId, FailureCause, FileRange};
 
+use crate::sectors::FileKey;
 use crate::sys;
 
 /// What the engine knows about a file endpoint.
@@ -30,6 +31,9 @@ pub struct FileInfo {
 #[derive(Debug)]
 pub(crate) struct FileEntry {
     pub(crate) info: FileInfo,
+    /// The file's identity, whichever descriptor names it: what orders the read-modify-writes
+    /// of its blocks across descriptors (see `sectors`).
+    pub(crate) key: FileKey,
 }
 
 impl FileEntry {
@@ -46,14 +50,15 @@ impl FileEntry {
         self.info.fd
     }
 
-    /// Inspects a descriptor: its flags and block size.
+    /// Inspects a descriptor: its flags, block size and identity.
     fn inspect(fd: RawFd) -> io::Result<Self> {
         let flags = sys::status_flags(fd)?;
         let direct = flags & libc::O_DIRECT != 0;
         let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
         let block_size = sys::logical_block_size(fd);
+        let (dev, ino) = sys::file_identity(fd)?;
         let info = FileInfo { fd, direct, block_size, writable };
-        Ok(Self { info })
+        Ok(Self { info, key: FileKey { dev, ino } })
     }
 }
 

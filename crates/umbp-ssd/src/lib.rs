@@ -23,6 +23,13 @@
 //!   aligned to the file's logical block size goes through an aligned bounce buffer (a
 //!   read-modify-write of the whole blocks for writes); aligned pieces move straight between the
 //!   file and the caller's memory.
+//! - **Writes across batches.** Every read-modify-write of a block is ordered against every
+//!   other write through a bounce buffer of that block, engine-wide (across batches, workers,
+//!   ring lanes and descriptors of one file, known by device and inode): two batches that
+//!   write different bytes of one block both land. Unaligned reads of a block being rewritten
+//!   wait for it. Aligned reads and writes are not ordered (they cost nothing more); two
+//!   batches writing the same bytes at once remain the caller's race. The private `sectors`
+//!   module says exactly what is ordered.
 //! - **Failures.** One [`Failure`](umbp_plan::Failure) per failed plan, segment or object's
 //!   share of a segment, with exactly the tags of the objects whose bytes did not arrive: a
 //!   failed read or write of a segment that merged several objects is re-issued once per
@@ -99,7 +106,9 @@ mod file;
 mod op;
 mod ring;
 mod rules;
+mod sectors;
 mod sys;
+mod wake;
 mod worker;
 
 pub use config::{Backend, SsdConfig};

@@ -14,6 +14,7 @@ use std::os::fd::RawFd;
 
 use umbp_plan::{FailureCause, Tag};
 
+use crate::sectors::{FileKey, Owned, Window};
 use crate::sys::{BounceBuf, Dir, HostSlice, Request};
 
 /// Transient errors that are retried, at most this many times per op.
@@ -38,6 +39,8 @@ pub(crate) struct Op {
     #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
     pub(crate) endpoint_offset: u64,
     fd: RawFd,
+    /// The file's identity, for the blocks a bounce op reads or rewrites.
+    file: FileKey,
     dir: Dir,
     file_offset: u64,
     host: HostSlice,
@@ -45,6 +48,9 @@ pub(crate) struct Op {
     align: u64,
     mode: Mode,
     retries: u32,
+    /// The blocks a started bounce write owns (see `sectors`), released when the op is done
+    /// or dropped.
+    owned: Option<Owned>,
     /// Set on an op re-issued for one object's share of a failed segment: its failure costs
     /// that object only.
     pub(crate) only: Option<Tag>,
@@ -78,11 +84,12 @@ enum Stage {
 }
 
 impl Op {
-    /// An op moving `host` to or from `file_offset` of `fd`. `align` is the file's `O_DIRECT`
-    /// alignment, or 1 for a buffered file. `None` if the aligned window overflows.
+    /// An op moving `host` to or from `file_offset` of `fd` (the file `file`). `align` is the
+    /// file's `O_DIRECT` alignment, or 1 for a buffered file. `None` if the aligned window
+    /// overflows.
     pub(crate) fn new(
         (plan, segment, endpoint_offset): (u32, u32, u64),
-        fd: RawFd,
+        (fd, file): (RawFd, FileKey),
         dir: Dir,
         file_offset: u64,
         host: HostSlice,
@@ -112,12 +119,14 @@ impl Op {
             segment,
             endpoint_offset,
             fd,
+            file,
             dir,
             file_offset,
             host,
             align,
             mode,
             retries: 0,
+            owned: None,
             only: None,
         })
     }
@@ -130,7 +139,8 @@ impl Op {
         }
         let host = self.host.sub(from as usize, len as usize);
         let key = (self.plan, self.segment, self.endpoint_offset + from);
-        let mut op = Self::new(key, self.fd, self.dir, self.file_offset + from, host, self.align)?;
+        let file = (self.fd, self.file);
+        let mut op = Self::new(key, file, self.dir, self.file_offset + from, host, self.align)?;
         op.only = only;
         Some(op)
     }
@@ -152,13 +162,19 @@ impl Op {
         }
     }
 
-    /// For a read-modify-write, the descriptor and the whole blocks `start .. end` it
-    /// rewrites.
-    pub(crate) fn rmw_window(&self) -> Option<(RawFd, u64, u64)> {
-        match (&self.mode, self.dir) {
-            (Mode::Bounce(b), Dir::Write) => Some((self.fd, b.start, b.start + b.span)),
-            _ => None,
+    /// For a bounce op, the whole blocks it reads (a read) or rewrites (a write).
+    pub(crate) fn window(&self) -> Option<Window> {
+        match &self.mode {
+            Mode::Bounce(b) => {
+                Some(Window { file: self.file, start: b.start, end: b.start + b.span })
+            }
+            Mode::Direct { .. } => None,
         }
+    }
+
+    /// Keeps `owned` (the op's window) until the op is done.
+    pub(crate) fn own(&mut self, owned: Owned) {
+        self.owned = Some(owned);
     }
 
     /// Takes a bounce buffer, if the op needs one, and prepares the first request.
@@ -171,8 +187,9 @@ impl Op {
         }
     }
 
-    /// Gives the bounce buffer back once the op is done.
+    /// Gives the bounce buffer back, and releases the op's blocks, once the op is done.
     pub(crate) fn finish(&mut self, pool: &mut BouncePool) {
+        self.owned = None;
         if let Mode::Bounce(b) = &mut self.mode {
             if let Some(buf) = b.buf.take() {
                 pool.give(buf);

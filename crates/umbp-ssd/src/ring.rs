@@ -17,17 +17,24 @@
 //! first of them, so after a round that reaped many completions the first new read waited for
 //! the preparation of all the others.
 //!
+//! While it serves, a ring keeps one read of its doorbell (an eventfd, [`Ring::waker`]) in
+//! flight, so another thread can end its wait for completions: the blocks a lane's op waits
+//! for were released by another worker (see `sectors`). A lane with nothing in flight that
+//! waits for them costs no CPU until then.
+//!
 //! The ring's submission queue holds at least `depth` entries and its completion queue twice
 //! that, and at most `depth` requests are ever queued or in flight, so pushes never find the
 //! submission queue full and completions never overflow.
 
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring, Probe};
 
 use crate::batch::{Batch, Issue};
 use crate::sys::{Dir, Request};
+use crate::wake::{RingBell, Waker};
 
 /// Batches one ring runs at once. While the oldest drains its last requests, the next one
 /// fills the ring: a worker fed submit after submit keeps the ring about as full as fio keeps
@@ -130,6 +137,16 @@ pub(crate) struct Ring {
     /// Whether `io_uring_enter` takes a timeout (Linux 5.11); without it a deadline is checked
     /// only when completions arrive.
     timed_waits: bool,
+    /// The ring's doorbell ([`Ring::waker`]): while `serve` runs, a read of its eventfd is in
+    /// flight (not counted in `in_flight`), and its completion ends a wait for completions.
+    bell: Arc<RingBell>,
+    /// Where the bell's read puts the count. Boxed, so it stays put while the read is in flight.
+    bell_count: Box<[u8; 8]>,
+    /// Whether the bell's read is in flight.
+    bell_armed: bool,
+    /// Set once the bell's read failed for good: a lane waiting for another batch's blocks is
+    /// then looked at every [`LOOK_FOR_WORK`] instead.
+    bell_broken: bool,
     /// The most requests left queued, not yet submitted, at the end of a round of issues.
     #[cfg(test)]
     most_left_queued: usize,
@@ -138,6 +155,9 @@ pub(crate) struct Ring {
 /// The user data of a cancellation entry. A request's is its lane in the high 32 bits and its
 /// op in the low ones: lanes are few, so never all ones.
 const CANCEL: u64 = u64::MAX;
+
+/// The user data of the bell's read (see `Ring::bell`).
+const BELL: u64 = u64::MAX - 1;
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -183,9 +203,19 @@ impl Ring {
             depth: depth as usize,
             in_flight: 0,
             timed_waits,
+            bell: Arc::new(RingBell::new()?),
+            bell_count: Box::new([0; 8]),
+            bell_armed: false,
+            bell_broken: false,
             #[cfg(test)]
             most_left_queued: 0,
         })
+    }
+
+    /// Wakes this ring while it serves: its wait for completions ends, and it looks at its
+    /// batches again.
+    pub(crate) fn waker(&self) -> Waker {
+        Waker::Ring(Arc::clone(&self.bell))
     }
 
     /// Runs `batch` to the end and hands it back. Returns only when no request of the batch is
@@ -227,6 +257,7 @@ impl Ring {
         let ring = Drain(self);
         let ring = &mut *ring.0;
         let mut started = 0u64;
+        ring.arm_bell();
         loop {
             for lane in lanes.iter_mut().flatten() {
                 let expired = lane.guarded(|b| b.expired()).unwrap_or(false);
@@ -294,20 +325,47 @@ impl Ring {
                 }
                 continue;
             }
-            if ring.in_flight == 0 {
+            // With no lane, the feed waits for work; a lane with nothing in flight waits for
+            // the blocks of another batch (see `sectors`), and the bell wakes the ring when
+            // they are released.
+            if ring.in_flight == 0 && lanes.iter().all(Option::is_none) {
                 continue;
             }
             let mut deadline = lanes.iter().flatten().filter_map(|l| l.deadline).min();
-            if admitting {
+            if admitting || ring.bell_broken {
                 // A batch queued while this thread waits for completions would wait for the
                 // next one (forever behind a request that never completes): look again soon.
                 let again = std::time::Instant::now() + LOOK_FOR_WORK;
                 deadline = Some(deadline.map_or(again, |d| d.min(again)));
             }
+            if ring.in_flight == 0 && !ring.bell_armed {
+                // Nothing the kernel could wake us for.
+                if let Some(deadline) = deadline {
+                    std::thread::sleep(
+                        deadline.saturating_duration_since(std::time::Instant::now()),
+                    );
+                }
+                continue;
+            }
             ring.enter(deadline);
             for cqe in ring.ring.completion() {
-                ring.in_flight -= 1;
                 let data = cqe.user_data();
+                if data == BELL {
+                    ring.bell_armed = false;
+                    ring.bell.answered();
+                    let result = cqe.result();
+                    if result < 0
+                        && !matches!(-result, libc::EINTR | libc::EAGAIN | libc::ECANCELED)
+                    {
+                        tracing::error!(
+                            errno = -result,
+                            "a ring's doorbell failed; it polls instead"
+                        );
+                        ring.bell_broken = true;
+                    }
+                    continue;
+                }
+                ring.in_flight -= 1;
                 if data == CANCEL {
                     continue;
                 }
@@ -319,6 +377,31 @@ impl Ring {
                 }
                 lane.guarded(|b| b.complete(op, cqe.result()));
             }
+            ring.arm_bell();
+        }
+    }
+
+    /// Puts the bell's read in flight, unless it is or the bell is broken.
+    fn arm_bell(&mut self) {
+        if self.bell_armed || self.bell_broken {
+            return;
+        }
+        let fd = types::Fd(self.bell.fd());
+        let entry = opcode::Read::new(fd, self.bell_count.as_mut_ptr(), 8).build().user_data(BELL);
+        for _ in 0..2 {
+            // SAFETY: the read fills the 8 bytes of `bell_count`, a boxed array that stays put
+            // and alive until the read completes: `serve` (whose `Drain` rings the bell and
+            // waits for the read) returns, also when unwinding, only once it has, and the ring
+            // is dropped only after that; nothing else touches the bytes meanwhile.
+            if unsafe { self.ring.submission().push(&entry) }.is_ok() {
+                // Submitted at once: the submission queue has room for `depth` requests, and
+                // the ring counts the entries queued there as requests.
+                let _ = self.ring.submit();
+                self.bell_armed = true;
+                return;
+            }
+            // The queue is full of requests not yet submitted: submit them and try once more.
+            let _ = self.ring.submit();
         }
     }
 
@@ -445,10 +528,19 @@ struct Drain<'r>(&'r mut Ring);
 
 impl Drop for Drain<'_> {
     fn drop(&mut self) {
-        while self.0.in_flight > 0 {
+        if self.0.bell_armed {
+            // Ends the bell's read.
+            self.0.bell.ring_always();
+        }
+        while self.0.in_flight > 0 || self.0.bell_armed {
             self.0.enter(None);
-            let reaped = self.0.ring.completion().count();
-            self.0.in_flight -= reaped;
+            for cqe in self.0.ring.completion() {
+                if cqe.user_data() == BELL {
+                    self.0.bell_armed = false;
+                } else {
+                    self.0.in_flight -= 1;
+                }
+            }
         }
     }
 }

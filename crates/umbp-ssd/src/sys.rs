@@ -25,7 +25,7 @@
 use std::alloc::{self, Layout};
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 
 use umbp_plan::{EndpointId, EndpointTable};
@@ -288,6 +288,46 @@ fn fstat(fd: RawFd) -> io::Result<libc::stat> {
     }
     // SAFETY: fstat succeeded, so it filled the whole structure.
     Ok(unsafe { stat.assume_init() })
+}
+
+/// The identity of the file `fd` names, whatever the descriptor: `(st_dev, st_ino)`, or for a
+/// block device `(st_rdev, u64::MAX)` (the device itself, whichever node opened it).
+pub(crate) fn file_identity(fd: RawFd) -> io::Result<(u64, u64)> {
+    let stat = fstat(fd)?;
+    Ok(if stat.st_mode & libc::S_IFMT == libc::S_IFBLK {
+        (stat.st_rdev, u64::MAX)
+    } else {
+        (stat.st_dev, stat.st_ino)
+    })
+}
+
+/// An eventfd: a counter that other threads bump to wake a thread (or a ring) reading it.
+#[derive(Debug)]
+pub(crate) struct EventFd(OwnedFd);
+
+impl EventFd {
+    /// A new counter at zero. Blocking (a ring's read of it waits for a bump).
+    pub(crate) fn new() -> io::Result<Self> {
+        // SAFETY: eventfd takes no pointer; it returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a descriptor just opened and owned by nobody else.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    /// Adds one to the counter, waking its reader. Never blocks: the counter's reader resets
+    /// it, and it would have to reach 2^64 - 2 first.
+    pub(crate) fn signal(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: the buffer is 8 valid bytes, which is what an eventfd write takes.
+        let _ = unsafe { libc::write(self.fd(), one.as_ptr().cast(), one.len()) };
+    }
 }
 
 /// The file status flags of `fd` (`O_DIRECT`, the access mode, ...).

@@ -14,11 +14,13 @@ use umbp_plan::{
     Failure, FailureCause, OverlapCheck, PlanSet, SettleSlot, Settled, Space, TransferHandle,
 };
 
-use crate::batch::{plan_files, Batch, Limits, PlanFiles};
+use crate::batch::{plan_files, Batch, Context, Limits, PlanFiles};
 use crate::fault::Faults;
 use crate::file::FileTable;
 use crate::op::BouncePool;
 use crate::ring::{Feed, Ring};
+use crate::sectors::Sectors;
+use crate::wake::Waker;
 use crate::{fallback, sys, Backend, Error};
 
 /// What the engine and its workers share.
@@ -28,6 +30,8 @@ pub(crate) struct Shared {
     pub(crate) files: FileTable,
     pub(crate) faults: Arc<Faults>,
     pub(crate) limits: Limits,
+    /// Which blocks the engine's bounce writes own, across every worker and lane.
+    pub(crate) sectors: Arc<Sectors>,
     pub(crate) name: String,
     /// The overlap rule's buffers, shared by submitting threads.
     pub(crate) overlap: Mutex<OverlapCheck>,
@@ -64,11 +68,18 @@ struct Job {
 }
 
 impl Job {
-    /// The batch that runs this job's plans, with `pool`'s bounce buffers.
-    fn batch(&self, pool: BouncePool) -> Batch {
+    /// The batch that runs this job's plans, with `pool`'s bounce buffers, on the executor
+    /// that `waker` wakes.
+    fn batch(&self, pool: BouncePool, waker: &Waker) -> Batch {
         let plans = Arc::clone(self.plans.as_ref().expect("a job is run before it settles"));
         let shared = &self.engine;
-        Batch::new(plans, &self.table, &self.files, shared.limits, pool, Arc::clone(&shared.faults))
+        let context = Context {
+            limits: shared.limits,
+            faults: Arc::clone(&shared.faults),
+            sectors: Arc::clone(&shared.sectors),
+            waker: waker.clone(),
+        };
+        Batch::new(plans, &self.table, &self.files, pool, context)
     }
 
     fn settle(&mut self, mut failures: Vec<Failure>) {
@@ -225,8 +236,12 @@ impl Drop for Workers {
 /// and the worker carries on.
 fn work(receiver: &Mutex<Receiver<Box<Job>>>, mut executor: Executor, engine: &str) {
     let mut pools = Vec::new();
+    let waker = match &executor {
+        Executor::Ring(ring) => ring.waker(),
+        Executor::Blocking => Waker::current_thread(),
+    };
     loop {
-        let mut feed = Queue { receiver, pools: &mut pools };
+        let mut feed = Queue { receiver, pools: &mut pools, waker: &waker };
         let outcome = catch_unwind(AssertUnwindSafe(|| match &mut executor {
             Executor::Ring(ring) => ring.serve(&mut feed),
             Executor::Blocking => {
@@ -253,6 +268,8 @@ struct Queue<'a> {
     receiver: &'a Mutex<Receiver<Box<Job>>>,
     /// Bounce-buffer pools not lent to a running batch.
     pools: &'a mut Vec<BouncePool>,
+    /// Wakes the worker's executor.
+    waker: &'a Waker,
 }
 
 impl Feed for Queue<'_> {
@@ -276,7 +293,7 @@ impl Feed for Queue<'_> {
             if job.plans.is_none() {
                 continue;
             }
-            let batch = job.batch(self.pools.pop().unwrap_or_default());
+            let batch = job.batch(self.pools.pop().unwrap_or_default(), self.waker);
             return Some((job, batch));
         }
     }
