@@ -594,9 +594,8 @@ impl<'a> CompositeBuilder<'a> {
 
     /// Drops the cached routes of pairs with an endpoint no longer registered (a deregistered
     /// id never names an endpoint again, so those routes would never be asked for), and prunes
-    /// next when the cache
-    /// has doubled: it stays within twice the pairs of live endpoints (plus [`ROUTES_KEPT`]),
-    /// however many endpoints came and went, at one step per route cached.
+    /// next when the cache has doubled: it stays within twice the pairs of live endpoints (plus
+    /// [`ROUTES_KEPT`]), however many endpoints came and went, at one step per route cached.
     #[cold]
     fn prune_routes(&mut self) {
         self.table = self.composite.registry().snapshot();
