@@ -35,12 +35,12 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
 /// RDMA transports, on which the NIC enforces a remote key's bounds and rights.
 const HARDWARE_RMA: &[&str] =
-    &["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ib"];
+    &["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5"];
 
 /// Whether `transports` name RDMA transports only: then, and only then, the server hands
 /// out remote keys for one-sided access. Anything else (TCP, shared memory, UCX's own
 /// choice, which may fall back to either) is served through the checked request path.
-fn hardware_enforced(transports: Option<&str>) -> bool {
+pub(crate) fn hardware_enforced(transports: Option<&str>) -> bool {
     transports.is_some_and(|t| {
         let mut names = t.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
         names.peek().is_some() && names.all(|n| HARDWARE_RMA.contains(&n))
@@ -500,6 +500,14 @@ impl Handshakes {
             if listening && fds[0].revents != 0 {
                 match self.accept(&mut pending) {
                     Ok(()) => backoff = ACCEPT_BACKOFF,
+                    // Out of descriptors with handshakes pending: the oldest makes room, so
+                    // new connections (an honest client among them) still get in.
+                    Err(e) if out_of_descriptors(&e) && !pending.is_empty() => {
+                        if let Some(at) = oldest(&pending, None) {
+                            pending.swap_remove(at);
+                        }
+                        tracing::debug!(error = %e, "out of descriptors; closed the oldest handshake");
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, pause = ?backoff, "accept failed; pausing");
                         accept_after = Instant::now() + backoff;
@@ -668,6 +676,11 @@ impl Handshakes {
             Err(e) => tracing::warn!(error = %e, "no thread for a client; closed"),
         }
     }
+}
+
+/// Whether `accept` failed for want of a file descriptor (the process's or the system's).
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 /// The index of the oldest pending connection (of `ip`, when given).

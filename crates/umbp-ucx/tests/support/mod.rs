@@ -45,7 +45,40 @@ impl Served {
     /// Starts a server of `bytes` bytes filled with `seed` over `transports`, with `extra`
     /// arguments.
     pub(crate) fn start(transports: &str, bytes: usize, seed: u8, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
+        Self::spawn(
+            Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve")),
+            transports,
+            bytes,
+            seed,
+            extra,
+        )
+    }
+
+    /// As [`start`](Self::start), in a process that may open at most `fds` descriptors.
+    pub(crate) fn start_with_fd_limit(
+        fds: u32,
+        transports: &str,
+        bytes: usize,
+        seed: u8,
+        extra: &[&str],
+    ) -> Self {
+        let mut shell = Command::new("sh");
+        shell.args([
+            "-c",
+            &format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
+            env!("CARGO_BIN_EXE_umbp-ucx-serve"),
+        ]);
+        Self::spawn(shell, transports, bytes, seed, extra)
+    }
+
+    fn spawn(
+        mut command: Command,
+        transports: &str,
+        bytes: usize,
+        seed: u8,
+        extra: &[&str],
+    ) -> Self {
+        let mut child = command
             .args([
                 "--transports",
                 transports,
