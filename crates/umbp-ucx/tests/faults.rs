@@ -343,13 +343,7 @@ fn child_client_restores_then_waits() {
 }
 
 /// A client process killed with no request in flight: the server notices and keeps serving.
-///
-/// Not killed *mid-get*: over TCP, UCX 1.13 serves a get in software on the server
-/// (`ucp_get_req_handler`), and when the reply cannot be sent because the client just died,
-/// `ucp_request_send` ends the server process with `ucs_fatal("unexpected error")` (seen in
-/// CI: "Endpoint timeout"). That is a UCX defect in its software RMA target path, which this
-/// crate cannot catch; RDMA transports serve gets in the NIC and never take it. See the
-/// crate README.
+/// (Killed mid-get: the next test.)
 #[test]
 fn a_client_killed_between_batches_leaves_the_server_serving() {
     if !ucx_or_skip() {

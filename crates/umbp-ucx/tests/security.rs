@@ -636,3 +636,37 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
         );
     }
 }
+
+#[test]
+fn a_full_server_says_so_and_takes_a_client_again_once_one_left() {
+    if !ucx_or_skip() {
+        return;
+    }
+    for (max_clients, max_clients_per_ip) in [(2, 64), (64, 2)] {
+        let limits = umbp_ucx::ServerLimits {
+            max_clients,
+            max_clients_per_ip,
+            ..umbp_ucx::ServerLimits::default()
+        };
+        let server = ServerBuilder::new(UcxConfig { limits, ..config("tcp") })
+            .export("arena", vec![3u8; 4096], true)
+            .serve("127.0.0.1:0")
+            .unwrap();
+        let (a, b, c) = (engine("tcp"), engine("tcp"), engine("tcp"));
+        let first = a.connect(server.local_addr()).unwrap();
+        b.connect(server.local_addr()).unwrap();
+        let full = c.connect(server.local_addr()).unwrap_err();
+        assert!(
+            matches!(full, Error::Handshake { source: HandshakeError::Refused(_), .. }),
+            "{full}"
+        );
+        assert_eq!(server.clients(), 2);
+        a.disconnect(first.id).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while server.clients() > 1 {
+            assert!(Instant::now() < deadline, "the server never noticed the client leave");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        c.connect(server.local_addr()).unwrap();
+    }
+}
