@@ -184,8 +184,9 @@ class KVConnector:
         already cached is saved into a new slot: its cached bytes stay loadable, untouched,
         until :meth:`wait_for_save` finds every layer of the new copy saved. Returns at once.
 
-        If it raises (no free slot, a refused object), nothing of this call remains: the slots
-        it reserved are free again and no layer of it counts as saved."""
+        If it raises (no free slot, a closed layer buffer), nothing of this call remains: the
+        slots it reserved are free again and no layer of it counts as saved. An object the
+        engine refuses does not raise: :meth:`wait_for_save` reports its key failed."""
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer {layer} is not one of the {self.layers} layers")
         objects = []
