@@ -17,6 +17,7 @@
 //! finishes.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use umbp_plan::{
@@ -60,6 +61,8 @@ pub(crate) struct Context {
     pub(crate) sectors: Arc<Sectors>,
     /// Wakes the executor running the batch (when blocks it waits for are released).
     pub(crate) waker: Waker,
+    /// Set when the batch is cancelled (`None`: it cannot be).
+    pub(crate) cancel: Option<Arc<AtomicBool>>,
 }
 
 /// A failure before it is mapped to the objects it costs.
@@ -127,9 +130,11 @@ pub(crate) struct Batch {
     bounce_budget: u64,
     sectors: Arc<Sectors>,
     waker: Waker,
-    /// Whether the plan set's deadline passed: nothing more is issued, and what completes
-    /// without its bytes fails with `TimedOut`.
-    timed_out: bool,
+    /// Set by the job's cancel wake-up (when the plan set has a cancel token).
+    cancel: Option<Arc<AtomicBool>>,
+    /// Why the batch stopped (`TimedOut`: its deadline passed; `Cancelled`): nothing more is
+    /// issued, and what completes without its bytes fails with this cause.
+    stopped: Option<FailureCause>,
 }
 
 /// Waiting ops looked at per issue, so that a long queue of them costs a bounded scan.
@@ -146,7 +151,7 @@ impl Batch {
         pool: BouncePool,
         context: Context,
     ) -> Self {
-        let Context { limits, faults, sectors, waker } = context;
+        let Context { limits, faults, sectors, waker, cancel } = context;
         let mut batch = Self {
             plans: Arc::clone(&plans),
             ops: Vec::with_capacity(plans.segment_count()),
@@ -162,7 +167,8 @@ impl Batch {
             bounce_budget: limits.bounce_budget,
             sectors,
             waker,
-            timed_out: false,
+            cancel,
+            stopped: None,
         };
         for (index, plan) in plans.plans().iter().enumerate() {
             let index = index as u32;
@@ -369,10 +375,10 @@ impl Batch {
     /// Hands op `index` the result of its last request.
     pub(crate) fn complete(&mut self, index: usize, result: i32) {
         let step = match self.ops[index].complete(result) {
-            // After the deadline an op that is not done (cancelled, or wanting another request)
-            // is over.
-            Step::Again | Step::Done(Err(_)) if self.timed_out => {
-                Step::Done(Err(FailureCause::TimedOut))
+            // After the deadline or a cancel an op that is not done (cancelled in the kernel, or
+            // wanting another request) is over.
+            Step::Again | Step::Done(Err(_)) if self.stopped.is_some() => {
+                Step::Done(Err(self.stopped.clone().expect("checked")))
             }
             step => step,
         };
@@ -399,24 +405,39 @@ impl Batch {
         self.plans.deadline()
     }
 
-    /// Whether the deadline has passed (and [`time_out`](Self::time_out) is due).
-    pub(crate) fn expired(&self) -> bool {
-        !self.timed_out && self.plans.expired()
+    /// Whether the batch can be cancelled (its plan set has a cancel token).
+    pub(crate) fn cancellable(&self) -> bool {
+        self.cancel.is_some()
     }
 
-    /// The deadline passed: every op not in flight fails with `TimedOut` and nothing more is
-    /// issued. The executor cancels what is in flight; those ops fail as they complete.
-    pub(crate) fn time_out(&mut self) {
-        self.timed_out = true;
+    /// Why the batch must [`stop`](Self::stop) now, if it must and has not: `Cancelled` once
+    /// its token was cancelled, `TimedOut` once its deadline passed.
+    pub(crate) fn stop_due(&self) -> Option<FailureCause> {
+        if self.stopped.is_some() {
+            None
+        } else if self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire)) {
+            Some(FailureCause::Cancelled)
+        } else if self.plans.expired() {
+            Some(FailureCause::TimedOut)
+        } else {
+            None
+        }
+    }
+
+    /// The deadline passed or the batch was cancelled (`cause`): every op not in flight fails
+    /// with `cause` and nothing more is issued. The executor cancels what is in flight; those
+    /// ops fail as they complete, unless their bytes arrived.
+    pub(crate) fn stop(&mut self, cause: FailureCause) {
+        self.stopped = Some(cause.clone());
         let unstarted: Vec<usize> =
             (self.next..self.ops.len()).chain(self.deferred.drain(..)).collect();
         self.next = self.ops.len();
         for index in unstarted {
-            self.fail_op(index, FailureCause::TimedOut);
+            self.fail_op(index, cause.clone());
         }
         for index in std::mem::take(&mut self.ready) {
             self.retire(index);
-            self.fail_op(index, FailureCause::TimedOut);
+            self.fail_op(index, cause.clone());
         }
     }
 
@@ -427,7 +448,7 @@ impl Batch {
         let op = &self.ops[index];
         let (plan_index, s) = (op.plan, op.segment);
         let plan = &self.plans.plans()[plan_index as usize];
-        if self.timed_out || op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
+        if self.stopped.is_some() || op.only.is_some() || plan.segment_tags(s as usize).len() < 2 {
             self.failed.push(Failed::share(plan_index, s, op.only, cause));
             return;
         }
@@ -604,6 +625,7 @@ mod tests {
                 faults: Arc::new(Faults::new()),
                 sectors: Arc::clone(&self.sectors),
                 waker: Waker::current_thread(),
+                cancel: None,
             };
             Batch::new(Arc::new(plans), &table, &files, BouncePool::default(), context)
         }

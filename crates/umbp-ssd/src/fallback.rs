@@ -2,7 +2,8 @@
 //! worker runs one batch at a time on its own thread, one request at a time, with the same
 //! semantics as the ring (short transfers resubmitted, failures per segment).
 //!
-//! A blocking call cannot be cancelled, so a deadline is checked between calls.
+//! A blocking call cannot be cancelled, so a deadline or a cancel is seen between calls (and
+//! at once while the batch waits for blocks another batch rewrites).
 //!
 //! [`Backend::Blocking`]: crate::Backend::Blocking
 
@@ -11,11 +12,12 @@ use crate::sys;
 
 /// Runs `batch` to the end on the calling thread with `pread`/`pwrite`, one request at a time.
 /// While every op left waits for blocks another batch rewrites, the thread parks until they
-/// are released (the batch's waker is this thread's) or the deadline passes.
+/// are released or the batch is cancelled (the batch's waker is this thread's), or its
+/// deadline passes.
 pub(crate) fn run(batch: &mut Batch) {
     loop {
-        if batch.expired() {
-            batch.time_out();
+        if let Some(cause) = batch.stop_due() {
+            batch.stop(cause);
         }
         let Some((index, issue)) = batch.issue() else {
             if batch.issued_all() {

@@ -42,10 +42,17 @@
 //!   memory, a write and a read of the same file bytes) fail with
 //!   [`FailureCause::Overlap`](umbp_plan::FailureCause::Overlap) at submit and move nothing
 //!   ([`OverlapCheck`](umbp_plan::OverlapCheck)).
-//! - **Deadlines.** A plan set with a [deadline](umbp_plan::PlanSet::deadline) ends by it: the
-//!   ring cancels the requests in flight, nothing more is issued, and the objects whose bytes
-//!   did not arrive fail with [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut).
-//!   The blocking fallback checks the deadline between calls (a `pread` cannot be cancelled).
+//! - **Deadlines and cancel.** A plan set with a [deadline](umbp_plan::PlanSet::deadline) ends
+//!   by it, and one with a [cancel token](umbp_plan::PlanSet::cancel_token) ends when the
+//!   token is cancelled: the ring cancels the requests in flight in the kernel, nothing more is
+//!   issued, and the objects whose bytes did not arrive fail with
+//!   [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut) or
+//!   [`FailureCause::Cancelled`](umbp_plan::FailureCause::Cancelled). A cancel wakes the
+//!   worker that holds the batch at once, even while it waits for completions. A batch still
+//!   queued (every worker busy, even with reads that never complete) settles at its deadline
+//!   or cancel without waiting for a worker, every object failed and nothing issued; one
+//!   cancelled before submit settles at once. The blocking fallback sees a deadline or cancel
+//!   between calls (a `pread` cannot be cancelled).
 //! - **Lifetimes.** Files and memory register through [`umbp_plan::Register`]; the
 //!   registration owns the descriptor. A batch pins its endpoints from submit until it settles,
 //!   and ending a registration waits for those batches before the descriptor closes.

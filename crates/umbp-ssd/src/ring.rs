@@ -91,15 +91,18 @@ struct Lane<O> {
     owner: O,
     /// This batch's requests pushed and not yet completed.
     in_flight: usize,
-    /// The user data of those requests, kept while the batch has a deadline (to cancel them
-    /// when it passes).
+    /// The user data of those requests, kept while the batch has a deadline or can be
+    /// cancelled (to cancel them in the kernel when it stops).
     flying: Vec<u64>,
+    /// Whether `flying` is kept.
+    tracked: bool,
     deadline: Option<std::time::Instant>,
     /// Order of arrival: the oldest lane issues first.
     started: u64,
     /// Whether a call into the batch panicked. The ring then tells it nothing more and issues
     /// nothing more for it, cancels the requests it tracks (`flying`: only a batch with a
-    /// deadline tracks them; the others' run to their end), and drops it (with its owner) once
+    /// deadline or a cancel token tracks them; the others' run to their end), and drops it
+    /// (with its owner) once
     /// none is in flight; the batches beside it run on.
     panicked: bool,
 }
@@ -260,14 +263,16 @@ impl Ring {
         ring.arm_bell();
         loop {
             for lane in lanes.iter_mut().flatten() {
-                let expired = lane.guarded(|b| b.expired()).unwrap_or(false);
-                if expired {
-                    lane.guarded(Batch::time_out);
+                let due = lane.guarded(|b| b.stop_due()).flatten();
+                let stopped = due.is_some();
+                if let Some(cause) = due {
+                    lane.guarded(|b| b.stop(cause));
                 }
-                if expired || lane.panicked {
+                if stopped || lane.panicked {
                     ring.cancel(&mut lane.flying);
                     // From here on the lane only waits for its cancelled requests.
                     lane.deadline = None;
+                    lane.tracked = false;
                 }
             }
             ring.issue(&mut lanes);
@@ -292,11 +297,13 @@ impl Ring {
                     Some((owner, batch)) => {
                         started += 1;
                         let deadline = batch.deadline();
+                        let tracked = deadline.is_some() || batch.cancellable();
                         lanes[free] = Some(Lane {
                             batch,
                             owner,
                             in_flight: 0,
                             flying: Vec::new(),
+                            tracked,
                             deadline,
                             started,
                             panicked: false,
@@ -440,7 +447,7 @@ impl Ring {
                         );
                         self.in_flight += 1;
                         lane.in_flight += 1;
-                        if lane.deadline.is_some() {
+                        if lane.tracked {
                             lane.flying.push(data);
                         }
                         // Entries pushed and not yet submitted; the rest are in the kernel.
