@@ -1,0 +1,948 @@
+"""umbp as a vLLM KV connector: ``UmbpConnector``, loaded by vLLM (0.33) by name.
+
+Enable it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "UmbpConnector",
+        "kv_connector_module_path": "umbp.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"dram_bytes_per_rank": 17179869184,
+                                      "ssd_path": "/nvme/umbp-kv", "ssd_bytes_per_rank": 549755813888}}'
+
+What is stored: one umbp object per KV block, holding every layer of the block (layer after
+layer, ``page_size_bytes`` each) in one *slot* of a tier, named by vLLM's block hash (which
+chains the hashes of the blocks before it). The scheduler side keeps the index (which hash is
+in which tier and slot, :class:`umbp.kvtiers.TierIndex`: LRU per tier, demotion from DRAM to
+SSD under pressure) and tells the workers, in the connector metadata, what to load into which
+GPU blocks and what to save from which. The workers move the bytes with one umbp batch per
+step and direction, and report each operation back, so a block becomes a hit only once every
+rank's save of it landed.
+
+Tensor parallelism: every rank keeps its own tiers (``dram_bytes_per_rank`` of DRAM, its own
+SSD file) and stores its own shard of each block (its KV heads) in the *same* slot the
+scheduler picked, so one index serves all ranks; a block counts as saved when all ranks saved
+it, and a load that fails on any rank is reported by that rank (vLLM merges the failed block
+ids of all ranks) and recomputed.
+
+Loads: ``load_mode: "async"`` (default) loads a hit between steps, while the request waits
+in ``WAITING_FOR_REMOTE_KVS``; ``"layerwise"`` loads it during the step that computes the
+rest of the prompt, layer group by layer group (``layers_per_group``), so the forward pass of
+the first layers runs while later groups still move (``wait_for_layer_load`` waits for the
+layer's group only, or on CUDA queues the wait on vLLM's current stream).
+
+Failures: a block whose object did not land whole on every rank (an I/O error, a bad page, a
+deadline) is reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it (set
+``"kv_load_failure_policy": "recompute"``, vLLM's default fails the request); it is never
+reported loaded, and the index forgets it. A failed save only costs a future miss.
+
+See docs/VLLM.md for every extra-config key and the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import Engine, Object, Range
+from .kvtiers import DRAM, SSD, TierIndex
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "UmbpConnector",
+    "UmbpConfig",
+    "UmbpConnectorMetadata",
+    "UmbpWorkerMetadata",
+    "UmbpConnectorStats",
+    "UmbpPromMetrics",
+]
+
+logger = init_logger(__name__)
+
+#: Slots start on this boundary in the tiers, so an SSD slot is aligned for O_DIRECT.
+SLOT_ALIGN = 4096
+
+_LOAD_MODES = ("async", "layerwise")
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UmbpConfig:
+    """The ``kv_connector_extra_config`` keys (docs/VLLM.md explains each)."""
+
+    dram_bytes_per_rank: int = 4 << 30
+    ssd_path: Optional[str] = None
+    ssd_bytes_per_rank: int = 0
+    ssd_direct: bool = True
+    layers_per_group: int = 4
+    load_mode: str = "async"
+    dram_free_fraction: float = 0.05
+    save_decode: bool = False
+    load_timeout_s: Optional[float] = None
+    engine_workers: int = 8
+
+    @staticmethod
+    def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
+        """Parses and checks the extra config; an unknown key or a bad value raises
+        ``ValueError`` naming it (a typo must not silently fall back to a default)."""
+        extra = dict(extra or {})
+        known = set(UmbpConfig.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"UmbpConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        cfg = UmbpConfig(**extra)
+        if not isinstance(cfg.dram_bytes_per_rank, int) or cfg.dram_bytes_per_rank < 0:
+            raise ValueError("UmbpConnector: dram_bytes_per_rank must be a non-negative integer")
+        if not isinstance(cfg.ssd_bytes_per_rank, int) or cfg.ssd_bytes_per_rank < 0:
+            raise ValueError("UmbpConnector: ssd_bytes_per_rank must be a non-negative integer")
+        if cfg.ssd_bytes_per_rank and not cfg.ssd_path:
+            raise ValueError("UmbpConnector: ssd_bytes_per_rank needs ssd_path")
+        if cfg.ssd_path and not cfg.ssd_bytes_per_rank:
+            raise ValueError("UmbpConnector: ssd_path needs ssd_bytes_per_rank")
+        if not isinstance(cfg.layers_per_group, int) or cfg.layers_per_group < 1:
+            raise ValueError("UmbpConnector: layers_per_group must be a positive integer")
+        if cfg.load_mode not in _LOAD_MODES:
+            raise ValueError(f"UmbpConnector: load_mode must be one of {_LOAD_MODES}")
+        if not 0.0 <= float(cfg.dram_free_fraction) < 1.0:
+            raise ValueError("UmbpConnector: dram_free_fraction must lie in [0, 1)")
+        if cfg.load_timeout_s is not None and not float(cfg.load_timeout_s) > 0:
+            raise ValueError("UmbpConnector: load_timeout_s must be positive")
+        return cfg
+
+    def ssd_file(self, rank: int, ranks: int) -> Optional[str]:
+        """Rank ``rank``'s SSD file: ``{rank}`` in ``ssd_path`` is replaced by the rank;
+        without it, ``.rank<r>`` is appended when there is more than one rank."""
+        if not self.ssd_path:
+            return None
+        if "{rank}" in self.ssd_path:
+            return self.ssd_path.replace("{rank}", str(rank))
+        return self.ssd_path if ranks == 1 else f"{self.ssd_path}.rank{rank}"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What one block is on one rank: ``layers`` pages of ``page_bytes``, in the order of the
+    KV cache group's layer names; ``slot_bytes`` is its slot in a tier (aligned)."""
+
+    layer_names: Tuple[str, ...]
+    page_bytes: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def object_bytes(self) -> int:
+        return len(self.layer_names) * self.page_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return -(-self.object_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+    @staticmethod
+    def of(kv_cache_config: "KVCacheConfig") -> "_Layout":
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f"UmbpConnector stores models with one KV cache group; this one has {len(groups)}"
+            )
+        spec = groups[0].kv_cache_spec
+        page = getattr(spec, "page_size_bytes", None)
+        if not page or not getattr(spec, "block_size", None):
+            raise NotImplementedError(
+                f"UmbpConnector cannot store a {type(spec).__name__} KV cache"
+            )
+        return _Layout(
+            tuple(groups[0].layer_names),
+            int(page),
+            int(spec.block_size),
+            int(kv_cache_config.num_blocks),
+        )
+
+
+def _tp(vllm_config: "VllmConfig") -> Tuple[int, int]:
+    """(this worker's tensor-parallel rank, the tensor-parallel size)."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    rank = 0
+    if size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    return rank, size
+
+
+# -- metadata between the two sides ---------------------------------------------------------
+
+#: One block to move: (operation id, tier, slot, GPU block id).
+Item = Tuple[int, str, int, int]
+
+
+@dataclass
+class UmbpConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    #: request id -> blocks to load into it.
+    loads: Dict[str, List[Item]] = field(default_factory=dict)
+    #: request id -> blocks to save from it.
+    saves: Dict[str, List[Item]] = field(default_factory=dict)
+    #: (operation id, DRAM slot, SSD slot) to copy down.
+    demotions: List[Tuple[int, int, int]] = field(default_factory=list)
+    #: finished requests whose blocks vLLM keeps until their saves landed (finished_sending).
+    hold: List[str] = field(default_factory=list)
+    #: requests preempted this step: their blocks are about to be reused.
+    preempted: List[str] = field(default_factory=list)
+    layerwise: bool = False
+
+
+@dataclass
+class UmbpWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: how many ranks completed (``ok``) or failed each operation."""
+
+    ok: Dict[int, int] = field(default_factory=dict)
+    failed: Dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "UmbpWorkerMetadata":
+        out = UmbpWorkerMetadata(dict(self.ok), dict(self.failed))
+        if isinstance(other, UmbpWorkerMetadata):
+            for op, n in other.ok.items():
+                out.ok[op] = out.ok.get(op, 0) + n
+            for op, n in other.failed.items():
+                out.failed[op] = out.failed.get(op, 0) + n
+        return out
+
+
+# -- stats and metrics ----------------------------------------------------------------------
+
+#: Counters a worker reports per interval (``name.tier`` for per-tier ones).
+_STAT_NAMES = (
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_errors",
+    "saved_blocks",
+    "saved_bytes",
+    "save_errors",
+    "demoted_blocks",
+    "demote_errors",
+)
+
+
+@dataclass
+class UmbpConnectorStats(KVConnectorStats):
+    """Interval counters of the workers: ``"<counter>.<tier>"`` (loaded_blocks,
+    loaded_bytes, load_errors, saved_blocks, saved_bytes, save_errors per tier;
+    demoted_blocks, demote_errors) and ``"load_wait_s"``, seconds the forward pass spent
+    blocked in ``wait_for_layer_load``. Summed across ranks and steps."""
+
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "UmbpConnectorStats":
+        out = UmbpConnectorStats(dict(self.data))
+        for k, v in (other.data or {}).items():
+            out.add(k, v)
+        return out
+
+    def reduce(self) -> Dict[str, float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class UmbpPromMetrics(KVConnectorPromMetrics):
+    """The workers' counters as Prometheus counters, in vLLM's own ``/metrics``:
+    ``vllm:umbp_<counter>_total{tier=...}`` and ``vllm:umbp_load_wait_seconds_total``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        docs = {
+            "loaded_blocks": "KV blocks umbp loaded whole into vLLM's KV cache, per tier.",
+            "loaded_bytes": "Bytes of the KV blocks umbp loaded, per tier.",
+            "load_errors": "KV blocks whose load failed (recomputed by vLLM), per tier.",
+            "saved_blocks": "KV blocks umbp saved, per tier.",
+            "saved_bytes": "Bytes of the KV blocks umbp saved, per tier.",
+            "save_errors": "KV blocks whose save failed (a later miss), per tier.",
+            "demoted_blocks": "KV blocks moved from DRAM to SSD.",
+            "demote_errors": "KV blocks whose move from DRAM to SSD failed (dropped).",
+        }
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:umbp_{name}_total", documentation=doc, labelnames=labelnames + ["tier"]
+            )
+            for name, doc in docs.items()
+        }
+        self._wait = self._counter_cls(
+            name="vllm:umbp_load_wait_seconds_total",
+            documentation="Seconds the forward pass spent blocked waiting for umbp layer loads.",
+            labelnames=labelnames,
+        )
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+        labels = list(self.per_engine_labelvalues[engine_idx])
+        for key, value in (transfer_stats_data or {}).items():
+            if key == "load_wait_s":
+                self._wait.labels(*labels).inc(value)
+                continue
+            name, _, tier = key.partition(".")
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels, tier or "all").inc(value)
+
+
+# -- the scheduler side ---------------------------------------------------------------------
+
+
+class _SchedulerSide:
+    """The index and the per-request bookkeeping (see :class:`UmbpConnector`)."""
+
+    def __init__(self, cfg: UmbpConfig, layout: _Layout, ranks: int):
+        self.cfg = cfg
+        self.layout = layout
+        dram_slots = cfg.dram_bytes_per_rank // layout.slot_bytes
+        ssd_slots = cfg.ssd_bytes_per_rank // layout.slot_bytes if cfg.ssd_path else 0
+        self.index = TierIndex(
+            dram_slots,
+            ssd_slots,
+            ranks=ranks,
+            dram_free_slots=math.ceil(cfg.dram_free_fraction * dram_slots),
+        )
+        self.kv_cache_manager = None
+        self._requests: Dict[str, "Request"] = {}
+        self._next_save: Dict[str, int] = {}  # request -> first block not yet planned
+        self._save_ops: Dict[str, Set[int]] = {}  # request -> its save operations
+        self._plans: Dict[str, Tuple[int, int]] = {}  # request -> (first block, blocks) hit
+        self._pending_loads: Dict[str, List[Item]] = {}
+        self._hit_sources: Dict[str, Dict[CacheHitSource, int]] = {}
+        self._loading: Set[str] = set()  # async loads not yet reported finished
+        self._hold: List[str] = []
+        logger.info(
+            "UmbpConnector: %d layers x %d bytes per block and rank, slots: %d DRAM, %d SSD, load %s",
+            len(layout.layer_names),
+            layout.page_bytes,
+            dram_slots,
+            ssd_slots,
+            cfg.load_mode,
+        )
+
+    def matched(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
+        bs = self.layout.block_size
+        rid = request.request_id
+        self._plans.pop(rid, None)
+        if num_computed_tokens % bs:
+            return 0, False
+        start = num_computed_tokens // bs
+        # vLLM computes at least the last prompt token itself.
+        most = (request.num_tokens - 1) // bs - start
+        if most <= 0:
+            return 0, False
+        n = self.index.count_hits(request.block_hashes[start : start + most])
+        if n == 0:
+            return 0, False
+        self._plans[rid] = (start, n)
+        return n * bs, self.cfg.load_mode == "async"
+
+    def after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
+        self._next_save.setdefault(rid, 0)
+        plan = self._plans.pop(rid, None)
+        if num_external_tokens <= 0 or plan is None:
+            return
+        start, n = plan
+        n = min(n, num_external_tokens // self.layout.block_size)
+        block_ids = blocks.get_block_ids()[0]
+        items = []
+        sources: Dict[CacheHitSource, int] = {}
+        for i in range(start, start + n):
+            op, tier, slot = self.index.begin_load(request.block_hashes[i])
+            items.append((op, tier, slot, block_ids[i]))
+            source = CacheHitSource.HOST if tier == DRAM else CacheHitSource.DISK
+            sources[source] = sources.get(source, 0) + self.layout.block_size
+        self._pending_loads[rid] = items
+        self._hit_sources[rid] = sources
+        if self.cfg.load_mode == "async":
+            self._loading.add(rid)
+
+    def hit_sources(self, request: "Request", n: int) -> Dict[CacheHitSource, int]:
+        sources = self._hit_sources.pop(request.request_id, None)
+        if sources is None or sum(sources.values()) != n:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: n} if n else {}
+        return sources
+
+    def _plan_saves(self, rid: str, num_computed: int, num_scheduled: int) -> List[Item]:
+        request = self._requests.get(rid)
+        if request is None or self.kv_cache_manager is None:
+            return []
+        end = num_computed + num_scheduled
+        if not self.cfg.save_decode:
+            end = min(end, request.num_prompt_tokens)
+        full = min(end // self.layout.block_size, len(request.block_hashes))
+        first = self._next_save.get(rid, 0)
+        if full <= first:
+            return []
+        block_ids = self.kv_cache_manager.get_block_ids(rid)[0]
+        items = []
+        for i in range(first, min(full, len(block_ids))):
+            planned = self.index.begin_save(request.block_hashes[i])
+            if planned is not None:
+                op, tier, slot = planned
+                items.append((op, tier, slot, block_ids[i]))
+                self._save_ops.setdefault(rid, set()).add(op)
+        self._next_save[rid] = full
+        return items
+
+    def build_meta(self, so: "SchedulerOutput") -> UmbpConnectorMetadata:
+        meta = UmbpConnectorMetadata(layerwise=self.cfg.load_mode == "layerwise")
+        meta.loads, self._pending_loads = self._pending_loads, {}
+        for req in so.scheduled_new_reqs:
+            items = self._plan_saves(
+                req.req_id, req.num_computed_tokens, so.num_scheduled_tokens[req.req_id]
+            )
+            if items:
+                meta.saves[req.req_id] = items
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            items = self._plan_saves(
+                rid, cached.num_computed_tokens[i], so.num_scheduled_tokens[rid]
+            )
+            if items:
+                meta.saves[rid] = items
+        meta.demotions = self.index.plan_demotions()
+        meta.hold, self._hold = self._hold, []
+        meta.preempted = sorted(so.preempted_req_ids or ())
+        return meta
+
+    def finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
+        rid = request.request_id
+        for d in (self._requests, self._next_save, self._plans, self._hit_sources):
+            d.pop(rid, None)
+        if rid in self._loading:
+            # Its load writes into its blocks: vLLM frees them once the workers report it
+            # (finished_recving).
+            return True, None
+        ops = self._save_ops.get(rid, set())
+        if any(not self.index.op_settled(op) for op in ops):
+            self._hold.append(rid)
+            return True, None
+        self._save_ops.pop(rid, None)
+        return False, None
+
+    def update(self, output: "KVConnectorOutput") -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, UmbpWorkerMetadata):
+            for op in sorted(set(meta.ok) | set(meta.failed)):
+                self.index.report(op, ok=meta.ok.get(op, 0), failed=meta.failed.get(op, 0))
+        for rid in output.finished_recving or ():
+            self._loading.discard(rid)
+        for rid in output.finished_sending or ():
+            self._save_ops.pop(rid, None)
+
+
+# -- the worker side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """Consecutive layers of one layer group that lie back to back in one registration: one
+    range per block. ``offset``: where block 0 of the first layer starts."""
+
+    object_offset: int
+    length: int
+    registration: Any
+    offset: int
+    block_stride: int
+    group: int
+
+
+@dataclass
+class _Transfer:
+    """A batch in flight: tag ``k`` is ``items[k]`` of request ``requests[k]``."""
+
+    batch: Any
+    kind: str  # "load", "save", "demote"
+    items: List[Item]
+    requests: List[str]
+    layerwise: bool = False
+
+
+class _WorkerSide:
+    def __init__(
+        self,
+        cfg: UmbpConfig,
+        layout: _Layout,
+        rank: int,
+        ranks: int,
+        kv_cache_config: "KVCacheConfig",
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.rank = rank
+        self.ranks = ranks
+        self.kv_cache_config = kv_cache_config
+        self.engine: Optional[Engine] = None
+        self.cuda = False
+        self._registrations: List[Any] = []
+        self._runs: List[_Run] = []
+        self._group_of: Dict[str, int] = {
+            name: i // cfg.layers_per_group for i, name in enumerate(layout.layer_names)
+        }
+        self.dram = None
+        self.ssd = None
+        self._arena = None
+        self._transfers: List[_Transfer] = []
+        self._step_load: Optional[_Transfer] = None
+        #: Whether this step's saves started (reset when metadata is bound).
+        self.saves_started = False
+        self._req_saves: Dict[str, List[_Transfer]] = {}
+        self._hold: Set[str] = set()
+        self._load_errors: Set[int] = set()
+        self._ok: Dict[int, int] = {}
+        self._failed: Dict[int, int] = {}
+        self._stats = UmbpConnectorStats()
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        layout = self.layout
+        missing = [n for n in layout.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"UmbpConnector: no KV cache tensor for layers {missing[:4]}")
+        tensors = [kv_caches[n] for n in layout.layer_names]
+        device = tensors[0].device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            from . import CUDA
+
+            if not CUDA:
+                raise RuntimeError(
+                    "UmbpConnector: the KV cache is on CUDA but this umbp build has no CUDA backend; "
+                    "install it with --config-settings=build-args='--features cuda'"
+                )
+        self.engine = Engine("cuda" if self.cuda else "sim", workers=self.cfg.engine_workers)
+        # vLLM allocates the layers' caches as views of shared backing allocations: register
+        # each allocation once (registrations must not overlap), address layers inside it.
+        by_storage: Dict[int, Any] = {}
+        strides = self._block_strides()
+        pb = layout.page_bytes
+        layers = []
+        for i, (name, t) in enumerate(zip(layout.layer_names, tensors)):
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            if base not in by_storage:
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                flat.set_(storage)
+                reg = self.engine.register(flat)
+                self._registrations.append(reg)
+                by_storage[base] = (reg, storage.nbytes())
+            reg, nbytes = by_storage[base]
+            offset = t.data_ptr() - base
+            stride = strides.get(name)
+            if stride is None:
+                if t.dim() == 0 or t.shape[0] != layout.num_blocks:
+                    raise ValueError(f"UmbpConnector: cannot tell the block stride of layer {name}")
+                stride = t.stride(0) * t.element_size()
+            last = offset + (layout.num_blocks - 1) * stride + pb
+            if offset < 0 or last > nbytes:
+                raise ValueError(f"UmbpConnector: layer {name}'s blocks lie outside its allocation")
+            layers.append((reg, offset, stride, self._group_of[name]))
+        # Merge consecutive layers that lie back to back into one range per block.
+        runs: List[_Run] = []
+        for i, (reg, offset, stride, group) in enumerate(layers):
+            prev = runs[-1] if runs else None
+            if (
+                prev is not None
+                and prev.registration is reg
+                and prev.block_stride == stride
+                and prev.group == group
+                and prev.offset + prev.length == offset
+            ):
+                prev.length += pb
+            else:
+                runs.append(_Run(i * pb, pb, reg, offset, stride, group))
+        self._runs = runs
+        self._open_tiers()
+        logger.info(
+            "UmbpConnector rank %d: %d layers in %d ranges per block, %s device",
+            self.rank,
+            len(layers),
+            len(runs),
+            device.type,
+        )
+
+    def _block_strides(self) -> Dict[str, int]:
+        """Each layer's block stride in bytes, from vLLM's placement of the KV cache."""
+        out = {}
+        for t in getattr(self.kv_cache_config, "kv_cache_tensors", ()) or ():
+            stride = getattr(t, "block_stride", None)
+            if stride:
+                for name in t.layers:
+                    out[name] = int(stride)
+        return out
+
+    def _open_tiers(self) -> None:
+        slot = self.layout.slot_bytes
+        dram_slots = self.cfg.dram_bytes_per_rank // slot
+        if dram_slots:
+            self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
+            self.dram = self.engine.register(self._arena)
+        path = self.cfg.ssd_file(self.rank, self.ranks)
+        if path:
+            ssd_slots = self.cfg.ssd_bytes_per_rank // slot
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.ssd = self.engine.register_file(
+                path, 0, ssd_slots * slot, direct=self.cfg.ssd_direct, create=True, extend=True
+            )
+            self.ssd_path = path
+
+    # -- moving blocks -----------------------------------------------------------------------
+
+    def _object(self, tag: int, tier: str, slot: int, block_id: int) -> Object:
+        ranges = [
+            Range(
+                r.object_offset,
+                r.length,
+                r.registration,
+                r.offset + block_id * r.block_stride,
+                r.group,
+            )
+            for r in self._runs
+        ]
+        reg = self.dram if tier == DRAM else self.ssd
+        size = self.layout.object_bytes
+        return Object(tag, reg, [slot * self.layout.slot_bytes], size, size, ranges)
+
+    def _stream(self):
+        return torch.cuda.current_stream() if self.cuda else None
+
+    def start_loads(self, meta: UmbpConnectorMetadata) -> None:
+        self._step_load = None
+        items, requests = [], []
+        for rid, its in meta.loads.items():
+            items.extend(its)
+            requests.extend([rid] * len(its))
+        if not items:
+            return
+        objects = [
+            self._object(k, tier, slot, block) for k, (_, tier, slot, block) in enumerate(items)
+        ]
+        batch = self.engine.start_restore(
+            objects, timeout=self.cfg.load_timeout_s, stream=self._stream()
+        )
+        t = _Transfer(batch, "load", items, requests, layerwise=meta.layerwise)
+        self._transfers.append(t)
+        if meta.layerwise:
+            self._step_load = t
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        t = self._step_load
+        if t is None:
+            return
+        group = self._group_of.get(layer_name)
+        if group is None:
+            return
+        start = time.perf_counter()
+        if self.cuda:
+            t.batch.wait_group_enqueued(group)
+        else:
+            t.batch.wait_group(group)
+        self._stats.add("load_wait_s", time.perf_counter() - start)
+
+    def start_saves(self, meta: UmbpConnectorMetadata) -> None:
+        if self.saves_started:
+            return  # wait_for_save may run twice in one step (draft models)
+        self.saves_started = True
+        items, requests = [], []
+        for rid, its in meta.saves.items():
+            items.extend(its)
+            requests.extend([rid] * len(its))
+        if items:
+            objects = [
+                self._object(k, tier, slot, block) for k, (_, tier, slot, block) in enumerate(items)
+            ]
+            # On CUDA the reads of the KV cache queue on the compute stream, after this step's
+            # forward pass wrote it; nothing here waits for them.
+            batch = self.engine.start_offload(objects, stream=self._stream())
+            t = _Transfer(batch, "save", items, requests)
+            self._transfers.append(t)
+            for rid in meta.saves:
+                self._req_saves.setdefault(rid, []).append(t)
+        if meta.demotions:
+            size = self.layout.object_bytes
+            slot_bytes = self.layout.slot_bytes
+            objects = [
+                Object(
+                    k,
+                    self.ssd,
+                    [ssd_slot * slot_bytes],
+                    size,
+                    size,
+                    [Range(0, size, self.dram, dram_slot * slot_bytes)],
+                )
+                for k, (_, dram_slot, ssd_slot) in enumerate(meta.demotions)
+            ]
+            batch = self.engine.start_offload(objects)
+            items = [(op, SSD, ssd_slot, -1) for op, _, ssd_slot in meta.demotions]
+            self._transfers.append(_Transfer(batch, "demote", items, [""] * len(items)))
+
+    def preempted(self, meta: UmbpConnectorMetadata) -> None:
+        """The blocks of preempted requests are about to be reused: their saves must have
+        read them first."""
+        for rid in meta.preempted:
+            for t in self._req_saves.get(rid, ()):
+                t.batch.wait()
+
+    # -- completion --------------------------------------------------------------------------
+
+    def _settle(self, t: _Transfer, recving: Set[str]) -> None:
+        report = t.batch.wait()
+        size = self.layout.object_bytes
+        for o in report.objects:
+            op, tier, _, block = t.items[o.tag]
+            if o.ok:
+                self._ok[op] = self._ok.get(op, 0) + 1
+            else:
+                self._failed[op] = self._failed.get(op, 0) + 1
+                logger.warning(
+                    "UmbpConnector: %s of block %d (%s) failed: %s", t.kind, block, tier, o.error
+                )
+            if t.kind == "load":
+                if o.ok:
+                    self._stats.add(f"loaded_blocks.{tier}", 1)
+                    self._stats.add(f"loaded_bytes.{tier}", size)
+                else:
+                    self._load_errors.add(block)
+                    self._stats.add(f"load_errors.{tier}", 1)
+            elif t.kind == "save":
+                self._stats.add(f"saved_blocks.{tier}" if o.ok else f"save_errors.{tier}", 1)
+                if o.ok:
+                    self._stats.add(f"saved_bytes.{tier}", size)
+            else:
+                self._stats.add("demoted_blocks.ssd" if o.ok else "demote_errors.ssd", 1)
+        if t.kind == "load" and not t.layerwise:
+            recving.update(t.requests)
+        if t.kind == "save":
+            for rid in set(t.requests):
+                left = [x for x in self._req_saves.get(rid, ()) if x is not t]
+                if left:
+                    self._req_saves[rid] = left
+                else:
+                    self._req_saves.pop(rid, None)
+
+    def finished(self, meta: Optional[UmbpConnectorMetadata]) -> Tuple[Set[str], Set[str]]:
+        if meta is not None:
+            self._hold.update(meta.hold)
+        recving: Set[str] = set()
+        pending = []
+        for t in self._transfers:
+            # This step's layer-wise load fed this step's forward: it settles now, so its
+            # failures are reported in this step.
+            if t.batch.done() or t is self._step_load:
+                self._settle(t, recving)
+            else:
+                pending.append(t)
+        self._transfers = pending
+        self._step_load = None
+        sending = {rid for rid in self._hold if rid not in self._req_saves}
+        self._hold -= sending
+        return sending, recving
+
+    def load_errors(self) -> Set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def worker_meta(self) -> Optional[UmbpWorkerMetadata]:
+        if not self._ok and not self._failed:
+            return None
+        meta = UmbpWorkerMetadata(self._ok, self._failed)
+        self._ok, self._failed = {}, {}
+        return meta
+
+    def stats(self) -> Optional[UmbpConnectorStats]:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, UmbpConnectorStats()
+        return out
+
+    def close(self) -> None:
+        for t in self._transfers:
+            t.batch.wait()
+        self._transfers = []
+        for reg in [self.dram, self.ssd, *self._registrations]:
+            if reg is not None:
+                reg.close()
+        self._registrations = []
+        self.dram = self.ssd = None
+
+
+# -- the connector --------------------------------------------------------------------------
+
+
+class UmbpConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over umbp's tiers (see the module documentation)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise NotImplementedError("UmbpConnector does not support pipeline parallelism")
+        self.config = UmbpConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        layout = _Layout.of(kv_cache_config)
+        rank, ranks = (
+            _tp(vllm_config)
+            if role == KVConnectorRole.WORKER
+            else (0, int(vllm_config.parallel_config.tensor_parallel_size))
+        )
+        self.scheduler_side: Optional[_SchedulerSide] = None
+        self.worker_side: Optional[_WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = _SchedulerSide(self.config, layout, ranks)
+        else:
+            self.worker_side = _WorkerSide(self.config, layout, rank, ranks, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save lost to a preemption is a later miss, never a wrong token.
+        return False
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler_side is not None:
+            self.scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        return self.scheduler_side.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int):
+        return self.scheduler_side.hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler_side.update(connector_output)
+
+    def request_finished(
+        self, request: "Request", block_ids: List[int]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        return self.scheduler_side.finished(request)
+
+    def reset_cache(self) -> Optional[bool]:
+        if self.scheduler_side is None:
+            return None
+        self.scheduler_side.index.clear()
+        return True
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.saves_started = False
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, UmbpConnectorMetadata):
+            self.worker_side.preempted(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UmbpConnectorMetadata)
+        self.worker_side.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.wait_for_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # A block is one object of all its layers, and an offload writes objects whole: the
+        # step's saves start once, in wait_for_save, after the last layer.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UmbpConnectorMetadata)
+        self.worker_side.start_saves(meta)
+
+    def get_finished(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        meta = (
+            self._connector_metadata
+            if isinstance(self._connector_metadata, UmbpConnectorMetadata)
+            else None
+        )
+        sending, recving = self.worker_side.finished(meta)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        return self.worker_side.load_errors()
+
+    def build_connector_worker_meta(self) -> Optional[UmbpWorkerMetadata]:
+        return self.worker_side.worker_meta()
+
+    def get_kv_connector_stats(self) -> Optional[UmbpConnectorStats]:
+        return None if self.worker_side is None else self.worker_side.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> UmbpConnectorStats:
+        return UmbpConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> UmbpPromMetrics:
+        return UmbpPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()

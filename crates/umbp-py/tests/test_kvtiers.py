@@ -1,0 +1,108 @@
+"""The tier index behind umbp.vllm's scheduler side (no vLLM needed)."""
+
+import pytest
+
+from umbp.kvtiers import DRAM, SSD, TierIndex
+
+
+def saved(index, key, ranks=1):
+    """Plans and completes a save of ``key`` on every rank; returns (tier, slot)."""
+    op, tier, slot = index.begin_save(key)
+    index.report(op, ok=ranks)
+    return tier, slot
+
+
+def test_a_block_is_a_hit_only_once_every_rank_saved_it():
+    index = TierIndex(4, ranks=2)
+    op, tier, slot = index.begin_save(b"a")
+    assert (tier, slot) == (DRAM, 0)
+    assert not index.is_hit(b"a")
+    assert index.begin_save(b"a") is None  # being saved: not saved twice
+    index.report(op, ok=1)
+    assert not index.is_hit(b"a")
+    index.report(op, ok=1)
+    assert index.is_hit(b"a")
+    assert index.count_hits([b"a", b"b", b"a"]) == 1
+
+
+def test_a_save_failed_on_one_rank_is_a_miss_and_frees_its_slot():
+    index = TierIndex(1, ranks=2)
+    op, _, slot = index.begin_save(b"a")
+    index.report(op, failed=1)
+    index.report(op, ok=1)
+    assert not index.is_hit(b"a") and index.entry(b"a") is None
+    assert index.free_slots(DRAM) == 1
+    assert index.begin_save(b"b")[2] == slot
+
+
+def test_a_slot_being_read_is_not_reused_even_after_its_block_left():
+    index = TierIndex(1, 0, dram_free_slots=0)
+    saved(index, b"a")
+    load, tier, slot = index.begin_load(b"a")
+    assert index.clear() == 1  # the block leaves the index while its load runs
+    assert index.begin_save(b"b") is None  # its slot is still read
+    index.report(load, ok=1)
+    assert index.begin_save(b"b")[1:] == (tier, slot)
+
+
+def test_a_failed_load_drops_the_block():
+    index = TierIndex(2)
+    saved(index, b"a")
+    op, _, _ = index.begin_load(b"a")
+    index.report(op, failed=1)
+    assert not index.is_hit(b"a")
+    assert index.counters.failed_loads == 1
+
+
+def test_pressure_demotes_the_least_recent_dram_blocks_to_ssd():
+    index = TierIndex(4, 4, dram_free_slots=2)
+    for key in (b"a", b"b", b"c"):
+        saved(index, key)
+    index.report(index.begin_load(b"a")[0], ok=1)  # a is now the most recent
+    demotions = index.plan_demotions()
+    assert len(demotions) == 1  # 1 free + 1 leaving = 2
+    op, dram_slot, ssd_slot = demotions[0]
+    assert index.entry(b"b").slot == dram_slot and index.entry(b"b").state == "demoting"
+    assert index.is_hit(b"b")  # still loadable from DRAM meanwhile
+    assert index.plan_demotions() == []  # already leaving
+    index.report(op, ok=1)
+    e = index.entry(b"b")
+    assert (e.tier, e.slot, e.state) == (SSD, ssd_slot, "ready")
+    assert index.free_slots(DRAM) == 2
+    assert index.keys_in(DRAM) == [b"c", b"a"]
+
+
+def test_a_full_dram_spills_saves_to_ssd_and_a_full_ssd_evicts_its_lru():
+    index = TierIndex(1, 2, dram_free_slots=0)
+    assert saved(index, b"a") == (DRAM, 0)
+    assert saved(index, b"b") == (SSD, 0)
+    assert saved(index, b"c") == (SSD, 1)
+    assert saved(index, b"d") == (SSD, 0)  # b was the least recent SSD block
+    assert index.entry(b"b") is None and index.is_hit(b"c")
+
+
+def test_without_ssd_pressure_drops_blocks():
+    index = TierIndex(2, 0, dram_free_slots=1)
+    saved(index, b"a")
+    saved(index, b"b")
+    assert index.plan_demotions() == []
+    assert index.entry(b"a") is None and index.is_hit(b"b")
+    assert index.free_slots(DRAM) == 1
+
+
+def test_a_failed_demotion_drops_the_block_and_frees_both_slots():
+    index = TierIndex(1, 1, dram_free_slots=1)
+    saved(index, b"a")
+    ((op, _, _),) = index.plan_demotions()
+    index.report(op, failed=1)
+    assert index.entry(b"a") is None
+    assert index.free_slots(DRAM) == 1 and index.free_slots(SSD) == 1
+
+
+def test_no_slot_at_all_is_refused():
+    with pytest.raises(ValueError):
+        TierIndex(0, 0)
+    index = TierIndex(1, 0, dram_free_slots=0)
+    index.begin_save(b"a")
+    assert index.begin_save(b"b") is None
+    assert index.counters.saves_skipped == 1

@@ -1,0 +1,526 @@
+"""umbp.vllm.UmbpConnector against vLLM's own v1 Scheduler, on CPU.
+
+The scheduler is vLLM's real one (with the connector loaded by module path, as a server
+loads it), built from a small model config.json written here (no weights, no tokenizer).
+The worker side is driven in the order vLLM's model runner calls it (bind metadata,
+start_load_kv, per layer wait_for_layer_load then save_kv_layer, wait_for_save,
+get_transfer_results, get_block_ids_with_load_errors, worker metadata), over CPU tensors
+allocated by vLLM's own allocate_kv_cache. The "forward pass" writes, for every computed
+token, bytes derived from the token's whole prefix into each layer, so a block's bytes are a
+function of its prefix: every restored byte is checked against what the prefix implies.
+
+Needs vLLM (`bash .ci/vllm-venv` installs it into a cached virtual environment); skipped
+with the reason printed where it is absent, and a failure where UMBP_REQUIRE_VLLM=1.
+"""
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("UMBP_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
+
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from umbp.kvtiers import DRAM, SSD
+from umbp.vllm import UmbpConnector
+
+BS = 16  # tokens per block
+LAYERS = 4
+KV_HEADS = 2
+HEAD = 16
+EOS = 2
+POISON = 0xA5
+
+init_none_hash(sha256)
+
+
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": KV_HEADS * 2 * HEAD,
+                "intermediate_size": 128,
+                "num_attention_heads": KV_HEADS * 2,
+                "num_key_value_heads": KV_HEADS,
+                "head_dim": HEAD,
+                "num_hidden_layers": LAYERS,
+                "vocab_size": 1024,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float16",
+                "eos_token_id": EOS,
+            }
+        )
+    )
+    return str(d)
+
+
+class Harness:
+    """vLLM's scheduler with UmbpConnector, one worker-side connector over CPU tensors, and
+    a fake forward pass."""
+
+    def __init__(self, tmp_path, *, num_blocks=256, layout="LBNHC", max_batched=4096, **extra):
+        extra.setdefault("dram_bytes_per_rank", 64 << 20)
+        self.extra = extra
+        model_config = ModelConfig(
+            model=model_dir(tmp_path),
+            skip_tokenizer_init=True,
+            dtype="float16",
+            seed=0,
+            max_model_len=4096,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=max_batched,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        )
+        cache_config = CacheConfig(block_size=BS, enable_prefix_caching=True)
+        cache_config.kv_cache_layout = layout
+        kv_transfer_config = KVTransferConfig(
+            kv_connector="UmbpConnector",
+            kv_connector_module_path="umbp.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        )
+        self.config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            kv_transfer_config=kv_transfer_config,
+            device_config=DeviceConfig("cpu"),
+        )
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        spec = FullAttentionSpec(
+            block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
+        )
+        groups = [KVCacheGroupSpec(self.layers, spec)]
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            self.config, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes
+        )
+        assert self.kv_cache_config.num_blocks == num_blocks
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BS,
+            log_stats=True,
+        )
+        assert type(self.scheduler.connector).__name__ == "UmbpConnector"
+        self.sched_side = self.scheduler.connector.scheduler_side
+        self.index = self.sched_side.index
+        # The KV cache exactly as vLLM's model runner allocates it for this layout.
+        self.kv = allocate_kv_cache(
+            self.kv_cache_config,
+            torch.device("cpu"),
+            self.config.cache_config.get_resolved_kv_cache_layout(),
+        )
+        self.kv8 = {name: t.view(torch.uint8) for name, t in self.kv.items()}
+        self.token_bytes = self.kv8[self.layers[0]][0, :, 0, :].numel()
+        self.worker = UmbpConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.kv)
+        self.requests = {}
+        self.steps = 0
+        self.load_errors = set()
+        self.loaded = []  # (request id, block index, GPU block id) of every load planned
+        self.stats = {}
+        self.checked_loads = 0
+        self.prefills_checked = 0
+        self.first_computed = {}
+
+    # -- the model -------------------------------------------------------------------------
+
+    def token_kv(self, tokens, pos, layer):
+        """The bytes of token ``pos``'s KV in ``layer``: a function of its whole prefix."""
+        h = hashlib.blake2b(
+            repr((tuple(tokens[: pos + 1]), layer)).encode(), digest_size=8
+        ).digest()
+        rng = np.random.default_rng(int.from_bytes(h, "little"))
+        return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
+
+    def block_ids(self, rid):
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+
+    def write_tokens(self, rid, start, end):
+        req = self.requests[rid]
+        tokens = req.all_token_ids
+        blocks = self.block_ids(rid)
+        for layer, name in enumerate(self.layers):
+            for pos in range(start, end):
+                row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(KV_HEADS, -1))
+                self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
+
+    def block_is_right(self, rid, index, block_id=None, layers=None):
+        req = self.requests[rid]
+        block_id = self.block_ids(rid)[index] if block_id is None else block_id
+        for layer, name in enumerate(self.layers):
+            if layers is not None and layer not in layers:
+                continue
+            for pos in range(index * BS, (index + 1) * BS):
+                want = self.token_kv(req.all_token_ids, pos, layer)
+                got = self.kv8[name][block_id, :, pos % BS, :].reshape(-1).numpy()
+                if not np.array_equal(want, got):
+                    return False
+        return True
+
+    def failing(self, rid, block):
+        """Whether the load of ``block`` failed (known once this step's load settled)."""
+        t = self.worker.worker_side._step_load
+        if t is None:
+            return False
+        for k, (_, _, _, b) in enumerate(t.items):
+            if b == block and t.requests[k] == rid:
+                return t.batch.wait().objects[k].state != "completed"
+        return False
+
+    def poison(self, block_id):
+        for name in self.layers:
+            self.kv8[name][block_id] = POISON
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add(self, rid, tokens, max_tokens=1):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=get_request_block_hasher(BS, sha256),
+        )
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    # -- one engine step, in the model runner's order ----------------------------------------
+
+    def step(self, check_loads=True):
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        # Blocks about to be loaded hold poison, so only the load can make them right.
+        loads = [
+            (rid, op, tier, slot, block)
+            for rid, items in meta.loads.items()
+            for op, tier, slot, block in items
+        ]
+        for rid, _, _, _, block in loads:
+            self.poison(block)
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        if so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        scheduled = []
+        for req in so.scheduled_new_reqs:
+            scheduled.append((req.req_id, req.num_computed_tokens))
+            self.first_computed.setdefault(req.req_id, req.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            scheduled.append((rid, cached.num_computed_tokens[i]))
+        for layer, name in enumerate(self.layers):
+            w.wait_for_layer_load(name)
+            if so.has_sync_kv_loads and check_loads:
+                # Attention of this layer reads the loaded prefix now: its pages must have
+                # landed (a failed block is reported at the end of the step instead).
+                for rid, _, _, _, block in loads:
+                    index = self.block_ids(rid).index(block)
+                    assert self.block_is_right(rid, index, layers={layer}) or self.failing(
+                        rid, block
+                    ), f"{rid}: layer {layer} of block {index} not loaded when its wait returned"
+            for rid, computed in scheduled:
+                req = self.requests[rid]
+                start, end = computed, computed + so.num_scheduled_tokens[rid]
+                tokens, blocks = req.all_token_ids, self.block_ids(rid)
+                for pos in range(start, end):
+                    row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(KV_HEADS, -1))
+                    self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
+            w.save_kv_layer(name, self.kv[name], None)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        results = w.get_transfer_results(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self.load_errors |= invalid
+        stats = w.get_kv_connector_stats()
+        if stats is not None:
+            for k, v in stats.data.items():
+                self.stats[k] = self.stats.get(k, 0) + v
+        output = KVConnectorOutput(
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
+            invalid_block_ids=invalid,
+            kv_connector_stats=stats,
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        for rid, _, _, _, block in loads:
+            self.loaded.append((rid, block))
+        # A load that settled is checked now, before anything overwrites its blocks: each
+        # block is either reported failed or holds exactly its prefix's bytes.
+        if check_loads:
+            settled = (results.finished_recving or set()) | {
+                rid for rid, *_ in loads if so.has_sync_kv_loads
+            }
+            for rid, block in [x for x in self.loaded if x[0] in settled]:
+                if block in invalid or block in self.load_errors:
+                    continue
+                index = self.block_ids(rid).index(block)
+                assert self.block_is_right(
+                    rid, index
+                ), f"{rid}: block {index} (GPU block {block}) restored wrong"
+                self.checked_loads += 1
+            self.loaded = [x for x in self.loaded if x[0] not in settled]
+        req_ids = [rid for rid, _ in scheduled]
+        sampled = []
+        for rid, computed in scheduled:
+            req = self.requests[rid]
+            done = computed + so.num_scheduled_tokens[rid] >= req.num_tokens
+            sampled.append([7] if done else [])
+            if done and computed < req.num_prompt_tokens:
+                # The prefill is complete: loaded and computed blocks together hold
+                # exactly what the prompt implies.
+                for index in range(req.num_prompt_tokens // BS):
+                    assert self.block_is_right(
+                        rid, index
+                    ), f"{rid}: block {index} wrong after prefill"
+                self.prefills_checked += 1
+        self.scheduler.update_from_output(
+            so,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=output,
+            ),
+        )
+        self.steps += 1
+        return so
+
+    def idle_step(self):
+        """One step; a step that computed nothing (loads and saves still moving) waits a
+        millisecond, as an engine with nothing to run does not spin this hard."""
+        so = self.step()
+        if so.total_num_scheduled_tokens == 0:
+            time.sleep(0.001)
+        return so
+
+    def run(self, hang=120.0):
+        """Steps until every request finished and every block went back; ``hang`` seconds
+        only tell a hang (a lost completion) from slow I/O."""
+        deadline = time.monotonic() + hang
+        while self.scheduler.requests or self.index.pending_ops():
+            assert time.monotonic() < deadline, f"hung: {list(self.scheduler.requests)}"
+            self.idle_step()
+
+    def close(self):
+        self.worker.shutdown()
+
+
+def slot_bytes():
+    """A block's slot in a tier: every layer's page, rounded up to 4 KiB."""
+    page = FullAttentionSpec(
+        block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
+    ).page_size_bytes
+    return -(-LAYERS * page // 4096) * 4096
+
+
+def prompt(seed, n):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 1000, n)]
+
+
+def first_step_of(h, rid):
+    """Steps until ``rid`` is scheduled; returns (scheduler output, its computed tokens)."""
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        so = h.idle_step()
+        for req in so.scheduled_new_reqs:
+            if req.req_id == rid:
+                return so, req.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        if rid in cached.req_ids:
+            return so, cached.num_computed_tokens[cached.req_ids.index(rid)]
+    raise AssertionError(f"{rid} never scheduled")
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_a_saved_prefix_is_a_hit_and_only_the_rest_is_computed(tmp_path, load_mode, layout):
+    h = Harness(tmp_path, layout=layout, load_mode=load_mode, layers_per_group=2)
+    try:
+        shared = prompt(1, 10 * BS)
+        h.add("a", shared + prompt(2, 5))
+        h.run()
+        assert h.stats.get("saved_blocks.dram") == 10
+        assert all(h.index.is_hit(k) for k in h.requests["a"].block_hashes[:10])
+        # vLLM's own prefix cache must not serve the second request: reset it.
+        assert h.scheduler.reset_prefix_cache()
+        b = h.add("b", shared + prompt(3, 21))
+        so, computed = first_step_of(h, "b")
+        assert computed == 10 * BS  # the connector's hit
+        assert so.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 10 * BS  # only the rest
+        h.run()
+        assert h.checked_loads == 10
+        assert h.stats.get("loaded_blocks.dram") == 10
+        assert h.stats.get("loaded_bytes.dram") == 10 * LAYERS * h.sched_side.layout.page_bytes
+        assert not h.load_errors
+        if load_mode == "layerwise":
+            assert h.stats.get("load_wait_s", 0) >= 0
+        assert (
+            h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            == h.kv_cache_config.num_blocks - 1
+        )
+    finally:
+        h.close()
+
+
+def test_dram_pressure_demotes_to_ssd_and_an_ssd_hit_is_byte_exact(tmp_path):
+    slot = slot_bytes()
+    # Room for 6 blocks in DRAM (one kept free), 32 on SSD.
+    h = Harness(
+        tmp_path,
+        dram_bytes_per_rank=6 * slot,
+        dram_free_fraction=0.1,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=32 * slot,
+    )
+    try:
+        first = prompt(10, 5 * BS)
+        h.add("a", first + [5])
+        h.run()
+        # Four more requests of two blocks each: DRAM is full, so each one's saves push the
+        # least recent DRAM block (one of a's) down to SSD.
+        for k in range(4):
+            h.add(f"b{k}", prompt(11 + k, 2 * BS) + [5])
+            h.run()
+        keys = h.requests["a"].block_hashes[:5]
+        tiers = [h.index.entry(k).tier for k in keys]
+        assert tiers == [SSD, SSD, SSD, SSD, DRAM], tiers
+        assert h.stats.get("demoted_blocks.ssd") == 4
+        assert h.scheduler.reset_prefix_cache()
+        h.add("c", first + prompt(12, 9))
+        so, computed = first_step_of(h, "c")
+        assert computed == 5 * BS
+        h.run()
+        assert not h.load_errors
+        assert h.checked_loads == 5
+        assert h.stats.get("loaded_blocks.ssd") == 4 and h.stats.get("loaded_blocks.dram") == 1
+    finally:
+        h.close()
+
+
+def test_an_ssd_read_error_fails_that_block_only_and_vllm_recomputes_it(tmp_path):
+    path = tmp_path / "kv.ssd"
+    slot = slot_bytes()
+    h = Harness(tmp_path, dram_bytes_per_rank=0, ssd_path=str(path), ssd_bytes_per_rank=16 * slot)
+    try:
+        shared = prompt(20, 8 * BS)
+        h.add("a", shared + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:8]
+        entries = [h.index.entry(k) for k in keys]
+        assert [e.tier for e in entries] == [SSD] * 8
+        # The block in the highest slot loses its bytes: the file ends where its slot starts.
+        victim = max(range(8), key=lambda i: entries[i].slot)
+        assert victim == 7
+        os.truncate(path, entries[victim].slot * slot)
+        assert h.scheduler.reset_prefix_cache()
+        b = h.add("b", shared + prompt(21, 30))
+        so, computed = first_step_of(h, "b")
+        # Exactly the victim's GPU block was reported, and vLLM recomputes from it on.
+        assert h.load_errors == {h.block_ids("b")[victim]}
+        assert computed == victim * BS
+        assert so.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - victim * BS
+        h.run()
+        assert h.stats.get("load_errors.ssd") == 1
+        assert h.stats.get("loaded_blocks.ssd") == 7
+        assert h.checked_loads == 7  # every other block loaded, byte-exact
+        # The failed copy was dropped from the index; vLLM's recomputation saved it anew.
+        assert h.index.counters.failed_loads == 1
+        assert h.index.is_hit(keys[victim]) and h.stats.get("saved_blocks.ssd") == 8 + 2
+    finally:
+        h.close()
+
+
+def test_many_concurrent_requests_with_mixed_hits_and_misses(tmp_path):
+    path = tmp_path / "kv.ssd"
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        num_blocks=512,
+        max_batched=1024,  # several steps of chunked prefill
+        dram_bytes_per_rank=24 * slot,
+        ssd_path=str(path),
+        ssd_bytes_per_rank=256 * slot,
+    )
+    try:
+        prefixes = [prompt(100 + k, 6 * BS) for k in range(3)]
+        for k, p in enumerate(prefixes):
+            h.add(f"warm{k}", p + [4])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        hits, misses = [], []
+        for i in range(32):
+            rid = f"r{i}"
+            if i % 4 == 3:
+                h.add(rid, prompt(200 + i, 3 * BS + i), max_tokens=3)
+                misses.append(rid)
+            else:
+                h.add(rid, prefixes[i % 3] + prompt(300 + i, 5 + 7 * i), max_tokens=1 + i % 3)
+                hits.append(rid)
+        h.run()
+        assert all(h.first_computed[rid] >= 6 * BS for rid in hits), h.first_computed
+        assert all(h.first_computed[rid] == 0 for rid in misses)
+        assert not h.load_errors
+        assert h.checked_loads >= 3 * 6  # each prefix came through the connector at least once
+        assert h.prefills_checked == 3 + 32
+        assert (
+            h.stats.get("loaded_blocks.dram", 0) + h.stats.get("loaded_blocks.ssd", 0)
+            == h.checked_loads
+        )
+        assert h.index.pending_ops() == 0
+        assert (
+            h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            == h.kv_cache_config.num_blocks - 1
+        )
+    finally:
+        h.close()
