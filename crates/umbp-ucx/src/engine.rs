@@ -202,8 +202,12 @@ impl std::fmt::Debug for UcxEngine {
 }
 
 impl UcxEngine {
-    /// An engine over `registry`: starts its progress thread, which creates the UCX context
-    /// and worker. Fails with [`Error::LibraryMissing`] where UCX is not installed.
+    /// An engine over `registry`: starts its progress thread. Where the transports are RDMA
+    /// alone, that thread creates the UCX context and worker for one-sided access (and the
+    /// engine fails with [`Error::LibraryMissing`] where UCX is not installed); otherwise
+    /// peers are reached through the checked request path and no UCX worker exists: over TCP
+    /// one would listen on every interface, and UCX writes a connected stranger's put
+    /// wherever the stranger says.
     pub fn new(registry: Arc<EndpointRegistry>, config: UcxConfig) -> Result<Self, Error> {
         if config.max_in_flight == 0 {
             return Err(Error::Config {
@@ -298,6 +302,17 @@ impl UcxEngine {
             .map_err(handshake_error)?;
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
+        if welcome.mode() == Mode::OneSided
+            && !crate::server::hardware_enforced(self.shared.config.transports.as_deref())
+        {
+            // A worker address is parsed by UCX alone; it is taken only where one-sided access
+            // is what this side chose too (RDMA transports alone), from a server that proved
+            // the secret.
+            return Err(handshake_error(HandshakeError::Refused(
+                "the server offers one-sided access, which this side takes only on RDMA \
+                 transports alone",
+            )));
+        }
 
         let id = NEXT_PEER.fetch_add(1, Ordering::Relaxed);
         let alive = Arc::new(AtomicBool::new(true));
@@ -421,7 +436,10 @@ impl UcxEngine {
         if self.shared.check_remote(endpoint)?.is_some() {
             return Ok(false);
         }
-        if !(endpoint.is_host() && self.shared.config.map_host_memory) || endpoint.is_empty() {
+        let one_sided = crate::server::hardware_enforced(self.shared.config.transports.as_deref());
+        if !(endpoint.is_host() && self.shared.config.map_host_memory && one_sided)
+            || endpoint.is_empty()
+        {
             return Ok(false);
         }
         let (reply, answer) = mpsc::channel();

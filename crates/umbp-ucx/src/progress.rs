@@ -362,8 +362,9 @@ impl PeerConn {
 struct Progress {
     peers: Vec<PeerConn>,
     maps: HashMap<EndpointId, MemMap>,
-    worker: Rc<Worker>,
-    context: Rc<Context>,
+    /// UCX, only where one-sided RDMA is configured (see [`start`]).
+    worker: Option<Rc<Worker>>,
+    context: Option<Rc<Context>>,
     batches: Vec<Option<Box<BatchRun>>>,
     /// Each slot's generation, bumped when a batch settles there.
     generations: Vec<u16>,
@@ -389,15 +390,26 @@ pub(crate) fn start(
     std::thread::Builder::new()
         .name("umbp-ucx-progress".into())
         .spawn(move || {
-            let setup = Context::new(config.transports.as_deref(), ucp::Features::Initiator)
-                .and_then(|context| Worker::new(&context).map(|worker| (context, worker)));
-            let (context, worker) = match setup {
-                Ok(ucx) => ucx,
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    return;
-                }
-            };
+            // A UCX worker listens for connections on every transport it opens, and over TCP
+            // UCX writes a connected peer's put wherever the peer says: a worker is made only
+            // where peers are reached one-sided, on RDMA transports alone.
+            let (context, worker) =
+                if crate::server::hardware_enforced(config.transports.as_deref()) {
+                    let setup =
+                        Context::new(config.transports.as_deref(), ucp::Features::Initiator)
+                            .and_then(|context| {
+                                Worker::new(&context).map(|worker| (context, worker))
+                            });
+                    match setup {
+                        Ok((context, worker)) => (Some(context), Some(worker)),
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    }
+                } else {
+                    (None, None)
+                };
             let _ = ready.send(Ok(()));
             let mut progress = Progress {
                 peers: Vec::new(),
@@ -447,7 +459,7 @@ impl Progress {
                 break;
             }
             self.post();
-            let progressed = self.worker.progress();
+            let progressed = self.worker.as_ref().map_or(0, |w| w.progress());
             self.drain_events();
             self.check_timeouts();
             self.settle_finished();
@@ -457,7 +469,9 @@ impl Progress {
             if progressed == 0 && self.ucx_in_flight() {
                 spins += 1;
                 if spins >= SPINS_BEFORE_SLEEP {
-                    self.worker.wait(SLEEP);
+                    if let Some(worker) = &self.worker {
+                        worker.wait(SLEEP);
+                    }
                     spins = 0;
                 }
             } else {
@@ -483,7 +497,12 @@ impl Progress {
                 let connected = match link {
                     LinkSpec::Ucx { address, rkeys } => self
                         .worker
-                        .connect(&address, slot as usize)
+                        .as_ref()
+                        .ok_or(Error::Config {
+                            setting: "transports",
+                            reason: "one-sided access needs RDMA transports alone".into(),
+                        })
+                        .and_then(|worker| worker.connect(&address, slot as usize))
                         .map_err(explain_unreachable)
                         .and_then(|mut ep| {
                             for rkey in &rkeys {
@@ -511,13 +530,21 @@ impl Progress {
                 let _ = reply.send(answer);
             }
             Command::Map { id, addr, len, reply } => {
-                // SAFETY: not a request: `map` registers memory of an endpoint registered
-                // (as host memory, valid until deregistered) and unmaps it at `Unmap`, which
-                // comes once the registration ended and no batch uses it.
-                let mapped = unsafe { self.context.map(addr, len, Access::Local) };
-                let _ = reply.send(mapped.map(|map| {
-                    self.maps.insert(id, map);
-                }));
+                let mapped = match &self.context {
+                    Some(context) => {
+                        // SAFETY: not a request: `map` registers memory of an endpoint
+                        // registered (as host memory, valid until deregistered) and unmaps it
+                        // at `Unmap`, which comes once the registration ended and no batch
+                        // uses it.
+                        let map = unsafe { context.map(addr, len, Access::Local) };
+                        map.map(|map| {
+                            self.maps.insert(id, map);
+                        })
+                    }
+                    // No UCX: nothing reads the memory but the checked links' threads.
+                    None => Ok(()),
+                };
+                let _ = reply.send(mapped);
             }
             Command::Unmap { id } => {
                 self.maps.remove(&id);

@@ -670,3 +670,75 @@ fn a_full_server_says_so_and_takes_a_client_again_once_one_left() {
         c.connect(server.local_addr()).unwrap();
     }
 }
+
+/// The TCP ports process `pid` listens on (IPv4 and IPv6).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address is field 1 (ADDR:PORT in hex), st field 3 (0A = LISTEN), inode 9.
+            if f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]) {
+                let port = f[1].rsplit(':').next().unwrap();
+                ports.push(u16::from_str_radix(port, 16).unwrap());
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports
+}
+
+/// The child half of the next test: an engine that connects to `UMBP_UCX_CHILD_SERVER`,
+/// restores, says so, and waits to be killed.
+#[test]
+#[ignore = "the client process of neither_side_listens_anywhere_but_the_control_port"]
+fn child_engine_restores_then_waits() {
+    let addr = std::env::var("UMBP_UCX_CHILD_SERVER").expect("started by its parent test");
+    let engine = engine("tcp");
+    let peer = engine.connect(addr.as_str()).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, 1 << 20).unwrap();
+    let local = engine.register_memory(vec![0u8; 1 << 20]).unwrap();
+    let mut builder = engine.incremental_builder();
+    builder.begin_object(Tag::new(0)).unwrap();
+    builder.push(Fragment::new(remote.id(), 0, local.id(), 0, 1 << 20, Tag::new(0))).unwrap();
+    builder.commit_object().unwrap();
+    let mut handle = engine.submit(builder.finish().unwrap());
+    assert!(handle.wait().is_empty());
+    println!("restored");
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+/// Over TCP neither side opens a UCX worker, whose TCP transport would listen on every
+/// interface and write a connected stranger's put wherever the stranger says: the server
+/// listens on its control port alone, the client on nothing.
+#[test]
+fn neither_side_listens_anywhere_but_the_control_port() {
+    if !ucx_or_skip() {
+        return;
+    }
+    use std::io::BufRead;
+    let server = Served::start("tcp", 4 << 20, 1, &[]);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_engine_restores_then_waits", "--nocapture"])
+        .env("UMBP_UCX_CHILD_SERVER", server.addr.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let restored = lines.any(|l| l.is_ok_and(|l| l.contains("restored")));
+    let (client, served) = (listening_ports(child.id()), listening_ports(server.child.id()));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(restored, "the child never restored");
+    assert_eq!(served, [server.addr.port()], "the server listens on more than its port");
+    assert_eq!(client, [] as [u16; 0], "the client listens for connections");
+}
