@@ -316,8 +316,9 @@ impl Link {
         self.posts.as_ref().is_some_and(|p| p.send(post).is_ok())
     }
 
-    /// Closes the link: once this returns, its threads touch no local memory again and
-    /// report nothing more.
+    /// Closes the link: once this returns, its threads touch no local memory again and do
+    /// not report the link's end (a completion they had already read may still arrive; the
+    /// progress thread ignores reports for requests it no longer has in flight).
     pub(crate) fn close(mut self) {
         self.close_now();
     }

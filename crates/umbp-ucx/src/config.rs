@@ -36,7 +36,8 @@ pub struct UcxConfig {
     /// whole handshake. Default: 10 s.
     pub connect_timeout: Duration,
     /// How long a peer may leave requests unanswered before it is declared dead and every
-    /// object in flight to it fails. Default: 5 s.
+    /// object in flight to it fails; on a server, how long a client may leave its answers
+    /// unread before its connection is closed. Default: 5 s.
     pub peer_timeout: Duration,
     /// Requests one engine keeps in flight at most (over all peers). Default: 256.
     pub max_in_flight: usize,

@@ -208,6 +208,7 @@ impl ServerBuilder {
                 welcome,
                 secret: auth,
                 deadline: self.config.connect_timeout,
+                stalled: self.config.peer_timeout,
                 limits,
                 served,
                 one_sided,
@@ -407,6 +408,8 @@ struct Handshakes {
     /// The shared secret; `None` when running insecure.
     secret: Option<Vec<u8>>,
     deadline: Duration,
+    /// How long a client may leave an answer unread before its connection is closed.
+    stalled: Duration,
     limits: ServerLimits,
     served: Arc<[Served]>,
     one_sided: bool,
@@ -642,7 +645,11 @@ impl Handshakes {
         let number = self.next;
         self.next += 1;
         let stream = p.stream;
-        if stream.set_nonblocking(false).is_err() {
+        // Blocking from now on, with no read timeout (an authenticated client may idle), but
+        // a write timeout: a client that stops reading its answers frees its thread.
+        if stream.set_nonblocking(false).is_err()
+            || stream.set_write_timeout(Some(self.stalled)).is_err()
+        {
             return;
         }
         let Ok(kept) = stream.try_clone() else { return };

@@ -742,3 +742,32 @@ fn neither_side_listens_anywhere_but_the_control_port() {
     assert_eq!(served, [server.addr.port()], "the server listens on more than its port");
     assert_eq!(client, [] as [u16; 0], "the client listens for connections");
 }
+
+#[test]
+fn a_client_that_stops_reading_its_answers_loses_its_connection_not_a_server_thread() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let server =
+        ServerBuilder::new(UcxConfig { peer_timeout: Duration::from_millis(500), ..config("tcp") })
+            .export("arena", vec![1u8; 4 << 20], true)
+            .serve("127.0.0.1:0")
+            .unwrap();
+    let (mut s, _) = rogue_session(server.local_addr());
+    // 256 MiB of answers asked for, none read: far more than the sockets buffer.
+    for id in 0..64 {
+        s.write_all(&request(GET, 0, id, 0, 4 << 20)).unwrap();
+    }
+    // Admitted once its welcome went out: wait until the server counts it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.clients() == 0 {
+        assert!(Instant::now() < deadline, "the server never counted the client");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(server.clients(), 1, "closed before it stalled");
+    while server.clients() > 0 {
+        assert!(Instant::now() < deadline, "the server still serves a client that reads nothing");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
