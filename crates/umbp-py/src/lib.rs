@@ -29,7 +29,7 @@ use umbp_composite::{
 use umbp_hbm::{HbmConfig, HbmEngine, LayerEvents, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
-    AlignedBuffer, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointRegistry,
+    AlignedBuffer, BatchState, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointRegistry,
     FailureCause, FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register,
     RegisterError, Registration as Guard, RejectReason, Tag, TransferEngine,
 };
@@ -193,43 +193,19 @@ fn message(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-#[pymethods]
 impl Engine {
-    /// `device`: `"sim"` (a simulated GPU in host memory) or `"cuda"` (needs a build with the
-    /// `cuda` feature and an NVIDIA GPU). `pin_device`: the device host memory registered
-    /// through this engine is pinned for, so the gather kernel reads it directly.
-    #[new]
-    ///
-    /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
-    /// `None`: UCX's choice), authenticating memory nodes with the shared secret
-    /// `remote_secret` (`None`: `UMBP_UCX_SECRET` from the environment), or connecting to
-    /// nodes that run without authentication when `remote_insecure_no_auth`. `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
-    /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
-    /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
-    /// anything is allocated or started.
-    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false))]
-    fn new(
+    /// The engines of an [`Engine`], its arguments checked: `Engine.__init__` without the GIL.
+    #[allow(clippy::too_many_arguments)] // Engine.__init__'s keyword arguments.
+    fn start_engines(
         device: &str,
         sim_devices: u32,
         pin_device: Option<u32>,
         workers: usize,
-        bounce_bytes: u64,
+        bounce_bytes: usize,
         ssd_queue_depth: u32,
         ssd_worker_cpus: Option<Vec<usize>>,
-        remote: bool,
-        remote_transports: Option<String>,
-        remote_secret: Option<Vec<u8>>,
-        remote_insecure_no_auth: bool,
+        remote: Option<UcxConfig>,
     ) -> PyResult<Self> {
-        // Checked before anything starts: the bounce region is allocated whole (an allocation
-        // the system refuses aborts), and each worker is a thread.
-        let bounce_bytes = host_len(bounce_bytes, "a bounce region")?.max(2);
-        if workers > MAX_WORKERS {
-            return Err(PyValueError::new_err(format!(
-                "workers={workers}: at most {MAX_WORKERS} executor threads"
-            )));
-        }
         let registry = EndpointRegistry::new();
         let config = HbmConfig {
             pin_registered_host: pin_device.map(DeviceOrdinal::new),
@@ -260,13 +236,12 @@ impl Engine {
         let ssd = SsdEngine::new(registry.clone(), ssd_config).map_err(error)?;
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
         let remote = match remote {
-            true => {
-                let config = ucx_config(remote_transports, remote_secret, remote_insecure_no_auth);
+            Some(config) => {
                 let ucx = Arc::new(UcxEngine::new(registry.clone(), config).map_err(error)?);
                 engines.push(ucx.clone());
                 Some(ucx)
             }
-            false => None,
+            None => None,
         };
         let composite = CompositeEngine::with_config(
             registry,
@@ -278,6 +253,62 @@ impl Engine {
             .map_err(registration_error)?;
         let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
         Ok(Self { composite: Some(Arc::new(composite)), device, remote, bounce: Some(bounce) })
+    }
+}
+
+#[pymethods]
+impl Engine {
+    /// `device`: `"sim"` (a simulated GPU in host memory) or `"cuda"` (needs a build with the
+    /// `cuda` feature and an NVIDIA GPU). `pin_device`: the device host memory registered
+    /// through this engine is pinned for, so the gather kernel reads it directly.
+    #[new]
+    ///
+    /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
+    /// `None`: UCX's choice), authenticating memory nodes with the shared secret
+    /// `remote_secret` (`None`: `UMBP_UCX_SECRET` from the environment), or connecting to
+    /// nodes that run without authentication when `remote_insecure_no_auth`. `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
+    /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
+    /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
+    /// anything is allocated or started.
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false))]
+    fn new(
+        py: Python<'_>,
+        device: &str,
+        sim_devices: u32,
+        pin_device: Option<u32>,
+        workers: usize,
+        bounce_bytes: u64,
+        ssd_queue_depth: u32,
+        ssd_worker_cpus: Option<Vec<usize>>,
+        remote: bool,
+        remote_transports: Option<String>,
+        remote_secret: Option<Vec<u8>>,
+        remote_insecure_no_auth: bool,
+    ) -> PyResult<Self> {
+        // Checked before anything starts: the bounce region is allocated whole (an allocation
+        // the system refuses aborts), and each worker is a thread.
+        let bounce_bytes = host_len(bounce_bytes, "a bounce region")?.max(2);
+        if workers > MAX_WORKERS {
+            return Err(PyValueError::new_err(format!(
+                "workers={workers}: at most {MAX_WORKERS} executor threads"
+            )));
+        }
+        // Started with the GIL released: the engines' threads may log (which takes the GIL)
+        // while this thread waits for them.
+        py.allow_threads(|| {
+            Self::start_engines(
+                device,
+                sim_devices,
+                pin_device,
+                workers,
+                bounce_bytes,
+                ssd_queue_depth,
+                ssd_worker_cpus,
+                remote
+                    .then(|| ucx_config(remote_transports, remote_secret, remote_insecure_no_auth)),
+            )
+        })
     }
 
     /// Connects the remote engine to the memory node serving at `addr`: its peer number and
@@ -299,6 +330,7 @@ impl Engine {
     /// Registers bytes `offset .. offset + length` of region `region` of peer `peer`.
     fn register_remote(
         &self,
+        py: Python<'_>,
         peer: u32,
         region: u32,
         offset: u64,
@@ -306,8 +338,10 @@ impl Engine {
     ) -> PyResult<Registration> {
         self.remote()?;
         let region = umbp_plan::RemoteRegion { peer, region };
-        let guard =
-            self.composite().register_remote(region, offset, length).map_err(registration_error)?;
+        let composite = self.composite();
+        let guard = py
+            .allow_threads(|| composite.register_remote(region, offset, length))
+            .map_err(registration_error)?;
         Ok(self.registration(Kept::Memory(guard), None, "remote"))
     }
 
@@ -319,11 +353,21 @@ impl Engine {
 
     /// Registers `length` bytes of host memory at `addr`; `owner` is kept until the
     /// registration ends. Private: the caller promises the memory stays valid meanwhile.
-    fn register_host(&self, addr: u64, length: u64, owner: PyObject) -> PyResult<Registration> {
+    fn register_host(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        owner: PyObject,
+    ) -> PyResult<Registration> {
+        let composite = self.composite();
         // SAFETY: the package's Python layer passes the address of a buffer it holds exported
         // in `owner`, which the registration keeps until it has ended (and so until no batch
         // uses it).
-        let guard = unsafe { self.composite().register_raw_memory(Endpoint::host(addr, length)) }
+        let guard = py
+            .allow_threads(|| unsafe {
+                composite.register_raw_memory(Endpoint::host(addr, length))
+            })
             .map_err(registration_error)?;
         Ok(self.registration(Kept::Memory(guard), Some(owner), "host"))
     }
@@ -331,14 +375,17 @@ impl Engine {
     /// Registers `length` bytes of device memory at `addr` on `device`; as `register_host`.
     fn register_device(
         &self,
+        py: Python<'_>,
         device: u32,
         addr: u64,
         length: u64,
         owner: PyObject,
     ) -> PyResult<Registration> {
         let endpoint = Endpoint::device(DeviceOrdinal::new(device), addr, length);
+        let composite = self.composite();
         // SAFETY: as in `register_host`: `owner` (a tensor) keeps the memory allocated.
-        let guard = unsafe { self.composite().register_raw_memory(endpoint) }
+        let guard = py
+            .allow_threads(|| unsafe { composite.register_raw_memory(endpoint) })
             .map_err(registration_error)?;
         Ok(self.registration(Kept::Memory(guard), Some(owner), "device"))
     }
@@ -372,8 +419,10 @@ impl Engine {
 
     /// Allocates `length` bytes on `device`, freed when the registration ends.
     #[pyo3(signature = (length, device=0))]
-    fn alloc_device(&self, length: u64, device: u32) -> PyResult<Registration> {
-        let guard = self.device.alloc(DeviceOrdinal::new(device), length).map_err(error)?;
+    fn alloc_device(&self, py: Python<'_>, length: u64, device: u32) -> PyResult<Registration> {
+        let guard = py
+            .allow_threads(|| self.device.alloc(DeviceOrdinal::new(device), length))
+            .map_err(error)?;
         Ok(self.registration(Kept::Memory(guard), None, "device"))
     }
 
@@ -502,7 +551,10 @@ impl Engine {
     /// Counters per (engine, direction), and what is in flight, as a dict.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for ((engine, direction), c) in self.composite().metrics_snapshot() {
+        let composite = self.composite();
+        let (snapshot, flight) =
+            py.allow_threads(|| (composite.metrics_snapshot(), composite.in_flight()));
+        for ((engine, direction), c) in snapshot {
             let d = PyDict::new(py);
             d.set_item("operations", c.operations)?;
             d.set_item("bytes", c.bytes)?;
@@ -511,7 +563,6 @@ impl Engine {
             d.set_item("rejected_fragments", c.rejected_fragments)?;
             out.set_item(format!("{engine}/{direction}"), d)?;
         }
-        let flight = self.composite().in_flight();
         let d = PyDict::new(py);
         d.set_item("batches", flight.batches)?;
         d.set_item("bytes", flight.bytes)?;
@@ -534,7 +585,7 @@ enum EndpointArg<'py> {
 
 /// A report as Python receives it: the aggregate, then `(tag, state, error or None)` per
 /// object.
-type ReportTuple = (String, Vec<(u64, &'static str, Option<PyObject>)>);
+type ReportTuple = (&'static str, Vec<(u64, &'static str, Option<PyObject>)>);
 
 /// One object of a batch, owned while it is planned.
 struct Spec {
@@ -569,7 +620,7 @@ impl OneError {
             OneError::Object(e) if gone(&e) == Some(id) => {
                 ClosedError::new_err(format!("registration {} was closed", id.raw()))
             }
-            OneError::Object(e) => match object_error(py, &e) {
+            OneError::Object(e) => match object_error(py, &e, None) {
                 Ok(value) => PyErr::from_value(value.into_bound(py)),
                 Err(e) => e,
             },
@@ -851,9 +902,59 @@ fn state_name(s: ObjectState) -> &'static str {
     }
 }
 
-/// The object's error as an exception instance, with its typed details as attributes.
-fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
-    let (err, attrs): (PyErr, Vec<(&str, PyObject)>) = match e {
+/// The name of a rejection's reason, as `umbp.RejectKind` spells it.
+fn reject_kind(e: &umbp_plan::Error) -> &'static str {
+    match e {
+        umbp_plan::Error::Rejected { reason, .. } => match reason {
+            RejectReason::UnknownEndpoint(_) => "unknown_endpoint",
+            RejectReason::PairNotHandled { .. } => "pair_not_handled",
+            RejectReason::OutOfBounds { .. } => "out_of_bounds",
+            RejectReason::Overflow { .. } => "overflow",
+            RejectReason::SegmentTooLong { .. } => "segment_too_long",
+            RejectReason::BuilderPanicked => "builder_panicked",
+            RejectReason::ReadOnly(_) => "read_only",
+            RejectReason::Misaligned { .. } => "misaligned",
+            _ => "other",
+        },
+        umbp_plan::Error::Walk(_) => "invalid_object",
+        _ => "other",
+    }
+}
+
+/// The name of a failure's cause, as `umbp.FailureKind` spells it.
+fn failure_kind(cause: &FailureCause) -> &'static str {
+    match cause {
+        FailureCause::Io { .. } => "io",
+        FailureCause::ShortFile { .. } => "short_file",
+        FailureCause::Device { .. } => "device",
+        FailureCause::EndpointGone(_) => "endpoint_gone",
+        FailureCause::NotAccepted(_) => "not_accepted",
+        FailureCause::Overlap => "overlap",
+        FailureCause::TimedOut => "timed_out",
+        FailureCause::Cancelled => "cancelled",
+        FailureCause::PeerFailed { .. } => "peer_failed",
+        FailureCause::Panicked { .. } => "panicked",
+        _ => "other",
+    }
+}
+
+/// `umbp.<enum>(value)`: a member of one of the package's enums, or the plain string should
+/// the package not be importable (it always is once an error can be raised).
+fn py_enum(py: Python<'_>, name: &str, value: &str) -> PyObject {
+    let member = (|| py.import("umbp")?.getattr(name)?.call1((value,)))();
+    match member {
+        Ok(m) => m.unbind(),
+        Err(_) => value.into_pyobject(py).map(|s| s.into_any().unbind()).unwrap_or(py.None()),
+    }
+}
+
+/// The object's error as an exception instance, with its typed details as attributes: `tag`
+/// (the caller's tag of the object; None for `Engine.read` and `Engine.write`), `kind` (a
+/// `umbp.RejectKind` or `umbp.FailureKind`) and, for an I/O failure, an `OSError` with the
+/// errno as `__cause__`.
+fn object_error(py: Python<'_>, e: &ObjectError, tag: Option<u64>) -> PyResult<PyObject> {
+    let mut cause = None;
+    let (err, mut attrs): (PyErr, Vec<(&str, PyObject)>) = match e {
         ObjectError::Rejected(plan) => {
             let reason = match plan {
                 umbp_plan::Error::Rejected { reason, .. } => reason.to_string(),
@@ -861,20 +962,28 @@ fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
             };
             (
                 RejectedError::new_err(e.to_string()),
-                vec![("reason", reason.into_pyobject(py)?.into_any().unbind())],
+                vec![
+                    ("reason", reason.into_pyobject(py)?.into_any().unbind()),
+                    ("kind", py_enum(py, "RejectKind", reject_kind(plan))),
+                ],
             )
         }
-        ObjectError::Failed { engine, cause, .. } => {
-            let (errno, code) = match cause {
+        ObjectError::Failed { engine, cause: failure, .. } => {
+            let (errno, code) = match failure {
                 FailureCause::Io { errno } => (Some(*errno), None),
                 FailureCause::Device { code, .. } => (None, Some(*code)),
                 _ => (None, None),
             };
+            if let Some(errno) = errno {
+                let text = std::io::Error::from_raw_os_error(errno).to_string();
+                cause = Some(pyo3::exceptions::PyOSError::new_err((errno, text)));
+            }
             (
                 TransferError::new_err(e.to_string()),
                 vec![
                     ("engine", engine.clone().into_pyobject(py)?.into_any().unbind()),
-                    ("cause", cause.to_string().into_pyobject(py)?.into_any().unbind()),
+                    ("cause", failure.to_string().into_pyobject(py)?.into_any().unbind()),
+                    ("kind", py_enum(py, "FailureKind", failure_kind(failure))),
                     ("errno", errno.into_pyobject(py)?.into_any().unbind()),
                     ("device_code", code.into_pyobject(py)?.into_any().unbind()),
                 ],
@@ -883,9 +992,13 @@ fn object_error(py: Python<'_>, e: &ObjectError) -> PyResult<PyObject> {
         ObjectError::Cancelled => (CancelledError::new_err(e.to_string()), vec![]),
         other => (Error::new_err(other.to_string()), vec![]),
     };
+    attrs.push(("tag", tag.into_pyobject(py)?.into_any().unbind()));
     let value = err.value(py);
     for (name, v) in attrs {
         value.setattr(name, v)?;
+    }
+    if let Some(cause) = cause {
+        err.set_cause(py, Some(cause));
     }
     Ok(value.clone().into_any().unbind())
 }
@@ -896,28 +1009,40 @@ fn report_tuple(py: Python<'_>, r: &TransferReport) -> PyResult<ReportTuple> {
         .objects
         .iter()
         .map(|o| {
-            let error = o.error.as_ref().map(|e| object_error(py, e)).transpose()?;
+            let error = o.error.as_ref().map(|e| object_error(py, e, Some(o.tag))).transpose()?;
             Ok((o.tag, state_name(o.state), error))
         })
         .collect::<PyResult<_>>()?;
-    Ok((format!("{:?}", r.aggregate).to_lowercase(), objects))
+    let aggregate = match r.aggregate {
+        BatchState::InFlight => "in_flight",
+        BatchState::Completed => "completed",
+        BatchState::Failed => "failed",
+    };
+    Ok((aggregate, objects))
 }
 
 #[pymethods]
 impl Batch {
+    // The GIL is released around every call into the engines, even those that only take a
+    // lock for a moment: a thread of theirs holding that lock may be waiting for the GIL to
+    // hand a log record to Python.
+
     /// Whether every object has settled.
-    fn done(&self) -> PyResult<bool> {
-        Ok(self.get()?.is_done())
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
+        let batch = self.get()?;
+        Ok(py.allow_threads(|| batch.is_done()))
     }
 
     /// The state of the object tagged `tag`, or None.
-    fn state(&self, tag: u64) -> PyResult<Option<&'static str>> {
-        Ok(self.get()?.state(tag).map(state_name))
+    fn state(&self, py: Python<'_>, tag: u64) -> PyResult<Option<&'static str>> {
+        let batch = self.get()?;
+        Ok(py.allow_threads(|| batch.state(tag)).map(state_name))
     }
 
     /// Where the batch stands now.
     fn report(&self, py: Python<'_>) -> PyResult<ReportTuple> {
-        let r = self.get()?.report();
+        let batch = self.get()?;
+        let r = py.allow_threads(|| batch.report());
         report_tuple(py, &r)
     }
 
@@ -1157,5 +1282,46 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("CUDA", cfg!(feature = "cuda"))?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The optional attributes are None unless set: `tag` on every exception (the object's,
+    // when one comes from a report), and the numbers only some failures have. The others
+    // (`reason`, `kind`, `engine`, `cause`) are set on every instance the engines raise.
+    let none = py.None();
+    py.get_type::<Error>().setattr("tag", &none)?;
+    py.get_type::<RegistrationError>().setattr("errno", &none)?;
+    for name in ["errno", "device_code"] {
+        py.get_type::<TransferError>().setattr(name, &none)?;
+    }
+    m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
+    install_logger(py);
     Ok(())
+}
+
+/// What makes Python's `logging` see the events of the Rust crates, once per process.
+///
+/// The crates emit `tracing` events. With tracing's `log` feature (enabled by this crate) an
+/// event becomes a `log` record whenever no tracing subscriber is installed, as none is in
+/// this extension, and pyo3-log hands each record to the Python logger named after the event's
+/// target with `::` read as `.` (`umbp_ssd.engine`, `umbp_ucx.server`...). A bridge of our own
+/// would have had to redo pyo3-log's cache of each logger's level, which lets a thread skip a
+/// disabled event without taking the GIL.
+static LOG_RESET: OnceLock<Option<pyo3_log::ResetHandle>> = OnceLock::new();
+
+fn install_logger(py: Python<'_>) {
+    LOG_RESET.get_or_init(|| {
+        let logger = pyo3_log::Logger::new(py, pyo3_log::Caching::LoggersAndLevels).ok()?;
+        // Fails only if a logger is installed already (the module initialized again, in a
+        // subinterpreter): that one forwards the records.
+        logger.install().ok()
+    });
+}
+
+/// Forgets the loggers and levels the Rust side has cached: call it after changing the level
+/// of a logger the crates log to (`logging.getLogger("umbp_ssd").setLevel(...)`), which the
+/// cache would otherwise keep ignoring for targets it has already seen.
+#[pyfunction]
+fn reset_log_cache() {
+    if let Some(Some(handle)) = LOG_RESET.get() {
+        handle.reset();
+    }
 }

@@ -1,10 +1,13 @@
 """The umbp Python package: round trips through every engine with bytes checked, ranges that
 cross pages, rejections that cost one object, typed errors, lifetimes, threads, and the
-KV-connector adapter."""
+KV-connector adapter; typed errors with the caller's tag, states as an enum, and the Rust crates'
+log events in Python's logging."""
 
 import gc
+import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -572,3 +575,128 @@ def test_a_memory_node_serves_only_engines_that_prove_its_secret():
             peer = insecure.connect(open_node.address)
             with insecure.register_remote(peer.region("arena")) as remote:
                 assert insecure.read(remote, PAGE, 64) == bytes(arena[PAGE:PAGE + 64])
+
+
+# -- typed errors, states, the connector's unknown keys ---------------------------------------
+
+
+def test_an_objects_error_carries_the_callers_tag_and_a_typed_kind(engine, tmp_path):
+    tier_bytes = pattern(8 * PAGE, 3)
+    with engine.register(tier_bytes) as tier, engine.alloc_device(4 * PAGE) as kv:
+        good = umbp.Object(1001, tier, [0], PAGE, PAGE, [umbp.Range(0, PAGE, kv, 0)])
+        past_end = umbp.Object(77, tier, [2 * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, 4 * PAGE - 10)])
+        report = engine.restore([good, past_end])
+        err = report.object(77).error
+        # The caller's tag (77), not the object's position in the batch (1).
+        assert isinstance(err, umbp.RejectedError) and err.tag == 77
+        assert err.kind is umbp.RejectKind.OUT_OF_BOUNDS and err.kind == "out_of_bounds"
+        with pytest.raises(umbp.RejectedError) as raised:
+            report.raise_for_errors()
+        assert raised.value.tag == 77
+    # An I/O failure: the errno, its kind, and the OSError as the cause.
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"\1" * (2 * PAGE))
+    src = pattern(2 * PAGE, 4)
+    with engine.register(src) as s, engine.register_file(path, writable=False) as ro:
+        report = engine.offload([umbp.Object(5, ro, [0], PAGE, PAGE, [umbp.Range(0, PAGE, s, 0)])])
+        err = report.object(5).error
+        assert isinstance(err, umbp.TransferError) and err.tag == 5
+        assert err.kind is umbp.FailureKind.IO and err.errno == 9
+        assert isinstance(err.__cause__, OSError) and err.__cause__.errno == 9
+        # A read or write of one registration has no object tag.
+        with pytest.raises(umbp.TransferError) as failed:
+            engine.write(ro, 0, b"x" * PAGE)
+        assert failed.value.tag is None and failed.value.kind is umbp.FailureKind.IO
+    # Errors made without an object have the attribute too, as None.
+    with pytest.raises(umbp.RegistrationError) as missing:
+        engine.register_file(tmp_path / "absent.bin", 0, PAGE)
+    assert missing.value.tag is None
+
+
+def test_states_are_one_enum_that_still_compares_equal_to_the_old_strings(engine):
+    tier_bytes = pattern(64 * PAGE, 8)
+    with engine.register(tier_bytes) as tier, engine.alloc_device(64 * PAGE) as kv:
+        objects = [umbp.Object(t, tier, [t * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, t * PAGE)]) for t in range(64)]
+        batch = engine.start_restore(objects)
+        now = batch.report()
+        assert now.aggregate in (umbp.State.IN_FLIGHT, umbp.State.COMPLETED)
+        assert all(isinstance(o.state, umbp.State) for o in now.objects)
+        assert isinstance(batch.state(3), umbp.State) and batch.state(9999) is None
+        report = batch.wait()
+        assert report.aggregate is umbp.State.COMPLETED and report.aggregate == "completed"
+        assert all(o.state is umbp.State.COMPLETED and o.state == "completed" for o in report.objects)
+        assert batch.state(3) is umbp.State.COMPLETED
+    # One spelling for "in flight", the objects' and the aggregate's; the aggregate's old one
+    # still converts.
+    assert umbp.State.IN_FLIGHT == "in_flight" and umbp.State("inflight") is umbp.State.IN_FLIGHT
+    assert f"{umbp.State.FAILED}" == "failed" and str(umbp.State.CANCELLED) == "cancelled"
+    assert not umbp.State.IN_FLIGHT.settled and umbp.State.REJECTED.settled
+
+
+def test_the_kv_connector_refuses_an_unknown_key_with_an_umbp_error_and_stays_usable(engine, tmp_path):
+    from umbp.connector import KVConnector
+
+    layers, blocks, block_bytes = 4, 2, 4096
+    buffers = [engine.alloc_device(blocks * block_bytes) for _ in range(layers)]
+    kv = KVConnector(engine, buffers, block_bytes, dram_slots=2, ssd_path=str(tmp_path / "kv.bin"), ssd_slots=2)
+    data = bytes(pattern(layers * block_bytes, 21))
+    kv.store("known", "dram", data)
+    with pytest.raises(umbp.UnknownKeyError) as unknown:
+        kv.start_load([("known", 0), ("never stored", 1)])
+    assert isinstance(unknown.value, umbp.Error) and isinstance(unknown.value, KeyError)
+    assert unknown.value.key == "never stored" and "never stored" in str(unknown.value)
+    # Nothing started: the next load runs.
+    kv.start_load([("known", 1)])
+    assert kv.wait_for_layer(layers - 1, timeout=30) == []
+    assert kv.finished()[0] == {"known"}
+    assert engine.read(buffers[2], block_bytes, block_bytes) == data[2 * block_bytes:3 * block_bytes]
+    kv.close()
+    for b in buffers:
+        b.close()
+
+
+# -- logs ---------------------------------------------------------------------------------------
+
+
+def test_rust_debug_events_reach_python_logging_under_the_crates_names(engine, caplog):
+    caplog.set_level(logging.DEBUG)
+    umbp.reset_log_cache()  # the levels were cached at WARNING by earlier tests
+    try:
+        tier_bytes = pattern(4 * PAGE, 1)
+        with engine.register(tier_bytes) as tier, engine.alloc_device(PAGE) as kv:
+            bad = umbp.Object(31, tier, [0], PAGE, PAGE, [umbp.Range(0, PAGE, kv, 10)])
+            assert not engine.restore([bad]).ok
+        rejected = [r for r in caplog.records if "object rejected" in r.getMessage()]
+        assert rejected, [(r.name, r.getMessage()) for r in caplog.records]
+        assert all(r.levelno == logging.DEBUG and r.name.startswith("umbp_") for r in rejected)
+    finally:
+        caplog.set_level(logging.WARNING)
+        umbp.reset_log_cache()
+
+
+def test_a_warning_emitted_in_rust_is_captured_through_logging(caplog):
+    """The remote engine warns (tracing::warn! in umbp-ucx, on its progress thread, not a
+    Python one) when a memory node goes away; the warning reaches `logging` with no set-up
+    beyond the default."""
+    engine = _remote_engine()  # skips without UCX
+    caplog.set_level(logging.WARNING)
+    server = umbp.Server({"arena": pattern(4 * PAGE, 6)}, transports="tcp", secret=SECRET)
+    peer = engine.connect(server.address)
+    out = np.zeros(PAGE, dtype=np.uint8)
+    with engine.register_remote(peer.region("arena")) as remote, engine.register(out) as dst:
+        obj = umbp.Object(1, remote, [PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, dst, 0)])
+        engine.restore([obj]).raise_for_errors()
+        assert not [r for r in caplog.records if r.name.startswith("umbp_")]
+        server.close()
+        assert not engine.restore([obj]).ok
+        # The progress thread logs the loss; wait for it (not a time budget: it must come).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            dead = [r for r in caplog.records if "peer declared dead" in r.getMessage()]
+            if dead:
+                break
+            time.sleep(0.05)
+    assert dead, [(r.name, r.getMessage()) for r in caplog.records]
+    assert dead[0].levelno == logging.WARNING and dead[0].name == "umbp_ucx.progress"
+    assert f"peer={peer.id}" in dead[0].getMessage()  # the event's fields come with it
+    assert dead[0].threadName != threading.current_thread().name

@@ -23,18 +23,27 @@ Example::
 Lifetimes: a registration holds what it registered (the array's buffer, the tensor) until it
 is closed or garbage-collected, and closing waits for the batches that use it; so ``del
 array`` while a batch is in flight is safe. Threads: every call may come from any thread;
-planning and waiting release the GIL. Errors derive from :class:`Error`.
+planning and waiting release the GIL. Errors derive from :class:`Error`; an object's error
+carries its ``tag`` and a typed ``kind`` (:class:`RejectKind`, :class:`FailureKind`).
+States are :class:`State` members (strings too: ``State.COMPLETED == "completed"``).
+
+Logs: the Rust crates' ``tracing`` events go to :mod:`logging`, to the logger named after the
+event's Rust module (``umbp_ssd.engine``, ``umbp_ucx.server``, ``umbp_composite.builder``...;
+configure them all through their prefixes, ``logging.getLogger("umbp_ucx")``). Warnings and
+errors reach the root logger's handlers by default; after changing a logger's level, call
+:func:`reset_log_cache`, since the Rust side caches each logger's level.
 """
 
 from __future__ import annotations
 
 import array as _array
 import ctypes as _ctypes
+import enum as _enum
 import os as _os
 import re as _re
 import stat as _stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exported)
@@ -44,9 +53,19 @@ from ._native import (  # noqa: F401  (re-exported)
     RegistrationError,
     RejectedError,
     TransferError,
+    reset_log_cache,
 )
 
+#: The package's version (the Rust crate's, which the wheel's metadata carries too).
+__version__: str = _native.__version__
+
 __all__ = [
+    "__version__",
+    "State",
+    "RejectKind",
+    "FailureKind",
+    "UnknownKeyError",
+    "reset_log_cache",
     "Engine",
     "Registration",
     "Object",
@@ -68,6 +87,85 @@ __all__ = [
 
 #: Whether this build has the CUDA backend (``Engine(device="cuda")``).
 CUDA: bool = _native.CUDA
+
+
+class _StrEnum(str, _enum.Enum):
+    """An enum whose members are also their strings: ``State.COMPLETED == "completed"``, and
+    ``str()`` / f-strings give the value on every Python version."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class State(_StrEnum):
+    """Where an object (:attr:`ObjectResult.state`, :meth:`Batch.state`) or a whole batch
+    (:attr:`Report.aggregate`: ``IN_FLIGHT``, ``COMPLETED`` or ``FAILED``) stands."""
+
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Optional["State"]:
+        # Reports spelled the aggregate "inflight" before 0.1.1.
+        return cls.IN_FLIGHT if value == "inflight" else None
+
+    @property
+    def settled(self) -> bool:
+        """Whether the state is final (anything but ``IN_FLIGHT``)."""
+        return self is not State.IN_FLIGHT
+
+
+class RejectKind(_StrEnum):
+    """Why an object was refused while planning (:attr:`RejectedError.kind`)."""
+
+    UNKNOWN_ENDPOINT = "unknown_endpoint"
+    PAIR_NOT_HANDLED = "pair_not_handled"
+    OUT_OF_BOUNDS = "out_of_bounds"
+    OVERFLOW = "overflow"
+    SEGMENT_TOO_LONG = "segment_too_long"
+    BUILDER_PANICKED = "builder_panicked"
+    READ_ONLY = "read_only"
+    MISALIGNED = "misaligned"
+    #: Its ranges or pages do not describe an object (zero-length, past its end...).
+    INVALID_OBJECT = "invalid_object"
+    OTHER = "other"
+
+
+class FailureKind(_StrEnum):
+    """Why a transfer carrying an object's bytes failed (:attr:`TransferError.kind`)."""
+
+    #: The system failed the I/O (``.errno``; ``__cause__`` is the matching ``OSError``).
+    IO = "io"
+    SHORT_FILE = "short_file"
+    #: The device runtime failed (``.device_code``).
+    DEVICE = "device"
+    ENDPOINT_GONE = "endpoint_gone"
+    NOT_ACCEPTED = "not_accepted"
+    OVERLAP = "overlap"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    PEER_FAILED = "peer_failed"
+    PANICKED = "panicked"
+    OTHER = "other"
+
+
+class UnknownKeyError(Error, KeyError):
+    """A key that nothing is cached for (:meth:`umbp.connector.KVConnector.start_load`). Also
+    a ``KeyError``, as it was before it was an :class:`Error`."""
+
+    def __init__(self, key: Any):
+        super().__init__(key)
+        #: The key asked for.
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"nothing is cached for key {self.key!r}"
 
 #: A registered endpoint (see :meth:`Engine.register`): ``id``, ``length``, ``kind``
 #: (``"host"``, ``"device"``, ``"file"``), ``closed``; ``close()`` or a ``with`` block ends it.
@@ -104,7 +202,7 @@ class Object:
     size: int
     ranges: Sequence[Range] = field(default_factory=list)
 
-    def _native(self):
+    def _native(self) -> "_native._Object":
         return (
             int(self.tag),
             self.tier,
@@ -122,7 +220,7 @@ def _offsets_bytes(offsets: Any) -> bytes:
     """Page offsets as little-endian u64 bytes, without a Python loop for numpy arrays."""
     astype = getattr(offsets, "astype", None)
     if astype is not None:  # numpy (or compatible)
-        return astype("<u8", copy=False).tobytes()
+        return bytes(astype("<u8", copy=False).tobytes())
     a = _array.array("Q", offsets)
     if _array.array("Q", [1]).tobytes()[0] != 1:
         a.byteswap()
@@ -131,26 +229,28 @@ def _offsets_bytes(offsets: Any) -> bytes:
 
 @dataclass(frozen=True)
 class ObjectResult:
-    """One object's outcome: ``state`` is ``"completed"``, ``"rejected"``, ``"failed"``,
-    ``"cancelled"``, ``"in_flight"``; ``error`` the exception explaining anything but
-    completion (:class:`RejectedError` with ``.reason``; :class:`TransferError` with
-    ``.errno``, ``.device_code``, ``.engine``, ``.cause``; :class:`CancelledError`)."""
+    """One object's outcome: ``state`` is a :class:`State` (``COMPLETED``, ``REJECTED``,
+    ``FAILED``, ``CANCELLED``, ``IN_FLIGHT``; equal to its string); ``error`` the exception
+    explaining anything but completion, whose ``.tag`` is this object's (:class:`RejectedError`
+    with ``.reason`` and ``.kind``; :class:`TransferError` with ``.kind``, ``.errno``,
+    ``.device_code``, ``.engine``, ``.cause``; :class:`CancelledError`)."""
 
     tag: int
-    state: str
+    state: State
     error: Optional[Error] = None
 
     @property
     def ok(self) -> bool:
-        return self.state == "completed"
+        return self.state is State.COMPLETED
 
 
 @dataclass(frozen=True)
 class Report:
     """A batch's results: one :class:`ObjectResult` per object, in the batch's order, and the
-    aggregate (``"completed"``, ``"failed"``, ``"inflight"``, ...)."""
+    aggregate: :attr:`State.COMPLETED` (every object completed), :attr:`State.FAILED`
+    (all settled, some not completed) or :attr:`State.IN_FLIGHT`."""
 
-    aggregate: str
+    aggregate: State
     objects: List[ObjectResult]
 
     @property
@@ -171,9 +271,9 @@ class Report:
         return self
 
     @staticmethod
-    def _from(raw) -> "Report":
+    def _from(raw: "_native._Result") -> "Report":
         aggregate, objects = raw
-        return Report(aggregate, [ObjectResult(t, s, e) for (t, s, e) in objects])
+        return Report(State(aggregate), [ObjectResult(t, State(s), e) for (t, s, e) in objects])
 
 
 class Batch:
@@ -186,17 +286,24 @@ class Batch:
         """Whether every object has settled."""
         return self._native.done()
 
-    def state(self, tag: int) -> Optional[str]:
-        """The state of the object tagged ``tag`` now."""
-        return self._native.state(tag)
+    def state(self, tag: int) -> Optional[State]:
+        """The state of the object tagged ``tag`` now; None if no object has that tag."""
+        s = self._native.state(tag)
+        return None if s is None else State(s)
 
     def report(self) -> Report:
         """Where every object stands now, without waiting."""
         return Report._from(self._native.report())
 
+    @overload
+    def wait(self, timeout: None = None) -> Report: ...
+
+    @overload
+    def wait(self, timeout: float) -> Optional[Report]: ...
+
     def wait(self, timeout: Optional[float] = None) -> Optional[Report]:
         """Waits (GIL released) until every object settled; None if ``timeout`` seconds pass
-        first."""
+        first (so never None without a timeout)."""
         raw = self._native.wait(timeout)
         return None if raw is None else Report._from(raw)
 
@@ -256,7 +363,7 @@ def _check_tensor_dtype(tensor: Any) -> None:
         raise TypeError(f"a {dtype} tensor does not register: only plain numbers and bytes")
 
 
-def _host_address(buffer: Any):
+def _host_address(buffer: Any) -> Tuple[int, int, Any]:
     """The address, length and keep-alive of a writable host buffer or host tensor of plain
     numbers or bytes."""
     data_ptr = getattr(buffer, "data_ptr", None)
@@ -285,9 +392,10 @@ def _host_address(buffer: Any):
     view = view.cast("B")
     # A ctypes array over the buffer holds its export: the memory cannot be freed or resized
     # while the registration keeps it.
-    held = (_ctypes.c_char * nbytes).from_buffer(view) if nbytes else view
-    address = _ctypes.addressof(held) if nbytes else 0
-    return address, nbytes, (held, view, buffer)
+    if not nbytes:
+        return 0, 0, (view, buffer)
+    held = (_ctypes.c_char * nbytes).from_buffer(view)
+    return _ctypes.addressof(held), nbytes, (held, view, buffer)
 
 
 @dataclass(frozen=True)
@@ -360,7 +468,7 @@ class Server:
     def __enter__(self) -> "Server":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -384,7 +492,7 @@ def _file_size(path: Any) -> Optional[int]:
         raise err from None
 
 
-def _stream(stream: Any, device: Optional[int]):
+def _stream(stream: Any, device: Optional[int]) -> Tuple[Optional[int], int]:
     """The raw handle and device of a ``torch.cuda.Stream``, a raw int, or None."""
     if stream is None:
         return None, 0
@@ -479,7 +587,7 @@ class Engine:
         ``set_()`` its storage) while it is registered. Only plain numbers and bytes register:
         an object array, a structured array with an object field, or any buffer format but
         numbers and bytes raises ``TypeError`` (transfers write raw bytes into it)."""
-        device = getattr(buffer, "device", None)
+        device: Any = getattr(buffer, "device", None)
         if getattr(device, "type", None) == "cuda":
             if not buffer.is_contiguous():
                 raise ValueError("the tensor must be contiguous")
@@ -569,12 +677,20 @@ class Engine:
         device memory then follow your kernels queued there before)."""
         return self._start(objects, False, timeout, stream, device)
 
-    def _start(self, objects, restore: bool, timeout, stream, device) -> Batch:
+    def _start(
+        self,
+        objects: Sequence[Object],
+        restore: bool,
+        timeout: Optional[float],
+        stream: Any,
+        device: Optional[int],
+    ) -> Batch:
         raw, on = _stream(stream, device)
         return Batch(self._native.start([o._native() for o in objects], restore, timeout, raw, on))
 
     def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
-        """:meth:`start_restore`, then waits; one result per object."""
+        """:meth:`start_restore`, then waits; one result per object (``timeout`` is the
+        batch's deadline: what has not arrived by then fails, the report still comes)."""
         return self.start_restore(objects, timeout).wait()
 
     def offload(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:

@@ -1,17 +1,43 @@
 """Type stubs of the Rust half of umbp (see umbp/__init__.py for the public API)."""
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union, final
+
+from . import FailureKind, RejectKind
+
+__all__ = [
+    "Engine",
+    "Registration",
+    "Batch",
+    "Server",
+    "Error",
+    "RegistrationError",
+    "RejectedError",
+    "TransferError",
+    "CancelledError",
+    "ClosedError",
+    "CUDA",
+    "__version__",
+    "reset_log_cache",
+]
 
 CUDA: bool
+__version__: str
 
-class Error(Exception): ...
+def reset_log_cache() -> None: ...
+
+class Error(Exception):
+    # The caller's tag of the object whose error this is (None when no object is behind it).
+    tag: Optional[int]
 class RegistrationError(Error):
     errno: Optional[int]
+# `reason`, `kind`, `engine` and `cause` are set on every instance the engines raise.
 class RejectedError(Error):
     reason: str
+    kind: RejectKind
 class TransferError(Error):
     engine: str
     cause: str
+    kind: FailureKind
     errno: Optional[int]
     device_code: Optional[int]
 class CancelledError(Error): ...
@@ -21,6 +47,7 @@ _Result = Tuple[str, List[Tuple[int, str, Optional[Error]]]]
 _Range = Tuple[int, int, Union["Registration", int], int, int]
 _Object = Tuple[int, Union["Registration", int], bytes, int, int, List[_Range]]
 
+@final
 class Registration:
     @property
     def id(self) -> int: ...
@@ -34,6 +61,7 @@ class Registration:
     def __enter__(self) -> "Registration": ...
     def __exit__(self, *exc: Any) -> bool: ...
 
+@final
 class Batch:
     def done(self) -> bool: ...
     def state(self, tag: int) -> Optional[str]: ...
@@ -44,13 +72,14 @@ class Batch:
     def group_event(self, group: int, timeout: Optional[float] = None) -> Optional[int]: ...
     def cancel(self) -> _Result: ...
 
+@final
 class Engine:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         device: str = "sim",
         sim_devices: int = 1,
-        pin_device: Optional[int] = 0,
+        pin_device: Optional[int] = ...,
         workers: int = 8,
         bounce_bytes: int = ...,
         ssd_queue_depth: int = 64,
@@ -59,7 +88,7 @@ class Engine:
         remote_transports: Optional[str] = None,
         remote_secret: Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
-    ) -> None: ...
+    ) -> "Engine": ...
     @property
     def device_kind(self) -> str: ...
     def connect(self, addr: str) -> Tuple[int, List[Tuple[int, str, int, bool]]]: ...
@@ -91,15 +120,16 @@ class Engine:
     ) -> Batch: ...
     def metrics(self) -> Dict[str, Any]: ...
 
+@final
 class Server:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         listen: str,
         regions: List[Tuple[str, int, int, bool, object]],
         transports: Optional[str] = None,
         secret: Optional[bytes] = None,
         insecure_no_auth: bool = False,
-    ) -> None: ...
+    ) -> "Server": ...
     @property
     def address(self) -> str: ...
     @property

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from . import Batch, Engine, Error, Object, Range, Registration
+from . import Batch, Engine, Error, Object, ObjectResult, Range, Registration, State, UnknownKeyError
 
 
 class KVConnector:
@@ -133,12 +133,18 @@ class KVConnector:
         ``stream``: the server's compute stream (a ``torch.cuda.Stream`` or raw handle): the
         device work is queued on it, and :meth:`wait_for_layer` returns as soon as the layer's
         group is queued there, so the layer's kernels launched next run after its bytes, with
-        no host wait for the device."""
+        no host wait for the device.
+
+        A key nothing is cached for raises :class:`~umbp.UnknownKeyError` (an
+        :class:`~umbp.Error` and a ``KeyError``) before anything starts."""
         if self._load is not None:
             raise Error("a load is already in flight; wait for it first")
         objects = []
         keys = {}
         for tag, (key, block) in enumerate(requests):
+            if key not in self.index:
+                # Before anything started: the load is refused whole.
+                raise UnknownKeyError(key)
             tier, slot = self.index[key]
             ranges = [
                 Range(
@@ -161,20 +167,23 @@ class KVConnector:
         there). Returns the keys whose load failed so far (their blocks in this layer hold no
         cached bytes); empty when all arrived. On a stream a failure may show only later: check
         :meth:`finished` before trusting a block for reuse."""
-        if self._load is None:
+        load = self._load
+        if load is None:
             return []
         group = self.group_of(layer)
         if self._load_on_stream:
-            ready = self._load.wait_group_enqueued(group, timeout)
+            ready = load.wait_group_enqueued(group, timeout)
         else:
-            ready = self._load.wait_group(group, timeout)
+            ready = load.wait_group(group, timeout)
         if not ready:
             raise Error(f"layer {layer} did not land within {timeout} s")
-        return [self._load_keys[t] for t, _ in self._failed_loads()]
+        return [self._load_keys[t] for t, _ in self._failed_loads(load)]
 
-    def _failed_loads(self):
-        report = self._load.report()
-        return [(o.tag, o) for o in report.objects if o.state in ("rejected", "failed", "cancelled")]
+    @staticmethod
+    def _failed_loads(load: Batch) -> List[Tuple[int, ObjectResult]]:
+        report = load.report()
+        failed = (State.REJECTED, State.FAILED, State.CANCELLED)
+        return [(o.tag, o) for o in report.objects if o.state in failed]
 
     # -- saving ----------------------------------------------------------------------------
 
