@@ -260,8 +260,9 @@ impl Ring {
         let ring = Drain(self);
         let ring = &mut *ring.0;
         let mut started = 0u64;
-        ring.arm_bell();
         loop {
+            // (Again) after the bell's read completed.
+            ring.arm_bell();
             for lane in lanes.iter_mut().flatten() {
                 let due = lane.guarded(|b| b.stop_due()).flatten();
                 let stopped = due.is_some();
@@ -384,7 +385,6 @@ impl Ring {
                 }
                 lane.guarded(|b| b.complete(op, cqe.result()));
             }
-            ring.arm_bell();
         }
     }
 

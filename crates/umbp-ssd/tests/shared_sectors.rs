@@ -166,7 +166,9 @@ fn disjoint_pieces_of_one_block(backend: Backend, dir: &Path) {
             });
         }
     });
-    eprintln!("{backend:?}: {ROUNDS} rounds of {THREADS} writes in {:?}", started.elapsed());
+    if !shared.failed() {
+        eprintln!("{backend:?}: {ROUNDS} rounds of {THREADS} writes in {:?}", started.elapsed());
+    }
     shared.check();
 }
 
