@@ -6,6 +6,7 @@
 
 // Workloads, one per subcommand.
 pub mod batch_bench;
+pub mod churn_bench;
 pub mod copy_bench;
 pub mod hbm_bench;
 pub mod layers_bench;

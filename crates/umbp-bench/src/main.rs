@@ -11,6 +11,7 @@ use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
 use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
+use umbp_bench::churn_bench::{self, ChurnBenchConfig, ChurnTarget};
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
 use umbp_bench::disk::Placement;
 use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
@@ -105,6 +106,15 @@ enum Command {
     /// (localcopy, hbm-sim), plain wall time (ssd). Targets: at least 10x for localcopy and
     /// hbm-sim, 1.3x for ssd.
     Batch(BatchArgs),
+    /// Register, restore, deregister, a million times over: whether a cycle costs the same
+    /// after a million registrations as after ten, and memory stays flat.
+    ///
+    /// Each cycle registers a destination through a composite (host copy engine and simulated
+    /// device), restores a few objects from a DRAM tier into it, waits and ends the
+    /// registration. Time per cycle of the first --window timed cycles against the last, and
+    /// resident memory after the warmup against the end. Targets: the last window at most
+    /// 1.2x the first; resident memory grows at most 10%.
+    Churn(ChurnArgs),
     /// A memory node: exports one writable region, `arena`, over UCX until stdin closes.
     ///
     /// The arena is filled with a pattern `remote` checks (byte i is byte i % 8 of the
@@ -302,6 +312,32 @@ struct LayersArgs {
     /// afterwards).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     dir: PathBuf,
+}
+
+#[derive(clap::Args, Debug)]
+struct ChurnArgs {
+    /// Timed register/restore/deregister cycles.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(20..=100_000_000))]
+    cycles: u64,
+    /// Cycles of each compared window (the first and the last; a multiple of 10, at most half
+    /// of --cycles).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(10..=50_000_000))]
+    window: u64,
+    /// Untimed cycles before timing.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+    warmup: u64,
+    /// Objects restored per cycle (4 pages each).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    objects: u32,
+    /// Page size of the tier (units allowed).
+    #[arg(long, default_value = "4KiB", value_parser = positive_size)]
+    page_size: ByteSize,
+    /// Where each cycle's destination lives: a host buffer, or simulated device memory.
+    #[arg(long, value_enum, default_value = "host")]
+    to: ChurnTarget,
+    /// Seed of the page placement and the data.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -508,6 +544,7 @@ fn main() -> ExitCode {
         Some(Command::Restore(args)) => restore(&args, &out),
         Some(Command::Layers(args)) => layers(&args, &out),
         Some(Command::Batch(args)) => batch(&args, &out),
+        Some(Command::Churn(args)) => churn(&args, &out),
         Some(Command::Serve(args)) => serve(&args),
         Some(Command::Remote(args)) => remote(&args, &out),
     };
@@ -733,6 +770,29 @@ fn layers(args: &LayersArgs, out: &Output<'_>) -> anyhow::Result<()> {
         layers_bench::table(&rows),
         Some(layers_bench::chart(&rows)),
     )?)
+}
+
+fn churn(args: &ChurnArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    if args.window % 10 != 0 || args.window.saturating_mul(2) > args.cycles {
+        usage_error(&format!(
+            "--window {} must be a multiple of 10 and at most half of --cycles {}",
+            args.window, args.cycles
+        ));
+    }
+    let config = ChurnBenchConfig {
+        cycles: args.cycles as usize,
+        window: args.window as usize,
+        warmup: args.warmup as usize,
+        objects: args.objects as usize,
+        page_size: args.page_size.0,
+        target: args.to,
+        seed: args.seed,
+    };
+    // The tier and one destination, plus the expected bytes.
+    let bytes = args.page_size.0.saturating_mul(12 * u64::from(args.objects));
+    check_memory(bytes, "--objects x --page-size");
+    let row = churn_bench::run(&config, out.progress)?;
+    out.emit(&Report::new("churn", std::slice::from_ref(&row), churn_bench::table(&row), None)?)
 }
 
 fn batch(args: &BatchArgs, out: &Output<'_>) -> anyhow::Result<()> {

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-const SUBCOMMANDS: [&str; 10] =
-    ["tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch", "serve", "remote"];
+const SUBCOMMANDS: [&str; 11] = [
+    "tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch", "churn", "serve", "remote",
+];
 
 fn umbp_bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
@@ -143,6 +144,10 @@ fn bad_arguments_exit_2_with_one_line() {
         &["batch", "--engine", "gpu"],
         &["batch", "--transfers", "0"],
         &["batch", "--transfer-size", "4QiB"],
+        &["churn", "--cycles", "10"],
+        &["churn", "--window", "15"],
+        &["churn", "--cycles", "100", "--window", "60"],
+        &["churn", "--to", "ssd"],
         &["tour", "--tiny=yes"],
         &["remote", "--fragment-sizes", "3KiB"],
         &["remote", "--bytes", "0"],
@@ -507,6 +512,57 @@ fn batch_json_fields_and_units() {
         assert_eq!(l["verified"], true);
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the SSD file is removed");
+}
+
+#[test]
+fn churn_json_fields_and_bounded_registry() {
+    for to in ["host", "device"] {
+        let args =
+            ["churn", "--cycles", "200", "--window", "50", "--warmup", "10", "--to", to, "--json"];
+        let lines = json_lines(&args);
+        let fields = [
+            "target",
+            "cycles",
+            "window",
+            "objects",
+            "bytes_per_cycle",
+            "first_us_per_cycle",
+            "last_us_per_cycle",
+            "ratio",
+            "ratio_range",
+            "target_ratio",
+            "time_verdict",
+            "first_cpu_us_per_cycle",
+            "last_cpu_us_per_cycle",
+            "cpu_ratio",
+            "cpu_ratio_range",
+            "cpu_verdict",
+            "rss_start_mib",
+            "rss_warm_mib",
+            "rss_end_mib",
+            "rss_growth",
+            "target_rss_growth",
+            "rss_verdict",
+            "registry_slots",
+            "verified",
+            "seconds",
+        ];
+        check_fields("churn", &lines, &fields);
+        assert_eq!(lines.len(), 1);
+        let l = &lines[0];
+        assert_eq!(
+            (&l["target"], &l["cycles"], &l["window"]),
+            (&to.into(), &200.into(), &50.into())
+        );
+        assert_eq!(l["verified"], true);
+        assert_eq!(l["bytes_per_cycle"], 4 * 4 * 4096);
+        // 210 registrations: the arena's slot and one reused by every destination.
+        assert_eq!(l["registry_slots"], 2, "{l:?}");
+        for verdict in ["time_verdict", "cpu_verdict", "rss_verdict"] {
+            let v = l[verdict].as_str().unwrap();
+            assert!(["met", "unmet", "within noise", "below noise"].contains(&v), "{verdict}: {v}");
+        }
+    }
 }
 
 #[test]
