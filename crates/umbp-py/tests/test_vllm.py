@@ -161,6 +161,7 @@ class Harness:
         self.stats = {}
         self.checked_loads = 0
         self.prefills_checked = 0
+        self.step_stats = []
         self.first_computed = {}
 
     # -- the model -------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class Harness:
         self.load_errors |= invalid
         stats = w.get_kv_connector_stats()
         if stats is not None:
+            self.step_stats.append(stats)
             for k, v in stats.data.items():
                 self.stats[k] = self.stats.get(k, 0) + v
         output = KVConnectorOutput(
@@ -522,5 +524,53 @@ def test_many_concurrent_requests_with_mixed_hits_and_misses(tmp_path):
             h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
             == h.kv_cache_config.num_blocks - 1
         )
+    finally:
+        h.close()
+
+
+def test_a_layout_whose_pages_are_not_contiguous_is_refused(tmp_path):
+    # LHBNC puts heads outside blocks: one block's page of a layer is KV_HEADS pieces.
+    with pytest.raises(NotImplementedError, match="block-compact"):
+        Harness(tmp_path, layout="LHBNC")
+
+
+def test_the_workers_counters_reach_vllms_log_and_prometheus(tmp_path):
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+
+    h = Harness(tmp_path, load_mode="layerwise")
+    try:
+        shared = prompt(40, 4 * BS)
+        h.add("a", shared + [1])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        h.step_stats = []
+        h.add("b", shared + prompt(41, 20))
+        h.run()
+        # What vLLM's engine does with each step's (rank-aggregated) connector stats: its
+        # logger accumulates them, its Prometheus logger observes them.
+        prom = KVConnectorProm(h.config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        log = KVConnectorLogging(h.config.kv_transfer_config)
+        for stats in h.step_stats:
+            prom.observe(stats.data, 0)
+            log.observe(stats.data)
+        labels = {"model_name": "tiny", "engine": "0", "tier": "dram"}
+        assert REGISTRY.get_sample_value("vllm:umbp_loaded_blocks_total", labels) == 4
+        assert (
+            REGISTRY.get_sample_value("vllm:umbp_loaded_bytes_total", labels)
+            == 4 * LAYERS * h.sched_side.layout.page_bytes
+        )
+        assert REGISTRY.get_sample_value("vllm:umbp_saved_blocks_total", labels) == 1  # b's 5th
+        assert (
+            REGISTRY.get_sample_value(
+                "vllm:umbp_load_wait_seconds_total", labels={"model_name": "tiny", "engine": "0"}
+            )
+            >= 0
+        )
+        reduced = log.transfer_stats_accumulator.reduce()
+        assert reduced["loaded_blocks.dram"] == 4 and reduced["saved_blocks.dram"] == 1
     finally:
         h.close()

@@ -197,6 +197,25 @@ def _tp(vllm_config: "VllmConfig") -> Tuple[int, int]:
     return rank, size
 
 
+def _dense_pages(t: torch.Tensor, num_blocks: int, page_bytes: int) -> bool:
+    """Whether each block's page of the layer view ``t`` (blocks, or kernel blocks, first) is
+    one contiguous run of ``page_bytes``: true of the block-compact layouts, where the block
+    and layer axes are outermost, false where heads sit outside blocks."""
+    es = t.element_size()
+    if t.dim() == 0 or t.shape[0] % num_blocks:
+        return False
+    dims = [(t.shape[d], t.stride(d) * es) for d in range(1, t.dim()) if t.shape[d] > 1]
+    ratio = t.shape[0] // num_blocks
+    if ratio > 1:  # kernel blocks: a manager block is `ratio` of them, back to back
+        dims.append((ratio, t.stride(0) * es))
+    expect = es
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if stride != expect:
+            return False
+        expect = stride * size
+    return expect == page_bytes
+
+
 # -- metadata between the two sides ---------------------------------------------------------
 
 #: One block to move: (operation id, tier, slot, GPU block id).
@@ -574,6 +593,12 @@ class _WorkerSide:
                 if t.dim() == 0 or t.shape[0] != layout.num_blocks:
                     raise ValueError(f"UmbpConnector: cannot tell the block stride of layer {name}")
                 stride = t.stride(0) * t.element_size()
+            if not _dense_pages(t, layout.num_blocks, pb):
+                raise NotImplementedError(
+                    f"UmbpConnector: layer {name}'s pages are not contiguous in this KV cache "
+                    "layout; use a block-compact one (VLLM_KV_CACHE_LAYOUT=LBNHC, LBHNC, BLNHC "
+                    "or BLHNC)"
+                )
             last = offset + (layout.num_blocks - 1) * stride + pb
             if offset < 0 or last > nbytes:
                 raise ValueError(f"UmbpConnector: layer {name}'s blocks lie outside its allocation")
