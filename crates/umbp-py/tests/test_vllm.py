@@ -574,3 +574,10 @@ def test_the_workers_counters_reach_vllms_log_and_prometheus(tmp_path):
         assert reduced["loaded_blocks.dram"] == 4 and reduced["saved_blocks.dram"] == 1
     finally:
         h.close()
+
+
+def test_a_misspelt_key_is_an_error_and_layerwise_needs_piecewise_graphs(tmp_path):
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys.*ssd_bytes"):
+        Harness(tmp_path, ssd_path=str(tmp_path / "x"), ssd_bytes=1 << 20)
+    assert UmbpConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
+    assert not UmbpConnector.requires_piecewise_for_cudagraph({})

@@ -570,7 +570,12 @@ class _WorkerSide:
                     "UmbpConnector: the KV cache is on CUDA but this umbp build has no CUDA backend; "
                     "install it with --config-settings=build-args='--features cuda'"
                 )
-        self.engine = Engine("cuda" if self.cuda else "sim", workers=self.cfg.engine_workers)
+        # Host tiers are pinned for this rank's GPU.
+        self.engine = Engine(
+            "cuda" if self.cuda else "sim",
+            pin_device=(device.index or 0) if self.cuda else 0,
+            workers=self.cfg.engine_workers,
+        )
         # vLLM allocates the layers' caches as views of shared backing allocations: register
         # each allocation once (registrations must not overlap), address layers inside it.
         by_storage: Dict[int, Any] = {}
@@ -859,6 +864,11 @@ class UmbpConnector(KVConnectorBase_V1):
             self.scheduler_side = _SchedulerSide(self.config, layout, ranks)
         else:
             self.worker_side = _WorkerSide(self.config, layout, rank, ranks, kv_cache_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # Layer-wise loads wait between layers: a full CUDA graph would skip those waits.
+        return (extra_config or {}).get("load_mode", "async") == "layerwise"
 
     @property
     def requires_kv_delivery(self) -> bool:
