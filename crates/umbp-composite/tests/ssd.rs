@@ -190,3 +190,105 @@ fn a_failure_in_either_hop_fails_only_its_object() {
         }
     }
 }
+
+/// Writes into a FIFO once dropped, or after `Unstick::AFTER` from a watchdog thread, so that
+/// reads stuck on it complete whatever the test asserted (the engines can then be dropped).
+struct Unstick(std::path::PathBuf);
+
+impl Unstick {
+    const AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+    const BYTES: usize = 16 << 10;
+
+    fn write(path: &std::path::Path) {
+        // The composite's descriptor reads the FIFO, so opening it to write does not wait; a
+        // FIFO gone with its directory is simply not found.
+        if let Ok(mut fifo) = std::fs::OpenOptions::new().write(true).open(path) {
+            let _ = std::io::Write::write_all(&mut fifo, &[0x5A; Self::BYTES]);
+        }
+    }
+
+    fn arm(path: &std::path::Path) -> Self {
+        let watched = path.to_path_buf();
+        std::thread::spawn(move || {
+            std::thread::sleep(Self::AFTER);
+            Self::write(&watched);
+        });
+        Self(path.to_path_buf())
+    }
+}
+
+impl Drop for Unstick {
+    fn drop(&mut self) {
+        Self::write(&self.0);
+    }
+}
+
+#[test]
+fn cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use umbp_composite::{CompositeEngine, ObjectError, Staging};
+    use umbp_plan::{EndpointRegistry, FileOptions, FileSource, Fragment, Register, Tag};
+    use umbp_ssd::{Backend, SsdConfig, SsdEngine};
+
+    let test = "cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel";
+    let registry = EndpointRegistry::new();
+    let ssd = match SsdEngine::new(registry.clone(), SsdConfig::new().backend(Backend::IoUring)) {
+        Ok(ssd) => Arc::new(ssd),
+        Err(e) => return eprintln!("skipped {test}: no io_uring ({e})"),
+    };
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("stuck.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&path).status();
+    if !made.as_ref().is_ok_and(|s| s.success()) {
+        return eprintln!("skipped {test}: mkfifo failed: {made:?}");
+    }
+    let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let config = umbp_hbm::HbmConfig { pin_registered_host: Some(GPU), ..Default::default() };
+    let hbm = Arc::new(umbp_hbm::HbmEngine::new(
+        Arc::new(umbp_hbm::SimDevice::new(1)),
+        registry.clone(),
+        config,
+    ));
+    let composite = CompositeEngine::new(registry, vec![host, hbm.clone(), ssd]);
+    let bounce = composite.register_memory(vec![0u8; 64 << 10]).unwrap();
+    let composite =
+        composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 16 << 10 }).unwrap();
+    // A FIFO nobody writes: every read of it waits in the kernel.
+    let source = FileSource::open(&path, FileOptions::new().direct(false));
+    let fifo = composite.register_file(source, 0, 1 << 20).unwrap();
+    let _unstick = Unstick::arm(&path);
+    let mut out = vec![POISON; 4096];
+    // SAFETY: `out` outlives the batch, which is waited for below.
+    let out_id = unsafe {
+        register(&composite, Endpoint::host(out.as_mut_ptr() as u64, out.len() as u64)).unwrap()
+    };
+    let dev = device(&hbm, 4096);
+    hbm.runtime().fill(dev.addr, 4096, POISON).unwrap();
+    // Object 0 reads the FIFO into host memory (the SSD engine, direct); object 1 into the
+    // device (staged: its first hop, the SSD engine's read into the bounce region, waits).
+    let mut b = composite.builder();
+    for (tag, dst) in [(0, out_id), (1, dev.id)] {
+        let tag = Tag::new(tag);
+        b.begin_object(tag).unwrap();
+        b.push(Fragment::new(fifo.id(), 0, dst, 0, 4096, tag)).unwrap();
+        b.commit_object().unwrap();
+    }
+    let batch = composite.submit(b.finish().unwrap()).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!batch.is_done(), "a read of the empty FIFO completed");
+    let started = Instant::now();
+    let report = batch.cancel();
+    let took = started.elapsed();
+    println!("cancel of a batch stuck in two SSD reads (one direct, one staged) took {took:?}");
+    // Generous: a loaded machine cannot fail it, while a cancel that waited for the reads
+    // would wait for the watchdog's bytes (10 s).
+    assert!(took < Duration::from_secs(5), "cancel waited for the stuck reads: {took:?}");
+    for o in &report.objects {
+        assert_eq!((o.state, &o.error), (ObjectState::Cancelled, &Some(ObjectError::Cancelled)));
+    }
+    assert!(out.iter().all(|&b| b == POISON), "the FIFO gave nothing");
+    let device = hbm.runtime().read(dev.addr, dev.len).unwrap();
+    assert!(device.iter().all(|&b| b == POISON), "the FIFO gave nothing");
+}
