@@ -533,7 +533,7 @@ mod tests {
     use crate::file::FileTable;
     use crate::op::BouncePool;
     use crate::ring::{Feed, Ring};
-    use crate::sectors::Sectors;
+    use crate::sectors::{Sectors, Window};
     use crate::wake::Waker;
     use crate::{fallback, SsdRules};
 
@@ -618,13 +618,18 @@ mod tests {
 
         /// `plans` resolved as a submit would, against the registry and the files as they are.
         fn batch(&self, plans: PlanSet) -> Batch {
+            self.batch_woken_by(plans, Waker::current_thread())
+        }
+
+        /// [`batch`](Self::batch), for the executor `waker` wakes.
+        fn batch_woken_by(&self, plans: PlanSet, waker: Waker) -> Batch {
             let table = self.registry.snapshot();
             let files = plan_files(&plans, &table, &self.files);
             let context = Context {
                 limits: LIMITS,
                 faults: Arc::new(Faults::new()),
                 sectors: Arc::clone(&self.sectors),
-                waker: Waker::current_thread(),
+                waker,
                 cancel: None,
             };
             Batch::new(Arc::new(plans), &table, &files, BouncePool::default(), context)
@@ -751,6 +756,56 @@ mod tests {
                 };
                 assert_eq!(got, [short(5, 1000), short(6, 0), short(7, 0)]);
             }
+        }
+    }
+
+    /// A batch whose only op is an unaligned write of blocks another batch owns waits with
+    /// nothing in flight, and finishes once they are released from another thread: the ring
+    /// is woken by its doorbell, the fallback thread by an unpark. Byte-exact either way.
+    #[test]
+    fn a_write_waiting_for_blocks_owned_elsewhere_runs_once_they_are_released() {
+        for ring in [false, true] {
+            let fx = Fixture::new();
+            let path = fx.path("owned.bin");
+            let mut model = pattern(3, 16 << 10);
+            std::fs::write(&path, &model).unwrap();
+            let Some(file) = fx.open(&path, 16 << 10, true) else { return };
+            let entry =
+                fx.files.get(file, fx.registry.snapshot().get(file).unwrap().file_range().unwrap());
+            let entry = entry.unwrap();
+            let source = Host::new(&fx.registry, 4096, 0, 0x3C);
+            let write = Fragment::new(source.id, 0, file, 4096 + 100, 60, Tag::new(0));
+            // Another batch's read-modify-write of the block, held by this test.
+            let window = Window { file: entry.key, start: 0, end: 16 << 10 };
+            let held = fx.sectors.claim(window, &Waker::current_thread()).expect("free");
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                drop(held);
+            });
+            // A deadline far off, so that a wake-up that never comes fails the test (as
+            // `TimedOut`) instead of hanging it.
+            let plans = || {
+                let mut plans = fx.plan(&[write]);
+                let far = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                plans.set_deadline(Some(far));
+                plans
+            };
+            let batch = if ring {
+                let Some(mut ring) = ring_or_skip(8) else { return };
+                let batch = fx.batch_woken_by(plans(), ring.waker());
+                ring.run(batch)
+            } else {
+                let mut batch = fx.batch(plans());
+                fallback::run(&mut batch);
+                batch
+            };
+            release.join().unwrap();
+            assert!(batch.issued_all());
+            let (failures, _) = batch.outcome("t");
+            assert!(failures.is_empty(), "ring: {ring}: {failures:?}");
+            assert_eq!(fx.sectors.owned(), 0, "the write released its blocks");
+            model[4196..4256].fill(0x3C);
+            assert!(std::fs::read(&path).unwrap() == model, "ring: {ring}");
         }
     }
 
