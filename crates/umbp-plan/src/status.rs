@@ -13,8 +13,10 @@ pub enum ObjectState {
     Rejected,
     /// A transfer carrying its bytes failed.
     Failed,
-    /// The batch was cancelled before the object's transfers all started. Transfers that had
-    /// started finished first, so the object's destination ranges may hold some of its bytes.
+    /// The batch was cancelled before all of the object's bytes arrived: transfers not yet
+    /// started were skipped, and running ones either finished first or were stopped by an
+    /// engine that cancels in flight (the SSD engine). The object's destination ranges may
+    /// hold some of its bytes; nothing outside them was written.
     Cancelled,
 }
 

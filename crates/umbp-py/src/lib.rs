@@ -55,7 +55,7 @@ create_exception!(
     _native,
     CancelledError,
     Error,
-    "The batch was cancelled before the object's transfers all started."
+    "The batch was cancelled before all of the object's bytes arrived."
 );
 
 /// The most executor threads an [`Engine`] starts (`workers`).
