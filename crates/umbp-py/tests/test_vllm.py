@@ -91,7 +91,17 @@ class Harness:
     """vLLM's scheduler with UmbpConnector, one worker-side connector over CPU tensors, and
     a fake forward pass."""
 
-    def __init__(self, tmp_path, *, num_blocks=256, layout="LBNHC", max_batched=4096, **extra):
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        num_blocks=256,
+        layout="LBNHC",
+        max_batched=4096,
+        kv_heads=KV_HEADS,
+        head=HEAD,
+        **extra,
+    ):
         extra.setdefault("dram_bytes_per_rank", 64 << 20)
         self.extra = extra
         model_config = ModelConfig(
@@ -126,8 +136,9 @@ class Harness:
         )
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(
-            block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
+            block_size=BS, num_kv_heads=kv_heads, head_size=head, dtype=torch.float16
         )
+        self.kv_heads = kv_heads
         groups = [KVCacheGroupSpec(self.layers, spec)]
         self.kv_cache_config = get_kv_cache_config_from_groups(
             self.config, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes
@@ -183,7 +194,7 @@ class Harness:
         blocks = self.block_ids(rid)
         for layer, name in enumerate(self.layers):
             for pos in range(start, end):
-                row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(KV_HEADS, -1))
+                row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(self.kv_heads, -1))
                 self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
 
     def block_is_right(self, rid, index, block_id=None, layers=None):
@@ -270,7 +281,9 @@ class Harness:
                 start, end = computed, computed + so.num_scheduled_tokens[rid]
                 tokens, blocks = req.all_token_ids, self.block_ids(rid)
                 for pos in range(start, end):
-                    row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(KV_HEADS, -1))
+                    row = torch.from_numpy(
+                        self.token_kv(tokens, pos, layer).reshape(self.kv_heads, -1)
+                    )
                     self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
             w.save_kv_layer(name, self.kv[name], None)
         if not so.has_sync_kv_loads:
@@ -581,3 +594,39 @@ def test_a_misspelt_key_is_an_error_and_layerwise_needs_piecewise_graphs(tmp_pat
         Harness(tmp_path, ssd_path=str(tmp_path / "x"), ssd_bytes=1 << 20)
     assert UmbpConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
     assert not UmbpConnector.requires_piecewise_for_cudagraph({})
+
+
+def test_blocks_larger_than_the_ssd_engines_segment_move_in_pages(tmp_path):
+    # 4 layers x 512 KiB: a 2 MiB block, past the SSD engine's 1 MiB maximum segment, in
+    # DRAM, demoted to SSD and loaded back from both.
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=64, head_size=128, dtype=torch.float16)
+    slot = LAYERS * spec.page_size_bytes
+    assert slot == 2 << 20
+    h = Harness(
+        tmp_path,
+        num_blocks=32,
+        kv_heads=64,
+        head=128,
+        dram_bytes_per_rank=4 * slot,
+        dram_free_fraction=0.25,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=8 * slot,
+    )
+    try:
+        first = prompt(50, 3 * BS)
+        h.add("a", first + [5])
+        h.run()
+        h.add("b", prompt(51, 2 * BS) + [5])
+        h.run()
+        tiers = [h.index.entry(k).tier for k in h.requests["a"].block_hashes[:3]]
+        assert SSD in tiers and DRAM in tiers, tiers
+        assert h.stats.get("demoted_blocks.ssd", 0) >= 1
+        assert h.scheduler.reset_prefix_cache()
+        h.add("c", first + prompt(52, 9))
+        so, computed = first_step_of(h, "c")
+        assert computed == 3 * BS
+        h.run()
+        assert not h.load_errors and h.checked_loads == 3
+        assert h.stats.get("loaded_blocks.ssd", 0) >= 1
+    finally:
+        h.close()

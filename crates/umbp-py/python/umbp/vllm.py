@@ -86,6 +86,10 @@ logger = init_logger(__name__)
 #: Slots start on this boundary in the tiers, so an SSD slot is aligned for O_DIRECT.
 SLOT_ALIGN = 4096
 
+#: Objects are paged in the tiers by at most this much: the SSD engine moves a fragment of
+#: at most its maximum segment (1 MiB) at once.
+TIER_PAGE = 1 << 20
+
 _LOAD_MODES = ("async", "layerwise")
 
 
@@ -551,6 +555,10 @@ class _WorkerSide:
         self._ok: Dict[int, int] = {}
         self._failed: Dict[int, int] = {}
         self._stats = UmbpConnectorStats()
+        # A slot is paged by TIER_PAGE (or one page, for a smaller block): page k of slot s
+        # starts at s * slot_bytes + k * page.
+        self._page = min(layout.object_bytes, TIER_PAGE)
+        self._pages = np.arange(-(-layout.object_bytes // self._page), dtype=np.uint64) * self._page
 
     # -- registration ------------------------------------------------------------------------
 
@@ -672,7 +680,9 @@ class _WorkerSide:
         ]
         reg = self.dram if tier == DRAM else self.ssd
         size = self.layout.object_bytes
-        return Object(tag, reg, [slot * self.layout.slot_bytes], size, size, ranges)
+        return Object(
+            tag, reg, self._pages + slot * self.layout.slot_bytes, self._page, size, ranges
+        )
 
     def _stream(self):
         return torch.cuda.current_stream() if self.cuda else None
@@ -736,8 +746,8 @@ class _WorkerSide:
                 Object(
                     k,
                     self.ssd,
-                    [ssd_slot * slot_bytes],
-                    size,
+                    self._pages + ssd_slot * slot_bytes,
+                    self._page,
                     size,
                     [Range(0, size, self.dram, dram_slot * slot_bytes)],
                 )
