@@ -24,7 +24,7 @@ pub mod counters;
 pub mod disk;
 pub mod host_buffer;
 pub mod measure;
-pub mod perftest;
+pub mod peers;
 pub mod progress;
 pub mod report;
 pub mod shape;

@@ -30,7 +30,7 @@
 //! <in flight>` with `UCX_TLS` set to the same transports: UCP one-sided gets of the same size,
 //! as many as the restore has pages (the same bytes), through UCX's own benchmark loop. Its
 //! figure is the `Final:` row's overall bandwidth (MB/s there are 2^20 bytes per second,
-//! checked on every run; see [`crate::perftest`]). Why these options:
+//! checked on every run; see [`crate::peers::perftest`]). Why these options:
 //!
 //! - `ucp_get`, not `ucp_put_bw`: a restore reads the peer's memory; `get` is the same
 //!   operation through the same UCP layer the engine uses.
@@ -70,7 +70,7 @@ use umbp_ucx::{ServerBuilder, UcxBuilder, UcxConfig, UcxEngine, UcxServer};
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
 use crate::measure::{self, range_text, Timed, Verdict};
-use crate::perftest::{self, GetRun, PerftestServer};
+use crate::peers::perftest::{self, GetRun, PerftestServer};
 use crate::progress::Progress;
 use crate::shape::RestoreShape;
 use crate::size::ByteSize;
