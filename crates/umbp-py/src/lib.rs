@@ -1247,8 +1247,9 @@ impl Server {
 
     /// Control connections open now.
     #[getter]
-    fn clients(&self) -> usize {
-        self.server.as_ref().map_or(0, UcxServer::clients)
+    fn clients(&self, py: Python<'_>) -> usize {
+        // Without the GIL: the server's thread may hold what this reads while it logs.
+        py.allow_threads(|| self.server.as_ref().map_or(0, UcxServer::clients))
     }
 
     /// Stops serving (clients see the node go away), then releases the buffers.
@@ -1262,8 +1263,11 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // The server stops (and unmaps) before the owners go.
-        drop(self.server.take());
+        // The server stops (and unmaps) before the owners go, with the GIL released: stopping
+        // waits for the server's thread, which may be waiting for the GIL to log.
+        if let Some(server) = self.server.take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(server)));
+        }
     }
 }
 
