@@ -23,8 +23,11 @@
 //! deregister at once and finds every listener call made.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
@@ -33,7 +36,7 @@ use umbp_plan::{
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
-use crate::metrics::InFlight;
+use crate::metrics::Metrics;
 
 /// Why one object did not complete.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -181,7 +184,9 @@ pub(crate) struct BatchShared {
     /// The group slots the listener has been told of, enqueued and settled. Held while telling,
     /// so that calls from threads settling parts side by side queue up in group order.
     told: Mutex<Told>,
-    in_flight: Arc<InFlight>,
+    metrics: Arc<Metrics>,
+    /// When the batch was submitted.
+    submitted: Instant,
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
     deadline: Option<Instant>,
@@ -206,6 +211,8 @@ struct Progress {
     parts_pending: usize,
     /// The last part settled, the listener heard of every group and the endpoints went free.
     done: bool,
+    /// Futures waiting for a change (see [`Batch::settled`]), woken with `changed`.
+    wakers: Vec<Waker>,
     /// What the engines gave back, for the builder's next batch.
     returned: RoutedPlans,
 }
@@ -227,7 +234,7 @@ impl BatchShared {
         mut plans: RoutedPlans,
         keys: Option<Vec<u64>>,
         stages: impl FnOnce(Vec<StagedFragment>) -> Vec<Vec<StagedFragment>>,
-        in_flight: Arc<InFlight>,
+        metrics: Arc<Metrics>,
         pins: EndpointPins,
     ) -> Prepared {
         let objects = std::mem::take(&mut plans.objects);
@@ -350,6 +357,7 @@ impl BatchShared {
                 groups_settled: 0,
                 parts_pending,
                 done: false,
+                wakers: Vec::new(),
                 returned: plans,
             }),
             changed: Condvar::new(),
@@ -358,12 +366,13 @@ impl BatchShared {
             claims: (0..parts_pending).map(|_| AtomicU8::new(WAITING)).collect(),
             listener,
             told: Mutex::default(),
-            in_flight,
+            metrics,
+            submitted: Instant::now(),
             pins: Mutex::new(Some(pins)),
             deadline,
             stream,
         });
-        batch.in_flight.begin(batch.bytes);
+        batch.metrics.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
             batch.finished();
         }
@@ -475,7 +484,7 @@ impl BatchShared {
     pub(crate) fn enqueued(&self, index: usize) {
         self.mark_enqueued(&mut self.lock(), index);
         self.deliver();
-        self.changed.notify_all();
+        self.notify();
     }
 
     /// Marks part `index` enqueued (once), advancing the enqueued groups.
@@ -524,6 +533,7 @@ impl BatchShared {
     pub(crate) fn settle(&self, index: usize, end: PartEnd, returned: Option<ReturnedWork>) {
         let part = &self.parts[index];
         let all_done;
+        let mut objects_settled = 0;
         {
             let mut p = self.lock();
             // A part that settles without having been submitted (cancelled, timed out, a
@@ -587,6 +597,7 @@ impl BatchShared {
                 p.pending[i] = p.pending[i].saturating_sub(1);
                 if p.pending[i] == 0 {
                     let _ = p.status.set(Tag::new(i as u32), ObjectState::Completed);
+                    objects_settled += 1;
                 }
             }
             match returned {
@@ -601,11 +612,31 @@ impl BatchShared {
             p.parts_pending -= 1;
             all_done = p.parts_pending == 0;
         }
+        self.metrics.record_objects_settled(objects_settled, self.submitted.elapsed());
         self.deliver();
         if all_done {
             self.finished();
         }
+        self.notify();
+    }
+
+    /// Wakes every thread and future waiting for a change of the progress.
+    fn notify(&self) {
+        let wakers = std::mem::take(&mut self.lock().wakers);
         self.changed.notify_all();
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Whether `done` holds of the progress; if not, `waker` is woken at the next change.
+    fn poll_until(&self, waker: &Waker, done: impl Fn(&Progress) -> bool) -> bool {
+        let mut p = self.lock();
+        if done(&p) {
+            return true;
+        }
+        if !p.wakers.iter().any(|w| w.will_wake(waker)) {
+            p.wakers.push(waker.clone());
+        }
+        false
     }
 
     /// The last part settled and the listener heard of it: the endpoints go free, the batch
@@ -615,8 +646,13 @@ impl BatchShared {
     fn finished(&self) {
         let mut p = self.lock();
         drop(self.pins.lock().unwrap_or_else(PoisonError::into_inner).take());
-        self.in_flight.end(self.bytes);
+        self.metrics.in_flight.end(self.bytes);
         p.done = true;
+        let causes = p.errors.iter().filter_map(|e| match e {
+            Some(ObjectError::Failed { cause, .. }) => Some(cause),
+            _ => None,
+        });
+        self.metrics.record_batch(self.submitted.elapsed(), p.status.objects(), causes);
     }
 
     fn report(&self, p: &Progress) -> TransferReport {
@@ -790,6 +826,30 @@ impl Batch {
         self.shared.wait_until(deadline, |p| p.groups_settled >= through)
     }
 
+    /// A future of the report once the batch is done (see [`wait`](Self::wait)), for async
+    /// code: no thread waits for it. The batch wakes the future's task when it settles (every
+    /// change of its progress wakes the tasks waiting on it; each re-checks and goes back to
+    /// sleep); there is no polling loop. Awaiting the batch itself does the same and consumes
+    /// it.
+    pub fn settled(&self) -> Settled<'_> {
+        Settled { batch: &self.shared }
+    }
+
+    /// A future that is ready once every transfer of groups up to `group` has settled (what
+    /// [`wait_group`](Self::wait_group) waits for), without a thread per wait.
+    pub fn group_settled(&self, group: u32) -> GroupReady<'_> {
+        let through = self.shared.groups_through(group);
+        GroupReady { batch: &self.shared, through, enqueued: false }
+    }
+
+    /// A future that is ready once every transfer of groups up to `group` is enqueued (what
+    /// [`wait_group_enqueued`](Self::wait_group_enqueued) waits for), without a thread per
+    /// wait.
+    pub fn group_enqueued(&self, group: u32) -> GroupReady<'_> {
+        let through = self.shared.groups_through(group);
+        GroupReady { batch: &self.shared, through, enqueued: true }
+    }
+
     /// Cancels the batch and returns the final report once no engine works for it any more.
     ///
     /// - Parts not yet started settle at once, here, wherever they wait (behind other batches
@@ -827,6 +887,72 @@ impl std::fmt::Debug for Batch {
             .field("parts_pending", &p.parts_pending)
             .field("aggregate", &p.status.aggregate())
             .finish()
+    }
+}
+
+/// Awaiting a batch waits for it to be done, as [`Batch::settled`] does, and gives its report;
+/// the batch is dropped done, so dropping it does not block.
+impl Future for Batch {
+    type Output = TransferReport;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<TransferReport> {
+        let shared = &self.shared;
+        match shared.poll_until(cx.waker(), |p| p.done) {
+            true => Poll::Ready(shared.report(&shared.lock())),
+            false => Poll::Pending,
+        }
+    }
+}
+
+/// The future of a batch's report once it is done, from [`Batch::settled`].
+#[must_use = "futures do nothing unless awaited"]
+#[derive(Debug)]
+pub struct Settled<'a> {
+    batch: &'a BatchShared,
+}
+
+impl Future for Settled<'_> {
+    type Output = TransferReport;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<TransferReport> {
+        match self.batch.poll_until(cx.waker(), |p| p.done) {
+            true => Poll::Ready(self.batch.report(&self.batch.lock())),
+            false => Poll::Pending,
+        }
+    }
+}
+
+/// The future of layer groups settled or enqueued, from [`Batch::group_settled`] and
+/// [`Batch::group_enqueued`].
+#[must_use = "futures do nothing unless awaited"]
+#[derive(Debug)]
+pub struct GroupReady<'a> {
+    batch: &'a BatchShared,
+    /// Group slots that must be settled (or enqueued).
+    through: usize,
+    enqueued: bool,
+}
+
+impl Future for GroupReady<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let (through, enqueued) = (self.through, self.enqueued);
+        let ready = self.batch.poll_until(cx.waker(), |p| match enqueued {
+            true => p.groups_enqueued >= through,
+            false => p.groups_settled >= through,
+        });
+        if ready {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl std::fmt::Debug for BatchShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchShared").field("objects", &self.keys.len()).finish_non_exhaustive()
     }
 }
 

@@ -176,6 +176,8 @@ pub struct CompositeBuilder<'a> {
     deadline: Option<Instant>,
     stream: Option<DeviceStream>,
     scope: Scope,
+    /// When the batch's first object was begun (for the plan-time histogram).
+    planning_since: Option<Instant>,
     /// The whole batch's overlap check, its buffers kept for the next batch.
     overlap: BatchOverlap,
 }
@@ -200,6 +202,7 @@ impl<'a> CompositeBuilder<'a> {
             deadline: None,
             stream: None,
             scope: Scope::Closed,
+            planning_since: None,
             overlap: BatchOverlap::default(),
         }
     }
@@ -259,6 +262,9 @@ impl<'a> CompositeBuilder<'a> {
             Scope::Closed => {
                 if !self.seen.insert(tag) {
                     return Err(Error::DuplicateTag { tag });
+                }
+                if self.planning_since.is_none() {
+                    self.planning_since = Some(Instant::now());
                 }
                 self.objects.push(tag);
                 self.scope = Scope::Open(tag);
@@ -524,6 +530,9 @@ impl<'a> CompositeBuilder<'a> {
         self.group = 0;
         self.last = None;
         self.table = self.composite.registry().snapshot();
+        if let Some(since) = self.planning_since.take() {
+            self.composite.metrics().record_plan(since.elapsed());
+        }
         match broken {
             Some(error) => Err(error),
             None => Ok(out),
@@ -682,9 +691,9 @@ impl<'a> CompositeBuilder<'a> {
         let name = engine.map_or_else(|| "unrouted".to_string(), |i| self.composite.engine_name(i));
         let dir = match (self.table.get(f.src), self.table.get(f.dst)) {
             (Some(s), Some(d)) => direction(s, d),
-            _ => "unknown".into(),
+            _ => "unknown",
         };
-        self.composite.metrics().record(&name, dir, |c| c.rejected_fragments += 1);
+        self.composite.metrics().record_rejected(&name, dir, &reason);
         tracing::debug!(tag = tag.get(), %reason, "object rejected");
         error
     }

@@ -13,7 +13,7 @@ use umbp_plan::{
 use crate::batch::{Batch, BatchShared, Prepared};
 use crate::builder::RoutedPart;
 use crate::executor::{panic_message, run_lane, run_stage, Executor, StageJob};
-use crate::metrics::{direction, InFlight, InFlightSnapshot, Metrics, MetricsSnapshot};
+use crate::metrics::{direction, moved_by_direction, InFlightSnapshot, Metrics, MetricsSnapshot};
 use crate::staging::{cut_stages, BouncePool, Staging};
 use crate::{CompositeBuilder, Error, RoutedPlans};
 
@@ -51,8 +51,7 @@ pub(crate) struct Shared {
     pub(crate) staging: OnceLock<BouncePool<StageJob>>,
     /// Set by [`CompositeEngine::with_buffered_builders`], read when a builder is made.
     buffered: AtomicBool,
-    metrics: Metrics,
-    pub(crate) in_flight: Arc<InFlight>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 /// Tells every engine that a registration through the composite ended.
@@ -98,35 +97,36 @@ impl Shared {
         self.staging.get().map_or(EndpointId::from_raw(u64::MAX), |p| p.staging.bounce)
     }
 
-    /// Adds what engine `i` did to the metrics, per direction.
-    pub(crate) fn record(&self, i: usize, plans: &PlanSet, failures: &[Failure], seconds: f64) {
+    /// Adds what engine `i` did with a settled plan set to the metrics: per direction (one
+    /// update per direction, not per plan), its failures by cause, and the part's latency.
+    pub(crate) fn record(
+        &self,
+        i: usize,
+        plans: &PlanSet,
+        failures: &[Failure],
+        elapsed: std::time::Duration,
+    ) {
         let engine = self.engine_name(i);
-        let total = plans.bytes().max(1) as f64;
-        for plan in plans.plans() {
-            let (Some(s), Some(d)) = (self.registry.get(plan.src()), self.registry.get(plan.dst()))
-            else {
-                continue;
-            };
-            let failed =
-                failures.iter().filter(|f| f.src == plan.src() && f.dst == plan.dst()).count();
-            self.metrics.record(&engine, direction(&s, &d), |c| {
-                c.operations += plan.segment_count() as u64;
-                c.bytes += plan.bytes();
-                c.seconds += seconds * plan.bytes() as f64 / total;
-                c.failures += failed as u64;
-            });
+        let direction_of = |s, d| Some(direction(&self.registry.get(s)?, &self.registry.get(d)?));
+        for (dir, segments, bytes, objects) in moved_by_direction(plans, direction_of) {
+            self.metrics.record_moved(&engine, dir, segments, bytes, objects);
         }
+        self.metrics.record_part(&engine, elapsed);
+        self.record_failures_of(&engine, failures);
     }
 
     /// Counts the failures of engine `i` that no settled plan set reports: those of plans it
     /// panicked with.
     pub(crate) fn record_failures(&self, i: usize, failures: &[Failure]) {
-        let engine = self.engine_name(i);
+        self.record_failures_of(&self.engine_name(i), failures);
+    }
+
+    fn record_failures_of(&self, engine: &str, failures: &[Failure]) {
         for f in failures {
             let (Some(s), Some(d)) = (self.registry.get(f.src), self.registry.get(f.dst)) else {
                 continue;
             };
-            self.metrics.record(&engine, direction(&s, &d), |c| c.failures += 1);
+            self.metrics.record_failure(engine, direction(&s, &d), &f.cause);
         }
     }
 }
@@ -163,8 +163,7 @@ impl CompositeEngine {
             registry,
             staging: OnceLock::new(),
             buffered: AtomicBool::new(false),
-            metrics: Metrics::default(),
-            in_flight: Arc::new(InFlight::default()),
+            metrics: Arc::new(Metrics::default()),
         };
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -235,18 +234,26 @@ impl CompositeEngine {
         self.config
     }
 
-    pub(crate) fn metrics(&self) -> &Metrics {
+    /// The composite's metrics: counters, latency histograms and in-flight gauges, one
+    /// Prometheus registry per composite (see [`Metrics`]).
+    pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
     }
 
-    /// Counters per engine and direction.
+    /// Every metric in the Prometheus text format, for a scraper ([`Metrics::render`]).
+    pub fn metrics_text(&self) -> String {
+        self.shared.metrics.render()
+    }
+
+    /// Counters per engine and direction, read back from the metrics
+    /// ([`Metrics::snapshot`]).
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
         self.shared.metrics.snapshot()
     }
 
     /// Batches submitted and not yet settled, and the bytes they move.
     pub fn in_flight(&self) -> InFlightSnapshot {
-        self.shared.in_flight.snapshot()
+        self.shared.metrics.in_flight.snapshot()
     }
 
     /// A builder that routes fragments into the engines' own builders. Reuse it across
@@ -286,7 +293,7 @@ impl CompositeEngine {
         let Some(executor) = executor.as_ref() else { unreachable!("started above") };
         tracing::trace!(threads = executor.threads(), "executor");
         let slot = self.shared.staging.get().map_or(u64::MAX, |p| p.slot_bytes);
-        let in_flight = Arc::clone(&self.shared.in_flight);
+        let metrics = Arc::clone(&self.shared.metrics);
         // Every endpoint the batch uses stays registered until the batch settles.
         let staged_endpoints = plans.staged.iter().flat_map(|s| [s.fragment.src, s.fragment.dst]);
         let bounce = self.bounce().filter(|_| !plans.staged.is_empty());
@@ -306,7 +313,7 @@ impl CompositeEngine {
         };
         let cut = |staged| cut_stages(staged, slot, direct_file);
         let Prepared { batch, direct, stages } =
-            BatchShared::prepare(plans, keys, cut, in_flight, pins);
+            BatchShared::prepare(plans, keys, cut, metrics, pins);
 
         // One lane per engine, its parts in group order (the builder sorted them so).
         let mut lanes: Vec<Vec<(usize, RoutedPart)>> = Vec::new();
@@ -339,7 +346,7 @@ impl CompositeEngine {
 impl Drop for CompositeEngine {
     /// Waits for every batch still in flight, then stops the executor.
     fn drop(&mut self) {
-        self.shared.in_flight.wait_idle();
+        self.shared.metrics.in_flight.wait_idle();
         let executor = self.executor.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         drop(executor);
     }

@@ -312,8 +312,7 @@ fn settle(shared: &Shared, submitted: Submitted) -> (Vec<Failure>, PlanSet) {
     let Submitted { index, handle, carried, started } = submitted;
     match catch_unwind(AssertUnwindSafe(|| handle.into_settled())) {
         Ok(settled) => {
-            let seconds = started.elapsed().as_secs_f64();
-            shared.record(index, &settled.plans, &settled.failures, seconds);
+            shared.record(index, &settled.plans, &settled.failures, started.elapsed());
             (settled.failures, settled.plans)
         }
         Err(payload) => (panicked(shared, index, carried, &*payload), PlanSet::default()),

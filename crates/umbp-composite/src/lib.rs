@@ -92,7 +92,7 @@ mod restore;
 mod route;
 mod staging;
 
-pub use batch::{Batch, ObjectError, ObjectResult, TransferReport};
+pub use batch::{Batch, GroupReady, ObjectError, ObjectResult, Settled, TransferReport};
 pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
 pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;

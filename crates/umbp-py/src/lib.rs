@@ -558,7 +558,7 @@ impl Engine {
             let d = PyDict::new(py);
             d.set_item("operations", c.operations)?;
             d.set_item("bytes", c.bytes)?;
-            d.set_item("seconds", c.seconds)?;
+            d.set_item("objects", c.objects)?;
             d.set_item("failures", c.failures)?;
             d.set_item("rejected_fragments", c.rejected_fragments)?;
             out.set_item(format!("{engine}/{direction}"), d)?;
@@ -568,6 +568,12 @@ impl Engine {
         d.set_item("bytes", flight.bytes)?;
         out.set_item("in_flight", d)?;
         Ok(out)
+    }
+
+    /// Every metric of the composite in the Prometheus text format.
+    fn metrics_text(&self, py: Python<'_>) -> String {
+        let composite = self.composite();
+        py.allow_threads(|| composite.metrics_text())
     }
 }
 

@@ -700,3 +700,9 @@ class Engine:
     def metrics(self) -> Dict[str, Any]:
         """Counters per ``"engine/direction"`` and what is in flight."""
         return self._native.metrics()
+
+    def metrics_text(self) -> str:
+        """Every metric of the engine in the Prometheus text format, for a scraper: bytes,
+        objects and failures per engine and direction, latency histograms and in-flight
+        gauges (``docs/OBSERVABILITY.md`` lists them)."""
+        return self._native.metrics_text()
