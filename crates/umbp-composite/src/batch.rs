@@ -39,7 +39,10 @@ use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
 use crate::metrics::Metrics;
 
 /// Why one object did not complete.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+///
+/// `Debug` of a rejection shows the reason only, as `Display` does: the plan error's tag is
+/// the batch's internal one, and the [`ObjectResult`] carrying the error names the caller's.
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ObjectError {
     /// Refused while planning (a bad range or page list, a fragment no engine carries or one
@@ -68,12 +71,44 @@ pub enum ObjectError {
     Cancelled,
 }
 
+impl std::fmt::Debug for ObjectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Rejected(umbp_plan::Error::Rejected { reason, .. }) => {
+                f.debug_tuple("Rejected").field(reason).finish()
+            }
+            Self::Rejected(other) => f.debug_tuple("Rejected").field(other).finish(),
+            Self::Failed { engine, src, dst, cause } => f
+                .debug_struct("Failed")
+                .field("engine", engine)
+                .field("src", src)
+                .field("dst", dst)
+                .field("cause", cause)
+                .finish(),
+            Self::Cancelled => f.write_str("Cancelled"),
+        }
+    }
+}
+
 /// A plan error without the object it names (for [`ObjectError::Rejected`]).
 struct Reason<'a>(&'a umbp_plan::Error);
 
 impl std::fmt::Display for Reason<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
+            // Only routing rejects a pair (an engine's builder is given the pairs it claims):
+            // say what would carry it.
+            umbp_plan::Error::Rejected {
+                reason: umbp_plan::RejectReason::PairNotHandled { src, dst },
+                ..
+            } => write!(
+                f,
+                "no engine carries endpoint {} -> endpoint {}; a pair two engines carry only \
+                 through host memory (file -> device, say) needs a staging region: register \
+                 host memory and pass it to `CompositeEngine::with_staging`",
+                src.raw(),
+                dst.raw()
+            ),
             umbp_plan::Error::Rejected { reason, .. } => reason.fmt(f),
             other => other.fmt(f),
         }

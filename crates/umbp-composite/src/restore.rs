@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use umbp_plan::{check_ranges, EndpointId, Error as PlanError, Fragment, PageWalk, Tag, WalkError};
+use umbp_plan::{check_ranges, EndpointId, Error as PlanError, Fragment, PageWalk, Tag};
 
 use crate::{Batch, CompositeBuilder, Error, TransferReport};
 
@@ -57,8 +57,8 @@ pub struct ObjectTransfer<'a> {
     pub tag: u64,
     /// Where the object's pages are.
     pub object: PagedObject<'a>,
-    /// The ranges to move, sorted by offset and disjoint (for an offload they must tile the
-    /// object).
+    /// The ranges to move, sorted by offset and disjoint. An offload writes exactly these
+    /// bytes of the stored object: the rest of its pages keep what they held.
     pub ranges: &'a [ObjectRange],
 }
 
@@ -86,8 +86,9 @@ pub fn restore(
     Ok(finish(builder, batch))
 }
 
-/// Starts offloading `objects`: writes their ranges (which must tile each object) from the
-/// caller's memory into the tier's pages, in one batch; as [`start_restore`] otherwise.
+/// Starts offloading `objects`: writes their ranges from the caller's memory into the tier's
+/// pages, in one batch (bytes of an object no range names are left as they are); as
+/// [`start_restore`] otherwise.
 pub fn start_offload(
     builder: &mut CompositeBuilder<'_>,
     objects: &[ObjectTransfer<'_>],
@@ -157,15 +158,6 @@ fn plan_object(
     direction: Direction,
 ) -> Result<(), PlanError> {
     check_ranges(o.ranges.iter().map(|r| (r.offset, r.len)), o.object.size)?;
-    if direction == Direction::Offload {
-        let covered: u64 = o.ranges.iter().map(|r| r.len).sum();
-        if covered != o.object.size {
-            // Sorted, disjoint and inside: they tile the object exactly when they add up to it.
-            return Err(
-                WalkError::RangePastEnd { offset: 0, len: covered, size: o.object.size }.into()
-            );
-        }
-    }
     let walk = PageWalk::new(o.object.page_offsets, o.object.page_size, o.object.size)?;
     for r in o.ranges {
         builder.set_group(r.group);

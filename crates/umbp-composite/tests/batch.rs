@@ -494,6 +494,10 @@ fn a_rejected_object_carries_its_reason() {
     // which the caller never chose: the result's own tag names the object.
     let message = report.object(7).and_then(|o| o.error.clone()).unwrap().to_string();
     assert!(message.starts_with("rejected: bytes ") && !message.contains("object"), "{message}");
+    // So does its Debug: the reason, no internal tag; the result around it names the caller's.
+    let result = format!("{:?}", report.object(7).unwrap());
+    assert!(result.contains("tag: 7, ") && result.matches("tag").count() == 1, "{result}");
+    assert!(result.contains("Rejected(OutOfBounds {"), "{result}");
 }
 
 #[test]

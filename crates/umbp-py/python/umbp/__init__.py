@@ -672,9 +672,10 @@ class Engine:
         stream: Any = None,
         device: Optional[int] = None,
     ) -> Batch:
-        """Starts offloading ``objects``: their ranges (which must tile each object) from your
-        endpoints into the tier's pages. ``stream``: as for :meth:`start_restore` (reads of
-        device memory then follow your kernels queued there before)."""
+        """Starts offloading ``objects``: their ranges from your endpoints into the tier's
+        pages (bytes of an object no range names keep what they held). ``stream``: as for
+        :meth:`start_restore` (reads of device memory then follow your kernels queued there
+        before)."""
         return self._start(objects, False, timeout, stream, device)
 
     def _start(
