@@ -521,8 +521,18 @@ fn human_bytes(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// Prints the crates' `tracing` events on stderr, filtered by `RUST_LOG` (`warn` when unset);
+/// `docs/OBSERVABILITY.md` lists the targets and levels.
+fn install_log_subscriber() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
 fn main() -> ExitCode {
     let cli = parse();
+    install_log_subscriber();
     if let Some(dir) = &cli.out {
         // Before any run, so a bad --out costs no measuring time.
         if let Err(e) = std::fs::create_dir_all(dir) {

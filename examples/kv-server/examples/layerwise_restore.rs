@@ -22,6 +22,7 @@ const RANGE: u64 = 2 * PAGE as u64;
 const SIZE: u64 = GROUPS * RANGE;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    umbp_kv_server_examples::install_log_subscriber();
     let pages_per_object = (SIZE / PAGE as u64) as usize;
     let pool = Pool::new(OBJECTS * pages_per_object, PAGE)?;
     let tables: Vec<Vec<u64>> = (0..OBJECTS)

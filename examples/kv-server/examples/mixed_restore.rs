@@ -13,6 +13,7 @@ const PAGES_PER_OBJECT: usize = 8;
 const SIZE: u64 = (PAGE * PAGES_PER_OBJECT) as u64;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    umbp_kv_server_examples::install_log_subscriber();
     let pool = Pool::new(OBJECTS * PAGES_PER_OBJECT, PAGE)?;
     // The cache's page table: where each object's pages sit in its tier (byte offsets).
     let tables: Vec<Vec<u64>> = (0..OBJECTS)

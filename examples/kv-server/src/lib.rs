@@ -17,6 +17,17 @@ use umbp_ssd::{SsdConfig, SsdEngine};
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
 
+/// Prints the crates' `tracing` events on stderr, filtered by `RUST_LOG` (`warn` when unset;
+/// `RUST_LOG=umbp_composite=debug`, say, for per-batch decisions). `docs/OBSERVABILITY.md`
+/// lists the targets and levels.
+pub fn install_log_subscriber() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // A second call (or a subscriber the program installed) keeps the first.
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
 /// The device the examples restore into.
 pub const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 
