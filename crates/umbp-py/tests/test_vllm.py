@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -35,10 +37,12 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -87,6 +91,16 @@ def model_dir(tmp_path):
     return str(d)
 
 
+@dataclass
+class Rank:
+    """One tensor-parallel worker: its connector and its KV cache (views, and as bytes)."""
+
+    rank: int
+    worker: UmbpConnector
+    kv: dict
+    kv8: dict
+
+
 class Harness:
     """vLLM's scheduler with UmbpConnector, one worker-side connector over CPU tensors, and
     a fake forward pass."""
@@ -100,6 +114,7 @@ class Harness:
         max_batched=4096,
         kv_heads=KV_HEADS,
         head=HEAD,
+        tp=1,
         **extra,
     ):
         extra.setdefault("dram_bytes_per_rank", 64 << 20)
@@ -133,7 +148,9 @@ class Harness:
             cache_config=cache_config,
             kv_transfer_config=kv_transfer_config,
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
         )
+        self.tp = tp
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(
             block_size=BS, num_kv_heads=kv_heads, head_size=head, dtype=torch.float16
@@ -155,16 +172,23 @@ class Harness:
         assert type(self.scheduler.connector).__name__ == "UmbpConnector"
         self.sched_side = self.scheduler.connector.scheduler_side
         self.index = self.sched_side.index
-        # The KV cache exactly as vLLM's model runner allocates it for this layout.
-        self.kv = allocate_kv_cache(
-            self.kv_cache_config,
-            torch.device("cpu"),
-            self.config.cache_config.get_resolved_kv_cache_layout(),
-        )
-        self.kv8 = {name: t.view(torch.uint8) for name, t in self.kv.items()}
+        # One worker per tensor-parallel rank, each with its KV cache exactly as vLLM's model
+        # runner allocates it for this layout (its shard of the heads).
+        self.ranks = []
+        for rank in range(tp):
+            kv = allocate_kv_cache(
+                self.kv_cache_config,
+                torch.device("cpu"),
+                self.config.cache_config.get_resolved_kv_cache_layout(),
+            )
+            with mock.patch("umbp.vllm._tp", return_value=(rank, tp)):
+                worker = UmbpConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+            worker.register_kv_caches(kv)
+            kv8 = {name: t.view(torch.uint8) for name, t in kv.items()}
+            self.ranks.append(Rank(rank, worker, kv, kv8))
+        self.worker, self.kv, self.kv8 = self.ranks[0].worker, self.ranks[0].kv, self.ranks[0].kv8
         self.token_bytes = self.kv8[self.layers[0]][0, :, 0, :].numel()
-        self.worker = UmbpConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.kv)
+        self.aggregator = KVOutputAggregator(tp)
         self.requests = {}
         self.steps = 0
         self.load_errors = set()
@@ -177,10 +201,11 @@ class Harness:
 
     # -- the model -------------------------------------------------------------------------
 
-    def token_kv(self, tokens, pos, layer):
-        """The bytes of token ``pos``'s KV in ``layer``: a function of its whole prefix."""
+    def token_kv(self, tokens, pos, layer, rank=0):
+        """The bytes of token ``pos``'s KV in ``layer`` on ``rank``: a function of its whole
+        prefix (and of the rank, whose shard of the heads it is)."""
         h = hashlib.blake2b(
-            repr((tuple(tokens[: pos + 1]), layer)).encode(), digest_size=8
+            repr((tuple(tokens[: pos + 1]), layer, rank)).encode(), digest_size=8
         ).digest()
         rng = np.random.default_rng(int.from_bytes(h, "little"))
         return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
@@ -188,31 +213,24 @@ class Harness:
     def block_ids(self, rid):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
 
-    def write_tokens(self, rid, start, end):
-        req = self.requests[rid]
-        tokens = req.all_token_ids
-        blocks = self.block_ids(rid)
-        for layer, name in enumerate(self.layers):
-            for pos in range(start, end):
-                row = torch.from_numpy(self.token_kv(tokens, pos, layer).reshape(self.kv_heads, -1))
-                self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
-
-    def block_is_right(self, rid, index, block_id=None, layers=None):
+    def block_is_right(self, rid, index, block_id=None, layers=None, ranks=None):
         req = self.requests[rid]
         block_id = self.block_ids(rid)[index] if block_id is None else block_id
-        for layer, name in enumerate(self.layers):
-            if layers is not None and layer not in layers:
-                continue
-            for pos in range(index * BS, (index + 1) * BS):
-                want = self.token_kv(req.all_token_ids, pos, layer)
-                got = self.kv8[name][block_id, :, pos % BS, :].reshape(-1).numpy()
-                if not np.array_equal(want, got):
-                    return False
+        for r in self.ranks if ranks is None else [self.ranks[k] for k in ranks]:
+            for layer, name in enumerate(self.layers):
+                if layers is not None and layer not in layers:
+                    continue
+                for pos in range(index * BS, (index + 1) * BS):
+                    want = self.token_kv(req.all_token_ids, pos, layer, r.rank)
+                    got = r.kv8[name][block_id, :, pos % BS, :].reshape(-1).numpy()
+                    if not np.array_equal(want, got):
+                        return False
         return True
 
-    def failing(self, rid, block):
-        """Whether the load of ``block`` failed (known once this step's load settled)."""
-        t = self.worker.worker_side._step_load
+    def failing(self, rid, block, rank=0):
+        """Whether the load of ``block`` failed on ``rank`` (known once the step's load
+        settled)."""
+        t = self.ranks[rank].worker.worker_side._step_load
         if t is None:
             return False
         for k, (_, _, _, b) in enumerate(t.items):
@@ -221,8 +239,9 @@ class Harness:
         return False
 
     def poison(self, block_id):
-        for name in self.layers:
-            self.kv8[name][block_id] = POISON
+        for r in self.ranks:
+            for name in self.layers:
+                r.kv8[name][block_id] = POISON
 
     # -- requests --------------------------------------------------------------------------
 
@@ -246,7 +265,6 @@ class Harness:
     def step(self, check_loads=True):
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
-        w = self.worker
         # Blocks about to be loaded hold poison, so only the load can make them right.
         loads = [
             (rid, op, tier, slot, block)
@@ -255,10 +273,11 @@ class Harness:
         ]
         for rid, _, _, _, block in loads:
             self.poison(block)
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        if so.has_sync_kv_loads:
-            w.start_load_kv(None)
+        for r in self.ranks:
+            r.worker.handle_preemptions(meta)
+            r.worker.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                r.worker.start_load_kv(None)
         scheduled = []
         for req in so.scheduled_new_reqs:
             scheduled.append((req.req_id, req.num_computed_tokens))
@@ -267,50 +286,75 @@ class Harness:
         for i, rid in enumerate(cached.req_ids):
             scheduled.append((rid, cached.num_computed_tokens[i]))
         for layer, name in enumerate(self.layers):
-            w.wait_for_layer_load(name)
-            if so.has_sync_kv_loads and check_loads:
-                # Attention of this layer reads the loaded prefix now: its pages must have
-                # landed (a failed block is reported at the end of the step instead).
-                for rid, _, _, _, block in loads:
-                    index = self.block_ids(rid).index(block)
-                    assert self.block_is_right(rid, index, layers={layer}) or self.failing(
-                        rid, block
-                    ), f"{rid}: layer {layer} of block {index} not loaded when its wait returned"
-            for rid, computed in scheduled:
-                req = self.requests[rid]
-                start, end = computed, computed + so.num_scheduled_tokens[rid]
-                tokens, blocks = req.all_token_ids, self.block_ids(rid)
-                for pos in range(start, end):
-                    row = torch.from_numpy(
-                        self.token_kv(tokens, pos, layer).reshape(self.kv_heads, -1)
-                    )
-                    self.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
-            w.save_kv_layer(name, self.kv[name], None)
-        if not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
+            for r in self.ranks:
+                r.worker.wait_for_layer_load(name)
+                if so.has_sync_kv_loads and check_loads:
+                    # Attention of this layer reads the loaded prefix now: its pages must
+                    # have landed (a failed block is reported at the end of the step).
+                    for rid, _, _, _, block in loads:
+                        index = self.block_ids(rid).index(block)
+                        assert self.block_is_right(
+                            rid, index, layers={layer}, ranks=[r.rank]
+                        ) or self.failing(rid, block, r.rank), (
+                            f"{rid}: layer {layer} of block {index} not loaded on rank "
+                            f"{r.rank} when its wait returned"
+                        )
+                for rid, computed in scheduled:
+                    req = self.requests[rid]
+                    start, end = computed, computed + so.num_scheduled_tokens[rid]
+                    tokens, blocks = req.all_token_ids, self.block_ids(rid)
+                    for pos in range(start, end):
+                        kv = self.token_kv(tokens, pos, layer, r.rank)
+                        row = torch.from_numpy(kv.reshape(self.kv_heads, -1))
+                        r.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
+                r.worker.save_kv_layer(name, r.kv[name], None)
+        req_ids = [rid for rid, _ in scheduled]
+        sampled = []
+        for rid, computed in scheduled:
+            done = computed + so.num_scheduled_tokens[rid] >= self.requests[rid].num_tokens
+            sampled.append([7] if done else [])
+        outputs = []
+        for r in self.ranks:
+            w = r.worker
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            results = w.get_transfer_results(so.finished_req_ids)
+            output = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=output,
+                )
+            )
+        # What vLLM's executor hands the scheduler: the ranks' outputs aggregated.
+        merged = self.aggregator.aggregate(outputs) if self.tp > 1 else outputs[0]
+        output = merged.kv_connector_output
+        invalid = output.invalid_block_ids
         self.load_errors |= invalid
-        stats = w.get_kv_connector_stats()
+        stats = output.kv_connector_stats
         if stats is not None:
             self.step_stats.append(stats)
             for k, v in stats.data.items():
                 self.stats[k] = self.stats.get(k, 0) + v
-        output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            invalid_block_ids=invalid,
-            kv_connector_stats=stats,
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
-        w.clear_connector_metadata()
         for rid, _, _, _, block in loads:
             self.loaded.append((rid, block))
-        # A load that settled is checked now, before anything overwrites its blocks: each
-        # block is either reported failed or holds exactly its prefix's bytes.
+        # A load that settled on every rank is checked now, before anything overwrites its
+        # blocks: each block is either reported failed or holds exactly its prefix's bytes.
         if check_loads:
-            settled = (results.finished_recving or set()) | {
+            settled = (output.finished_recving or set()) | {
                 rid for rid, *_ in loads if so.has_sync_kv_loads
             }
             for rid, block in [x for x in self.loaded if x[0] in settled]:
@@ -322,32 +366,18 @@ class Harness:
                 ), f"{rid}: block {index} (GPU block {block}) restored wrong"
                 self.checked_loads += 1
             self.loaded = [x for x in self.loaded if x[0] not in settled]
-        req_ids = [rid for rid, _ in scheduled]
-        sampled = []
         for rid, computed in scheduled:
             req = self.requests[rid]
             done = computed + so.num_scheduled_tokens[rid] >= req.num_tokens
-            sampled.append([7] if done else [])
             if done and computed < req.num_prompt_tokens:
                 # The prefill is complete: loaded and computed blocks together hold
-                # exactly what the prompt implies.
+                # exactly what the prompt implies, on every rank.
                 for index in range(req.num_prompt_tokens // BS):
                     assert self.block_is_right(
                         rid, index
                     ), f"{rid}: block {index} wrong after prefill"
                 self.prefills_checked += 1
-        self.scheduler.update_from_output(
-            so,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
-                kv_connector_output=output,
-            ),
-        )
+        self.scheduler.update_from_output(so, merged)
         self.steps += 1
         return so
 
@@ -368,7 +398,8 @@ class Harness:
             self.idle_step()
 
     def close(self):
-        self.worker.shutdown()
+        for r in self.ranks:
+            r.worker.shutdown()
 
 
 def slot_bytes():
@@ -628,5 +659,44 @@ def test_blocks_larger_than_the_ssd_engines_segment_move_in_pages(tmp_path):
         h.run()
         assert not h.load_errors and h.checked_loads == 3
         assert h.stats.get("loaded_blocks.ssd", 0) >= 1
+    finally:
+        h.close()
+
+
+def test_two_tp_ranks_share_one_index_and_a_failure_on_one_rank_is_recomputed(tmp_path):
+    # Each rank keeps its own SSD file (kv.ssd.rank0, kv.ssd.rank1) and its shard of every
+    # block in the same slot; vLLM's aggregator merges the ranks' outputs.
+    slot = slot_bytes()
+    base = tmp_path / "kv.ssd"
+    h = Harness(
+        tmp_path, tp=2, dram_bytes_per_rank=0, ssd_path=str(base), ssd_bytes_per_rank=16 * slot
+    )
+    try:
+        assert [r.worker.worker_side.ssd_path for r in h.ranks] == [
+            f"{base}.rank0",
+            f"{base}.rank1",
+        ]
+        shared = prompt(60, 6 * BS)
+        h.add("a", shared + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:6]
+        assert all(h.index.is_hit(k) for k in keys)  # both ranks saved every block
+        assert h.stats.get("saved_blocks.ssd") == 2 * 6  # summed over the ranks
+        # Rank 1 loses block 4's bytes (the file ends where its slot starts); rank 0 keeps
+        # them, and block 5 after it is gone from rank 1 too.
+        entries = [h.index.entry(k) for k in keys]
+        os.truncate(f"{base}.rank1", entries[4].slot * slot)
+        assert h.scheduler.reset_prefix_cache()
+        b = h.add("b", shared + prompt(61, 20))
+        so, computed = first_step_of(h, "b")
+        blocks = h.block_ids("b")
+        assert h.load_errors == {blocks[4], blocks[5]}
+        assert computed == 4 * BS  # vLLM recomputes from the first failed block, on all ranks
+        assert so.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 4 * BS
+        h.run()
+        assert h.checked_loads == 4  # blocks 0-3 loaded whole on both ranks, byte-exact
+        assert h.stats.get("load_errors.ssd") == 2 and h.stats.get("loaded_blocks.ssd") == 2 * 6 - 2
+        assert h.index.counters.failed_loads == 2
+        assert h.prefills_checked == 2
     finally:
         h.close()
