@@ -123,14 +123,19 @@ enum Command {
     /// `ucx_perftest` server running for `remote --server`'s reference.
     Serve(ServeArgs),
     /// The remote memory engine (umbp-ucx) restoring the Kimi-K3 shape from another process's
-    /// memory, against ucx_perftest moving the same bytes.
+    /// memory, against Mooncake Transfer Engine and ucx_perftest moving the same bytes, and its
+    /// single 4 KiB transfer latency, quiet and beside a spinning process.
     ///
     /// Starts `serve` as a child process on loopback (or uses a memory node, --server), and per
     /// fragment size restores --bytes of 24 MiB objects whose pages lie scattered over the
-    /// server's arena (one one-sided get per page, none merged), timed end to end and verified
-    /// byte for byte after timing, taking turns with `ucx_perftest -t ucp_get -O 256` (same
-    /// transports, message size and bytes; skipped with a message when not installed). Target:
-    /// at least 0.8 of perftest at 64 KiB and larger.
+    /// server's arena (one request per page, none merged), timed end to end and verified byte
+    /// for byte after timing, taking turns with Mooncake Transfer Engine's TCP transport
+    /// reading the same fragments (installed by scripts/mooncake-venv into a cached venv;
+    /// skipped with a message where it does not install) and `ucx_perftest -t ucp_get -O 256`
+    /// (the raw one-sided path's ceiling; skipped with a message when not installed). Then
+    /// --latency-transfers single 4 KiB transfers one at a time, quiet and beside one process
+    /// spinning a CPU. Targets: at least 1.0x Mooncake at 64 KiB and larger; at least 0.8x
+    /// perftest where the path is one-sided (RDMA); p99 at most 1 ms under load.
     Remote(RemoteArgs),
 }
 
@@ -421,6 +426,14 @@ struct RemoteArgs {
     /// ucx_perftest is installed.
     #[arg(long)]
     no_perftest: bool,
+    /// Skip Mooncake Transfer Engine (its fields say why). Default: run it, from the venv
+    /// scripts/mooncake-venv installs (or the python UMBP_MOONCAKE_PYTHON names).
+    #[arg(long)]
+    no_mooncake: bool,
+    /// Single 4 KiB transfers timed one at a time, quiet and again under load (0: no latency
+    /// rows; --tiny takes at most 100).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    latency_transfers: u32,
 }
 
 fn unit_fraction(s: &str) -> Result<f64, String> {
@@ -862,9 +875,10 @@ fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
         },
     };
     let (bytes, repeats) = if args.tiny { (OBJECT_BYTES, 1) } else { (args.bytes.0, args.repeats) };
+    let latency = if args.tiny { args.latency_transfers.min(100) } else { args.latency_transfers };
     let objects = (bytes / OBJECT_BYTES).max(1);
-    // The destinations here, and the child's arena on the same machine.
-    let copies = if args.server.is_some() { 1 } else { 2 };
+    // The destinations here, the child's arena on the same machine, and Mooncake's two.
+    let copies = if args.server.is_some() { 1 } else { 2 } + if args.no_mooncake { 0 } else { 2 };
     check_memory(copies * objects * OBJECT_BYTES, "--bytes");
     let config = RemoteBenchConfig {
         server,
@@ -873,13 +887,15 @@ fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
         objects: objects as usize,
         repeats: repeats as usize,
         perftest: !args.no_perftest,
+        mooncake: !args.no_mooncake,
+        latency_transfers: latency as usize,
     };
-    let rows = remote_bench::run(&config, out.progress)?;
+    let run = remote_bench::run(&config, out.progress)?;
     out.emit(&Report::new(
         "remote",
-        &rows,
-        remote_bench::table(&rows),
-        Some(remote_bench::chart(&rows)),
+        &run.lines(),
+        remote_bench::table(&run),
+        Some(remote_bench::chart(&run.restores)),
     )?)
 }
 
@@ -952,6 +968,7 @@ mod tests {
         assert_eq!(r.fragment_sizes, [ByteSize(64 << 10), ByteSize(256 << 10), ByteSize(1 << 20)]);
         assert_eq!((r.transports.as_str(), r.bytes, r.repeats), ("tcp", ByteSize(240 << 20), 5));
         assert_eq!((r.tiny, r.server, r.perftest_port, r.no_perftest), (false, None, 13337, false));
+        assert_eq!((r.no_mooncake, r.latency_transfers), (false, 2000));
     }
 
     #[test]

@@ -132,6 +132,17 @@ impl Verdict {
         }
     }
 
+    /// A figure known to lie in `range` against a target it must not exceed: met only when
+    /// the whole range stays at or below it, unmet when none does, within noise otherwise.
+    pub fn range_at_most(range: Option<[f64; 2]>, target: f64) -> Self {
+        match range {
+            None => Verdict::BelowNoise,
+            Some([_, high]) if high <= target => Verdict::Met,
+            Some([low, _]) if low > target => Verdict::Unmet,
+            Some(_) => Verdict::WithinNoise,
+        }
+    }
+
     /// `value` against a target it must not exceed (`at most`).
     pub fn at_most(value: Option<f64>, target: f64, spread: f64) -> Self {
         Self::judge(value, target, spread, |v| v <= target)
@@ -209,6 +220,10 @@ mod tests {
         assert_eq!(Verdict::range_at_least(Some([11.0, 30.0]), 10.0), Verdict::Met);
         assert_eq!(Verdict::range_at_least(Some([9.0, 30.0]), 10.0), Verdict::WithinNoise);
         assert_eq!(Verdict::range_at_least(Some([2.0, 9.0]), 10.0), Verdict::Unmet);
+        assert_eq!(Verdict::range_at_most(Some([2.0, 9.0]), 10.0), Verdict::Met);
+        assert_eq!(Verdict::range_at_most(Some([9.0, 30.0]), 10.0), Verdict::WithinNoise);
+        assert_eq!(Verdict::range_at_most(Some([11.0, 30.0]), 10.0), Verdict::Unmet);
+        assert_eq!(Verdict::range_at_most(None, 10.0), Verdict::BelowNoise);
         assert_eq!(Verdict::at_least(Some(10.0), 10.0, 0.0), Verdict::Met);
         assert_eq!(Verdict::at_least(Some(9.0), 10.0, 0.0), Verdict::Unmet);
     }

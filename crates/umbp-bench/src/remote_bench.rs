@@ -1,6 +1,7 @@
 //! `umbp-bench serve` and `umbp-bench remote`: the remote memory engine (`umbp-ucx`) restoring
-//! the Kimi-K3 shape from another process's memory, against `ucx_perftest` moving the same
-//! bytes in the same run.
+//! the Kimi-K3 shape from another process's memory, against Mooncake Transfer Engine and
+//! `ucx_perftest` moving the same bytes in the same run, and its latency of single 4 KiB
+//! transfers, quiet and beside a spinning process.
 //!
 //! # `serve`: the memory node
 //!
@@ -51,6 +52,35 @@
 //! for fragments of 64 KiB and larger, `met` only when the whole range reaches it, `within
 //! noise` when the range straddles it. When `ucx_perftest` is missing the run says why on
 //! stderr and the rows have no reference, no ratio and no verdict.
+//!
+//! # The path, and the raw one-sided path it replaced
+//!
+//! umbp-ucx reaches a server's memory one-sided (UCX gets with the server's remote keys) only
+//! where the transports are RDMA alone; over TCP (and shared memory) every read is a request
+//! the server checks on the authenticated connection (the row's `path`: `one-sided` or
+//! `checked`, by the same rule as umbp-ucx's). Over TCP the raw one-sided path is not offered
+//! any more (UCX emulates it in software there and checks neither bounds nor rights), so the
+//! engine cannot run it; `ucx_perftest`'s one-sided gets stand beside the checked path in the
+//! same run as that path's ceiling. The 0.8 target applies only where the path is one-sided:
+//! over TCP the ratio is reported without a verdict.
+//!
+//! # The transfer engine users would pick instead: Mooncake
+//!
+//! [`crate::peers::mooncake`]: Mooncake Transfer Engine's TCP transport with the P2P
+//! handshake on loopback, one `batch_transfer_sync_read` of the same fragments (the same
+//! sizes, the same scattered source pages, the same destination offsets) per run, taking turns
+//! with the engine and perftest (the three rotate their order every round). Target: `ratio`
+//! over Mooncake at least 1.0 at 64 KiB and larger, judged over its whole range. Where the
+//! wheel does not install the run says why on stderr and the rows carry the reason
+//! (`mooncake_skipped`).
+//!
+//! # Single-transfer latency
+//!
+//! After the restores, `latency_transfers` transfers of one 4 KiB page each, one at a time
+//! (build, submit, wait), from pages spread over the arena, each checked against the pattern;
+//! once on a quiet machine and once with one process spinning a CPU beside it (started and
+//! stopped by the bench). Percentiles over all of them; the p99 range is over five blocks of
+//! them in order. Target: p99 at most 1 ms under load.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -63,13 +93,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use serde::Serialize;
 use umbp_plan::{
-    EndpointRegistry, PageWalk, PlanBuilder, PlanSet, Register, Registration, Tag, TransferEngine,
+    EndpointRegistry, Fragment, PageWalk, PlanBuilder, PlanSet, Register, Registration, Tag,
+    TransferEngine,
 };
 use umbp_ucx::{ServerBuilder, UcxBuilder, UcxConfig, UcxEngine, UcxServer};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
 use crate::measure::{self, range_text, Timed, Verdict};
+use crate::peers::mooncake::{self, Mooncake};
 use crate::peers::perftest::{self, GetRun, PerftestServer};
 use crate::progress::Progress;
 use crate::shape::RestoreShape;
@@ -83,6 +115,33 @@ pub const TARGET_RATIO: f64 = 0.8;
 
 /// The smallest fragment size the target applies to: 64 KiB.
 pub const TARGET_FROM: u64 = 64 << 10;
+
+/// The least ratio over Mooncake targeted, for fragments of [`TARGET_FROM`] bytes and larger.
+pub const MOONCAKE_TARGET: f64 = 1.0;
+
+/// Bytes of one single transfer in the latency rows.
+pub const LATENCY_SIZE: u64 = 4096;
+
+/// The most p99 latency targeted under load, µs.
+pub const TARGET_P99_US: f64 = 1000.0;
+
+/// Blocks the latency samples are cut into, in order, for the p99's range.
+const LATENCY_BLOCKS: usize = 5;
+
+/// The RDMA transports umbp-ucx reaches one-sided (its `hardware_enforced` rule).
+const ONE_SIDED_TRANSPORTS: [&str; 8] =
+    ["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5"];
+
+/// The engine's path to the server's memory for `transports`: `one-sided` where they are RDMA
+/// transports alone, else `checked` (requests the server checks), as umbp-ucx decides.
+pub fn path_of(transports: &str) -> &'static str {
+    let mut names = transports.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
+    if names.peek().is_some() && names.all(|n| ONE_SIDED_TRANSPORTS.contains(&n)) {
+        "one-sided"
+    } else {
+        "checked"
+    }
+}
 
 /// What a destination holds before the verification restore.
 const POISON: u8 = 0xA5;
@@ -217,6 +276,12 @@ pub struct RemoteBenchConfig {
     /// Whether to run the reference. Default true (skipped with a message when
     /// `ucx_perftest` is missing).
     pub perftest: bool,
+    /// Whether to run Mooncake Transfer Engine beside the engine (skipped with a message
+    /// where it does not install). Default false (the command turns it on).
+    pub mooncake: bool,
+    /// Single 4 KiB transfers timed one at a time, quiet and under load; 0: no latency rows.
+    /// Default 0 (the command asks for 2,000).
+    pub latency_transfers: usize,
 }
 
 impl Default for RemoteBenchConfig {
@@ -228,15 +293,21 @@ impl Default for RemoteBenchConfig {
             objects: 10,
             repeats: 5,
             perftest: true,
+            mooncake: false,
+            latency_transfers: 0,
         }
     }
 }
 
-/// One fragment size: the engine's restore against perftest's gets.
+/// One fragment size: the engine's restore against Mooncake's and perftest's.
 #[derive(Clone, Debug, Serialize)]
 pub struct RemoteRow {
+    /// `restore`: a row of this kind.
+    pub row: &'static str,
     /// UCX transports (`UCX_TLS`) of both.
     pub transport: String,
+    /// The engine's path: `checked` (requests the server checks) or `one-sided`.
+    pub path: &'static str,
     /// `child` (a `serve` process on loopback) or `node` (`--server`).
     pub server: &'static str,
     /// Bytes per fragment: one page, one get.
@@ -266,11 +337,86 @@ pub struct RemoteRow {
     /// `[low, high]`: the ratio over both spreads (slowest engine run over fastest perftest
     /// run, and the reverse); `null` without perftest.
     pub ratio_range: Option<[f64; 2]>,
-    /// `ratio` against 0.8 for fragments of 64 KiB and larger: `met`, `unmet` or `within
-    /// noise`; `null` below 64 KiB and without perftest.
+    /// `ratio` against 0.8 for fragments of 64 KiB and larger where the path is one-sided:
+    /// `met`, `unmet` or `within noise`; `null` below 64 KiB, on the checked path and without
+    /// perftest.
     pub verdict: Option<Verdict>,
     /// Every object completed and every destination byte matched the arena after timing.
     pub verified: bool,
+    /// Mooncake's median throughput, GiB/s; `null` when it did not run.
+    pub mooncake_gib_s: Option<f64>,
+    /// Its spread; `null` when it did not run.
+    pub mooncake_spread: Option<f64>,
+    /// `gib_s / mooncake_gib_s`; `null` when it did not run.
+    pub mooncake_ratio: Option<f64>,
+    /// `[low, high]` over both spreads; `null` when it did not run.
+    pub mooncake_ratio_range: Option<[f64; 2]>,
+    /// `mooncake_ratio_range` against 1.0 at 64 KiB and larger; `null` below or without it.
+    pub mooncake_verdict: Option<Verdict>,
+    /// Mooncake read every byte right after timing; `null` when it did not run.
+    pub mooncake_verified: Option<bool>,
+    /// Why Mooncake has no figure in this row; `null` when it ran.
+    pub mooncake_skipped: Option<String>,
+}
+
+/// Single transfers one at a time, quiet or beside a spinning process.
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencyRow {
+    /// `latency`: a row of this kind.
+    pub row: &'static str,
+    /// UCX transports of the engine.
+    pub transport: String,
+    /// The engine's path: `checked` or `one-sided`.
+    pub path: &'static str,
+    /// `quiet`, or `spinning`: one process spinning a CPU beside the bench.
+    pub load: &'static str,
+    /// Bytes per transfer.
+    pub transfer_size: u64,
+    /// Timed transfers.
+    pub transfers: usize,
+    /// Percentiles of the transfers' times (build + submit + wait), µs.
+    pub p50_us: f64,
+    /// The 90th percentile, µs.
+    pub p90_us: f64,
+    /// The 99th percentile, µs.
+    pub p99_us: f64,
+    /// The slowest, µs.
+    pub max_us: f64,
+    /// `[low, high]`: the p99 of each of five blocks of the transfers in order.
+    pub p99_range: [f64; 2],
+    /// 1,000 µs under load; `null` quiet.
+    pub target_p99_us: Option<f64>,
+    /// `p99_range` against the target: `met`, `unmet` or `within noise`; `null` quiet.
+    pub verdict: Option<Verdict>,
+    /// Every transfer delivered the right bytes.
+    pub verified: bool,
+}
+
+/// What `remote` measured: a row per fragment size, and the latency rows.
+#[derive(Clone, Debug, Default)]
+pub struct RemoteRun {
+    /// One per fragment size.
+    pub restores: Vec<RemoteRow>,
+    /// Quiet and spinning (none when not asked for).
+    pub latency: Vec<LatencyRow>,
+}
+
+/// One JSON line of `remote`: the `row` field says which.
+#[derive(Clone, Debug, Serialize)]
+#[serde(untagged)]
+pub enum RemoteLine<'a> {
+    /// A fragment size's restore.
+    Restore(&'a RemoteRow),
+    /// A latency row.
+    Latency(&'a LatencyRow),
+}
+
+impl RemoteRun {
+    /// Every row, restores first.
+    pub fn lines(&self) -> Vec<RemoteLine<'_>> {
+        let restores = self.restores.iter().map(RemoteLine::Restore);
+        restores.chain(self.latency.iter().map(RemoteLine::Latency)).collect()
+    }
 }
 
 /// Page `k` of object `b` lies at `pages[b × pages_per_object + k]`: every page of the tier
@@ -514,10 +660,179 @@ impl Client {
             buffer.bytes_mut().fill(POISON);
         }
     }
+
+    /// One transfer of [`LATENCY_SIZE`] bytes from arena offset `src` into the first
+    /// destination at `dst`, alone: build, submit, wait. Returns its seconds and whether the
+    /// bytes arrived (the slot is poisoned first, outside the timing).
+    fn single(
+        &mut self,
+        builder: &mut UcxBuilder,
+        src: u64,
+        dst: u64,
+    ) -> anyhow::Result<(f64, bool)> {
+        let slot = dst as usize..(dst + LATENCY_SIZE) as usize;
+        self.buffers[0].bytes_mut()[slot.clone()].fill(POISON);
+        let (remote, local) = (self.remote.id(), self.destinations[0].id());
+        let start = Instant::now();
+        let tag = Tag::new(0);
+        builder.begin_object(tag)?;
+        builder.push(Fragment::new(remote, src, local, dst, LATENCY_SIZE, tag))?;
+        builder.commit_object()?;
+        let settled = self.engine.submit(builder.finish()?).into_settled();
+        let seconds = start.elapsed().as_secs_f64();
+        if let Some(failure) = settled.failures.first() {
+            bail!("a single transfer failed: {failure}");
+        }
+        builder.recycle(settled.plans);
+        Ok((seconds, matches_pattern(&self.buffers[0].bytes()[slot], src)))
+    }
+
+    /// `transfers` single transfers (after a few untimed ones) from pages spread over the
+    /// first `arena` bytes: their times in µs, and whether every one delivered its bytes.
+    fn latencies(
+        &mut self,
+        builder: &mut UcxBuilder,
+        arena: u64,
+        transfers: usize,
+    ) -> anyhow::Result<(Vec<f64>, bool)> {
+        let pages = (arena / LATENCY_SIZE).max(1);
+        let slots = (self.buffers[0].len() as u64 / LATENCY_SIZE).clamp(1, 64);
+        let mut verified = true;
+        let mut times = Vec::with_capacity(transfers);
+        for i in 0..(transfers + 20) as u64 {
+            let src = (i * 7919 % pages) * LATENCY_SIZE;
+            let (seconds, ok) = self.single(builder, src, (i % slots) * LATENCY_SIZE)?;
+            verified &= ok;
+            if i >= 20 {
+                times.push(seconds * 1e6);
+            }
+        }
+        Ok((times, verified))
+    }
 }
 
-/// Runs the comparison: starts or reaches the server, then one row per fragment size.
-pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Vec<RemoteRow>> {
+/// A process spinning one CPU (`sh -c 'while :; do :; done'`), killed when dropped.
+struct Spinner(Child);
+
+impl Spinner {
+    fn start() -> anyhow::Result<Self> {
+        let child = Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting a spinning process")?;
+        // Let it reach the scheduler's steady state before timing.
+        std::thread::sleep(Duration::from_millis(200));
+        Ok(Self(child))
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `q` quantile of sorted `samples` (nearest rank).
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted
+        .get(((sorted.len().saturating_sub(1)) as f64 * q).round() as usize)
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// The latency row of `times` (µs, in the order measured).
+fn latency_row(
+    config: &RemoteBenchConfig,
+    load: &'static str,
+    times: &[f64],
+    verified: bool,
+) -> LatencyRow {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let per_block = times.len().div_ceil(LATENCY_BLOCKS).max(1);
+    let block_p99: Vec<f64> = times
+        .chunks(per_block)
+        .map(|block| {
+            let mut b = block.to_vec();
+            b.sort_by(f64::total_cmp);
+            quantile(&b, 0.99)
+        })
+        .collect();
+    let low = block_p99.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = block_p99.iter().copied().fold(0.0, f64::max);
+    let p99_range = if block_p99.is_empty() { [0.0, 0.0] } else { [low, high] };
+    let loaded = load == "spinning";
+    LatencyRow {
+        row: "latency",
+        transport: config.transports.clone(),
+        path: path_of(&config.transports),
+        load,
+        transfer_size: LATENCY_SIZE,
+        transfers: times.len(),
+        p50_us: quantile(&sorted, 0.50),
+        p90_us: quantile(&sorted, 0.90),
+        p99_us: quantile(&sorted, 0.99),
+        max_us: sorted.last().copied().unwrap_or(0.0),
+        p99_range,
+        target_p99_us: loaded.then_some(TARGET_P99_US),
+        verdict: loaded.then(|| Verdict::range_at_most(Some(p99_range), TARGET_P99_US)),
+        verified,
+    }
+}
+
+/// Mooncake's fragments for `shape` and `pages`, in the engine's layout: (target offsets,
+/// destination offsets), destination `r` of the engine at `r × objects × range_len`.
+fn mooncake_fragments(shape: &RestoreShape, pages: &[u64]) -> (Vec<u64>, Vec<u64>) {
+    let per_object = shape.pages_per_object();
+    let per_range = (shape.range_len / shape.page_size) as usize;
+    let mut src = Vec::with_capacity(pages.len());
+    let mut dst = Vec::with_capacity(pages.len());
+    for b in 0..shape.objects {
+        for r in 0..shape.ranges {
+            for k in 0..per_range {
+                src.push(pages[b * per_object + r * per_range + k]);
+                let at = (r * shape.objects + b) as u64 * shape.range_len;
+                dst.push(at + (k as u64) * shape.page_size);
+            }
+        }
+    }
+    (src, dst)
+}
+
+/// Mooncake while it works, else why not: a step that fails says so once on stderr and
+/// leaves the reason for the rows after it.
+struct MooncakePeer(Result<Mooncake, String>);
+
+impl MooncakePeer {
+    fn step<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut Mooncake) -> anyhow::Result<T>,
+    ) -> Option<T> {
+        let Ok(peer) = &mut self.0 else { return None };
+        match f(peer) {
+            Ok(value) => Some(value),
+            Err(e) => {
+                let why = format!("Mooncake failed {what}: {e:#}");
+                eprintln!("umbp-bench remote: no Mooncake row from here on: {why}");
+                self.0 = Err(why);
+                None
+            }
+        }
+    }
+
+    fn skipped(&self) -> Option<String> {
+        self.0.as_ref().err().cloned()
+    }
+}
+
+/// Runs the comparison: starts or reaches the server, then one row per fragment size, then
+/// the latency rows.
+pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<RemoteRun> {
     ensure!(config.objects > 0 && config.objects <= u32::MAX as usize, "at least one object");
     ensure!(!config.fragment_sizes.is_empty(), "no fragment size to measure");
     for &size in &config.fragment_sizes {
@@ -538,7 +853,8 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
             }
         };
     let base = RestoreShape { objects: config.objects, ..RestoreShape::kimi_k3(1 << 20) };
-    progress.section("remote", 1 + config.fragment_sizes.len() * (1 + repeats));
+    let latency_steps = if config.latency_transfers > 0 { 2 } else { 0 };
+    progress.section("remote", 2 + config.fragment_sizes.len() * (1 + repeats) + latency_steps);
     progress.step(format!("starting the server ({})", ByteSize(base.bytes())));
     let (server, addr, perftest_port, server_kind) = match &config.server {
         ServerChoice::Child { program } => {
@@ -556,6 +872,18 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
             (None, resolved, *perftest_port, "node")
         }
     };
+    progress.step("starting Mooncake Transfer Engine");
+    let mut mooncake = MooncakePeer(if config.mooncake {
+        let started = mooncake::python().and_then(|python| {
+            Mooncake::start(&python, base.bytes()).map_err(|e| format!("{e:#}"))
+        });
+        if let Err(why) = &started {
+            eprintln!("umbp-bench remote: no Mooncake row: {why}");
+        }
+        started
+    } else {
+        Err("not run (--no-mooncake)".to_owned())
+    });
     let mut client = Client::connect(addr, config, &base)?;
     let in_flight = client.engine.config().max_in_flight;
     let perftest_host = addr.ip().to_string();
@@ -566,7 +894,7 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
         let pages = scattered_pages(&shape)?;
         let fragments = shape.fragments();
         let label = ByteSize(fragment_size);
-        progress.step(format!("{label}: warm-up restore"));
+        progress.step(format!("{label}: warm-up restores"));
         let (_, plans) = client.restore(&mut builder, &shape, &pages)?;
         let segments = plans.segment_count();
         ensure!(
@@ -574,6 +902,11 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
             "{label}: {fragments} fragments planned as {segments} requests: the layout merged some"
         );
         builder.recycle(plans);
+        let (src, dst) = mooncake_fragments(&shape, &pages);
+        mooncake.step("its setup", |m| {
+            m.setup(fragment_size, &src, &dst)?;
+            m.run() // Warm-up: its first batch also opens its connections.
+        });
         let reference = GetRun {
             host: &perftest_host,
             port: perftest_port,
@@ -584,15 +917,17 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
             outstanding: in_flight,
             timeout: Duration::from_secs(120),
         };
-        let (mut engine_gib_s, mut perftest_gib_s) = (Vec::new(), Vec::new());
+        let (mut engine_gib_s, mut perftest_gib_s, mut mooncake_gib_s) =
+            (Vec::new(), Vec::new(), Vec::new());
         for repeat in 0..repeats {
-            progress.step(format!("{label}: engine and perftest, round {}/{repeats}", repeat + 1));
-            for side in [repeat % 2, (repeat + 1) % 2] {
+            progress.step(format!("{label}: engine and peers, round {}/{repeats}", repeat + 1));
+            // The three take turns, each first in every third round.
+            for side in (0..3).map(|i| (repeat + i) % 3) {
                 if side == 0 {
                     let (seconds, plans) = client.restore(&mut builder, &shape, &pages)?;
                     builder.recycle(plans);
                     engine_gib_s.push(shape.bytes() as f64 / seconds / GIB);
-                } else if with_perftest {
+                } else if side == 1 && with_perftest {
                     match reference.run() {
                         Ok(bytes_per_s) => perftest_gib_s.push(bytes_per_s / GIB),
                         Err(e) => {
@@ -605,6 +940,10 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
                             with_perftest = false;
                         }
                     }
+                } else if side == 2 {
+                    if let Some(bytes_per_s) = mooncake.step("a run", Mooncake::run) {
+                        mooncake_gib_s.push(bytes_per_s / GIB);
+                    }
                 }
             }
         }
@@ -612,7 +951,11 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
         let (_, plans) = client.restore(&mut builder, &shape, &pages)?;
         builder.recycle(plans);
         let verified = client.verify(&shape, &pages);
-        rows.push(row(
+        let mooncake_verified = mooncake.step("its verification", Mooncake::verify);
+        if mooncake_gib_s.len() < repeats {
+            mooncake_gib_s.clear(); // A peer that failed mid-size has no figure for it.
+        }
+        let mut r = row(
             config,
             server_kind,
             &shape,
@@ -621,12 +964,55 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Ve
             &engine_gib_s,
             &perftest_gib_s,
             verified,
-        ));
+        );
+        add_mooncake(&mut r, &engine_gib_s, &mooncake_gib_s, mooncake_verified, mooncake.skipped());
+        rows.push(r);
+    }
+    let stopped = mooncake.0.map(Mooncake::stop);
+    ensure!(stopped != Ok(false), "the Mooncake target died during the run");
+    let mut latency = Vec::new();
+    if config.latency_transfers > 0 {
+        for load in ["quiet", "spinning"] {
+            progress.step(format!(
+                "{} single {} transfers, {load}",
+                config.latency_transfers,
+                ByteSize(LATENCY_SIZE)
+            ));
+            let spinner = if load == "spinning" { Some(Spinner::start()?) } else { None };
+            let (times, verified) =
+                client.latencies(&mut builder, base.bytes(), config.latency_transfers)?;
+            drop(spinner);
+            latency.push(latency_row(config, load, &times, verified));
+        }
     }
     drop(builder);
     drop(client);
     drop(server);
-    Ok(rows)
+    Ok(RemoteRun { restores: rows, latency })
+}
+
+/// Adds Mooncake's figures (its GiB/s per run; none: `skipped` says why) to `row`.
+fn add_mooncake(
+    row: &mut RemoteRow,
+    engine: &[f64],
+    peer: &[f64],
+    verified: Option<bool>,
+    skipped: Option<String>,
+) {
+    if peer.is_empty() {
+        row.mooncake_skipped = Some(skipped.unwrap_or_else(|| "no run completed".to_owned()));
+        return;
+    }
+    let m = Timed::of(peer);
+    let ratio = (m.median > 0.0).then(|| row.gib_s / m.median);
+    let range = measure::ratio_range(engine, peer);
+    row.mooncake_gib_s = Some(m.median);
+    row.mooncake_spread = Some(m.spread);
+    row.mooncake_ratio = ratio;
+    row.mooncake_ratio_range = range;
+    row.mooncake_verdict = (row.fragment_size >= TARGET_FROM && ratio.is_some())
+        .then(|| Verdict::range_at_least(range, MOONCAKE_TARGET));
+    row.mooncake_verified = verified;
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -646,10 +1032,13 @@ fn row(
     let p = (!reference.is_empty()).then(|| Timed::of(reference));
     let ratio = p.filter(|p| p.median > 0.0).map(|p| e.median / p.median);
     let ratio_range = p.and(measure::ratio_range(engine, reference));
-    let verdict = (shape.page_size >= TARGET_FROM && ratio.is_some())
+    let path = path_of(&config.transports);
+    let verdict = (shape.page_size >= TARGET_FROM && ratio.is_some() && path == "one-sided")
         .then(|| Verdict::range_at_least(ratio_range, TARGET_RATIO));
     RemoteRow {
+        row: "restore",
         transport: config.transports.clone(),
+        path,
         server,
         fragment_size: shape.page_size,
         objects: shape.objects,
@@ -666,65 +1055,136 @@ fn row(
         ratio_range,
         verdict,
         verified,
+        mooncake_gib_s: None,
+        mooncake_spread: None,
+        mooncake_ratio: None,
+        mooncake_ratio_range: None,
+        mooncake_verdict: None,
+        mooncake_verified: None,
+        mooncake_skipped: None,
     }
 }
 
-/// The human table.
-pub fn table(rows: &[RemoteRow]) -> String {
+/// The human table: the restores, then the latency rows.
+pub fn table(run: &RemoteRun) -> String {
+    let rows = &run.restores;
     let mut out = String::new();
+    let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".to_owned());
     if let Some(first) = rows.first() {
         let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
-        let reference = if rows.iter().any(|r| r.perftest_gib_s.is_some()) {
-            format!(
-                "against `ucx_perftest -t ucp_get -O {}` moving the same bytes",
-                first.in_flight
-            )
+        let raw = if rows.iter().any(|r| r.perftest_gib_s.is_some()) {
+            format!("`ucx_perftest -t ucp_get -O {}` moving the same bytes", first.in_flight)
         } else {
-            "no reference (ucx_perftest not run)".to_owned()
+            "no raw one-sided reference (ucx_perftest not run)".to_owned()
+        };
+        let mooncake = match rows.iter().find_map(|r| r.mooncake_skipped.as_ref()) {
+            None => format!(
+                "Mooncake Transfer Engine {} (TCP, P2P handshake, batch_transfer_sync_read of \
+                 the same fragments)",
+                mooncake::VERSION
+            ),
+            Some(why) => format!("no Mooncake row ({why})"),
         };
         out += &format!(
-            "remote restore over UCX ({}, {} server): {} x 24 ranges of 1MiB ({}), one get per \
-             scattered page,\n{reference}; {} each, taking turns\n\n",
+            "remote restore over UCX ({}, {} server, {} path): {} x 24 ranges of 1MiB ({}), \
+             one request per scattered page; {} each, taking turns\n\
+             peer: {mooncake}\n\
+             raw one-sided path: {raw}\n",
             first.transport,
             first.server,
+            first.path,
             plural(first.objects, "object"),
             ByteSize(first.bytes),
             plural(first.repeats, "run"),
         );
+        if first.path == "checked" {
+            out += "  (umbp no longer offers the raw one-sided path over these transports: \
+                    every read is a request the server checks; perftest's gets are that path's \
+                    ceiling, shown beside it, no target)\n";
+        }
+        out += "\n";
     }
     out += &format!(
-        "{:>9} {:>7} {:>8} {:>7} {:>14} {:>7} {:>20} {:>12} {:>8}\n",
+        "{:>9} {:>6} {:>7} {:>6} {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
         "fragment",
         "gets",
         "GiB/s",
         "spread",
-        "perftest GiB/s",
+        "Mooncake",
         "spread",
-        "ratio [range]",
+        "vs Mooncake",
+        "verdict",
+        "raw 1-sd",
+        "spread",
+        "vs raw 1-sided",
         "verdict",
         "verified"
     );
-    let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".to_owned());
     for r in rows {
+        let verified = match (r.verified, r.mooncake_verified) {
+            (false, _) => "NO",
+            (true, Some(false)) => "peer NO",
+            (true, _) => "yes",
+        };
         out += &format!(
-            "{:>9} {:>7} {:>8.3} {:>6.0}% {:>14} {:>7} {:>20} {:>12} {:>8}\n",
+            "{:>9} {:>6} {:>7.3} {:>5.0}% {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
             ByteSize(r.fragment_size).to_string(),
             r.fragments,
             r.gib_s,
             r.gib_s_spread * 100.0,
+            or_dash(r.mooncake_gib_s.map(|g| format!("{g:.3}"))),
+            or_dash(r.mooncake_spread.map(|s| format!("{:.0}%", s * 100.0))),
+            if r.mooncake_ratio.is_some() {
+                range_text_2(r.mooncake_ratio, r.mooncake_ratio_range)
+            } else {
+                "-".into()
+            },
+            r.mooncake_verdict.map_or("-", Verdict::as_str),
             or_dash(r.perftest_gib_s.map(|g| format!("{g:.3}"))),
             or_dash(r.perftest_spread.map(|s| format!("{:.0}%", s * 100.0))),
             if r.ratio.is_some() { range_text_2(r.ratio, r.ratio_range) } else { "-".into() },
             r.verdict.map_or("-", Verdict::as_str),
-            if r.verified { "yes" } else { "NO" }
+            verified
         );
     }
     out += &format!(
-        "\nGiB/s: median of the runs (build + submit + wait for the engine; perftest's overall \
-         bandwidth); spread: (fastest - slowest) / median. Target: ratio >= {TARGET_RATIO} at \
-         {} and larger, met only when the whole range reaches it.\n",
+        "\nGiB/s: median of the runs (build + submit + wait for the engine; one timed \
+         batch_transfer_sync_read for Mooncake; perftest's overall bandwidth); spread: (fastest \
+         - slowest) / median. Targets at {} and larger, met only when the whole range reaches \
+         them: >= {MOONCAKE_TARGET} x Mooncake; >= {TARGET_RATIO} x ucx_perftest where the path \
+         is one-sided.\n",
         ByteSize(TARGET_FROM)
     );
+    if !run.latency.is_empty() {
+        out += &format!(
+            "\nsingle {} transfers one at a time (build + submit + wait), quiet and beside one \
+             process spinning a CPU\n\n{:>9} {:>9} {:>9} {:>9} {:>22} {:>9} {:>11} {:>12} {:>8}\n",
+            ByteSize(LATENCY_SIZE),
+            "load",
+            "transfers",
+            "p50 µs",
+            "p90 µs",
+            "p99 µs [block range]",
+            "max µs",
+            "target p99",
+            "verdict",
+            "verified"
+        );
+        for l in &run.latency {
+            out += &format!(
+                "{:>9} {:>9} {:>9.1} {:>9.1} {:>22} {:>9.1} {:>11} {:>12} {:>8}\n",
+                l.load,
+                l.transfers,
+                l.p50_us,
+                l.p90_us,
+                format!("{:.1} [{:.1}, {:.1}]", l.p99_us, l.p99_range[0], l.p99_range[1]),
+                l.max_us,
+                or_dash(l.target_p99_us.map(|t| format!("<= {t:.0}"))),
+                l.verdict.map_or("-", Verdict::as_str),
+                if l.verified { "yes" } else { "NO" }
+            );
+        }
+    }
     out
 }
 
@@ -738,11 +1198,12 @@ fn range_text_2(ratio: Option<f64>, range: Option<[f64; 2]>) -> String {
 
 /// The chart: the engine's and perftest's GiB/s by fragment size.
 pub fn chart(rows: &[RemoteRow]) -> BarChart {
-    let mut chart = BarChart::new("Remote restore over UCX against ucx_perftest", "GiB/s");
+    let mut chart = BarChart::new("Remote restore against Mooncake TE and ucx_perftest", "GiB/s");
     if let Some(first) = rows.first() {
         chart.subtitle = format!(
-            "{}, {} scattered one-sided gets; perftest ucp_get -O {}; medians of {} runs",
+            "{} ({} path), {} scattered pages; perftest ucp_get -O {}; medians of {} runs",
             first.transport,
+            first.path,
             ByteSize(first.bytes),
             first.in_flight,
             first.repeats
@@ -750,13 +1211,15 @@ pub fn chart(rows: &[RemoteRow]) -> BarChart {
     }
     chart.groups = rows
         .iter()
-        .map(|r| match r.ratio {
-            Some(ratio) => format!("{} ({ratio:.2}x)", ByteSize(r.fragment_size)),
-            None => ByteSize(r.fragment_size).to_string(),
+        .map(|r| match (r.mooncake_ratio, r.ratio) {
+            (Some(m), _) => format!("{} ({m:.2}x Mooncake)", ByteSize(r.fragment_size)),
+            (None, Some(p)) => format!("{} ({p:.2}x perftest)", ByteSize(r.fragment_size)),
+            (None, None) => ByteSize(r.fragment_size).to_string(),
         })
         .collect();
     chart.series = vec![
         Series::new("umbp-ucx restore", rows.iter().map(|r| Some(r.gib_s)).collect()),
+        Series::new("Mooncake TE batch read", rows.iter().map(|r| r.mooncake_gib_s).collect()),
         Series::new("ucx_perftest ucp_get", rows.iter().map(|r| r.perftest_gib_s).collect()),
     ];
     chart
@@ -765,6 +1228,7 @@ pub fn chart(rows: &[RemoteRow]) -> BarChart {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn scattered_pages_use_every_page_once_and_never_merge() {
@@ -805,10 +1269,87 @@ mod tests {
         assert_eq!((r.ratio, r.ratio_range, r.verdict), (None, None, None));
         assert_eq!((r.gib_s, r.repeats, r.fragments), (1.0, 3, 384));
         let r = row(&config, "child", &shape, 384, 256, &[0.9, 1.0, 1.1], &[1.0, 1.2], true);
+        assert_eq!((r.path, r.verdict), ("checked", None), "no perftest target off one-sided");
+        assert_eq!(r.ratio_range, Some([0.75, 1.1]), "the ratio is still reported beside it");
+        let rdma = RemoteBenchConfig { transports: "rc_x,dc_x".into(), ..config.clone() };
+        let r = row(&rdma, "child", &shape, 384, 256, &[0.9, 1.0, 1.1], &[1.0, 1.2], true);
+        assert_eq!(r.path, "one-sided");
         assert_eq!(r.verdict, Some(Verdict::WithinNoise), "0.8 lies in [0.75, 1.1]");
         let small = RestoreShape { page_size: 4 << 10, ..shape };
-        let r = row(&config, "child", &small, 6144, 256, &[1.0], &[1.0], true);
+        let r = row(&rdma, "child", &small, 6144, 256, &[1.0], &[1.0], true);
         assert_eq!((r.ratio, r.verdict), (Some(1.0), None), "no target below 64 KiB");
-        assert!(table(&[r]).contains("4KiB"));
+        let run = RemoteRun { restores: vec![r], latency: Vec::new() };
+        assert!(table(&run).contains("4KiB"));
+    }
+
+    #[test]
+    fn the_path_follows_umbp_ucx_rule() {
+        for (tls, path) in [
+            ("tcp", "checked"),
+            ("sm", "checked"),
+            ("rc,sm", "checked"),
+            ("", "checked"),
+            ("rc", "one-sided"),
+            ("rc_x, dc_mlx5", "one-sided"),
+        ] {
+            assert_eq!(path_of(tls), path, "{tls}");
+        }
+    }
+
+    #[test]
+    fn mooncake_figures_are_judged_over_their_range_and_skips_keep_why() {
+        let shape = RestoreShape { objects: 1, ..RestoreShape::kimi_k3(64 << 10) };
+        let config = RemoteBenchConfig::default();
+        let engine = [0.9, 1.0, 1.1];
+        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        add_mooncake(&mut r, &engine, &[0.5, 0.6, 0.7], Some(true), None);
+        assert_eq!(r.mooncake_gib_s, Some(0.6));
+        assert_eq!(r.mooncake_verdict, Some(Verdict::Met), "0.9 / 0.7 > 1.0");
+        assert_eq!((r.mooncake_verified, r.mooncake_skipped.as_deref()), (Some(true), None));
+        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        add_mooncake(&mut r, &engine, &[1.0, 1.05], Some(true), None);
+        assert_eq!(r.mooncake_verdict, Some(Verdict::WithinNoise));
+        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        add_mooncake(&mut r, &engine, &[], None, Some("not installed".into()));
+        assert_eq!((r.mooncake_gib_s, r.mooncake_verdict), (None, None));
+        assert_eq!(r.mooncake_skipped.as_deref(), Some("not installed"));
+        let json = serde_json::to_value(RemoteLine::Restore(&r)).unwrap();
+        assert_eq!((&json["row"], &json["mooncake_ratio"]), (&"restore".into(), &json!(null)));
+    }
+
+    #[test]
+    fn mooncake_reads_the_engine_s_pages_into_the_engine_s_offsets() {
+        let shape = RestoreShape { objects: 2, ..RestoreShape::kimi_k3(256 << 10) };
+        let pages = scattered_pages(&shape).unwrap();
+        let (src, dst) = mooncake_fragments(&shape, &pages);
+        assert_eq!((src.len(), dst.len()), (pages.len(), pages.len()));
+        let mut sorted = src.clone();
+        sorted.sort_unstable();
+        let mut all = pages.clone();
+        all.sort_unstable();
+        assert_eq!(sorted, all, "every page read once");
+        // Page 1 of range 3 of object 1 lands in destination 3 at 1 MiB + 256 KiB.
+        let per_range = 4;
+        let i = shape.ranges * per_range + 3 * per_range + 1;
+        assert_eq!(src[i], pages[shape.pages_per_object() + 3 * per_range + 1]);
+        assert_eq!(dst[i], (3 * 2 + 1) * (1 << 20) + (256 << 10));
+    }
+
+    #[test]
+    fn latency_rows_take_percentiles_and_judge_only_under_load() {
+        let config = RemoteBenchConfig::default();
+        // 100 samples: 1..=100 µs, one slow outlier of 5 ms in the last block.
+        let mut times: Vec<f64> = (1..=100).map(f64::from).collect();
+        times[99] = 5000.0;
+        let quiet = latency_row(&config, "quiet", &times, true);
+        assert_eq!((quiet.p50_us, quiet.p90_us, quiet.max_us), (51.0, 90.0, 5000.0));
+        assert_eq!((quiet.target_p99_us, quiet.verdict), (None, None));
+        let loaded = latency_row(&config, "spinning", &times, true);
+        assert_eq!(loaded.p99_range, [20.0, 5000.0], "the blocks' p99s");
+        assert_eq!(loaded.verdict, Some(Verdict::WithinNoise));
+        let fast = latency_row(&config, "spinning", &[20.0; 50], true);
+        assert_eq!(fast.verdict, Some(Verdict::Met));
+        let json = serde_json::to_value(RemoteLine::Latency(&fast)).unwrap();
+        assert_eq!((&json["row"], &json["load"]), (&"latency".into(), &"spinning".into()));
     }
 }

@@ -205,10 +205,10 @@ pub fn run(
     let remote = match (config.remote(), umbp_ucx::ucx_available()) {
         (Some(remote_config), Ok(())) => {
             progress.set_prefix("tour 4/4 · ");
-            let rows = remote_bench::run(&remote_config, progress)?;
-            let (text, chart) = (remote_bench::table(&rows), remote_bench::chart(&rows));
-            part_done(Report::new("remote", &rows, text, Some(chart))?)?;
-            rows
+            let run = remote_bench::run(&remote_config, progress)?;
+            let (text, chart) = (remote_bench::table(&run), remote_bench::chart(&run.restores));
+            part_done(Report::new("remote", &run.lines(), text, Some(chart))?)?;
+            run.restores
         }
         (Some(_), Err(e)) => {
             eprintln!("umbp-bench tour: skipping the remote part: {e}");

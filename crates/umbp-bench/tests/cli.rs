@@ -3,7 +3,7 @@
 //! scale with every restore verified. Sizes are tiny; nothing here is judged by time.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -151,6 +151,7 @@ fn bad_arguments_exit_2_with_one_line() {
         &["tour", "--tiny=yes"],
         &["remote", "--fragment-sizes", "3KiB"],
         &["remote", "--bytes", "0"],
+        &["remote", "--latency-transfers", "2000000"],
         &["serve", "--perftest-port", "70000"],
         &["--json", "--out"],
     ];
@@ -659,64 +660,179 @@ fn ucx_or_skip() -> bool {
     }
 }
 
-#[test]
-fn remote_json_fields_and_verified_restores() {
-    if !ucx_or_skip() {
-        return;
-    }
-    let out = umbp_bench(&["remote", "--tiny", "--json"]);
+/// One JSON line of the command.
+type Line = Map<String, Value>;
+
+/// Runs `remote --tiny --json` with `args` and `UMBP_MOONCAKE_PYTHON=python`: its stderr and
+/// its lines, split into restore rows and latency rows.
+fn remote_json(args: &[&str], python: &Path) -> (String, Vec<Line>, Vec<Line>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
+        .args(["remote", "--tiny", "--json"])
+        .args(args)
+        .env("UMBP_MOONCAKE_PYTHON", python)
+        .output()
+        .expect("the umbp-bench binary runs");
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "remote failed: {stderr}");
-    // Quiet, except the one line saying why there is no reference where ucx_perftest is
-    // missing.
-    assert!(stderr.lines().all(|l| l.starts_with("umbp-bench remote: no reference")), "{stderr}");
-    let with_perftest = stderr.is_empty();
-    let lines: Vec<Map<String, Value>> = stdout
+    let lines: Vec<Line> = stdout
         .lines()
         .map(|line| match serde_json::from_str(line) {
             Ok(Value::Object(map)) => map,
             other => panic!("not a JSON object: {line} ({other:?})"),
         })
         .collect();
-    let fields = [
-        "transport",
-        "server",
-        "fragment_size",
-        "objects",
-        "bytes",
-        "fragments",
-        "segments",
-        "in_flight",
-        "repeats",
-        "gib_s",
-        "gib_s_spread",
-        "perftest_gib_s",
-        "perftest_spread",
-        "ratio",
-        "ratio_range",
-        "verdict",
-        "verified",
-    ];
-    check_fields("remote", &lines, &fields);
+    let (restores, latency) = lines.into_iter().partition(|l| l["row"] == "restore");
+    (stderr, restores, latency)
+}
+
+const REMOTE_FIELDS: [&str; 26] = [
+    "row",
+    "transport",
+    "path",
+    "server",
+    "fragment_size",
+    "objects",
+    "bytes",
+    "fragments",
+    "segments",
+    "in_flight",
+    "repeats",
+    "gib_s",
+    "gib_s_spread",
+    "perftest_gib_s",
+    "perftest_spread",
+    "ratio",
+    "ratio_range",
+    "verdict",
+    "verified",
+    "mooncake_gib_s",
+    "mooncake_spread",
+    "mooncake_ratio",
+    "mooncake_ratio_range",
+    "mooncake_verdict",
+    "mooncake_verified",
+    "mooncake_skipped",
+];
+
+#[test]
+fn remote_json_fields_and_verified_restores() {
+    if !ucx_or_skip() {
+        return;
+    }
+    // Mooncake made absent: its fields say why, the rest is measured as ever.
+    let missing = Path::new("/nonexistent/umbp-bench/python");
+    let (stderr, lines, latency) = remote_json(&["--latency-transfers", "40"], missing);
+    // Quiet, except the lines saying why a peer did not run.
+    let skip = |l: &str| {
+        l.starts_with("umbp-bench remote: no reference")
+            || l.starts_with("umbp-bench remote: no Mooncake row: ")
+    };
+    assert!(stderr.lines().all(skip), "{stderr}");
+    assert!(stderr.contains("no Mooncake row") && stderr.contains(missing.to_str().unwrap()));
+    let with_perftest = !stderr.contains("no reference");
+    check_fields("remote", &lines, &REMOTE_FIELDS);
     let sizes: Vec<&Value> = lines.iter().map(|l| &l["fragment_size"]).collect();
     assert_eq!(sizes, [65536, 262144, 1048576], "the default fragment sizes");
     for l in &lines {
         assert_eq!(l["verified"], true, "{l:?}");
         assert_eq!((&l["transport"], &l["server"]), (&"tcp".into(), &"child".into()));
+        assert_eq!(l["path"], "checked", "TCP goes through the checked path");
         assert_eq!(
             (&l["objects"], &l["bytes"], &l["repeats"]),
             (&1.into(), &(24 << 20).into(), &1.into())
         );
-        assert_eq!(l["segments"], l["fragments"], "one get per fragment: nothing merged");
+        assert_eq!(l["segments"], l["fragments"], "one request per fragment: nothing merged");
         assert!(l["gib_s"].as_f64().is_some_and(|g| g > 0.0), "{l:?}");
         assert_eq!(l["perftest_gib_s"].is_f64(), with_perftest, "{l:?}");
-        assert_eq!(l["verdict"].is_string(), with_perftest, "a target at 64 KiB and up: {l:?}");
+        // The raw one-sided path's ceiling stands beside the checked path, without a target.
+        assert_eq!(l["verdict"], Value::Null, "no perftest target on the checked path: {l:?}");
         if with_perftest {
             let range = l["ratio_range"].as_array().expect("a range with a ratio");
             let ratio = l["ratio"].as_f64().unwrap();
             assert!(range[0].as_f64().unwrap() <= ratio && ratio <= range[1].as_f64().unwrap());
         }
+        let why = l["mooncake_skipped"].as_str().unwrap_or_else(|| panic!("a reason: {l:?}"));
+        assert!(why.contains("/nonexistent/umbp-bench/python"), "{why}");
+        for field in
+            REMOTE_FIELDS.iter().filter(|f| f.starts_with("mooncake_") && **f != "mooncake_skipped")
+        {
+            assert_eq!(l[*field], Value::Null, "{field} without Mooncake: {l:?}");
+        }
     }
+    let fields = [
+        "row",
+        "transport",
+        "path",
+        "load",
+        "transfer_size",
+        "transfers",
+        "p50_us",
+        "p90_us",
+        "p99_us",
+        "max_us",
+        "p99_range",
+        "target_p99_us",
+        "verdict",
+        "verified",
+    ];
+    check_fields("remote", &latency, &fields);
+    let loads: Vec<&Value> = latency.iter().map(|l| &l["load"]).collect();
+    assert_eq!(loads, ["quiet", "spinning"]);
+    for l in &latency {
+        assert_eq!((&l["transfer_size"], &l["transfers"]), (&4096.into(), &40.into()), "{l:?}");
+        assert_eq!(l["verified"], true, "every single transfer delivered its bytes: {l:?}");
+        let at = |f: &str| l[f].as_f64().unwrap_or_else(|| panic!("{f}: {l:?}"));
+        assert!(0.0 < at("p50_us") && at("p50_us") <= at("p90_us"), "{l:?}");
+        assert!(at("p90_us") <= at("p99_us") && at("p99_us") <= at("max_us"), "{l:?}");
+        let loaded = l["load"] == "spinning";
+        assert_eq!(l["target_p99_us"].as_f64(), loaded.then_some(1000.0), "{l:?}");
+        assert_eq!(l["verdict"].is_string(), loaded, "judged under load only: {l:?}");
+    }
+    // No latency rows when none are asked for; --no-mooncake says so in the rows.
+    let (_, lines, latency) = remote_json(
+        &["--latency-transfers", "0", "--no-mooncake", "--fragment-size", "1MiB"],
+        missing,
+    );
+    assert!(latency.is_empty());
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["mooncake_skipped"], "not run (--no-mooncake)");
+}
+
+/// The python of the Mooncake venv when it is installed already (UMBP_MOONCAKE_PYTHON, else
+/// scripts/mooncake-venv's cache); tests do not install it (a download).
+fn mooncake_python() -> Option<PathBuf> {
+    if let Some(python) = std::env::var_os("UMBP_MOONCAKE_PYTHON") {
+        return Some(PathBuf::from(python));
+    }
+    let venv = std::env::var_os("UMBP_MOONCAKE_VENV")
+        .map_or_else(|| PathBuf::from("/root/.cache/umbp/mooncake-0.3.13.post1"), PathBuf::from);
+    venv.join(".umbp-mooncake-complete").is_file().then(|| venv.join("bin/python"))
+}
+
+#[test]
+fn remote_measures_mooncake_beside_the_engine() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let Some(python) = mooncake_python() else {
+        eprintln!("skipped: the Mooncake venv is not installed (bash scripts/mooncake-venv)");
+        return;
+    };
+    let args = ["--fragment-sizes", "256KiB", "--latency-transfers", "0", "--no-perftest"];
+    let (stderr, lines, latency) = remote_json(&args, &python);
+    assert!(stderr.lines().all(|l| l.starts_with("umbp-bench remote: no reference")), "{stderr}");
+    assert!(latency.is_empty());
+    check_fields("remote", &lines, &REMOTE_FIELDS);
+    let l = &lines[0];
+    assert_eq!(l["mooncake_skipped"], Value::Null, "{l:?}");
+    assert_eq!(l["mooncake_verified"], true, "Mooncake read every byte right: {l:?}");
+    let gib_s = l["mooncake_gib_s"].as_f64().expect("a Mooncake figure");
+    let ratio = l["mooncake_ratio"].as_f64().unwrap();
+    assert!(gib_s > 0.0 && (ratio - l["gib_s"].as_f64().unwrap() / gib_s).abs() < 1e-9, "{l:?}");
+    let range = l["mooncake_ratio_range"].as_array().unwrap();
+    assert!(range[0].as_f64().unwrap() <= ratio && ratio <= range[1].as_f64().unwrap());
+    let verdict = l["mooncake_verdict"].as_str().unwrap();
+    assert!(["met", "unmet", "within noise"].contains(&verdict), "{verdict}");
 }
 
 #[test]
