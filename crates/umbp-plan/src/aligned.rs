@@ -243,6 +243,7 @@ mod tests {
     /// a 2 MiB-aligned mapping; zeroed, writable to its last byte, freed on drop (many times
     /// over, so a leak or a double unmap would show under valgrind and in the address space).
     #[test]
+    #[cfg_attr(miri, ignore = "Miri cannot unmap part of a mapping, which a huge-page buffer does")]
     fn direct_io_buffers_around_the_huge_page_threshold() {
         let huge = AlignedBuffer::HUGE_PAGE;
         for round in 0..20 {
@@ -271,6 +272,7 @@ mod tests {
     /// machine's memory, so that is printed, not asserted.
     #[test]
     #[cfg(target_os = "linux")]
+    #[cfg_attr(miri, ignore = "Miri cannot unmap part of a mapping, which a huge-page buffer does")]
     fn large_direct_io_buffers_ask_for_huge_pages() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
             eprintln!("skipped: this kernel has no transparent huge pages");

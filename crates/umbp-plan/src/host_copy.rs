@@ -232,6 +232,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri does not implement non-temporal stores (movntdq, vmovntdq)")]
     fn streaming_copy_matches_copy_nonoverlapping_at_every_size_and_offset() {
         let src: Vec<u8> = (0..6000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let mut scratch = Scratch::new(6000);
@@ -274,6 +275,7 @@ mod tests {
     /// odd tail, and pseudo-random lengths up to 96 KiB. The bytes around the destination must
     /// stay untouched.
     #[test]
+    #[cfg_attr(miri, ignore = "Miri does not implement non-temporal stores (movntdq, vmovntdq)")]
     fn interleaved_copy_matches_copy_nonoverlapping_around_whole_blocks() {
         const MAX: usize = 96 << 10;
         let src: Vec<u8> = (0..MAX as u32 + 64).map(|i| (i * 13 + i / 4099) as u8).collect();
@@ -299,6 +301,7 @@ mod tests {
     /// The SSE2 kernel, which CPUs without AVX2 use for long copies too.
     #[test]
     #[cfg(target_arch = "x86_64")]
+    #[cfg_attr(miri, ignore = "Miri does not implement non-temporal stores (movntdq, vmovntdq)")]
     fn sse2_kernel_copies_long_runs_exactly() {
         let src: Vec<u8> = (0..70_000u32).map(|i| (i * 31 + i / 257) as u8).collect();
         for (len, offset) in [(INTERLEAVED_BLOCK, 0), (65_536 + 17, 5), (69_000, 31)] {

@@ -592,6 +592,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "opens files: Miri isolates the file system and has no O_DIRECT")]
     fn a_refused_registration_leaves_nothing() {
         let picky =
             Picky { registry: EndpointRegistry::new(), limit: 10, released: Default::default() };
@@ -617,6 +618,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "opens files: Miri isolates the file system and has no O_DIRECT")]
     fn a_file_registration_owns_its_descriptor_until_it_ends() {
         let dir = std::env::temp_dir().join(format!("umbp-register-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -642,6 +644,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "opens files: Miri isolates the file system and has no O_DIRECT")]
     fn a_range_past_the_end_is_refused_unless_the_registration_can_write_it() {
         let dir = std::env::temp_dir().join(format!("umbp-past-end-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

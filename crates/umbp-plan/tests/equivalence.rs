@@ -194,8 +194,18 @@ fn check_overlap(scenario: &Scenario, rules: Rules) {
     assert_eq!(got, want);
 }
 
+/// Cases per property: a few under Miri, which interprets every step (and reads no
+/// regression files: its isolation has no file system).
+fn config() -> ProptestConfig {
+    if cfg!(miri) {
+        ProptestConfig { cases: 4, failure_persistence: None, ..ProptestConfig::default() }
+    } else {
+        ProptestConfig::with_cases(1000)
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(config())]
 
     #[test]
     fn the_overlap_check_names_exactly_the_objects_that_meet(

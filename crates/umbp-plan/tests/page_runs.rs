@@ -108,8 +108,18 @@ fn setup() -> (std::sync::Arc<EndpointRegistry>, EndpointId, [EndpointId; 3]) {
     (registry, ids.0, ids.1)
 }
 
+/// Cases per property: a few under Miri, which interprets every step (and reads no
+/// regression files: its isolation has no file system).
+fn config() -> ProptestConfig {
+    if cfg!(miri) {
+        ProptestConfig { cases: 4, failure_persistence: None, ..ProptestConfig::default() }
+    } else {
+        ProptestConfig::with_cases(1000)
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(config())]
 
     #[test]
     fn push_walk_equals_walk_and_push(
