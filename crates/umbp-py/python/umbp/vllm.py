@@ -859,8 +859,12 @@ class UmbpConnector(KVConnectorBase_V1):
         self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
             raise NotImplementedError("UmbpConnector does not support pipeline parallelism")
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+            # The scheduler's blocks would span several ranks' KV blocks.
+            raise NotImplementedError("UmbpConnector does not support decode context parallelism")
         self.config = UmbpConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         layout = _Layout.of(kv_cache_config)
         rank, ranks = (
