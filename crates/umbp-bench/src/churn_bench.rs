@@ -333,7 +333,7 @@ fn rig(config: &ChurnBenchConfig) -> anyhow::Result<Built> {
 fn cycle(
     composite: &CompositeEngine,
     rig: &mut Rig,
-    builder: &mut umbp_composite::CompositeBuilder<'_>,
+    builder: &mut umbp_composite::CompositeBuilder,
     config: &ChurnBenchConfig,
     check: bool,
 ) -> anyhow::Result<bool> {
@@ -369,7 +369,7 @@ fn cycle(
 /// Restores every object of the tier into `dst` (object `k` at `k × object size`).
 fn restore_into(
     rig: &Rig,
-    builder: &mut umbp_composite::CompositeBuilder<'_>,
+    builder: &mut umbp_composite::CompositeBuilder,
     dst: EndpointId,
 ) -> anyhow::Result<()> {
     let size = rig.object_size;

@@ -26,7 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging};
+use umbp_composite::{
+    restore, CompositeConfig, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging,
+};
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
@@ -244,7 +246,7 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
         ]
     };
     let arena_id = lent[0].id();
-    let composite = composite.with_staging(Staging::new(lent[1].id()))?;
+    composite.set_staging(Staging::new(lent[1].id()))?;
     let destination_len = shape.objects as u64 * shape.range_len;
     let destinations = (0..shape.ranges)
         .map(|_| hbm.alloc_device(gpu, destination_len))
@@ -271,10 +273,12 @@ impl Setup {
     /// [`setup`]), with the buffered builders (the baseline), so that the two take turns on
     /// the same bytes. The two never run at once: they share the bounce region.
     fn buffered_composite(&self, composite: &CompositeEngine) -> anyhow::Result<CompositeEngine> {
+        let config = CompositeConfig { buffered_builders: true, ..composite.config() };
+        let registry = Arc::clone(composite.registry());
         let composite =
-            CompositeEngine::new(Arc::clone(composite.registry()), composite.engines().to_vec())
-                .with_buffered_builders();
-        Ok(composite.with_staging(Staging::new(self.lent[1].id()))?)
+            CompositeEngine::with_config(registry, composite.engines().to_vec(), config);
+        composite.set_staging(Staging::new(self.lent[1].id()))?;
+        Ok(composite)
     }
 
     /// The ranges of `objects`: range `r` of object `b` to destination `r` at `b × range_len`,
@@ -353,7 +357,7 @@ impl Setup {
         let batches: Vec<Vec<Vec<ObjectRange>>> =
             shares.iter().map(|s| self.ranges(s, |_| 0)).collect();
         let mut builders: Vec<_> = shares.iter().map(|_| composite.builder()).collect();
-        let restore_all = |builders: &mut [umbp_composite::CompositeBuilder<'_>]| {
+        let restore_all = |builders: &mut [umbp_composite::CompositeBuilder]| {
             std::thread::scope(|scope| {
                 let workers: Vec<_> = builders
                     .iter_mut()

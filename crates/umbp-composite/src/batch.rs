@@ -105,7 +105,7 @@ impl std::fmt::Display for Reason<'_> {
                 f,
                 "no engine carries endpoint {} -> endpoint {}; a pair two engines carry only \
                  through host memory (file -> device, say) needs a staging region: register \
-                 host memory and pass it to `CompositeEngine::with_staging`",
+                 host memory and pass it to `CompositeEngine::set_staging`",
                 src.raw(),
                 dst.raw()
             ),

@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use umbp_plan::{
     DeviceStream, EndpointId, EndpointTable, Error, Failure, FailureCause, Fragment, GroupListener,
-    PageWalk, PlanBuilder, PlanSet, RejectReason, Tag,
+    PageWalk, PlanBuilder, PlanSet, RejectReason, Tag, TransferEngine,
 };
 
+use crate::engine::engine_builder;
 use crate::metrics::direction;
 use crate::overlap::BatchOverlap;
 use crate::route::{route, Route};
@@ -122,13 +123,26 @@ enum Scope {
     Poisoned(Tag),
 }
 
+/// An engine's plan builder, which borrows the engine.
+type EngineBuilder<'a> = Box<dyn PlanBuilder + Send + 'a>;
+
+self_cell::self_cell!(
+    /// An engine's plan builder kept beside the `Arc` of the engine it borrows, so that a
+    /// composite builder owns what it plans with (no lifetime ties it to the composite).
+    struct OwnedBuilder {
+        owner: Arc<dyn TransferEngine>,
+        #[covariant]
+        dependent: EngineBuilder,
+    }
+);
+
 /// One engine's builder for one layer group.
-struct Sub<'a> {
+struct Sub {
     group: u32,
     engine: usize,
     /// `None` once the engine failed to make a builder (it panicked): objects routed here are
     /// rejected.
-    builder: Option<Box<dyn PlanBuilder + Send + 'a>>,
+    builder: Option<OwnedBuilder>,
     /// Whether the open object is open in it.
     open: bool,
     /// The objects begun in it this batch: what a panic of it would lose.
@@ -154,11 +168,14 @@ struct LastPush {
 ///
 /// It keeps the [`PlanBuilder`] protocol (`begin_object`, `push`, `commit_object`,
 /// `rollback_object`, `finish`, `recycle`) with the same errors; [`set_group`](Self::set_group)
-/// chooses the layer group of the fragments pushed next. Reuse one builder across batches.
-pub struct CompositeBuilder<'a> {
-    composite: &'a CompositeEngine,
+/// chooses the layer group of the fragments pushed next.
+///
+/// It owns a handle of its composite (`'static`, `Send`): keep one per planning thread and
+/// reuse it across batches, in a struct beside the composite or in a `thread_local!`.
+pub struct CompositeBuilder {
+    composite: CompositeEngine,
     table: Arc<EndpointTable>,
-    subs: Vec<Sub<'a>>,
+    subs: Vec<Sub>,
     /// Sub-builders the open object is open in.
     touched: Vec<usize>,
     /// Routes of the pairs seen, pruned of deregistered endpoints as it grows.
@@ -182,11 +199,11 @@ pub struct CompositeBuilder<'a> {
     overlap: BatchOverlap,
 }
 
-impl<'a> CompositeBuilder<'a> {
-    pub(crate) fn new(composite: &'a CompositeEngine) -> Self {
+impl CompositeBuilder {
+    pub(crate) fn new(composite: CompositeEngine) -> Self {
         Self {
-            composite,
             table: composite.registry().snapshot(),
+            composite,
             subs: Vec::new(),
             touched: Vec::new(),
             routes: HashMap::new(),
@@ -208,8 +225,8 @@ impl<'a> CompositeBuilder<'a> {
     }
 
     /// The composite this builder plans for.
-    pub fn composite(&self) -> &'a CompositeEngine {
-        self.composite
+    pub fn composite(&self) -> &CompositeEngine {
+        &self.composite
     }
 
     /// Whether no object is open and none has been begun since the last `finish`.
@@ -624,7 +641,7 @@ impl<'a> CompositeBuilder<'a> {
         if let Some(i) = self.subs.iter().position(|s| (s.group, s.engine) == (group, engine)) {
             return i;
         }
-        let builder = new_builder(self.composite, engine);
+        let builder = new_builder(&self.composite, engine);
         self.subs.push(Sub {
             group,
             engine,
@@ -639,10 +656,9 @@ impl<'a> CompositeBuilder<'a> {
     /// Opens object `tag` in sub-builder `i`, if not yet (giving it a fresh builder if a panic
     /// took its last one).
     fn open_sub(&mut self, i: usize, tag: Tag) -> Result<(), Error> {
-        let composite = self.composite;
         let sub = &mut self.subs[i];
         if sub.builder.is_none() {
-            sub.builder = new_builder(composite, sub.engine);
+            sub.builder = new_builder(&self.composite, sub.engine);
         }
         if !sub.open {
             sub.objects.push(tag);
@@ -722,11 +738,13 @@ impl<'a> CompositeBuilder<'a> {
 const ROUTES_KEPT: usize = 64;
 
 /// Engine `engine`'s builder from `composite`, or `None` if making it panics.
-fn new_builder<'a>(
-    composite: &'a CompositeEngine,
-    engine: usize,
-) -> Option<Box<dyn PlanBuilder + Send + 'a>> {
-    catch_unwind(AssertUnwindSafe(|| composite.engine_builder(engine))).ok()
+fn new_builder(composite: &CompositeEngine, engine: usize) -> Option<OwnedBuilder> {
+    let owner = Arc::clone(&composite.engines()[engine]);
+    let buffered = composite.buffered();
+    catch_unwind(AssertUnwindSafe(|| {
+        OwnedBuilder::new(owner, |engine| engine_builder(&**engine, buffered))
+    }))
+    .ok()
 }
 
 /// Runs `call` on the sub-builder, catching a panic of the engine's builder: the sub-builder
@@ -735,14 +753,15 @@ fn new_builder<'a>(
 /// engine's plans), and the call fails with `Rejected { reason: BuilderPanicked }` for the
 /// open object.
 fn guarded<T>(
-    sub: &mut Sub<'_>,
+    sub: &mut Sub,
     call: impl FnOnce(&mut (dyn PlanBuilder + Send + '_)) -> Result<T, Error>,
 ) -> Result<T, Error> {
     let tag = sub.objects.last().copied().unwrap_or(Tag::new(0));
     let Some(builder) = sub.builder.as_mut() else {
         return Err(Error::Rejected { tag, reason: RejectReason::BuilderPanicked });
     };
-    match catch_unwind(AssertUnwindSafe(|| call(&mut **builder))) {
+    let run = || builder.with_dependent_mut(|_, b| call(&mut **b));
+    match catch_unwind(AssertUnwindSafe(run)) {
         Ok(result) => result,
         Err(_) => {
             tracing::error!(

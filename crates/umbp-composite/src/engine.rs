@@ -2,7 +2,7 @@
 //! non-blocking submit onto the composite's executor.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use umbp_plan::{
@@ -17,9 +17,15 @@ use crate::metrics::{direction, moved_by_direction, InFlightSnapshot, Metrics, M
 use crate::staging::{cut_stages, BouncePool, Staging};
 use crate::{CompositeBuilder, Error, RoutedPlans};
 
-/// How a composite runs its batches.
+/// How a composite runs its batches: plain data, written as a struct literal over the
+/// default, as every umbp engine's configuration is:
+///
+/// ```
+/// # use umbp_composite::CompositeConfig;
+/// let config = CompositeConfig { workers: 4, ..CompositeConfig::default() };
+/// # assert!(!config.buffered_builders);
+/// ```
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct CompositeConfig {
     /// Executor threads, started once at the first submit. Each runs one engine's lane of one
     /// batch, or one stage of the staged route, at a time, and blocks while its engine works;
@@ -27,19 +33,14 @@ pub struct CompositeConfig {
     /// (One more thread, the deadline watcher, starts with them; work waiting for a thread
     /// still settles at once when its batch is cancelled or its deadline passes.)
     pub workers: usize,
+    /// Gives every engine the buffered builder (collect, then plan at finish) instead of its
+    /// own: the baseline the incremental path is measured against. Default: `false`.
+    pub buffered_builders: bool,
 }
 
 impl Default for CompositeConfig {
     fn default() -> Self {
-        Self { workers: 8 }
-    }
-}
-
-impl CompositeConfig {
-    /// The default configuration with `workers` executor threads.
-    pub fn with_workers(mut self, workers: usize) -> Self {
-        self.workers = workers;
-        self
+        Self { workers: 8, buffered_builders: false }
     }
 }
 
@@ -47,10 +48,10 @@ impl CompositeConfig {
 pub(crate) struct Shared {
     pub(crate) engines: Vec<Arc<dyn TransferEngine>>,
     pub(crate) registry: Arc<EndpointRegistry>,
-    /// Set once, by [`CompositeEngine::with_staging`].
+    /// Set once, by [`CompositeEngine::set_staging`].
     pub(crate) staging: OnceLock<BouncePool<StageJob>>,
-    /// Set by [`CompositeEngine::with_buffered_builders`], read when a builder is made.
-    buffered: AtomicBool,
+    /// [`CompositeConfig::buffered_builders`].
+    pub(crate) buffered: bool,
     pub(crate) metrics: Arc<Metrics>,
 }
 
@@ -64,13 +65,7 @@ impl EndpointRelease for Shared {
 impl Shared {
     /// Engine `i`'s builder: its own, or the buffered baseline.
     pub(crate) fn engine_builder(&self, i: usize) -> Box<dyn PlanBuilder + Send + '_> {
-        let engine: &dyn TransferEngine = &*self.engines[i];
-        // Relaxed: a plain flag, set before the composite is shared.
-        if self.buffered.load(Ordering::Relaxed) {
-            Box::new(BufferedPlanBuilder::new(engine))
-        } else {
-            engine.builder()
-        }
+        engine_builder(&*self.engines[i], self.buffered)
     }
 
     /// Tells the first `count` engines that registration `id` ended. An engine that panics is
@@ -131,9 +126,32 @@ impl Shared {
     }
 }
 
+/// `engine`'s own builder, or the buffered baseline.
+pub(crate) fn engine_builder(
+    engine: &dyn TransferEngine,
+    buffered: bool,
+) -> Box<dyn PlanBuilder + Send + '_> {
+    if buffered {
+        Box::new(BufferedPlanBuilder::new(engine))
+    } else {
+        engine.builder()
+    }
+}
+
 /// Holds engines in preference order, routes every fragment to the first that claims it, and
 /// runs batches on its own executor; see the [crate docs](crate).
+///
+/// A handle: clones share the engines, the executor, the staged route and the metrics, and
+/// every [`CompositeBuilder`] holds one, so a builder can live anywhere (in a struct beside
+/// the composite, in a `thread_local!`). When the last handle goes, it waits for every batch
+/// in flight, then stops the executor.
+#[derive(Clone)]
 pub struct CompositeEngine {
+    core: Arc<Core>,
+}
+
+/// What the handles of one composite share.
+struct Core {
     id: u64,
     shared: Arc<Shared>,
     config: CompositeConfig,
@@ -162,66 +180,66 @@ impl CompositeEngine {
             engines,
             registry,
             staging: OnceLock::new(),
-            buffered: AtomicBool::new(false),
+            buffered: config.buffered_builders,
             metrics: Arc::new(Metrics::default()),
         };
-        Self {
+        let core = Core {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             shared: Arc::new(shared),
             config,
             executor: Mutex::new(None),
-        }
-    }
-
-    /// Gives every engine the buffered builder (collect, then plan at finish) instead of its
-    /// own: the baseline the incremental path is measured against.
-    pub fn with_buffered_builders(self) -> Self {
-        self.shared.buffered.store(true, Ordering::Relaxed);
-        self
+        };
+        Self { core: Arc::new(core) }
     }
 
     /// Enables the staged route through `staging.bounce`, which must be a registered host
-    /// endpoint of at least two bytes, with a non-zero stage size. The route is set once:
-    /// a second call is [`Error::BadBounce`].
-    pub fn with_staging(self, staging: Staging) -> Result<Self, Error> {
-        match self.shared.registry.get(staging.bounce) {
+    /// endpoint (registered through this composite, usually) of at least two bytes, with a
+    /// non-zero stage size. The route is set once, before the batches that need it: a second
+    /// call is [`Error::BadBounce`].
+    ///
+    /// A pair no engine carries alone but two carry through host memory (file -> device, say)
+    /// is rejected with `PairNotHandled` until this is called.
+    pub fn set_staging(&self, staging: Staging) -> Result<(), Error> {
+        match self.shared().registry.get(staging.bounce) {
             Some(e) if e.is_host() && e.len() >= 2 && staging.stage_bytes > 0 => {
                 let pool = BouncePool::new(staging, e.len());
-                match self.shared.staging.set(pool) {
-                    Ok(()) => Ok(self),
-                    Err(_) => Err(Error::BadBounce(staging.bounce)),
-                }
+                self.shared().staging.set(pool).map_err(|_| Error::BadBounce(staging.bounce))
             }
             _ => Err(Error::BadBounce(staging.bounce)),
         }
     }
 
-    pub(crate) fn id(&self) -> u64 {
-        self.id
+    fn shared(&self) -> &Arc<Shared> {
+        &self.core.shared
     }
 
-    pub(crate) fn engine_builder(&self, i: usize) -> Box<dyn PlanBuilder + Send + '_> {
-        self.shared.engine_builder(i)
+    pub(crate) fn id(&self) -> u64 {
+        self.core.id
+    }
+
+    /// Whether engines get the buffered builder ([`CompositeConfig::buffered_builders`]).
+    pub(crate) fn buffered(&self) -> bool {
+        self.shared().buffered
     }
 
     /// Engine `i`'s name, even if asking the engine panics.
     pub(crate) fn engine_name(&self, i: usize) -> String {
-        self.shared.engine_name(i)
+        self.shared().engine_name(i)
     }
 
     /// The engines, in preference order.
     pub fn engines(&self) -> &[Arc<dyn TransferEngine>] {
-        &self.shared.engines
+        &self.shared().engines
     }
 
     /// The shared registry.
     pub fn registry(&self) -> &Arc<EndpointRegistry> {
-        &self.shared.registry
+        &self.shared().registry
     }
 
     /// The staged route's configuration, if any.
     pub fn staging(&self) -> Option<Staging> {
-        self.shared.staging.get().map(|p| p.staging)
+        self.shared().staging.get().map(|p| p.staging)
     }
 
     /// The bounce region of the staged route, if configured.
@@ -231,35 +249,36 @@ impl CompositeEngine {
 
     /// The executor's configuration.
     pub fn config(&self) -> CompositeConfig {
-        self.config
+        self.core.config
     }
 
     /// The composite's metrics: counters, latency histograms and in-flight gauges, one
     /// Prometheus registry per composite (see [`Metrics`]).
     pub fn metrics(&self) -> &Metrics {
-        &self.shared.metrics
+        &self.shared().metrics
     }
 
     /// Every metric in the Prometheus text format, for a scraper ([`Metrics::render`]).
     pub fn metrics_text(&self) -> String {
-        self.shared.metrics.render()
+        self.shared().metrics.render()
     }
 
     /// Counters per engine and direction, read back from the metrics
     /// ([`Metrics::snapshot`]).
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
-        self.shared.metrics.snapshot()
+        self.shared().metrics.snapshot()
     }
 
     /// Batches submitted and not yet settled, and the bytes they move.
     pub fn in_flight(&self) -> InFlightSnapshot {
-        self.shared.metrics.in_flight.snapshot()
+        self.shared().metrics.in_flight.snapshot()
     }
 
-    /// A builder that routes fragments into the engines' own builders. Reuse it across
-    /// batches (with [`CompositeBuilder::recycle`]).
-    pub fn builder(&self) -> CompositeBuilder<'_> {
-        CompositeBuilder::new(self)
+    /// A builder that routes fragments into the engines' own builders. It holds a handle of
+    /// the composite (no borrow), so it can be kept anywhere: reuse it across batches (with
+    /// [`CompositeBuilder::recycle`]), one per planning thread.
+    pub fn builder(&self) -> CompositeBuilder {
+        CompositeBuilder::new(self.clone())
     }
 
     /// Starts a batch and returns its handle at once: every engine's lane and every stage of
@@ -276,7 +295,8 @@ impl CompositeEngine {
     /// [`submit`](Self::submit) for a batch whose tags are the positions `0 .. keys.len()`,
     /// reported under the caller's `keys`.
     pub(crate) fn start(&self, plans: RoutedPlans, keys: Option<Vec<u64>>) -> Result<Batch, Error> {
-        if plans.composite != self.id {
+        let Core { id, shared, config, executor } = &*self.core;
+        if plans.composite != *id {
             return Err(Error::ForeignPlans);
         }
         let span = tracing::info_span!(
@@ -285,19 +305,19 @@ impl CompositeEngine {
             staged = plans.staged.len()
         );
         let _enter = span.enter();
-        let mut executor = self.executor.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut executor = executor.lock().unwrap_or_else(PoisonError::into_inner);
         if executor.is_none() {
-            let started = Executor::start(self.config.workers, Arc::clone(&self.shared));
+            let started = Executor::start(config.workers, Arc::clone(shared));
             *executor = Some(started.map_err(Error::Executor)?);
         }
         let Some(executor) = executor.as_ref() else { unreachable!("started above") };
         tracing::trace!(threads = executor.threads(), "executor");
-        let slot = self.shared.staging.get().map_or(u64::MAX, |p| p.slot_bytes);
-        let metrics = Arc::clone(&self.shared.metrics);
+        let slot = shared.staging.get().map_or(u64::MAX, |p| p.slot_bytes);
+        let metrics = Arc::clone(&self.shared().metrics);
         // Every endpoint the batch uses stays registered until the batch settles.
         let staged_endpoints = plans.staged.iter().flat_map(|s| [s.fragment.src, s.fragment.dst]);
         let bounce = self.bounce().filter(|_| !plans.staged.is_empty());
-        let pins = self.shared.registry.pin(
+        let pins = shared.registry.pin(
             plans
                 .parts
                 .iter()
@@ -324,16 +344,12 @@ impl CompositeEngine {
             }
         }
         for lane in lanes {
-            let (shared, batch) = (Arc::clone(&self.shared), Arc::clone(&batch));
+            let (shared, batch) = (Arc::clone(shared), Arc::clone(&batch));
             executor.spawn(Box::new(move || run_lane(&shared, &batch, lane)));
         }
         for (part, fragments) in stages {
-            let job = StageJob {
-                shared: Arc::clone(&self.shared),
-                batch: Arc::clone(&batch),
-                part,
-                fragments,
-            };
+            let job =
+                StageJob { shared: Arc::clone(shared), batch: Arc::clone(&batch), part, fragments };
             executor.spawn(Box::new(move || run_stage(job)));
         }
         if let Some(deadline) = batch.deadline() {
@@ -343,8 +359,8 @@ impl CompositeEngine {
     }
 }
 
-impl Drop for CompositeEngine {
-    /// Waits for every batch still in flight, then stops the executor.
+impl Drop for Core {
+    /// The last handle went: waits for every batch still in flight, then stops the executor.
     fn drop(&mut self) {
         self.shared.metrics.in_flight.wait_idle();
         let executor = self.executor.get_mut().unwrap_or_else(PoisonError::into_inner).take();
@@ -357,10 +373,10 @@ impl std::fmt::Debug for CompositeEngine {
         f.debug_struct("CompositeEngine")
             .field(
                 "engines",
-                &(0..self.shared.engines.len()).map(|i| self.engine_name(i)).collect::<Vec<_>>(),
+                &(0..self.shared().engines.len()).map(|i| self.engine_name(i)).collect::<Vec<_>>(),
             )
             .field("staging", &self.staging())
-            .field("config", &self.config)
+            .field("config", &self.core.config)
             .finish()
     }
 }
@@ -372,7 +388,7 @@ impl std::fmt::Debug for CompositeEngine {
 /// that use the endpoint, every engine releases what it held.
 impl Register for CompositeEngine {
     fn registry(&self) -> &Arc<EndpointRegistry> {
-        &self.shared.registry
+        &self.shared().registry
     }
 
     fn prepare(
@@ -380,7 +396,7 @@ impl Register for CompositeEngine {
         id: EndpointId,
         endpoint: &Endpoint,
     ) -> Result<Option<Arc<dyn EndpointRelease>>, RegisterError> {
-        let engines = &self.shared.engines;
+        let engines = &self.shared().engines;
         for (i, e) in engines.iter().enumerate() {
             let told = catch_unwind(AssertUnwindSafe(|| e.endpoint_registered(id, endpoint)));
             let refusal = match told {
@@ -388,10 +404,10 @@ impl Register for CompositeEngine {
                 Ok(Err(source)) => source,
                 Err(panic) => format!("panicked: {}", panic_message(&*panic)).into(),
             };
-            self.shared.release_in(id, i);
-            let engine = self.shared.engine_name(i);
+            self.shared().release_in(id, i);
+            let engine = self.shared().engine_name(i);
             return Err(RegisterError::Engine { engine, source: refusal });
         }
-        Ok(Some(Arc::clone(&self.shared) as Arc<dyn EndpointRelease>))
+        Ok(Some(Arc::clone(self.shared()) as Arc<dyn EndpointRelease>))
     }
 }

@@ -5,6 +5,8 @@
 //!   any crate) in preference order. It registers memory and files like every umbp engine
 //!   ([`Register`](umbp_plan::Register)), once for all of its engines; the guard it returns
 //!   deregisters when dropped, after the batches that use the endpoint.
+//! - [`CompositeEngine`] is a cheap handle (clones share everything), and a
+//!   [`CompositeBuilder`] owns one: a builder can live in a struct or a `thread_local!`.
 //! - [`CompositeBuilder`] routes each fragment to the first engine that claims its pair
 //!   ([`route`]) and pushes it into that engine's own builder, created on first use: engines
 //!   with an incremental builder plan incrementally, others get the buffered default. One
@@ -16,7 +18,10 @@
 //! - [`CompositeEngine::submit`] returns a [`Batch`] at once. The composite's executor (threads
 //!   started once, [`CompositeConfig::workers`]) runs each engine's share side by side, layer
 //!   group after layer group; the batch shows each object's state while in flight, and can be
-//!   waited for whole, by layer group ([`Batch::wait_group`]), with a deadline, or cancelled.
+//!   waited for whole, by layer group ([`Batch::wait_group`]), with a deadline, or cancelled;
+//!   or awaited ([`Batch`] is a `Future`, and [`Batch::group_settled`] returns one) with no
+//!   thread per wait.
+//! - Metrics in the Prometheus text format: [`CompositeEngine::metrics_text`].
 //! - [`start_restore`] / [`start_offload`] take paged objects and the caller's ranges (each
 //!   range in a layer group) and return the batch; [`restore`] and [`offload`] wait for it.
 //!   Results and errors name the caller's own 64-bit tags.
@@ -34,8 +39,8 @@
 //!   panics out of the composite.
 //! - The composite is `Sync`: any number of threads may plan and submit at once.
 //! - Nothing returns while an engine still writes caller memory for a batch that the call
-//!   settles: [`Batch::wait`], [`Batch::cancel`], dropping a batch and dropping the composite
-//!   all wait for the work they end.
+//!   settles: [`Batch::wait`], [`Batch::cancel`], dropping a batch and dropping the composite's
+//!   last handle (a clone, or a builder) all wait for the work they end.
 //! - Cancel and deadlines settle work that has not started at once, wherever it waits (behind
 //!   other batches for an executor thread, for a bounce slot): [`Batch::cancel`] settles it
 //!   itself and cancels running work through the batch's

@@ -70,7 +70,7 @@ pub struct ObjectTransfer<'a> {
 /// Errors, before anything is planned: [`Error::DuplicateTag`], [`Error::BuilderInUse`] when
 /// `builder` holds an unfinished batch; then those of [`CompositeEngine::submit`](crate::CompositeEngine::submit).
 pub fn start_restore(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
 ) -> Result<Batch, Error> {
     start(builder, objects, Direction::Restore)
@@ -79,7 +79,7 @@ pub fn start_restore(
 /// [`start_restore`], then waits: blocks until every object has settled, recycles the plans
 /// into `builder` and returns one result per object.
 pub fn restore(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
 ) -> Result<TransferReport, Error> {
     let batch = start_restore(builder, objects)?;
@@ -90,7 +90,7 @@ pub fn restore(
 /// pages, in one batch (bytes of an object no range names are left as they are); as
 /// [`start_restore`] otherwise.
 pub fn start_offload(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
 ) -> Result<Batch, Error> {
     start(builder, objects, Direction::Offload)
@@ -98,14 +98,14 @@ pub fn start_offload(
 
 /// [`start_offload`], then waits, as [`restore`].
 pub fn offload(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
 ) -> Result<TransferReport, Error> {
     let batch = start_offload(builder, objects)?;
     Ok(finish(builder, batch))
 }
 
-fn finish(builder: &mut CompositeBuilder<'_>, batch: Batch) -> TransferReport {
+fn finish(builder: &mut CompositeBuilder, batch: Batch) -> TransferReport {
     let report = batch.wait();
     builder.recycle(batch.into_plans());
     report
@@ -118,7 +118,7 @@ enum Direction {
 }
 
 fn start(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
     direction: Direction,
 ) -> Result<Batch, Error> {
@@ -152,7 +152,7 @@ fn start(
 
 /// Checks one object's ranges and pages and pushes its fragments into the open object.
 fn plan_object(
-    builder: &mut CompositeBuilder<'_>,
+    builder: &mut CompositeBuilder,
     tag: Tag,
     o: &ObjectTransfer<'_>,
     direction: Direction,

@@ -548,7 +548,7 @@ fn an_engine_panicking_as_an_endpoint_is_released_does_not_stop_the_others_being
 fn an_engine_builder_failing_finish_refuses_the_batch_and_leaves_the_builder_clean() {
     let rig = host_rig(2, Wrapped::finish_failing_once);
     let mut b = rig.composite.builder();
-    let plan = |b: &mut umbp_composite::CompositeBuilder<'_>| {
+    let plan = |b: &mut umbp_composite::CompositeBuilder| {
         for o in 0..2u32 {
             let (tag, at) = (Tag::new(o), u64::from(o) * OBJECT);
             b.begin_object(tag).unwrap();
@@ -680,7 +680,9 @@ impl Drop for OpenOnDrop {
 fn cancel_and_a_deadline_settle_a_batch_queued_behind_a_running_job_at_once() {
     // One executor thread, held inside the engine by a job that would run for 15 s.
     let gate = Gate::new();
-    let rig = host_rig_with(4, CompositeConfig::default().with_workers(1), |w| w.gated(&gate));
+    let rig = host_rig_with(4, CompositeConfig { workers: 1, ..CompositeConfig::default() }, |w| {
+        w.gated(&gate)
+    });
     let _open = OpenOnDrop(Arc::clone(&gate));
     let running = rig.composite.submit(rig.plans_of(0..1, None)).unwrap();
     gate.wait_arrivals(1);
@@ -739,7 +741,9 @@ fn cancel_and_a_deadline_settle_a_batch_queued_behind_a_running_job_at_once() {
 fn cancel_of_a_running_part_reaches_its_engine_through_the_token() {
     // The gated engine cancels on the plan set's token, as the SSD engine cancels its I/O.
     let gate = Gate::new();
-    let rig = host_rig_with(2, CompositeConfig::default().with_workers(1), |w| w.gated(&gate));
+    let rig = host_rig_with(2, CompositeConfig { workers: 1, ..CompositeConfig::default() }, |w| {
+        w.gated(&gate)
+    });
     let _open = OpenOnDrop(Arc::clone(&gate));
     let running = rig.composite.submit(rig.plans_of(0..2, None)).unwrap();
     gate.wait_arrivals(1);

@@ -152,7 +152,7 @@ fn a_pair_no_engine_claims_rejects_its_object_everywhere() {
     assert!(report.objects.iter().all(|o| o.state != ObjectState::Failed), "{report:?}");
     // The message says what would carry the pair.
     let message = report.objects[0].error.as_ref().unwrap().to_string();
-    assert!(message.contains("no engine carries") && message.contains("with_staging"), "{message}");
+    assert!(message.contains("no engine carries") && message.contains("set_staging"), "{message}");
     assert!(out[..2048].iter().all(|&x| x == POISON));
     assert_eq!(&out[2048..3072], &a[2048..3072]);
     let snapshot = rig.composite.metrics_snapshot();

@@ -253,8 +253,7 @@ fn cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel() {
     ));
     let composite = CompositeEngine::new(registry, vec![host, hbm.clone(), ssd]);
     let bounce = composite.register_memory(vec![0u8; 64 << 10]).unwrap();
-    let composite =
-        composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 16 << 10 }).unwrap();
+    composite.set_staging(Staging { bounce: bounce.id(), stage_bytes: 16 << 10 }).unwrap();
     // A FIFO nobody writes: every read of it waits in the kernel.
     let source = FileSource::open(&path, FileOptions::new().direct(false));
     let fifo = composite.register_file(source, 0, 1 << 20).unwrap();

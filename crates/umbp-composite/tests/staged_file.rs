@@ -51,14 +51,14 @@ fn file_rig(file_len: usize, stage_bytes: u64, slots: u64, workers: usize) -> Op
         return None;
     }
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
-    let config = CompositeConfig::default().with_workers(workers);
+    let config = CompositeConfig { workers, ..CompositeConfig::default() };
     let composite = CompositeEngine::with_config(registry, engines, config);
     let mut bounce = vec![0u8; (slots * stage_bytes) as usize];
     let endpoint = Endpoint::host(bounce.as_mut_ptr() as u64, bounce.len() as u64);
     // SAFETY: the region lives in the rig, whose composite (its first field, so dropped
     // first) waits for every batch before the region goes.
     let bounce_id = unsafe { register(&composite, endpoint) }.unwrap();
-    let composite = composite.with_staging(Staging { bounce: bounce_id, stage_bytes }).unwrap();
+    composite.set_staging(Staging { bounce: bounce_id, stage_bytes }).unwrap();
     Some(FileRig {
         composite,
         hbm,

@@ -246,12 +246,12 @@ impl Engine {
         let composite = CompositeEngine::with_config(
             registry,
             engines,
-            CompositeConfig::default().with_workers(workers),
+            CompositeConfig { workers, ..CompositeConfig::default() },
         );
         let bounce = composite
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes))
             .map_err(registration_error)?;
-        let composite = composite.with_staging(Staging::new(bounce.id())).map_err(error)?;
+        composite.set_staging(Staging::new(bounce.id())).map_err(error)?;
         Ok(Self { composite: Some(Arc::new(composite)), device, remote, bounce: Some(bounce) })
     }
 }

@@ -96,8 +96,7 @@ fn tiers(pages: usize) -> Tiers {
     let arena = &peer.regions[0];
     let remote_reg = composite.register_remote(arena.region, 0, arena.len).unwrap();
     let bounce = composite.register_memory(vec![0u8; 256 << 10]).unwrap();
-    let composite =
-        composite.with_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
+    composite.set_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
     Tiers {
         hbm,
         server,

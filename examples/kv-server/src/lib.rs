@@ -77,7 +77,7 @@ impl Pool {
         let dram = composite.register_memory(dram_bytes.clone())?;
         let bounce = composite.register_memory(vec![0u8; 16 << 20])?;
         // SSD -> device has no single engine: it goes through the bounce region, in stages.
-        let composite = composite.with_staging(Staging::new(bounce.id()))?;
+        composite.set_staging(Staging::new(bounce.id()))?;
         Ok(Self { composite, hbm, dram, ssd, dram_bytes, file_bytes, _bounce: bounce, _dir: dir })
     }
 

@@ -55,7 +55,7 @@ pub(crate) fn tiered_with(
     let file_id = file_registration.id();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd.clone()];
     let engines = engines.into_iter().enumerate().map(|(i, e)| wrap(i, e, &registry)).collect();
-    let mut composite = CompositeEngine::new(registry, engines);
+    let composite = CompositeEngine::new(registry, engines);
     let mut dram = pattern(len, 11);
     let mut bounce = vec![0u8; 256 << 10];
     // SAFETY: the buffers live in the returned struct, alive for every transfer of the test.
@@ -70,8 +70,7 @@ pub(crate) fn tiered_with(
             .unwrap(),
         )
     };
-    composite =
-        composite.with_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
+    composite.set_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
     Tiered {
         composite,
         _file_registration: file_registration,
