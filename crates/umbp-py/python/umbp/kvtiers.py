@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple
 
 __all__ = ["DRAM", "SSD", "TierIndex", "Entry"]
 
@@ -49,7 +49,7 @@ class _Slots:
         self.count = count
         self._free = list(range(count))  # a heap
         self._pins: Dict[int, int] = {}
-        self._retiring: set = set()
+        self._retiring: Set[int] = set()
 
     @property
     def free(self) -> int:
@@ -134,7 +134,11 @@ class TierIndex:
         self.dram_free_slots = max(0, min(dram_free_slots, dram_slots))
         self._slots = {DRAM: _Slots(dram_slots), SSD: _Slots(ssd_slots)}
         self._entries: Dict[Hashable, Entry] = {}
-        self._lru = {DRAM: OrderedDict(), SSD: OrderedDict()}  # key -> None, least recent first
+        # key -> None, least recent first
+        self._lru: Dict[str, "OrderedDict[Hashable, None]"] = {
+            DRAM: OrderedDict(),
+            SSD: OrderedDict(),
+        }
         self._ops: Dict[int, _Op] = {}
         self._next_op = 1
         self.counters = Counters()
@@ -153,7 +157,7 @@ class TierIndex:
         e = self._entries.get(key)
         return e is not None and e.state != SAVING
 
-    def count_hits(self, keys) -> int:
+    def count_hits(self, keys: Iterable[Hashable]) -> int:
         """How many of ``keys``, from the first, can be loaded now (a prefix)."""
         n = 0
         for key in keys:
@@ -279,10 +283,12 @@ class TierIndex:
         if op.reports < self.ranks:
             return
         del self._ops[op_id]
+        # The block the operation was about, if it is still stored where the operation saw it.
         e = self._entries.get(op.key)
-        mine = e is not None and e.tier == op.tier and e.slot == op.slot
+        if e is not None and (e.tier != op.tier or e.slot != op.slot):
+            e = None
         if op.kind == "save":
-            if not mine:  # cannot happen: a block being saved is never dropped
+            if e is None:  # cannot happen: a block being saved is never dropped
                 self._slots[op.tier].release(op.slot)
             elif op.failed:
                 self.counters.failed_saves += 1
@@ -294,11 +300,11 @@ class TierIndex:
             self._slots[op.tier].unpin(op.slot)
             if op.failed:
                 self.counters.failed_loads += 1
-                if mine:
+                if e is not None:
                     self._drop(e)
         elif op.kind == "demote":
             self._slots[DRAM].unpin(op.slot)
-            if not mine or e.state != DEMOTING:  # dropped meanwhile (a failed load of it)
+            if e is None or e.state != DEMOTING:  # dropped meanwhile (a failed load of it)
                 self._slots[SSD].release(op.ssd_slot)
             elif op.failed:
                 self.counters.failed_demotions += 1
