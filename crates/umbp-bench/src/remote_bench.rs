@@ -79,8 +79,9 @@
 //! After the restores, `latency_transfers` transfers of one 4 KiB page each, one at a time
 //! (build, submit, wait), from pages spread over the arena, each checked against the pattern;
 //! once on a quiet machine and once with one process spinning a CPU beside it (started and
-//! stopped by the bench). Percentiles over all of them; the p99 range is over five blocks of
-//! them in order. Target: p99 at most 1 ms under load.
+//! stopped by the bench), and Mooncake's `transfer_sync_read` of the same pages right after
+//! under the same load, as a reference. Percentiles over all of them; the p99 range is over
+//! five blocks of them in order. Target: p99 at most 1 ms under load.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -390,6 +391,17 @@ pub struct LatencyRow {
     pub verdict: Option<Verdict>,
     /// Every transfer delivered the right bytes.
     pub verified: bool,
+    /// Mooncake's single 4 KiB `transfer_sync_read`s, the same offsets right after the
+    /// engine's under the same load: percentiles in µs; `null` when it did not run.
+    pub mooncake_p50_us: Option<f64>,
+    /// Its 90th percentile, µs.
+    pub mooncake_p90_us: Option<f64>,
+    /// Its 99th percentile, µs.
+    pub mooncake_p99_us: Option<f64>,
+    /// Its slowest, µs.
+    pub mooncake_max_us: Option<f64>,
+    /// Every one of Mooncake's transfers delivered the right bytes; `null` when it did not run.
+    pub mooncake_verified: Option<bool>,
 }
 
 /// What `remote` measured: a row per fragment size, and the latency rows.
@@ -687,28 +699,40 @@ impl Client {
         Ok((seconds, matches_pattern(&self.buffers[0].bytes()[slot], src)))
     }
 
-    /// `transfers` single transfers (after a few untimed ones) from pages spread over the
-    /// first `arena` bytes: their times in µs, and whether every one delivered its bytes.
+    /// Single transfers from `src[i]` to `dst[i]` (see [`latency_offsets`]), the first
+    /// [`LATENCY_WARMUP`] untimed: the others' times in µs, and whether every one delivered
+    /// its bytes.
     fn latencies(
         &mut self,
         builder: &mut UcxBuilder,
-        arena: u64,
-        transfers: usize,
+        src: &[u64],
+        dst: &[u64],
     ) -> anyhow::Result<(Vec<f64>, bool)> {
-        let pages = (arena / LATENCY_SIZE).max(1);
-        let slots = (self.buffers[0].len() as u64 / LATENCY_SIZE).clamp(1, 64);
         let mut verified = true;
-        let mut times = Vec::with_capacity(transfers);
-        for i in 0..(transfers + 20) as u64 {
-            let src = (i * 7919 % pages) * LATENCY_SIZE;
-            let (seconds, ok) = self.single(builder, src, (i % slots) * LATENCY_SIZE)?;
+        let mut times = Vec::with_capacity(src.len());
+        for (i, (&src, &dst)) in src.iter().zip(dst).enumerate() {
+            let (seconds, ok) = self.single(builder, src, dst)?;
             verified &= ok;
-            if i >= 20 {
+            if i >= LATENCY_WARMUP {
                 times.push(seconds * 1e6);
             }
         }
         Ok((times, verified))
     }
+}
+
+/// Untimed single transfers before the timed ones.
+const LATENCY_WARMUP: usize = 20;
+
+/// The offsets of [`LATENCY_WARMUP`] + `transfers` single transfers: sources spread over the
+/// arena's first `arena` bytes by a prime stride, destinations cycling through 64 slots of
+/// the first destination (of `dst_len` bytes).
+fn latency_offsets(arena: u64, dst_len: u64, transfers: usize) -> (Vec<u64>, Vec<u64>) {
+    let pages = (arena / LATENCY_SIZE).max(1);
+    let slots = (dst_len / LATENCY_SIZE).clamp(1, 64);
+    (0..(transfers + LATENCY_WARMUP) as u64)
+        .map(|i| ((i * 7919 % pages) * LATENCY_SIZE, (i % slots) * LATENCY_SIZE))
+        .unzip()
 }
 
 /// A process spinning one CPU (`sh -c 'while :; do :; done'`), killed when dropped.
@@ -781,6 +805,11 @@ fn latency_row(
         target_p99_us: loaded.then_some(TARGET_P99_US),
         verdict: loaded.then(|| Verdict::range_at_most(Some(p99_range), TARGET_P99_US)),
         verified,
+        mooncake_p50_us: None,
+        mooncake_p90_us: None,
+        mooncake_p99_us: None,
+        mooncake_max_us: None,
+        mooncake_verified: None,
     }
 }
 
@@ -968,10 +997,10 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
         add_mooncake(&mut r, &engine_gib_s, &mooncake_gib_s, mooncake_verified, mooncake.skipped());
         rows.push(r);
     }
-    let stopped = mooncake.0.map(Mooncake::stop);
-    ensure!(stopped != Ok(false), "the Mooncake target died during the run");
     let mut latency = Vec::new();
     if config.latency_transfers > 0 {
+        let dst_len = client.buffers[0].len() as u64;
+        let (src, dst) = latency_offsets(base.bytes(), dst_len, config.latency_transfers);
         for load in ["quiet", "spinning"] {
             progress.step(format!(
                 "{} single {} transfers, {load}",
@@ -979,12 +1008,25 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
                 ByteSize(LATENCY_SIZE)
             ));
             let spinner = if load == "spinning" { Some(Spinner::start()?) } else { None };
-            let (times, verified) =
-                client.latencies(&mut builder, base.bytes(), config.latency_transfers)?;
+            let (times, verified) = client.latencies(&mut builder, &src, &dst)?;
+            let peer = mooncake.step("single transfers", |m| m.singles(&src, &dst));
             drop(spinner);
-            latency.push(latency_row(config, load, &times, verified));
+            let mut row = latency_row(config, load, &times, verified);
+            if let Some((peer_times, peer_verified)) = peer {
+                let timed = &peer_times[LATENCY_WARMUP.min(peer_times.len())..];
+                let mut sorted = timed.to_vec();
+                sorted.sort_by(f64::total_cmp);
+                row.mooncake_p50_us = Some(quantile(&sorted, 0.50));
+                row.mooncake_p90_us = Some(quantile(&sorted, 0.90));
+                row.mooncake_p99_us = Some(quantile(&sorted, 0.99));
+                row.mooncake_max_us = sorted.last().copied();
+                row.mooncake_verified = Some(peer_verified);
+            }
+            latency.push(row);
         }
     }
+    let stopped = mooncake.0.map(Mooncake::stop);
+    ensure!(stopped != Ok(false), "the Mooncake target died during the run");
     drop(builder);
     drop(client);
     drop(server);
@@ -1158,7 +1200,9 @@ pub fn table(run: &RemoteRun) -> String {
     if !run.latency.is_empty() {
         out += &format!(
             "\nsingle {} transfers one at a time (build + submit + wait), quiet and beside one \
-             process spinning a CPU\n\n{:>9} {:>9} {:>9} {:>9} {:>22} {:>9} {:>11} {:>12} {:>8}\n",
+             process spinning a CPU; Mooncake's transfer_sync_read of the same pages right \
+             after, under the same load\n\n{:>9} {:>9} {:>9} {:>9} {:>22} {:>9} {:>11} {:>12} \
+             {:>8} {:>16} {:>16}\n",
             ByteSize(LATENCY_SIZE),
             "load",
             "transfers",
@@ -1168,11 +1212,14 @@ pub fn table(run: &RemoteRun) -> String {
             "max µs",
             "target p99",
             "verdict",
-            "verified"
+            "verified",
+            "Mooncake p50 µs",
+            "Mooncake p99 µs"
         );
         for l in &run.latency {
+            let peer_verified = if l.mooncake_verified == Some(false) { " (NO)" } else { "" };
             out += &format!(
-                "{:>9} {:>9} {:>9.1} {:>9.1} {:>22} {:>9.1} {:>11} {:>12} {:>8}\n",
+                "{:>9} {:>9} {:>9.1} {:>9.1} {:>22} {:>9.1} {:>11} {:>12} {:>8} {:>16} {:>16}\n",
                 l.load,
                 l.transfers,
                 l.p50_us,
@@ -1181,7 +1228,9 @@ pub fn table(run: &RemoteRun) -> String {
                 l.max_us,
                 or_dash(l.target_p99_us.map(|t| format!("<= {t:.0}"))),
                 l.verdict.map_or("-", Verdict::as_str),
-                if l.verified { "yes" } else { "NO" }
+                if l.verified { "yes" } else { "NO" },
+                or_dash(l.mooncake_p50_us.map(|p| format!("{p:.1}{peer_verified}"))),
+                or_dash(l.mooncake_p99_us.map(|p| format!("{p:.1}"))),
             );
         }
     }
@@ -1333,6 +1382,18 @@ mod tests {
         let i = shape.ranges * per_range + 3 * per_range + 1;
         assert_eq!(src[i], pages[shape.pages_per_object() + 3 * per_range + 1]);
         assert_eq!(dst[i], (3 * 2 + 1) * (1 << 20) + (256 << 10));
+    }
+
+    #[test]
+    fn single_transfers_stay_inside_the_arena_and_their_slots() {
+        let (src, dst) = latency_offsets(24 << 20, 1 << 20, 2000);
+        assert_eq!((src.len(), dst.len()), (2000 + LATENCY_WARMUP, 2000 + LATENCY_WARMUP));
+        assert!(src.iter().all(|&s| s % LATENCY_SIZE == 0 && s + LATENCY_SIZE <= 24 << 20));
+        assert!(dst.iter().all(|&d| d % LATENCY_SIZE == 0 && d < 64 * LATENCY_SIZE));
+        let mut distinct = src.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), src.len(), "2,020 different pages of 6,144");
     }
 
     #[test]

@@ -774,6 +774,11 @@ fn remote_json_fields_and_verified_restores() {
         "target_p99_us",
         "verdict",
         "verified",
+        "mooncake_p50_us",
+        "mooncake_p90_us",
+        "mooncake_p99_us",
+        "mooncake_max_us",
+        "mooncake_verified",
     ];
     check_fields("remote", &latency, &fields);
     let loads: Vec<&Value> = latency.iter().map(|l| &l["load"]).collect();
@@ -787,6 +792,9 @@ fn remote_json_fields_and_verified_restores() {
         let loaded = l["load"] == "spinning";
         assert_eq!(l["target_p99_us"].as_f64(), loaded.then_some(1000.0), "{l:?}");
         assert_eq!(l["verdict"].is_string(), loaded, "judged under load only: {l:?}");
+        for field in fields.iter().filter(|f| f.starts_with("mooncake_")) {
+            assert_eq!(l[*field], Value::Null, "{field} without Mooncake: {l:?}");
+        }
     }
     // No latency rows when none are asked for; --no-mooncake says so in the rows.
     let (_, lines, latency) = remote_json(
@@ -818,10 +826,15 @@ fn remote_measures_mooncake_beside_the_engine() {
         eprintln!("skipped: the Mooncake venv is not installed (bash scripts/mooncake-venv)");
         return;
     };
-    let args = ["--fragment-sizes", "256KiB", "--latency-transfers", "0", "--no-perftest"];
+    let args = ["--fragment-sizes", "256KiB", "--latency-transfers", "30", "--no-perftest"];
     let (stderr, lines, latency) = remote_json(&args, &python);
     assert!(stderr.lines().all(|l| l.starts_with("umbp-bench remote: no reference")), "{stderr}");
-    assert!(latency.is_empty());
+    assert_eq!(latency.len(), 2, "quiet and spinning");
+    for l in &latency {
+        assert_eq!(l["mooncake_verified"], true, "Mooncake's single reads landed: {l:?}");
+        let p50 = l["mooncake_p50_us"].as_f64().expect("Mooncake's latency beside the engine's");
+        assert!(0.0 < p50 && p50 <= l["mooncake_p99_us"].as_f64().unwrap(), "{l:?}");
+    }
     check_fields("remote", &lines, &REMOTE_FIELDS);
     let l = &lines[0];
     assert_eq!(l["mooncake_skipped"], Value::Null, "{l:?}");

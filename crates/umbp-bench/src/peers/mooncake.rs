@@ -274,6 +274,18 @@ impl Mooncake {
         answer["verified"].as_bool().context("a verify without its verdict")
     }
 
+    /// Single 4 KiB reads one at a time, from target offset `src[i]` to destination offset
+    /// `dst[i]`, each timed alone (after a [`setup`](Self::setup)): their µs, and whether
+    /// every one delivered its bytes.
+    pub fn singles(&mut self, src: &[u64], dst: &[u64]) -> anyhow::Result<(Vec<f64>, bool)> {
+        ensure!(src.len() == dst.len(), "as many sources as destinations");
+        let answer = self.initiator.ask(Some(&json!({"op": "singles", "src": src, "dst": dst})))?;
+        let times = answer["us"].as_array().context("singles without their times")?;
+        let times: Vec<f64> = times.iter().filter_map(Value::as_f64).collect();
+        ensure!(times.len() == src.len(), "{} times for {} transfers", times.len(), src.len());
+        Ok((times, answer["verified"] == true))
+    }
+
     /// Stops both processes and says whether the target was still up.
     pub fn stop(mut self) -> bool {
         self.initiator.stop();

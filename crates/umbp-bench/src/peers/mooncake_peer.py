@@ -19,6 +19,9 @@ of two roles; each speaks JSON lines: commands on stdin, one answer per command 
                             answers {"seconds": s, "gib_s": g}
           {"op": "verify"}  poisons the destination, reads once more and checks every byte
                             against the pattern; answers {"verified": true/false}
+          {"op": "singles", "src": [...], "dst": [...]}
+              one transfer_sync_read of 4 KiB per pair, one at a time, each timed alone and
+              checked after (its slot poisoned before); answers {"us": [...], "verified": b}
         A failure answers {"error": "why"} and the program exits.
 """
 
@@ -89,10 +92,24 @@ def initiator(size):
             if len(src) != len(dst) or n % BLOCK or any(d + n > size for d in dst):
                 fail("a setup whose fragments do not fit the destination")
             job = (cmd["segment"], [addr + d for d in dst], [base + s for s in src], [n] * len(src),
-                   n, src, dst)
+                   n, src, dst, base)
             answer({"fragments": len(src)})
+        elif op == "singles" and job is not None:
+            segment, base = job[0], job[7]
+            times, ok = [], True
+            for s, d in zip(cmd["src"], cmd["dst"]):
+                if d + BLOCK > size:
+                    fail("a single transfer past the destination")
+                mem[d:d + BLOCK] = b"\xa5" * BLOCK
+                start = time.perf_counter()
+                ret = te.transfer_sync_read(segment, addr + d, base + s, BLOCK)
+                times.append((time.perf_counter() - start) * 1e6)
+                if ret != 0:
+                    fail(f"transfer_sync_read of {BLOCK} bytes returned {ret}")
+                ok = ok and mem[d:d + BLOCK] == block(s // BLOCK)
+            answer({"us": times, "verified": ok})
         elif op in ("run", "verify") and job is not None:
-            segment, local, remote, lengths, n, src, dst = job
+            segment, local, remote, lengths, n, src, dst, _ = job
             if op == "verify":
                 mem[:] = b"\xa5" * size
             start = time.perf_counter()
