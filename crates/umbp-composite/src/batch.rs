@@ -222,6 +222,8 @@ pub(crate) struct BatchShared {
     metrics: Arc<Metrics>,
     /// When the batch was submitted.
     submitted: Instant,
+    /// Whether the batch counts in the metrics (in flight or not, it counts as in flight).
+    metered: bool,
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
     deadline: Option<Instant>,
@@ -372,6 +374,7 @@ impl BatchShared {
         let parts_pending = parts.len();
         let group_unqueued = group_pending.clone();
         let listener = plans.listener.take();
+        let unmetered = plans.unmetered;
         let deadline = plans.deadline;
         let stream = plans.stream;
         let batch = Arc::new(BatchShared {
@@ -403,6 +406,7 @@ impl BatchShared {
             told: Mutex::default(),
             metrics,
             submitted: Instant::now(),
+            metered: !unmetered,
             pins: Mutex::new(Some(pins)),
             deadline,
             stream,
@@ -430,6 +434,11 @@ impl BatchShared {
     /// Part `index`.
     pub(crate) fn part(&self, index: usize) -> &Part {
         &self.parts[index]
+    }
+
+    /// Whether the batch counts in the metrics.
+    pub(crate) fn is_metered(&self) -> bool {
+        self.metered
     }
 
     /// Whether the caller cancelled the batch.
@@ -647,7 +656,9 @@ impl BatchShared {
             p.parts_pending -= 1;
             all_done = p.parts_pending == 0;
         }
-        self.metrics.record_objects_settled(objects_settled, self.submitted.elapsed());
+        if self.metered {
+            self.metrics.record_objects_settled(objects_settled, self.submitted.elapsed());
+        }
         self.deliver();
         if all_done {
             self.finished();
@@ -687,7 +698,9 @@ impl BatchShared {
             Some(ObjectError::Failed { cause, .. }) => Some(cause),
             _ => None,
         });
-        self.metrics.record_batch(self.submitted.elapsed(), p.status.objects(), causes);
+        if self.metered {
+            self.metrics.record_batch(self.submitted.elapsed(), p.status.objects(), causes);
+        }
     }
 
     fn report(&self, p: &Progress) -> TransferReport {

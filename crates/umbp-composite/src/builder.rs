@@ -57,6 +57,8 @@ pub struct RoutedPlans {
     pub(crate) listener: Option<Arc<dyn GroupListener>>,
     pub(crate) deadline: Option<Instant>,
     pub(crate) stream: Option<DeviceStream>,
+    /// The batch stays out of the metrics ([`CompositeBuilder::set_metered`]).
+    pub(crate) unmetered: bool,
 }
 
 impl RoutedPlans {
@@ -112,6 +114,7 @@ impl std::fmt::Debug for RoutedPlans {
             .field("listener", &self.listener.is_some())
             .field("deadline", &self.deadline)
             .field("stream", &self.stream)
+            .field("unmetered", &self.unmetered)
             .finish()
     }
 }
@@ -195,6 +198,8 @@ pub struct CompositeBuilder {
     scope: Scope,
     /// When the batch's first object was begun (for the plan-time histogram).
     planning_since: Option<Instant>,
+    /// Whether the next batch counts in the metrics.
+    metered: bool,
     /// The whole batch's overlap check, its buffers kept for the next batch.
     overlap: BatchOverlap,
 }
@@ -220,6 +225,7 @@ impl CompositeBuilder {
             stream: None,
             scope: Scope::Closed,
             planning_since: None,
+            metered: true,
             overlap: BatchOverlap::default(),
         }
     }
@@ -269,6 +275,13 @@ impl CompositeBuilder {
     /// the batch.
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
+    }
+
+    /// Whether the next batch counts in the composite's [metrics](crate::Metrics) (yes by
+    /// default): a probe the caller does not want counted as traffic (reading a few bytes
+    /// back to check them, say) turns it off. Back to `true` after `finish`.
+    pub fn set_metered(&mut self, metered: bool) {
+        self.metered = metered;
     }
 
     /// Opens object `tag`. Each tag names one object of the batch: a tag already begun (and
@@ -475,6 +488,7 @@ impl CompositeBuilder {
             listener: self.listener.take(),
             deadline: self.deadline.take(),
             stream: self.stream.take(),
+            unmetered: !std::mem::replace(&mut self.metered, true),
         };
         // Objects rejected at push are out of every plan already; seen here so that a rejection
         // found below is not listed twice.
@@ -547,7 +561,7 @@ impl CompositeBuilder {
         self.group = 0;
         self.last = None;
         self.table = self.composite.registry().snapshot();
-        if let Some(since) = self.planning_since.take() {
+        if let Some(since) = self.planning_since.take().filter(|_| !out.unmetered) {
             self.composite.metrics().record_plan(since.elapsed());
         }
         match broken {
@@ -709,7 +723,9 @@ impl CompositeBuilder {
             (Some(s), Some(d)) => direction(s, d),
             _ => "unknown",
         };
-        self.composite.metrics().record_rejected(&name, dir, &reason);
+        if self.metered {
+            self.composite.metrics().record_rejected(&name, dir, &reason);
+        }
         tracing::debug!(tag = tag.get(), %reason, "object rejected");
         error
     }

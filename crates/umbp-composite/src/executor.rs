@@ -267,6 +267,8 @@ struct Submitted {
     /// Each plan's pair and objects, to fail them if the engine panics while settling.
     carried: Vec<(umbp_plan::EndpointId, umbp_plan::EndpointId, Vec<Tag>)>,
     started: Instant,
+    /// Whether the batch counts in the metrics ([`CompositeBuilder::set_metered`](crate::CompositeBuilder::set_metered)).
+    metered: bool,
 }
 
 /// One failure per carried plan, for an engine that panicked with `payload`.
@@ -275,6 +277,7 @@ fn panicked(
     index: usize,
     carried: Vec<(umbp_plan::EndpointId, umbp_plan::EndpointId, Vec<Tag>)>,
     payload: &(dyn Any + Send),
+    metered: bool,
 ) -> Vec<Failure> {
     let name = shared.engine_name(index);
     let message = panic_message(payload);
@@ -289,33 +292,42 @@ fn panicked(
             cause: FailureCause::Panicked { message: message.clone() },
         })
         .collect();
-    shared.record_failures(index, &failures);
+    if metered {
+        shared.record_failures(index, &failures);
+    }
     failures
 }
 
 /// Submits `plans` to engine `index`. A panic fails every object of every plan (one failure
 /// per plan) and loses the plans.
-fn submit(shared: &Shared, index: usize, plans: PlanSet) -> Result<Submitted, Vec<Failure>> {
+fn submit(
+    shared: &Shared,
+    index: usize,
+    plans: PlanSet,
+    metered: bool,
+) -> Result<Submitted, Vec<Failure>> {
     let engine = &shared.engines[index];
     let carried: Vec<_> =
         plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect();
     let started = Instant::now();
     match catch_unwind(AssertUnwindSafe(|| engine.submit(plans))) {
-        Ok(handle) => Ok(Submitted { index, handle, carried, started }),
-        Err(payload) => Err(panicked(shared, index, carried, &*payload)),
+        Ok(handle) => Ok(Submitted { index, handle, carried, started, metered }),
+        Err(payload) => Err(panicked(shared, index, carried, &*payload, metered)),
     }
 }
 
 /// Waits for a submitted plan set and records metrics; a panic while waiting fails every
 /// object it carried.
 fn settle(shared: &Shared, submitted: Submitted) -> (Vec<Failure>, PlanSet) {
-    let Submitted { index, handle, carried, started } = submitted;
+    let Submitted { index, handle, carried, started, metered } = submitted;
     match catch_unwind(AssertUnwindSafe(|| handle.into_settled())) {
         Ok(settled) => {
-            shared.record(index, &settled.plans, &settled.failures, started.elapsed());
+            if metered {
+                shared.record(index, &settled.plans, &settled.failures, started.elapsed());
+            }
             (settled.failures, settled.plans)
         }
-        Err(payload) => (panicked(shared, index, carried, &*payload), PlanSet::default()),
+        Err(payload) => (panicked(shared, index, carried, &*payload, metered), PlanSet::default()),
     }
 }
 
@@ -336,14 +348,19 @@ fn settle_panicked(
     submitted: Submitted,
     payload: Box<dyn Any + Send>,
 ) -> (Vec<Failure>, PlanSet) {
-    let Submitted { index, handle, carried, .. } = submitted;
+    let Submitted { index, handle, carried, metered, .. } = submitted;
     let plans = catch_unwind(AssertUnwindSafe(|| handle.into_settled().plans)).unwrap_or_default();
-    (panicked(shared, index, carried, &*payload), plans)
+    (panicked(shared, index, carried, &*payload, metered), plans)
 }
 
 /// Submits `plans` to engine `index`, waits, and records metrics.
-fn execute(shared: &Shared, index: usize, plans: PlanSet) -> (Vec<Failure>, PlanSet) {
-    match submit(shared, index, plans) {
+fn execute(
+    shared: &Shared,
+    index: usize,
+    plans: PlanSet,
+    metered: bool,
+) -> (Vec<Failure>, PlanSet) {
+    match submit(shared, index, plans, metered) {
         Ok(submitted) => settle(shared, submitted),
         Err(failures) => (failures, PlanSet::default()),
     }
@@ -386,7 +403,7 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
         part.plans.set_cancel(Some(batch.token().clone()));
         let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
         let _enter = span.enter();
-        match submit(shared, part.engine, part.plans) {
+        match submit(shared, part.engine, part.plans, batch.is_metered()) {
             Err(failures) => {
                 let returned = returned_part(part.group, part.engine, PlanSet::default());
                 batch.settle(index, PartEnd::Ran(failures), Some(returned));
@@ -573,7 +590,7 @@ fn hop(
             rejected.extend_from_slice(plans.rejected());
             plans.set_deadline(batch.deadline());
             plans.set_cancel(Some(batch.token().clone()));
-            let (mut failures, _) = execute(shared, index, plans);
+            let (mut failures, _) = execute(shared, index, plans, batch.is_metered());
             if !rejected.is_empty() {
                 failures.push(refused(rejected, "staged hop refused by its engine".into()));
             }

@@ -139,3 +139,33 @@ fn failures_are_counted_by_engine_direction_and_cause() {
     let snapshot = composite.metrics_snapshot();
     assert_eq!(snapshot[&("refusing".to_string(), "host->device".to_string())].failures, 2);
 }
+
+#[test]
+fn an_unmetered_batch_moves_its_bytes_and_counts_nowhere() {
+    let registry = EndpointRegistry::new();
+    let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let composite = CompositeEngine::new(registry, vec![host]);
+    let src = composite.register_memory(vec![3u8; 4096]).unwrap();
+    let dst = composite.register_memory(vec![0u8; 4096]).unwrap();
+    let before = composite.metrics_text();
+    let mut builder = composite.builder();
+    builder.set_metered(false);
+    builder.begin_object(Tag::new(0)).unwrap();
+    builder.push(Fragment::new(src.id(), 0, dst.id(), 0, 4096, Tag::new(0))).unwrap();
+    builder.commit_object().unwrap();
+    let batch = composite.submit(builder.finish().unwrap()).unwrap();
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+    drop(batch);
+    assert_eq!(composite.metrics_text(), before, "a probe counted as traffic");
+    // The next batch of the same builder counts again.
+    builder.begin_object(Tag::new(0)).unwrap();
+    builder.push(Fragment::new(src.id(), 0, dst.id(), 0, 4096, Tag::new(0))).unwrap();
+    builder.commit_object().unwrap();
+    let batch = composite.submit(builder.finish().unwrap()).unwrap();
+    assert_eq!(batch.wait().aggregate, BatchState::Completed);
+    let text = composite.metrics_text();
+    assert_eq!(sample(&text, "umbp_transfer_bytes_total", &[]), Some(4096.0), "{text}");
+    assert_eq!(sample(&text, "umbp_batch_duration_seconds_count", &[]), Some(1.0));
+    drop(batch);
+    assert_eq!(dst.deregister(), vec![3u8; 4096]);
+}

@@ -32,7 +32,10 @@ def test_metrics_text_counts_a_restore():
         engine.restore(objects).raise_for_errors()
         assert bytes(out[:PAGE]) == bytes(tier[7 * PAGE:8 * PAGE])
         assert bytes(out[3 * PAGE:]) == bytes(tier[4 * PAGE:5 * PAGE])
-    text = engine.metrics_text()
+        text = engine.metrics_text()
+        # Reading bytes back is a probe, not traffic: it counts nowhere.
+        assert engine.read(d, 0, PAGE) == bytes(tier[7 * PAGE:8 * PAGE])
+        assert engine.metrics_text() == text
     assert text.endswith("# EOF\n")
     assert sample(text, "umbp_transfer_bytes_total", direction="host->host") == 4 * PAGE
     assert sample(text, "umbp_transfer_objects_total", direction="host->host") == 2
