@@ -256,7 +256,7 @@ struct SsdArgs {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Also measure block-aligned writes through the engine (`engine-write`), into a second
-    /// file of --file-size.
+    /// file of --file-size. Default: off.
     #[arg(long)]
     writes: bool,
 }
@@ -373,9 +373,10 @@ struct BatchArgs {
 
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
-    /// Address of the control connection, host:port (port 0 picks a free one; serve other
-    /// nodes with e.g. 0.0.0.0:7400: the arena is writable and the connection has no token,
-    /// so only on a trusted network).
+    /// Address of the control connection, host:port (port 0 picks a free one; to serve other
+    /// nodes, the address of the interface they reach, e.g. 10.0.0.2:7400). Only clients
+    /// holding the shared secret in UMBP_UCX_SECRET (16 bytes or more; serve refuses to start
+    /// without one) are served, but what travels after the handshake is not encrypted.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
     /// Bytes of the exported arena (units allowed; `remote` needs its --bytes rounded down to

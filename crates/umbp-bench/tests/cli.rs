@@ -853,8 +853,20 @@ fn serve_listens_until_stdin_closes() {
     if !ucx_or_skip() {
         return;
     }
+    // Without a shared secret it refuses to serve, with one line saying why.
+    let out = Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
+        .args(["serve", "--bytes", "1MiB", "--transports", "tcp"])
+        .env_remove("UMBP_UCX_SECRET")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.lines().count() == 1 && stderr.contains("UMBP_UCX_SECRET"), "{stderr}");
+    assert!(out.stdout.is_empty());
     let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
         .args(["serve", "--bytes", "1MiB", "--transports", "tcp"])
+        .env("UMBP_UCX_SECRET", "a secret of the serve test, 32 B")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
