@@ -34,12 +34,21 @@ pub struct Series {
     pub values: Vec<Option<f64>>,
     /// Fill colour (`#rrggbb`); `None` takes the palette's colour for the series' position.
     pub color: Option<&'static str>,
+    /// Per group, the interval the value lies in, drawn as an error bar over its bar (none
+    /// where `None` or missing).
+    pub errors: Vec<Option<[f64; 2]>>,
 }
 
 impl Series {
     /// A series named `name` with `values`, one per group, in the palette's colour.
     pub fn new(name: impl Into<String>, values: Vec<Option<f64>>) -> Self {
-        Self { name: name.into(), values, color: None }
+        Self { name: name.into(), values, color: None, errors: Vec::new() }
+    }
+
+    /// The same series with an error bar per group: the interval each value lies in.
+    pub fn with_errors(mut self, errors: Vec<Option<[f64; 2]>>) -> Self {
+        self.errors = errors;
+        self
     }
 
     /// The same series in `color` (`#rrggbb`).
@@ -178,12 +187,22 @@ impl BarChart {
         let label_size = if most <= 2 { 12 } else { 11 };
         for (s, series) in self.series.iter().enumerate() {
             let color = series_color(series.fill(s));
+            let mut errors = Vec::new();
             let bars: Vec<(f64, f64)> = (0..self.groups.len())
                 .filter_map(|g| {
                     let bars = self.bars_in(g);
                     let k = bars.iter().position(|&(bs, _)| bs == s)?;
                     let first = g as f64 + 0.5 - width * bars.len() as f64 / 2.0;
-                    Some((first + width * k as f64, bars[k].1))
+                    let x = first + width * k as f64;
+                    if let Some(&Some([low, high])) = series.errors.get(g) {
+                        // Clipped to the plot; a log axis cannot show zero or less.
+                        let floor = if self.log_y { scale.low } else { f64::MIN };
+                        let (low, high) = (low.max(floor).max(scale.low), high.min(scale.high));
+                        if low.is_finite() && high.is_finite() && low <= high {
+                            errors.push((x + width / 2.0, low, high, width / 4.0));
+                        }
+                    }
+                    Some((x, bars[k].1))
                 })
                 .collect();
             let drawn = chart.draw_series(bars.iter().map(|&(x, v)| {
@@ -194,6 +213,15 @@ impl BarChart {
                     Rectangle::new([(x, y - 6), (x + 12, y + 6)], color.filled())
                 });
             }
+            // Error bars: the interval each value lies in, with caps.
+            let ink = RGBColor(0x22, 0x22, 0x22).stroke_width(1);
+            chart.draw_series(errors.iter().flat_map(|&(x, low, high, cap)| {
+                [
+                    PathElement::new(vec![(x, low), (x, high)], ink),
+                    PathElement::new(vec![(x - cap / 2.0, low), (x + cap / 2.0, low)], ink),
+                    PathElement::new(vec![(x - cap / 2.0, high), (x + cap / 2.0, high)], ink),
+                ]
+            }))?;
             let above = (FONT, label_size)
                 .into_font()
                 .color(&BLACK)

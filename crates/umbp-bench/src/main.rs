@@ -31,9 +31,10 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 /// Measure the umbp transfer engines.
 ///
-/// Without a subcommand, runs the tour: plan building, a verified mixed DRAM + SSD restore
-/// into the simulated device, and batch against single submits, then a summary of the headline
-/// figures against their targets (10 to 30 seconds on a 2-core machine in a release build).
+/// Without a subcommand, runs the tour: four parts (plan building for the Kimi-K3 shape, a
+/// verified DRAM, SSD and mixed restore into the simulated device, batch against single
+/// submits, and the remote engine where UCX loads), then one summary line per headline figure
+/// and its target (15 to 40 seconds on a 2-core machine in a release build).
 #[derive(Parser, Debug)]
 #[command(name = "umbp-bench", version, about, long_about)]
 #[command(after_help = "Every subcommand has its own --help. JSON field names are documented \
@@ -54,8 +55,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// The default: plan building, a verified mixed restore and batch vs single submits, at a
-    /// small scale, then one summary line per headline figure and its target.
+    /// The default: four parts (plan building, a verified DRAM, SSD and mixed restore, batch
+    /// vs single submits, the remote engine where UCX loads) at a small scale, then one
+    /// summary line per headline figure and its target.
     Tour(TourArgs),
     /// Plan building for the Kimi-K3 restore shape: buffered vs incremental vs a floor.
     ///
@@ -611,7 +613,9 @@ impl Output<'_> {
             let written = report.save(dir)?;
             if !self.json {
                 let names: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
-                eprintln!("umbp-bench: wrote {}", names.join(" and "));
+                let message = format!("umbp-bench: wrote {}", names.join(" and "));
+                // Above the progress line, not over it.
+                self.progress.suspend(|| eprintln!("{message}"));
             }
         }
         Ok(())
@@ -628,7 +632,7 @@ fn tour(args: &TourArgs, out: &Output<'_>) -> anyhow::Result<()> {
             out.save(&report)
         } else {
             out.emit(&report)?;
-            println!();
+            out.progress.suspend(|| println!());
             Ok(())
         }
     };

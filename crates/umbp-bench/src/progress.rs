@@ -60,24 +60,30 @@ impl Progress {
     }
 
     /// Starts a section of `steps` steps; resets the count and the clock.
+    ///
+    /// The tick thread may draw between any two of these updates, so they go in an order
+    /// where every state in between is true: the last section's step name goes first, then
+    /// its count (before the new, perhaps smaller, total: never "11/4"), then the new total
+    /// and name.
     pub fn section(&self, name: impl Into<String>, steps: usize) {
         let prefix = self.prefix.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        self.bar.set_prefix(format!("{prefix}{}", name.into()));
-        self.bar.set_length(steps as u64);
-        self.bar.set_position(0);
-        self.bar.set_message("");
-        self.bar.reset_elapsed();
         self.running.store(false, Ordering::Relaxed);
+        self.bar.set_message("");
+        self.bar.set_position(0);
+        self.bar.set_length(steps as u64);
+        self.bar.set_prefix(format!("{prefix}{}", name.into()));
+        self.bar.reset_elapsed();
     }
 
-    /// Marks the running step done (if any) and names the one that starts now.
+    /// Marks the running step done (if any) and names the one that starts now: the new name
+    /// first, so no frame shows the finished step beside the count that includes it.
     pub fn step(&self, name: impl Into<String>) {
+        self.bar.set_message(name.into());
         if self.running.swap(true, Ordering::Relaxed)
             && self.bar.position() < self.bar.length().unwrap_or(0)
         {
             self.bar.inc(1);
         }
-        self.bar.set_message(name.into());
     }
 
     /// Runs `print` with the line cleared, then draws it again: for printing to the terminal.

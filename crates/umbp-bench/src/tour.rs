@@ -115,6 +115,9 @@ pub struct Headline {
     pub target: f64,
     /// `met`, `unmet`, `within noise` or `below noise`; only `met` counts.
     pub verdict: Verdict,
+    /// The interval the measured value lies in, given its spread, where the part reports one
+    /// (`[low, high]`); the verdict is `within noise` when the target lies inside it.
+    pub interval: Option<[f64; 2]>,
 }
 
 impl Headline {
@@ -145,13 +148,59 @@ impl Headline {
         target: f64,
         verdict: Verdict,
     ) -> Self {
-        Self { part, figure: figure.into(), value, unit, comparison, target, verdict }
+        Self {
+            part,
+            figure: figure.into(),
+            value,
+            unit,
+            comparison,
+            target,
+            verdict,
+            interval: None,
+        }
+    }
+
+    /// The same headline, its value known to lie in `interval`.
+    fn within(mut self, interval: Option<[f64; 2]>) -> Self {
+        self.interval = interval.filter(|[low, high]| low.is_finite() && high.is_finite());
+        self
+    }
+
+    /// The verdict in words, with the interval behind it when it has one:
+    /// `within noise [0.85, 0.97]`.
+    pub fn verdict_text(&self) -> String {
+        match self.interval {
+            Some([low, high]) => format!(
+                "{} [{}, {}]",
+                self.verdict.as_str(),
+                crate::chart::format_value(low),
+                crate::chart::format_value(high)
+            ),
+            None => self.verdict.as_str().to_owned(),
+        }
+    }
+
+    /// Where the score (measured / target, or target / measured for `<=`) lies, from the
+    /// interval.
+    fn score_interval(&self) -> Option<[f64; 2]> {
+        let [low, high] = self.interval?;
+        let t = self.target;
+        let [a, b] =
+            if self.comparison == ">=" { [low / t, high / t] } else { [t / high, t / low] };
+        (a.is_finite() && b.is_finite() && a > 0.0).then_some([a, b])
     }
 
     /// Whether the target was met.
     pub fn met(&self) -> bool {
         self.verdict.is_met()
     }
+}
+
+/// `value` give or take `spread` (relative), as [`Verdict::at_least`] and [`Verdict::at_most`]
+/// judge it.
+fn spread_interval(value: f64, spread: f64) -> Option<[f64; 2]> {
+    let d = value.abs() * spread;
+    (spread > 0.0).then_some([value - d, value + d])
 }
 
 /// Everything the tour measured.
@@ -221,7 +270,8 @@ pub fn run(
     Ok(Tour { plan, restore, batch, remote, summary, seconds: start.elapsed().as_secs_f64() })
 }
 
-/// The headline figures and their targets (DESIGN.md section 7 and the subcommands' issues).
+/// The headline figures and their targets (each subcommand's, as its `--help` and the crate
+/// README state them).
 pub fn summarize(
     plan: &[PlanRow],
     restore: &[RestoreRow],
@@ -238,29 +288,19 @@ pub fn summarize(
             let figure = format!("incremental build, {} pages", ByteSize(page));
             let ns = inc.ns_per_fragment;
             let verdict = Verdict::at_most(Some(ns), 5.0, inc.spread);
-            lines.push(Headline::judged(
-                "plan",
-                figure,
-                Some(ns),
-                "ns/fragment",
-                "<=",
-                5.0,
-                verdict,
-            ));
+            lines.push(
+                Headline::judged("plan", figure, Some(ns), "ns/fragment", "<=", 5.0, verdict)
+                    .within(spread_interval(ns, inc.spread)),
+            );
             if let Some(buf) = get("buffered") {
                 let figure = format!("incremental vs buffered, {} pages", ByteSize(page));
                 let speedup = buf.median_ms / inc.median_ms;
                 let verdict = Verdict::at_least(Some(speedup), 3.0, inc.spread + buf.spread);
                 let unit = "x faster";
-                lines.push(Headline::judged(
-                    "plan",
-                    figure,
-                    Some(speedup),
-                    unit,
-                    ">=",
-                    3.0,
-                    verdict,
-                ));
+                lines.push(
+                    Headline::judged("plan", figure, Some(speedup), unit, ">=", 3.0, verdict)
+                        .within(spread_interval(speedup, inc.spread + buf.spread)),
+                );
             }
         }
     }
@@ -320,7 +360,8 @@ pub fn summarize(
     for r in batch {
         let figure = format!("single / batch submit ns per transfer, {}", r.engine);
         let (ratio, target) = (r.ratio, r.target_ratio);
-        lines.push(Headline::judged("batch", figure, ratio, "x", ">=", target, r.verdict));
+        let line = Headline::judged("batch", figure, ratio, "x", ">=", target, r.verdict);
+        lines.push(line.within(r.ratio_range));
     }
     let verified = batch.iter().filter(|r| r.verified).count();
     let figure = format!("engines byte-correct on both paths (of {})", batch.len());
@@ -351,19 +392,19 @@ pub fn summarize(
 pub fn table(tour: &Tour) -> String {
     let mut out = String::from("summary: headline figures against their targets\n\n");
     out += &format!(
-        "{:<8} {:<62} {:>11} {:<17} {:>9} {:>12}\n",
+        "{:<8} {:<62} {:>11} {:<17} {:>9}  {}\n",
         "part", "figure", "measured", "unit", "target", "verdict"
     );
     for h in &tour.summary {
         out += &format!(
-            "{:<8} {:<62} {:>11} {:<17} {:>2} {:>6} {:>12}\n",
+            "{:<8} {:<62} {:>11} {:<17} {:>2} {:>6}  {}\n",
             h.part,
             h.figure,
             h.value.map_or("below noise".to_owned(), crate::chart::format_value),
             h.unit,
             h.comparison,
             crate::chart::format_value(h.target),
-            h.verdict.as_str()
+            h.verdict_text()
         );
     }
     let met = tour.summary.iter().filter(|h| h.met()).count();
@@ -398,11 +439,16 @@ pub fn chart(tour: &Tour) -> crate::chart::BarChart {
         let score = if h.comparison == ">=" { v / h.target } else { h.target / v };
         (score.is_finite() && score > 0.0).then_some(score)
     };
+    // Within noise is neither met nor missed: a colour of its own, never the one of "not met".
+    let series = |name: &str, color: &'static str, keep: fn(Verdict) -> bool| {
+        let values = scored.iter().map(|h| score(h).filter(|_| keep(h.verdict))).collect();
+        let errors = scored.iter().map(|h| h.score_interval().filter(|_| keep(h.verdict)));
+        Series::new(name, values).with_color(color).with_errors(errors.collect())
+    };
     chart.series = vec![
-        Series::new("met", scored.iter().map(|h| score(h).filter(|_| h.met())).collect())
-            .with_color("#59a14f"),
-        Series::new("not met", scored.iter().map(|h| score(h).filter(|_| !h.met())).collect())
-            .with_color("#e15759"),
+        series("met", "#59a14f", |v| v == Verdict::Met),
+        series("within noise", "#bab0ac", |v| v == Verdict::WithinNoise),
+        series("not met", "#e15759", |v| v == Verdict::Unmet),
     ];
     chart.log_y = true;
     chart.references = vec![Reference { value: 1.0, label: "target (score 1)".into() }];
