@@ -43,7 +43,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import Engine, Object, Range
+from . import Engine, Object, Range, Registration
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
@@ -307,7 +307,13 @@ class UmbpPromMetrics(KVConnectorPromMetrics):
     """The workers' counters as Prometheus counters, in vLLM's own ``/metrics``:
     ``vllm:umbp_<counter>_total{tier=...}`` and ``vllm:umbp_load_wait_seconds_total``."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        metric_types: Dict[Any, Any],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         docs = {
             "loaded_blocks": "KV blocks umbp loaded whole into vLLM's KV cache, per tier.",
@@ -319,13 +325,13 @@ class UmbpPromMetrics(KVConnectorPromMetrics):
             "demoted_blocks": "KV blocks moved from DRAM to SSD.",
             "demote_errors": "KV blocks whose move from DRAM to SSD failed (dropped).",
         }
-        self._counters = {
+        self._counters: Dict[str, Any] = {
             name: self._counter_cls(
                 name=f"vllm:umbp_{name}_total", documentation=doc, labelnames=labelnames + ["tier"]
             )
             for name, doc in docs.items()
         }
-        self._wait = self._counter_cls(
+        self._wait: Any = self._counter_cls(
             name="vllm:umbp_load_wait_seconds_total",
             documentation="Seconds the forward pass spent blocked waiting for umbp layer loads.",
             labelnames=labelnames,
@@ -542,9 +548,10 @@ class _WorkerSide:
         self._group_of: Dict[str, int] = {
             name: i // cfg.layers_per_group for i, name in enumerate(layout.layer_names)
         }
-        self.dram = None
-        self.ssd = None
-        self._arena = None
+        self.dram: Optional[Registration] = None
+        self.ssd: Optional[Registration] = None
+        self.ssd_path: Optional[str] = None
+        self._arena: Optional[np.ndarray] = None
         self._transfers: List[_Transfer] = []
         self._step_load: Optional[_Transfer] = None
         #: Whether this step's saves started (reset when metadata is bound).
@@ -596,7 +603,7 @@ class _WorkerSide:
             if base not in by_storage:
                 flat = torch.empty(0, dtype=torch.uint8, device=t.device)
                 flat.set_(storage)
-                reg = self.engine.register(flat)
+                reg = self._eng().register(flat)
                 self._registrations.append(reg)
                 by_storage[base] = (reg, storage.nbytes())
             reg, nbytes = by_storage[base]
@@ -655,12 +662,12 @@ class _WorkerSide:
         dram_slots = self.cfg.dram_bytes_per_rank // slot
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
-            self.dram = self.engine.register(self._arena)
+            self.dram = self._eng().register(self._arena)
         path = self.cfg.ssd_file(self.rank, self.ranks)
         if path:
             ssd_slots = self.cfg.ssd_bytes_per_rank // slot
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.ssd = self.engine.register_file(
+            self.ssd = self._eng().register_file(
                 path, 0, ssd_slots * slot, direct=self.cfg.ssd_direct, create=True, extend=True
             )
             self.ssd_path = path
@@ -678,13 +685,24 @@ class _WorkerSide:
             )
             for r in self._runs
         ]
-        reg = self.dram if tier == DRAM else self.ssd
+        reg = self._tier(tier)
         size = self.layout.object_bytes
         return Object(
             tag, reg, self._pages + slot * self.layout.slot_bytes, self._page, size, ranges
         )
 
-    def _stream(self):
+    def _eng(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("UmbpConnector: register_kv_caches has not run on this worker")
+        return self.engine
+
+    def _tier(self, tier: str) -> Registration:
+        reg = self.dram if tier == DRAM else self.ssd
+        if reg is None:
+            raise ValueError(f"UmbpConnector: this worker has no {tier} tier")
+        return reg
+
+    def _stream(self) -> Any:
         return torch.cuda.current_stream() if self.cuda else None
 
     def start_loads(self, meta: UmbpConnectorMetadata) -> None:
@@ -698,7 +716,7 @@ class _WorkerSide:
         objects = [
             self._object(k, tier, slot, block) for k, (_, tier, slot, block) in enumerate(items)
         ]
-        batch = self.engine.start_restore(
+        batch = self._eng().start_restore(
             objects, timeout=self.cfg.load_timeout_s, stream=self._stream()
         )
         t = _Transfer(batch, "load", items, requests, layerwise=meta.layerwise)
@@ -734,7 +752,7 @@ class _WorkerSide:
             ]
             # On CUDA the reads of the KV cache queue on the compute stream, after this step's
             # forward pass wrote it; nothing here waits for them.
-            batch = self.engine.start_offload(objects, stream=self._stream())
+            batch = self._eng().start_offload(objects, stream=self._stream())
             t = _Transfer(batch, "save", items, requests)
             self._transfers.append(t)
             for rid in meta.saves:
@@ -745,15 +763,15 @@ class _WorkerSide:
             objects = [
                 Object(
                     k,
-                    self.ssd,
+                    self._tier(SSD),
                     self._pages + ssd_slot * slot_bytes,
                     self._page,
                     size,
-                    [Range(0, size, self.dram, dram_slot * slot_bytes)],
+                    [Range(0, size, self._tier(DRAM), dram_slot * slot_bytes)],
                 )
                 for k, (_, dram_slot, ssd_slot) in enumerate(meta.demotions)
             ]
-            batch = self.engine.start_offload(objects)
+            batch = self._eng().start_offload(objects)
             items = [(op, SSD, ssd_slot, -1) for op, _, ssd_slot in meta.demotions]
             self._transfers.append(_Transfer(batch, "demote", items, [""] * len(items)))
 
@@ -882,7 +900,19 @@ class UmbpConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
         # Layer-wise loads wait between layers: a full CUDA graph would skip those waits.
-        return (extra_config or {}).get("load_mode", "async") == "layerwise"
+        return bool((extra_config or {}).get("load_mode", "async") == "layerwise")
+
+    @property
+    def _sched(self) -> _SchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("UmbpConnector: a scheduler-side call on a worker's connector")
+        return self.scheduler_side
+
+    @property
+    def _work(self) -> _WorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("UmbpConnector: a worker-side call on the scheduler's connector")
+        return self.worker_side
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -891,7 +921,7 @@ class UmbpConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------
 
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.scheduler_side is not None:
             self.scheduler_side.kv_cache_manager = kv_cache_manager
@@ -899,54 +929,56 @@ class UmbpConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
-        return self.scheduler_side.matched(request, num_computed_tokens)
+        return self._sched.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
-        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+        self._sched.after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int):
-        return self.scheduler_side.hit_sources(request, num_external_tokens)
+    def get_external_cache_hit_sources(
+        self, request: "Request", num_external_tokens: int
+    ) -> Dict[CacheHitSource, int]:
+        return self._sched.hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.scheduler_side.build_meta(scheduler_output)
+        return self._sched.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self.scheduler_side.update(connector_output)
+        self._sched.update(connector_output)
 
     def request_finished(
         self, request: "Request", block_ids: List[int]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        return self.scheduler_side.finished(request)
+        return self._sched.finished(request)
 
     def reset_cache(self) -> Optional[bool]:
         if self.scheduler_side is None:
             return None
-        self.scheduler_side.index.clear()
+        self._sched.index.clear()
         return True
 
     # -- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        self.worker_side.register(kv_caches)
+        self._work.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_side is not None:
-            self.worker_side.saves_started = False
+            self._work.saves_started = False
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, UmbpConnectorMetadata):
-            self.worker_side.preempted(kv_connector_metadata)
+            self._work.preempted(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, UmbpConnectorMetadata)
-        self.worker_side.start_loads(meta)
+        self._work.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker_side.wait_for_layer(layer_name)
+        self._work.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -960,7 +992,7 @@ class UmbpConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, UmbpConnectorMetadata)
-        self.worker_side.start_saves(meta)
+        self._work.start_saves(meta)
 
     def get_finished(
         self, finished_req_ids: Set[str]
@@ -970,17 +1002,17 @@ class UmbpConnector(KVConnectorBase_V1):
             if isinstance(self._connector_metadata, UmbpConnectorMetadata)
             else None
         )
-        sending, recving = self.worker_side.finished(meta)
+        sending, recving = self._work.finished(meta)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        return self.worker_side.load_errors()
+        return self._work.load_errors()
 
     def build_connector_worker_meta(self) -> Optional[UmbpWorkerMetadata]:
-        return self.worker_side.worker_meta()
+        return self._work.worker_meta()
 
     def get_kv_connector_stats(self) -> Optional[UmbpConnectorStats]:
-        return None if self.worker_side is None else self.worker_side.stats()
+        return None if self.worker_side is None else self._work.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> UmbpConnectorStats:
@@ -988,7 +1020,11 @@ class UmbpConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: Dict[Any, Any],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
     ) -> UmbpPromMetrics:
         return UmbpPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
