@@ -175,6 +175,22 @@ impl Verdict {
     }
 }
 
+/// `value` give or take `spread` (relative), the interval [`Verdict::at_least`] and
+/// [`Verdict::at_most`] judge it by; `None` without a spread.
+pub fn spread_interval(value: f64, spread: f64) -> Option<[f64; 2]> {
+    let d = value.abs() * spread;
+    (spread > 0.0 && d.is_finite()).then_some([value - d, value + d])
+}
+
+/// A verdict in words with the interval behind it, as tables print it:
+/// `within noise [0.68, 0.96]`; the bare verdict without an interval.
+pub fn verdict_text(verdict: Verdict, interval: Option<[f64; 2]>) -> String {
+    match interval {
+        Some([low, high]) => format!("{} [{low:.2}, {high:.2}]", verdict.as_str()),
+        None => verdict.as_str().to_owned(),
+    }
+}
+
 /// A ratio for a table: two decimals, or `below noise` when it has no value.
 pub fn ratio_text(ratio: Option<f64>) -> String {
     ratio.map_or_else(|| "below noise".to_owned(), |r| format!("{r:.2}"))
@@ -246,6 +262,17 @@ mod tests {
         assert_eq!(Verdict::range_at_least(Some([low, high]), 0.8), Verdict::WithinNoise);
         assert_eq!(ratio_range(&engine, &[]), None);
         assert_eq!(ratio_range(&engine, &[0.0, 1.0]), None);
+    }
+
+    #[test]
+    fn a_verdict_within_noise_is_printed_with_its_interval() {
+        let interval = spread_interval(0.82, 0.17);
+        let [low, high] = interval.unwrap();
+        assert!((low - 0.6806).abs() < 1e-9 && (high - 0.9594).abs() < 1e-9, "{low} {high}");
+        assert_eq!(Verdict::at_least(Some(0.82), 0.9, 0.17), Verdict::WithinNoise);
+        assert_eq!(verdict_text(Verdict::WithinNoise, interval), "within noise [0.68, 0.96]");
+        assert_eq!(verdict_text(Verdict::Met, None), "met");
+        assert_eq!(spread_interval(1.0, 0.0), None);
     }
 
     #[test]

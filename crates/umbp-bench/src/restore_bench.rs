@@ -41,7 +41,7 @@ use crate::ceiling::{with_copy_ceiling, CeilingCopy, CeilingSamples, GatherCeili
 use crate::chart::{BarChart, Reference, Series};
 use crate::disk::{self, FioAmount, FioBuffers, FioReads, Placement};
 use crate::host_buffer::HostBuffer;
-use crate::measure::{Timed, Verdict};
+use crate::measure::{spread_interval, verdict_text, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 
@@ -140,6 +140,13 @@ pub struct RestoreRow {
     /// against its target of at most 1.1 on the incremental mixed row (`met`, `unmet`, `within
     /// noise`); `null` on other rows.
     pub verdict: Option<Verdict>,
+    /// Where the figure `verdict` judges lies given both spreads (printed after the verdict;
+    /// not a JSON field).
+    #[serde(skip)]
+    pub verdict_interval: Option<[f64; 2]>,
+    /// The same for `gather_verdict`.
+    #[serde(skip)]
+    pub gather_interval: Option<[f64; 2]>,
     /// The CPU the SSD engine's workers and fio were pinned to; `null`: unpinned.
     pub ssd_cpu: Option<usize>,
     /// The `ssd` row: whether fio also ran into huge pages (`fio-huge`), as the engine reads
@@ -503,6 +510,8 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             vs_gather_ceiling: None,
             gather_verdict: None,
             verdict: None,
+            verdict_interval: None,
+            gather_interval: None,
             ssd_cpu,
             fio_huge_pages: None,
         }
@@ -532,12 +541,14 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     dram_row.ceiling_gib_s = Some(ceiling_gib_s);
     dram_row.vs_ceiling = Some(vs_ceiling);
     dram_row.verdict = Some(Verdict::at_least(Some(vs_ceiling), 0.9, dram.spread + best.spread));
+    dram_row.verdict_interval = spread_interval(vs_ceiling, dram.spread + best.spread);
     let (gather_best, _, _) = gather_samples.best();
     let vs_gather = dram_row.gib_s / gib_s(gather_best.median);
     dram_row.gather_ceiling_gib_s = Some(gib_s(gather_best.median));
     dram_row.vs_gather_ceiling = Some(vs_gather);
     dram_row.gather_verdict =
         Some(Verdict::at_least(Some(vs_gather), 0.9, dram.spread + gather_best.spread));
+    dram_row.gather_interval = spread_interval(vs_gather, dram.spread + gather_best.spread);
     rows.push(dram_row);
     let fio = config.fio && disk::fio_available();
     progress.step(if fio { "ssd, alternating with fio" } else { "ssd" });
@@ -578,6 +589,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
         ssd_row.ceiling_copy = Some(kinds[kind].mode());
         ssd_row.other_copy_gib_s = ranked.get(1).map(|(_, other)| other.median);
         ssd_row.verdict = Some(Verdict::at_least(Some(vs_fio), 0.9, ssd.spread + best.spread));
+        ssd_row.verdict_interval = spread_interval(vs_fio, ssd.spread + best.spread);
         ssd_row.fio_huge_pages = Some(kinds.contains(&FioBuffers::HugePages));
     }
     rows.push(ssd_row);
@@ -609,6 +621,7 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     mixed_row.ratio_to_slower_half = Some(mixed_vs_slower.median);
     mixed_row.verdict =
         Some(Verdict::at_most(Some(mixed_vs_slower.median), 1.1, mixed_vs_slower.spread));
+    mixed_row.verdict_interval = spread_interval(mixed_vs_slower.median, mixed_vs_slower.spread);
     rows.push(mixed_row);
     for &callers in config.callers.iter().filter(|&&c| c > 1) {
         for (source, one, from_ssd) in [
@@ -688,7 +701,7 @@ pub fn table(rows: &[RestoreRow]) -> String {
             } else {
                 ""
             },
-            r.verdict.map_or("-", Verdict::as_str)
+            r.verdict.map_or("-".into(), |v| verdict_text(v, r.verdict_interval))
         );
     }
     for r in rows.iter().filter(|r| r.source == "dram" && r.ceiling_gib_s.is_some()) {
@@ -700,7 +713,7 @@ pub fn table(rows: &[RestoreRow]) -> String {
             r.ceiling_gib_s.unwrap_or(0.0),
             r.ceiling_copy.unwrap_or("-"),
             r.other_copy_gib_s.unwrap_or(0.0),
-            r.verdict.map_or("-", Verdict::as_str)
+            r.verdict.map_or("-".into(), |v| verdict_text(v, r.verdict_interval))
         );
         out += &format!(
             "\n{} to the device: {:.2} of the same pages gathered by one thread ({:.2} GiB/s, \
@@ -708,7 +721,7 @@ pub fn table(rows: &[RestoreRow]) -> String {
             r.source,
             r.vs_gather_ceiling.unwrap_or(0.0),
             r.gather_ceiling_gib_s.unwrap_or(0.0),
-            r.gather_verdict.map_or("-", Verdict::as_str)
+            r.gather_verdict.map_or("-".into(), |v| verdict_text(v, r.gather_interval))
         );
     }
     if let Some(mixed) = rows.iter().find(|r| r.source == "mixed" && r.builder == "incremental") {
@@ -716,7 +729,7 @@ pub fn table(rows: &[RestoreRow]) -> String {
             out += &format!(
                 "\nmixed DRAM + SSD restore: {ratio:.2}x the slower half run alone in the same \
                  round (median of the rounds): {} (target: at most 1.1x)\n",
-                mixed.verdict.map_or("-", Verdict::as_str)
+                mixed.verdict.map_or("-".into(), |v| verdict_text(v, mixed.verdict_interval))
             );
         }
     }

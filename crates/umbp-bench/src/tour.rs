@@ -23,7 +23,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::batch_bench::{self, BatchBenchConfig, BatchRow};
-use crate::measure::Verdict;
+use crate::measure::{spread_interval, Verdict};
 use crate::plan_bench::{self, PlanBenchConfig, PlanRow};
 use crate::progress::Progress;
 use crate::remote_bench::{self, RemoteBenchConfig, RemoteRow, ServerChoice};
@@ -196,13 +196,6 @@ impl Headline {
     }
 }
 
-/// `value` give or take `spread` (relative), as [`Verdict::at_least`] and [`Verdict::at_most`]
-/// judge it.
-fn spread_interval(value: f64, spread: f64) -> Option<[f64; 2]> {
-    let d = value.abs() * spread;
-    (spread > 0.0).then_some([value - d, value + d])
-}
-
 /// Everything the tour measured.
 #[derive(Clone, Debug)]
 pub struct Tour {
@@ -326,17 +319,20 @@ pub fn summarize(
     if let Some(dram) = restore.iter().find(|r| r.source == "dram" && r.callers == 1) {
         if let (Some(vs), Some(verdict)) = (dram.vs_ceiling, dram.verdict) {
             let figure = "DRAM restore / one-thread host-copy ceiling";
-            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+            let line = Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict);
+            lines.push(line.within(dram.verdict_interval));
         }
         if let (Some(vs), Some(verdict)) = (dram.vs_gather_ceiling, dram.gather_verdict) {
             let figure = "DRAM restore / the same pages gathered by one thread";
-            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+            let line = Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict);
+            lines.push(line.within(dram.gather_interval));
         }
     }
     if let Some(ssd) = restore.iter().find(|r| r.source == "ssd" && r.callers == 1) {
         if let (Some(vs), Some(verdict)) = (ssd.vs_ceiling, ssd.verdict) {
             let figure = "SSD restore (staged) / fio reading the same bytes";
-            lines.push(Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict));
+            let line = Headline::judged("restore", figure, Some(vs), "of it", ">=", 0.9, verdict);
+            lines.push(line.within(ssd.verdict_interval));
         }
     }
     if let Some(mixed) = restore.iter().find(|r| r.source == "mixed" && r.builder == "incremental")
@@ -344,7 +340,8 @@ pub fn summarize(
         let figure = "mixed DRAM + SSD restore / its slower half alone";
         let verdict = mixed.verdict.unwrap_or(Verdict::WithinNoise);
         let ratio = mixed.ratio_to_slower_half;
-        lines.push(Headline::judged("restore", figure, ratio, "x the time", "<=", 1.1, verdict));
+        let line = Headline::judged("restore", figure, ratio, "x the time", "<=", 1.1, verdict);
+        lines.push(line.within(mixed.verdict_interval));
     }
     let verified = restore.iter().filter(|r| r.verified).count();
     let figure = format!("restores byte-correct (of {})", restore.len());
