@@ -26,8 +26,8 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
@@ -898,6 +898,20 @@ impl Batch {
         GroupReady { batch: &self.shared, through, enqueued: true }
     }
 
+    /// Calls `callback` once the batch is done (see [`wait`](Self::wait)): on the thread that
+    /// finishes it (an executor thread, or a thread cancelling it), or here and now if it is
+    /// done already. No thread waits for it: the callback rides on the batch's wakers. Keep
+    /// it short and never block in it (it runs where the composite settles batches): hand
+    /// the news to your event loop (Python's `loop.call_soon_threadsafe`, say). A panicking
+    /// callback is logged, not spread.
+    pub fn on_settled(&self, callback: impl FnOnce() + Send + 'static) {
+        let on = OnSettled {
+            batch: Arc::downgrade(&self.shared),
+            callback: Mutex::new(Some(Box::new(callback))),
+        };
+        Arc::new(on).check();
+    }
+
     /// Cancels the batch and returns the final report once no engine works for it any more.
     ///
     /// - Parts not yet started settle at once, here, wherever they wait (behind other batches
@@ -949,6 +963,38 @@ impl Future for Batch {
             true => Poll::Ready(shared.report(&shared.lock())),
             false => Poll::Pending,
         }
+    }
+}
+
+/// A callback waiting for its batch to be done ([`Batch::on_settled`]): a waker that checks,
+/// at each change of the batch's progress, whether it is done, and calls the callback once.
+struct OnSettled {
+    batch: Weak<BatchShared>,
+    callback: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl OnSettled {
+    /// Calls the callback if the batch is done; waits for the next change otherwise.
+    fn check(self: Arc<Self>) {
+        // The batch lives while anything can still change it (the executor holds it while it
+        // settles parts), so a batch that is gone was done, and its wakers were woken then.
+        let Some(batch) = self.batch.upgrade() else { return };
+        let waker = Waker::from(Arc::clone(&self));
+        if !batch.poll_until(&waker, |p| p.done) {
+            return;
+        }
+        let callback = self.callback.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(callback) = callback {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(callback)).is_err() {
+                tracing::error!("a batch's on_settled callback panicked");
+            }
+        }
+    }
+}
+
+impl Wake for OnSettled {
+    fn wake(self: Arc<Self>) {
+        self.check();
     }
 }
 

@@ -99,3 +99,52 @@ fn rig_host(composite: &CompositeEngine, bytes: &mut [u8]) -> umbp_plan::Endpoin
     // SAFETY: `bytes` outlives every batch of the test (all are awaited before it is read).
     unsafe { register(composite, endpoint) }.unwrap()
 }
+
+/// A callback registered on a batch runs once when it is done, on the thread that settles it,
+/// or at once when it is done already; a thousand of them need no thread of their own.
+#[test]
+fn on_settled_calls_back_once_per_batch() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+
+    let registry = EndpointRegistry::new();
+    let host = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let composite = CompositeEngine::new(registry, vec![host]);
+    let per = HALF as usize;
+    let source = pattern(BATCHES * per, 9);
+    let src = composite.register_memory(source.clone()).unwrap();
+    let mut out = vec![POISON; BATCHES * per];
+    let dst = rig_host(&composite, &mut out);
+    let mut builder = composite.builder();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel();
+    let mut batches = Vec::with_capacity(BATCHES);
+    for b in 0..BATCHES {
+        let tag = Tag::new(0);
+        let at = (b * per) as u64;
+        builder.begin_object(tag).unwrap();
+        builder.push(Fragment::new(src.id(), at, dst, at, HALF, tag)).unwrap();
+        builder.commit_object().unwrap();
+        let batch = composite.submit(builder.finish().unwrap()).unwrap();
+        let (calls, tx) = (Arc::clone(&calls), tx.clone());
+        batch.on_settled(move || {
+            calls.fetch_add(1, Ordering::Relaxed);
+            tx.send(b).unwrap();
+        });
+        batches.push(batch);
+    }
+    let mut seen = vec![false; BATCHES];
+    for _ in 0..BATCHES {
+        let b = rx.recv().unwrap();
+        assert!(!std::mem::replace(&mut seen[b], true), "batch {b} called back twice");
+        assert!(batches[b].is_done(), "batch {b} called back before it was done");
+    }
+    // Done already: at once, here.
+    let here = std::thread::current().id();
+    let (tx, rx) = mpsc::channel();
+    batches[0].on_settled(move || tx.send(std::thread::current().id()).unwrap());
+    assert_eq!(rx.try_recv(), Ok(here));
+    drop(batches);
+    assert_eq!(calls.load(Ordering::Relaxed), BATCHES);
+    assert_eq!(out, source, "a byte differs");
+}

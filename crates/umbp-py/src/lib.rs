@@ -1121,6 +1121,22 @@ impl Batch {
         let r = py.allow_threads(|| batch.cancel());
         report_tuple(py, &r)
     }
+
+    /// Calls `callback()` once the batch is done, on the thread that finishes it (or at once
+    /// if it is done already): no thread waits for it. For `await` (`umbp.Batch.__await__`).
+    fn call_when_done(&self, py: Python<'_>, callback: PyObject) -> PyResult<()> {
+        let batch = self.get()?;
+        let call = move || {
+            Python::with_gil(move |py| {
+                if let Err(e) = callback.call0(py) {
+                    e.print(py);
+                }
+                drop(callback);
+            })
+        };
+        py.allow_threads(move || batch.on_settled(call));
+        Ok(())
+    }
 }
 
 impl Drop for Batch {

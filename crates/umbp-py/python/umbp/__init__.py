@@ -37,13 +37,14 @@ errors reach the root logger's handlers by default; after changing a logger's le
 from __future__ import annotations
 
 import array as _array
+import asyncio as _asyncio
 import ctypes as _ctypes
 import enum as _enum
 import os as _os
 import re as _re
 import stat as _stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union, overload
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exported)
@@ -331,6 +332,25 @@ class Batch:
     def cancel(self) -> Report:
         """Skips what has not started, waits for what runs, and returns the report."""
         return Report._from(self._native.cancel())
+
+    def __await__(self) -> Generator[Any, None, Report]:
+        """``await batch`` in asyncio: the report once every object settled, with no thread
+        waiting for it (the batch calls back, through the running loop's
+        ``call_soon_threadsafe``, from the thread that finishes it)."""
+        loop = _asyncio.get_running_loop()
+        settled: _asyncio.Future[None] = loop.create_future()
+
+        def done() -> None:  # on the thread that finished the batch
+            loop.call_soon_threadsafe(_resolve, settled)
+
+        self._native.call_when_done(done)
+        yield from settled.__await__()
+        return self.wait()
+
+
+def _resolve(future: _asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 #: Struct codes of plain numbers and bytes (``struct`` and PEP 3118): any bytes written into

@@ -1,6 +1,6 @@
 """Type stubs of the Rust half of umbp (see umbp/__init__.py for the public API)."""
 
-from typing import Any, Dict, List, Optional, Tuple, Union, final
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, final
 
 from . import FailureKind, RejectKind
 
@@ -71,6 +71,7 @@ class Batch:
     def wait_group_enqueued(self, group: int, timeout: Optional[float] = None) -> bool: ...
     def group_event(self, group: int, timeout: Optional[float] = None) -> Optional[int]: ...
     def cancel(self) -> _Result: ...
+    def call_when_done(self, callback: Callable[[], None]) -> None: ...
 
 @final
 class Engine:
