@@ -1,4 +1,4 @@
-//! The properties every engine keeps (DESIGN §4 and §8), checked on this engine:
+//! The properties every engine keeps (docs/ARCHITECTURE.md), checked on this engine:
 //! - its builder (concrete, boxed, and driven through runs) equals its batch planner over the
 //!   committed objects, for any stream of fragments, commits, rollbacks and invalid fragments;
 //! - random plans executed by the engine over real memory give exactly the bytes of the

@@ -1,7 +1,8 @@
 //! The batch planner: plan a finished list of fragments in two passes.
 //!
 //! This is the reference meaning of a plan set. Every incremental builder must produce exactly
-//! what this produces over the fragments of its committed objects (DESIGN §4, "Equivalence").
+//! what this produces over the fragments of its committed objects ("Equivalence" in the
+//! workspace's docs/ARCHITECTURE.md).
 
 use std::collections::{HashMap, HashSet};
 

@@ -1,7 +1,7 @@
-//! The equivalence property (DESIGN §4): for any stream of fragments with any mix of commits,
-//! rollbacks and invalid fragments, the incremental builder's `finish()` equals the batch
-//! planner over the committed objects, the buffered builder agrees, and executing the plans
-//! writes the same bytes as executing the fragments one by one.
+//! The equivalence property (docs/ARCHITECTURE.md, "Equivalence"): for any stream of fragments with
+//! any mix of commits, rollbacks and invalid fragments, the incremental builder's `finish()` equals
+//! the batch planner over the committed objects, the buffered builder agrees, and executing the
+//! plans writes the same bytes as executing the fragments one by one.
 
 use proptest::prelude::*;
 use umbp_plan::testing::{drive, drive_runs, scenarios, ReferenceMemory, Scenario, ScenarioConfig};

@@ -1,7 +1,8 @@
-//! The equivalence property (umbp DESIGN §4) on the engine's own builder: for any stream of
-//! fragments between file and host endpoints (plus pairs the engine refuses), with any mix of
-//! commits, rollbacks and invalid fragments, `finish()` equals the engine's batch planner over
-//! the committed objects, and the plans write the same bytes as the fragments one by one.
+//! The equivalence property (docs/ARCHITECTURE.md, "Equivalence") on the engine's own builder: for
+//! any stream of fragments between file and host endpoints (plus pairs the engine refuses), with
+//! any mix of commits, rollbacks and invalid fragments, `finish()` equals the engine's batch
+//! planner over the committed objects, and the plans write the same bytes as the fragments one by
+//! one.
 
 use proptest::prelude::*;
 use umbp_plan::testing::{drive, scenarios, ReferenceMemory, Scenario, ScenarioConfig};
