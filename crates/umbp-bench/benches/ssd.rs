@@ -33,7 +33,7 @@ fn ssd_reads(c: &mut Criterion) {
     drop(content);
 
     let registry = EndpointRegistry::new();
-    let engine = SsdEngine::new(registry.clone(), SsdConfig::new()).expect("the SSD engine");
+    let engine = SsdEngine::new(registry.clone(), SsdConfig::default()).expect("the SSD engine");
     let source = FileSource::open(&path, FileOptions::new().writable(false));
     let registration = engine.register_file(source, 0, FILE as u64).expect("open the file");
     let file = registration.id();

@@ -369,7 +369,8 @@ fn row(
 
 fn localcopy(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     let (n, size) = (config.transfers, config.transfer_size as usize);
-    let engine_config = LocalCopyConfig::default().with_threads(1).with_non_temporal(false);
+    let engine_config =
+        LocalCopyConfig { threads: 1, non_temporal: false, ..LocalCopyConfig::default() };
     let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), engine_config);
     let src = HostBuffer::new(n * size, config.seed);
     let mut dst = HostBuffer::zeroed(n * size);
@@ -451,8 +452,8 @@ fn ssd(config: &BatchBenchConfig) -> anyhow::Result<BatchRow> {
     drop(file);
 
     let registry = EndpointRegistry::new();
-    let engine =
-        SsdEngine::new(registry.clone(), SsdConfig::new()).context("starting the SSD engine")?;
+    let engine = SsdEngine::new(registry.clone(), SsdConfig::default())
+        .context("starting the SSD engine")?;
     let source = FileSource::open(&path, FileOptions::new().writable(false));
     let file = engine
         .register_file(source, 0, content.len() as u64)

@@ -184,7 +184,7 @@ pub fn run(config: &CopyBenchConfig, progress: &Progress) -> Vec<CopyRow> {
         .threads
         .iter()
         .map(|&t| {
-            let engine_config = LocalCopyConfig::default().with_threads(t);
+            let engine_config = LocalCopyConfig { threads: t, ..LocalCopyConfig::default() };
             LocalCopyEngine::with_config(registry.clone(), engine_config)
         })
         .collect();
@@ -259,7 +259,8 @@ pub fn run_submit_overhead(config: &CopyBenchConfig, progress: &Progress) -> Sub
     progress.step(format!("{} single submits", config.submit_fragments));
     let fragment_size = config.submit_fragment_size.max(1);
     let n = config.submit_fragments.max(1);
-    let engine_config = LocalCopyConfig::default().with_threads(1).with_non_temporal(false);
+    let engine_config =
+        LocalCopyConfig { threads: 1, non_temporal: false, ..LocalCopyConfig::default() };
     let engine = LocalCopyEngine::with_config(EndpointRegistry::new(), engine_config);
     let bytes = n * fragment_size as usize;
     let src = HostBuffer::new(bytes, config.seed);

@@ -229,7 +229,11 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
     // that depth. (The default two workers let up to twice as many reads be in flight; traced at
     // the block layer on this project's virtual machine they kept 67–83 in flight at 3.4–3.7 ms
     // each, and one worker measured no different: 0.60–0.82 of fio, against 0.62–0.84 with two.)
-    let ssd_config = SsdConfig::new().worker_cpus(ssd_cpu).workers(1);
+    let ssd_config = SsdConfig {
+        worker_cpus: ssd_cpu.into_iter().collect(),
+        workers: 1,
+        ..SsdConfig::default()
+    };
     let ssd = Arc::new(SsdEngine::new(registry.clone(), ssd_config)?);
     let file = ssd.register_file(
         FileSource::open(&path, FileOptions::new().writable(false)),

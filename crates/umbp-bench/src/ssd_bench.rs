@@ -429,8 +429,13 @@ fn measure_engine(
     cpu: Option<usize>,
 ) -> anyhow::Result<SsdRow> {
     let registry = EndpointRegistry::new();
-    let engine_config =
-        SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1).worker_cpus(cpu);
+    let engine_config = SsdConfig {
+        queue_depth: depth,
+        max_segment: block_size,
+        workers: 1,
+        worker_cpus: cpu.into_iter().collect(),
+        ..SsdConfig::default()
+    };
     let engine = SsdEngine::new(registry.clone(), engine_config).context("starting the engine")?;
     let registration = engine
         .register_file(
@@ -554,8 +559,13 @@ fn measure_writes(
 ) -> anyhow::Result<SsdRow> {
     let depth = config.queue_depth;
     let registry = EndpointRegistry::new();
-    let engine_config =
-        SsdConfig::new().queue_depth(depth).max_segment(block_size).workers(1).worker_cpus(cpu);
+    let engine_config = SsdConfig {
+        queue_depth: depth,
+        max_segment: block_size,
+        workers: 1,
+        worker_cpus: cpu.into_iter().collect(),
+        ..SsdConfig::default()
+    };
     let engine = SsdEngine::new(registry.clone(), engine_config).context("starting the engine")?;
     let registration = engine
         .register_file(FileSource::open(path, FileOptions::new()), 0, config.file_size)

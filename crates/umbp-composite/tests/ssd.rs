@@ -234,7 +234,10 @@ fn cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel() {
 
     let test = "cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel";
     let registry = EndpointRegistry::new();
-    let ssd = match SsdEngine::new(registry.clone(), SsdConfig::new().backend(Backend::IoUring)) {
+    let ssd = match SsdEngine::new(
+        registry.clone(),
+        SsdConfig { backend: Backend::IoUring, ..SsdConfig::default() },
+    ) {
         Ok(ssd) => Arc::new(ssd),
         Err(e) => return eprintln!("skipped {test}: no io_uring ({e})"),
     };

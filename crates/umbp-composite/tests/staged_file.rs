@@ -40,7 +40,7 @@ fn file_rig(file_len: usize, stage_bytes: u64, slots: u64, workers: usize) -> Op
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
     let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
-    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default()).unwrap());
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("offload.bin");
     let initial = pattern(file_len, 201);

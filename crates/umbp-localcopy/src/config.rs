@@ -4,18 +4,17 @@ use crate::Error;
 
 /// How a [`LocalCopyEngine`](crate::LocalCopyEngine) runs its copies.
 ///
-/// Build one from [`default`](Self::default) (or [`from_env`](Self::from_env)) and the chainable
-/// setters:
+/// Every field has a documented default; set the ones you need in a struct literal over
+/// [`default`](Self::default) (or [`from_env`](Self::from_env)):
 ///
 /// ```
 /// use umbp_localcopy::LocalCopyConfig;
 ///
-/// let config = LocalCopyConfig::default().with_threads(4).with_parallel_threshold(4 << 20);
+/// let config = LocalCopyConfig { threads: 4, parallel_threshold: 4 << 20, ..LocalCopyConfig::default() };
 /// assert_eq!(config.threads, 4);
 /// assert_eq!(config.non_temporal_threshold, 2048); // a default
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct LocalCopyConfig {
     /// Threads that copy one large submit, the submitting thread included: the engine starts
     /// `threads - 1` workers. Default 2. The engine clamps it to
@@ -96,30 +95,6 @@ impl LocalCopyConfig {
         }
         Ok(config)
     }
-
-    /// Sets [`threads`](Self::threads).
-    pub const fn with_threads(mut self, threads: usize) -> Self {
-        self.threads = threads;
-        self
-    }
-
-    /// Sets [`parallel_threshold`](Self::parallel_threshold).
-    pub const fn with_parallel_threshold(mut self, bytes: usize) -> Self {
-        self.parallel_threshold = bytes;
-        self
-    }
-
-    /// Sets [`non_temporal_threshold`](Self::non_temporal_threshold).
-    pub const fn with_non_temporal_threshold(mut self, bytes: usize) -> Self {
-        self.non_temporal_threshold = bytes;
-        self
-    }
-
-    /// Sets [`non_temporal`](Self::non_temporal).
-    pub const fn with_non_temporal(mut self, enabled: bool) -> Self {
-        self.non_temporal = enabled;
-        self
-    }
 }
 
 /// A byte count, read by the `parse-size` crate as everywhere in umbp: `4096`, `64KiB`
@@ -154,11 +129,12 @@ mod tests {
             (LocalCopyConfig::NON_TEMPORAL_BYTES_ENV, " 64ki "),
             (LocalCopyConfig::NON_TEMPORAL_ENV, "off"),
         ]);
-        let want = LocalCopyConfig::default()
-            .with_threads(8)
-            .with_parallel_threshold(4 << 20)
-            .with_non_temporal_threshold(64 << 10)
-            .with_non_temporal(false);
+        let want = LocalCopyConfig {
+            threads: 8,
+            parallel_threshold: 4 << 20,
+            non_temporal_threshold: 64 << 10,
+            non_temporal: false,
+        };
         assert_eq!(config, Ok(want));
     }
 

@@ -26,7 +26,7 @@ const OBJECT_PAGES: usize = 16;
 
 #[test]
 fn eight_threads_submit_concurrently_and_every_byte_is_right() {
-    let config = LocalCopyConfig::default().with_threads(2);
+    let config = LocalCopyConfig { threads: 2, ..LocalCopyConfig::default() };
     let engine = Arc::new(LocalCopyEngine::with_config(EndpointRegistry::new(), config));
     let start = Arc::new(Barrier::new(THREADS));
     let threads: Vec<_> = (0..THREADS)

@@ -17,11 +17,13 @@ const PAGE: usize = 4096;
 fn configs() -> [LocalCopyConfig; 3] {
     [
         LocalCopyConfig::default(),
-        LocalCopyConfig::default()
-            .with_threads(2)
-            .with_parallel_threshold(0)
-            .with_non_temporal_threshold(64),
-        LocalCopyConfig::default().with_threads(1).with_non_temporal(false),
+        LocalCopyConfig {
+            threads: 2,
+            parallel_threshold: 0,
+            non_temporal_threshold: 64,
+            ..LocalCopyConfig::default()
+        },
+        LocalCopyConfig { threads: 1, non_temporal: false, ..LocalCopyConfig::default() },
     ]
 }
 
@@ -379,7 +381,7 @@ fn waiting_is_idempotent_and_dropping_a_handle_is_free() {
 
 #[test]
 fn large_submits_spread_over_the_pool_and_huge_segments_split() {
-    let engine = engine(LocalCopyConfig::default().with_threads(2));
+    let engine = engine(LocalCopyConfig { threads: 2, ..LocalCopyConfig::default() });
     let arena = HostBuf::new(8 << 20, |i| pattern(11, i));
     let out = HostBuf::poisoned(6 << 20);
     let (a, o) = (arena.register(&engine), out.register(&engine));
@@ -471,7 +473,8 @@ fn objects_whose_bytes_overlap_fail_whole_and_the_others_run() {
 
 #[test]
 fn deregistering_during_a_copy_waits_for_it() {
-    let engine = engine(LocalCopyConfig::default().with_threads(2).with_parallel_threshold(0));
+    let engine =
+        engine(LocalCopyConfig { threads: 2, parallel_threshold: 0, ..LocalCopyConfig::default() });
     let len = 64usize << 20;
     let src = HostBuf::new(len, |i| pattern(3, i));
     let dst = HostBuf::poisoned(len);

@@ -22,7 +22,10 @@ fn builder_equals_planner(scenario: &Scenario) {
     // SAFETY: plans built over these invented addresses are compared and run by the reference
     // executor only, never submitted.
     unsafe { scenario.register_invented(&registry) };
-    let engine = LocalCopyEngine::with_config(registry, LocalCopyConfig::default().with_threads(1));
+    let engine = LocalCopyEngine::with_config(
+        registry,
+        LocalCopyConfig { threads: 1, ..LocalCopyConfig::default() },
+    );
 
     let mut builder = engine.incremental_builder();
     let outcome = drive(&mut builder, scenario).expect("no builder misuse");
@@ -144,7 +147,7 @@ proptest! {
 
     #[test]
     fn engine_bytes_equal_the_reference_executor_inline(scenario in scenarios(host_scenarios(8192))) {
-        engine_bytes_equal_reference(&scenario, LocalCopyConfig::default().with_non_temporal_threshold(64));
+        engine_bytes_equal_reference(&scenario, LocalCopyConfig { non_temporal_threshold: 64, ..LocalCopyConfig::default() });
     }
 
     #[test]
@@ -152,10 +155,7 @@ proptest! {
         scenario in prop_oneof![scenarios(host_scenarios(8192)), scenarios(host_scenarios(256 << 10))],
         threshold in prop_oneof![Just(1usize), Just(64), Just(2048)],
     ) {
-        let config = LocalCopyConfig::default()
-            .with_threads(2)
-            .with_parallel_threshold(0)
-            .with_non_temporal_threshold(threshold);
+        let config = LocalCopyConfig { threads: 2, parallel_threshold: 0, non_temporal_threshold: threshold, ..LocalCopyConfig::default() };
         engine_bytes_equal_reference(&scenario, config);
     }
 }

@@ -230,9 +230,11 @@ impl Engine {
             }
         };
         let host = Arc::new(LocalCopyEngine::new(registry.clone()));
-        let ssd_config = SsdConfig::new()
-            .queue_depth(ssd_queue_depth)
-            .worker_cpus(ssd_worker_cpus.unwrap_or_default());
+        let ssd_config = SsdConfig {
+            queue_depth: ssd_queue_depth,
+            worker_cpus: ssd_worker_cpus.unwrap_or_default(),
+            ..SsdConfig::default()
+        };
         let ssd = SsdEngine::new(registry.clone(), ssd_config).map_err(error)?;
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
         let remote = match remote {

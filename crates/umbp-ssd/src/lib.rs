@@ -71,7 +71,7 @@
 //! std::fs::write(&path, vec![7u8; 1 << 20])?;
 //!
 //! let registry = EndpointRegistry::new();
-//! let engine = SsdEngine::new(registry.clone(), SsdConfig::new())?;
+//! let engine = SsdEngine::new(registry.clone(), SsdConfig::default())?;
 //! // O_DIRECT by default (buffered where the filesystem refuses it); aligned memory for it.
 //! let file = engine.register_file(path.as_path(), 0, 1 << 20)?;
 //! let out = engine.register_memory(AlignedBuffer::for_direct_io(8192))?;

@@ -145,7 +145,10 @@ fn cancelling_a_batch_stuck_in_the_kernel_settles_it_cancelled() {
     }
     let dir = support::temp_dir();
     let registry = umbp_plan::EndpointRegistry::new();
-    let engine = support::engine_with(&registry, SsdConfig::new().backend(Backend::IoUring));
+    let engine = support::engine_with(
+        &registry,
+        SsdConfig { backend: Backend::IoUring, ..SsdConfig::default() },
+    );
     let fifo = Fifo::new(dir.path(), "stuck.fifo", 4096);
     let stuck = fifo.register(&engine);
     let (fine, fine_bytes) = regular(&engine, dir.path(), "fine.bin");
@@ -186,7 +189,7 @@ fn batches_queued_behind_stuck_lanes_settle_at_their_deadline_or_cancel() {
     const STUCK: u64 = 8; // 2 workers x 4 lanes
     let dir = support::temp_dir();
     let registry = umbp_plan::EndpointRegistry::new();
-    let config = SsdConfig::new().backend(Backend::IoUring).workers(2);
+    let config = SsdConfig { backend: Backend::IoUring, workers: 2, ..SsdConfig::default() };
     let engine = support::engine_with(&registry, config);
     let fifo = Fifo::new(dir.path(), "lanes.fifo", (STUCK * 4096) as usize);
     let stuck = fifo.register(&engine);

@@ -32,7 +32,8 @@ fn check(scenario: &Scenario, max_segment: u64) {
     let registry = EndpointRegistry::new();
     // SAFETY: the plans are compared and run by the reference executor only, never submitted.
     unsafe { scenario.register_invented(&registry) };
-    let config = SsdConfig::new().max_segment(max_segment).backend(Backend::Blocking).workers(1);
+    let config =
+        SsdConfig { max_segment, backend: Backend::Blocking, workers: 1, ..SsdConfig::default() };
     let engine = SsdEngine::new(registry, config).expect("engine");
 
     let mut builder = engine.builder();
@@ -83,8 +84,11 @@ fn scenarios_plan_restores_and_offloads() {
         let registry = EndpointRegistry::new();
         // SAFETY: the plans are inspected only, never submitted.
         unsafe { scenario.register_invented(&registry) };
-        let engine = SsdEngine::new(registry.clone(), SsdConfig::new().backend(Backend::Blocking))
-            .expect("engine");
+        let engine = SsdEngine::new(
+            registry.clone(),
+            SsdConfig { backend: Backend::Blocking, ..SsdConfig::default() },
+        )
+        .expect("engine");
         let outcome = drive(&mut *engine.builder(), &scenario).expect("no builder misuse");
         for plan in outcome.plans.plans() {
             let src = registry.get(plan.src()).expect("registered");

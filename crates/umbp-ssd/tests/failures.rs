@@ -449,7 +449,11 @@ fn batches_behind_a_stuck_one_in_the_same_ring_run_and_settle_first() {
         return;
     }
     let registry = EndpointRegistry::new();
-    let config = umbp_ssd::SsdConfig::new().backend(Backend::IoUring).workers(1);
+    let config = umbp_ssd::SsdConfig {
+        backend: Backend::IoUring,
+        workers: 1,
+        ..umbp_ssd::SsdConfig::default()
+    };
     let engine = support::engine_with(&registry, config);
     // A FIFO: its read waits until the test writes to it.
     let fifo = dir.path().join("later.fifo");
@@ -522,7 +526,7 @@ struct PanickingFile {
 impl PanickingFile {
     fn new(path: &Path, backend: Backend, workers: usize, pages: u64, seed: u64, bad: u64) -> Self {
         let registry = EndpointRegistry::new();
-        let config = umbp_ssd::SsdConfig::new().backend(backend).workers(workers);
+        let config = umbp_ssd::SsdConfig { backend, workers, ..umbp_ssd::SsdConfig::default() };
         let engine = support::engine_with(&registry, config);
         let bytes = support::pattern(seed, (pages * PAGE) as usize);
         support::write_file(path, &bytes);

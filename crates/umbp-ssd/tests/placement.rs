@@ -52,8 +52,13 @@ fn pinned_workers_run_on_their_cpus_and_read_exactly() {
     for backend in support::backends("pinned_workers_run_on_their_cpus_and_read_exactly") {
         let name = format!("pin{}", matches!(backend, umbp_ssd::Backend::Blocking) as u8);
         let registry = EndpointRegistry::new();
-        let config =
-            SsdConfig::new().backend(backend).workers(3).worker_cpus([cpu]).name(name.clone());
+        let config = SsdConfig {
+            backend,
+            workers: 3,
+            worker_cpus: vec![cpu],
+            name: name.clone(),
+            ..SsdConfig::default()
+        };
         let engine = SsdEngine::new(registry.clone(), config).expect("pinned workers start");
         let pinned = threads_named(&name);
         assert_eq!(pinned, vec![vec![cpu]; 3], "every worker may run on CPU {cpu} only");
@@ -85,7 +90,10 @@ fn pinned_workers_run_on_their_cpus_and_read_exactly() {
 fn a_cpu_the_process_may_not_use_is_a_typed_error() {
     let allowed = allowed_cpus("/proc/self/status");
     let start = |cpus: Vec<usize>| {
-        SsdEngine::new(EndpointRegistry::new(), SsdConfig::new().workers(2).worker_cpus(cpus))
+        SsdEngine::new(
+            EndpointRegistry::new(),
+            SsdConfig { workers: 2, worker_cpus: cpus, ..SsdConfig::default() },
+        )
     };
     // Beyond what a CPU set can name: refused before any thread starts.
     assert!(matches!(start(vec![0, 1024]), Err(Error::InvalidConfig(_))));

@@ -56,7 +56,7 @@ struct SharedFile {
 impl SharedFile {
     fn open(backend: Backend, dir: &Path, name: &str) -> Option<Self> {
         let registry = EndpointRegistry::new();
-        let config = SsdConfig::new().backend(backend).workers(4);
+        let config = SsdConfig { backend, workers: 4, ..SsdConfig::default() };
         let engine = support::engine_with(&registry, config);
         let path = dir.join(format!("{name}_{backend:?}.bin"));
         support::write_file(&path, &vec![0; FILE_LEN as usize]);

@@ -16,6 +16,21 @@ pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
 /// Peers authenticate each other with a shared secret ([`token`](Self::token)); a server or
 /// client without one refuses to start or connect unless
 /// [`insecure_no_auth`](Self::insecure_no_auth) says to run without authentication.
+///
+/// Every field has a documented default; set the ones you need in a struct literal over
+/// [`UcxConfig::default`]:
+///
+/// ```
+/// use umbp_ucx::UcxConfig;
+///
+/// let config = UcxConfig {
+///     transports: Some("tcp".into()),
+///     token: Some(b"a shared secret of at least 16 bytes".to_vec()),
+///     ..UcxConfig::default()
+/// };
+/// // Debug output names whether a secret is set, never the secret.
+/// assert!(!format!("{config:?}").contains("shared secret"));
+/// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct UcxConfig {
     /// UCX transports to use (`UCX_TLS`'s syntax: `tcp`, `sm`, `rc,sm`...). `None`: the
@@ -109,20 +124,18 @@ impl Default for UcxConfig {
 }
 
 impl UcxConfig {
-    /// The defaults with `transports`.
+    /// The defaults with `transports`. Hidden: write the struct literal. Kept only until
+    /// umbp-bench's remote bench stops calling it, then removed.
+    #[doc(hidden)]
     pub fn with_transports(transports: &str) -> Self {
         Self { transports: Some(transports.to_owned()), ..Self::default() }
     }
 
-    /// This configuration with the shared secret `secret`.
+    /// This configuration with the shared secret `secret`. Hidden: write the struct literal.
+    /// Kept only until umbp-bench's remote bench stops calling it, then removed.
+    #[doc(hidden)]
     pub fn with_secret(self, secret: impl Into<Vec<u8>>) -> Self {
         Self { token: Some(secret.into()), ..self }
-    }
-
-    /// This configuration without authentication: see
-    /// [`insecure_no_auth`](Self::insecure_no_auth) for what that gives away.
-    pub fn insecure_no_auth(self) -> Self {
-        Self { insecure_no_auth: true, ..self }
     }
 
     /// How this side authenticates: the secret, or the explicit choice to run without one.

@@ -23,7 +23,7 @@
 //! use umbp_ucx::{UcxConfig, UcxEngine};
 //!
 //! let registry = Arc::new(EndpointRegistry::new());
-//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::with_secret`.
+//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::token`.
 //! let engine = UcxEngine::new(Arc::clone(&registry), UcxConfig::default())?;
 //! let peer = engine.connect("10.0.0.2:7400")?;
 //! let arena = peer.region("kv-arena").expect("the peer exports its arena");

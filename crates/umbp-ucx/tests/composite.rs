@@ -80,7 +80,7 @@ fn tiers(pages: usize) -> Tiers {
         registry.clone(),
         HbmConfig::default(),
     ));
-    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default()).unwrap());
     let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
     let peer = ucx.connect(server.addr).unwrap();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];

@@ -63,7 +63,7 @@ impl Pool {
         // kernel reads DRAM pages directly.
         let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
         let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
-        let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new())?);
+        let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default())?);
         let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
         let composite = CompositeEngine::new(registry, engines);
 

@@ -45,7 +45,7 @@ pub(crate) fn tiered_with(
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let config = HbmConfig { pin_registered_host: pin.then_some(GPU), ..HbmConfig::default() };
     let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
-    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::new()).unwrap());
+    let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default()).unwrap());
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let len = pages * PAGE as usize;
     let file = pattern(len, 77);

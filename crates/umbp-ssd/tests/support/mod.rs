@@ -49,7 +49,10 @@ pub fn direct_dir(test: &str) -> Option<TempDir> {
 /// the blocking fallback.
 pub fn backends(test: &str) -> Vec<Backend> {
     let mut out = Vec::new();
-    match SsdEngine::new(EndpointRegistry::new(), SsdConfig::new().backend(Backend::IoUring)) {
+    match SsdEngine::new(
+        EndpointRegistry::new(),
+        SsdConfig { backend: Backend::IoUring, ..SsdConfig::default() },
+    ) {
         Ok(_) => out.push(Backend::IoUring),
         Err(e) => eprintln!("SKIP {test} on io_uring: {e:?}"),
     }
@@ -73,7 +76,7 @@ pub fn each_backend_and_mode(test: &str, mut run: impl FnMut(Backend, bool, &Pat
 
 /// An engine with `backend` and otherwise default settings.
 pub fn engine(registry: &Arc<EndpointRegistry>, backend: Backend) -> SsdEngine {
-    engine_with(registry, SsdConfig::new().backend(backend))
+    engine_with(registry, SsdConfig { backend, ..SsdConfig::default() })
 }
 
 pub fn engine_with(registry: &Arc<EndpointRegistry>, config: SsdConfig) -> SsdEngine {

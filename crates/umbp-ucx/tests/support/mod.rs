@@ -122,7 +122,11 @@ impl Drop for Served {
 
 /// The configuration of the tests' engines: `transports` and the tests' secret.
 pub(crate) fn config(transports: &str) -> UcxConfig {
-    UcxConfig::with_transports(transports).with_secret(SECRET)
+    UcxConfig {
+        transports: Some(transports.to_owned()),
+        token: Some(SECRET.into()),
+        ..UcxConfig::default()
+    }
 }
 
 /// An engine over a new registry, on `transports`, with the tests' secret.
