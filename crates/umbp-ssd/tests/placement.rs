@@ -38,7 +38,9 @@ fn threads_named(name: &str) -> Vec<Vec<usize>> {
     for task in std::fs::read_dir("/proc/self/task").expect("list the threads") {
         let task = task.expect("a thread").path();
         let Ok(comm) = std::fs::read_to_string(task.join("comm")) else { continue };
-        if comm.trim().strip_prefix(name).is_some_and(|rest| rest.starts_with('-')) {
+        let index = comm.trim().strip_prefix(name).and_then(|rest| rest.strip_prefix('-'));
+        // Workers only (`name-0`, `name-1`...): the queue's watcher is `name-watch`.
+        if index.is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit())) {
             found.push(allowed_cpus(task.join("status").to_str().expect("a UTF-8 path")));
         }
     }
