@@ -51,7 +51,7 @@ use umbp_ssd::{Backend, SsdConfig, SsdEngine};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
-use crate::measure::{range_text, Difference, Timed, Verdict};
+use crate::measure::{ratio_text, verdict_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::SplitMix;
 use crate::size::ByteSize;
@@ -497,13 +497,13 @@ pub fn table(rows: &[BatchRow]) -> String {
         );
     }
     out += &format!(
-        "{:<10} {:<9} {:>10} {:>18} {:>18} {:>22} {:>7} {:>12} {:>8} {:>16}\n",
+        "{:<10} {:<9} {:>10} {:>18} {:>18} {:>11} {:>7} {:>26} {:>8} {:>16}\n",
         "engine",
         "backend",
         "floor ns",
         "batch ns",
         "single ns",
-        "ratio [range]",
+        "ratio",
         "target",
         "verdict",
         "verified",
@@ -516,15 +516,15 @@ pub fn table(rows: &[BatchRow]) -> String {
     for r in rows {
         let floor = r.floor_ns_per_transfer.map_or("-".to_owned(), |f| format!("{f:.1}"));
         out += &format!(
-            "{:<10} {:<9} {:>10} {:>18} {:>18} {:>22} {:>6.1}x {:>12} {:>8} {:>16}\n",
+            "{:<10} {:<9} {:>10} {:>18} {:>18} {:>11} {:>6.1}x {:>26} {:>8} {:>16}\n",
             r.engine,
             r.backend,
             floor,
             overhead(r.batch_ns_per_transfer, r.batch_noise_ns),
             overhead(r.single_ns_per_transfer, r.single_noise_ns),
-            range_text(r.ratio, r.ratio_range),
+            ratio_text(r.ratio),
             r.target_ratio,
-            r.verdict.as_str(),
+            verdict_text(r.verdict, r.ratio_range),
             if r.verified { "yes" } else { "NO" },
             r.overhead
         );

@@ -38,7 +38,7 @@ use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{BatchState, DeviceOrdinal, EndpointId, EndpointRegistry, Register};
 
-use crate::measure::{ratio_range, Timed, Verdict};
+use crate::measure::{ratio_range, verdict_text, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::SplitMix;
 use crate::size::ByteSize;
@@ -245,12 +245,12 @@ pub fn run(config: &ChurnBenchConfig, progress: &Progress) -> anyhow::Result<Chu
         ratio,
         ratio_range: range,
         target_ratio: ChurnBenchConfig::TARGET_RATIO,
-        time_verdict: range_at_most(range, ChurnBenchConfig::TARGET_RATIO),
+        time_verdict: Verdict::range_at_most(range, ChurnBenchConfig::TARGET_RATIO),
         first_cpu_us_per_cycle: first_cpu_t,
         last_cpu_us_per_cycle: last_cpu_t,
         cpu_ratio: last_cpu_t.median / first_cpu_t.median,
         cpu_ratio_range: cpu_range,
-        cpu_verdict: range_at_most(cpu_range, ChurnBenchConfig::TARGET_RATIO),
+        cpu_verdict: Verdict::range_at_most(cpu_range, ChurnBenchConfig::TARGET_RATIO),
         rss_start_mib: mib(rss_start),
         rss_warm_mib: mib(rss_warm),
         rss_end_mib: mib(rss_end),
@@ -261,17 +261,6 @@ pub fn run(config: &ChurnBenchConfig, progress: &Progress) -> anyhow::Result<Chu
         verified,
         seconds,
     })
-}
-
-/// A ratio known to lie in `range` against a target it must not exceed: met only when the
-/// whole range is at most the target, unmet when none of it is, within noise otherwise.
-fn range_at_most(range: Option<[f64; 2]>, target: f64) -> Verdict {
-    match range {
-        None => Verdict::BelowNoise,
-        Some([_, high]) if high <= target => Verdict::Met,
-        Some([low, _]) if low > target => Verdict::Unmet,
-        Some(_) => Verdict::WithinNoise,
-    }
 }
 
 fn check(config: &ChurnBenchConfig) -> anyhow::Result<()> {
@@ -433,44 +422,37 @@ pub fn table(row: &ChurnRow) -> String {
         row.window,
         row.window
     );
-    let range = row
-        .ratio_range
-        .map_or_else(|| "-".to_owned(), |[lo, hi]| format!("{:.2} [{lo:.2}, {hi:.2}]", row.ratio));
     out += &format!(
-        "{:<22} {:>14} {:>14} {:>22} {:>7} {:>12}\n",
-        "figure", "first", "last", "ratio [range]", "target", "verdict"
+        "{:<22} {:>14} {:>14} {:>9} {:>7} {:>26}\n",
+        "figure", "first", "last", "ratio", "target", "verdict"
     );
     let us = |t: &Timed| format!("{:.2} ±{:.0}%", t.median, t.spread * 100.0);
     out += &format!(
-        "{:<22} {:>14} {:>14} {:>22} {:>6.1}x {:>12}\n",
+        "{:<22} {:>14} {:>14} {:>9.2} {:>6.1}x {:>26}\n",
         "µs per cycle",
         us(&row.first_us_per_cycle),
         us(&row.last_us_per_cycle),
-        range,
+        row.ratio,
         row.target_ratio,
-        row.time_verdict.as_str()
-    );
-    let cpu_range = row.cpu_ratio_range.map_or_else(
-        || "-".to_owned(),
-        |[lo, hi]| format!("{:.2} [{lo:.2}, {hi:.2}]", row.cpu_ratio),
+        verdict_text(row.time_verdict, row.ratio_range)
     );
     out += &format!(
-        "{:<22} {:>14} {:>14} {:>22} {:>6.1}x {:>12}\n",
+        "{:<22} {:>14} {:>14} {:>9.2} {:>6.1}x {:>26}\n",
         "CPU µs per cycle",
         us(&row.first_cpu_us_per_cycle),
         us(&row.last_cpu_us_per_cycle),
-        cpu_range,
+        row.cpu_ratio,
         row.target_ratio,
-        row.cpu_verdict.as_str()
+        verdict_text(row.cpu_verdict, row.cpu_ratio_range)
     );
     out += &format!(
-        "{:<22} {:>14} {:>14} {:>22} {:>6.1}x {:>12}\n",
+        "{:<22} {:>14} {:>14} {:>9} {:>6.1}x {:>26}\n",
         "RSS MiB (warm, end)",
         format!("{:.1}", row.rss_warm_mib),
         format!("{:.1}", row.rss_end_mib),
         format!("{:.3}", row.rss_growth),
         row.target_rss_growth,
-        row.rss_verdict.as_str()
+        verdict_text(row.rss_verdict, None)
     );
     out += &format!(
         "\nRSS at start {:.1} MiB; registry slots at the end: {}; {:.1} s timed; verified: {}\n",
@@ -485,14 +467,6 @@ pub fn table(row: &ChurnRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_ratio_judged_on_its_range_against_an_upper_target() {
-        assert_eq!(range_at_most(Some([0.9, 1.1]), 1.2), Verdict::Met);
-        assert_eq!(range_at_most(Some([1.1, 1.3]), 1.2), Verdict::WithinNoise);
-        assert_eq!(range_at_most(Some([1.3, 2.0]), 1.2), Verdict::Unmet);
-        assert_eq!(range_at_most(None, 1.2), Verdict::BelowNoise);
-    }
 
     #[test]
     fn a_small_churn_restores_every_byte_and_reuses_its_slots() {

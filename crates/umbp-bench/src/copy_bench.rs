@@ -36,7 +36,7 @@ use umbp_plan::{
 
 use crate::ceiling::{with_copy_ceiling, CeilingSamples};
 use crate::chart::{BarChart, Series};
-use crate::measure::{range_text, ratio_text, Difference, Timed, Verdict};
+use crate::measure::{ratio_text, spread_interval, verdict_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
 use crate::size::ByteSize;
 
@@ -432,7 +432,7 @@ pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
         "host copy engine: scattered fragments against the best copy of the same bytes\n\n",
     );
     out += &format!(
-        "{:>9} {:>7} {:>12} {:>7} {:>13} {:>7} {:>10} {:>7} {:>12} {:>8}\n",
+        "{:>9} {:>7} {:>12} {:>7} {:>13} {:>7} {:>10} {:>7} {:>24} {:>8}\n",
         "fragment",
         "threads",
         "engine GiB/s",
@@ -446,7 +446,7 @@ pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:>9} {:>7} {:>12.2} {:>6.0}% {:>13.2} {:>6.0}% {:>10} {:>7.2} {:>12} {:>8}\n",
+            "{:>9} {:>7} {:>12.2} {:>6.0}% {:>13.2} {:>6.0}% {:>10} {:>7.2} {:>24} {:>8}\n",
             ByteSize(r.fragment_size).to_string(),
             r.threads,
             r.engine_gib_s,
@@ -455,7 +455,9 @@ pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
             r.ceiling_spread * 100.0,
             r.ceiling_copy,
             r.ratio,
-            r.verdict.map_or("-", Verdict::as_str),
+            r.verdict.map_or("-".into(), |v| {
+                verdict_text(v, spread_interval(r.ratio, r.engine_spread + r.ceiling_spread))
+            }),
             if r.verified { "yes" } else { "NO" }
         );
     }
@@ -472,8 +474,8 @@ pub fn table(rows: &[CopyRow], submit: &SubmitRow) -> String {
         ByteSize(submit.fragment_size),
         ns(submit.batch_overhead_ns, submit.batch_noise_ns),
         ns(submit.single_overhead_ns, submit.single_noise_ns),
-        range_text(submit.ratio, submit.ratio_range),
-        submit.verdict.as_str(),
+        ratio_text(submit.ratio),
+        verdict_text(submit.verdict, submit.ratio_range),
         ratio_text(submit.submit_ratio),
         if submit.verified { "yes" } else { "NO" }
     );

@@ -34,7 +34,7 @@ use umbp_plan::{
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
-use crate::measure::{Timed, Verdict};
+use crate::measure::{spread_interval, verdict_text, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape, SplitMix};
 use crate::size::ByteSize;
@@ -739,13 +739,12 @@ pub fn table(report: &HbmReport) -> String {
     out
 }
 
-/// `met`, `unmet`, or `within noise` when the target lies inside the figure's own spread.
+/// `met`, `unmet`, or `within noise` when the target lies inside the figure's own spread, with
+/// the interval the figure lies in given its spread, then the target.
 fn verdict(what: &str, value: Option<f64>, target: f64, spread: f64) -> String {
     let Some(v) = value else { return format!("{what} n/a") };
-    match Verdict::at_least(value, target, spread) {
-        Verdict::WithinNoise => format!("{what} {v:.2} within noise of {target}"),
-        judged => format!("{what} {v:.2} {} ({target})", judged.as_str()),
-    }
+    let judged = verdict_text(Verdict::at_least(value, target, spread), spread_interval(v, spread));
+    format!("{what} {v:.2} {judged} ({target})")
 }
 
 /// The chart: GiB/s of the gather kernel and of one copy per fragment by fragment size, host
@@ -819,9 +818,10 @@ mod tests {
 
     #[test]
     fn a_target_inside_the_spread_is_never_called_met() {
-        assert_eq!(verdict("x", Some(1.55), 1.5, 0.10), "x 1.55 within noise of 1.5");
-        assert_eq!(verdict("x", Some(2.0), 1.5, 0.01), "x 2.00 met (1.5)");
-        assert_eq!(verdict("x", Some(1.0), 1.5, 0.01), "x 1.00 unmet (1.5)");
+        assert_eq!(verdict("x", Some(1.6), 1.5, 0.125), "x 1.60 within noise [1.40, 1.80] (1.5)");
+        assert_eq!(verdict("x", Some(2.0), 1.5, 0.01), "x 2.00 met [1.98, 2.02] (1.5)");
+        assert_eq!(verdict("x", Some(1.0), 1.5, 0.01), "x 1.00 unmet [0.99, 1.01] (1.5)");
+        assert_eq!(verdict("x", Some(1.0), 1.5, 0.0), "x 1.00 unmet (1.5)");
     }
 
     #[test]

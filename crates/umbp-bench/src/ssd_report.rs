@@ -2,7 +2,7 @@
 //! them).
 
 use crate::chart::{BarChart, Series};
-use crate::measure::Verdict;
+use crate::measure::{spread_interval, verdict_text};
 use crate::size::ByteSize;
 use crate::ssd_bench::SsdRow;
 
@@ -29,7 +29,7 @@ pub fn table(rows: &[SsdRow]) -> String {
         _ => "the engine's worker and fio unpinned\n\n".to_owned(),
     };
     out += &format!(
-        "{:>9} {:<19} {:>8} {:>10} {:>13} {:<12} {:>6} {:>13} {:>12} {:>7} {:>8}\n",
+        "{:>9} {:<19} {:>8} {:>10} {:>13} {:<12} {:>6} {:>13} {:>24} {:>7} {:>8}\n",
         "block",
         "mode",
         "GiB/s",
@@ -49,7 +49,7 @@ pub fn table(rows: &[SsdRow]) -> String {
             _ => "-".to_owned(),
         };
         out += &format!(
-            "{:>9} {:<19} {:>8.3} {:>10.0} {:>13} {:<12} {:>6} {:>13} {:>12} {:>7} {:>8}\n",
+            "{:>9} {:<19} {:>8.3} {:>10.0} {:>13} {:<12} {:>6} {:>13} {:>24} {:>7} {:>8}\n",
             ByteSize(r.block_size).to_string(),
             label(r),
             r.gib_s,
@@ -58,7 +58,11 @@ pub fn table(rows: &[SsdRow]) -> String {
             r.backend,
             if r.direct { "yes" } else { "no" },
             vs_fio,
-            r.verdict.map_or("-", Verdict::as_str),
+            r.verdict.map_or("-".into(), |v| {
+                let interval =
+                    r.vs_fio.zip(r.vs_fio_spread).and_then(|(x, s)| spread_interval(x, s));
+                verdict_text(v, interval)
+            }),
             ratio(r.vs_qd1),
             r.verified.map_or("-", |v| if v { "yes" } else { "NO" })
         );

@@ -169,15 +169,7 @@ impl Headline {
     /// The verdict in words, with the interval behind it when it has one:
     /// `within noise [0.85, 0.97]`.
     pub fn verdict_text(&self) -> String {
-        match self.interval {
-            Some([low, high]) => format!(
-                "{} [{}, {}]",
-                self.verdict.as_str(),
-                crate::chart::format_value(low),
-                crate::chart::format_value(high)
-            ),
-            None => self.verdict.as_str().to_owned(),
-        }
+        crate::measure::verdict_text(self.verdict, self.interval)
     }
 
     /// Where the score (measured / target, or target / measured for `<=`) lies, from the
