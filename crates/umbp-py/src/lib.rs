@@ -550,9 +550,10 @@ impl Engine {
         Ok(Batch { batch: Some(batch.map_err(error)?), events })
     }
 
-    /// Counters per (engine, direction), and what is in flight, as a dict.
+    /// One shape: `{"engines": {(engine, direction): counters}, "in_flight": {"batches",
+    /// "bytes"}}`; `umbp.Metrics` types it.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let out = PyDict::new(py);
+        let engines = PyDict::new(py);
         let composite = self.composite();
         let (snapshot, flight) =
             py.allow_threads(|| (composite.metrics_snapshot(), composite.in_flight()));
@@ -563,12 +564,14 @@ impl Engine {
             d.set_item("objects", c.objects)?;
             d.set_item("failures", c.failures)?;
             d.set_item("rejected_fragments", c.rejected_fragments)?;
-            out.set_item(format!("{engine}/{direction}"), d)?;
+            engines.set_item((engine.to_string(), direction.to_string()), d)?;
         }
-        let d = PyDict::new(py);
-        d.set_item("batches", flight.batches)?;
-        d.set_item("bytes", flight.bytes)?;
-        out.set_item("in_flight", d)?;
+        let in_flight = PyDict::new(py);
+        in_flight.set_item("batches", flight.batches)?;
+        in_flight.set_item("bytes", flight.bytes)?;
+        let out = PyDict::new(py);
+        out.set_item("engines", engines)?;
+        out.set_item("in_flight", in_flight)?;
         Ok(out)
     }
 

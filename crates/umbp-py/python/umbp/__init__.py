@@ -44,7 +44,19 @@ import os as _os
 import re as _re
 import stat as _stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple, Union, overload
+from typing import (
+    Any,
+    Dict,
+    Generator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypedDict,
+    Union,
+    cast,
+    overload,
+)
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exported)
@@ -73,6 +85,9 @@ __all__ = [
     "Range",
     "Batch",
     "Report",
+    "Metrics",
+    "EngineCounters",
+    "InFlight",
     "ObjectResult",
     "Error",
     "RegistrationError",
@@ -226,6 +241,38 @@ def _offsets_bytes(offsets: Any) -> bytes:
     if _array.array("Q", [1]).tobytes()[0] != 1:
         a.byteswap()
     return a.tobytes()
+
+
+class EngineCounters(TypedDict):
+    """What one engine moved in one direction since the engine started."""
+
+    #: Segments executed (``umbp_transfer_segments_total``).
+    operations: int
+    #: Bytes executed (``umbp_transfer_bytes_total``).
+    bytes: int
+    #: Objects whose bytes rode in the engine's plans (``umbp_transfer_objects_total``).
+    objects: int
+    #: Failed plans or segments, and plans the engine panicked with, all causes.
+    failures: int
+    #: Objects rejected while planning, all reasons (``umbp_rejected_objects_total``).
+    rejected_fragments: int
+
+
+class InFlight(TypedDict):
+    """What is in flight now."""
+
+    #: Batches submitted and not yet settled.
+    batches: int
+    #: Bytes those batches move.
+    bytes: int
+
+
+class Metrics(TypedDict):
+    """:meth:`Engine.metrics`: counters keyed by ``(engine, direction)`` (``("ssd",
+    "host->file")``), and what is in flight."""
+
+    engines: Dict[Tuple[str, str], EngineCounters]
+    in_flight: InFlight
 
 
 @dataclass(frozen=True)
@@ -718,9 +765,11 @@ class Engine:
         """:meth:`start_offload`, then waits."""
         return self.start_offload(objects, timeout).wait()
 
-    def metrics(self) -> Dict[str, Any]:
-        """Counters per ``"engine/direction"`` and what is in flight."""
-        return self._native.metrics()
+    def metrics(self) -> Metrics:
+        """Counters per ``(engine, direction)`` under ``"engines"``, and what is in flight
+        under ``"in_flight"``: ``m["engines"][("ssd", "host->file")]["bytes"]``,
+        ``m["in_flight"]["batches"]``."""
+        return cast(Metrics, self._native.metrics())
 
     def metrics_text(self) -> str:
         """Every metric of the engine in the Prometheus text format, for a scraper: bytes,
