@@ -608,8 +608,7 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
 
     // JSON output: the summary lines only, each with the documented fields.
     let lines = json_lines_noting(&["tour", "--tiny", "--dir", ssd_arg, "--json"], skip_note);
-    let fields =
-        ["part", "figure", "value", "unit", "comparison", "target", "verdict", "interval"];
+    let fields = ["part", "figure", "value", "unit", "comparison", "target", "verdict", "interval"];
     check_fields("tour", &lines, &fields);
     let correct: Vec<&Map<String, Value>> = lines
         .iter()
