@@ -580,7 +580,11 @@ impl Client {
     ) -> anyhow::Result<Self> {
         let engine = UcxEngine::new(
             EndpointRegistry::new(),
-            UcxConfig::with_transports(&config.transports).with_secret(secret()),
+            UcxConfig {
+                transports: Some(config.transports.clone()),
+                token: Some(secret().into()),
+                ..UcxConfig::default()
+            },
         )
         .context("starting the UCX engine")?;
         let peer = engine.connect(addr).with_context(|| format!("connecting to {addr}"))?;

@@ -124,20 +124,6 @@ impl Default for UcxConfig {
 }
 
 impl UcxConfig {
-    /// The defaults with `transports`. Hidden: write the struct literal. Kept only until
-    /// umbp-bench's remote bench stops calling it, then removed.
-    #[doc(hidden)]
-    pub fn with_transports(transports: &str) -> Self {
-        Self { transports: Some(transports.to_owned()), ..Self::default() }
-    }
-
-    /// This configuration with the shared secret `secret`. Hidden: write the struct literal.
-    /// Kept only until umbp-bench's remote bench stops calling it, then removed.
-    #[doc(hidden)]
-    pub fn with_secret(self, secret: impl Into<Vec<u8>>) -> Self {
-        Self { token: Some(secret.into()), ..self }
-    }
-
     /// How this side authenticates: the secret, or the explicit choice to run without one.
     pub(crate) fn auth(&self) -> Result<crate::handshake::Auth<'_>, Error> {
         use crate::handshake::Auth;
