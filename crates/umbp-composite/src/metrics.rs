@@ -41,23 +41,6 @@ fn kind(e: &Endpoint) -> usize {
     }
 }
 
-/// A failure cause as a label value.
-fn cause_label(cause: &FailureCause) -> &'static str {
-    match cause {
-        FailureCause::Io { .. } => "io",
-        FailureCause::ShortFile { .. } => "short_file",
-        FailureCause::Device { .. } => "device",
-        FailureCause::EndpointGone(_) => "endpoint_gone",
-        FailureCause::NotAccepted(_) => "not_accepted",
-        FailureCause::Overlap => "overlap",
-        FailureCause::TimedOut => "timed_out",
-        FailureCause::Cancelled => "cancelled",
-        FailureCause::PeerFailed { .. } => "peer_failed",
-        FailureCause::Panicked { .. } => "panicked",
-        _ => "other",
-    }
-}
-
 /// A rejection reason as a label value.
 fn reason_label(reason: &RejectReason) -> &'static str {
     match reason {
@@ -369,7 +352,7 @@ impl Metrics {
     ) {
         let _ = self.saw(engine, direction);
         let labels =
-            FailureLabels { engine: engine.to_string(), direction, cause: cause_label(cause) };
+            FailureLabels { engine: engine.to_string(), direction, cause: cause.kind_name() };
         self.failures.get_or_create(&labels).inc();
     }
 
@@ -436,7 +419,7 @@ impl Metrics {
         let outcome = if completed { "completed" } else { "failed" };
         self.batches.get_or_create(&OutcomeLabels { outcome }).inc();
         for cause in causes {
-            self.object_failures.get_or_create(&CauseLabels { cause: cause_label(cause) }).inc();
+            self.object_failures.get_or_create(&CauseLabels { cause: cause.kind_name() }).inc();
         }
     }
 }

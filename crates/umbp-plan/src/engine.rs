@@ -132,6 +132,27 @@ pub enum FailureCause {
     },
 }
 
+impl FailureCause {
+    /// A short, stable name of the cause's kind (`"io"`, `"short_file"`, `"device"`,
+    /// `"endpoint_gone"`, `"not_accepted"`, `"overlap"`, `"timed_out"`, `"cancelled"`,
+    /// `"peer_failed"`, `"panicked"`): what metrics label failures with and what bindings name
+    /// them by.
+    pub const fn kind_name(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::ShortFile { .. } => "short_file",
+            Self::Device { .. } => "device",
+            Self::EndpointGone(_) => "endpoint_gone",
+            Self::NotAccepted(_) => "not_accepted",
+            Self::Overlap => "overlap",
+            Self::TimedOut => "timed_out",
+            Self::Cancelled => "cancelled",
+            Self::PeerFailed { .. } => "peer_failed",
+            Self::Panicked { .. } => "panicked",
+        }
+    }
+}
+
 /// One failed plan, or one failed segment of a plan: the objects whose bytes did not arrive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Failure {

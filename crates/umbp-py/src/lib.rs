@@ -934,23 +934,6 @@ fn reject_kind(e: &umbp_plan::Error) -> &'static str {
     }
 }
 
-/// The name of a failure's cause, as `umbp.FailureKind` spells it.
-fn failure_kind(cause: &FailureCause) -> &'static str {
-    match cause {
-        FailureCause::Io { .. } => "io",
-        FailureCause::ShortFile { .. } => "short_file",
-        FailureCause::Device { .. } => "device",
-        FailureCause::EndpointGone(_) => "endpoint_gone",
-        FailureCause::NotAccepted(_) => "not_accepted",
-        FailureCause::Overlap => "overlap",
-        FailureCause::TimedOut => "timed_out",
-        FailureCause::Cancelled => "cancelled",
-        FailureCause::PeerFailed { .. } => "peer_failed",
-        FailureCause::Panicked { .. } => "panicked",
-        _ => "other",
-    }
-}
-
 /// `umbp.<enum>(value)`: a member of one of the package's enums, or the plain string should
 /// the package not be importable (it always is once an error can be raised).
 fn py_enum(py: Python<'_>, name: &str, value: &str) -> PyObject {
@@ -996,7 +979,7 @@ fn object_error(py: Python<'_>, e: &ObjectError, tag: Option<u64>) -> PyResult<P
                 vec![
                     ("engine", engine.clone().into_pyobject(py)?.into_any().unbind()),
                     ("cause", failure.to_string().into_pyobject(py)?.into_any().unbind()),
-                    ("kind", py_enum(py, "FailureKind", failure_kind(failure))),
+                    ("kind", py_enum(py, "FailureKind", failure.kind_name())),
                     ("errno", errno.into_pyobject(py)?.into_any().unbind()),
                     ("device_code", code.into_pyobject(py)?.into_any().unbind()),
                 ],
