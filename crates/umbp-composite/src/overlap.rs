@@ -14,32 +14,25 @@
 //! them. Both passes reuse the check's buffers, so a reused builder allocates nothing here in the
 //! common case.
 
-use umbp_plan::{EndpointId, EndpointKind, EndpointTable, Space, Tag};
+use umbp_plan::{
+    sweep_overlaps, EndpointId, EndpointKind, EndpointTable, RangeAccess, Space, SweepScratch, Tag,
+};
 
 use crate::builder::{RoutedPart, StagedFragment};
 
-/// One range a fragment (or a piece of one) reads or writes, with the pair it came from.
-#[derive(Copy, Clone, Debug)]
-struct Access {
-    space: Space,
-    start: u64,
-    end: u64,
-    write: bool,
-    tag: Tag,
-    src: EndpointId,
-    dst: EndpointId,
-}
-
 /// An object that breaks the rule, with the pair of one of its pieces that met another's.
 pub(crate) type Conflict = (Tag, EndpointId, EndpointId);
+
+/// One range a fragment (or a piece of one) reads or writes, owned by its object and the pair
+/// it came from.
+type Access = RangeAccess<Conflict>;
 
 /// The whole-batch overlap check, with its buffers kept from one batch to the next.
 #[derive(Debug, Default)]
 pub(crate) struct BatchOverlap {
     accesses: Vec<Access>,
     /// The sweep's live writes and reads.
-    writes: Vec<Access>,
-    reads: Vec<Access>,
+    live: SweepScratch<Conflict>,
     found: Vec<Conflict>,
 }
 
@@ -107,9 +100,9 @@ impl BatchOverlap {
         let mut push = |accesses: &mut Vec<Access>, cover: &Cover, (rs, ws), (src, dst)| {
             ordered &= cover.ordered;
             let (start, end) = cover.read;
-            accesses.push(Access { space: rs, start, end, write: false, tag, src, dst });
+            accesses.push(Access { space: rs, start, end, write: false, owner: (tag, src, dst) });
             let (start, end) = cover.written;
-            accesses.push(Access { space: ws, start, end, write: true, tag, src, dst });
+            accesses.push(Access { space: ws, start, end, write: true, owner: (tag, src, dst) });
         };
         for plan in parts.iter().flat_map(|p| p.plans.plans()) {
             let (src, dst) = (plan.src(), plan.dst());
@@ -135,7 +128,7 @@ impl BatchOverlap {
             }
             push(&mut self.accesses, &cover, (rs, ws), (src, dst));
         }
-        ordered && sweep(&mut self.accesses, &mut self.writes, &mut self.reads, |_, _| {}) == 0
+        ordered && sweep_overlaps(&mut self.accesses, &mut self.live, |_, _| {}) == 0
     }
 
     /// Every object's pieces, swept: the objects that really meet go to `found`.
@@ -154,9 +147,7 @@ impl BatchOverlap {
                 start: r0,
                 end: r0.saturating_add(len),
                 write: false,
-                tag,
-                src,
-                dst,
+                owner: (tag, src, dst),
             };
             let write =
                 Access { space: ws, start: w0, end: w0.saturating_add(len), write: true, ..read };
@@ -176,52 +167,9 @@ impl BatchOverlap {
             piece(f.tag, r, w, f.src, f.dst, (f.src_offset, f.dst_offset, f.len));
         }
         let found = &mut self.found;
-        sweep(&mut self.accesses, &mut self.writes, &mut self.reads, |a, b| {
-            found.extend([(a.tag, a.src, a.dst), (b.tag, b.src, b.dst)]);
-        });
+        sweep_overlaps(&mut self.accesses, &mut self.live, |a, b| found.extend([a.owner, b.owner]));
         // Each object keeps the pair of one of its meetings.
         found.sort_unstable_by_key(|c| c.0);
         found.dedup_by_key(|c| c.0);
     }
-}
-
-/// Sorts `accesses` and calls `meet` for every pair that shares a byte where at least one of the
-/// two writes; returns how many pairs met. Reads that meet reads are not scanned: the cost is the
-/// sort plus one step per real meeting. `writes` and `reads` are scratch for the accesses still
-/// open. (umbp-plan's check sweeps the same way, over one plan set.)
-fn sweep(
-    accesses: &mut [Access],
-    writes: &mut Vec<Access>,
-    reads: &mut Vec<Access>,
-    mut meet: impl FnMut(&Access, &Access),
-) -> usize {
-    accesses.sort_unstable_by_key(|a| (a.space, a.start));
-    let mut met = 0;
-    writes.clear();
-    reads.clear();
-    let mut space = None;
-    for a in accesses.iter().filter(|a| a.start < a.end) {
-        if space != Some(a.space) {
-            space = Some(a.space);
-            writes.clear();
-            reads.clear();
-        }
-        // Sorted by start: an earlier access meets `a` exactly when it ends after `a` starts.
-        writes.retain(|w| w.end > a.start);
-        for w in writes.iter() {
-            met += 1;
-            meet(w, a);
-        }
-        if a.write {
-            reads.retain(|r| r.end > a.start);
-            for r in reads.iter() {
-                met += 1;
-                meet(r, a);
-            }
-            writes.push(*a);
-        } else {
-            reads.push(*a);
-        }
-    }
-    met
 }

@@ -118,7 +118,7 @@ pub use engine::{
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;
 pub use incremental::{IncrementalBuilder, Run};
-pub use overlap::{OverlapCheck, Space};
+pub use overlap::{sweep_overlaps, OverlapCheck, RangeAccess, Space, SweepScratch};
 pub use page_walk::{check_ranges, PageFragment, PageWalk};
 pub use plan::{FailedAt, Plan, PlanSet, Segment};
 pub use register::{

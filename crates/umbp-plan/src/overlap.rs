@@ -16,20 +16,38 @@ pub enum Space {
     Remote(RemoteRegion),
 }
 
-/// One range a fragment (or a piece of one) reads or writes.
+/// One range that a transfer (or a piece of one) reads or writes, and what it belongs to: what
+/// [`sweep_overlaps`] pairs up. [`OverlapCheck`] owns ranges by object tag; a layer that checks
+/// more than one plan set at once (a composite checking a whole batch) may carry more in `owner`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Access {
+pub struct RangeAccess<T = Tag> {
     /// Where.
-    space: Space,
+    pub space: Space,
     /// First address.
-    start: u64,
+    pub start: u64,
     /// One past the last address.
-    end: u64,
+    pub end: u64,
     /// Whether the range is written (else read).
-    write: bool,
-    /// The object it belongs to.
-    tag: Tag,
+    pub write: bool,
+    /// What the range belongs to (the object's tag, say).
+    pub owner: T,
 }
+
+/// The accesses a [`sweep_overlaps`] keeps open while it sweeps; reuse one so that a sweep
+/// allocates nothing once it is warm.
+#[derive(Debug)]
+pub struct SweepScratch<T> {
+    writes: Vec<RangeAccess<T>>,
+    reads: Vec<RangeAccess<T>>,
+}
+
+impl<T> Default for SweepScratch<T> {
+    fn default() -> Self {
+        Self { writes: Vec::new(), reads: Vec::new() }
+    }
+}
+
+type Access = RangeAccess<Tag>;
 
 /// Checks plan sets against the overlap rule, with buffers reused from one check to the next.
 ///
@@ -60,7 +78,7 @@ struct Access {
 pub struct OverlapCheck {
     accesses: Vec<Access>,
     /// The sweep's live writes and reads.
-    live: (Vec<Access>, Vec<Access>),
+    live: SweepScratch<Tag>,
 }
 
 impl OverlapCheck {
@@ -94,14 +112,20 @@ impl OverlapCheck {
                 read = (read.0.min(r0), read.1.max(r1));
                 written = (written.0.min(w0), written.1.max(w1));
             }
-            let tag = Tag::new(0);
-            self.accesses.push(Access { space: rs, start: read.0, end: read.1, write: false, tag });
+            let owner = Tag::new(0);
+            self.accesses.push(Access {
+                space: rs,
+                start: read.0,
+                end: read.1,
+                write: false,
+                owner,
+            });
             self.accesses.push(Access {
                 space: ws,
                 start: written.0,
                 end: written.1,
                 write: true,
-                tag,
+                owner,
             });
         }
         // One plan (a single transfer, say): its two ranges meet only in one space.
@@ -109,7 +133,8 @@ impl OverlapCheck {
             [read, write] => read.space != write.space || !meet(read, write),
             _ => false,
         };
-        if ordered && (alone || sweep(&mut self.accesses, &mut self.live, |_, _| {}) == 0) {
+        if ordered && (alone || sweep_overlaps(&mut self.accesses, &mut self.live, |_, _| {}) == 0)
+        {
             return Vec::new();
         }
         // Pass two: every object's pieces, swept for the objects that really meet.
@@ -127,20 +152,20 @@ impl OverlapCheck {
                         start: r0,
                         end: r0.saturating_add(p.len),
                         write: false,
-                        tag,
+                        owner: tag,
                     });
                     self.accesses.push(Access {
                         space: ws,
                         start: w0,
                         end: w0.saturating_add(p.len),
                         write: true,
-                        tag,
+                        owner: tag,
                     });
                 }
             }
         }
         let mut tags = Vec::new();
-        sweep(&mut self.accesses, &mut self.live, |a, b| tags.extend([a, b]));
+        sweep_overlaps(&mut self.accesses, &mut self.live, |a, b| tags.extend([a.owner, b.owner]));
         tags.sort_unstable();
         tags.dedup();
         tags
@@ -188,17 +213,19 @@ fn meet(a: &Access, b: &Access) -> bool {
 
 /// Sorts `accesses` and calls `meet` for every pair that shares a byte where at least one of
 /// the two writes; returns how many pairs met. Reads that meet reads are not scanned: the cost
-/// is the sort plus one step per real meeting. `live` is scratch for the accesses still open.
-fn sweep(
-    accesses: &mut [Access],
-    live: &mut (Vec<Access>, Vec<Access>),
-    mut meet: impl FnMut(Tag, Tag),
+/// is the sort plus one step per real meeting. Empty ranges meet nothing; ranges of different
+/// spaces never meet. This is the sweep [`OverlapCheck`] runs over one plan set, for layers that
+/// gather accesses from several.
+pub fn sweep_overlaps<T: Copy>(
+    accesses: &mut [RangeAccess<T>],
+    scratch: &mut SweepScratch<T>,
+    mut meet: impl FnMut(&RangeAccess<T>, &RangeAccess<T>),
 ) -> usize {
     accesses.sort_unstable_by_key(|a| (a.space, a.start));
     let mut met = 0;
     // Accesses seen in the current space that may still reach the next one: writes (checked
     // against every later access) and reads (checked against later writes only).
-    let (writes, reads) = live;
+    let SweepScratch { writes, reads } = scratch;
     writes.clear();
     reads.clear();
     let mut space = None;
@@ -212,13 +239,13 @@ fn sweep(
         writes.retain(|w| w.end > a.start);
         for w in writes.iter() {
             met += 1;
-            meet(w.tag, a.tag);
+            meet(w, &a);
         }
         if a.write {
             reads.retain(|r| r.end > a.start);
             for r in reads.iter() {
                 met += 1;
-                meet(r.tag, a.tag);
+                meet(r, &a);
             }
             writes.push(a);
         } else {
@@ -233,13 +260,14 @@ mod tests {
     use super::*;
 
     fn access(start: u64, end: u64, write: bool, tag: u32) -> Access {
-        Access { space: Space::Host, start, end, write, tag: Tag::new(tag) }
+        Access { space: Space::Host, start, end, write, owner: Tag::new(tag) }
     }
 
     fn meetings(mut accesses: Vec<Access>) -> Vec<(u32, u32)> {
         let mut pairs = Vec::new();
-        sweep(&mut accesses, &mut Default::default(), |a, b| {
-            let (a, b) = (a.get().min(b.get()), a.get().max(b.get()));
+        sweep_overlaps(&mut accesses, &mut Default::default(), |a, b| {
+            let (a, b) = (a.owner.get(), b.owner.get());
+            let (a, b) = (a.min(b), a.max(b));
             pairs.push((a, b));
         });
         pairs.sort_unstable();
@@ -289,7 +317,7 @@ mod tests {
                         start,
                         end: start + next(16),
                         write: next(2) == 0,
-                        tag: Tag::new(tag),
+                        owner: Tag::new(tag),
                     }
                 })
                 .collect();
@@ -298,7 +326,10 @@ mod tests {
                 for b in &accesses[i + 1..] {
                     let share = a.space == b.space && a.start.max(b.start) < a.end.min(b.end);
                     if share && (a.write || b.write) {
-                        want.push((a.tag.get().min(b.tag.get()), a.tag.get().max(b.tag.get())));
+                        want.push((
+                            a.owner.get().min(b.owner.get()),
+                            a.owner.get().max(b.owner.get()),
+                        ));
                     }
                 }
             }
