@@ -41,21 +41,6 @@ fn kind(e: &Endpoint) -> usize {
     }
 }
 
-/// A rejection reason as a label value.
-fn reason_label(reason: &RejectReason) -> &'static str {
-    match reason {
-        RejectReason::UnknownEndpoint(_) => "unknown_endpoint",
-        RejectReason::PairNotHandled { .. } => "pair_not_handled",
-        RejectReason::OutOfBounds { .. } => "out_of_bounds",
-        RejectReason::Overflow { .. } => "overflow",
-        RejectReason::SegmentTooLong { .. } => "segment_too_long",
-        RejectReason::BuilderPanicked => "builder_panicked",
-        RejectReason::ReadOnly(_) => "read_only",
-        RejectReason::Misaligned { .. } => "misaligned",
-        _ => "other",
-    }
-}
-
 /// What one engine did in one direction: the Prometheus counters of that engine and direction,
 /// read back.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -365,7 +350,7 @@ impl Metrics {
     ) {
         let _ = self.saw(engine, direction);
         let labels =
-            RejectLabels { engine: engine.to_string(), direction, reason: reason_label(reason) };
+            RejectLabels { engine: engine.to_string(), direction, reason: reason.kind_name() };
         self.rejected.get_or_create(&labels).inc();
     }
 

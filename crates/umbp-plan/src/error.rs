@@ -70,6 +70,25 @@ pub enum RejectReason {
     },
 }
 
+impl RejectReason {
+    /// A short, stable name of the reason's kind (`"unknown_endpoint"`, `"pair_not_handled"`,
+    /// `"out_of_bounds"`, `"overflow"`, `"segment_too_long"`, `"builder_panicked"`,
+    /// `"read_only"`, `"misaligned"`): what metrics label rejections with and what bindings name
+    /// them by.
+    pub const fn kind_name(&self) -> &'static str {
+        match self {
+            Self::UnknownEndpoint(_) => "unknown_endpoint",
+            Self::PairNotHandled { .. } => "pair_not_handled",
+            Self::OutOfBounds { .. } => "out_of_bounds",
+            Self::Overflow { .. } => "overflow",
+            Self::SegmentTooLong { .. } => "segment_too_long",
+            Self::BuilderPanicked => "builder_panicked",
+            Self::ReadOnly(_) => "read_only",
+            Self::Misaligned { .. } => "misaligned",
+        }
+    }
+}
+
 /// Why a page walk or a range list was refused. Nothing is emitted when a walk is refused.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

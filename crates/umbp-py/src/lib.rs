@@ -918,17 +918,7 @@ fn state_name(s: ObjectState) -> &'static str {
 /// The name of a rejection's reason, as `umbp.RejectKind` spells it.
 fn reject_kind(e: &umbp_plan::Error) -> &'static str {
     match e {
-        umbp_plan::Error::Rejected { reason, .. } => match reason {
-            RejectReason::UnknownEndpoint(_) => "unknown_endpoint",
-            RejectReason::PairNotHandled { .. } => "pair_not_handled",
-            RejectReason::OutOfBounds { .. } => "out_of_bounds",
-            RejectReason::Overflow { .. } => "overflow",
-            RejectReason::SegmentTooLong { .. } => "segment_too_long",
-            RejectReason::BuilderPanicked => "builder_panicked",
-            RejectReason::ReadOnly(_) => "read_only",
-            RejectReason::Misaligned { .. } => "misaligned",
-            _ => "other",
-        },
+        umbp_plan::Error::Rejected { reason, .. } => reason.kind_name(),
         umbp_plan::Error::Walk(_) => "invalid_object",
         _ => "other",
     }
