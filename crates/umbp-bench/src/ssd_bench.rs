@@ -420,6 +420,40 @@ const IN_FLIGHT: usize = 2;
 /// The engine rows' slots take at least this many bytes, when the depth alone would give fewer.
 const SLOT_FLOOR: u64 = 1 << 20;
 
+/// Keeps [`IN_FLIGHT`] submits of `submit(batch, builder)` in flight for at least `timed` (and
+/// at least one), recycling each settled plan set into `builder`; the first failure ends the
+/// run (`what` names the transfer, "read" or "write"). Returns the submits made and the seconds
+/// they took.
+fn timed_submits<B: PlanBuilder>(
+    builder: &mut B,
+    timed: Duration,
+    what: &str,
+    mut submit: impl FnMut(u64, &mut B) -> anyhow::Result<umbp_plan::TransferHandle>,
+) -> anyhow::Result<(u64, f64)> {
+    let settle = |handle: umbp_plan::TransferHandle, builder: &mut B| -> anyhow::Result<()> {
+        let settled = handle.into_settled();
+        if let Some(failure) = settled.failures.first() {
+            bail!("a timed {what} failed: {failure}");
+        }
+        builder.recycle(settled.plans);
+        Ok(())
+    };
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut batches = 0u64;
+    let start = Instant::now();
+    while start.elapsed() < timed || batches == 0 {
+        in_flight.push_back(submit(batches, builder)?);
+        if in_flight.len() == IN_FLIGHT {
+            settle(in_flight.pop_front().expect("one in flight"), builder)?;
+        }
+        batches += 1;
+    }
+    while let Some(handle) = in_flight.pop_front() {
+        settle(handle, builder)?;
+    }
+    Ok((batches, start.elapsed().as_secs_f64()))
+}
+
 fn measure_engine(
     path: &Path,
     config: &SsdBenchConfig,
@@ -484,22 +518,9 @@ fn measure_engine(
 
     let cache_dropped = disk::drop_cache(path);
     let timed = Duration::from_secs_f64(config.seconds);
-    let mut reads = 0u64;
-    let mut batches = 0u64;
-    let mut in_flight = std::collections::VecDeque::new();
-    let settle =
-        |handle: umbp_plan::TransferHandle, builder: &mut dyn PlanBuilder| -> anyhow::Result<()> {
-            let settled = handle.into_settled();
-            if let Some(failure) = settled.failures.first() {
-                bail!("a timed read failed: {failure}");
-            }
-            builder.recycle(settled.plans);
-            Ok(())
-        };
-    let start = Instant::now();
-    while start.elapsed() < timed || batches == 0 {
+    let (batches, seconds) = timed_submits(&mut builder, timed, "read", |batch, builder| {
         // Each submit in flight reads into its own share of the slots.
-        let first_slot = (batches % submits_in_flight) * reads_per_submit;
+        let first_slot = (batch % submits_in_flight) * reads_per_submit;
         for i in 0..reads_per_submit {
             let tag = Tag::new(i as u32);
             let src = rng.below(blocks) * block_size;
@@ -508,17 +529,9 @@ fn measure_engine(
             builder.push(Fragment::new(file, src, host.id(), dst, block_size, tag))?;
             builder.commit_object()?;
         }
-        in_flight.push_back(engine.submit(builder.finish()?));
-        if in_flight.len() == IN_FLIGHT {
-            settle(in_flight.pop_front().expect("one in flight"), &mut builder)?;
-        }
-        reads += reads_per_submit;
-        batches += 1;
-    }
-    while let Some(handle) = in_flight.pop_front() {
-        settle(handle, &mut builder)?;
-    }
-    let seconds = start.elapsed().as_secs_f64();
+        Ok(engine.submit(builder.finish()?))
+    })?;
+    let reads = batches * reads_per_submit;
     let bytes = reads * block_size;
     let backend = match engine.backend() {
         Backend::Blocking => "pread",
@@ -619,31 +632,9 @@ fn measure_writes(
     }
 
     let timed = Duration::from_secs_f64(config.seconds);
-    let (mut writes, mut batches) = (0u64, 0u64);
-    let mut in_flight = std::collections::VecDeque::new();
-    let settle = |handle: umbp_plan::TransferHandle,
-                  builder: &mut umbp_plan::IncrementalBuilder<umbp_ssd::SsdRules>|
-     -> anyhow::Result<()> {
-        let settled = handle.into_settled();
-        if let Some(failure) = settled.failures.first() {
-            bail!("a timed write failed: {failure}");
-        }
-        builder.recycle(settled.plans);
-        Ok(())
-    };
-    let start = Instant::now();
-    while start.elapsed() < timed || batches == 0 {
-        in_flight.push_back(submit(batches, &mut builder, None)?);
-        if in_flight.len() == IN_FLIGHT {
-            settle(in_flight.pop_front().expect("one in flight"), &mut builder)?;
-        }
-        writes += per_submit;
-        batches += 1;
-    }
-    while let Some(handle) = in_flight.pop_front() {
-        settle(handle, &mut builder)?;
-    }
-    let seconds = start.elapsed().as_secs_f64();
+    let (batches, seconds) =
+        timed_submits(&mut builder, timed, "write", |batch, builder| submit(batch, builder, None))?;
+    let writes = batches * per_submit;
     let bytes = writes * block_size;
     let backend = match engine.backend() {
         Backend::Blocking => "pread",
