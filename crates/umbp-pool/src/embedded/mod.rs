@@ -1,0 +1,485 @@
+//! The embedded index: one node's pool, persistent and crash-safe, in a redb file beside the
+//! SSD tier.
+//!
+//! Strategy: the redb file holds what must survive a crash, and only that: the registered
+//! tiers, the published blocks of durable tiers and the generation counter. Everything else
+//! (reservations, leases, the clock bits, the free lists, volatile tiers' blocks) lives in
+//! memory and is rebuilt or dropped at [`EmbeddedIndex::open`]. Each [`Index::publish`] batch is
+//! one redb write transaction committed with fsync before any of it becomes visible, so a
+//! crash keeps exactly the blocks whose publish returned. Eviction and removal of durable
+//! blocks commit their deletion before the slot can be reserved again, so a slot is never
+//! recorded under a key whose bytes a later writer has started to overwrite.
+
+mod slots;
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
+
+use crate::{
+    BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
+    Reservation, Reserved, TierId, TierSpec, TierStats,
+};
+use slots::{LeaseRecord, SlotState, State, TierState};
+
+/// Published blocks of durable tiers: key (16 bytes) -> placement value.
+const BLOCKS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("blocks");
+/// Registered tiers: (node, tier) -> slot size, slot count, durable, watermarks.
+const TIERS: TableDefinition<(u32, u16), &[u8]> = TableDefinition::new("tiers");
+/// Counters: "next_generation".
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// The embedded [`Index`]: one process's pool over its own tiers, kept in a redb file.
+///
+/// A restart ([`open`](Self::open) of the same file after a clean exit or a crash) keeps every
+/// block of a durable tier whose [`publish`](Index::publish) returned, and nothing else:
+/// reservations and leases do not survive, so slots reserved but unpublished are free again,
+/// and blocks of volatile tiers (a DRAM arena, gone with the process) are dropped.
+///
+/// Lookups are answered from memory (a hash map rebuilt at open); eviction is a clock over
+/// published, unleased slots. One redb file belongs to one process at a time (redb locks it).
+pub struct EmbeddedIndex {
+    db: Database,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for EmbeddedIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedIndex").finish_non_exhaustive()
+    }
+}
+
+fn encode_spec(s: &TierSpec) -> [u8; 21] {
+    let mut b = [0u8; 21];
+    b[0..8].copy_from_slice(&s.slot_size.to_be_bytes());
+    b[8..12].copy_from_slice(&s.slot_count.to_be_bytes());
+    b[12] = u8::from(s.durable);
+    b[13..17].copy_from_slice(&s.low_watermark.to_be_bytes());
+    b[17..21].copy_from_slice(&s.high_watermark.to_be_bytes());
+    b
+}
+
+fn decode_spec(node: u32, tier: u16, b: &[u8]) -> Result<TierSpec, Error> {
+    if b.len() != 21 {
+        return Err(Error::Corrupt(format!("tier record of {} bytes", b.len())));
+    }
+    let u32_at = |i: usize| u32::from_be_bytes(b[i..i + 4].try_into().unwrap());
+    Ok(TierSpec {
+        node: NodeId(node),
+        tier: TierId(tier),
+        slot_size: u64::from_be_bytes(b[0..8].try_into().unwrap()),
+        slot_count: u32_at(8),
+        durable: b[12] != 0,
+        low_watermark: u32_at(13),
+        high_watermark: u32_at(17),
+    })
+}
+
+impl EmbeddedIndex {
+    /// Opens the index at `path`, creating it if absent, and reconciles it: every durable
+    /// block committed before is back, every slot that was reserved but not published is free,
+    /// volatile tiers are empty. Tiers registered before are known again (register them again
+    /// with the same shape, or not at all).
+    ///
+    /// Errors: [`Error::Store`] (I/O, the file is held by another process),
+    /// [`Error::Corrupt`].
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let db = Database::create(path.as_ref())?;
+        let mut state = State::new();
+        let txn = db.begin_write()?;
+        {
+            let tiers = txn.open_table(TIERS)?;
+            for entry in tiers.iter()? {
+                let (k, v) = entry?;
+                let (node, tier) = k.value();
+                let spec = decode_spec(node, tier, v.value())?;
+                state.tier_index.insert((spec.node, spec.tier), state.tiers.len());
+                state.tiers.push(TierState::new(spec));
+            }
+            let meta = txn.open_table(META)?;
+            let mut max_generation =
+                meta.get("next_generation")?.map(|v| v.value()).unwrap_or(1).saturating_sub(1);
+            let mut blocks = txn.open_table(BLOCKS)?;
+            let mut drop_keys: Vec<Vec<u8>> = Vec::new();
+            for entry in blocks.iter()? {
+                let (k, v) = entry?;
+                let Some(key) = BlockKey::from_slice(k.value()) else {
+                    drop_keys.push(k.value().to_vec());
+                    continue;
+                };
+                let p = match Placement::decode(key, v.value()) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        drop_keys.push(k.value().to_vec());
+                        continue;
+                    }
+                };
+                max_generation = max_generation.max(p.generation);
+                let kept = match state.tier_index.get(&(p.node, p.tier)) {
+                    Some(&t) if state.tiers[t].spec.durable => {
+                        let ok = state.tiers[t].restore(&p);
+                        if ok {
+                            state.keys.insert(key, (t, p.slot));
+                        }
+                        ok
+                    }
+                    _ => false,
+                };
+                if !kept {
+                    drop_keys.push(k.value().to_vec());
+                }
+            }
+            for k in &drop_keys {
+                blocks.remove(k.as_slice())?;
+            }
+            if !drop_keys.is_empty() {
+                tracing::info!(dropped = drop_keys.len(), "embedded index: dropped blocks at open");
+            }
+            state.next_generation = max_generation + 1;
+            drop(meta);
+            txn.open_table(META)?.insert("next_generation", state.next_generation)?;
+        }
+        txn.commit()?;
+        for t in &mut state.tiers {
+            t.rebuild_free_list();
+        }
+        tracing::info!(blocks = state.keys.len(), tiers = state.tiers.len(), "embedded index open");
+        Ok(Self { db, state: Mutex::new(state) })
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while the lock was held can only come from a bug in this module; the state
+        // is still the last consistent one because every change is applied after its commit.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn tier(state: &State, node: NodeId, tier: TierId) -> Result<usize, Error> {
+        state.tier_index.get(&(node, tier)).copied().ok_or(Error::UnknownTier { node, tier })
+    }
+
+    /// Commits the deletion of leaving slots' keys (durable tiers only), then frees the slots;
+    /// on failure they are published again.
+    fn commit_departures(
+        &self,
+        state: &mut State,
+        t: usize,
+        leaving: &[(u32, BlockKey)],
+    ) -> Result<(), Error> {
+        if leaving.is_empty() {
+            return Ok(());
+        }
+        let result = if state.tiers[t].spec.durable {
+            (|| -> Result<(), Error> {
+                let txn = self.db.begin_write()?;
+                {
+                    let mut blocks = txn.open_table(BLOCKS)?;
+                    for (_, key) in leaving {
+                        blocks.remove(&key.0[..])?;
+                    }
+                }
+                txn.commit()?;
+                Ok(())
+            })()
+        } else {
+            Ok(())
+        };
+        for &(slot, key) in leaving {
+            if result.is_ok() {
+                state.tiers[t].left(slot);
+                state.keys.remove(&key);
+            } else {
+                state.tiers[t].stay(slot);
+            }
+        }
+        result
+    }
+
+    fn evict_locked(&self, state: &mut State, t: usize, want: u32) -> Result<u32, Error> {
+        state.sweep_leases(Instant::now());
+        let mut leaving = Vec::new();
+        state.tiers[t].pick_victims(want, &mut leaving);
+        self.commit_departures(state, t, &leaving)?;
+        if !leaving.is_empty() {
+            tracing::debug!(evicted = leaving.len(), tier = t, "embedded index: evicted");
+        }
+        Ok(leaving.len() as u32)
+    }
+}
+
+impl Index for EmbeddedIndex {
+    fn register_tier(&self, spec: &TierSpec) -> Result<(), Error> {
+        spec.validate()?;
+        let mut state = self.state();
+        if let Some(&t) = state.tier_index.get(&(spec.node, spec.tier)) {
+            spec.same_shape(&state.tiers[t].spec)?;
+            if state.tiers[t].spec == *spec {
+                return Ok(());
+            }
+        }
+        let txn = self.db.begin_write()?;
+        txn.open_table(TIERS)?.insert((spec.node.0, spec.tier.0), &encode_spec(spec)[..])?;
+        txn.commit()?;
+        match state.tier_index.get(&(spec.node, spec.tier)) {
+            Some(&t) => state.tiers[t].spec = *spec,
+            None => {
+                let t = state.tiers.len();
+                state.tier_index.insert((spec.node, spec.tier), t);
+                state.tiers.push(TierState::new(*spec));
+            }
+        }
+        Ok(())
+    }
+
+    fn reserve(
+        &self,
+        key: BlockKey,
+        node: NodeId,
+        tier: TierId,
+        len: u64,
+        ttl: Duration,
+    ) -> Result<Reserved, Error> {
+        let mut state = self.state();
+        if let Some(p) = state.placement(&key) {
+            return Ok(Reserved::Present(p));
+        }
+        let t = Self::tier(&state, node, tier)?;
+        let spec = state.tiers[t].spec;
+        if len > spec.slot_size {
+            return Err(Error::TooLarge { node, tier, len, slot_size: spec.slot_size });
+        }
+        let now = Instant::now();
+        state.tiers[t].reclaim_expired(now);
+        let free = state.tiers[t].free_count();
+        if free < spec.low_watermark.max(1) {
+            let want = spec.high_watermark.max(1) - free.min(spec.high_watermark.max(1));
+            self.evict_locked(&mut state, t, want)?;
+        }
+        let generation = state.next_generation;
+        let slot = state.tiers[t]
+            .take(key, len, generation, now + ttl)
+            .ok_or(Error::TierFull { node, tier })?;
+        state.next_generation += 1;
+        Ok(Reserved::Slot(Reservation { key, node, tier, slot, len, generation }))
+    }
+
+    fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
+        enum Step {
+            Win(usize),
+            Lose(usize, BlockKey),
+            Expire,
+        }
+        let mut state = self.state();
+        let now = Instant::now();
+        let mut steps = Vec::with_capacity(items.len());
+        let mut won_here: HashSet<BlockKey> = HashSet::new();
+        let mut durable: Vec<(BlockKey, [u8; crate::placement::PLACEMENT_BYTES])> = Vec::new();
+        for (r, checksum) in items {
+            let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else {
+                steps.push(Step::Expire);
+                continue;
+            };
+            let live = state.tiers[t].slots.get(r.slot as usize).is_some_and(|s| {
+                s.generation == r.generation
+                    && matches!(s.state, SlotState::Reserved { key, len, deadline }
+                        if key == r.key && len == r.len && deadline > now)
+            });
+            if !live {
+                steps.push(Step::Expire);
+                continue;
+            }
+            if state.keys.contains_key(&r.key) || won_here.contains(&r.key) {
+                steps.push(Step::Lose(t, r.key));
+                continue;
+            }
+            won_here.insert(r.key);
+            if state.tiers[t].spec.durable {
+                durable.push((r.key, r.placement(*checksum).encode()));
+            }
+            steps.push(Step::Win(t));
+        }
+        if !durable.is_empty() {
+            let txn = self.db.begin_write()?;
+            {
+                let mut blocks = txn.open_table(BLOCKS)?;
+                for (key, value) in &durable {
+                    blocks.insert(&key.0[..], &value[..])?;
+                }
+                txn.open_table(META)?.insert("next_generation", state.next_generation)?;
+            }
+            txn.commit()?;
+        }
+        // Committed (or nothing durable to commit): apply.
+        let mut out = Vec::with_capacity(items.len());
+        for (step, (r, checksum)) in steps.iter_mut().zip(items) {
+            match *step {
+                Step::Win(t) => {
+                    state.tiers[t].publish(r.slot, r.key, r.len, *checksum);
+                    state.keys.insert(r.key, (t, r.slot));
+                    out.push(Published::Won(r.placement(*checksum)));
+                }
+                Step::Lose(t, key) => {
+                    state.tiers[t].unreserve(r.slot);
+                    let winner = state.placement(&key).expect("the winner was just published");
+                    out.push(Published::Lost { winner });
+                }
+                Step::Expire => {
+                    // An expired reservation's slot is reclaimed by the next reserve's sweep.
+                    out.push(Published::Expired);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn abort(&self, reservations: &[Reservation]) -> Result<(), Error> {
+        let mut state = self.state();
+        for r in reservations {
+            let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else { continue };
+            let tier = &mut state.tiers[t];
+            let ours = tier.slots.get(r.slot as usize).is_some_and(|s| {
+                s.generation == r.generation
+                    && matches!(s.state, SlotState::Reserved { key, .. } if key == r.key)
+            });
+            if ours {
+                tier.unreserve(r.slot);
+            }
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
+        let state = self.state();
+        Ok(keys.iter().map(|k| state.placement(k)).collect())
+    }
+
+    fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, Error> {
+        let state = self.state();
+        Ok(keys.iter().take_while(|k| state.keys.contains_key(k)).count())
+    }
+
+    fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
+        let mut state = self.state();
+        let now = Instant::now();
+        if state.leases.len() >= 2 * state.swept_at + 64 {
+            state.sweep_leases(now);
+        }
+        let mut granted = Vec::with_capacity(placements.len());
+        let mut held = Vec::new();
+        for p in placements {
+            let Some(&t) = state.tier_index.get(&(p.node, p.tier)) else {
+                granted.push(false);
+                continue;
+            };
+            let slot = state.tiers[t].slots.get_mut(p.slot as usize);
+            let ok = match slot {
+                Some(s) if s.generation == p.generation => match &mut s.state {
+                    SlotState::Published { key, referenced, .. } if *key == p.key => {
+                        *referenced = true;
+                        s.leases += 1;
+                        true
+                    }
+                    _ => false,
+                },
+                _ => false,
+            };
+            if ok {
+                held.push((t, p.slot));
+            }
+            granted.push(ok);
+        }
+        let id = state.next_lease;
+        state.next_lease += 1;
+        state.leases.insert(id, LeaseRecord { slots: held, deadline: now + ttl });
+        Ok(Lease { id, granted, ttl })
+    }
+
+    fn renew(&self, id: u64, ttl: Duration) -> Result<(), Error> {
+        let mut state = self.state();
+        let now = Instant::now();
+        match state.leases.get_mut(&id) {
+            Some(lease) if lease.deadline > now => {
+                lease.deadline = now + ttl;
+                Ok(())
+            }
+            Some(_) => {
+                state.end_lease(id);
+                Err(Error::LeaseExpired(id))
+            }
+            None => Err(Error::LeaseExpired(id)),
+        }
+    }
+
+    fn release(&self, id: u64) -> Result<(), Error> {
+        self.state().end_lease(id);
+        Ok(())
+    }
+
+    fn remove(&self, keys: &[BlockKey]) -> Result<Vec<Removed>, Error> {
+        let mut state = self.state();
+        state.sweep_leases(Instant::now());
+        let mut out = Vec::with_capacity(keys.len());
+        let mut by_tier: HashMap<usize, Vec<(u32, BlockKey)>> = HashMap::new();
+        for key in keys {
+            let Some(&(t, slot)) = state.keys.get(key) else {
+                out.push(Removed::Absent);
+                continue;
+            };
+            match state.tiers[t].pick(slot) {
+                Some(k) => {
+                    by_tier.entry(t).or_default().push((slot, k));
+                    out.push(Removed::Removed);
+                }
+                // Picked already by an earlier duplicate of this key in `keys`, or leased.
+                None if by_tier.get(&t).is_some_and(|v| v.iter().any(|&(s, _)| s == slot)) => {
+                    out.push(Removed::Absent)
+                }
+                None => out.push(Removed::Leased),
+            }
+        }
+        let mut result = Ok(());
+        for (t, leaving) in by_tier {
+            if let Err(e) = self.commit_departures(&mut state, t, &leaving) {
+                result = Err(e);
+            }
+        }
+        result.map(|()| out)
+    }
+
+    fn evict(&self, node: NodeId, tier: TierId, count: u32) -> Result<u32, Error> {
+        let mut state = self.state();
+        let t = Self::tier(&state, node, tier)?;
+        self.evict_locked(&mut state, t, count)
+    }
+
+    fn tier_stats(&self, node: NodeId, tier: TierId) -> Result<TierStats, Error> {
+        let mut state = self.state();
+        let t = Self::tier(&state, node, tier)?;
+        state.tiers[t].reclaim_expired(Instant::now());
+        Ok(state.tiers[t].stats())
+    }
+
+    fn announce(&self, node: &NodeAnnouncement, ttl: Duration) -> Result<(), Error> {
+        self.state().nodes.insert(node.node, (node.clone(), Instant::now() + ttl));
+        Ok(())
+    }
+
+    fn nodes(&self) -> Result<Vec<NodeAnnouncement>, Error> {
+        let now = Instant::now();
+        let mut state = self.state();
+        state.nodes.retain(|_, (_, deadline)| *deadline > now);
+        let mut nodes: Vec<_> = state.nodes.values().map(|(a, _)| a.clone()).collect();
+        nodes.sort_by_key(|a| a.node);
+        Ok(nodes)
+    }
+}
+
+impl EmbeddedIndex {
+    /// Published blocks stored durably in the file (a reopen would keep these).
+    pub fn durable_blocks(&self) -> Result<u64, Error> {
+        let txn = self.db.begin_read()?;
+        Ok(txn.open_table(BLOCKS)?.len()?)
+    }
+}

@@ -1,0 +1,297 @@
+//! The embedded index's in-memory state: per tier a slot table, a free list and a clock hand;
+//! the published keys; the live leases and reservations. Rebuilt from the store at open.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::time::Instant;
+
+use crate::{BlockKey, NodeAnnouncement, NodeId, Placement, TierId, TierSpec, TierStats};
+
+/// What one slot holds.
+#[derive(Copy, Clone, Debug)]
+pub(super) enum SlotState {
+    Free,
+    Reserved { key: BlockKey, len: u64, deadline: Instant },
+    Published { key: BlockKey, len: u64, checksum: u32, referenced: bool },
+    /// Picked for eviction or removal; its deletion is being committed.
+    Leaving { key: BlockKey, len: u64, checksum: u32 },
+}
+
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Slot {
+    pub(super) generation: u64,
+    /// Live leases on the slot (expired ones are subtracted at the next sweep).
+    pub(super) leases: u32,
+    pub(super) state: SlotState,
+}
+
+pub(super) struct TierState {
+    pub(super) spec: TierSpec,
+    /// Slots ever used: `slots.len()` is the never-used cursor.
+    pub(super) slots: Vec<Slot>,
+    /// Used slots that are free again.
+    pub(super) free: Vec<u32>,
+    hand: u32,
+    pub(super) reserved: u32,
+    pub(super) published: u32,
+    /// Reservation deadlines, earliest first: (deadline, slot, generation).
+    deadlines: BinaryHeap<Reverse<(Instant, u32, u64)>>,
+}
+
+impl TierState {
+    pub(super) fn new(spec: TierSpec) -> Self {
+        Self {
+            spec,
+            slots: Vec::new(),
+            free: Vec::new(),
+            hand: 0,
+            reserved: 0,
+            published: 0,
+            deadlines: BinaryHeap::new(),
+        }
+    }
+
+    pub(super) fn free_count(&self) -> u32 {
+        self.free.len() as u32 + (self.spec.slot_count - self.slots.len() as u32)
+    }
+
+    pub(super) fn stats(&self) -> TierStats {
+        TierStats { free: self.free_count(), reserved: self.reserved, published: self.published }
+    }
+
+    /// The placement of the block published in `slot`, if any.
+    pub(super) fn placement(&self, slot: u32) -> Option<Placement> {
+        let s = self.slots.get(slot as usize)?;
+        match s.state {
+            SlotState::Published { key, len, checksum, .. } => Some(Placement {
+                key,
+                node: self.spec.node,
+                tier: self.spec.tier,
+                slot,
+                len,
+                checksum,
+                generation: s.generation,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Frees reservations whose deadline passed.
+    pub(super) fn reclaim_expired(&mut self, now: Instant) {
+        while let Some(&Reverse((deadline, slot, generation))) = self.deadlines.peek() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop();
+            let s = &mut self.slots[slot as usize];
+            if s.generation == generation && matches!(s.state, SlotState::Reserved { .. }) {
+                s.state = SlotState::Free;
+                self.reserved -= 1;
+                self.free.push(slot);
+            }
+        }
+    }
+
+    /// Takes a free slot for `key` under generation `generation`.
+    pub(super) fn take(
+        &mut self,
+        key: BlockKey,
+        len: u64,
+        generation: u64,
+        deadline: Instant,
+    ) -> Option<u32> {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None if (self.slots.len() as u32) < self.spec.slot_count => {
+                self.slots.push(Slot { generation: 0, leases: 0, state: SlotState::Free });
+                self.slots.len() as u32 - 1
+            }
+            None => return None,
+        };
+        let s = &mut self.slots[slot as usize];
+        debug_assert!(matches!(s.state, SlotState::Free) && s.leases == 0);
+        s.generation = generation;
+        s.state = SlotState::Reserved { key, len, deadline };
+        self.reserved += 1;
+        self.deadlines.push(Reverse((deadline, slot, generation)));
+        Some(slot)
+    }
+
+    /// Frees a reserved slot (abort, lost race, expiry found at publish).
+    pub(super) fn unreserve(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if matches!(s.state, SlotState::Reserved { .. }) {
+            s.state = SlotState::Free;
+            self.reserved -= 1;
+            self.free.push(slot);
+        }
+    }
+
+    /// Turns a reserved slot into a published one.
+    pub(super) fn publish(&mut self, slot: u32, key: BlockKey, len: u64, checksum: u32) {
+        let s = &mut self.slots[slot as usize];
+        debug_assert!(matches!(s.state, SlotState::Reserved { .. }));
+        s.state = SlotState::Published { key, len, checksum, referenced: true };
+        self.reserved -= 1;
+        self.published += 1;
+    }
+
+    /// Places a block found in the store at open.
+    pub(super) fn restore(&mut self, p: &Placement) -> bool {
+        let slot = p.slot as usize;
+        if p.slot >= self.spec.slot_count || p.len > self.spec.slot_size {
+            return false;
+        }
+        while self.slots.len() <= slot {
+            self.slots.push(Slot { generation: 0, leases: 0, state: SlotState::Free });
+        }
+        let s = &mut self.slots[slot];
+        if !matches!(s.state, SlotState::Free) {
+            return false;
+        }
+        *s = Slot {
+            generation: p.generation,
+            leases: 0,
+            state: SlotState::Published {
+                key: p.key,
+                len: p.len,
+                checksum: p.checksum,
+                referenced: false,
+            },
+        };
+        self.published += 1;
+        true
+    }
+
+    /// After the blocks of the store are placed: every used slot still free goes to the free list.
+    pub(super) fn rebuild_free_list(&mut self) {
+        self.free = (0..self.slots.len() as u32)
+            .rev()
+            .filter(|&i| matches!(self.slots[i as usize].state, SlotState::Free))
+            .collect();
+    }
+
+    /// Clock sweep: picks up to `want` published, unleased slots not used since the hand last
+    /// passed, and marks them [`SlotState::Leaving`]. At most two turns of the hand.
+    pub(super) fn pick_victims(&mut self, want: u32, out: &mut Vec<(u32, BlockKey)>) {
+        let used = self.slots.len() as u32;
+        if used == 0 {
+            return;
+        }
+        let mut picked = 0;
+        for _ in 0..2 * used as u64 {
+            if picked == want {
+                break;
+            }
+            let slot = self.hand;
+            self.hand = (self.hand + 1) % used;
+            let s = &mut self.slots[slot as usize];
+            if s.leases > 0 {
+                continue;
+            }
+            if let SlotState::Published { key, len, checksum, referenced } = s.state {
+                if referenced {
+                    s.state = SlotState::Published { key, len, checksum, referenced: false };
+                } else {
+                    s.state = SlotState::Leaving { key, len, checksum };
+                    out.push((slot, key));
+                    picked += 1;
+                }
+            }
+        }
+    }
+
+    /// Marks a published, unleased slot [`SlotState::Leaving`] (a removal); its key, or `None`.
+    pub(super) fn pick(&mut self, slot: u32) -> Option<BlockKey> {
+        let s = &mut self.slots[slot as usize];
+        match s.state {
+            SlotState::Published { key, len, checksum, .. } if s.leases == 0 => {
+                s.state = SlotState::Leaving { key, len, checksum };
+                Some(key)
+            }
+            _ => None,
+        }
+    }
+
+    /// The deletion of a leaving slot was committed: it is free.
+    pub(super) fn left(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        debug_assert!(matches!(s.state, SlotState::Leaving { .. }));
+        s.state = SlotState::Free;
+        self.published -= 1;
+        self.free.push(slot);
+    }
+
+    /// The deletion of a leaving slot failed to commit: it is published again.
+    pub(super) fn stay(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if let SlotState::Leaving { key, len, checksum } = s.state {
+            s.state = SlotState::Published { key, len, checksum, referenced: true };
+        }
+    }
+}
+
+/// One reader's lease: the slots it protects (tier index, slot) and when it ends.
+pub(super) struct LeaseRecord {
+    pub(super) slots: Vec<(usize, u32)>,
+    pub(super) deadline: Instant,
+}
+
+/// Everything the embedded index keeps in memory.
+pub(super) struct State {
+    pub(super) tiers: Vec<TierState>,
+    pub(super) tier_index: HashMap<(NodeId, TierId), usize>,
+    /// Published keys: (tier index, slot).
+    pub(super) keys: HashMap<BlockKey, (usize, u32)>,
+    /// The next generation handed out (global, so every reservation's is larger than every
+    /// earlier one in this store, across restarts).
+    pub(super) next_generation: u64,
+    pub(super) leases: HashMap<u64, LeaseRecord>,
+    pub(super) next_lease: u64,
+    /// Lease count at the last sweep: the next sweep runs when it has doubled.
+    pub(super) swept_at: usize,
+    pub(super) nodes: HashMap<NodeId, (NodeAnnouncement, Instant)>,
+}
+
+impl State {
+    pub(super) fn new() -> Self {
+        Self {
+            tiers: Vec::new(),
+            tier_index: HashMap::new(),
+            keys: HashMap::new(),
+            next_generation: 1,
+            leases: HashMap::new(),
+            next_lease: 1,
+            swept_at: 0,
+            nodes: HashMap::new(),
+        }
+    }
+
+    /// Ends the leases whose deadline passed.
+    pub(super) fn sweep_leases(&mut self, now: Instant) {
+        let tiers = &mut self.tiers;
+        self.leases.retain(|_, lease| {
+            if lease.deadline > now {
+                return true;
+            }
+            for &(t, s) in &lease.slots {
+                tiers[t].slots[s as usize].leases -= 1;
+            }
+            false
+        });
+        self.swept_at = self.leases.len();
+    }
+
+    pub(super) fn end_lease(&mut self, id: u64) -> Option<LeaseRecord> {
+        let lease = self.leases.remove(&id)?;
+        for &(t, s) in &lease.slots {
+            self.tiers[t].slots[s as usize].leases -= 1;
+        }
+        Some(lease)
+    }
+
+    pub(super) fn placement(&self, key: &BlockKey) -> Option<Placement> {
+        let &(t, slot) = self.keys.get(key)?;
+        self.tiers[t].placement(slot)
+    }
+}

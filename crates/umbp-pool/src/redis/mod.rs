@@ -1,0 +1,571 @@
+//! The Redis index: one pool shared by every instance and node of a cluster.
+//!
+//! Strategy: every operation that changes state is one Lua script (sent as `EVALSHA`; the
+//! client loads it once and again after `NOSCRIPT`, for example after a Redis restart), so the
+//! rules hold atomically whatever number of clients race. A batched lookup is one pipeline of
+//! two commands, `HMGET` of all keys and the alive-nodes script: one round trip for any number
+//! of keys. Leases and node announcements are keys with Redis's own TTL: a holder that stops
+//! renewing simply lets them expire. Connections are pooled (one per concurrent caller), with
+//! read, write and connect timeouts, and a connection that failed is dropped, so a restarted
+//! server is reconnected to on the next call. See [`scripts`] for the key layout.
+
+mod scripts;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use redis::{Connection, IntoConnectionInfo, Script, Value};
+
+use crate::{
+    BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
+    Reservation, Reserved, TierId, TierSpec, TierStats,
+};
+
+/// How to reach the Redis server and where in it the pool lives.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// `redis://host:port/db`, or `rediss://host:port/db` for TLS (needs the `tls` feature). A
+    /// password or user in the URL is used unless [`username`](Self::username) /
+    /// [`password`](Self::password) are set.
+    pub url: String,
+    /// The ACL user (Redis 6+), if not `default`.
+    pub username: Option<String>,
+    /// The password (`requirepass`, or the ACL user's).
+    pub password: Option<String>,
+    /// The pool's name: every key is under the hash tag `{prefix}`, so several pools share one
+    /// server apart. Letters, digits, `-`, `_`, `.`; default `umbp`.
+    pub prefix: String,
+    /// Connect, read and write timeout of each call; a server that does not answer in time is
+    /// [`Error::Redis`]. Default 5 s.
+    pub timeout: Duration,
+    /// PEM file of the CA that signed the server's certificate, for `rediss://` with a private
+    /// CA (the system's roots otherwise). Needs the `tls` feature.
+    pub tls_ca_file: Option<std::path::PathBuf>,
+}
+
+impl RedisConfig {
+    /// The settings for `url` with the defaults otherwise.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            username: None,
+            password: None,
+            prefix: "umbp".into(),
+            timeout: Duration::from_secs(5),
+            tls_ca_file: None,
+        }
+    }
+}
+
+struct Scripts {
+    register_tier: Script,
+    reserve: Script,
+    publish: Script,
+    abort: Script,
+    alive: Script,
+    alive_source: String,
+    lease: Script,
+    release: Script,
+    remove: Script,
+    evict: Script,
+    stats: Script,
+    announce: Script,
+    reap: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let s = |body: &str| Script::new(&scripts::source(body));
+        Self {
+            register_tier: s(scripts::REGISTER_TIER),
+            reserve: s(scripts::RESERVE),
+            publish: s(scripts::PUBLISH),
+            abort: s(scripts::ABORT),
+            alive: s(scripts::ALIVE),
+            alive_source: scripts::source(scripts::ALIVE),
+            lease: s(scripts::LEASE),
+            release: s(scripts::RELEASE),
+            remove: s(scripts::REMOVE),
+            evict: s(scripts::EVICT),
+            stats: s(scripts::STATS),
+            announce: s(scripts::ANNOUNCE),
+            reap: s(scripts::REAP),
+        }
+    }
+}
+
+/// The Redis [`Index`]: every instance and node of a cluster shares one, through a Redis 7
+/// server (standalone). Nodes [announce](Index::announce) themselves with a TTL and renew it; a
+/// node that stops is dead: its placements drop out of lookups and leases, and its slots are
+/// wiped when it joins again (or at [`reap_dead_nodes`](Self::reap_dead_nodes)).
+///
+/// Tiers registered through this client are remembered, and registered again when a node this
+/// client announces rejoins (after it expired, or after the server restarted without its data),
+/// so a client resumes by itself once the server is back.
+pub struct RedisIndex {
+    client: redis::Client,
+    idle: Mutex<Vec<Connection>>,
+    timeout: Duration,
+    prefix: String,
+    scripts: Scripts,
+    registered: Mutex<HashMap<(NodeId, TierId), TierSpec>>,
+}
+
+impl std::fmt::Debug for RedisIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisIndex").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn corrupt(what: &str, v: &Value) -> Error {
+    Error::Corrupt(format!("unexpected answer from redis for {what}: {v:?}"))
+}
+
+fn bytes<'v>(what: &str, v: &'v Value) -> Result<&'v [u8], Error> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.as_bytes()),
+        _ => Err(corrupt(what, v)),
+    }
+}
+
+fn int(what: &str, v: &Value) -> Result<i64, Error> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        Value::BulkString(b) => {
+            std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).ok_or_else(|| corrupt(what, v))
+        }
+        _ => Err(corrupt(what, v)),
+    }
+}
+
+fn array<'v>(what: &str, v: &'v Value) -> Result<&'v [Value], Error> {
+    match v {
+        Value::Array(a) => Ok(a),
+        _ => Err(corrupt(what, v)),
+    }
+}
+
+impl RedisIndex {
+    /// Connects to the server of `config` (one connection now, to fail early; more as callers
+    /// need them) and checks that it answers.
+    ///
+    /// Errors: [`Error::InvalidConfig`] (a bad URL or prefix), [`Error::TlsUnavailable`]
+    /// (`rediss://` without the `tls` feature), [`Error::Redis`] (unreachable, wrong password).
+    pub fn connect(config: &RedisConfig) -> Result<Self, Error> {
+        if config.prefix.is_empty()
+            || !config.prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(Error::InvalidConfig(format!(
+                "redis prefix {:?}: use letters, digits, '-', '_' or '.'",
+                config.prefix
+            )));
+        }
+        if config.timeout.is_zero() {
+            return Err(Error::InvalidConfig("redis timeout must be positive".into()));
+        }
+        let tls = config.url.starts_with("rediss://");
+        if tls && !cfg!(feature = "tls") {
+            return Err(Error::TlsUnavailable);
+        }
+        let mut info = config
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| Error::InvalidConfig(format!("redis url: {e}")))?;
+        if config.username.is_some() {
+            info.redis.username = config.username.clone();
+        }
+        if config.password.is_some() {
+            info.redis.password = config.password.clone();
+        }
+        let client = Self::client(info, config)?;
+        let index = Self {
+            client,
+            idle: Mutex::new(Vec::new()),
+            timeout: config.timeout,
+            prefix: format!("{{{}}}", config.prefix),
+            scripts: Scripts::new(),
+            registered: Mutex::new(HashMap::new()),
+        };
+        index.with(|c| redis::cmd("PING").query::<()>(c))?;
+        Ok(index)
+    }
+
+    #[cfg(feature = "tls")]
+    fn client(info: redis::ConnectionInfo, config: &RedisConfig) -> Result<redis::Client, Error> {
+        // rustls needs a process-wide crypto provider; ring's, unless the program chose one.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        match &config.tls_ca_file {
+            Some(path) => {
+                let root_cert = std::fs::read(path).map_err(|e| {
+                    Error::InvalidConfig(format!("redis CA file {}: {e}", path.display()))
+                })?;
+                Ok(redis::Client::build_with_tls(
+                    info,
+                    redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) },
+                )?)
+            }
+            None => Ok(redis::Client::open(info)?),
+        }
+    }
+
+    #[cfg(not(feature = "tls"))]
+    fn client(info: redis::ConnectionInfo, config: &RedisConfig) -> Result<redis::Client, Error> {
+        if config.tls_ca_file.is_some() {
+            return Err(Error::TlsUnavailable);
+        }
+        Ok(redis::Client::open(info)?)
+    }
+
+    /// Runs `f` on a pooled connection; a connection whose call failed is dropped rather than
+    /// pooled (it may hold half a reply, or the server may be gone).
+    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Error> {
+        let pooled = lock(&self.idle).pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => {
+                let c = self.client.get_connection_with_timeout(self.timeout)?;
+                c.set_read_timeout(Some(self.timeout))?;
+                c.set_write_timeout(Some(self.timeout))?;
+                c
+            }
+        };
+        let result = f(&mut conn);
+        if result.is_ok() {
+            lock(&self.idle).push(conn);
+        }
+        Ok(result?)
+    }
+
+    /// Deletes the placements of every node whose announcement expired (they are already out
+    /// of lookups; this frees their index entries without waiting for them to rejoin). Returns
+    /// how many nodes were reaped.
+    pub fn reap_dead_nodes(&self) -> Result<u32, Error> {
+        let n: i64 = self.with(|c| self.scripts.reap.arg(&self.prefix).invoke(c))?;
+        Ok(n as u32)
+    }
+
+    fn register_remote(&self, spec: &TierSpec) -> Result<(), Error> {
+        let v: Value = self.with(|c| {
+            self.scripts
+                .register_tier
+                .arg(&self.prefix)
+                .arg(spec.node.0)
+                .arg(spec.tier.0)
+                .arg(spec.slot_size)
+                .arg(spec.slot_count)
+                .arg(u8::from(spec.durable))
+                .arg(spec.low_watermark)
+                .arg(spec.high_watermark)
+                .invoke(c)
+        })?;
+        let a = array("register_tier", &v)?;
+        match a.first().map(|s| bytes("register_tier", s)).transpose()? {
+            Some(b"ok") => Ok(()),
+            Some(b"conflict") => Err(Error::TierConflict {
+                node: spec.node,
+                tier: spec.tier,
+                reason: format!(
+                    "registered in redis: slot size {}, slot count {}, durable {}",
+                    String::from_utf8_lossy(bytes("register_tier", &a[1])?),
+                    String::from_utf8_lossy(bytes("register_tier", &a[2])?),
+                    String::from_utf8_lossy(bytes("register_tier", &a[3])?),
+                ),
+            }),
+            _ => Err(corrupt("register_tier", &v)),
+        }
+    }
+
+    fn reserve_once(
+        &self,
+        key: BlockKey,
+        node: NodeId,
+        tier: TierId,
+        len: u64,
+        ttl: Duration,
+    ) -> Result<Value, Error> {
+        self.with(|c| {
+            self.scripts
+                .reserve
+                .arg(&self.prefix)
+                .arg(&key.0[..])
+                .arg(node.0)
+                .arg(tier.0)
+                .arg(len)
+                .arg(ttl_ms(ttl))
+                .invoke(c)
+        })
+    }
+}
+
+fn ttl_ms(ttl: Duration) -> u64 {
+    (ttl.as_millis() as u64).max(1)
+}
+
+impl Index for RedisIndex {
+    fn register_tier(&self, spec: &TierSpec) -> Result<(), Error> {
+        spec.validate()?;
+        self.register_remote(spec)?;
+        lock(&self.registered).insert((spec.node, spec.tier), *spec);
+        Ok(())
+    }
+
+    fn reserve(
+        &self,
+        key: BlockKey,
+        node: NodeId,
+        tier: TierId,
+        len: u64,
+        ttl: Duration,
+    ) -> Result<Reserved, Error> {
+        let mut v = self.reserve_once(key, node, tier, len, ttl)?;
+        // A tier this client registered but the server forgot (it restarted without its data
+        // while the node stayed announced): register it again, once.
+        if matches!(array("reserve", &v)?.first(), Some(Value::BulkString(b)) if b == b"unknown") {
+            let spec = lock(&self.registered).get(&(node, tier)).copied();
+            if let Some(spec) = spec {
+                self.register_remote(&spec)?;
+                v = self.reserve_once(key, node, tier, len, ttl)?;
+            }
+        }
+        let a = array("reserve", &v)?;
+        let code = a.first().ok_or_else(|| corrupt("reserve", &v))?;
+        match bytes("reserve", code)? {
+            b"ok" if a.len() == 3 => Ok(Reserved::Slot(Reservation {
+                key,
+                node,
+                tier,
+                slot: int("reserve", &a[1])? as u32,
+                len,
+                generation: int("reserve", &a[2])? as u64,
+            })),
+            b"present" if a.len() == 2 => {
+                Ok(Reserved::Present(Placement::decode(key, bytes("reserve", &a[1])?)?))
+            }
+            b"dead" => Err(Error::NodeNotAlive(node)),
+            b"unknown" => Err(Error::UnknownTier { node, tier }),
+            b"toolarge" if a.len() == 2 => Err(Error::TooLarge {
+                node,
+                tier,
+                len,
+                slot_size: int("reserve", &a[1])? as u64,
+            }),
+            b"full" => Err(Error::TierFull { node, tier }),
+            _ => Err(corrupt("reserve", &v)),
+        }
+    }
+
+    fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut inv = self.scripts.publish.prepare_invoke();
+        inv.arg(&self.prefix);
+        for (r, checksum) in items {
+            inv.arg(&r.key.0[..])
+                .arg(r.node.0)
+                .arg(r.tier.0)
+                .arg(r.slot)
+                .arg(r.generation)
+                .arg(r.len)
+                .arg(&r.placement(*checksum).encode()[..]);
+        }
+        let v: Value = self.with(|c| inv.invoke(c))?;
+        let a = array("publish", &v)?;
+        if a.len() != items.len() {
+            return Err(corrupt("publish", &v));
+        }
+        a.iter()
+            .zip(items)
+            .map(|(o, (r, checksum))| match bytes("publish", o)? {
+                b"W" => Ok(Published::Won(r.placement(*checksum))),
+                b"E" => Ok(Published::Expired),
+                [b'L', winner @ ..] => {
+                    Ok(Published::Lost { winner: Placement::decode(r.key, winner)? })
+                }
+                _ => Err(corrupt("publish", o)),
+            })
+            .collect()
+    }
+
+    fn abort(&self, reservations: &[Reservation]) -> Result<(), Error> {
+        if reservations.is_empty() {
+            return Ok(());
+        }
+        let mut inv = self.scripts.abort.prepare_invoke();
+        inv.arg(&self.prefix);
+        for r in reservations {
+            inv.arg(&r.key.0[..]).arg(r.node.0).arg(r.tier.0).arg(r.slot).arg(r.generation).arg(r.len);
+        }
+        self.with(|c| inv.invoke::<i64>(c))?;
+        Ok(())
+    }
+
+    fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut hmget = redis::cmd("HMGET");
+        hmget.arg(format!("{}:blocks", self.prefix));
+        for k in keys {
+            hmget.arg(&k.0[..]);
+        }
+        let mut pipe = redis::pipe();
+        pipe.add_command(hmget);
+        pipe.cmd("EVALSHA").arg(self.scripts.alive.get_hash()).arg(0).arg(&self.prefix);
+        let (found, alive): (Value, Value) = self.with(|c| match pipe.query(c) {
+            Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)?;
+                pipe.query(c)
+            }
+            other => other,
+        })?;
+        let alive: HashSet<u32> = array("alive nodes", &alive)?
+            .iter()
+            .map(|v| int("alive nodes", v).map(|n| n as u32))
+            .collect::<Result<_, _>>()?;
+        let found = array("lookup", &found)?;
+        if found.len() != keys.len() {
+            return Err(corrupt("lookup", &Value::Int(found.len() as i64)));
+        }
+        found
+            .iter()
+            .zip(keys)
+            .map(|(v, &key)| match v {
+                Value::Nil => Ok(None),
+                v => {
+                    let p = Placement::decode(key, bytes("lookup", v)?)?;
+                    Ok(alive.contains(&p.node.0).then_some(p))
+                }
+            })
+            .collect()
+    }
+
+    fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
+        let mut inv = self.scripts.lease.prepare_invoke();
+        inv.arg(&self.prefix).arg(ttl_ms(ttl));
+        for p in placements {
+            inv.arg(&p.key.0[..]).arg(p.node.0).arg(p.tier.0).arg(p.slot).arg(p.generation);
+        }
+        let v: Value = self.with(|c| inv.invoke(c))?;
+        let a = array("lease", &v)?;
+        if a.len() != placements.len() + 1 {
+            return Err(corrupt("lease", &v));
+        }
+        let id = int("lease", &a[0])? as u64;
+        let granted =
+            a[1..].iter().map(|g| int("lease", g).map(|g| g == 1)).collect::<Result<_, _>>()?;
+        Ok(Lease { id, granted, ttl })
+    }
+
+    fn renew(&self, id: u64, ttl: Duration) -> Result<(), Error> {
+        let key = format!("{}:lease:{id}", self.prefix);
+        let renewed: i64 = self.with(|c| redis::cmd("PEXPIRE").arg(&key).arg(ttl_ms(ttl)).query(c))?;
+        if renewed == 1 {
+            Ok(())
+        } else {
+            Err(Error::LeaseExpired(id))
+        }
+    }
+
+    fn release(&self, id: u64) -> Result<(), Error> {
+        self.with(|c| self.scripts.release.arg(&self.prefix).arg(id).invoke::<i64>(c))?;
+        Ok(())
+    }
+
+    fn remove(&self, keys: &[BlockKey]) -> Result<Vec<Removed>, Error> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut inv = self.scripts.remove.prepare_invoke();
+        inv.arg(&self.prefix);
+        for k in keys {
+            inv.arg(&k.0[..]);
+        }
+        let v: Value = self.with(|c| inv.invoke(c))?;
+        let a = array("remove", &v)?;
+        if a.len() != keys.len() {
+            return Err(corrupt("remove", &v));
+        }
+        a.iter()
+            .map(|o| match bytes("remove", o)? {
+                b"R" => Ok(Removed::Removed),
+                b"A" => Ok(Removed::Absent),
+                b"L" => Ok(Removed::Leased),
+                _ => Err(corrupt("remove", o)),
+            })
+            .collect()
+    }
+
+    fn evict(&self, node: NodeId, tier: TierId, count: u32) -> Result<u32, Error> {
+        let n: i64 = self.with(|c| {
+            self.scripts.evict.arg(&self.prefix).arg(node.0).arg(tier.0).arg(count).invoke(c)
+        })?;
+        if n < 0 {
+            return Err(Error::UnknownTier { node, tier });
+        }
+        Ok(n as u32)
+    }
+
+    fn tier_stats(&self, node: NodeId, tier: TierId) -> Result<TierStats, Error> {
+        let v: Value =
+            self.with(|c| self.scripts.stats.arg(&self.prefix).arg(node.0).arg(tier.0).invoke(c))?;
+        let a = array("tier_stats", &v)?;
+        match a {
+            [free, reserved, published] => Ok(TierStats {
+                free: int("tier_stats", free)? as u32,
+                reserved: int("tier_stats", reserved)? as u32,
+                published: int("tier_stats", published)? as u32,
+            }),
+            _ => Err(Error::UnknownTier { node, tier }),
+        }
+    }
+
+    fn announce(&self, node: &NodeAnnouncement, ttl: Duration) -> Result<(), Error> {
+        let joined: i64 = self.with(|c| {
+            self.scripts
+                .announce
+                .arg(&self.prefix)
+                .arg(node.node.0)
+                .arg(ttl_ms(ttl))
+                .arg(node.encode())
+                .invoke(c)
+        })?;
+        if joined == 1 {
+            tracing::info!(node = node.node.0, "pool: node joined (empty)");
+            let specs: Vec<TierSpec> = lock(&self.registered)
+                .values()
+                .filter(|s| s.node == node.node)
+                .copied()
+                .collect();
+            for spec in specs {
+                self.register_remote(&spec)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn nodes(&self) -> Result<Vec<NodeAnnouncement>, Error> {
+        let alive: Value = self.with(|c| self.scripts.alive.arg(&self.prefix).invoke(c))?;
+        let ids: Vec<i64> =
+            array("nodes", &alive)?.iter().map(|v| int("nodes", v)).collect::<Result<_, _>>()?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = ids.iter().map(|n| format!("{}:node:{n}", self.prefix)).collect();
+        let blobs: Vec<Option<Vec<u8>>> = self.with(|c| redis::cmd("MGET").arg(&keys).query(c))?;
+        let mut nodes: Vec<NodeAnnouncement> = blobs
+            .iter()
+            .flatten()
+            .map(|b| NodeAnnouncement::decode(b))
+            .collect::<Result<_, _>>()?;
+        nodes.sort_by_key(|a| a.node);
+        Ok(nodes)
+    }
+}

@@ -1,0 +1,324 @@
+//! The Lua scripts of the Redis index. Each runs atomically in Redis (one script at a time), so
+//! every rule (one winner per key, no reuse of a leased slot, a new generation per
+//! reservation) holds whatever number of clients call at once.
+//!
+//! Keys, all under the hash tag `{prefix}` (one Redis Cluster slot per pool):
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `P:blocks` | hash | block key (16 bytes) -> placement value (published blocks only) |
+//! | `P:nodes` | set | node ids ever announced |
+//! | `P:node:N` | string, TTL | node N's announcement; absent = dead |
+//! | `P:ntiers:N` | set | node N's tier ids |
+//! | `P:tier:N:T` | hash | `slot_size`, `slot_count`, `durable`, `low`, `high`, `next` (never-used cursor) |
+//! | `P:free:N:T` | list | used slots free again |
+//! | `P:gen:N:T` | hash | slot -> generation (incremented at each reservation) |
+//! | `P:owner:N:T` | hash | slot -> key of the block published there |
+//! | `P:lru:N:T` | sorted set | published slot -> last use (ms, server clock) |
+//! | `P:resv:N:T` | sorted set | reserved slot -> deadline (ms) |
+//! | `P:rkey:N:T` | hash | reserved slot -> key and length |
+//! | `P:ls:N:T:S` | set | lease ids on slot S |
+//! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
+//! | `P:leaseseq` | counter | the last lease id |
+//!
+//! `ARGV[1]` of every script is `P`. Time is the server's (`TIME`), so clients' clocks never
+//! matter. Scripts touch keys they compute rather than declare, which standalone Redis allows;
+//! every key shares the `{prefix}` hash tag, so a Cluster would route them to one shard.
+
+/// Helpers every script starts with.
+const PRELUDE: &str = r#"
+local P = ARGV[1]
+local function k(kind, n, t) return P .. ':' .. kind .. ':' .. n .. ':' .. t end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function leased(n, t, slot)
+  local lsk = P .. ':ls:' .. n .. ':' .. t .. ':' .. slot
+  local live = false
+  for _, id in ipairs(redis.call('SMEMBERS', lsk)) do
+    if redis.call('EXISTS', P .. ':lease:' .. id) == 1 then live = true
+    else redis.call('SREM', lsk, id) end
+  end
+  return live
+end
+local function drop_published(n, t, slot)
+  local key = redis.call('HGET', k('owner', n, t), slot)
+  if key then
+    redis.call('HDEL', P .. ':blocks', key)
+    redis.call('HDEL', k('owner', n, t), slot)
+  end
+  redis.call('ZREM', k('lru', n, t), slot)
+  redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot)
+  redis.call('RPUSH', k('free', n, t), slot)
+end
+local function evict(n, t, want)
+  local lru = k('lru', n, t)
+  local done, kept, scanned = 0, 0, 0
+  while done < want and scanned < want + 256 do
+    local batch = redis.call('ZRANGE', lru, kept, kept + 63)
+    if #batch == 0 then break end
+    for _, slot in ipairs(batch) do
+      scanned = scanned + 1
+      if done < want and not leased(n, t, slot) then
+        drop_published(n, t, slot)
+        done = done + 1
+      else
+        kept = kept + 1
+      end
+    end
+  end
+  return done
+end
+local function unreserve(n, t, slot)
+  redis.call('ZREM', k('resv', n, t), slot)
+  redis.call('HDEL', k('rkey', n, t), slot)
+end
+local function reclaim(n, t, now)
+  for _, slot in ipairs(redis.call('ZRANGEBYSCORE', k('resv', n, t), '-inf', now, 'LIMIT', 0, 256)) do
+    unreserve(n, t, slot)
+    redis.call('RPUSH', k('free', n, t), slot)
+  end
+end
+local function wipe(n)
+  for _, t in ipairs(redis.call('SMEMBERS', P .. ':ntiers:' .. n)) do
+    local all = redis.call('HGETALL', k('owner', n, t))
+    for j = 1, #all, 2 do
+      redis.call('HDEL', P .. ':blocks', all[j + 1])
+      redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. all[j])
+    end
+    redis.call('DEL', k('owner', n, t), k('lru', n, t), k('resv', n, t), k('rkey', n, t), k('free', n, t))
+    redis.call('HSET', k('tier', n, t), 'next', 0)
+  end
+end
+"#;
+
+/// ARGV: P, node, tier, slot_size, slot_count, durable, low, high.
+/// Returns `{'ok'}` or `{'conflict', slot_size, slot_count, durable}`.
+pub(super) const REGISTER_TIER: &str = r#"
+local n, t = ARGV[2], ARGV[3]
+local tk = k('tier', n, t)
+local have = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'durable')
+if have[1] then
+  if have[1] ~= ARGV[4] or have[2] ~= ARGV[5] or have[3] ~= ARGV[6] then
+    return {'conflict', have[1], have[2], have[3]}
+  end
+  redis.call('HSET', tk, 'low', ARGV[7], 'high', ARGV[8])
+  return {'ok'}
+end
+redis.call('HSET', tk, 'slot_size', ARGV[4], 'slot_count', ARGV[5], 'durable', ARGV[6],
+  'low', ARGV[7], 'high', ARGV[8], 'next', 0)
+redis.call('SADD', P .. ':ntiers:' .. n, t)
+return {'ok'}
+"#;
+
+/// ARGV: P, key, node, tier, len, ttl_ms.
+/// Returns `{'ok', slot, generation}`, `{'present', placement}`, `{'dead'}`, `{'unknown'}`,
+/// `{'toolarge', slot_size}` or `{'full'}`.
+pub(super) const RESERVE: &str = r#"
+local key, n, t, len, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local blob = redis.call('HGET', P .. ':blocks', key)
+if blob then return {'present', blob} end
+if redis.call('EXISTS', P .. ':node:' .. n) == 0 then return {'dead'} end
+local tk = k('tier', n, t)
+local meta = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'low', 'high', 'next')
+if not meta[1] then return {'unknown'} end
+local slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
+local high, nxt = tonumber(meta[4]), tonumber(meta[5])
+if len > slot_size then return {'toolarge', meta[1]} end
+local now = now_ms()
+reclaim(n, t, now)
+local free = redis.call('LLEN', k('free', n, t)) + (count - nxt)
+if free < math.max(low, 1) then evict(n, t, math.max(high, 1) - free) end
+local slot = redis.call('LPOP', k('free', n, t))
+if not slot then
+  if nxt >= count then return {'full'} end
+  slot = nxt
+  redis.call('HSET', tk, 'next', nxt + 1)
+end
+local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
+redis.call('ZADD', k('resv', n, t), now + ttl, slot)
+redis.call('HSET', k('rkey', n, t), slot, key .. ARGV[5])
+return {'ok', tonumber(slot), gen}
+"#;
+
+/// ARGV: P, then per item: key, node, tier, slot, generation, len, placement value.
+/// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
+/// placement value.
+pub(super) const PUBLISH: &str = r#"
+local now = now_ms()
+local out = {}
+local i = 2
+while i + 6 <= #ARGV do
+  local key, n, t, slot, gen, len, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
+  i = i + 7
+  local dl = redis.call('ZSCORE', k('resv', n, t), slot)
+  local ours = dl and redis.call('HGET', k('gen', n, t), slot) == gen
+    and redis.call('HGET', k('rkey', n, t), slot) == key .. len
+  if ours and tonumber(dl) > now and redis.call('EXISTS', P .. ':node:' .. n) == 1 then
+    unreserve(n, t, slot)
+    local winner = redis.call('HGET', P .. ':blocks', key)
+    if winner then
+      redis.call('RPUSH', k('free', n, t), slot)
+      out[#out + 1] = 'L' .. winner
+    else
+      redis.call('HSET', P .. ':blocks', key, blob)
+      redis.call('HSET', k('owner', n, t), slot, key)
+      redis.call('ZADD', k('lru', n, t), now, slot)
+      out[#out + 1] = 'W'
+    end
+  else
+    if ours then
+      unreserve(n, t, slot)
+      redis.call('RPUSH', k('free', n, t), slot)
+    end
+    out[#out + 1] = 'E'
+  end
+end
+return out
+"#;
+
+/// ARGV: P, then per item: key, node, tier, slot, generation, len. Returns the number aborted.
+pub(super) const ABORT: &str = r#"
+local done = 0
+local i = 2
+while i + 5 <= #ARGV do
+  local key, n, t, slot, gen, len = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5]
+  i = i + 6
+  if redis.call('ZSCORE', k('resv', n, t), slot) and redis.call('HGET', k('gen', n, t), slot) == gen
+      and redis.call('HGET', k('rkey', n, t), slot) == key .. len then
+    unreserve(n, t, slot)
+    redis.call('RPUSH', k('free', n, t), slot)
+    done = done + 1
+  end
+end
+return done
+"#;
+
+/// ARGV: P. Returns the ids of the nodes alive now.
+pub(super) const ALIVE: &str = r#"
+local out = {}
+for _, n in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
+  if redis.call('EXISTS', P .. ':node:' .. n) == 1 then out[#out + 1] = n end
+end
+return out
+"#;
+
+/// ARGV: P, ttl_ms, then per placement: key, node, tier, slot, generation.
+/// Returns `{lease id, granted (1/0) per placement...}`.
+pub(super) const LEASE: &str = r#"
+local id = redis.call('INCR', P .. ':leaseseq')
+local lk = P .. ':lease:' .. id
+local now = now_ms()
+local out = {id}
+local alive = {}
+redis.call('RPUSH', lk, '-')
+local i = 3
+while i + 4 <= #ARGV do
+  local key, n, t, slot, gen = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
+  i = i + 5
+  local a = alive[n]
+  if a == nil then
+    a = redis.call('EXISTS', P .. ':node:' .. n) == 1
+    alive[n] = a
+  end
+  if a and redis.call('HGET', k('owner', n, t), slot) == key
+      and redis.call('HGET', k('gen', n, t), slot) == gen then
+    redis.call('SADD', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot, id)
+    redis.call('ZADD', k('lru', n, t), 'XX', now, slot)
+    redis.call('RPUSH', lk, n .. ':' .. t .. ':' .. slot)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+redis.call('PEXPIRE', lk, ARGV[2])
+return out
+"#;
+
+/// ARGV: P, lease id. Ends the lease.
+pub(super) const RELEASE: &str = r#"
+local lk = P .. ':lease:' .. ARGV[2]
+for _, e in ipairs(redis.call('LRANGE', lk, 0, -1)) do
+  local n, t, slot = string.match(e, '^(%d+):(%d+):(%d+)$')
+  if n then redis.call('SREM', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot, ARGV[2]) end
+end
+redis.call('DEL', lk)
+return 1
+"#;
+
+/// ARGV: P, keys... Returns one string per key: `R` removed, `A` absent, `L` leased.
+pub(super) const REMOVE: &str = r#"
+local out = {}
+for i = 2, #ARGV do
+  local key = ARGV[i]
+  local blob = redis.call('HGET', P .. ':blocks', key)
+  if not blob then
+    out[#out + 1] = 'A'
+  else
+    local n, t, slot = struct.unpack('>I4I2I4', blob)
+    n, t, slot = string.format('%d', n), string.format('%d', t), string.format('%d', slot)
+    if leased(n, t, slot) then
+      out[#out + 1] = 'L'
+    elseif redis.call('HGET', k('owner', n, t), slot) == key then
+      drop_published(n, t, slot)
+      out[#out + 1] = 'R'
+    else
+      redis.call('HDEL', P .. ':blocks', key)
+      out[#out + 1] = 'R'
+    end
+  end
+end
+return out
+"#;
+
+/// ARGV: P, node, tier, count. Returns the number evicted, or -1 for an unknown tier.
+pub(super) const EVICT: &str = r#"
+if redis.call('EXISTS', k('tier', ARGV[2], ARGV[3])) == 0 then return -1 end
+return evict(ARGV[2], ARGV[3], tonumber(ARGV[4]))
+"#;
+
+/// ARGV: P, node, tier. Returns `{free, reserved, published}`, or `{-1}` for an unknown tier.
+pub(super) const STATS: &str = r#"
+local n, t = ARGV[2], ARGV[3]
+local meta = redis.call('HMGET', k('tier', n, t), 'slot_count', 'next')
+if not meta[1] then return {-1} end
+reclaim(n, t, now_ms())
+local free = redis.call('LLEN', k('free', n, t)) + tonumber(meta[1]) - tonumber(meta[2])
+return {free, redis.call('ZCARD', k('resv', n, t)), redis.call('HLEN', k('owner', n, t))}
+"#;
+
+/// ARGV: P, node, ttl_ms, announcement. A node that was not alive joins empty (its old
+/// placements and reservations are deleted; generations are kept so old placements never
+/// match again). Returns 1 when the node joined, 0 when it renewed.
+pub(super) const ANNOUNCE: &str = r#"
+local n = ARGV[2]
+local nk = P .. ':node:' .. n
+local joined = 0
+if redis.call('EXISTS', nk) == 0 then
+  joined = 1
+  wipe(n)
+end
+redis.call('SET', nk, ARGV[4], 'PX', ARGV[3])
+redis.call('SADD', P .. ':nodes', n)
+return joined
+"#;
+
+/// ARGV: P. Deletes the placements of every node that stopped renewing. Returns the number of
+/// nodes reaped.
+pub(super) const REAP: &str = r#"
+local reaped = 0
+for _, n in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
+  if redis.call('EXISTS', P .. ':node:' .. n) == 0 then
+    wipe(n)
+    redis.call('SREM', P .. ':nodes', n)
+    reaped = reaped + 1
+  end
+end
+return reaped
+"#;
+
+/// The full source of a script: the prelude, then its body.
+pub(super) fn source(body: &str) -> String {
+    format!("{PRELUDE}{body}")
+}
