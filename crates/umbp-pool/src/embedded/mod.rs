@@ -3,7 +3,7 @@
 //!
 //! Strategy: the redb file holds what must survive a crash, and only that: the registered
 //! tiers, the published blocks of durable tiers and the generation counter. Everything else
-//! (reservations, leases, the clock bits, the free lists, volatile tiers' blocks) lives in
+//! (reservations, leases, the use stamps, the free lists, volatile tiers' blocks) lives in
 //! memory and is rebuilt or dropped at [`EmbeddedIndex::open`]. Each [`Index::publish`] batch is
 //! one redb write transaction committed with fsync before any of it becomes visible, so a
 //! crash keeps exactly the blocks whose publish returned. Eviction and removal of durable
@@ -39,8 +39,9 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// reservations and leases do not survive, so slots reserved but unpublished are free again,
 /// and blocks of volatile tiers (a DRAM arena, gone with the process) are dropped.
 ///
-/// Lookups are answered from memory (a hash map rebuilt at open); eviction is a clock over
-/// published, unleased slots. One redb file belongs to one process at a time (redb locks it).
+/// Lookups are answered from memory (a hash map rebuilt at open); eviction takes published,
+/// unleased slots, least recently used first (a publish and a granted lease count as uses).
+/// One redb file belongs to one process at a time (redb locks it).
 pub struct EmbeddedIndex {
     db: Database,
     state: Mutex<State>,
@@ -373,19 +374,17 @@ impl Index for EmbeddedIndex {
                 granted.push(false);
                 continue;
             };
-            let slot = state.tiers[t].slots.get_mut(p.slot as usize);
-            let ok = match slot {
-                Some(s) if s.generation == p.generation => match &mut s.state {
-                    SlotState::Published { key, referenced, .. } if *key == p.key => {
-                        *referenced = true;
-                        s.leases += 1;
-                        true
-                    }
-                    _ => false,
-                },
-                _ => false,
-            };
+            let tier = &mut state.tiers[t];
+            let ok = tier.slots.get_mut(p.slot as usize).is_some_and(|s| {
+                let live = s.generation == p.generation
+                    && matches!(s.state, SlotState::Published { key, .. } if key == p.key);
+                if live {
+                    s.leases += 1;
+                }
+                live
+            });
             if ok {
+                tier.touch(p.slot);
                 held.push((t, p.slot));
             }
             granted.push(ok);

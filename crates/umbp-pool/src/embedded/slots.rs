@@ -1,4 +1,4 @@
-//! The embedded index's in-memory state: per tier a slot table, a free list and a clock hand;
+//! The embedded index's in-memory state: per tier a slot table, a free list and use stamps;
 //! the published keys; the live leases and reservations. Rebuilt from the store at open.
 
 use std::cmp::Reverse;
@@ -12,7 +12,7 @@ use crate::{BlockKey, NodeAnnouncement, NodeId, Placement, TierId, TierSpec, Tie
 pub(super) enum SlotState {
     Free,
     Reserved { key: BlockKey, len: u64, deadline: Instant },
-    Published { key: BlockKey, len: u64, checksum: u32, referenced: bool },
+    Published { key: BlockKey, len: u64, checksum: u32, last_use: u64 },
     /// Picked for eviction or removal; its deletion is being committed.
     Leaving { key: BlockKey, len: u64, checksum: u32 },
 }
@@ -31,7 +31,8 @@ pub(super) struct TierState {
     pub(super) slots: Vec<Slot>,
     /// Used slots that are free again.
     pub(super) free: Vec<u32>,
-    hand: u32,
+    /// The use counter: publishes and granted leases stamp a slot with the next value.
+    uses: u64,
     pub(super) reserved: u32,
     pub(super) published: u32,
     /// Reservation deadlines, earliest first: (deadline, slot, generation).
@@ -44,7 +45,7 @@ impl TierState {
             spec,
             slots: Vec::new(),
             free: Vec::new(),
-            hand: 0,
+            uses: 0,
             reserved: 0,
             published: 0,
             deadlines: BinaryHeap::new(),
@@ -131,7 +132,8 @@ impl TierState {
     pub(super) fn publish(&mut self, slot: u32, key: BlockKey, len: u64, checksum: u32) {
         let s = &mut self.slots[slot as usize];
         debug_assert!(matches!(s.state, SlotState::Reserved { .. }));
-        s.state = SlotState::Published { key, len, checksum, referenced: true };
+        self.uses += 1;
+        s.state = SlotState::Published { key, len, checksum, last_use: self.uses };
         self.reserved -= 1;
         self.published += 1;
     }
@@ -156,7 +158,7 @@ impl TierState {
                 key: p.key,
                 len: p.len,
                 checksum: p.checksum,
-                referenced: false,
+                last_use: 0,
             },
         };
         self.published += 1;
@@ -171,32 +173,39 @@ impl TierState {
             .collect();
     }
 
-    /// Clock sweep: picks up to `want` published, unleased slots not used since the hand last
-    /// passed, and marks them [`SlotState::Leaving`]. At most two turns of the hand.
+    /// Stamps a published slot as used now (a granted lease).
+    pub(super) fn touch(&mut self, slot: u32) {
+        self.uses += 1;
+        if let SlotState::Published { last_use, .. } = &mut self.slots[slot as usize].state {
+            *last_use = self.uses;
+        }
+    }
+
+    /// Picks up to `want` published, unleased slots, least recently used first, and marks them
+    /// [`SlotState::Leaving`]. One pass over the used slots per eviction run (a run frees the
+    /// gap between the watermarks, so the pass is shared by that many evictions).
     pub(super) fn pick_victims(&mut self, want: u32, out: &mut Vec<(u32, BlockKey)>) {
-        let used = self.slots.len() as u32;
-        if used == 0 {
+        let mut candidates: Vec<(u64, u32)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s.state {
+                SlotState::Published { last_use, .. } if s.leases == 0 => Some((last_use, i as u32)),
+                _ => None,
+            })
+            .collect();
+        let want = (want as usize).min(candidates.len());
+        if want == 0 {
             return;
         }
-        let mut picked = 0;
-        for _ in 0..2 * used as u64 {
-            if picked == want {
-                break;
-            }
-            let slot = self.hand;
-            self.hand = (self.hand + 1) % used;
+        if want < candidates.len() {
+            candidates.select_nth_unstable(want - 1);
+        }
+        for &(_, slot) in &candidates[..want] {
             let s = &mut self.slots[slot as usize];
-            if s.leases > 0 {
-                continue;
-            }
-            if let SlotState::Published { key, len, checksum, referenced } = s.state {
-                if referenced {
-                    s.state = SlotState::Published { key, len, checksum, referenced: false };
-                } else {
-                    s.state = SlotState::Leaving { key, len, checksum };
-                    out.push((slot, key));
-                    picked += 1;
-                }
+            if let SlotState::Published { key, len, checksum, .. } = s.state {
+                s.state = SlotState::Leaving { key, len, checksum };
+                out.push((slot, key));
             }
         }
     }
@@ -226,7 +235,7 @@ impl TierState {
     pub(super) fn stay(&mut self, slot: u32) {
         let s = &mut self.slots[slot as usize];
         if let SlotState::Leaving { key, len, checksum } = s.state {
-            s.state = SlotState::Published { key, len, checksum, referenced: true };
+            s.state = SlotState::Published { key, len, checksum, last_use: 0 };
         }
     }
 }
