@@ -1,0 +1,295 @@
+//! The rules every [`Index`] backend keeps, as functions over a fresh index; `tests/embedded.rs`
+//! and `tests/redis.rs` run each against their backend.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use umbp_pool::{
+    checksum, BlockKey, Error, Index, NodeAnnouncement, NodeId, Placement, Published, Removed,
+    Reservation, Reserved, TierId, TierSpec,
+};
+
+pub const NODE: NodeId = NodeId(1);
+pub const TTL: Duration = Duration::from_secs(60);
+
+/// Registers `spec` and announces its node (for a minute).
+pub fn setup(index: &dyn Index, spec: &TierSpec) {
+    index
+        .announce(
+            &NodeAnnouncement {
+                node: spec.node,
+                address: format!("127.0.0.1:{}", 7000 + spec.node.0),
+                tiers: vec![(spec.tier, spec.slot_size * u64::from(spec.slot_count))],
+            },
+            TTL,
+        )
+        .unwrap();
+    index.register_tier(spec).unwrap();
+}
+
+pub fn key(i: u64) -> BlockKey {
+    // Spread the bits so keys are not small integers only.
+    BlockKey::from_u128(u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) ^ 0xabcd)
+}
+
+pub fn reserve(index: &dyn Index, k: BlockKey, spec: &TierSpec, len: u64) -> Reservation {
+    match index.reserve(k, spec.node, spec.tier, len, TTL).unwrap() {
+        Reserved::Slot(r) => r,
+        Reserved::Present(p) => panic!("{k} unexpectedly present at {p:?}"),
+    }
+}
+
+/// Reserves, "writes" and publishes `k` with a checksum of a pattern; its placement.
+pub fn put(index: &dyn Index, k: BlockKey, spec: &TierSpec) -> Placement {
+    let r = reserve(index, k, spec, spec.slot_size.min(100));
+    match index.publish(&[(r, checksum(&k.0))]).unwrap()[..] {
+        [Published::Won(p)] => p,
+        ref other => panic!("publish of {k}: {other:?}"),
+    }
+}
+
+pub fn visible_only_after_publish(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 4096, 8);
+    setup(index, &spec);
+    let k = key(1);
+    let r = reserve(index, k, &spec, 1000);
+    assert_eq!(r.len, 1000);
+    assert!(r.slot < 8);
+    assert_eq!(index.lookup(&[k]).unwrap(), vec![None], "visible before publish");
+    assert_eq!(index.prefix_hits(&[k]).unwrap(), 0);
+    assert_eq!(index.tier_stats(NODE, TierId(0)).unwrap().reserved, 1);
+    let crc = checksum(b"the bytes");
+    let out = index.publish(&[(r, crc)]).unwrap();
+    let p = r.placement(crc);
+    assert_eq!(out, vec![Published::Won(p)]);
+    assert_eq!(index.lookup(&[k, key(2)]).unwrap(), vec![Some(p), None]);
+    assert_eq!(index.prefix_hits(&[k, key(2), k]).unwrap(), 1);
+    // A second writer finds it present: nothing to write.
+    assert_eq!(index.reserve(k, NODE, TierId(0), 1000, TTL).unwrap(), Reserved::Present(p));
+    // Publishing the same reservation again is refused: it is no longer a reservation.
+    assert_eq!(index.publish(&[(r, crc)]).unwrap(), vec![Published::Expired]);
+    let stats = index.tier_stats(NODE, TierId(0)).unwrap();
+    assert_eq!((stats.free, stats.reserved, stats.published), (7, 0, 1));
+}
+
+pub fn caller_mistakes_are_typed(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 4096, 8);
+    setup(index, &spec);
+    assert!(matches!(
+        index.reserve(key(1), NODE, TierId(9), 10, TTL),
+        Err(Error::UnknownTier { tier: TierId(9), .. })
+    ));
+    assert!(matches!(
+        index.reserve(key(1), NODE, TierId(0), 4097, TTL),
+        Err(Error::TooLarge { len: 4097, slot_size: 4096, .. })
+    ));
+    let other = TierSpec::new(NODE, TierId(0), 8192, 8);
+    assert!(matches!(index.register_tier(&other), Err(Error::TierConflict { .. })));
+    // The same shape again is fine (a restart registers again).
+    index.register_tier(&spec).unwrap();
+    assert!(matches!(index.tier_stats(NODE, TierId(5)), Err(Error::UnknownTier { .. })));
+}
+
+pub fn abort_frees_and_full_is_typed(index: &dyn Index) {
+    // Two slots, eviction only when nothing is free (and nothing published to evict).
+    let spec = TierSpec::new(NODE, TierId(0), 64, 2);
+    setup(index, &spec);
+    let a = reserve(index, key(1), &spec, 64);
+    let b = reserve(index, key(2), &spec, 64);
+    assert_ne!(a.slot, b.slot);
+    assert!(matches!(
+        index.reserve(key(3), NODE, TierId(0), 64, TTL),
+        Err(Error::TierFull { .. })
+    ));
+    index.abort(&[a]).unwrap();
+    assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![None]);
+    // Aborting twice, or publishing an aborted reservation, does nothing.
+    index.abort(&[a]).unwrap();
+    assert_eq!(index.publish(&[(a, 1)]).unwrap(), vec![Published::Expired]);
+    let c = reserve(index, key(3), &spec, 64);
+    assert_eq!(c.slot, a.slot, "the aborted slot is the free one");
+    assert!(c.generation > a.generation, "a reused slot has a new generation");
+    assert_eq!(index.lookup(&[key(1), key(3)]).unwrap(), vec![None, None]);
+    index.abort(&[b, c]).unwrap();
+    assert_eq!(index.tier_stats(NODE, TierId(0)).unwrap().free, 2);
+}
+
+pub fn expired_reservation_publishes_nothing(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 1);
+    setup(index, &spec);
+    let r = match index.reserve(key(1), NODE, TierId(0), 10, Duration::from_millis(100)).unwrap() {
+        Reserved::Slot(r) => r,
+        other => panic!("{other:?}"),
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // The slot is free again: another key can have it.
+    let other = reserve(index, key(2), &spec, 10);
+    assert_eq!(other.slot, r.slot);
+    assert_eq!(index.publish(&[(r, 7)]).unwrap(), vec![Published::Expired]);
+    assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![None]);
+    index.publish(&[(other, 8)]).unwrap();
+    assert_eq!(index.lookup(&[key(2)]).unwrap()[0].unwrap().checksum, 8);
+}
+
+/// 16 threads write one key at once: exactly one publish wins, every other writer either finds
+/// it present at reserve or loses the publish, and no slot leaks.
+pub fn racing_writers_one_winner(index: Arc<dyn Index>) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 32).watermarks(0, 0);
+    setup(&*index, &spec);
+    for round in 0..4u64 {
+        let k = key(1000 + round);
+        let barrier = Arc::new(Barrier::new(16));
+        let outcomes: Vec<(Option<Published>, Option<Placement>)> = (0..16u32)
+            .map(|t| {
+                let (index, barrier) = (index.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    match index.reserve(k, NODE, TierId(0), 64, TTL).unwrap() {
+                        Reserved::Present(p) => (None, Some(p)),
+                        Reserved::Slot(r) => {
+                            let out = index.publish(&[(r, t)]).unwrap();
+                            (Some(out[0]), None)
+                        }
+                    }
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        let winners: Vec<Placement> = outcomes
+            .iter()
+            .filter_map(|(o, _)| match o {
+                Some(Published::Won(p)) => Some(*p),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(winners.len(), 1, "round {round}: {outcomes:?}");
+        let w = winners[0];
+        for (o, present) in &outcomes {
+            match (o, present) {
+                (Some(Published::Won(_)), _) => {}
+                (Some(Published::Lost { winner }), _) => assert_eq!(*winner, w),
+                (None, Some(p)) => assert_eq!(*p, w),
+                other => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(index.lookup(&[k]).unwrap(), vec![Some(w)]);
+        let stats = index.tier_stats(NODE, TierId(0)).unwrap();
+        assert_eq!(stats.reserved, 0, "round {round}: a loser's slot leaked");
+        assert_eq!(stats.published, round as u32 + 1);
+        assert_eq!(stats.free, 32 - (round as u32 + 1));
+    }
+}
+
+/// Leased blocks are never evicted; unleased ones are, least recently used first; when every
+/// slot is leased the tier is full; once the leases expire, eviction proceeds.
+pub fn leases_block_eviction_and_expire(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 4).watermarks(1, 1);
+    setup(index, &spec);
+    let ps: Vec<Placement> = (0..4).map(|i| put(index, key(i), &spec)).collect();
+    let lease = index.lease(&ps[..3], Duration::from_millis(400)).unwrap();
+    assert_eq!(lease.granted, vec![true, true, true]);
+    // Only key 3 is unleased: the next reserve must evict exactly it.
+    let r = reserve(index, key(10), &spec, 64);
+    assert_eq!(r.slot, ps[3].slot);
+    assert!(r.generation > ps[3].generation);
+    assert_eq!(
+        index.lookup(&[key(0), key(1), key(2), key(3)]).unwrap(),
+        vec![Some(ps[0]), Some(ps[1]), Some(ps[2]), None]
+    );
+    // Every slot is leased or reserved: nothing to evict.
+    assert!(matches!(
+        index.reserve(key(11), NODE, TierId(0), 64, TTL),
+        Err(Error::TierFull { .. })
+    ));
+    assert_eq!(index.evict(NODE, TierId(0), 4).unwrap(), 0);
+    assert_eq!(index.remove(&[key(0)]).unwrap(), vec![Removed::Leased]);
+    index.abort(&[r]).unwrap();
+    // The holder renews once, then stops: after the TTL the leases are gone by themselves.
+    index.renew(lease.id, Duration::from_millis(200)).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(matches!(index.renew(lease.id, TTL), Err(Error::LeaseExpired(id)) if id == lease.id));
+    assert_eq!(index.evict(NODE, TierId(0), 2).unwrap(), 2);
+    assert_eq!(index.remove(&[key(0), key(1), key(2)]).unwrap().iter().filter(|r| **r == Removed::Removed).count(), 1);
+    assert_eq!(index.tier_stats(NODE, TierId(0)).unwrap().free, 4);
+}
+
+/// Release ends a lease at once; a granted lease counts as a use, so the least recently used
+/// unleased block goes first.
+pub fn release_and_recency(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 3).watermarks(1, 1);
+    setup(index, &spec);
+    let ps: Vec<Placement> = (0..3).map(|i| put(index, key(i), &spec)).collect();
+    let lease = index.lease(&ps, TTL).unwrap();
+    assert!(lease.all_granted());
+    assert_eq!(index.remove(&[key(2)]).unwrap(), vec![Removed::Leased]);
+    index.release(lease.id).unwrap();
+    index.release(lease.id).unwrap(); // idempotent
+    // Use key 0 and key 2 again; key 1 is the least recently used.
+    std::thread::sleep(Duration::from_millis(5));
+    let l2 = index.lease(&[ps[0], ps[2]], TTL).unwrap();
+    index.release(l2.id).unwrap();
+    assert_eq!(index.evict(NODE, TierId(0), 1).unwrap(), 1);
+    let found = index.lookup(&[key(0), key(1), key(2)]).unwrap();
+    assert_eq!(found.iter().filter(|p| p.is_some()).count(), 2);
+    assert_eq!(found[1], None, "key 1 was the least recently used: {found:?}");
+    assert_eq!(index.remove(&[key(2), key(2), key(9)]).unwrap(), vec![Removed::Removed, Removed::Absent, Removed::Absent]);
+    assert_eq!(index.lookup(&[key(2)]).unwrap(), vec![None]);
+}
+
+/// A placement from before its slot was reused is a miss: its lease is not granted.
+pub fn stale_generation_is_a_miss(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 1);
+    setup(index, &spec);
+    let old = put(index, key(1), &spec);
+    // A reader looked it up; before it takes its lease, the slot is evicted and reused.
+    let seen = index.lookup(&[key(1)]).unwrap()[0].unwrap();
+    assert_eq!(index.evict(NODE, TierId(0), 1).unwrap(), 1);
+    let new = put(index, key(2), &spec);
+    assert_eq!(new.slot, old.slot);
+    assert!(new.generation > old.generation);
+    let lease = index.lease(&[seen, new], TTL).unwrap();
+    assert_eq!(lease.granted, vec![false, true], "a stale placement must be a miss");
+    // Same slot and key but a forged generation: a miss too.
+    let forged = Placement { generation: old.generation, ..new };
+    assert_eq!(index.lease(&[forged], TTL).unwrap().granted, vec![false]);
+    assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![None, Some(new)]);
+}
+
+/// One batched lookup of 62,500 keys (a 999,936-token prefix in 16-token blocks), every other
+/// one published: each answer is the right placement or a miss.
+pub fn batched_lookup_of_62500_keys(index: &dyn Index) {
+    const N: u64 = 62_500;
+    let spec = TierSpec::new(NODE, TierId(0), 16, N as u32 / 2).watermarks(0, 0);
+    setup(index, &spec);
+    let mut published = Vec::new();
+    let mut batch = Vec::new();
+    for i in (0..N).step_by(2) {
+        batch.push((reserve(index, key(i), &spec, 16), i as u32));
+        if batch.len() == 1000 {
+            published.extend(index.publish(&batch).unwrap());
+            batch.clear();
+        }
+    }
+    published.extend(index.publish(&batch).unwrap());
+    assert!(published.iter().all(|p| matches!(p, Published::Won(_))));
+    let keys: Vec<BlockKey> = (0..N).map(key).collect();
+    let found = index.lookup(&keys).unwrap();
+    assert_eq!(found.len(), N as usize);
+    let mut slots = HashSet::new();
+    for (i, p) in found.iter().enumerate() {
+        if i % 2 == 1 {
+            assert_eq!(*p, None, "key {i}");
+            continue;
+        }
+        let p = p.unwrap_or_else(|| panic!("key {i} missing"));
+        assert_eq!(p.key, keys[i]);
+        assert_eq!(p.checksum, i as u32);
+        assert!(slots.insert(p.slot), "slot {} given twice", p.slot);
+    }
+    let evens: Vec<BlockKey> = (0..N).step_by(2).map(key).collect();
+    assert_eq!(index.prefix_hits(&evens).unwrap(), evens.len());
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 1);
+}
