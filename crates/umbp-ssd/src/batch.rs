@@ -9,8 +9,9 @@
 //!
 //! Scheduling hands the executor one request at a time: resubmissions first, then ops that had
 //! to wait, then new ops in plan order. Bounce ops wait while the bounce buffers in use would
-//! pass the budget; a bounce write waits while any other op of the engine (of this batch or
-//! another) rewrites a block it shares, and a bounce read while one of its blocks is being
+//! pass the budget; a bounce write waits while any other write of the process (of this batch
+//! or another, of any engine) holds a byte of the blocks it rewrites, a buffered write while
+//! one of its bytes is being rewritten, and a bounce read while one of its blocks is being
 //! rewritten (see `sectors`). An op that waits for another batch's blocks registers the
 //! executor's waker, so the executor looks again when they are released; with nothing of its
 //! own in flight and nothing owned elsewhere, every op is admitted, so a batch always
@@ -26,7 +27,7 @@ use umbp_plan::{
 
 use crate::fault::Faults;
 use crate::file::{FileEntry, FileTable};
-use crate::op::{BouncePool, Op, Step};
+use crate::op::{BouncePool, Guard, Op, Step};
 use crate::sectors::Sectors;
 use crate::sys::{Dir, HostSlice, Request};
 use crate::wake::Waker;
@@ -57,7 +58,7 @@ pub(crate) struct Limits {
 pub(crate) struct Context {
     pub(crate) limits: Limits,
     pub(crate) faults: Arc<Faults>,
-    /// The engine's sector ownership table.
+    /// The process's sector ownership table.
     pub(crate) sectors: Arc<Sectors>,
     /// Wakes the executor running the batch (when blocks it waits for are released).
     pub(crate) waker: Waker,
@@ -313,21 +314,20 @@ impl Batch {
         }
     }
 
-    /// Whether op `index` may start now: within the bounce budget, and its blocks free (a
-    /// bounce write then owns them; see `sectors`). Aligned ops always may.
+    /// Whether op `index` may start now: within the bounce budget, and clear in the sector
+    /// table (a write then owns its window; see `sectors`). Aligned `O_DIRECT` ops and buffered
+    /// reads always may.
     fn admits(&mut self, index: usize) -> bool {
         let op = &mut self.ops[index];
         let bytes = op.bounce_bytes();
-        if bytes == 0 {
-            return true;
-        }
-        if self.bounce_in_use != 0 && self.bounce_in_use + bytes > self.bounce_budget {
+        if bytes != 0 && self.bounce_in_use != 0 && self.bounce_in_use + bytes > self.bounce_budget
+        {
             return false;
         }
-        let Some(window) = op.window() else { return true };
-        match op.dir() {
-            Dir::Read => self.sectors.readable(window, &self.waker),
-            Dir::Write => match self.sectors.claim(window, &self.waker) {
+        match op.guard() {
+            Guard::None => true,
+            Guard::Read(window) => self.sectors.readable(window, &self.waker),
+            Guard::Write(window, claim) => match self.sectors.claim(window, claim, &self.waker) {
                 Some(owned) => {
                     op.own(owned);
                     true
@@ -533,7 +533,7 @@ mod tests {
     use crate::file::FileTable;
     use crate::op::BouncePool;
     use crate::ring::{Feed, Ring};
-    use crate::sectors::{Sectors, Window};
+    use crate::sectors::{Claim, Sectors, Window};
     use crate::wake::Waker;
     use crate::{fallback, SsdRules};
 
@@ -777,7 +777,8 @@ mod tests {
             let write = Fragment::new(source.id, 0, file, 4096 + 100, 60, Tag::new(0));
             // Another batch's read-modify-write of the block, held by this test.
             let window = Window { file: entry.key, start: 0, end: 16 << 10 };
-            let held = fx.sectors.claim(window, &Waker::current_thread()).expect("free");
+            let held =
+                fx.sectors.claim(window, Claim::Rewrite, &Waker::current_thread()).expect("free");
             let release = std::thread::spawn(move || {
                 std::thread::sleep(std::time::Duration::from_millis(50));
                 drop(held);

@@ -83,7 +83,7 @@ impl SsdEngine {
             files: FileTable::default(),
             faults: Arc::new(Faults::new()),
             limits,
-            sectors: Default::default(),
+            sectors: crate::sectors::Sectors::process(),
             name: config.name,
             overlap: Default::default(),
         });

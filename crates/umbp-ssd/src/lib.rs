@@ -24,12 +24,13 @@
 //!   read-modify-write of the whole blocks for writes); aligned pieces move straight between the
 //!   file and the caller's memory.
 //! - **Writes across batches.** Every read-modify-write of a block is ordered against every
-//!   other write through a bounce buffer of that block, engine-wide (across batches, workers,
-//!   ring lanes and descriptors of one file, known by device and inode): two batches that
-//!   write different bytes of one block both land. Unaligned reads of a block being rewritten
-//!   wait for it. Aligned reads and writes are not ordered (they cost nothing more); two
-//!   batches writing the same bytes at once remain the caller's race. The private `sectors`
-//!   module says exactly what is ordered.
+//!   other write of that block through a bounce buffer or a buffered registration,
+//!   process-wide (across batches, workers, ring lanes, engines and registrations of one file,
+//!   `O_DIRECT` or not, known by device and inode): two batches that write different bytes of
+//!   one block both land. Unaligned reads of a block being rewritten wait for it. Aligned
+//!   `O_DIRECT` reads and writes and buffered reads are not ordered (they cost nothing more);
+//!   two batches writing the same bytes at once remain the caller's race. The private
+//!   `sectors` module says exactly what is ordered.
 //! - **Failures.** One [`Failure`](umbp_plan::Failure) per failed plan, segment or object's
 //!   share of a segment, with exactly the tags of the objects whose bytes did not arrive: a
 //!   failed read or write of a segment that merged several objects is re-issued once per

@@ -14,11 +14,22 @@ use std::os::fd::RawFd;
 
 use umbp_plan::{FailureCause, Tag};
 
-use crate::sectors::{FileKey, Owned, Window};
+use crate::sectors::{Claim, FileKey, Owned, Window};
 use crate::sys::{BounceBuf, Dir, HostSlice, Request};
 
 /// Transient errors that are retried, at most this many times per op.
 const MAX_RETRIES: u32 = 64;
+
+/// What an op waits for or holds in the sector table ([`Op::guard`]).
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Guard {
+    /// Nothing: it may always start.
+    None,
+    /// It may start once no part of the window is being rewritten.
+    Read(Window),
+    /// It claims the window so, and keeps it until it is done.
+    Write(Window, Claim),
+}
 
 /// What an op needs after a completion.
 #[derive(Debug)]
@@ -48,8 +59,8 @@ pub(crate) struct Op {
     align: u64,
     mode: Mode,
     retries: u32,
-    /// The blocks a started bounce write owns (see `sectors`), released when the op is done
-    /// or dropped.
+    /// The window a started write owns (see `sectors`), released when the op is done or
+    /// dropped.
     owned: Option<Owned>,
     /// Set on an op re-issued for one object's share of a failed segment: its failure costs
     /// that object only.
@@ -162,13 +173,25 @@ impl Op {
         }
     }
 
-    /// For a bounce op, the whole blocks it reads (a read) or rewrites (a write).
-    pub(crate) fn window(&self) -> Option<Window> {
-        match &self.mode {
-            Mode::Bounce(b) => {
-                Some(Window { file: self.file, start: b.start, end: b.start + b.span })
+    /// What the op must wait for, or hold, in the process's sector table before it starts
+    /// (see `sectors`): a bounce read waits for rewrites of its blocks, a bounce write claims
+    /// its blocks to rewrite them, a buffered write claims the bytes it writes. Aligned
+    /// `O_DIRECT` ops and buffered reads need nothing.
+    pub(crate) fn guard(&self) -> Guard {
+        match (&self.mode, self.dir) {
+            (Mode::Bounce(b), dir) => {
+                let window = Window { file: self.file, start: b.start, end: b.start + b.span };
+                match dir {
+                    Dir::Read => Guard::Read(window),
+                    Dir::Write => Guard::Write(window, Claim::Rewrite),
+                }
             }
-            Mode::Direct { .. } => None,
+            // A buffered file is the one with an alignment of 1 (`Op::new`).
+            (Mode::Direct { .. }, Dir::Write) if self.align == 1 => {
+                let end = self.file_offset + self.len();
+                Guard::Write(Window { file: self.file, start: self.file_offset, end }, Claim::Write)
+            }
+            (Mode::Direct { .. }, _) => Guard::None,
         }
     }
 

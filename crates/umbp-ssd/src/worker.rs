@@ -41,7 +41,8 @@ pub(crate) struct Shared {
     pub(crate) files: FileTable,
     pub(crate) faults: Arc<Faults>,
     pub(crate) limits: Limits,
-    /// Which blocks the engine's bounce writes own, across every worker and lane.
+    /// Which bytes the writes of the process own, across every engine, worker and lane
+    /// (`sectors`).
     pub(crate) sectors: Arc<Sectors>,
     pub(crate) name: String,
     /// The overlap rule's buffers, shared by submitting threads.
