@@ -1,0 +1,215 @@
+//! The Redis index against a real `redis-server` (loopback, fresh port, temp dir, password),
+//! one per test: the shared rules, then what only a shared index promises (node expiry, a
+//! server killed and restarted, authentication).
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::suite::{self, key, put, setup, NODE, TTL};
+use support::RedisServer;
+use umbp_pool::{Error, Index, NodeAnnouncement, NodeId, RedisIndex, TierId, TierSpec};
+
+fn connect(server: &RedisServer) -> RedisIndex {
+    RedisIndex::connect(&server.config("test")).unwrap()
+}
+
+macro_rules! shared {
+    ($($name:ident),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            let Some(server) = RedisServer::start() else { return };
+            suite::$name(&connect(&server));
+        }
+    )*};
+}
+
+shared!(
+    visible_only_after_publish,
+    caller_mistakes_are_typed,
+    abort_frees_and_full_is_typed,
+    expired_reservation_publishes_nothing,
+    leases_block_eviction_and_expire,
+    release_and_recency,
+    stale_generation_is_a_miss,
+    batched_lookup_of_62500_keys,
+);
+
+#[test]
+fn racing_writers_one_winner() {
+    let Some(server) = RedisServer::start() else { return };
+    suite::racing_writers_one_winner(Arc::new(connect(&server)));
+}
+
+#[test]
+fn two_clients_share_one_pool_and_prefixes_keep_pools_apart() {
+    let Some(server) = RedisServer::start() else { return };
+    let a = connect(&server);
+    let b = connect(&server);
+    let spec = TierSpec::new(NODE, TierId(0), 64, 8);
+    setup(&a, &spec);
+    let p = put(&a, key(1), &spec);
+    assert_eq!(b.lookup(&[key(1)]).unwrap(), vec![Some(p)]);
+    assert!(b.lease(&[p], TTL).unwrap().all_granted());
+    let other = RedisIndex::connect(&server.config("other-pool")).unwrap();
+    assert_eq!(other.lookup(&[key(1)]).unwrap(), vec![None]);
+}
+
+#[test]
+fn authentication_is_required() {
+    let Some(server) = RedisServer::start() else { return };
+    let mut config = server.config("test");
+    config.password = None;
+    assert!(matches!(RedisIndex::connect(&config), Err(Error::Redis(_))));
+    config.password = Some("wrong".into());
+    assert!(matches!(RedisIndex::connect(&config), Err(Error::Redis(_))));
+    config.prefix = "bad{prefix}".into();
+    assert!(matches!(RedisIndex::connect(&config), Err(Error::InvalidConfig(_))));
+}
+
+#[test]
+fn an_acl_user_with_its_own_password() {
+    let Some(server) = RedisServer::start() else { return };
+    let admin = redis::Client::open(format!(
+        "redis://:{}@127.0.0.1:{}/",
+        support::PASSWORD,
+        server.port()
+    ))
+    .unwrap();
+    let mut c = admin.get_connection().unwrap();
+    redis::cmd("ACL")
+        .arg(&["SETUSER", "pool", "on", ">pool-secret", "~{test}:*", "+@all"])
+        .query::<()>(&mut c)
+        .unwrap();
+    let mut config = server.config("test");
+    config.username = Some("pool".into());
+    config.password = Some("pool-secret".into());
+    let index = RedisIndex::connect(&config).unwrap();
+    suite::visible_only_after_publish(&index);
+    // The user reaches only its pool's keys.
+    let mut outside = server.config("elsewhere");
+    outside.username = Some("pool".into());
+    outside.password = Some("pool-secret".into());
+    let index = RedisIndex::connect(&outside).unwrap();
+    assert!(matches!(index.lookup(&[key(1)]), Err(Error::Redis(_))));
+}
+
+#[test]
+fn tls_without_the_feature_is_a_typed_error() {
+    let mut config = umbp_pool::RedisConfig::new("rediss://127.0.0.1:1/");
+    config.password = Some("x".into());
+    let result = RedisIndex::connect(&config);
+    if cfg!(feature = "tls") {
+        // Nothing listens on port 1: a connection error, not a configuration one.
+        assert!(matches!(result, Err(Error::Redis(_))), "{result:?}");
+    } else {
+        assert!(matches!(result, Err(Error::TlsUnavailable)), "{result:?}");
+    }
+}
+
+/// A node that stops renewing is dead: its placements leave lookups and leases at once, reaping
+/// deletes them, and when it comes back it rejoins empty, under new generations.
+#[test]
+fn node_expiry_drops_its_placements() {
+    let Some(server) = RedisServer::start() else { return };
+    let index = connect(&server);
+    let live = TierSpec::new(NodeId(1), TierId(0), 64, 4);
+    let dying = TierSpec::new(NodeId(2), TierId(0), 64, 4);
+    setup(&index, &live);
+    setup(&index, &dying);
+    let kept = put(&index, key(1), &live);
+    let lost = put(&index, key(2), &dying);
+    let short = Duration::from_millis(300);
+    let announce = |node: NodeId, ttl| {
+        index
+            .announce(&NodeAnnouncement { node, address: format!("node-{node}"), tiers: vec![] }, ttl)
+            .unwrap()
+    };
+    announce(NodeId(2), short);
+    assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(kept), Some(lost)]);
+    assert_eq!(index.nodes().unwrap().len(), 2);
+    // Node 2 stops renewing.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(kept), None]);
+    assert_eq!(index.lease(&[kept, lost], TTL).unwrap().granted, vec![true, false]);
+    let nodes = index.nodes().unwrap();
+    assert_eq!(nodes.iter().map(|n| n.node).collect::<Vec<_>>(), vec![NodeId(1)]);
+    assert_eq!(nodes[0].address, "127.0.0.1:7001");
+    assert!(matches!(
+        index.reserve(key(3), NodeId(2), TierId(0), 64, TTL),
+        Err(Error::NodeNotAlive(NodeId(2)))
+    ));
+    assert_eq!(index.reap_dead_nodes().unwrap(), 1);
+    assert_eq!(index.tier_stats(NodeId(2), TierId(0)).unwrap().published, 0);
+    // It comes back: empty, and its old placement never matches again.
+    announce(NodeId(2), TTL);
+    assert_eq!(index.tier_stats(NodeId(2), TierId(0)).unwrap().free, 4);
+    let again = put(&index, key(4), &dying);
+    assert_eq!(again.slot, lost.slot);
+    assert!(again.generation > lost.generation);
+    assert_eq!(index.lease(&[lost], TTL).unwrap().granted, vec![false]);
+    assert_eq!(index.lookup(&[key(2)]).unwrap(), vec![None]);
+}
+
+/// Redis killed mid-run: every call fails cleanly (an error, never a wrong hit); restarted
+/// (empty), the client reconnects, re-registers its tiers when its node rejoins, and
+/// everything resumes.
+#[test]
+fn redis_killed_and_restarted_mid_run() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let index = Arc::new(connect(&server));
+    let spec = TierSpec::new(NODE, TierId(0), 64, 64);
+    setup(&*index, &spec);
+    let before: Vec<_> = (0..8).map(|i| put(&*index, key(i), &spec)).collect();
+    // A reader loops on lookups while the server dies and comes back: each answer is an error,
+    // a miss, or exactly the placement that was published.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (index, stop, before) = (index.clone(), stop.clone(), before.clone());
+        std::thread::spawn(move || {
+            let keys: Vec<_> = (0..8).map(key).collect();
+            let (mut errors, mut answers) = (0u32, 0u32);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match index.lookup(&keys) {
+                    Ok(found) => {
+                        answers += 1;
+                        for (f, b) in found.iter().zip(&before) {
+                            assert!(f.is_none() || *f == Some(*b), "wrong hit {f:?}");
+                        }
+                    }
+                    Err(Error::Redis(_)) => errors += 1,
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (errors, answers)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    server.kill();
+    let t = Instant::now();
+    assert!(matches!(index.lookup(&[key(0)]), Err(Error::Redis(_))));
+    assert!(matches!(index.reserve(key(100), NODE, TierId(0), 8, TTL), Err(Error::Redis(_))));
+    assert!(t.elapsed() < Duration::from_secs(10), "a dead server must fail fast, not hang");
+    std::thread::sleep(Duration::from_millis(50));
+    server.restart();
+    // The server lost everything: misses, and the node must announce again to be alive.
+    assert_eq!(index.lookup(&[key(0)]).unwrap(), vec![None]);
+    assert!(matches!(
+        index.reserve(key(100), NODE, TierId(0), 8, TTL),
+        Err(Error::NodeNotAlive(_))
+    ));
+    index
+        .announce(&NodeAnnouncement { node: NODE, address: "again".into(), tiers: vec![] }, TTL)
+        .unwrap();
+    // Its tier is registered again by the client: writes resume.
+    let p = put(&*index, key(100), &spec);
+    assert_eq!(index.lookup(&[key(100)]).unwrap(), vec![Some(p)]);
+    assert!(index.lease(&[p], TTL).unwrap().all_granted());
+    std::thread::sleep(Duration::from_millis(50));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (errors, answers) = reader.join().unwrap();
+    assert!(answers > 0, "the reader got no answer at all");
+    eprintln!("reader: {answers} answers, {errors} clean errors across the restart");
+}
