@@ -14,7 +14,9 @@ use crate::{EndpointTable, Fragment, Plan, PlanRules, PlanSet, Segment};
 /// Pass one rejects every object with an invalid fragment (in order of its first invalid
 /// fragment). Pass two appends the fragments of the other objects to one plan per endpoint pair,
 /// extending a plan's last segment when source and destination are both exactly adjacent and
-/// the result stays within the engine's maximum segment. Zero-length fragments are skipped.
+/// the result stays within the engine's maximum segment. A fragment longer than the maximum is
+/// appended as consecutive pieces of the maximum length (the last one: the rest), each as a
+/// fragment of its own (so none of them extends a segment). Zero-length fragments are skipped.
 pub fn plan_batch<R: PlanRules + ?Sized>(
     rules: &R,
     table: &EndpointTable,
@@ -42,8 +44,15 @@ pub fn plan_batch<R: PlanRules + ?Sized>(
             plans.push(Plan::new(f.src, f.dst, max_segment));
             plans.len() - 1
         });
-        let piece = Segment { src_offset: f.src_offset, dst_offset: f.dst_offset, len: f.len };
-        starts += u64::from(plans[index].append(piece, f.tag, starts));
+        // A fragment past the maximum goes in as pieces of the maximum, the last one the rest.
+        let mut done = 0;
+        while done < f.len {
+            let len = (f.len - done).min(max_segment);
+            let piece =
+                Segment { src_offset: f.src_offset + done, dst_offset: f.dst_offset + done, len };
+            starts += u64::from(plans[index].append(piece, f.tag, starts));
+            done += len;
+        }
     }
     PlanSet { plans, rejected, reasons, deadline: None, stream: None, cancel: None }
 }

@@ -40,7 +40,10 @@ pub enum RejectReason {
         /// Bytes asked for.
         len: u64,
     },
-    /// The fragment is longer than the largest segment the engine issues.
+    /// The fragment is longer than the largest segment the engine issues. umbp-plan's builders
+    /// and planner never give this reason (they split such a fragment at the maximum; see
+    /// [`PlanRules::max_segment_len`](crate::PlanRules::max_segment_len)); an engine's own
+    /// check may.
     #[error("fragment of {len} bytes exceeds the engine's maximum segment of {max} bytes")]
     SegmentTooLong {
         /// Fragment length.

@@ -615,15 +615,45 @@ impl<R: PlanRules> IncrementalBuilder<R> {
         }
     }
 
-    /// The hot path found the fragment out of bounds or against the engine's rules.
+    /// The cursor refused `f`: out of bounds or against the engine's rules (the object is
+    /// rejected), or valid but longer than the maximum segment (it is split). Both are rare, so
+    /// the cursor's one length compare is all that fragments below the maximum pay for this.
     #[cold]
     #[inline(never)]
     fn reject(&mut self, f: Fragment) -> Result<(), Error> {
-        let reason = match validate(&self.rules, &self.table, &f) {
-            Err(reason) => reason,
-            Ok(_) => unreachable!("the cursor refuses only what validation refuses"),
-        };
-        Err(self.poison(f.tag, reason))
+        match validate(&self.rules, &self.table, &f) {
+            Err(reason) => Err(self.poison(f.tag, reason)),
+            Ok(_) => {
+                debug_assert!(
+                    f.len > self.max_segment,
+                    "the cursor refuses only what validation refuses, and over-long fragments"
+                );
+                self.push_split(f);
+                Ok(())
+            }
+        }
+    }
+
+    /// Appends a valid fragment longer than the maximum segment (the cursor on its plan) as
+    /// the batch planner does: consecutive pieces of the maximum, the last one the rest, each
+    /// merged as a fragment of its own. They go into the plan the object already logged for
+    /// undo (or created), so a rollback takes every piece out.
+    fn push_split(&mut self, f: Fragment) {
+        let max = self.max_segment;
+        let t = &self.cursor.tail;
+        let at = if t.joins(f.src_offset, f.dst_offset, max, max) { t.last_len } else { 0 };
+        let plan = self.cursor.plan;
+        // Recorded already when the cursor was armed for this object; not when `push_cold`
+        // aimed it for this fragment.
+        self.note_tag(plan, f.tag, self.plans[plan].segments.len(), at);
+        let c = &mut self.cursor;
+        let segments = &mut self.plans[c.plan].segments;
+        let mut done = 0;
+        while done < f.len {
+            let len = (f.len - done).min(max);
+            c.tail.extend(segments, max, f.src_offset + done, f.dst_offset + done, len);
+            done += len;
+        }
     }
 
     /// Undoes the open object's fragments, rejects its tag once, and refuses its later pushes.

@@ -12,8 +12,9 @@ pub trait PlanRules {
     /// fragment.
     fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool;
 
-    /// The largest segment the engine issues; longer fragments are rejected and merging stops
-    /// at this length. Default: no limit.
+    /// The largest segment the engine issues. A longer fragment is split into pieces of this
+    /// length (the last one: the rest), in order, inside its object, so no caller has to know
+    /// the engine's maximum; merging stops at this length. Default: no limit.
     #[inline]
     fn max_segment_len(&self) -> u64 {
         u64::MAX
@@ -54,8 +55,10 @@ impl<R: PlanRules + ?Sized> PlanRules for &R {
 }
 
 /// Checks a non-empty fragment against `rules` and the endpoints of `table`, in a fixed order
-/// (endpoints known, pair carried, source bounds, destination bounds, segment length, engine
-/// checks), and returns the two endpoint descriptions when it passes.
+/// (endpoints known, pair carried, source bounds, destination bounds, engine checks), and
+/// returns the two endpoint descriptions when it passes. The engine's maximum segment is no
+/// check: a fragment past it is valid and planned as pieces
+/// ([`max_segment_len`](PlanRules::max_segment_len)); the engine checks the whole fragment.
 pub fn validate<R: PlanRules + ?Sized>(
     rules: &R,
     table: &EndpointTable,
@@ -64,10 +67,6 @@ pub fn validate<R: PlanRules + ?Sized>(
     let (src, dst) = check_pair(rules, table, fragment.src, fragment.dst)?;
     check_bounds(fragment.src, &src, fragment.src_offset, fragment.len)?;
     check_bounds(fragment.dst, &dst, fragment.dst_offset, fragment.len)?;
-    let max = rules.max_segment_len();
-    if fragment.len > max {
-        return Err(RejectReason::SegmentTooLong { len: fragment.len, max });
-    }
     rules.check_fragment(&src, &dst, fragment)?;
     Ok((src, dst))
 }

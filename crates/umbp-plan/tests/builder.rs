@@ -318,3 +318,51 @@ fn retaining_tags_orders_the_plans_as_planning_without_the_dropped_objects() {
     batch(&mut without, src, &objects[1..]);
     assert_eq!(plans, without.finish().unwrap());
 }
+
+/// Host to host with a maximum segment of 4 KiB.
+#[derive(Clone, Copy)]
+struct Capped;
+
+impl PlanRules for Capped {
+    fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        src.is_host() && dst.is_host()
+    }
+
+    fn max_segment_len(&self) -> u64 {
+        4096
+    }
+}
+
+#[test]
+fn a_fragment_past_the_maximum_segment_is_split_inside_its_object() {
+    let (registry, [src, d1, _, _]) = setup();
+    let planner = RulePlanner::new(Capped, registry.clone());
+    let mut incremental = IncrementalBuilder::new(Capped, registry.clone());
+    let mut buffered = BufferedPlanBuilder::new(planner);
+    let builders: [&mut dyn PlanBuilder; 2] = [&mut incremental, &mut buffered];
+    for b in builders {
+        // Object 0: 1000 bytes, then 10,000 adjacent ones: 1000 | 4096, 4096, 1808.
+        b.begin_object(t(0)).unwrap();
+        b.push(Fragment::new(src, 0, d1, 0, 1000, t(0))).unwrap();
+        b.push(Fragment::new(src, 1000, d1, 1000, 10_000, t(0))).unwrap();
+        b.commit_object().unwrap();
+        // Object 1: rolled back after 9000 bytes that would have been split: nothing remains.
+        b.begin_object(t(1)).unwrap();
+        b.push(Fragment::new(src, 11_000, d1, 11_000, 9000, t(1))).unwrap();
+        b.rollback_object().unwrap();
+        // Object 2: 2000 bytes joining object 0's short last piece, then 5000 more.
+        b.begin_object(t(2)).unwrap();
+        b.push(Fragment::new(src, 11_000, d1, 11_000, 2000, t(2))).unwrap();
+        b.push(Fragment::new(src, 13_000, d1, 13_000, 5000, t(2))).unwrap();
+        b.commit_object().unwrap();
+        let plans = b.finish().unwrap();
+        assert!(plans.rejected().is_empty());
+        let plan = &plans.plans()[0];
+        assert_eq!(lens(plan), &[1000, 4096, 4096, 3808, 4096, 904]);
+        assert_eq!(plan.tags(), &[t(0), t(2)]);
+        assert_eq!(plan.segment_tags(2), &[t(0)]);
+        assert_eq!(plan.segment_tags(3), &[t(0), t(2)]);
+        assert_eq!(plan.segment_tags(5), &[t(2)]);
+        assert_eq!(plan.bytes(), 18_000);
+    }
+}

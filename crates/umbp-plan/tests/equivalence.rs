@@ -1,7 +1,8 @@
 //! The equivalence property (docs/ARCHITECTURE.md, "Equivalence"): for any stream of fragments with
-//! any mix of commits, rollbacks and invalid fragments, the incremental builder's `finish()` equals
-//! the batch planner over the committed objects, the buffered builder agrees, and executing the
-//! plans writes the same bytes as executing the fragments one by one.
+//! any mix of commits, rollbacks and invalid fragments, and fragments longer than the engine's
+//! maximum segment (split into pieces), the incremental builder's `finish()` equals the batch
+//! planner over the committed objects, the buffered builder agrees, and executing the plans
+//! writes the same bytes as executing the fragments one by one.
 
 use proptest::prelude::*;
 use umbp_plan::testing::{drive, drive_runs, scenarios, ReferenceMemory, Scenario, ScenarioConfig};
@@ -50,6 +51,14 @@ fn check(scenario: &Scenario, rules: Rules) {
     let outcome = drive(&mut incremental, scenario).expect("no builder misuse");
     let expected = planner.plan_batch(&outcome.committed);
     assert_eq!(outcome.plans, expected, "incremental differs from the batch planner");
+    // A fragment past the maximum is split, never refused for its length, and no segment
+    // passes the maximum.
+    for (tag, reason) in expected.rejections() {
+        assert!(!matches!(reason, RejectReason::SegmentTooLong { .. }), "{tag:?}: {reason}");
+    }
+    for plan in expected.plans() {
+        assert!(plan.segments().iter().all(|s| s.len <= rules.max_segment), "past the cap");
+    }
 
     let mut buffered = BufferedPlanBuilder::new(planner.clone());
     let buffered_outcome = drive(&mut buffered, scenario).expect("no builder misuse");
@@ -233,6 +242,17 @@ proptest! {
     fn equivalence_holds_with_segment_cap_and_alignment(
         scenario in scenarios(ScenarioConfig { max_fragment: 48, ..ScenarioConfig::default() }),
         max_segment in 48u64..200,
+        align in prop_oneof![Just(1u64), Just(2u64)],
+    ) {
+        check(&scenario, Rules { max_segment, align });
+    }
+
+    /// Fragments up to 96 bytes against maxima from 1 byte: most fragments are split into
+    /// pieces, and pieces of different objects meet and merge.
+    #[test]
+    fn equivalence_holds_when_fragments_pass_the_segment_cap(
+        scenario in scenarios(ScenarioConfig::default()),
+        max_segment in prop_oneof![1u64..8, 8u64..96],
         align in prop_oneof![Just(1u64), Just(2u64)],
     ) {
         check(&scenario, Rules { max_segment, align });
