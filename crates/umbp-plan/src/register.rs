@@ -1,10 +1,10 @@
 //! Registration: the one way to hand memory and files to an engine or a composite. The
 //! story is on [`Register`].
-#![allow(unsafe_code)] // `HostMemory` and `register_raw_memory` state promises; one `fcntl`.
+#![allow(unsafe_code)] // `HostMemory` and `register_raw_memory` state promises; `fcntl`, `flock`.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,13 +47,14 @@ unsafe impl HostMemory for Vec<u8> {
 }
 
 /// How [`FileSource::open`] opens a file. Defaults: readable and writable, not created, not
-/// extended, `O_DIRECT`.
+/// extended, `O_DIRECT`, not exclusive.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct FileOptions {
     writable: bool,
     create: bool,
     extend: bool,
     direct: bool,
+    exclusive: bool,
 }
 
 impl Default for FileOptions {
@@ -65,7 +66,7 @@ impl Default for FileOptions {
 impl FileOptions {
     /// Read-write, existing file, `O_DIRECT`.
     pub const fn new() -> Self {
-        Self { writable: true, create: false, extend: false, direct: true }
+        Self { writable: true, create: false, extend: false, direct: true, exclusive: false }
     }
 
     /// Whether the file is opened for writing as well as reading (default `true`). Writes into
@@ -99,6 +100,25 @@ impl FileOptions {
         self.direct = direct;
         self
     }
+
+    /// Whether the registration holds an exclusive lock on the file for as long as it lasts
+    /// (default `false`): what keeps two instances from using one tier file, each overwriting
+    /// the other's slots and serving the other's bytes as its own. The lock is a
+    /// `flock(LOCK_EX | LOCK_NB)` on the registration's own open of the file, taken before
+    /// anything else touches the file (before [`extend`](Self::extend)); a file some other
+    /// open holds locked (another process, another engine of this one, or another
+    /// registration of the same path in this process) is refused with
+    /// [`RegisterError::Locked`] at once, without waiting. It is released when the
+    /// registration ends (dropped or [deregistered](Registration::deregister)), or when the
+    /// process dies.
+    ///
+    /// Locks are advisory: they keep out only those who ask for them. Registrations without
+    /// this option neither take nor see the lock (several registrations of one file in one
+    /// engine, `O_DIRECT` and buffered, stay possible, and are ordered by the engine).
+    pub const fn exclusive(mut self, exclusive: bool) -> Self {
+        self.exclusive = exclusive;
+        self
+    }
 }
 
 /// The file behind a file registration: a path to open, or a descriptor the caller opened
@@ -120,13 +140,22 @@ impl FileSource {
     }
 
     /// The open file, checked to hold `file_offset .. end` (or extended to, as the options
-    /// say; see [`Register::register_file`]), and whether its descriptor has `O_DIRECT`.
-    fn into_file(self, file_offset: u64, end: u64) -> Result<(File, bool), RegisterError> {
-        let (file, direct, writable, extend) = match self.0 {
+    /// say; see [`Register::register_file`]), whether its descriptor has `O_DIRECT`, and
+    /// whether it holds the file's exclusive lock ([`FileOptions::exclusive`]).
+    fn into_file(self, file_offset: u64, end: u64) -> Result<(File, bool, bool), RegisterError> {
+        let (file, direct, writable, extend, locked) = match self.0 {
             Source::Path(path, options) => {
-                let (file, direct) =
-                    open(&path, &options).map_err(|source| RegisterError::Open { path, source })?;
-                (file, direct, options.writable, options.extend)
+                let (file, direct) = match open(&path, &options) {
+                    Ok(opened) => opened,
+                    Err(source) => return Err(RegisterError::Open { path, source }),
+                };
+                if options.exclusive {
+                    lock_exclusive(&file).map_err(|source| match source.raw_os_error() {
+                        Some(libc::EWOULDBLOCK) => RegisterError::Locked { path, source },
+                        _ => RegisterError::Inspect { fd: file.as_raw_fd(), source },
+                    })?;
+                }
+                (file, direct, options.writable, options.extend, options.exclusive)
             }
             Source::Open(file) => {
                 let fd = file.as_raw_fd();
@@ -137,11 +166,13 @@ impl FileSource {
                     return Err(RegisterError::Inspect { fd, source: io::Error::last_os_error() });
                 }
                 let writable = flags & libc::O_ACCMODE != libc::O_RDONLY;
-                (file, flags & libc::O_DIRECT != 0, writable, false)
+                (file, flags & libc::O_DIRECT != 0, writable, false, false)
             }
         };
         let inspect = |source| RegisterError::Inspect { fd: file.as_raw_fd(), source };
-        let Some(file_len) = size(&file).map_err(inspect)? else { return Ok((file, direct)) };
+        let Some(file_len) = size(&file).map_err(inspect)? else {
+            return Ok((file, direct, locked));
+        };
         if end > file_len {
             if extend && writable {
                 file.set_len(end).map_err(|source| RegisterError::Extend { len: end, source })?;
@@ -150,7 +181,7 @@ impl FileSource {
                 return Err(RegisterError::PastEnd { file_offset, len, file_len });
             }
         }
-        Ok((file, direct))
+        Ok((file, direct, locked))
     }
 }
 
@@ -194,6 +225,24 @@ fn size(file: &File) -> io::Result<Option<u64>> {
     } else {
         Ok(None)
     }
+}
+
+/// Takes an exclusive `flock` on `file`'s open file description without waiting
+/// ([`FileOptions::exclusive`]): `EWOULDBLOCK` when another open of the file holds one. It
+/// lasts until [`unlock`] or until every descriptor of this open is closed.
+fn lock_exclusive(file: &File) -> io::Result<()> {
+    // SAFETY: `flock` takes a descriptor and a flag and touches no memory; the descriptor is
+    // open for as long as `file` lives.
+    match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// Releases a lock [`lock_exclusive`] took on `fd` (nothing if it took none).
+fn unlock(fd: RawFd) {
+    // SAFETY: as in `lock_exclusive`; the caller keeps `fd` open across the call.
+    unsafe { libc::flock(fd, libc::LOCK_UN) };
 }
 
 /// Opens `path`; with `O_DIRECT` refused by the filesystem, opens it buffered. Returns the file
@@ -263,6 +312,22 @@ pub enum RegisterError {
         /// The file's length when it was registered.
         file_len: u64,
     },
+    /// The registration asked for the file to itself ([`FileOptions::exclusive`]) and another
+    /// open of it holds it: another process, or another engine or registration of this one,
+    /// uses the same file. Two instances must never share a tier file: each would overwrite
+    /// the other's slots and serve them as its own.
+    #[error(
+        "{path} is locked by another process or engine instance using it as its tier file; \
+         two instances must not share one: give each instance its own path (for example, put \
+         the instance's data-parallel rank, port or another name that tells instances apart \
+         into the file name)"
+    )]
+    Locked {
+        /// The path.
+        path: PathBuf,
+        /// What the system said (`EWOULDBLOCK`).
+        source: io::Error,
+    },
     /// The file could not be extended to the registered range
     /// ([`FileOptions::extend`]).
     #[error("could not extend the file to {len} bytes")]
@@ -304,6 +369,9 @@ pub struct Registration<K = ()> {
     endpoint: Endpoint,
     registry: Arc<EndpointRegistry>,
     release: Option<Arc<dyn EndpointRelease>>,
+    /// The descriptor whose exclusive lock ([`FileOptions::exclusive`]) the registration holds,
+    /// released by `deregister` before it hands the file back (closing it releases it too).
+    locked: Option<RawFd>,
     /// `None` only after `deregister` took it.
     keep: Option<K>,
 }
@@ -327,6 +395,10 @@ impl<K> Registration<K> {
     /// transfers wrote, or the file.
     pub fn deregister(mut self) -> K {
         self.end();
+        if let Some(fd) = self.locked.take() {
+            // `keep`, the file, holds `fd` open until after this.
+            unlock(fd);
+        }
         self.keep.take().expect("a registration is deregistered once")
     }
 
@@ -466,10 +538,13 @@ pub trait Register {
         if file_offset.checked_add(len).is_none() {
             return Err(RegisterError::RangeOverflow { file_offset, len });
         }
-        let (file, direct) = file.into().into_file(file_offset, file_offset + len)?;
-        let endpoint = Endpoint::file(file.as_raw_fd(), file_offset, len, direct);
+        let (file, direct, locked) = file.into().into_file(file_offset, file_offset + len)?;
+        let fd = file.as_raw_fd();
+        let endpoint = Endpoint::file(fd, file_offset, len, direct);
         let id = self.registry().insert(endpoint);
-        finish(self, id, endpoint, file)
+        let mut registration = finish(self, id, endpoint, file)?;
+        registration.locked = locked.then_some(fd);
+        Ok(registration)
     }
 
     /// Registers bytes `offset .. offset + len` of a region another node exported, as a
@@ -505,7 +580,9 @@ fn finish<R: Register, K>(
 ) -> Result<Registration<K>, RegisterError> {
     let registry = Arc::clone(this.registry());
     match this.prepare(id, &endpoint) {
-        Ok(release) => Ok(Registration { id, endpoint, registry, release, keep: Some(keep) }),
+        Ok(release) => {
+            Ok(Registration { id, endpoint, registry, release, locked: None, keep: Some(keep) })
+        }
         Err(e) => {
             // Nothing was submitted against it yet; `keep` goes after this.
             let _ = registry.deregister(id);
@@ -692,6 +769,57 @@ mod tests {
         // What has no length (a character device) is not checked.
         let null = registry.register_file(File::open("/dev/null").unwrap(), 0, 1 << 20);
         assert!(null.is_ok(), "{null:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "opens files: Miri isolates the file system")]
+    fn an_exclusive_registration_keeps_every_other_exclusive_one_off_its_file_until_it_ends() {
+        let dir = std::env::temp_dir().join(format!("umbp-exclusive-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tier");
+        std::fs::write(&path, [0u8; 8192]).unwrap();
+        let registry = EndpointRegistry::new();
+        let exclusive =
+            || FileSource::open(&path, FileOptions::new().direct(false).exclusive(true));
+        // Another process asking for the lock: `flock(1)`, where the system has it.
+        let other_process_locks = || {
+            let status = std::process::Command::new("flock")
+                .args(["--nonblock", "--exclusive"])
+                .arg(&path)
+                .arg("true")
+                .status();
+            match status {
+                Ok(status) => Some(status.success()),
+                Err(e) => {
+                    eprintln!("SKIP the other-process part: no flock(1) here: {e}");
+                    None
+                }
+            }
+        };
+
+        let first = registry.register_file(exclusive(), 0, 8192).unwrap();
+        // A second exclusive registration of the path, in this process (as a second engine
+        // instance would make): refused at once, in words, leaving nothing registered.
+        let err = registry.register_file(exclusive(), 0, 4096).unwrap_err();
+        assert!(matches!(&err, RegisterError::Locked { path: p, .. } if *p == path), "{err:?}");
+        let words = err.to_string();
+        assert!(words.contains("locked by another process or engine instance"), "{words}");
+        assert!(words.contains("give each instance its own path"), "{words}");
+        assert_eq!(registry.snapshot().iter().count(), 1);
+        assert_ne!(other_process_locks(), Some(true), "another process took the lock");
+        // Registrations that do not ask for the lock are not refused (advisory lock).
+        let plain = FileSource::open(&path, FileOptions::new().direct(false));
+        drop(registry.register_file(plain, 0, 4096).unwrap());
+
+        // Deregistering releases it, though the file handed back stays open.
+        let file = first.deregister();
+        assert_ne!(other_process_locks(), Some(false), "released at deregistration");
+        let second = registry.register_file(exclusive(), 0, 8192).unwrap();
+        drop(file);
+        // Dropping releases it too.
+        drop(second);
+        drop(registry.register_file(exclusive(), 0, 8192).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
