@@ -5,32 +5,47 @@
 //! neither a key's bounds nor its rights (UCT's TCP transport even writes a peer's put to
 //! whatever address the peer names). There the server hands out no keys and runs no UCX at
 //! all: after the handshake, the authenticated control connection carries requests, answered
-//! in order, one at a time, each checked against the exported regions first:
+//! in order, one at a time, each checked against the exported regions first. Every message is
+//! a sealed record ([`crate::channel`]: its bytes, enciphered or not, and a 16-byte tag):
 //!
 //! ```text
-//! request   op u8 (1 get, 2 put), 0 [3], region u32, id u64, offset u64, len u64
-//!           then, for a put, len bytes
-//! response  status u8 (0 done, else refused: 1 outside the export, 2 read-only,
-//!           3 no such region, 4 unknown operation), 0 [7], id u64, len u64
-//!           then, for a done get, len bytes
+//! request   one record: op u8 (1 get, 2 put, 3 heartbeat), 0 [3], region u32, id u64,
+//!           offset u64, len u64; then, for a put, the len bytes as records of at most
+//!           256 KiB each
+//! response  one record: status u8 (0 done, else refused: 1 outside the export, 2 read-only,
+//!           3 no such region, 4 unknown operation), 0 [7], id u64, len u64; then, for a
+//!           done get, the len bytes as records of at most 256 KiB each
 //! ```
 //!
-//! A refused request ends the connection (the server reads no payload of it), so a client
-//! that sends one is one that bypassed its own engine's checks.
+//! A record that does not open ends the connection at once, on either side: the server writes
+//! a put's record into its region only once it opened (torn puts leave whole, authentic
+//! records behind, never forged bytes), and the client reports a get done only once every
+//! record of it opened (a failed one fails the get's objects, whatever bytes reached the
+//! destination). A refused request ends the connection (the server reads no payload of it),
+//! so a client that sends one is one that bypassed its own engine's checks.
 //!
-//! On the client, each checked peer has a writer thread (requests, and the bytes of puts)
+//! On the client, each checked peer has a writer thread (requests, and the bytes of puts;
+//! a heartbeat when it had nothing to send for [`UcxConfig::heartbeat`](crate::UcxConfig))
 //! and a reader thread (answers, and the bytes of gets, received straight into the
-//! destination). Both touch local memory only while holding the link's guard and only while
-//! the link is open; closing it shuts the socket down and then takes the guard, so once
-//! [`Link::close`] returns no byte of local memory is touched again (what a forced UCX
-//! endpoint close gives the one-sided path).
+//! destination and opened there). Both touch local memory only while holding the link's
+//! guard (shared: neither waits on the other, so a get's bytes are always read while a put's
+//! are sent) and only while the link is open; closing it shuts the socket down and then takes
+//! the guard exclusively, so once [`Link::close`] returns no byte of local memory is touched
+//! again (what a forced UCX endpoint close gives the one-sided path).
+//!
+//! On the server, a client thread ends when the client sends nothing (not even a heartbeat)
+//! for [`UcxConfig::idle_timeout`](crate::UcxConfig), and when one answer is not sent whole
+//! within [`UcxConfig::peer_timeout`](crate::UcxConfig) (a deadline for the whole answer,
+//! however its bytes trickle out).
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::sync::{mpsc, Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
+use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
 use crate::progress::Command;
 
 /// Bytes of a request header.
@@ -39,6 +54,8 @@ pub(crate) const REQUEST_LEN: usize = 32;
 pub(crate) const RESPONSE_LEN: usize = 24;
 const GET: u8 = 1;
 const PUT: u8 = 2;
+/// A heartbeat: no bytes, answered with an empty success.
+const PING: u8 = 3;
 
 /// Why the server refused a request.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -117,11 +134,20 @@ fn response(status: u8, id: u64, len: u64) -> [u8; RESPONSE_LEN] {
 }
 
 /// One exported region as the server checks requests against it.
-#[derive(Copy, Clone, Debug)]
+#[derive(Debug)]
 pub(crate) struct Served {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) writable: bool,
+    /// Taken (shared) while a client thread copies bytes out of the region, (exclusive) while
+    /// one copies a verified record into it: the server's own accesses never race.
+    lock: RwLock<()>,
+}
+
+impl Served {
+    pub(crate) fn new(addr: u64, len: u64, writable: bool) -> Self {
+        Self { addr, len, writable, lock: RwLock::new(()) }
+    }
 }
 
 /// Checks a request against the exports: the region and the bytes it may touch, or why not.
@@ -139,95 +165,231 @@ pub(crate) fn check(regions: &[Served], r: &Request) -> Result<(u64, u64), Refus
     Ok((region.addr + r.offset, r.len))
 }
 
+/// How long the server waits on a client.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Timing {
+    /// The deadline for sending one whole answer (a client that leaves its answers unread).
+    pub(crate) stalled: Duration,
+    /// How long a client may send nothing at all (its heartbeats included).
+    pub(crate) idle: Duration,
+}
+
+/// The payload's records: `(offset, len)` of each, [`CHUNK`] bytes but the last.
+fn chunks(len: u64) -> impl Iterator<Item = (u64, usize)> {
+    (0..len).step_by(CHUNK).map(move |at| (at, (len - at).min(CHUNK as u64) as usize))
+}
+
 /// Serves one authenticated client's requests until it leaves, the server stops (its socket
-/// is shut down) or it sends a request the exports do not allow.
+/// is shut down), it stays silent for `timing.idle`, it leaves an answer unread for
+/// `timing.stalled`, it sends a record that does not open, or it sends a request the exports
+/// do not allow.
+///
+/// A put's bytes are received into a buffer of the thread's own and written into the region
+/// one record at a time, each only once it opened; a get's are copied out of the region into
+/// that buffer and sealed there.
 ///
 /// # Safety
 ///
 /// Every region of `regions` is memory of this process that stays mapped while this runs,
 /// and its owner accepts that peers read it (and write the writable ones) at any time.
-pub(crate) unsafe fn serve(mut stream: TcpStream, regions: &[Served]) -> io::Result<()> {
+pub(crate) unsafe fn serve(
+    mut stream: TcpStream,
+    regions: &[Served],
+    mut keys: Keys,
+    timing: Timing,
+) -> io::Result<()> {
+    stream.set_read_timeout(Some(timing.idle))?;
     let fd = stream.as_raw_fd();
+    let mut scratch = vec![0u8; CHUNK];
     loop {
-        let mut header = [0; REQUEST_LEN];
+        let mut header = [0; REQUEST_LEN + TAG];
         match stream.read_exact(&mut header) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if is_timeout(&e) => {
+                tracing::debug!("a client sent nothing for the idle timeout; closing");
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "client idle"));
+            }
             Err(e) => return Err(e),
         }
-        let request = Request::decode(&header);
+        let (body, tag) = header.split_at_mut(REQUEST_LEN);
+        let tag: [u8; TAG] = (&*tag).try_into().expect("16 bytes");
+        if keys.recv.open(body, &tag).is_err() {
+            tracing::warn!("a request did not authenticate; closing the connection");
+            return Ok(());
+        }
+        let request = Request::decode((&*body).try_into().expect("32 bytes"));
+        let deadline = Instant::now() + timing.stalled;
+        if request.op == PING {
+            send_record(fd, &mut keys.send, response(0, request.id, 0), Some(deadline))?;
+            continue;
+        }
         let (addr, len) = match check(regions, &request) {
             Ok(bytes) => bytes,
             Err(refusal) => {
                 tracing::warn!(?request, ?refusal, "refused a request; closing the connection");
-                stream.write_all(&response(refusal as u8, request.id, 0))?;
+                let answer = response(refusal as u8, request.id, 0);
+                send_record(fd, &mut keys.send, answer, Some(deadline))?;
                 return Ok(());
             }
         };
+        let region = &regions[request.region as usize];
         if request.op == GET {
-            stream.write_all(&response(0, request.id, len))?;
-            // SAFETY: `check` kept `addr .. addr + len` inside an exported region, which the
-            // caller keeps mapped and readable by peers.
-            unsafe { send_raw(fd, addr, len) }?;
+            send_record(fd, &mut keys.send, response(0, request.id, len), Some(deadline))?;
+            for (at, n) in chunks(len) {
+                let record = &mut scratch[..n];
+                {
+                    let _shared = region.lock.read().unwrap_or_else(PoisonError::into_inner);
+                    // SAFETY: `check` kept `addr .. addr + len` inside an exported region, which
+                    // the caller keeps mapped and readable by peers; the lock keeps every
+                    // other client thread from writing it meanwhile; `record` is this
+                    // thread's own buffer of at least `n` bytes.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            std::ptr::with_exposed_provenance::<u8>((addr + at) as usize),
+                            record.as_mut_ptr(),
+                            n,
+                        );
+                    }
+                }
+                let tag = keys.send.seal(record);
+                send_all(fd, &[record, &tag], Some(deadline))?;
+            }
         } else {
-            // SAFETY: as above, inside a region exported writable.
-            unsafe { recv_raw(fd, addr, len) }?;
-            stream.write_all(&response(0, request.id, 0))?;
+            for (at, n) in chunks(len) {
+                let record = &mut scratch[..n];
+                stream.read_exact(record)?;
+                let mut tag = [0u8; TAG];
+                stream.read_exact(&mut tag)?;
+                if keys.recv.open(record, &tag).is_err() {
+                    tracing::warn!("a put's bytes did not authenticate; closing the connection");
+                    return Ok(());
+                }
+                let _only = region.lock.write().unwrap_or_else(PoisonError::into_inner);
+                // SAFETY: inside a region exported writable (checked above), kept mapped by
+                // the caller; the lock keeps every other client thread out of the region
+                // meanwhile; the bytes come from this thread's buffer, which they do not
+                // overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        record.as_ptr(),
+                        std::ptr::with_exposed_provenance_mut::<u8>((addr + at) as usize),
+                        n,
+                    );
+                }
+            }
+            let deadline = Instant::now() + timing.stalled;
+            send_record(fd, &mut keys.send, response(0, request.id, 0), Some(deadline))?;
         }
     }
 }
 
-/// Sends `len` bytes from `addr`.
-///
-/// # Safety
-///
-/// `addr .. addr + len` is readable memory of this process for the whole call.
-unsafe fn send_raw(fd: i32, addr: u64, len: u64) -> io::Result<()> {
-    let mut done = 0u64;
-    while done < len {
-        let chunk = (len - done).min(1 << 30) as usize;
-        // SAFETY: inside the caller's range; MSG_NOSIGNAL turns a closed peer into EPIPE
-        // rather than a signal.
-        let sent = unsafe {
-            libc::send(fd, (addr + done) as usize as *const libc::c_void, chunk, libc::MSG_NOSIGNAL)
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// Seals `record` (a header) and sends it with its tag.
+fn send_record<const N: usize>(
+    fd: i32,
+    sealer: &mut Sealer,
+    mut record: [u8; N],
+    deadline: Option<Instant>,
+) -> io::Result<()> {
+    let tag = sealer.seal(&mut record);
+    send_all(fd, &[&record, &tag], deadline)
+}
+
+/// Sends every byte of `parts`, in order, in as few system calls as the socket takes; with a
+/// deadline, fails with `TimedOut` once it passed (however the bytes trickled out).
+fn send_all(fd: i32, parts: &[&[u8]], deadline: Option<Instant>) -> io::Result<()> {
+    let mut iov: [libc::iovec; 4] = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 4];
+    assert!(parts.len() <= iov.len(), "at most 4 parts");
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut done = 0usize;
+    let flags = libc::MSG_NOSIGNAL | if deadline.is_some() { libc::MSG_DONTWAIT } else { 0 };
+    while done < total {
+        // The parts' bytes from `done` on.
+        let (mut skip, mut count) = (done, 0);
+        for part in parts {
+            if skip >= part.len() {
+                skip -= part.len();
+                continue;
+            }
+            iov[count] = libc::iovec {
+                iov_base: part[skip..].as_ptr() as *mut libc::c_void,
+                iov_len: part.len() - skip,
+            };
+            skip = 0;
+            count += 1;
+        }
+        // SAFETY: a zeroed msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = count;
+        // SAFETY: `msg` names `count` iovecs, each inside a slice of `parts`, borrowed for
+        // the whole call; the kernel only reads them. MSG_NOSIGNAL turns a closed peer into
+        // EPIPE rather than a signal.
+        let sent = unsafe { libc::sendmsg(fd, &msg, flags) };
+        if sent >= 0 {
+            done += sent as usize;
+            continue;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => {}
+            io::ErrorKind::WouldBlock => {
+                let Some(deadline) = deadline else { return Err(e) };
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer left an answer unread past the deadline",
+                    ));
+                }
+                let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+                // SAFETY: one live pollfd.
+                unsafe { libc::poll(&mut pfd, 1, ms) };
+            }
+            _ => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Turns on TCP keepalive (first probe after `idle`, then every second, three unanswered
+/// ending the connection) and bounds how long sent data may stay unacknowledged
+/// (`TCP_USER_TIMEOUT`, `unacknowledged`): a peer whose network vanished is noticed.
+pub(crate) fn keepalive(
+    stream: &TcpStream,
+    idle: Duration,
+    unacknowledged: Duration,
+) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let set = |level: i32, name: i32, value: i32| -> io::Result<()> {
+        // SAFETY: `value` is a live c_int, and its size is what the option takes.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const i32).cast(),
+                size_of::<i32>() as libc::socklen_t,
+            )
         };
-        if sent < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
         }
-        done += sent as u64;
-    }
-    Ok(())
-}
-
-/// Receives exactly `len` bytes into `addr`.
-///
-/// # Safety
-///
-/// `addr .. addr + len` is writable memory of this process for the whole call, which nothing
-/// else reads or writes meanwhile (beyond what its owner accepted).
-unsafe fn recv_raw(fd: i32, addr: u64, len: u64) -> io::Result<()> {
-    let mut done = 0u64;
-    while done < len {
-        let chunk = (len - done).min(1 << 30) as usize;
-        // SAFETY: inside the caller's range.
-        let got = unsafe { libc::recv(fd, (addr + done) as usize as *mut libc::c_void, chunk, 0) };
-        if got < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if got == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        done += got as u64;
-    }
-    Ok(())
+    };
+    let secs = |d: Duration| d.as_secs().clamp(1, i32::MAX as u64) as i32;
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(idle))?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
+    let ms = unacknowledged.as_millis().clamp(1, i32::MAX as u128) as i32;
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
 }
 
 /// One request the progress thread hands a checked link.
@@ -243,50 +405,101 @@ pub(crate) struct Post {
     pub(crate) len: u64,
 }
 
+/// The user data of the link's own heartbeat (a progress thread's request never has it: its
+/// flush bit is set).
+const HEARTBEAT: u64 = u64::MAX;
+
+impl Post {
+    fn heartbeat() -> Self {
+        Self { user_data: HEARTBEAT, write: false, region: 0, offset: 0, local: 0, len: 0 }
+    }
+}
+
 /// A checked peer as the client's progress thread holds it.
 pub(crate) struct Link {
     stream: TcpStream,
     posts: Option<mpsc::Sender<Post>>,
-    /// Held while an I/O thread touches local memory; `true` once closed.
-    guard: Arc<Mutex<bool>>,
+    /// Held (shared) while an I/O thread touches local memory, so the reader and the writer
+    /// never wait on each other; taken exclusively to close, and `true` once closed.
+    guard: Arc<RwLock<bool>>,
     closing: Arc<AtomicBool>,
 }
 
 impl Link {
-    /// Starts the link's threads on an authenticated connection. Completions and the link's
-    /// end (as [`Command::PeerLost`] for `slot`) go to `notify`.
+    /// Starts the link's threads on an authenticated connection with the session's keys.
+    /// Completions and the link's end (as [`Command::PeerLost`] for `slot`) go to `notify`.
+    /// With nothing to send for `heartbeat`, the writer sends a heartbeat (so the server
+    /// knows the client lives).
     pub(crate) fn start(
         stream: TcpStream,
         slot: u32,
         notify: mpsc::Sender<Command>,
+        keys: Keys,
+        heartbeat: Duration,
     ) -> io::Result<Self> {
         stream.set_read_timeout(None)?;
         stream.set_write_timeout(None)?;
-        let guard = Arc::new(Mutex::new(false));
+        let guard = Arc::new(RwLock::new(false));
         let closing = Arc::new(AtomicBool::new(false));
         let (posts, requests) = mpsc::channel::<Post>();
         let (expect, expected) = mpsc::channel::<Post>();
+        let Keys { send: mut sealer, recv: mut opener } = keys;
         let writer = {
-            let (mut stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
+            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
             move || -> io::Result<()> {
                 let fd = stream.as_raw_fd();
-                for (id, post) in (0u64..).zip(requests) {
-                    let _ = expect.send(post);
-                    let r = if post.write {
+                let mut scratch = if sealer.encrypts() { vec![0u8; CHUNK] } else { Vec::new() };
+                for id in 0u64.. {
+                    let post = match requests.recv_timeout(heartbeat) {
+                        Ok(post) => post,
+                        Err(mpsc::RecvTimeoutError::Timeout) => Post::heartbeat(),
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                    };
+                    if expect.send(post).is_err() {
+                        return Ok(()); // The reader ended.
+                    }
+                    let r = if post.user_data == HEARTBEAT {
+                        Request { op: PING, region: 0, id, offset: 0, len: 0 }
+                    } else if post.write {
                         Request::put(post.region, id, post.offset, post.len)
                     } else {
                         Request::get(post.region, id, post.offset, post.len)
                     };
-                    stream.write_all(&r.encode())?;
-                    if post.write {
-                        let closed = guard.lock().unwrap_or_else(PoisonError::into_inner);
-                        if *closed {
-                            return Ok(());
-                        }
+                    let mut header = r.encode();
+                    let header_tag = sealer.seal(&mut header);
+                    if !post.write || post.len == 0 {
+                        send_all(fd, &[&header, &header_tag], None)?;
+                        continue;
+                    }
+                    let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
+                    if *closed {
+                        return Ok(());
+                    }
+                    for (i, (at, n)) in chunks(post.len).enumerate() {
                         // SAFETY: the progress thread posted this put from host memory its
                         // batch keeps registered until the put completes or the link closes;
-                        // closing takes the guard, held here, so the bytes are valid now.
-                        unsafe { send_raw(fd, post.local, post.len) }?;
+                        // closing takes the guard, held here, so the bytes are valid now, and
+                        // the overlap rule keeps the batch from writing them meanwhile.
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts(
+                                std::ptr::with_exposed_provenance::<u8>((post.local + at) as usize),
+                                n,
+                            )
+                        };
+                        let (record, tag) = match sealer.tag_of(bytes) {
+                            Some(tag) => (bytes, tag),
+                            None => {
+                                let record = &mut scratch[..n];
+                                record.copy_from_slice(bytes);
+                                let tag = sealer.seal(record);
+                                (&*record, tag)
+                            }
+                        };
+                        if i == 0 {
+                            send_all(fd, &[&header, &header_tag, record, &tag], None)?;
+                        } else {
+                            send_all(fd, &[record, &tag], None)?;
+                        }
                     }
                 }
                 Ok(())
@@ -296,12 +509,13 @@ impl Link {
             let (mut stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
             let (notify, closing) = (notify.clone(), Arc::clone(&closing));
             move || {
-                let why = read_answers(&mut stream, &guard, &expected, &notify);
+                let why = read_answers(&mut stream, &guard, &expected, &notify, &mut opener);
                 if !closing.load(Ordering::Acquire) {
                     let _ = notify.send(Command::PeerLost { slot, reason: why });
                 }
             }
         };
+        let mut writer = writer;
         std::thread::Builder::new().name(format!("umbp-ucx-put-{slot}")).spawn(move || {
             if let Err(e) = writer() {
                 tracing::debug!(error = %e, "checked link writer ended");
@@ -327,8 +541,8 @@ impl Link {
         self.closing.store(true, Ordering::Release);
         self.posts = None;
         let _ = self.stream.shutdown(Shutdown::Both);
-        // Waits for an I/O thread inside a transfer (the shutdown ends its system call).
-        *self.guard.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        // Waits for the I/O threads inside a transfer (the shutdown ends their system calls).
+        *self.guard.write().unwrap_or_else(PoisonError::into_inner) = true;
     }
 }
 
@@ -338,55 +552,95 @@ impl Drop for Link {
     }
 }
 
-/// The reader's loop: answers in order, get bytes into place; returns why it ended.
+/// The reader's loop: answers in order, each opened before it counts, get bytes received
+/// into place and opened there record by record; a get is reported done only once every
+/// record of it opened. Returns why it ended.
 fn read_answers(
     stream: &mut TcpStream,
-    guard: &Mutex<bool>,
+    guard: &RwLock<bool>,
     expected: &mpsc::Receiver<Post>,
     notify: &mpsc::Sender<Command>,
+    opener: &mut Opener,
 ) -> String {
-    let fd = stream.as_raw_fd();
-    for id in 0u64.. {
-        let mut header = [0; RESPONSE_LEN];
-        if let Err(e) = stream.read_exact(&mut header) {
-            return if e.kind() == io::ErrorKind::UnexpectedEof {
-                "its connection closed".into()
-            } else {
-                format!("its connection failed: {e}")
-            };
+    let failed = |e: io::Error| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            "its connection closed".to_owned()
+        } else {
+            format!("its connection failed: {e}")
         }
-        let Ok(post) = expected.recv() else { return "the link closed".into() };
-        let status = header[0];
-        let got_id = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
-        let len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+    };
+    for id in 0u64.. {
+        let mut header = [0; RESPONSE_LEN + TAG];
+        if let Err(e) = stream.read_exact(&mut header) {
+            return failed(e);
+        }
+        let (body, tag) = header.split_at_mut(RESPONSE_LEN);
+        let tag: [u8; TAG] = (&*tag).try_into().expect("16 bytes");
+        if opener.open(body, &tag).is_err() {
+            return "an answer did not authenticate (forged, replayed, reordered or corrupted)"
+                .into();
+        }
+        // The writer queues a request here before sending it: an answer with none queued
+        // answers nothing this side asked.
+        let post = match expected.try_recv() {
+            Ok(post) => post,
+            Err(mpsc::TryRecvError::Empty) => return "it answered a request never sent".into(),
+            Err(mpsc::TryRecvError::Disconnected) => return "the link closed".into(),
+        };
+        let status = body[0];
+        let got_id = u64::from_le_bytes(body[8..16].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(body[16..24].try_into().expect("8 bytes"));
         if got_id != id {
             return format!("it answered request {got_id} where {id} was due");
         }
         if status != 0 {
             let words = Refusal::from_status(status).map_or("an unknown answer", Refusal::words);
-            let _ = notify.send(Command::CheckedDone {
-                user_data: post.user_data,
-                result: Err(words.to_owned()),
-            });
+            if post.user_data != HEARTBEAT {
+                let _ = notify.send(Command::CheckedDone {
+                    user_data: post.user_data,
+                    result: Err(words.to_owned()),
+                });
+            }
             return words.into();
         }
-        if post.write {
+        if post.write || post.user_data == HEARTBEAT {
             if len != 0 {
-                return format!("it answered a put with {len} bytes");
+                return format!("it answered a put or a heartbeat with {len} bytes");
+            }
+            if post.user_data == HEARTBEAT {
+                continue;
             }
         } else {
             if len != post.len {
                 return format!("it answered a get of {} bytes with {len}", post.len);
             }
-            let closed = guard.lock().unwrap_or_else(PoisonError::into_inner);
+            let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
             if *closed {
                 return "the link closed".into();
             }
-            // SAFETY: the progress thread posted this get into host memory its batch keeps
-            // registered, and nothing else touches, until the get completes (reported below)
-            // or the link closes; closing takes the guard, held here.
-            if let Err(e) = unsafe { recv_raw(fd, post.local, len) } {
-                return format!("its connection failed mid-get: {e}");
+            for (at, n) in chunks(len) {
+                // SAFETY: the progress thread posted this get into host memory its batch
+                // keeps registered, and nothing else touches (the overlap rule and the
+                // registration's contract), until the get completes (reported below) or the
+                // link closes; closing takes the guard, held here.
+                let record = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        std::ptr::with_exposed_provenance_mut::<u8>((post.local + at) as usize),
+                        n,
+                    )
+                };
+                if let Err(e) = stream.read_exact(record) {
+                    return format!("{} mid-get", failed(e));
+                }
+                let mut tag = [0u8; TAG];
+                if let Err(e) = stream.read_exact(&mut tag) {
+                    return format!("{} mid-get", failed(e));
+                }
+                if opener.open(record, &tag).is_err() {
+                    return "a get's bytes did not authenticate (forged, replayed, reordered or \
+                            corrupted); its object fails"
+                        .into();
+                }
             }
         }
         let _ = notify.send(Command::CheckedDone { user_data: post.user_data, result: Ok(()) });
@@ -402,10 +656,7 @@ mod tests {
     fn requests_round_trip_and_are_checked_against_the_exports() {
         let r = Request::put(3, 99, 1 << 40, 77);
         assert_eq!(Request::decode(&r.encode()), r);
-        let regions = [
-            Served { addr: 0x1000, len: 4096, writable: true },
-            Served { addr: 0x9000, len: 4096, writable: false },
-        ];
+        let regions = [Served::new(0x1000, 4096, true), Served::new(0x9000, 4096, false)];
         assert_eq!(check(&regions, &Request::get(0, 0, 0, 4096)), Ok((0x1000, 4096)));
         assert_eq!(check(&regions, &Request::put(0, 0, 4000, 96)), Ok((0x1000 + 4000, 96)));
         assert_eq!(check(&regions, &Request::get(0, 0, 1, 4096)), Err(Refusal::Outside));

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::channel::Protection;
 use crate::handshake::{MAX_SECRET, MIN_SECRET};
 use crate::Error;
 
@@ -51,9 +52,23 @@ pub struct UcxConfig {
     /// whole handshake. Default: 10 s.
     pub connect_timeout: Duration,
     /// How long a peer may leave requests unanswered before it is declared dead and every
-    /// object in flight to it fails; on a server, how long a client may leave its answers
-    /// unread before its connection is closed. Default: 5 s.
+    /// object in flight to it fails; on a server, the deadline for sending one whole answer:
+    /// a client that leaves its answers unread is disconnected within about this long (it
+    /// also bounds, as `TCP_USER_TIMEOUT`, how long sent bytes may stay unacknowledged).
+    /// Default: 5 s.
     pub peer_timeout: Duration,
+    /// What protects the checked connection after the handshake (see
+    /// [`Protection`]). A session is encrypted when either side asks for it; a client refuses
+    /// a server that offers less than it asks for. Default: [`Protection::Encrypted`].
+    pub protection: Protection,
+    /// A client sends a heartbeat on a checked connection it has sent nothing on for this
+    /// long, so the server keeps its slot; it is also when TCP keepalive starts probing a
+    /// silent connection. Default: 2 s.
+    pub heartbeat: Duration,
+    /// A server closes a checked client's connection when nothing (not even a heartbeat)
+    /// arrived on it for this long, freeing its slot: a client whose process or network
+    /// vanished without a word. Keep it well above the clients' `heartbeat`. Default: 10 s.
+    pub idle_timeout: Duration,
     /// Requests one engine keeps in flight at most (over all peers). Default: 256.
     pub max_in_flight: usize,
     /// Whether the engine registers (`ucp_mem_map`) the host memory registered through it,
@@ -101,6 +116,9 @@ impl std::fmt::Debug for UcxConfig {
             .field("insecure_no_auth", &self.insecure_no_auth)
             .field("connect_timeout", &self.connect_timeout)
             .field("peer_timeout", &self.peer_timeout)
+            .field("protection", &self.protection)
+            .field("heartbeat", &self.heartbeat)
+            .field("idle_timeout", &self.idle_timeout)
             .field("max_in_flight", &self.max_in_flight)
             .field("map_host_memory", &self.map_host_memory)
             .field("limits", &self.limits)
@@ -116,6 +134,9 @@ impl Default for UcxConfig {
             insecure_no_auth: false,
             connect_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
+            protection: Protection::Encrypted,
+            heartbeat: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(10),
             max_in_flight: 256,
             map_host_memory: true,
             limits: ServerLimits::default(),

@@ -294,14 +294,23 @@ impl UcxEngine {
         let handshake_error = |source| Error::Handshake { addr, source };
         let io = |e: io::Error| Error::Connect { addr: addr.to_string(), source: e };
         let _ = stream.set_nodelay(true);
-        let welcome = handshake::client(&mut Deadlined { stream: &stream, deadline }, auth)
-            .map_err(|e| match e {
-                HandshakeError::Io(e) if is_timeout(&e) => HandshakeError::DeadlinePassed,
-                other => other,
-            })
-            .map_err(handshake_error)?;
+        let protection = self.shared.config.protection;
+        let (welcome, keys) =
+            handshake::client(&mut Deadlined { stream: &stream, deadline }, auth, protection)
+                .map_err(|e| match e {
+                    HandshakeError::Io(e) if is_timeout(&e) => HandshakeError::DeadlinePassed,
+                    other => other,
+                })
+                .map_err(handshake_error)?;
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
+        // A server whose network vanished is noticed even while nothing is in flight.
+        crate::checked::keepalive(
+            &stream,
+            self.shared.config.heartbeat,
+            self.shared.config.peer_timeout,
+        )
+        .map_err(io)?;
         if welcome.mode() == Mode::OneSided
             && !crate::server::hardware_enforced(self.shared.config.transports.as_deref())
         {
@@ -329,6 +338,7 @@ impl UcxEngine {
                     .collect(),
             },
             _ => LinkSpec::Checked {
+                keys: Box::new(keys),
                 stream: stream.try_clone().map_err(io)?,
                 notify: self.commands.clone().ok_or(Error::ProgressThreadGone)?,
             },

@@ -146,8 +146,15 @@ pub enum HandshakeError {
     #[error("refused: {0}")]
     Refused(&'static str),
     /// The server could not prove that it holds the shared secret: nothing it sends is used.
-    #[error("the server did not prove that it holds the shared secret")]
+    #[error(
+        "authentication failed (wrong or missing secret on this side or the server's): the \
+         server's proof does not verify with this side's secret"
+    )]
     ServerNotAuthenticated,
+    /// A sealed message of the handshake (the welcome) did not open with the session's keys:
+    /// something between the two sides changed the handshake or the message.
+    #[error("the server's welcome did not authenticate (changed on the way, or a relay)")]
+    Forged,
     /// The server runs without authentication, and this side was not told to accept that
     /// ([`UcxConfig::insecure_no_auth`](crate::UcxConfig::insecure_no_auth)).
     #[error("the server runs without authentication (insecure) and this side requires it")]

@@ -3,12 +3,17 @@
 //! Four messages over a TCP socket, little-endian, every field of fixed size or bounded:
 //!
 //! ```text
-//! client -> server   hello      magic "UMBPUCX\0", version u32, client nonce [32]
+//! client -> server   hello      magic "UMBPUCX\0", version u32, client nonce [32],
+//!                               protection u8 (what the client asks for: 0 encrypted,
+//!                               1 authenticated)
 //! server -> client   challenge  magic, version u32, auth u8 (0 keyed, 1 insecure: no secret),
-//!                               server nonce [32], server proof [32]
+//!                               server nonce [32], server proof [32], protection u8 (the
+//!                               session's: encrypted when either side asks for it)
 //! client -> server   proof      client proof [32]
 //! server -> client   verdict    u8 (0 accepted, 1 wrong proof, 2 server full), then when
-//!                               accepted: mode u8 (0 checked, 1 one-sided),
+//!                               accepted, as two sealed records (see [`crate::channel`]):
+//!                               welcome_len u32 (<= 16 MiB), then the welcome:
+//!                               mode u8 (0 checked, 1 one-sided),
 //!                               [one-sided: address_len u32 (16 ..= 64 KiB), worker address],
 //!                               region_count u32 (<= 4096), and per region: name_len u8,
 //!                               name (UTF-8), writable u8, len u64,
@@ -29,6 +34,12 @@
 //! A server started insecure says so (`auth` 1) and a client connects to it only when it was
 //! configured insecure too; a client that expects authentication refuses it.
 //!
+//! Both sides then derive the session's keys from the secret, both nonces and every byte of
+//! the handshake so far ([`crate::channel`]); the welcome and everything after it travel as
+//! sealed records, so a relay that forwarded the handshake cannot read or write the session.
+//! A client refuses a session weaker than it asked for (the challenge's protection byte is
+//! bound into the keys too, so a relay cannot change it unnoticed).
+//!
 //! After the verdict, in checked mode, the same connection carries the data requests
 //! ([`crate::checked`]); in one-sided mode it stays silent and tells each side, by closing,
 //! that the other went away.
@@ -38,11 +49,12 @@ use std::io::{Read, Write};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::channel::{Keys, Protection, Side, TAG};
 use crate::HandshakeError;
 
 const MAGIC: [u8; 8] = *b"UMBPUCX\0";
 /// The protocol version.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Bytes of each nonce.
 pub(crate) const NONCE: usize = 32;
 /// Bytes of each proof (an HMAC-SHA256).
@@ -52,13 +64,15 @@ pub const MIN_SECRET: usize = 16;
 /// The longest secret accepted.
 pub const MAX_SECRET: usize = 4096;
 /// What the server's proof covers besides the nonces.
-pub(crate) const SERVER_LABEL: &[u8] = b"umbp-ucx/2 server proof";
+pub(crate) const SERVER_LABEL: &[u8] = b"umbp-ucx/3 server proof";
 /// What the client's proof covers besides the nonces.
-pub(crate) const CLIENT_LABEL: &[u8] = b"umbp-ucx/2 client proof";
+pub(crate) const CLIENT_LABEL: &[u8] = b"umbp-ucx/3 client proof";
 /// Bytes of the hello.
-pub(crate) const HELLO_LEN: usize = 8 + 4 + NONCE;
+pub(crate) const HELLO_LEN: usize = 8 + 4 + NONCE + 1;
 /// Bytes of the challenge.
-pub(crate) const CHALLENGE_LEN: usize = 8 + 4 + 1 + NONCE + PROOF;
+pub(crate) const CHALLENGE_LEN: usize = 8 + 4 + 1 + NONCE + PROOF + 1;
+/// The longest welcome accepted.
+const MAX_WELCOME: u64 = 16 << 20;
 const MIN_ADDRESS: u64 = 16;
 const MAX_ADDRESS: u64 = 64 << 10;
 const MAX_REGIONS: u64 = 4096;
@@ -112,6 +126,8 @@ pub(crate) enum Auth<'a> {
 /// The server's answer to a proof.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {
+    /// Written in the clear only by the tests; the wire seals the welcome ([`sealed_welcome`]).
+    #[cfg_attr(not(test), allow(dead_code))]
     Accepted,
     WrongProof,
     Full,
@@ -158,26 +174,33 @@ pub(crate) fn verify(
     proof_mac(secret, label, client, server).verify_slice(got).is_ok()
 }
 
-/// The client's hello.
-pub(crate) fn hello(client_nonce: &[u8; NONCE]) -> [u8; HELLO_LEN] {
+/// The client's hello, asking for `protection`.
+pub(crate) fn hello(client_nonce: &[u8; NONCE], protection: Protection) -> [u8; HELLO_LEN] {
     let mut out = [0; HELLO_LEN];
     out[..8].copy_from_slice(&MAGIC);
     out[8..12].copy_from_slice(&VERSION.to_le_bytes());
-    out[12..].copy_from_slice(client_nonce);
+    out[12..12 + NONCE].copy_from_slice(client_nonce);
+    out[12 + NONCE] = protection.wire();
     out
 }
 
-/// Parses a hello: the client's nonce.
-pub(crate) fn parse_hello(bytes: &[u8; HELLO_LEN]) -> Result<[u8; NONCE], HandshakeError> {
+/// Parses a hello: the client's nonce and the protection it asks for.
+pub(crate) fn parse_hello(
+    bytes: &[u8; HELLO_LEN],
+) -> Result<([u8; NONCE], Protection), HandshakeError> {
     check_preamble(&bytes[..12])?;
-    Ok(bytes[12..].try_into().expect("32 bytes"))
+    let protection = Protection::from_wire(bytes[12 + NONCE])
+        .ok_or(HandshakeError::Malformed("unknown protection"))?;
+    Ok((bytes[12..12 + NONCE].try_into().expect("32 bytes"), protection))
 }
 
-/// The server's challenge: its nonce and its proof (zeros when insecure).
+/// The server's challenge: its nonce, its proof (zeros when insecure) and the session's
+/// protection.
 pub(crate) fn challenge(
     auth: Auth<'_>,
     client_nonce: &[u8; NONCE],
     server_nonce: &[u8; NONCE],
+    protection: Protection,
 ) -> [u8; CHALLENGE_LEN] {
     let mut out = [0; CHALLENGE_LEN];
     out[..8].copy_from_slice(&MAGIC);
@@ -186,27 +209,74 @@ pub(crate) fn challenge(
     match auth {
         Auth::Keyed(secret) => {
             let p = proof(secret, SERVER_LABEL, client_nonce, server_nonce);
-            out[13 + NONCE..].copy_from_slice(&p);
+            out[13 + NONCE..13 + NONCE + PROOF].copy_from_slice(&p);
         }
         Auth::Insecure => out[12] = 1,
     }
+    out[CHALLENGE_LEN - 1] = protection.wire();
+    out
+}
+
+/// The session's keys on `side`, from the handshake's bytes as sent: hello, challenge, proof.
+pub(crate) fn session_keys(
+    side: Side,
+    auth: Auth<'_>,
+    hello: &[u8; HELLO_LEN],
+    challenge: &[u8; CHALLENGE_LEN],
+    proof: &[u8; PROOF],
+) -> Keys {
+    let secret = match auth {
+        Auth::Keyed(secret) => secret,
+        Auth::Insecure => &[],
+    };
+    let protection =
+        Protection::from_wire(challenge[CHALLENGE_LEN - 1]).unwrap_or(Protection::Encrypted);
+    Keys::derive(
+        side,
+        secret,
+        &hello[12..12 + NONCE],
+        &challenge[13..13 + NONCE],
+        &[hello, challenge, proof],
+        protection,
+    )
+}
+
+/// What the server sends an accepted client after its proof: the verdict byte, then the
+/// welcome's length and the welcome as two sealed records.
+pub(crate) fn sealed_welcome(keys: &mut Keys, welcome: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + 4 + welcome.len() + 2 * TAG);
+    out.push(0);
+    let mut len = (welcome.len() as u32).to_le_bytes();
+    let tag = keys.send.seal(&mut len);
+    out.extend_from_slice(&len);
+    out.extend_from_slice(&tag);
+    let at = out.len();
+    out.extend_from_slice(welcome);
+    let tag = keys.send.seal(&mut out[at..]);
+    out.extend_from_slice(&tag);
     out
 }
 
 /// The client's side of the handshake, from hello to verdict: proves the secret, checks the
-/// server's proof before anything else it sends, and returns the server's welcome.
+/// server's proof before anything else it sends, and returns the server's welcome (opened
+/// with the session's keys) and the keys.
 pub(crate) fn client(
     stream: &mut (impl Read + Write),
     auth: Auth<'_>,
-) -> Result<Welcome, HandshakeError> {
+    protection: Protection,
+) -> Result<(Welcome, Keys), HandshakeError> {
     let client_nonce = nonce()?;
-    stream.write_all(&hello(&client_nonce))?;
+    let hello = hello(&client_nonce, protection);
+    stream.write_all(&hello)?;
     stream.flush()?;
     let mut challenge = [0; CHALLENGE_LEN];
     stream.read_exact(&mut challenge)?;
     check_preamble(&challenge[..12])?;
     let server_nonce: [u8; NONCE] = challenge[13..13 + NONCE].try_into().expect("32 bytes");
-    let server_proof: [u8; PROOF] = challenge[13 + NONCE..].try_into().expect("32 bytes");
+    let server_proof: [u8; PROOF] =
+        challenge[13 + NONCE..13 + NONCE + PROOF].try_into().expect("32 bytes");
+    let offered = Protection::from_wire(challenge[CHALLENGE_LEN - 1])
+        .ok_or(HandshakeError::Malformed("unknown protection"))?;
     let answer = match (challenge[12], auth) {
         (0, Auth::Keyed(secret)) => {
             if !verify(secret, SERVER_LABEL, &client_nonce, &server_nonce, &server_proof) {
@@ -221,19 +291,64 @@ pub(crate) fn client(
         (1, Auth::Insecure) => [0; PROOF],
         _ => return Err(HandshakeError::Malformed("unknown authentication")),
     };
+    if offered < protection {
+        return Err(HandshakeError::Refused(
+            "the server offered a session with less protection than this side asks for",
+        ));
+    }
     stream.write_all(&answer)?;
     stream.flush()?;
-    read_verdict(stream)
+    let mut keys = session_keys(Side::Client, auth, &hello, &challenge, &answer);
+    read_verdict_byte(stream)?;
+    // The welcome, sealed: its length, then its bytes.
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let tag = read_tag(stream)?;
+    keys.recv.open(&mut len, &tag).map_err(|_| HandshakeError::Forged)?;
+    let len = u64::from(u32::from_le_bytes(len));
+    if len > MAX_WELCOME {
+        return Err(HandshakeError::TooLong { field: "welcome", len, max: MAX_WELCOME });
+    }
+    let mut body = vec![0; len as usize];
+    stream.read_exact(&mut body)?;
+    let tag = read_tag(stream)?;
+    keys.recv.open(&mut body, &tag).map_err(|_| HandshakeError::Forged)?;
+    let mut rest = body.as_slice();
+    let welcome = parse_welcome(&mut rest)?;
+    if !rest.is_empty() {
+        return Err(HandshakeError::Malformed("bytes past the welcome"));
+    }
+    Ok((welcome, keys))
 }
 
-/// Reads the verdict and, when accepted, the welcome.
-fn read_verdict(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
+fn read_tag(r: &mut impl Read) -> Result<[u8; TAG], HandshakeError> {
+    let mut tag = [0u8; TAG];
+    r.read_exact(&mut tag)?;
+    Ok(tag)
+}
+
+/// Reads the verdict byte: `Ok` when accepted.
+fn read_verdict_byte(r: &mut impl Read) -> Result<(), HandshakeError> {
     match read_u8(r)? {
-        0 => {}
-        1 => return Err(HandshakeError::Refused("the server did not accept this side's proof")),
-        2 => return Err(HandshakeError::Refused("the server serves as many clients as it may")),
-        _ => return Err(HandshakeError::Malformed("unknown verdict")),
+        0 => Ok(()),
+        1 => Err(HandshakeError::Refused(
+            "authentication failed (wrong or missing secret on this side or the server's): \
+             the server did not accept this side's proof",
+        )),
+        2 => Err(HandshakeError::Refused("the server serves as many clients as it may")),
+        _ => Err(HandshakeError::Malformed("unknown verdict")),
     }
+}
+
+/// Reads the verdict and, when accepted, a welcome in the clear (as [`verdict`] writes it).
+#[cfg(test)]
+fn read_verdict(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
+    read_verdict_byte(r)?;
+    parse_welcome(r)
+}
+
+/// Parses a welcome.
+fn parse_welcome(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
     let one_sided = match read_u8(r)? {
         0 => false,
         1 => true,
@@ -282,14 +397,23 @@ fn read_verdict(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
     Ok(Welcome { address, regions })
 }
 
-/// The server's verdict, and the welcome when accepted.
+/// The server's verdict, and the welcome in the clear when accepted (the wire seals it:
+/// [`sealed_welcome`]).
 pub(crate) fn verdict(verdict: Verdict, welcome: &Welcome) -> Vec<u8> {
-    let mut out = Vec::new();
     match verdict {
-        Verdict::Accepted => out.push(0),
-        Verdict::WrongProof => return vec![1],
-        Verdict::Full => return vec![2],
+        Verdict::Accepted => {
+            let mut out = vec![0];
+            out.extend_from_slice(&welcome_bytes(welcome));
+            out
+        }
+        Verdict::WrongProof => vec![1],
+        Verdict::Full => vec![2],
     }
+}
+
+/// A welcome's bytes.
+pub(crate) fn welcome_bytes(welcome: &Welcome) -> Vec<u8> {
+    let mut out = Vec::new();
     out.push(u8::from(welcome.address.is_some()));
     if let Some(address) = &welcome.address {
         put_bytes(&mut out, address);
@@ -380,13 +504,16 @@ mod tests {
     }
 
     /// A server's side run against a scripted peer: `after_proof` is what it answers once it
-    /// has read the client's proof.
+    /// has read the client's proof: a verdict in the clear, whose welcome (if any) it seals
+    /// with the session's keys, unless `raw`.
     struct Script {
         input: Vec<u8>,
         output: std::io::Cursor<Vec<u8>>,
         secret: Option<Vec<u8>>,
         server_nonce: [u8; NONCE],
         after_proof: Vec<u8>,
+        raw: bool,
+        challenge: [u8; CHALLENGE_LEN],
         sent_proof: Option<[u8; PROOF]>,
     }
 
@@ -399,15 +526,24 @@ mod tests {
     impl Write for Script {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             self.input.extend_from_slice(buf);
+            let auth = self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed);
             if self.input.len() == HELLO_LEN {
                 let hello: [u8; HELLO_LEN] = self.input[..].try_into().unwrap();
-                let cn = parse_hello(&hello).unwrap();
-                let auth = self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed);
-                let c = challenge(auth, &cn, &self.server_nonce);
-                self.output = std::io::Cursor::new(c.to_vec());
+                let (cn, asked) = parse_hello(&hello).unwrap();
+                self.challenge = challenge(auth, &cn, &self.server_nonce, asked);
+                self.output = std::io::Cursor::new(self.challenge.to_vec());
             } else if self.input.len() == HELLO_LEN + PROOF {
-                self.sent_proof = Some(self.input[HELLO_LEN..].try_into().unwrap());
-                self.output = std::io::Cursor::new(self.after_proof.clone());
+                let proof: [u8; PROOF] = self.input[HELLO_LEN..].try_into().unwrap();
+                self.sent_proof = Some(proof);
+                let hello: [u8; HELLO_LEN] = self.input[..HELLO_LEN].try_into().unwrap();
+                let out = if self.raw || self.after_proof[0] != 0 {
+                    self.after_proof.clone()
+                } else {
+                    let mut keys =
+                        session_keys(Side::Server, auth, &hello, &self.challenge, &proof);
+                    sealed_welcome(&mut keys, &self.after_proof[1..])
+                };
+                self.output = std::io::Cursor::new(out);
             }
             Ok(buf.len())
         }
@@ -423,6 +559,8 @@ mod tests {
             secret: secret.map(<[u8]>::to_vec),
             server_nonce: [3; NONCE],
             after_proof,
+            raw: false,
+            challenge: [0; CHALLENGE_LEN],
             sent_proof: None,
         }
     }
@@ -434,9 +572,9 @@ mod tests {
         for one_sided in [false, true] {
             let w = welcome(one_sided);
             let mut s = script(Some(SECRET), verdict(Verdict::Accepted, &w));
-            assert_eq!(client(&mut s, Auth::Keyed(SECRET)).unwrap(), w);
+            assert_eq!(client(&mut s, Auth::Keyed(SECRET), Protection::Encrypted).unwrap().0, w);
             // The client's proof is the keyed hash of its label over both nonces.
-            let cn: [u8; NONCE] = s.input[12..HELLO_LEN].try_into().unwrap();
+            let cn: [u8; NONCE] = s.input[12..12 + NONCE].try_into().unwrap();
             let sent = s.sent_proof.unwrap();
             assert!(verify(SECRET, CLIENT_LABEL, &cn, &[3; NONCE], &sent));
             // Not the server's proof reflected, not valid under another secret.
@@ -451,16 +589,25 @@ mod tests {
     fn a_server_without_the_secret_is_refused_before_its_welcome_is_read() {
         // The welcome would be garbage that reaches UCX; the client never reads it.
         let mut s = script(Some(b"not the right secret!"), vec![0, 1, 0xff, 0xff, 0xff, 0xff]);
-        let err = client(&mut s, Auth::Keyed(SECRET)).unwrap_err();
+        s.raw = true;
+        let err = client(&mut s, Auth::Keyed(SECRET), Protection::Encrypted).unwrap_err();
         assert!(matches!(err, HandshakeError::ServerNotAuthenticated), "{err:?}");
         assert!(s.sent_proof.is_none(), "the client answered an unauthenticated server");
         // A server that runs insecure is refused by a client that expects a secret.
         let mut s = script(None, verdict(Verdict::Accepted, &welcome(false)));
-        let err = client(&mut s, Auth::Keyed(SECRET)).unwrap_err();
+        let err = client(&mut s, Auth::Keyed(SECRET), Protection::Encrypted).unwrap_err();
         assert!(matches!(err, HandshakeError::ServerInsecure), "{err:?}");
         // Both insecure: accepted.
         let mut s = script(None, verdict(Verdict::Accepted, &welcome(false)));
-        assert_eq!(client(&mut s, Auth::Insecure).unwrap(), welcome(false));
+        assert_eq!(
+            client(&mut s, Auth::Insecure, Protection::Encrypted).unwrap().0,
+            welcome(false)
+        );
+        // A welcome that a relay sends in the clear (it holds no keys) does not open.
+        let mut s = script(Some(SECRET), verdict(Verdict::Accepted, &welcome(false)));
+        s.raw = true;
+        let err = client(&mut s, Auth::Keyed(SECRET), Protection::Encrypted).unwrap_err();
+        assert!(matches!(err, HandshakeError::Forged), "{err:?}");
     }
 
     #[test]
@@ -506,11 +653,14 @@ mod tests {
 
     #[test]
     fn a_bad_preamble_is_typed() {
-        let mut h = hello(&[1; NONCE]);
-        assert_eq!(parse_hello(&h).unwrap(), [1; NONCE]);
+        let mut h = hello(&[1; NONCE], Protection::Authenticated);
+        assert_eq!(parse_hello(&h).unwrap(), ([1; NONCE], Protection::Authenticated));
         h[0] = b'X';
         assert!(matches!(parse_hello(&h), Err(HandshakeError::BadMagic)));
-        let mut h = hello(&[1; NONCE]);
+        let mut h = hello(&[1; NONCE], Protection::Encrypted);
+        h[HELLO_LEN - 1] = 7;
+        assert!(matches!(parse_hello(&h), Err(HandshakeError::Malformed(_))));
+        let mut h = hello(&[1; NONCE], Protection::Encrypted);
         h[8] = 9;
         assert!(matches!(parse_hello(&h), Err(HandshakeError::Version { got: 9, .. })));
     }

@@ -54,6 +54,7 @@
 
 #![deny(unsafe_code)]
 
+mod channel;
 #[allow(unsafe_code)] // Moves request bytes between sockets and memory; SAFETY at each block.
 mod checked;
 mod config;
@@ -66,11 +67,79 @@ mod server;
 #[allow(unsafe_code)] // The FFI.
 mod ucp;
 
+pub use channel::Protection;
 pub use config::{ServerLimits, UcxConfig, SECRET_ENV};
 pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
 pub use error::{Error, HandshakeError};
 pub use handshake::{MAX_SECRET, MIN_SECRET};
 pub use server::{Exports, ServerBuilder, UcxServer};
+
+#[doc(hidden)]
+pub mod internal {
+    //! Not a stable interface: what the crate's own tests need to speak the wire protocol as
+    //! a peer that holds the secret but ignores every other rule would.
+
+    use std::net::TcpStream;
+
+    use crate::channel::{Keys, Protection};
+    use crate::handshake::{self, Auth};
+    use crate::HandshakeError;
+
+    /// The keys of a session this side opened.
+    pub struct Session(Keys);
+
+    impl Session {
+        /// Seals the next record this side sends, in place; returns its tag.
+        pub fn seal(&mut self, record: &mut [u8]) -> [u8; 16] {
+            self.0.send.seal(record)
+        }
+
+        /// Opens the next record the other side sent, in place: whether it opened.
+        pub fn open(&mut self, record: &mut [u8], tag: &[u8; 16]) -> bool {
+            self.0.recv.open(record, tag).is_ok()
+        }
+    }
+
+    /// Runs a client's handshake on `stream` with `secret`: the regions the server exported
+    /// (name, writable, len) and the session.
+    pub fn handshake(
+        stream: &mut TcpStream,
+        secret: &[u8],
+        protection: Protection,
+    ) -> Result<(Vec<(String, bool, u64)>, Session), HandshakeError> {
+        let (welcome, keys) = handshake::client(stream, Auth::Keyed(secret), protection)?;
+        let regions = welcome.regions.into_iter().map(|r| (r.name, r.writable, r.len)).collect();
+        Ok((regions, Session(keys)))
+    }
+
+    /// Runs a server's handshake on `stream` with `secret` (its verdict: accepted), and sends
+    /// `welcome`, whatever its bytes, sealed as the welcome: what a server that holds the
+    /// secret but breaks every other rule would send.
+    pub fn accept(
+        stream: &mut TcpStream,
+        secret: &[u8],
+        welcome: &[u8],
+    ) -> Result<Session, HandshakeError> {
+        use std::io::{Read, Write};
+        let mut hello = [0u8; handshake::HELLO_LEN];
+        stream.read_exact(&mut hello)?;
+        let (client, asked) = handshake::parse_hello(&hello)?;
+        let server = handshake::nonce()?;
+        let challenge = handshake::challenge(Auth::Keyed(secret), &client, &server, asked);
+        stream.write_all(&challenge)?;
+        let mut proof = [0u8; handshake::PROOF];
+        stream.read_exact(&mut proof)?;
+        let mut keys = handshake::session_keys(
+            crate::channel::Side::Server,
+            Auth::Keyed(secret),
+            &hello,
+            &challenge,
+            &proof,
+        );
+        stream.write_all(&handshake::sealed_welcome(&mut keys, welcome))?;
+        Ok(Session(keys))
+    }
+}
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -24,6 +24,7 @@ use umbp_plan::{
     EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot, Settled, Tag,
 };
 
+use crate::channel::Keys;
 use crate::checked;
 use crate::engine::NAME;
 use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker};
@@ -133,7 +134,8 @@ pub(crate) enum LinkSpec {
     Ucx { address: Vec<u8>, rkeys: Vec<Vec<u8>> },
     /// The checked request path on the authenticated connection; its threads report to
     /// `notify` (this thread's own command channel).
-    Checked { stream: std::net::TcpStream, notify: mpsc::Sender<Command> },
+    /// `keys` are the session's.
+    Checked { stream: std::net::TcpStream, notify: mpsc::Sender<Command>, keys: Box<Keys> },
 }
 
 /// What the engine (and the checked links' threads) ask of the progress thread.
@@ -510,10 +512,14 @@ impl Progress {
                             }
                             Ok(Link::Ucx(ep))
                         }),
-                    LinkSpec::Checked { stream, notify } => {
-                        checked::Link::start(stream, slot, notify).map(Link::Checked).map_err(
-                            |source| Error::Connect { addr: "checked link".into(), source },
-                        )
+                    LinkSpec::Checked { stream, notify, keys } => {
+                        let heartbeat = self.config.heartbeat;
+                        checked::Link::start(stream, slot, notify, *keys, heartbeat)
+                            .map(Link::Checked)
+                            .map_err(|source| Error::Connect {
+                                addr: "checked link".into(),
+                                source,
+                            })
                     }
                 };
                 let answer = connected.map(|ep| {

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use umbp_plan::HostMemory;
 
+use crate::channel::{Keys, Protection, Side};
 use crate::checked::{self, Served};
 use crate::handshake::{self, Auth, Verdict, Welcome, WireRegion};
 use crate::ucp::{self, Access, Context, Worker};
@@ -32,6 +33,8 @@ const SPINS_BEFORE_SLEEP: u32 = 4096;
 /// The first pause after `accept` fails (out of descriptors, say); doubled up to the next.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+/// Connections accepted at most before the handshakes in progress are stepped again.
+const ACCEPTS_PER_TURN: usize = 32;
 
 /// RDMA transports, on which the NIC enforces a remote key's bounds and rights.
 const HARDWARE_RMA: &[&str] =
@@ -180,11 +183,8 @@ impl ServerBuilder {
         } else {
             None
         };
-        let served: Arc<[Served]> = self
-            .exports
-            .iter()
-            .map(|e| Served { addr: e.addr, len: e.len, writable: e.writable })
-            .collect();
+        let served: Arc<[Served]> =
+            self.exports.iter().map(|e| Served::new(e.addr, e.len, e.writable)).collect();
         let (address, rkeys) = match keys {
             Some((address, rkeys)) => (Some(address), rkeys.into_iter().map(Some).collect()),
             None => (None, vec![None; self.exports.len()]),
@@ -201,14 +201,18 @@ impl ServerBuilder {
             })
             .collect();
         server.exports = Mutex::new(self.exports.into_iter().map(|e| (e.name, e.keep)).collect());
-        let welcome = handshake::verdict(Verdict::Accepted, &Welcome { address, regions });
+        let welcome = handshake::welcome_bytes(&Welcome { address, regions });
         let accept = {
             let ctx = Handshakes {
                 listener,
                 welcome,
                 secret: auth,
+                protection: self.config.protection,
                 deadline: self.config.connect_timeout,
-                stalled: self.config.peer_timeout,
+                timing: checked::Timing {
+                    stalled: self.config.peer_timeout,
+                    idle: self.config.idle_timeout,
+                },
                 limits,
                 served,
                 one_sided,
@@ -321,7 +325,7 @@ impl Exports {
 
 /// What the server's UCX thread reports once up: its worker address and each region's packed
 /// remote key.
-type Keys = (Vec<u8>, Vec<Vec<u8>>);
+type UcxKeys = (Vec<u8>, Vec<Vec<u8>>);
 
 /// The server's UCX thread (one-sided mode): maps the regions, reports the keys, then
 /// progresses until told to stop. Its context has no RMA feature, so UCX's software
@@ -330,7 +334,7 @@ type Keys = (Vec<u8>, Vec<Vec<u8>>);
 fn serve_ucx(
     transports: Option<&str>,
     ranges: &[(u64, u64, bool)],
-    ready: &mpsc::Sender<Result<Keys, Error>>,
+    ready: &mpsc::Sender<Result<UcxKeys, Error>>,
     stop: &AtomicBool,
 ) {
     let setup = || -> Result<_, Error> {
@@ -385,11 +389,34 @@ enum Step {
     /// Reading the hello (`have` bytes so far).
     Hello { buf: [u8; handshake::HELLO_LEN], have: usize },
     /// Sending the challenge.
-    Challenge { out: Vec<u8>, sent: usize, client: [u8; 32], server: [u8; 32] },
+    Challenge {
+        out: [u8; handshake::CHALLENGE_LEN],
+        sent: usize,
+        hello: [u8; handshake::HELLO_LEN],
+    },
     /// Reading the client's proof.
-    Proof { buf: [u8; handshake::PROOF], have: usize, client: [u8; 32], server: [u8; 32] },
-    /// Sending the verdict; `admit` when it accepts the client.
-    Verdict { out: Vec<u8>, sent: usize, admit: bool },
+    Proof {
+        buf: [u8; handshake::PROOF],
+        have: usize,
+        hello: [u8; handshake::HELLO_LEN],
+        challenge: [u8; handshake::CHALLENGE_LEN],
+    },
+    /// Sending the verdict; with the session's keys when it accepts the client.
+    Verdict { out: Vec<u8>, sent: usize, admit: Option<Box<Keys>> },
+}
+
+impl Step {
+    /// How far the handshake got: a connection past the bound that made the least progress
+    /// is closed first, so a flood of connections that say nothing cannot push out one that
+    /// is answering (an honest client's takes two round trips).
+    fn progress(&self) -> usize {
+        match self {
+            Self::Hello { have, .. } => *have,
+            Self::Challenge { .. } => handshake::HELLO_LEN + 1,
+            Self::Proof { have, .. } => handshake::HELLO_LEN + 2 + have,
+            Self::Verdict { .. } => handshake::HELLO_LEN + handshake::PROOF + 3,
+        }
+    }
 }
 
 /// A connection in its handshake.
@@ -403,13 +430,16 @@ struct Pending {
 /// The accept thread's state.
 struct Handshakes {
     listener: TcpListener,
-    /// The accepted verdict and welcome, the same for every client.
+    /// The welcome, the same for every client (sealed for each).
     welcome: Vec<u8>,
     /// The shared secret; `None` when running insecure.
     secret: Option<Vec<u8>>,
+    /// The least protection this server serves a session with.
+    protection: Protection,
     deadline: Duration,
-    /// How long a client may leave an answer unread before its connection is closed.
-    stalled: Duration,
+    /// How long a client may take to read one answer before its connection is closed, and
+    /// how long one may stay silent.
+    timing: checked::Timing,
     limits: ServerLimits,
     served: Arc<[Served]>,
     one_sided: bool,
@@ -422,8 +452,8 @@ struct Handshakes {
 enum Outcome {
     /// Waiting for the socket.
     Wait,
-    /// Handshake done: serve the client.
-    Admit,
+    /// Handshake done: serve the client with the session's keys.
+    Admit(Box<Keys>),
     /// Over (refused, failed, or finished telling a refusal).
     Close(&'static str),
 }
@@ -486,11 +516,11 @@ impl Handshakes {
                 }
                 match self.step(&mut pending[i]) {
                     Outcome::Wait => i += 1,
-                    Outcome::Admit => {
+                    Outcome::Admit(keys) => {
                         let p = pending.swap_remove(i);
                         fds.swap_remove(k - 1);
                         k -= 1;
-                        self.admit(p);
+                        self.admit(p, *keys);
                     }
                     Outcome::Close(why) => {
                         let p = pending.swap_remove(i);
@@ -521,9 +551,11 @@ impl Handshakes {
         }
     }
 
-    /// Accepts every waiting connection; each starts its handshake under its deadline.
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_TURN`] before the handshakes in
+    /// progress are stepped again (a flood queue is never drained first); each starts its
+    /// handshake under its deadline.
     fn accept(&mut self, pending: &mut Vec<Pending>) -> io::Result<()> {
-        loop {
+        for _ in 0..ACCEPTS_PER_TURN {
             let (stream, peer) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -554,6 +586,7 @@ impl Handshakes {
                 step: Step::Hello { buf: [0; handshake::HELLO_LEN], have: 0 },
             });
         }
+        Ok(())
     }
 
     /// Moves one handshake on as far as its socket allows.
@@ -564,40 +597,44 @@ impl Handshakes {
                     Ok(false) => return Outcome::Wait,
                     Err(_) => return Outcome::Close("the connection failed"),
                     Ok(true) => {
-                        let Ok(client) = handshake::parse_hello(buf) else {
+                        let Ok((client, asked)) = handshake::parse_hello(buf) else {
                             return Outcome::Close("not an umbp-ucx hello");
                         };
                         let Ok(server) = handshake::nonce() else {
                             return Outcome::Close("no randomness");
                         };
-                        let auth = self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed);
-                        let out = handshake::challenge(auth, &client, &server).to_vec();
-                        Step::Challenge { out, sent: 0, client, server }
+                        let out = handshake::challenge(
+                            self.auth(),
+                            &client,
+                            &server,
+                            asked.max(self.protection),
+                        );
+                        Step::Challenge { out, sent: 0, hello: *buf }
                     }
                 },
-                Step::Challenge { out, sent, client, server } => {
-                    match drain(&mut p.stream, out, sent) {
-                        Ok(false) => return Outcome::Wait,
-                        Err(_) => return Outcome::Close("the connection failed"),
-                        Ok(true) => Step::Proof {
-                            buf: [0; handshake::PROOF],
-                            have: 0,
-                            client: *client,
-                            server: *server,
-                        },
-                    }
-                }
-                Step::Proof { buf, have, client, server } => {
+                Step::Challenge { out, sent, hello } => match drain(&mut p.stream, out, sent) {
+                    Ok(false) => return Outcome::Wait,
+                    Err(_) => return Outcome::Close("the connection failed"),
+                    Ok(true) => Step::Proof {
+                        buf: [0; handshake::PROOF],
+                        have: 0,
+                        hello: *hello,
+                        challenge: *out,
+                    },
+                },
+                Step::Proof { buf, have, hello, challenge } => {
                     match fill(&mut p.stream, &mut buf[..], have) {
                         Ok(false) => return Outcome::Wait,
                         Err(_) => return Outcome::Close("the connection failed"),
                         Ok(true) => {
+                            let client = &hello[12..12 + handshake::NONCE];
+                            let server = &challenge[13..13 + handshake::NONCE];
                             let proven = self.secret.as_deref().is_none_or(|secret| {
                                 handshake::verify(
                                     secret,
                                     handshake::CLIENT_LABEL,
-                                    client,
-                                    server,
+                                    client.try_into().expect("32 bytes"),
+                                    server.try_into().expect("32 bytes"),
                                     buf,
                                 )
                             });
@@ -607,16 +644,24 @@ impl Handshakes {
                                     Verdict::WrongProof,
                                     &Welcome { address: None, regions: Vec::new() },
                                 );
-                                Step::Verdict { out, sent: 0, admit: false }
+                                Step::Verdict { out, sent: 0, admit: None }
                             } else if !self.room_for(p.ip) {
                                 tracing::warn!(ip = %p.ip, "refused a client: serving as many as allowed");
                                 let out = handshake::verdict(
                                     Verdict::Full,
                                     &Welcome { address: None, regions: Vec::new() },
                                 );
-                                Step::Verdict { out, sent: 0, admit: false }
+                                Step::Verdict { out, sent: 0, admit: None }
                             } else {
-                                Step::Verdict { out: self.welcome.clone(), sent: 0, admit: true }
+                                let mut keys = handshake::session_keys(
+                                    Side::Server,
+                                    self.auth(),
+                                    hello,
+                                    challenge,
+                                    buf,
+                                );
+                                let out = handshake::sealed_welcome(&mut keys, &self.welcome);
+                                Step::Verdict { out, sent: 0, admit: Some(Box::new(keys)) }
                             }
                         }
                     }
@@ -624,12 +669,19 @@ impl Handshakes {
                 Step::Verdict { out, sent, admit } => match drain(&mut p.stream, out, sent) {
                     Ok(false) => return Outcome::Wait,
                     Err(_) => return Outcome::Close("the connection failed"),
-                    Ok(true) if *admit => return Outcome::Admit,
-                    Ok(true) => return Outcome::Close("refused"),
+                    Ok(true) => match admit.take() {
+                        Some(keys) => return Outcome::Admit(keys),
+                        None => return Outcome::Close("refused"),
+                    },
                 },
             };
             p.step = next;
         }
+    }
+
+    /// How this server authenticates.
+    fn auth(&self) -> Auth<'_> {
+        self.secret.as_deref().map_or(Auth::Insecure, Auth::Keyed)
     }
 
     /// Whether another client from `ip` may be served now.
@@ -641,20 +693,23 @@ impl Handshakes {
     }
 
     /// Serves an authenticated client on a thread of its own.
-    fn admit(&mut self, p: Pending) {
+    fn admit(&mut self, p: Pending, keys: Keys) {
         let number = self.next;
         self.next += 1;
         let stream = p.stream;
-        // Blocking from now on, with no read timeout (an authenticated client may idle), but
-        // a write timeout: a client that stops reading its answers frees its thread.
+        // Blocking from now on. A client that stops reading its answers, or whose network
+        // vanished, frees its thread: each answer has a deadline, a checked client that sends
+        // nothing (not even its heartbeat) for the idle timeout is closed, and TCP keepalive
+        // and the user timeout notice a peer that stopped acknowledging.
         if stream.set_nonblocking(false).is_err()
-            || stream.set_write_timeout(Some(self.stalled)).is_err()
+            || checked::keepalive(&stream, self.timing.idle, self.timing.stalled).is_err()
         {
             return;
         }
         let Ok(kept) = stream.try_clone() else { return };
         let (served, clients, one_sided) =
             (Arc::clone(&self.served), Arc::clone(&self.clients), self.one_sided);
+        let timing = self.timing;
         // Registered under the lock before the thread can remove itself.
         let mut map = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
         let thread = std::thread::Builder::new().name("umbp-ucx-client".into()).spawn(move || {
@@ -667,7 +722,7 @@ impl Handshakes {
                 // thread first (`stop_threads`); their owner accepted peers' access.
                 #[allow(unsafe_code)]
                 unsafe {
-                    checked::serve(stream, &served)
+                    checked::serve(stream, &served, keys, timing)
                 }
             };
             if let Err(e) = ended {
@@ -690,13 +745,14 @@ fn out_of_descriptors(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
-/// The index of the oldest pending connection (of `ip`, when given).
+/// The pending connection (of `ip`, when given) to close for room: of those whose handshake
+/// got least far, the oldest.
 fn oldest(pending: &[Pending], ip: Option<IpAddr>) -> Option<usize> {
     pending
         .iter()
         .enumerate()
         .filter(|(_, p)| ip.is_none_or(|ip| p.ip == ip))
-        .min_by_key(|(_, p)| p.deadline)
+        .min_by_key(|(_, p)| (p.step.progress(), p.deadline))
         .map(|(i, _)| i)
 }
 

@@ -4,14 +4,16 @@
 //! ```text
 //! umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS]
 //!                [--read-only-bytes N] [--secret-file PATH | --insecure-no-auth]
-//!                [--max-clients N] [--handshake-timeout-ms N]
+//!                [--max-clients N] [--handshake-timeout-ms N] [--idle-timeout-ms N]
+//!                [--peer-timeout-ms N] [--protection encrypted|authenticated]
 //! ```
 //!
 //! The shared secret comes from `--secret-file` (the file's bytes, a trailing newline
 //! dropped) or else from the environment variable `UMBP_UCX_SECRET`; never from the command
 //! line, which other users of the machine can read. Without one it refuses to start unless
-//! `--insecure-no-auth` says to serve whoever connects. It listens on 127.0.0.1 unless
-//! `--listen` says otherwise.
+//! `--insecure-no-auth` says to serve whoever connects; with one (from either place) and
+//! `--insecure-no-auth` it refuses to start too, as the library does: the two contradict each
+//! other. It listens on 127.0.0.1 unless `--listen` says otherwise.
 //!
 //! Region 0, `arena`, is writable and holds `--bytes` bytes (default 64 MiB); byte `i` is
 //! `fill_byte(SEED, i)` (see [`fill_byte`]). With `--read-only-bytes`, region 1, `ro`, is
@@ -19,7 +21,7 @@
 
 use std::io::{BufRead, Write};
 
-use umbp_ucx::{ServerBuilder, UcxConfig};
+use umbp_ucx::{Protection, ServerBuilder, UcxConfig};
 
 /// Byte `i` of a region filled with `seed`: varies within and across pages.
 fn fill_byte(seed: u8, i: usize) -> u8 {
@@ -66,12 +68,26 @@ fn main() {
                     value().parse().unwrap_or_else(|_| usage("--handshake-timeout-ms: a number"));
                 config.connect_timeout = std::time::Duration::from_millis(ms);
             }
+            "--idle-timeout-ms" => {
+                let ms = value().parse().unwrap_or_else(|_| usage("--idle-timeout-ms: a number"));
+                config.idle_timeout = std::time::Duration::from_millis(ms);
+            }
+            "--peer-timeout-ms" => {
+                let ms = value().parse().unwrap_or_else(|_| usage("--peer-timeout-ms: a number"));
+                config.peer_timeout = std::time::Duration::from_millis(ms);
+            }
+            "--protection" => {
+                config.protection = match value().as_str() {
+                    "encrypted" => Protection::Encrypted,
+                    "authenticated" => Protection::Authenticated,
+                    _ => usage("--protection: encrypted or authenticated"),
+                }
+            }
             "--help" | "-h" => usage(""),
             other => usage(&format!("unknown argument {other}")),
         }
     }
-    if config.insecure_no_auth {
-        config.token = None;
+    if config.insecure_no_auth && config.token.is_none() {
         eprintln!(
             "umbp-ucx-serve: serving WITHOUT authentication: whoever reaches {listen} reads \
              and writes the exported regions"
@@ -106,7 +122,8 @@ fn usage(problem: &str) -> ! {
     eprintln!(
         "usage: umbp-ucx-serve [--listen ADDR] [--bytes N] [--fill SEED] [--transports TLS] \
          [--read-only-bytes N] [--secret-file PATH | --insecure-no-auth] [--max-clients N] \
-         [--handshake-timeout-ms N]"
+         [--handshake-timeout-ms N] [--idle-timeout-ms N] [--peer-timeout-ms N] \
+         [--protection encrypted|authenticated]"
     );
     std::process::exit(if problem.is_empty() { 0 } else { 2 })
 }
