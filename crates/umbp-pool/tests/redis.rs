@@ -108,6 +108,21 @@ fn tls_without_the_feature_is_a_typed_error() {
     }
 }
 
+/// TLS with a private CA: the pool works over it; without the CA the server is not trusted.
+#[cfg(feature = "tls")]
+#[test]
+fn tls_with_a_private_ca() {
+    let Some(server) = RedisServer::start_tls() else { return };
+    suite::visible_only_after_publish(&connect(&server));
+    let mut untrusted = server.config("test");
+    untrusted.tls_ca_file = None;
+    assert!(matches!(RedisIndex::connect(&untrusted), Err(Error::Redis(_))));
+    let mut plain = server.config("test");
+    plain.url = format!("redis://127.0.0.1:{}/", server.port());
+    plain.tls_ca_file = None;
+    assert!(RedisIndex::connect(&plain).is_err(), "plaintext to a TLS-only port must fail");
+}
+
 /// A node that stops renewing is dead: its placements leave lookups and leases at once, reaping
 /// deletes them, and when it comes back it rejoins empty, under new generations.
 #[test]

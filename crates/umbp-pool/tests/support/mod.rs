@@ -21,6 +21,8 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: tempfile::TempDir,
+    /// Serving TLS only (on `port`), with the certificates in `dir`.
+    tls: bool,
 }
 
 /// Whether `redis-server` can be run; if not, prints why and returns false, or panics when
@@ -52,8 +54,40 @@ impl RedisServer {
         if !redis_available() {
             return None;
         }
+        Self::start_in(tempfile::tempdir().unwrap(), false)
+    }
+
+    /// Starts a server that speaks TLS only, with a certificate for `127.0.0.1` signed by a
+    /// fresh CA (`ca.pem` in [`dir`](Self::dir)); `None` (with the reason printed) when
+    /// redis-server or the `openssl` command is missing.
+    pub fn start_tls() -> Option<Self> {
+        if !redis_available() {
+            return None;
+        }
         let dir = tempfile::tempdir().unwrap();
-        let mut server = Self { child: None, port: 0, dir };
+        let sh = |script: &str| {
+            Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let made = sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=umbp-test-ca \
+             && openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=127.0.0.1 \
+             && printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n' > ext.cnf \
+             && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf");
+        if !made {
+            eprintln!("skipped: the openssl command is missing or failed to make test certificates");
+            return None;
+        }
+        Self::start_in(dir, true)
+    }
+
+    fn start_in(dir: tempfile::TempDir, tls: bool) -> Option<Self> {
+        let mut server = Self { child: None, port: 0, dir, tls };
         for _ in 0..5 {
             server.port = free_port();
             if server.launch() {
@@ -66,8 +100,22 @@ impl RedisServer {
     /// Starts the process on `self.port` and waits (up to 10 s) until it answers; false if it
     /// exited (for example, the port was taken meanwhile).
     fn launch(&mut self) -> bool {
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+        let port = self.port.to_string();
+        let d = |f: &str| self.dir.path().join(f).into_os_string();
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1"]);
+        if self.tls {
+            cmd.args(["--port", "0", "--tls-port", &port, "--tls-auth-clients", "no"])
+                .arg("--tls-cert-file")
+                .arg(d("server.pem"))
+                .arg("--tls-key-file")
+                .arg(d("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(d("ca.pem"));
+        } else {
+            cmd.args(["--port", &port]);
+        }
+        let child = cmd
             .args(["--requirepass", PASSWORD])
             .arg("--dir")
             .arg(self.dir.path())
@@ -95,6 +143,10 @@ impl RedisServer {
 
     fn ping(&self) -> bool {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        if self.tls {
+            // Listening is enough: the TLS handshake is the client's test.
+            return true;
+        }
         s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
         let cmd = format!("AUTH {PASSWORD}\r\nPING\r\n");
         if s.write_all(cmd.as_bytes()).is_err() {
@@ -123,7 +175,11 @@ impl RedisServer {
 
     /// Settings for this server, authenticated with its password, under pool `prefix`.
     pub fn config(&self, prefix: &str) -> RedisConfig {
-        let mut c = RedisConfig::new(format!("redis://127.0.0.1:{}/", self.port));
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let mut c = RedisConfig::new(format!("{scheme}://127.0.0.1:{}/", self.port));
+        if self.tls {
+            c.tls_ca_file = Some(self.dir.path().join("ca.pem"));
+        }
         c.password = Some(PASSWORD.into());
         c.prefix = prefix.into();
         c.timeout = Duration::from_secs(2);
