@@ -106,3 +106,24 @@ def test_no_slot_at_all_is_refused():
     index.begin_save(b"a")
     assert index.begin_save(b"b") is None
     assert index.counters.saves_skipped == 1
+
+
+def test_a_save_failed_early_is_never_a_hit_and_its_slot_waits_for_every_rank():
+    # fail_save: the save's bytes are known wrong (computed over a failed load) while the
+    # ranks still write them. The key can be saved anew at once, into another slot; the old
+    # slot is reused only once every rank reported, and ok reports do not revive it.
+    index = TierIndex(2, 0, ranks=2, dram_free_slots=0)
+    op, tier, slot = index.begin_save(b"a")
+    index.report(op, ok=1)
+    assert index.fail_save(op)
+    assert not index.fail_save(op)  # once
+    assert index.entry(b"a") is None and index.counters.failed_saves == 1
+    again, _, slot2 = index.begin_save(b"a")
+    assert slot2 != slot and index.free_slots(DRAM) == 0
+    index.report(op, ok=1)  # the last rank: the old slot goes free, "a" stays the new save's
+    assert index.op_settled(op) and index.free_slots(DRAM) == 1
+    assert index.entry(b"a").slot == slot2 and not index.is_hit(b"a")
+    index.report(again, ok=2)
+    assert index.is_hit(b"a") and index.entry(b"a").slot == slot2
+    assert not index.fail_save(again)  # settled
+    assert not index.fail_save(10**6)  # unknown

@@ -7,7 +7,11 @@ start_load_kv, per layer wait_for_layer_load then save_kv_layer, wait_for_save,
 get_transfer_results, get_block_ids_with_load_errors, worker metadata), over CPU tensors
 allocated by vLLM's own allocate_kv_cache. The "forward pass" writes, for every computed
 token, bytes derived from the token's whole prefix into each layer, so a block's bytes are a
-function of its prefix: every restored byte is checked against what the prefix implies.
+function of its prefix: every restored byte is checked against what the prefix implies. As in
+a real model, layer L of a computed token depends on layer L-1's KV of its prefix as it lies
+in the cache: where that holds anything but what the prefix implies (a block whose load
+failed), layer L is computed wrong too, so a block computed over a failed load is wrong bytes
+that a later load would serve.
 
 Needs vLLM (`bash .ci/vllm-venv` installs it into a cached virtual environment); skipped
 with the reason printed where it is absent, and a failure where UMBP_REQUIRE_VLLM=1.
@@ -198,6 +202,8 @@ class Harness:
         self.prefills_checked = 0
         self.step_stats = []
         self.first_computed = {}
+        self.computed_wrong = 0  # (request, layer) forward passes over a wrong prefix
+        self._expected = {}  # (request, rank, layer) -> expected rows of its tokens so far
 
     # -- the model -------------------------------------------------------------------------
 
@@ -210,21 +216,66 @@ class Harness:
         rng = np.random.default_rng(int.from_bytes(h, "little"))
         return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
 
+    def expected_rows(self, rid, rank, layer, n):
+        """The rows tokens 0..n-1 of ``rid`` hold in ``layer`` on ``rank`` when right, as a
+        (n, token_bytes) array (memoized: a token's bytes never change)."""
+        key = (rid, rank, layer)
+        rows = self._expected.get(key)
+        have = 0 if rows is None else len(rows)
+        if have < n:
+            tokens = self.requests[rid].all_token_ids
+            more = np.stack([self.token_kv(tokens, p, layer, rank) for p in range(have, n)])
+            rows = more if rows is None else np.concatenate([rows, more])
+            self._expected[key] = rows
+        return rows[:n]
+
+    def cache_rows(self, rank, layer, block_ids, start, end):
+        """Rows ``start..end-1`` of a request (its blocks ``block_ids``) in ``layer``, as they
+        lie in the cache of ``rank``."""
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // BS]
+        rows = self.ranks[rank].kv8[self.layers[layer]][blocks, :, pos % BS, :]
+        return rows.reshape(end - start, -1).numpy()
+
+    def prefix_is_right(self, rid, rank, layer, n):
+        """Whether tokens 0..n-1 of ``rid`` hold what their prefix implies in ``layer``."""
+        if n == 0:
+            return True
+        got = self.cache_rows(rank, layer, self.block_ids(rid), 0, n)
+        return np.array_equal(got, self.expected_rows(rid, rank, layer, n))
+
+    def forward(self, rank, layer, rid, start, end):
+        """Computes tokens ``start..end-1`` of ``rid`` in ``layer`` on ``rank``: right when
+        layer L-1 of the prefix before them holds what it should (tokens start..end-1 of
+        layer L-1 were computed by this step, right or wrong alike), wrong otherwise."""
+        r = self.ranks[rank]
+        name = self.layers[layer]
+        rows = self.expected_rows(rid, rank, layer, end)[start:end]
+        if layer > 0 and not self.prefix_is_right(rid, rank, layer - 1, start):
+            rows = rows ^ 0x5A  # what attention over wrong KV yields: wrong KV in turn
+            self.computed_wrong += 1
+        blocks = self.block_ids(rid)
+        pos = torch.arange(start, end)
+        ids = torch.tensor(blocks, dtype=torch.long)[pos // BS]
+        shape = r.kv8[name][0, :, 0, :].shape
+        r.kv8[name][ids, :, pos % BS, :] = torch.from_numpy(
+            np.ascontiguousarray(rows).reshape(end - start, *shape)
+        )
+
     def block_ids(self, rid):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
 
     def block_is_right(self, rid, index, block_id=None, layers=None, ranks=None):
-        req = self.requests[rid]
         block_id = self.block_ids(rid)[index] if block_id is None else block_id
+        start, end = index * BS, (index + 1) * BS
         for r in self.ranks if ranks is None else [self.ranks[k] for k in ranks]:
-            for layer, name in enumerate(self.layers):
+            for layer in range(len(self.layers)):
                 if layers is not None and layer not in layers:
                     continue
-                for pos in range(index * BS, (index + 1) * BS):
-                    want = self.token_kv(req.all_token_ids, pos, layer, r.rank)
-                    got = r.kv8[name][block_id, :, pos % BS, :].reshape(-1).numpy()
-                    if not np.array_equal(want, got):
-                        return False
+                want = self.expected_rows(rid, r.rank, layer, end)[start:end]
+                got = self.cache_rows(r.rank, layer, [block_id] * (index + 1), start, end)
+                if not np.array_equal(want, got):
+                    return False
         return True
 
     def failing(self, rid, block, rank=0):
@@ -300,13 +351,7 @@ class Harness:
                             f"{r.rank} when its wait returned"
                         )
                 for rid, computed in scheduled:
-                    req = self.requests[rid]
-                    start, end = computed, computed + so.num_scheduled_tokens[rid]
-                    tokens, blocks = req.all_token_ids, self.block_ids(rid)
-                    for pos in range(start, end):
-                        kv = self.token_kv(tokens, pos, layer, r.rank)
-                        row = torch.from_numpy(kv.reshape(self.kv_heads, -1))
-                        r.kv8[name][blocks[pos // BS], :, pos % BS, :] = row
+                    self.forward(r.rank, layer, rid, computed, computed + so.num_scheduled_tokens[rid])
                 r.worker.save_kv_layer(name, r.kv[name], None)
         req_ids = [rid for rid, _ in scheduled]
         sampled = []
@@ -369,7 +414,7 @@ class Harness:
         for rid, computed in scheduled:
             req = self.requests[rid]
             done = computed + so.num_scheduled_tokens[rid] >= req.num_tokens
-            if done and computed < req.num_prompt_tokens:
+            if done and computed < req.num_prompt_tokens and not set(self.block_ids(rid)) & invalid:
                 # The prefill is complete: loaded and computed blocks together hold
                 # exactly what the prompt implies, on every rank.
                 for index in range(req.num_prompt_tokens // BS):
@@ -698,5 +743,101 @@ def test_two_tp_ranks_share_one_index_and_a_failure_on_one_rank_is_recomputed(tm
         assert h.stats.get("load_errors.ssd") == 2 and h.stats.get("loaded_blocks.ssd") == 2 * 6 - 2
         assert h.index.counters.failed_loads == 2
         assert h.prefills_checked == 2
+    finally:
+        h.close()
+
+
+class FailingLoads:
+    """A worker's engine whose loads of chosen SSD slots fail: the object is pointed past the
+    end of the tier, so the engine refuses it and the load of that block alone fails."""
+
+    def __init__(self, engine, worker_side, slots):
+        self._engine = engine
+        self._side = worker_side
+        self.slots = set(slots)
+        self.failed = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def start_restore(self, objects, *args, **kwargs):
+        from dataclasses import replace
+
+        side = self._side
+        out = []
+        for o in objects:
+            slot = int(np.asarray(o.page_offsets)[0]) // side.layout.slot_bytes
+            if o.tier is side.ssd and slot in self.slots:
+                o = replace(o, page_offsets=np.asarray(o.page_offsets) + (1 << 50))
+                self.failed += 1
+            out.append(o)
+        return self._engine.start_restore(out, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "load_mode,failed,tp,failing_ranks",
+    [
+        ("layerwise", 1, 1, [0]),
+        ("layerwise", 0, 1, [0]),
+        ("layerwise", 3, 1, [0]),
+        ("layerwise", 1, 2, [1]),
+        ("async", 1, 1, [0]),
+    ],
+)
+def test_blocks_computed_over_a_failed_load_are_never_published(
+    tmp_path, load_mode, failed, tp, failing_ranks
+):
+    # A saves 4 blocks to SSD. B loads them and computes 3 more in the same step; the load of
+    # block `failed` fails. In the layer-wise mode B's step computes blocks 4-6 over the
+    # failed block, so their KV (from layer 1 on) is wrong: they must never be saved as hits.
+    # C then recomputes the failed block (its save makes the prefix whole again), and D,
+    # with B's 7 blocks as its prefix, loads every block the index holds: each must be what
+    # its prefix implies (the harness compares every loaded byte).
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        tp=tp,
+        load_mode=load_mode,
+        dram_bytes_per_rank=0,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=64 * slot,
+    )
+    try:
+        a = prompt(70, 4 * BS)
+        h.add("a", a + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:4]
+        assert all(h.index.entry(k).tier == SSD for k in keys)
+        assert h.scheduler.reset_prefix_cache()
+        faults = []
+        for k in failing_ranks:
+            side = h.ranks[k].worker.worker_side
+            f = FailingLoads(side.engine, side, [h.index.entry(keys[failed]).slot])
+            side.engine = f
+            faults.append(f)
+        b = a + prompt(71, 3 * BS)
+        h.add("b", b + [9])
+        h.run()
+        assert [f.failed for f in faults] == [1] * len(faults)
+        assert h.index.counters.failed_loads == 1
+        if load_mode == "layerwise":
+            # B's forward pass did run over the failed block: its later blocks were wrong.
+            assert h.computed_wrong > 0
+        for f in faults:
+            f.slots = set()
+        assert h.scheduler.reset_prefix_cache()
+        h.add("c", a + prompt(72, 2 * BS) + [9])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        hashes_b = h.requests["b"].block_hashes[:7]
+        h.load_errors = set()
+        h.add("d", b + prompt(73, 20))
+        so, computed = first_step_of(h, "d")
+        h.run()
+        # D's hit covers B's 7 blocks: the failed block and those computed over it were
+        # recomputed by B and saved anew, right; every byte D loaded was checked.
+        assert computed == 7 * BS, (computed, [h.index.is_hit(k) for k in hashes_b])
+        assert not h.load_errors
+        assert h.prefills_checked == 4
     finally:
         h.close()

@@ -13,7 +13,10 @@ runs the same operation on its own shard of the tiers). Until every rank reporte
 - a slot being read (a load, a demotion) is not reused (``pins``), even once its block left
   the index;
 - a failed save or a failed demotion drops the block (a miss later), a failed load drops it
-  too (its bytes are not trusted again).
+  too (its bytes are not trusted again);
+- a save whose bytes are known wrong before the ranks report it (:meth:`TierIndex.fail_save`:
+  computed over a block whose load failed) fails whatever they report; its block leaves the
+  index at once, so it can be saved anew, while its slot stays taken until every rank reported.
 
 Eviction: each tier is LRU (a hit or a completed save makes a block the most recent). When
 fewer than ``dram_free_slots`` DRAM slots are free, :meth:`TierIndex.plan_demotions` moves the
@@ -99,6 +102,7 @@ class _Op:
     ssd_slot: int = -1  # the destination of a demotion
     reports: int = 0
     failed: bool = False
+    abandoned: bool = False  # a save failed early (fail_save): its slot is pinned, not owned
 
 
 @dataclass
@@ -244,6 +248,23 @@ class TierIndex:
         self.counters.saves_skipped += 1
         return None
 
+    def fail_save(self, op_id: int) -> bool:
+        """Fails save ``op_id`` now, whatever the ranks report (its bytes are known wrong):
+        its block leaves the index at once, so a new save of the key can be planned, and its
+        slot is reused only once every rank reported the save (they may still write it).
+        Returns whether it did (False for an unknown or settled id, or not a save)."""
+        op = self._ops.get(op_id)
+        if op is None or op.kind != "save" or op.abandoned:
+            return False
+        op.failed = True
+        op.abandoned = True
+        self._slots[op.tier].pin(op.slot)
+        e = self._entries.get(op.key)
+        if e is not None and e.tier == op.tier and e.slot == op.slot:
+            self._drop(e)  # the slot is pinned: it frees when the save settles
+        self.counters.failed_saves += 1
+        return True
+
     def plan_demotions(self) -> List[Tuple[int, int, int]]:
         """Frees DRAM down to ``dram_free_slots`` free slots: ``[(op id, DRAM slot, SSD slot)]``
         to copy. A demoting block stays a DRAM hit until every rank copied it; without an SSD
@@ -288,7 +309,9 @@ class TierIndex:
         if e is not None and (e.tier != op.tier or e.slot != op.slot):
             e = None
         if op.kind == "save":
-            if e is None:  # cannot happen: a block being saved is never dropped
+            if op.abandoned:  # fail_save dropped its block and pinned the slot
+                self._slots[op.tier].unpin(op.slot)
+            elif e is None:  # cannot happen: a block being saved is never dropped otherwise
                 self._slots[op.tier].release(op.slot)
             elif op.failed:
                 self.counters.failed_saves += 1

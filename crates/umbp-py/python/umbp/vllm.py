@@ -370,6 +370,8 @@ class _SchedulerSide:
         self._requests: Dict[str, "Request"] = {}
         self._next_save: Dict[str, int] = {}  # request -> first block not yet planned
         self._save_ops: Dict[str, Set[int]] = {}  # request -> its save operations
+        self._save_block: Dict[int, int] = {}  # save operation -> its block's index
+        self._blocks: Dict[str, List[int]] = {}  # request -> its GPU blocks when last planned
         self._plans: Dict[str, Tuple[int, int]] = {}  # request -> (first block, blocks) hit
         self._pending_loads: Dict[str, List[Item]] = {}
         self._hit_sources: Dict[str, Dict[CacheHitSource, int]] = {}
@@ -443,6 +445,7 @@ class _SchedulerSide:
         if full <= first:
             return []
         block_ids = self.kv_cache_manager.get_block_ids(rid)[0]
+        self._blocks[rid] = list(block_ids)
         items = []
         for i in range(first, min(full, len(block_ids))):
             planned = self.index.begin_save(request.block_hashes[i])
@@ -450,6 +453,7 @@ class _SchedulerSide:
                 op, tier, slot = planned
                 items.append((op, tier, slot, block_ids[i]))
                 self._save_ops.setdefault(rid, set()).add(op)
+                self._save_block[op] = i
         self._next_save[rid] = full
         return items
 
@@ -486,18 +490,49 @@ class _SchedulerSide:
         if any(not self.index.op_settled(op) for op in ops):
             self._hold.append(rid)
             return True, None
-        self._save_ops.pop(rid, None)
+        self._forget_saves(rid)
         return False, None
 
+    def _forget_saves(self, rid: str) -> None:
+        for op in self._save_ops.pop(rid, ()):
+            self._save_block.pop(op, None)
+        self._blocks.pop(rid, None)
+
+    def _poison(self, invalid: Set[int]) -> None:
+        """Blocks whose load failed (``invalid``, GPU block ids, every rank's): a request
+        whose blocks include one was computed over wrong KV from that block on, in the step
+        that loaded it (a layer-wise load feeds the same step's forward pass) and in any step
+        scheduled before vLLM learned of the failure. Its saves of blocks from the first
+        failed one on fail whatever the ranks report (``TierIndex.fail_save``), so no block
+        computed over a failed load is ever published; the saves start again from there, as
+        vLLM recomputes from the first failed block (``kv_load_failure_policy:
+        "recompute"``)."""
+        for rid, blocks in self._blocks.items():
+            first = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            if first is None:
+                continue
+            for op in self._save_ops.get(rid, ()):
+                if self._save_block.get(op, -1) >= first:
+                    self.index.fail_save(op)
+            if rid in self._next_save:
+                self._next_save[rid] = min(self._next_save[rid], first)
+
     def update(self, output: "KVConnectorOutput") -> None:
+        # Load failures first: a save computed over one may be reported in this output too
+        # (the step's layer-wise load settles in the step that used it, so its failure is
+        # never reported after the step's saves).
+        if output.invalid_block_ids:
+            self._poison(set(output.invalid_block_ids))
         meta = output.kv_connector_worker_meta
         if isinstance(meta, UmbpWorkerMetadata):
             for op in sorted(set(meta.ok) | set(meta.failed)):
                 self.index.report(op, ok=meta.ok.get(op, 0), failed=meta.failed.get(op, 0))
+                if self.index.op_settled(op):
+                    self._save_block.pop(op, None)
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
         for rid in output.finished_sending or ():
-            self._save_ops.pop(rid, None)
+            self._forget_saves(rid)
 
 
 # -- the worker side ------------------------------------------------------------------------
