@@ -406,15 +406,15 @@ enum Step {
 }
 
 impl Step {
-    /// How far the handshake got: a connection past the bound that made the least progress
-    /// is closed first, so a flood of connections that say nothing cannot push out one that
-    /// is answering (an honest client's takes two round trips).
-    fn progress(&self) -> usize {
+    /// How far the handshake got, in steps: of the connections past a bound, one that got
+    /// least far is closed first (the oldest of them), so a flood of connections that never
+    /// finish a hello (silent, or trickling it) cannot push out one that is answering (an
+    /// honest client's takes two round trips).
+    fn progress(&self) -> u8 {
         match self {
-            Self::Hello { have, .. } => *have,
-            Self::Challenge { .. } => handshake::HELLO_LEN + 1,
-            Self::Proof { have, .. } => handshake::HELLO_LEN + 2 + have,
-            Self::Verdict { .. } => handshake::HELLO_LEN + handshake::PROOF + 3,
+            Self::Hello { .. } => 0,
+            Self::Challenge { .. } | Self::Proof { .. } => 1,
+            Self::Verdict { .. } => 2,
         }
     }
 }
