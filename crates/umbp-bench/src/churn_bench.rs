@@ -378,6 +378,7 @@ fn restore_into(
                 size,
             },
             ranges,
+            checksum: None,
         })
         .collect();
     let report = restore(builder, &objects).context("restoring")?;

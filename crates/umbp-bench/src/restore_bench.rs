@@ -339,6 +339,7 @@ impl Setup {
                     size: s.object_size(),
                 },
                 ranges,
+                checksum: None,
             })
             .collect()
     }

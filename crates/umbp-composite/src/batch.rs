@@ -36,6 +36,7 @@ use umbp_plan::{
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
+use crate::integrity::Checks;
 use crate::metrics::Metrics;
 
 /// Why one object did not complete.
@@ -124,6 +125,13 @@ pub struct ObjectResult {
     pub state: ObjectState,
     /// Why it did not complete, once it is rejected, failed or cancelled.
     pub error: Option<ObjectError>,
+    /// The CRC32C of the object's bytes (its ranges, concatenated in range order), where the
+    /// composite's [`ChecksumPolicy`](crate::ChecksumPolicy) covers its tier: for an offload,
+    /// of the bytes it wrote, to record with the block and verify when it is restored; for a
+    /// restore given a checksum, of the bytes that arrived. `None` for objects not hashed
+    /// (not covered, a restore given no checksum, not settled, failed before all its bytes
+    /// arrived) and for an offload part of whose bytes never passed host memory.
+    pub checksum: Option<u32>,
 }
 
 /// Where a batch stands: one result per object, in the batch's order, and the aggregate.
@@ -228,6 +236,8 @@ pub(crate) struct BatchShared {
     pins: Mutex<Option<EndpointPins>>,
     deadline: Option<Instant>,
     stream: Option<DeviceStream>,
+    /// The objects' checksums, when the batch hashes any.
+    checks: Option<Checks>,
 }
 
 struct Progress {
@@ -273,6 +283,7 @@ impl BatchShared {
         stages: impl FnOnce(Vec<StagedFragment>) -> Vec<Vec<StagedFragment>>,
         metrics: Arc<Metrics>,
         pins: EndpointPins,
+        checks: Option<Checks>,
     ) -> Prepared {
         let objects = std::mem::take(&mut plans.objects);
         let (keys, positions) = match keys {
@@ -361,10 +372,34 @@ impl BatchShared {
                 }
             }
         }
-        // Objects no part carries (nothing but empty ranges) have nothing left to wait for.
+        // Objects no part carries (nothing but empty ranges) have nothing left to wait for;
+        // a checked one has the checksum of no bytes.
+        if let Some(checks) = &checks {
+            checks.set_parts(&pending);
+        }
         for (i, &p) in pending.iter().enumerate() {
             if p == 0 {
-                let _ = status.set(Tag::new(i as u32), ObjectState::Completed);
+                let tag = Tag::new(i as u32);
+                let failure = match &checks {
+                    Some(c) if c.is_tracked(i) && !status.objects()[i].is_unsuccessful() => {
+                        c.finish(i)
+                    }
+                    _ => None,
+                };
+                match failure {
+                    None => {
+                        let _ = status.set(tag, ObjectState::Completed);
+                    }
+                    Some(f) => {
+                        let _ = status.set(tag, ObjectState::Failed);
+                        errors[i] = Some(ObjectError::Failed {
+                            engine: f.engine,
+                            src: f.src,
+                            dst: f.dst,
+                            cause: f.cause,
+                        });
+                    }
+                }
             }
         }
         let mut group_pending = vec![0; groups.len()];
@@ -410,6 +445,7 @@ impl BatchShared {
             pins: Mutex::new(Some(pins)),
             deadline,
             stream,
+            checks,
         });
         batch.metrics.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
@@ -434,6 +470,11 @@ impl BatchShared {
     /// Part `index`.
     pub(crate) fn part(&self, index: usize) -> &Part {
         &self.parts[index]
+    }
+
+    /// The objects' checksums, when the batch hashes any.
+    pub(crate) fn checks(&self) -> Option<&Checks> {
+        self.checks.as_ref()
     }
 
     /// Whether the batch counts in the metrics.
@@ -709,7 +750,13 @@ impl BatchShared {
             .iter()
             .zip(p.status.objects())
             .zip(&p.errors)
-            .map(|((&tag, &state), error)| ObjectResult { tag, state, error: error.clone() })
+            .enumerate()
+            .map(|(i, ((&tag, &state), error))| ObjectResult {
+                tag,
+                state,
+                error: error.clone(),
+                checksum: self.checks.as_ref().and_then(|c| c.checksum(i)),
+            })
             .collect();
         TransferReport { objects, aggregate: p.status.aggregate() }
     }

@@ -13,6 +13,7 @@ use umbp_plan::{
 use crate::batch::{Batch, BatchShared, Prepared};
 use crate::builder::RoutedPart;
 use crate::executor::{panic_message, run_lane, run_stage, Executor, StageJob};
+use crate::integrity::{ChecksPlan, ChecksumPolicy};
 use crate::metrics::{direction, moved_by_direction, InFlightSnapshot, Metrics, MetricsSnapshot};
 use crate::staging::{cut_stages, BouncePool, Staging};
 use crate::{CompositeBuilder, Error, RoutedPlans};
@@ -36,11 +37,18 @@ pub struct CompositeConfig {
     /// Gives every engine the buffered builder (collect, then plan at finish) instead of its
     /// own: the baseline the incremental path is measured against. Default: `false`.
     pub buffered_builders: bool,
+    /// Which objects of [`start_restore`](crate::start_restore) and
+    /// [`start_offload`](crate::start_offload) batches get a CRC32C: offloads report it,
+    /// restores given one verify it. Default: [`ChecksumPolicy::FilesAndRemote`] (SSD and
+    /// remote tiers), whose cost is a small share of those tiers' restore time; DRAM
+    /// restores verify with [`ChecksumPolicy::AllTiers`] (see the crate README for the
+    /// measured costs).
+    pub checksums: ChecksumPolicy,
 }
 
 impl Default for CompositeConfig {
     fn default() -> Self {
-        Self { workers: 8, buffered_builders: false }
+        Self { workers: 8, buffered_builders: false, checksums: ChecksumPolicy::default() }
     }
 }
 
@@ -289,12 +297,17 @@ impl CompositeEngine {
     /// Errors: [`Error::ForeignPlans`] for plans another composite's builder made;
     /// [`Error::Executor`] if no executor thread could be started.
     pub fn submit(&self, plans: RoutedPlans) -> Result<Batch, Error> {
-        self.start(plans, None)
+        self.start(plans, None, None)
     }
 
     /// [`submit`](Self::submit) for a batch whose tags are the positions `0 .. keys.len()`,
-    /// reported under the caller's `keys`.
-    pub(crate) fn start(&self, plans: RoutedPlans, keys: Option<Vec<u64>>) -> Result<Batch, Error> {
+    /// reported under the caller's `keys`, with the objects' layout for checksums, if any.
+    pub(crate) fn start(
+        &self,
+        plans: RoutedPlans,
+        keys: Option<Vec<u64>>,
+        checks: Option<ChecksPlan>,
+    ) -> Result<Batch, Error> {
         let Core { id, shared, config, executor } = &*self.core;
         if plans.composite != *id {
             return Err(Error::ForeignPlans);
@@ -332,8 +345,12 @@ impl CompositeEngine {
             file.map(|f| f.file_offset)
         };
         let cut = |staged| cut_stages(staged, slot, direct_file);
+        let metered = !plans.unmetered;
+        let checks = checks.and_then(|c| {
+            c.resolve(config.checksums, Arc::clone(&table), Arc::clone(&metrics), metered)
+        });
         let Prepared { batch, direct, stages } =
-            BatchShared::prepare(plans, keys, cut, metrics, pins);
+            BatchShared::prepare(plans, keys, cut, metrics, pins, checks);
 
         // One lane per engine, its parts in group order (the builder sorted them so).
         let mut lanes: Vec<Vec<(usize, RoutedPart)>> = Vec::new();

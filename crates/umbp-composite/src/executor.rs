@@ -43,6 +43,7 @@ use umbp_plan::{Failure, FailureCause, Fragment, PlanSet, Tag, TransferHandle};
 use crate::batch::{returned_part, BatchShared, PartEnd, ReturnedWork};
 use crate::builder::{RoutedPart, StagedFragment};
 use crate::engine::Shared;
+use crate::integrity::Side;
 use crate::staging::{place, Lease, StagePiece};
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -375,10 +376,16 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
     // Settles a submitted part; `panic` when its engine panicked while asked about it.
     let settle_part = |(index, group, engine, submitted): (usize, u32, usize, Submitted),
                        panic: Option<Box<dyn Any + Send>>| {
-        let (failures, plans) = match panic {
+        let (mut failures, plans) = match panic {
             None => settle(shared, submitted),
             Some(payload) => settle_panicked(shared, submitted, payload),
         };
+        if let Some(checks) = batch.checks() {
+            check_part(batch, index, &mut failures, |failed| {
+                let carried = plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags()));
+                checks.hash_part(group, carried, Side::Written, failed);
+            });
+        }
         batch.settle(index, PartEnd::Ran(failures), Some(returned_part(group, engine, plans)));
     };
     for (index, mut part) in lane {
@@ -409,6 +416,13 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
                 batch.settle(index, PartEnd::Ran(failures), Some(returned));
             }
             Ok(submitted) => {
+                // Checksums of the bytes the engine reads from host memory: hashed while it
+                // works.
+                if let Some(checks) = batch.checks() {
+                    let carried = submitted.carried.iter().map(|(s, d, t)| (*s, *d, &t[..]));
+                    let failed = |tag| batch.has_failed(tag);
+                    checks.hash_part(part.group, carried, Side::Read, &failed);
+                }
                 let on_stream = ask(&submitted, |h| h.is_queued() && !h.is_done());
                 let part = (index, part.group, part.engine, submitted);
                 match on_stream {
@@ -429,6 +443,23 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
         }
     }
     queued.into_iter().for_each(|part| settle_part(part, None));
+}
+
+/// Checksums of a part that ran and settled with `failures`: `hash` hashes what it moved for
+/// the objects that did not fail, then the objects whose last part it was get their checksum
+/// finished, and a restore that does not match gets its failure added to `failures`.
+fn check_part(
+    batch: &BatchShared,
+    index: usize,
+    failures: &mut Vec<Failure>,
+    hash: impl FnOnce(&dyn Fn(Tag) -> bool),
+) {
+    let Some(checks) = batch.checks() else { return };
+    let mut here: Vec<Tag> = failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
+    here.sort_unstable();
+    let failed = |tag| here.binary_search(&tag).is_ok() || batch.has_failed(tag);
+    hash(&failed);
+    checks.part_ran(batch.part(index).tags(), &failed, failures);
 }
 
 /// A stage waiting for, or holding, a bounce slot.
@@ -513,12 +544,20 @@ fn run_leased(job: StageJob, lease: Lease) -> Lease {
                 cause: FailureCause::EndpointGone(bounce),
             }]
         }
-        Some(_) => {
+        Some(bounce) => {
             let mut failures =
                 hop(&shared, &batch, &pieces, lease.base, Hop::First, &HashSet::new());
             let failed: HashSet<Tag> =
                 failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
+            // The slot holds the stage's bytes now: hash them there, before the second hop.
+            if let Some(checks) = batch.checks() {
+                let skip = |tag| failed.contains(&tag) || batch.has_failed(tag);
+                checks.hash_stage(&bounce, lease.base, &pieces, &skip);
+            }
             failures.extend(hop(&shared, &batch, &pieces, lease.base, Hop::Second, &failed));
+            if batch.checks().is_some() {
+                check_part(&batch, part, &mut failures, |_| {});
+            }
             failures
         }
     };

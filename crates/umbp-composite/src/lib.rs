@@ -70,7 +70,7 @@
 //!     ObjectRange::new(4096, 4096, gpu.id(), 4096).in_group(1),
 //! ];
 //! let object = PagedObject { tier: arena.id(), page_offsets: &pages, page_size: 4096, size: 8192 };
-//! let objects = [ObjectTransfer { tag: 42, object, ranges: &ranges }];
+//! let objects = [ObjectTransfer::new(42, object, &ranges)];
 //!
 //! let mut builder = composite.builder();
 //! let batch = start_restore(&mut builder, &objects)?; // returns at once
@@ -91,6 +91,7 @@ mod builder;
 mod engine;
 mod error;
 mod executor;
+mod integrity;
 mod metrics;
 mod overlap;
 mod restore;
@@ -101,6 +102,7 @@ pub use batch::{Batch, GroupReady, ObjectError, ObjectResult, Settled, TransferR
 pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
 pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;
+pub use integrity::ChecksumPolicy;
 pub use metrics::{direction, Counters, InFlightSnapshot, Metrics, MetricsSnapshot};
 pub use restore::{
     offload, restore, start_offload, start_restore, ObjectRange, ObjectTransfer, PagedObject,

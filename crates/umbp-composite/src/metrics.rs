@@ -31,6 +31,11 @@ pub fn direction(src: &Endpoint, dst: &Endpoint) -> &'static str {
     NAMES[kind(src)][kind(dst)]
 }
 
+/// The kind of an endpoint: `host`, `device`, `file`, `remote` or `other`.
+pub(crate) fn endpoint_kind_name(e: &Endpoint) -> &'static str {
+    ["host", "device", "file", "remote", "other"][kind(e)]
+}
+
 fn kind(e: &Endpoint) -> usize {
     match e.kind() {
         EndpointKind::Host => 0,
@@ -92,6 +97,17 @@ struct CauseLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChecksumLabels {
+    outcome: &'static str,
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PartLabels {
     engine: String,
 }
@@ -120,6 +136,9 @@ pub struct Metrics {
     batches: Family<OutcomeLabels, Counter>,
     object_outcomes: Family<OutcomeLabels, Counter>,
     object_failures: Family<CauseLabels, Counter>,
+    checksums: Family<ChecksumLabels, Counter>,
+    checksum_mismatches: Family<TierLabels, Counter>,
+    checksum_bytes: Counter,
     /// Every (engine, direction) that has a counter, for [`snapshot`](Self::snapshot).
     seen: Mutex<BTreeSet<EngineLabels>>,
     pub(crate) in_flight: InFlight,
@@ -139,6 +158,9 @@ impl Default for Metrics {
         let batches = Family::<OutcomeLabels, Counter>::default();
         let object_outcomes = Family::<OutcomeLabels, Counter>::default();
         let object_failures = Family::<CauseLabels, Counter>::default();
+        let checksums = Family::<ChecksumLabels, Counter>::default();
+        let checksum_mismatches = Family::<TierLabels, Counter>::default();
+        let checksum_bytes = Counter::default();
         let (in_flight_batches, in_flight_bytes) = (Gauge::default(), Gauge::default());
         registry.register_with_unit(
             "transfer",
@@ -208,6 +230,23 @@ impl Default for Metrics {
             object_failures.clone(),
         );
         registry.register(
+            "checksum_objects",
+            "Checksummed objects of settled parts, per outcome (verified, mismatch, \
+             unverifiable, recorded, unknown) and kind of tier",
+            checksums.clone(),
+        );
+        registry.register(
+            "checksum_mismatches",
+            "Restored objects whose bytes did not match their checksum, per kind of tier",
+            checksum_mismatches.clone(),
+        );
+        registry.register_with_unit(
+            "checksum",
+            "Bytes hashed for checksums",
+            Unit::Bytes,
+            checksum_bytes.clone(),
+        );
+        registry.register(
             "in_flight_batches",
             "Batches submitted and not yet settled",
             in_flight_batches.clone(),
@@ -232,6 +271,9 @@ impl Default for Metrics {
             batches,
             object_outcomes,
             object_failures,
+            checksums,
+            checksum_mismatches,
+            checksum_bytes,
             seen: Mutex::new(BTreeSet::new()),
             in_flight: InFlight {
                 now: Mutex::default(),
@@ -341,6 +383,38 @@ impl Metrics {
         self.failures.get_or_create(&labels).inc();
     }
 
+    /// An object's checksum settled with `outcome`; `mismatch` when its bytes did not match.
+    pub(crate) fn record_checksum(
+        &self,
+        outcome: &'static str,
+        tier: &'static str,
+        mismatch: bool,
+    ) {
+        self.checksums.get_or_create(&ChecksumLabels { outcome, tier }).inc();
+        if mismatch {
+            self.checksum_mismatches.get_or_create(&TierLabels { tier }).inc();
+        }
+    }
+
+    /// `bytes` more were hashed.
+    pub(crate) fn record_checksum_bytes(&self, bytes: u64) {
+        self.checksum_bytes.inc_by(bytes);
+    }
+
+    /// Restored objects whose bytes did not match their checksum, every tier
+    /// (`umbp_checksum_mismatches_total`).
+    pub fn checksum_mismatches(&self) -> u64 {
+        ["host", "device", "file", "remote", "other"]
+            .into_iter()
+            .filter_map(|tier| self.checksum_mismatches.get(&TierLabels { tier }).map(|c| c.get()))
+            .sum()
+    }
+
+    /// Bytes hashed for checksums (`umbp_checksum_bytes_total`).
+    pub fn checksum_bytes(&self) -> u64 {
+        self.checksum_bytes.get()
+    }
+
     /// An object was rejected while planning.
     pub(crate) fn record_rejected(
         &self,
@@ -410,7 +484,7 @@ impl Metrics {
 }
 
 /// Every cause label, for [`Metrics::snapshot`].
-const CAUSES: [&str; 11] = [
+const CAUSES: [&str; 13] = [
     "io",
     "short_file",
     "device",
@@ -421,6 +495,8 @@ const CAUSES: [&str; 11] = [
     "cancelled",
     "peer_failed",
     "panicked",
+    "checksum_mismatch",
+    "checksum_unverifiable",
     "other",
 ];
 

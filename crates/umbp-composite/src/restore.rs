@@ -5,6 +5,7 @@ use std::collections::HashSet;
 
 use umbp_plan::{check_ranges, EndpointId, Error as PlanError, Fragment, PageWalk, Tag};
 
+use crate::integrity::{ChecksPlan, ChecksumPolicy};
 use crate::{Batch, CompositeBuilder, Error, TransferReport};
 
 /// Where an object lives: its pages in a tier (a DRAM arena or an SSD file).
@@ -60,12 +61,39 @@ pub struct ObjectTransfer<'a> {
     /// The ranges to move, sorted by offset and disjoint. An offload writes exactly these
     /// bytes of the stored object: the rest of its pages keep what they held.
     pub ranges: &'a [ObjectRange],
+    /// For a restore: the CRC32C the object's bytes must have (the CRC32C of its ranges'
+    /// bytes, concatenated in range order: what the offload that saved them reported in
+    /// [`ObjectResult::checksum`](crate::ObjectResult::checksum)). Where the composite's
+    /// [`ChecksumPolicy`] covers the object's tier, bytes that do not match fail the object
+    /// with [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch);
+    /// elsewhere it is not checked. Offloads ignore it. Default (in [`new`](Self::new)):
+    /// `None`, nothing to verify.
+    pub checksum: Option<u32>,
+}
+
+impl<'a> ObjectTransfer<'a> {
+    /// Object `tag`, stored as `object`, moving `ranges`, with no checksum to verify.
+    pub const fn new(tag: u64, object: PagedObject<'a>, ranges: &'a [ObjectRange]) -> Self {
+        Self { tag, object, ranges, checksum: None }
+    }
+
+    /// The same object, whose restore must find the bytes to have CRC32C `checksum`.
+    pub const fn with_checksum(mut self, checksum: u32) -> Self {
+        self.checksum = Some(checksum);
+        self
+    }
 }
 
 /// Starts restoring `objects` (their ranges from the tier into the caller's destinations) in
 /// one batch and returns it at once: validates each object's ranges and pages, walks them into
 /// `builder` with one object scope per object (an object that fails any check is rejected with
 /// its reason and leaves nothing behind), and submits to the builder's composite.
+///
+/// An object given a [`checksum`](ObjectTransfer::checksum), in a tier the composite's
+/// [`ChecksumPolicy`] covers, completes only if its bytes have that CRC32C; otherwise it fails
+/// with [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch) (or
+/// [`ChecksumUnverifiable`](umbp_plan::FailureCause::ChecksumUnverifiable) when part of it
+/// moved where it could not be hashed), and the batch's other objects are untouched.
 ///
 /// Errors, before anything is planned: [`Error::DuplicateTag`], [`Error::BuilderInUse`] when
 /// `builder` holds an unfinished batch; then those of [`CompositeEngine::submit`](crate::CompositeEngine::submit).
@@ -88,7 +116,10 @@ pub fn restore(
 
 /// Starts offloading `objects`: writes their ranges from the caller's memory into the tier's
 /// pages, in one batch (bytes of an object no range names are left as they are); as
-/// [`start_restore`] otherwise.
+/// [`start_restore`] otherwise. Each completed object in a tier the composite's
+/// [`ChecksumPolicy`] covers reports the CRC32C of the bytes it wrote
+/// ([`ObjectResult::checksum`](crate::ObjectResult::checksum)): record it with the block and
+/// give it to the restore that loads it.
 pub fn start_offload(
     builder: &mut CompositeBuilder,
     objects: &[ObjectTransfer<'_>],
@@ -147,7 +178,11 @@ fn start(
         builder.finish()?
     };
     let keys = objects.iter().map(|o| o.tag).collect();
-    builder.composite().start(plans, Some(keys))
+    let restore = direction == Direction::Restore;
+    let checked = builder.composite().config().checksums != ChecksumPolicy::Off
+        && (!restore || objects.iter().any(|o| o.checksum.is_some()));
+    let checks = checked.then(|| ChecksPlan::new(restore, objects));
+    builder.composite().start(plans, Some(keys), checks)
 }
 
 /// Checks one object's ranges and pages and pushes its fragments into the open object.

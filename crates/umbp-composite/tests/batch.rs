@@ -393,6 +393,7 @@ fn staged_restore_with_a_panic(which: usize, victim: u32) -> (Vec<ObjectState>, 
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &objects).unwrap();
@@ -450,8 +451,8 @@ fn plans_from_another_composite_and_duplicate_tags_are_typed_errors() {
     let object =
         PagedObject { tier: a.ids.0, page_offsets: &pages, page_size: OBJECT, size: OBJECT };
     let twice = [
-        ObjectTransfer { tag: 9, object, ranges: &ranges },
-        ObjectTransfer { tag: 9, object, ranges: &ranges },
+        ObjectTransfer { tag: 9, object, ranges: &ranges, checksum: None },
+        ObjectTransfer { tag: 9, object, ranges: &ranges, checksum: None },
     ];
     let mut builder = a.composite.builder();
     assert!(matches!(restore(&mut builder, &twice), Err(Error::DuplicateTag(9))));
@@ -470,9 +471,9 @@ fn a_rejected_object_carries_its_reason() {
     let object =
         PagedObject { tier: rig.ids.0, page_offsets: &pages, page_size: OBJECT, size: 2 * OBJECT };
     let objects = [
-        ObjectTransfer { tag: 1 << 40, object, ranges: &good },
-        ObjectTransfer { tag: 7, object, ranges: &past_end },
-        ObjectTransfer { tag: u64::MAX, object, ranges: &bad_range },
+        ObjectTransfer { tag: 1 << 40, object, ranges: &good, checksum: None },
+        ObjectTransfer { tag: 7, object, ranges: &past_end, checksum: None },
+        ObjectTransfer { tag: u64::MAX, object, ranges: &bad_range, checksum: None },
     ];
     let report = restore(&mut rig.composite.builder(), &objects).unwrap();
     assert_eq!(report.objects[0].tag, 1 << 40);
@@ -786,6 +787,7 @@ fn cancel_settles_stages_waiting_for_a_bounce_slot_and_cancels_the_running_hops(
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let mut builder = t.composite.builder();
@@ -863,6 +865,7 @@ fn an_engine_whose_name_panics_rejects_its_objects_and_leaves_the_builder_usable
                 size: OBJECT,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let mut builder = composite.builder();

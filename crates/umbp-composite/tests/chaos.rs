@@ -99,6 +99,7 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
                                 size,
                             },
                             ranges: &ranges[o],
+                            checksum: None,
                         })
                         .collect();
                     let mode = rng.below(4);

@@ -52,8 +52,10 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
     let warm_dev = device(&t.hbm, size);
     let warm = [ObjectRange::new(0, size, warm_dev.id, 0)];
     let object = PagedObject { tier: t.file_id, page_offsets: &tables[0], page_size: PAGE, size };
-    let report =
-        restore(&mut t.composite.builder(), &[ObjectTransfer { tag: 0, object, ranges: &warm }]);
+    let report = restore(
+        &mut t.composite.builder(),
+        &[ObjectTransfer { tag: 0, object, ranges: &warm, checksum: None }],
+    );
     assert_eq!(report.unwrap().aggregate, BatchState::Completed);
     let baseline = threads_now();
 
@@ -104,6 +106,7 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
                                     size,
                                 },
                                 ranges: &ranges[o],
+                                checksum: None,
                             })
                             .collect();
                         let report = restore(&mut builder, &objects).unwrap();

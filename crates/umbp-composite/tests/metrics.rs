@@ -51,12 +51,14 @@ fn a_scrape_after_a_restore_counts_what_the_batch_moved() {
             tag: 100 + o as u64,
             object: PagedObject { tier: arena_id, page_offsets: &tables[o], page_size: PAGE, size },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     batch.push(ObjectTransfer {
         tag: 999,
         object: PagedObject { tier: arena_id, page_offsets: &tables[0], page_size: PAGE, size },
         ranges: &bad,
+        checksum: None,
     });
 
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();

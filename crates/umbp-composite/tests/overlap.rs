@@ -52,6 +52,7 @@ fn two_layer_groups_restoring_into_the_same_device_bytes_both_fail_and_write_not
                 size: PAGE4K,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let mut builder = rig.composite.builder();
@@ -108,6 +109,7 @@ fn a_direct_and_a_staged_object_writing_the_same_bytes_both_fail_and_write_nothi
                 size: PAGE,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &objects).unwrap();

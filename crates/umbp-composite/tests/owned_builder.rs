@@ -36,7 +36,7 @@ fn restore_into(
     let size = pages.len() as u64 * PAGE;
     let ranges = [ObjectRange::new(0, size, out, at)];
     let object = PagedObject { tier, page_offsets: pages, page_size: PAGE, size };
-    let objects = [ObjectTransfer { tag, object, ranges: &ranges }];
+    let objects = [ObjectTransfer { tag, object, ranges: &ranges, checksum: None }];
     restore(builder, &objects).unwrap().aggregate
 }
 

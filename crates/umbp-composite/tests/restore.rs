@@ -69,6 +69,7 @@ fn a_mixed_batch_into_device_and_host_memory_lands_exactly() {
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
@@ -116,6 +117,7 @@ fn a_range_past_the_object_end_fails_that_object_only() {
                 size,
             },
             ranges: &good,
+            checksum: None,
         },
         ObjectTransfer {
             tag: 8,
@@ -126,6 +128,7 @@ fn a_range_past_the_object_end_fails_that_object_only() {
                 size,
             },
             ranges: &bad,
+            checksum: None,
         },
     ];
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
@@ -172,11 +175,13 @@ fn offload_writes_device_ranges_into_pages_and_ranges_need_not_cover_the_object(
             tag: 1,
             object: PagedObject { tier, page_offsets: &tables[0], page_size: PAGE, size },
             ranges: &tiled,
+            checksum: None,
         },
         ObjectTransfer {
             tag: 2,
             object: PagedObject { tier, page_offsets: &tables[1], page_size: PAGE, size },
             ranges: &gap,
+            checksum: None,
         },
     ];
     let report = offload(&mut rig.composite.builder(), &batch).unwrap();
@@ -249,6 +254,7 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                                     size,
                                 },
                                 ranges: &ranges[o],
+                                checksum: None,
                             })
                             .collect();
                         let report = restore(&mut builder, &batch).unwrap();

@@ -42,6 +42,7 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &batch).unwrap();
@@ -121,6 +122,7 @@ fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &batch).unwrap();

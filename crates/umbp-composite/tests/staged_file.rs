@@ -95,6 +95,7 @@ fn objects_crossing_stage_boundaries_all_land_in_an_o_direct_file() {
                 size: SIZE,
             },
             ranges: &ranges[k],
+            checksum: None,
         })
         .collect();
     let mut builder = rig.composite.builder();
@@ -172,7 +173,8 @@ fn sixteen_threads_offloading_pieces_of_shared_sectors_lose_nothing() {
                         page_size: PIECE,
                         size: PIECE,
                     };
-                    let objects = [ObjectTransfer { tag: t as u64, object, ranges: &ranges }];
+                    let objects =
+                        [ObjectTransfer { tag: t as u64, object, ranges: &ranges, checksum: None }];
                     start.wait();
                     let report = offload(&mut builder, &objects).unwrap();
                     *states[t].lock().unwrap() = report.objects[0].state;

@@ -326,6 +326,7 @@ fn a_layer_wise_restore_on_a_stream_records_one_event_per_group() {
             tag: 100 + o as u64,
             object: PagedObject { tier, page_offsets: &tables[o], page_size: 4096, size: 8192 },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
     let mut builder = rig.composite.builder();

@@ -130,13 +130,31 @@ pub enum FailureCause {
         /// The panic message.
         message: String,
     },
+    /// The object's bytes arrived but their checksum (CRC32C of the object's ranges, in range
+    /// order) is not the one the caller expected: the bytes in the tier are not the bytes
+    /// that were saved. The object's destination holds those wrong bytes; use none of them.
+    #[error("checksum mismatch: expected crc32c {expected:#010x}, the bytes have {actual:#010x}")]
+    ChecksumMismatch {
+        /// The checksum the caller gave.
+        expected: u32,
+        /// The checksum of the bytes that arrived.
+        actual: u32,
+    },
+    /// The caller expected a checksum, but some of the object's bytes took a route where they
+    /// never sit in host memory (device to device), so they could not be hashed: the object
+    /// fails rather than being served unverified.
+    #[error("checksum {expected:#010x} could not be verified: part of the object moved without passing host memory")]
+    ChecksumUnverifiable {
+        /// The checksum the caller gave.
+        expected: u32,
+    },
 }
 
 impl FailureCause {
     /// A short, stable name of the cause's kind (`"io"`, `"short_file"`, `"device"`,
     /// `"endpoint_gone"`, `"not_accepted"`, `"overlap"`, `"timed_out"`, `"cancelled"`,
-    /// `"peer_failed"`, `"panicked"`): what metrics label failures with and what bindings name
-    /// them by.
+    /// `"peer_failed"`, `"panicked"`, `"checksum_mismatch"`, `"checksum_unverifiable"`): what
+    /// metrics label failures with and what bindings name them by.
     pub const fn kind_name(&self) -> &'static str {
         match self {
             Self::Io { .. } => "io",
@@ -149,6 +167,8 @@ impl FailureCause {
             Self::Cancelled => "cancelled",
             Self::PeerFailed { .. } => "peer_failed",
             Self::Panicked { .. } => "panicked",
+            Self::ChecksumMismatch { .. } => "checksum_mismatch",
+            Self::ChecksumUnverifiable { .. } => "checksum_unverifiable",
         }
     }
 }

@@ -533,6 +533,7 @@ impl Engine {
                         size: s.size,
                     },
                     ranges: &s.ranges,
+                    checksum: None,
                 })
                 .collect();
             let mut builder = composite.builder();

@@ -51,6 +51,7 @@ fn transfers<'a>(
                 size,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect()
 }

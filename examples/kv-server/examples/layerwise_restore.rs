@@ -58,6 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 size: SIZE,
             },
             ranges: &ranges[o],
+            checksum: None,
         })
         .collect();
 
