@@ -18,13 +18,30 @@ The call shape follows what servers use (vLLM's KV connectors, SGLang's HiCache)
 - :meth:`~KVConnector.finished` to learn which loads and saves are done.
 
 It is an example of real use, tested, not a dependency on any server.
+
+One thread drives a connector at a time, as a server's forward pass does (it is not
+thread-safe); threads that each need one share an :class:`~umbp.Engine` (which is) and give
+each connector its own file.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
 from . import Batch, Engine, Error, Object, ObjectResult, Range, Registration, State, UnknownKeyError
+
+
+@dataclass
+class _Save:
+    """A key's save of this step: its new slot, the block it reads, the layers started and
+    the layers whose offload completed."""
+
+    reg: Registration
+    slot: int
+    block: int
+    started: Set[int] = field(default_factory=set)
+    saved: Set[int] = field(default_factory=set)
 
 
 class KVConnector:
@@ -68,9 +85,9 @@ class KVConnector:
         self._load_keys: Dict[int, Hashable] = {}
         # (offload, layer, tag -> key) of the saves since wait_for_save
         self._saves: List[Tuple[Batch, int, Dict[int, Hashable]]] = []
-        # key -> (tier registration, slot, layers whose offload succeeded) of the saves since
-        # wait_for_save: a layer counts only once the offload carrying it completed.
-        self._saving: Dict[Hashable, Tuple[Registration, int, Set[int]]] = {}
+        # key -> its save since wait_for_save: a layer counts only once the offload carrying
+        # it completed.
+        self._saving: Dict[Hashable, _Save] = {}
         # Slots replaced while a load was in flight: freed once it is over (it may read them).
         self._retired: List[Tuple[Registration, int]] = []
         self._loaded: Set[Hashable] = set()
@@ -193,24 +210,37 @@ class KVConnector:
         already cached is saved into a new slot: its cached bytes stay loadable, untouched,
         until :meth:`wait_for_save` finds every layer of the new copy saved. Returns at once.
 
+        A key names its content (a server's block hash): between two :meth:`wait_for_save`
+        calls it is saved from one block, the first one given for it, and each of its layers
+        once. A later ``(key, block)`` for a layer already started, or from another block, is
+        skipped, so no two writes of one slot are ever in flight together and a key never
+        loads as a mix of two blocks.
+
         If it raises (no free slot, a closed layer buffer), nothing of this call remains: the
         slots it reserved are free again and no layer of it counts as saved. An object the
         engine refuses does not raise: :meth:`wait_for_save` reports its key failed."""
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer {layer} is not one of the {self.layers} layers")
-        objects = []
-        keys = {}
-        reserved = []
+        objects: List[Object] = []
+        keys: Dict[int, Hashable] = {}
+        reserved: List[Hashable] = []
+        started_here: List[_Save] = []
         started = None
         try:
-            for tag, (key, block) in enumerate(blocks):
-                if key not in self._saving:
-                    self._saving[key] = (*self.place(key, tier), set())
+            for key, block in blocks:
+                save = self._saving.get(key)
+                if save is None:
+                    reg, slot = self.place(key, tier)
+                    save = self._saving[key] = _Save(reg, slot, block)
                     reserved.append(key)
-                reg, slot, _ = self._saving[key]
-                page = self._slot_pages(slot)[layer]
+                elif save.block != block or layer in save.started:
+                    continue  # in flight already, or another block under the same key
+                save.started.add(layer)
+                started_here.append(save)
+                page = self._slot_pages(save.slot)[layer]
                 ranges = [Range(0, self.block_bytes, self.buffers[layer], block * self.block_bytes)]
-                objects.append(Object(tag, reg, [page], self.block_bytes, self.block_bytes, ranges))
+                tag = len(objects)
+                objects.append(Object(tag, save.reg, [page], self.block_bytes, self.block_bytes, ranges))
                 keys[tag] = key
             if objects:
                 started = self.engine.start_offload(objects)
@@ -218,9 +248,11 @@ class KVConnector:
         except BaseException:
             if started is not None:
                 started.wait()  # it writes into the slots about to be freed
+            for save in started_here:
+                save.started.discard(layer)
             for key in reserved:
-                reg, slot, _ = self._saving.pop(key)
-                self._release(reg, slot)
+                save = self._saving.pop(key)
+                self._release(save.reg, save.slot)
             raise
 
     def wait_for_save(self) -> List[Hashable]:
@@ -234,16 +266,16 @@ class KVConnector:
             for o in batch.wait().objects:
                 key = keys[o.tag]
                 if o.ok:
-                    self._saving[key][2].add(layer)
+                    self._saving[key].saved.add(layer)
                 else:
                     failed.add(key)
         self._saves = []
-        for key, (reg, slot, layers) in self._saving.items():
-            if key in failed or len(layers) != self.layers:
+        for key, save in self._saving.items():
+            if key in failed or len(save.saved) != self.layers:
                 failed.add(key)
-                self._release(reg, slot)
+                self._release(save.reg, save.slot)
                 continue
-            self._publish(key, reg, slot)
+            self._publish(key, save.reg, save.slot)
             self._saved.add(key)
         self._saving = {}
         return sorted(failed, key=repr)
