@@ -156,7 +156,8 @@ fn registration_error(e: RegisterError) -> PyErr {
     let errno = match &e {
         RegisterError::Open { source, .. }
         | RegisterError::Inspect { source, .. }
-        | RegisterError::Extend { source, .. } => source.raw_os_error(),
+        | RegisterError::Extend { source, .. }
+        | RegisterError::Locked { source, .. } => source.raw_os_error(),
         _ => None,
     };
     let err = RegistrationError::new_err(message(&e));
@@ -394,9 +395,11 @@ impl Engine {
 
     /// Registers bytes `offset .. offset + length` of the file at `path`; with `extend`, a
     /// shorter file is first sized to the range's end. A read-only range past the end of the
-    /// file is a `RegistrationError`.
+    /// file is a `RegistrationError`. With `exclusive`, the registration holds the file's
+    /// exclusive lock for its life; a file another process or instance holds so is a
+    /// `RegistrationError` with `errno` `EWOULDBLOCK`.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false, extend=false))]
+    #[pyo3(signature = (path, offset, length, *, direct=true, writable=true, create=false, extend=false, exclusive=false))]
     fn register_file(
         &self,
         py: Python<'_>,
@@ -407,9 +410,14 @@ impl Engine {
         writable: bool,
         create: bool,
         extend: bool,
+        exclusive: bool,
     ) -> PyResult<Registration> {
-        let options =
-            FileOptions::new().direct(direct).writable(writable).create(create).extend(extend);
+        let options = FileOptions::new()
+            .direct(direct)
+            .writable(writable)
+            .create(create)
+            .extend(extend)
+            .exclusive(exclusive);
         let composite = Arc::clone(self.composite());
         let guard = py
             .allow_threads(move || {

@@ -674,6 +674,7 @@ class Engine:
         writable: bool = True,
         create: bool = False,
         extend: bool = False,
+        exclusive: bool = False,
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` of a file or block device (to its end
         by default), opened with ``O_DIRECT`` where the filesystem allows it. Raises
@@ -681,7 +682,13 @@ class Engine:
         read-only range past the end of the file (no transfer could read those bytes). A
         writable range may reach past the end (an offload tier may start empty; reading bytes
         no offload wrote fails as a short file) unless ``extend``, which sizes the file to the
-        range's end at once (zeros, sparse)."""
+        range's end at once (zeros, sparse).
+
+        ``exclusive``: the registration holds an exclusive lock on the file (``flock``) until
+        it ends, so that no other instance uses it as its tier file; a file another process,
+        engine or exclusive registration holds is refused at once with
+        :class:`RegistrationError` (``errno == errno.EWOULDBLOCK``) saying so. Advisory: only
+        exclusive registrations take or see it."""
         if length is None:
             size = _file_size(path)
             if size is None:  # missing: the native open raises the system's error
@@ -697,6 +704,7 @@ class Engine:
             writable=writable,
             create=create,
             extend=extend,
+            exclusive=exclusive,
         )
 
     def alloc_device(self, length: int, device: int = 0) -> Registration:
