@@ -64,12 +64,21 @@
 //! same run as that path's ceiling. The 0.8 target applies only where the path is one-sided:
 //! over TCP the ratio is reported without a verdict.
 //!
+//! # The channel: encrypted and authenticated
+//!
+//! On the checked path every request and answer is sealed (umbp-ucx's channel: AES-256-GCM
+//! with session keys from the handshake). `serve` takes sessions of either protection (the
+//! client chooses), and `remote` connects two engines to it, one asking for encryption
+//! (umbp-ucx's default) and one for authentication only; each fragment size and load has a
+//! row per engine (`protection`), both against the same Mooncake and perftest runs, and the
+//! engines take their turns with the peers like any side.
+//!
 //! # The transfer engine users would pick instead: Mooncake
 //!
 //! [`crate::peers::mooncake`]: Mooncake Transfer Engine's TCP transport with the P2P
 //! handshake on loopback, one `batch_transfer_sync_read` of the same fragments (the same
 //! sizes, the same scattered source pages, the same destination offsets) per run, taking turns
-//! with the engine and perftest (the three rotate their order every round). Target: `ratio`
+//! with the engines and perftest (all of them rotate their order every round). Target: `ratio`
 //! over Mooncake at least 1.0 at 64 KiB and larger, judged over its whole range. Where the
 //! wheel does not install the run says why on stderr and the rows carry the reason
 //! (`mooncake_skipped`).
@@ -97,7 +106,7 @@ use umbp_plan::{
     EndpointRegistry, Fragment, PageWalk, PlanBuilder, PlanSet, Register, Registration, Tag,
     TransferEngine,
 };
-use umbp_ucx::{ServerBuilder, UcxBuilder, UcxConfig, UcxEngine, UcxServer};
+use umbp_ucx::{Protection, ServerBuilder, UcxBuilder, UcxConfig, UcxEngine, UcxServer};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
@@ -128,6 +137,18 @@ pub const TARGET_P99_US: f64 = 1000.0;
 
 /// Blocks the latency samples are cut into, in order, for the p99's range.
 const LATENCY_BLOCKS: usize = 5;
+
+/// The channel protections measured, each by an engine of its own against the same server:
+/// encrypted (umbp-ucx's default) and authenticated only.
+const PROTECTIONS: [Protection; 2] = [Protection::Encrypted, Protection::Authenticated];
+
+/// A protection's name in the rows: `encrypted` or `authenticated`.
+pub fn protection_name(protection: Protection) -> &'static str {
+    match protection {
+        Protection::Authenticated => "authenticated",
+        _ => "encrypted",
+    }
+}
 
 /// The RDMA transports umbp-ucx reaches one-sided (its `hardware_enforced` rule).
 const ONE_SIDED_TRANSPORTS: [&str; 8] =
@@ -220,7 +241,13 @@ impl Serving {
         umbp_ucx::ucx_available().context("UCX is not usable here")?;
         let len = usize::try_from(config.bytes).context("--bytes does not fit in memory")?;
         ensure!(len > 0, "the arena must not be empty");
-        let ucx = UcxConfig { transports: config.transports.clone(), ..UcxConfig::default() };
+        // The least protection it serves: authenticated; a client that asks for encryption
+        // (umbp-ucx's default) gets it, so `remote` measures both on one server.
+        let ucx = UcxConfig {
+            transports: config.transports.clone(),
+            protection: Protection::Authenticated,
+            ..UcxConfig::default()
+        };
         let server = ServerBuilder::new(ucx)
             .export(ARENA, patterned(len), true)
             .serve(config.listen.as_str())
@@ -309,6 +336,8 @@ pub struct RemoteRow {
     pub transport: String,
     /// The engine's path: `checked` (requests the server checks) or `one-sided`.
     pub path: &'static str,
+    /// The channel's protection on the checked path: `encrypted` or `authenticated`.
+    pub protection: &'static str,
     /// `child` (a `serve` process on loopback) or `node` (`--server`).
     pub server: &'static str,
     /// Bytes per fragment: one page, one get.
@@ -369,6 +398,8 @@ pub struct LatencyRow {
     pub transport: String,
     /// The engine's path: `checked` or `one-sided`.
     pub path: &'static str,
+    /// The channel's protection on the checked path: `encrypted` or `authenticated`.
+    pub protection: &'static str,
     /// `quiet`, or `spinning`: one process spinning a CPU beside the bench.
     pub load: &'static str,
     /// Bytes per transfer.
@@ -570,6 +601,8 @@ struct Client {
     buffers: Vec<HostBuffer>,
     remote: Registration,
     engine: UcxEngine,
+    /// What the engine asked its channel for.
+    protection: Protection,
 }
 
 impl Client {
@@ -577,12 +610,14 @@ impl Client {
         addr: SocketAddr,
         config: &RemoteBenchConfig,
         shape: &RestoreShape,
+        protection: Protection,
     ) -> anyhow::Result<Self> {
         let engine = UcxEngine::new(
             EndpointRegistry::new(),
             UcxConfig {
                 transports: Some(config.transports.clone()),
                 token: Some(secret().into()),
+                protection,
                 ..UcxConfig::default()
             },
         )
@@ -605,7 +640,7 @@ impl Client {
             .map(|b| unsafe { b.lend(&engine) })
             .collect::<Result<Vec<_>, _>>()
             .context("registering the destinations")?;
-        Ok(Self { destinations, buffers, remote, engine })
+        Ok(Self { destinations, buffers, remote, engine, protection })
     }
 
     /// Plans the restore of every object of `shape` from `pages`.
@@ -775,6 +810,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 /// The latency row of `times` (µs, in the order measured).
 fn latency_row(
     config: &RemoteBenchConfig,
+    protection: Protection,
     load: &'static str,
     times: &[f64],
     verified: bool,
@@ -798,6 +834,7 @@ fn latency_row(
         row: "latency",
         transport: config.transports.clone(),
         path: path_of(&config.transports),
+        protection: protection_name(protection),
         load,
         transfer_size: LATENCY_SIZE,
         transfers: times.len(),
@@ -917,10 +954,14 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
     } else {
         Err("not run (--no-mooncake)".to_owned())
     });
-    let mut client = Client::connect(addr, config, &base)?;
-    let in_flight = client.engine.config().max_in_flight;
+    let mut clients = PROTECTIONS
+        .iter()
+        .map(|&p| Client::connect(addr, config, &base, p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let in_flight = clients[0].engine.config().max_in_flight;
     let perftest_host = addr.ip().to_string();
-    let mut builder = client.engine.incremental_builder();
+    let mut builders: Vec<UcxBuilder> =
+        clients.iter().map(|c| c.engine.incremental_builder()).collect();
     let mut rows = Vec::new();
     for &fragment_size in &config.fragment_sizes {
         let shape = RestoreShape { page_size: fragment_size, ..base };
@@ -928,13 +969,17 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
         let fragments = shape.fragments();
         let label = ByteSize(fragment_size);
         progress.step(format!("{label}: warm-up restores"));
-        let (_, plans) = client.restore(&mut builder, &shape, &pages)?;
-        let segments = plans.segment_count();
-        ensure!(
-            segments as u64 == fragments,
-            "{label}: {fragments} fragments planned as {segments} requests: the layout merged some"
-        );
-        builder.recycle(plans);
+        let mut segments = 0;
+        for (client, builder) in clients.iter().zip(&mut builders) {
+            let (_, plans) = client.restore(builder, &shape, &pages)?;
+            segments = plans.segment_count();
+            ensure!(
+                segments as u64 == fragments,
+                "{label}: {fragments} fragments planned as {segments} requests: the layout \
+                 merged some"
+            );
+            builder.recycle(plans);
+        }
         let (src, dst) = mooncake_fragments(&shape, &pages);
         mooncake.step("its setup", |m| {
             m.setup(fragment_size, &src, &dst)?;
@@ -950,17 +995,20 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
             outstanding: in_flight,
             timeout: Duration::from_secs(120),
         };
-        let (mut engine_gib_s, mut perftest_gib_s, mut mooncake_gib_s) =
-            (Vec::new(), Vec::new(), Vec::new());
+        let (mut perftest_gib_s, mut mooncake_gib_s) = (Vec::new(), Vec::new());
+        let mut engine_gib_s: Vec<Vec<f64>> = vec![Vec::new(); clients.len()];
+        // The engines (one per protection), perftest and Mooncake take turns, each first in
+        // every few rounds.
+        let (engines, sides) = (clients.len(), clients.len() + 2);
         for repeat in 0..repeats {
             progress.step(format!("{label}: engine and peers, round {}/{repeats}", repeat + 1));
-            // The three take turns, each first in every third round.
-            for side in (0..3).map(|i| (repeat + i) % 3) {
-                if side == 0 {
-                    let (seconds, plans) = client.restore(&mut builder, &shape, &pages)?;
+            for side in (0..sides).map(|i| (repeat + i) % sides) {
+                if side < engines {
+                    let builder = &mut builders[side];
+                    let (seconds, plans) = clients[side].restore(builder, &shape, &pages)?;
                     builder.recycle(plans);
-                    engine_gib_s.push(shape.bytes() as f64 / seconds / GIB);
-                } else if side == 1 && with_perftest {
+                    engine_gib_s[side].push(shape.bytes() as f64 / seconds / GIB);
+                } else if side == engines && with_perftest {
                     match reference.run() {
                         Ok(bytes_per_s) => perftest_gib_s.push(bytes_per_s / GIB),
                         Err(e) => {
@@ -973,66 +1021,78 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
                             with_perftest = false;
                         }
                     }
-                } else if side == 2 {
+                } else if side == engines + 1 {
                     if let Some(bytes_per_s) = mooncake.step("a run", Mooncake::run) {
                         mooncake_gib_s.push(bytes_per_s / GIB);
                     }
                 }
             }
         }
-        client.poison();
-        let (_, plans) = client.restore(&mut builder, &shape, &pages)?;
-        builder.recycle(plans);
-        let verified = client.verify(&shape, &pages);
+        let mut verified = Vec::new();
+        for (client, builder) in clients.iter_mut().zip(&mut builders) {
+            client.poison();
+            let (_, plans) = client.restore(builder, &shape, &pages)?;
+            builder.recycle(plans);
+            verified.push(client.verify(&shape, &pages));
+        }
         let mooncake_verified = mooncake.step("its verification", Mooncake::verify);
         if mooncake_gib_s.len() < repeats {
             mooncake_gib_s.clear(); // A peer that failed mid-size has no figure for it.
         }
-        let mut r = row(
-            config,
-            server_kind,
-            &shape,
-            segments,
-            in_flight,
-            &engine_gib_s,
-            &perftest_gib_s,
-            verified,
-        );
-        add_mooncake(&mut r, &engine_gib_s, &mooncake_gib_s, mooncake_verified, mooncake.skipped());
-        rows.push(r);
+        for (i, client) in clients.iter().enumerate() {
+            let mut r = row(
+                config,
+                client.protection,
+                server_kind,
+                &shape,
+                segments,
+                in_flight,
+                &engine_gib_s[i],
+                &perftest_gib_s,
+                verified[i],
+            );
+            let skipped = mooncake.skipped();
+            add_mooncake(&mut r, &engine_gib_s[i], &mooncake_gib_s, mooncake_verified, skipped);
+            rows.push(r);
+        }
     }
     let mut latency = Vec::new();
     if config.latency_transfers > 0 {
-        let dst_len = client.buffers[0].len() as u64;
+        let dst_len = clients[0].buffers[0].len() as u64;
         let (src, dst) = latency_offsets(base.bytes(), dst_len, config.latency_transfers);
         for load in ["quiet", "spinning"] {
             progress.step(format!(
-                "{} single {} transfers, {load}",
+                "{} single {} transfers per protection, {load}",
                 config.latency_transfers,
                 ByteSize(LATENCY_SIZE)
             ));
             let spinner = if load == "spinning" { Some(Spinner::start()?) } else { None };
-            let (times, verified) = client.latencies(&mut builder, &src, &dst)?;
+            let mut measured = Vec::new();
+            for (client, builder) in clients.iter_mut().zip(&mut builders) {
+                let (times, verified) = client.latencies(builder, &src, &dst)?;
+                measured.push(latency_row(config, client.protection, load, &times, verified));
+            }
             let peer = mooncake.step("single transfers", |m| m.singles(&src, &dst));
             drop(spinner);
-            let mut row = latency_row(config, load, &times, verified);
-            if let Some((peer_times, peer_verified)) = peer {
-                let timed = &peer_times[LATENCY_WARMUP.min(peer_times.len())..];
-                let mut sorted = timed.to_vec();
-                sorted.sort_by(f64::total_cmp);
-                row.mooncake_p50_us = Some(quantile(&sorted, 0.50));
-                row.mooncake_p90_us = Some(quantile(&sorted, 0.90));
-                row.mooncake_p99_us = Some(quantile(&sorted, 0.99));
-                row.mooncake_max_us = sorted.last().copied();
-                row.mooncake_verified = Some(peer_verified);
+            for mut row in measured {
+                if let Some((peer_times, peer_verified)) = &peer {
+                    let timed = &peer_times[LATENCY_WARMUP.min(peer_times.len())..];
+                    let mut sorted = timed.to_vec();
+                    sorted.sort_by(f64::total_cmp);
+                    row.mooncake_p50_us = Some(quantile(&sorted, 0.50));
+                    row.mooncake_p90_us = Some(quantile(&sorted, 0.90));
+                    row.mooncake_p99_us = Some(quantile(&sorted, 0.99));
+                    row.mooncake_max_us = sorted.last().copied();
+                    row.mooncake_verified = Some(*peer_verified);
+                }
+                latency.push(row);
             }
-            latency.push(row);
         }
     }
     let stopped = mooncake.0.map(Mooncake::stop);
     ensure!(stopped != Ok(false), "the Mooncake target died during the run");
-    drop(builder);
-    drop(client);
+    drop(builders);
+    drop(clients);
     drop(server);
     Ok(RemoteRun { restores: rows, latency })
 }
@@ -1066,6 +1126,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 #[allow(clippy::too_many_arguments)] // One row's figures.
 fn row(
     config: &RemoteBenchConfig,
+    protection: Protection,
     server: &'static str,
     shape: &RestoreShape,
     segments: usize,
@@ -1085,6 +1146,7 @@ fn row(
         row: "restore",
         transport: config.transports.clone(),
         path,
+        protection: protection_name(protection),
         server,
         fragment_size: shape.page_size,
         objects: shape.objects,
@@ -1151,8 +1213,9 @@ pub fn table(run: &RemoteRun) -> String {
         out += "\n";
     }
     out += &format!(
-        "{:>9} {:>6} {:>7} {:>6} {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
+        "{:>9} {:>13} {:>6} {:>7} {:>6} {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
         "fragment",
+        "channel",
         "gets",
         "GiB/s",
         "spread",
@@ -1173,8 +1236,9 @@ pub fn table(run: &RemoteRun) -> String {
             (true, _) => "yes",
         };
         out += &format!(
-            "{:>9} {:>6} {:>7.3} {:>5.0}% {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
+            "{:>9} {:>13} {:>6} {:>7.3} {:>5.0}% {:>9} {:>6} {:>18} {:>12} {:>9} {:>6} {:>18} {:>12} {:>8}\n",
             ByteSize(r.fragment_size).to_string(),
+            r.protection,
             r.fragments,
             r.gib_s,
             r.gib_s_spread * 100.0,
@@ -1205,10 +1269,11 @@ pub fn table(run: &RemoteRun) -> String {
         out += &format!(
             "\nsingle {} transfers one at a time (build + submit + wait), quiet and beside one \
              process spinning a CPU; Mooncake's transfer_sync_read of the same pages right \
-             after, under the same load\n\n{:>9} {:>9} {:>9} {:>9} {:>22} {:>9} {:>11} {:>12} \
-             {:>8} {:>16} {:>16}\n",
+             after, under the same load\n\n{:>9} {:>13} {:>9} {:>9} {:>9} {:>22} {:>9} {:>11} \
+             {:>12} {:>8} {:>16} {:>16}\n",
             ByteSize(LATENCY_SIZE),
             "load",
+            "channel",
             "transfers",
             "p50 µs",
             "p90 µs",
@@ -1223,8 +1288,9 @@ pub fn table(run: &RemoteRun) -> String {
         for l in &run.latency {
             let peer_verified = if l.mooncake_verified == Some(false) { " (NO)" } else { "" };
             out += &format!(
-                "{:>9} {:>9} {:>9.1} {:>9.1} {:>22} {:>9.1} {:>11} {:>12} {:>8} {:>16} {:>16}\n",
+                "{:>9} {:>13} {:>9} {:>9.1} {:>9.1} {:>22} {:>9.1} {:>11} {:>12} {:>8} {:>16} {:>16}\n",
                 l.load,
+                l.protection,
                 l.transfers,
                 l.p50_us,
                 l.p90_us,
@@ -1249,7 +1315,8 @@ fn range_text_2(ratio: Option<f64>, range: Option<[f64; 2]>) -> String {
     }
 }
 
-/// The chart: the engine's and perftest's GiB/s by fragment size.
+/// The chart: the engine's GiB/s (one series per channel protection), Mooncake's and
+/// perftest's, by fragment size.
 pub fn chart(rows: &[RemoteRow]) -> BarChart {
     let mut chart = BarChart::new("Remote restore against Mooncake TE and ucx_perftest", "GiB/s");
     if let Some(first) = rows.first() {
@@ -1262,19 +1329,30 @@ pub fn chart(rows: &[RemoteRow]) -> BarChart {
             first.repeats
         );
     }
-    chart.groups = rows
+    let mut sizes: Vec<u64> = rows.iter().map(|r| r.fragment_size).collect();
+    sizes.dedup();
+    let first_of = |size: u64| rows.iter().find(|r| r.fragment_size == size);
+    chart.groups = sizes
         .iter()
-        .map(|r| match (r.mooncake_ratio, r.ratio) {
-            (Some(m), _) => format!("{} ({m:.2}x Mooncake)", ByteSize(r.fragment_size)),
-            (None, Some(p)) => format!("{} ({p:.2}x perftest)", ByteSize(r.fragment_size)),
-            (None, None) => ByteSize(r.fragment_size).to_string(),
+        .map(|&size| match first_of(size).map(|r| (r.mooncake_ratio, r.ratio, r.protection)) {
+            Some((Some(m), _, p)) => format!("{} ({m:.2}x Mooncake, {p})", ByteSize(size)),
+            Some((None, Some(r), p)) => format!("{} ({r:.2}x perftest, {p})", ByteSize(size)),
+            _ => ByteSize(size).to_string(),
         })
         .collect();
-    chart.series = vec![
-        Series::new("umbp-ucx restore", rows.iter().map(|r| Some(r.gib_s)).collect()),
-        Series::new("Mooncake TE batch read", rows.iter().map(|r| r.mooncake_gib_s).collect()),
-        Series::new("ucx_perftest ucp_get", rows.iter().map(|r| r.perftest_gib_s).collect()),
-    ];
+    let engine = |p: Protection| {
+        let name = protection_name(p);
+        let of = |size: u64| {
+            rows.iter().find(|r| r.fragment_size == size && r.protection == name).map(|r| r.gib_s)
+        };
+        Series::new(&format!("umbp-ucx restore, {name}"), sizes.iter().map(|&s| of(s)).collect())
+    };
+    let peer = |f: fn(&RemoteRow) -> Option<f64>| -> Vec<Option<f64>> {
+        sizes.iter().map(|&s| first_of(s).and_then(f)).collect()
+    };
+    chart.series = PROTECTIONS.iter().map(|&p| engine(p)).collect();
+    chart.series.push(Series::new("Mooncake TE batch read", peer(|r| r.mooncake_gib_s)));
+    chart.series.push(Series::new("ucx_perftest ucp_get", peer(|r| r.perftest_gib_s)));
     chart
 }
 
@@ -1318,18 +1396,48 @@ mod tests {
     fn rows_without_perftest_have_no_ratio_and_no_verdict() {
         let shape = RestoreShape { objects: 1, ..RestoreShape::kimi_k3(64 << 10) };
         let config = RemoteBenchConfig::default();
-        let r = row(&config, "child", &shape, 384, 256, &[1.0, 1.2, 0.9], &[], true);
+        let r = row(
+            &config,
+            Protection::Encrypted,
+            "child",
+            &shape,
+            384,
+            256,
+            &[1.0, 1.2, 0.9],
+            &[],
+            true,
+        );
         assert_eq!((r.ratio, r.ratio_range, r.verdict), (None, None, None));
         assert_eq!((r.gib_s, r.repeats, r.fragments), (1.0, 3, 384));
-        let r = row(&config, "child", &shape, 384, 256, &[0.9, 1.0, 1.1], &[1.0, 1.2], true);
+        let r = row(
+            &config,
+            Protection::Encrypted,
+            "child",
+            &shape,
+            384,
+            256,
+            &[0.9, 1.0, 1.1],
+            &[1.0, 1.2],
+            true,
+        );
         assert_eq!((r.path, r.verdict), ("checked", None), "no perftest target off one-sided");
         assert_eq!(r.ratio_range, Some([0.75, 1.1]), "the ratio is still reported beside it");
         let rdma = RemoteBenchConfig { transports: "rc_x,dc_x".into(), ..config.clone() };
-        let r = row(&rdma, "child", &shape, 384, 256, &[0.9, 1.0, 1.1], &[1.0, 1.2], true);
+        let r = row(
+            &rdma,
+            Protection::Encrypted,
+            "child",
+            &shape,
+            384,
+            256,
+            &[0.9, 1.0, 1.1],
+            &[1.0, 1.2],
+            true,
+        );
         assert_eq!(r.path, "one-sided");
         assert_eq!(r.verdict, Some(Verdict::WithinNoise), "0.8 lies in [0.75, 1.1]");
         let small = RestoreShape { page_size: 4 << 10, ..shape };
-        let r = row(&rdma, "child", &small, 6144, 256, &[1.0], &[1.0], true);
+        let r = row(&rdma, Protection::Encrypted, "child", &small, 6144, 256, &[1.0], &[1.0], true);
         assert_eq!((r.ratio, r.verdict), (Some(1.0), None), "no target below 64 KiB");
         let run = RemoteRun { restores: vec![r], latency: Vec::new() };
         assert!(table(&run).contains("4KiB"));
@@ -1354,15 +1462,18 @@ mod tests {
         let shape = RestoreShape { objects: 1, ..RestoreShape::kimi_k3(64 << 10) };
         let config = RemoteBenchConfig::default();
         let engine = [0.9, 1.0, 1.1];
-        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        let mut r =
+            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[0.5, 0.6, 0.7], Some(true), None);
         assert_eq!(r.mooncake_gib_s, Some(0.6));
         assert_eq!(r.mooncake_verdict, Some(Verdict::Met), "0.9 / 0.7 > 1.0");
         assert_eq!((r.mooncake_verified, r.mooncake_skipped.as_deref()), (Some(true), None));
-        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        let mut r =
+            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[1.0, 1.05], Some(true), None);
         assert_eq!(r.mooncake_verdict, Some(Verdict::WithinNoise));
-        let mut r = row(&config, "child", &shape, 384, 256, &engine, &[], true);
+        let mut r =
+            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[], None, Some("not installed".into()));
         assert_eq!((r.mooncake_gib_s, r.mooncake_verdict), (None, None));
         assert_eq!(r.mooncake_skipped.as_deref(), Some("not installed"));
@@ -1406,13 +1517,13 @@ mod tests {
         // 100 samples: 1..=100 µs, one slow outlier of 5 ms in the last block.
         let mut times: Vec<f64> = (1..=100).map(f64::from).collect();
         times[99] = 5000.0;
-        let quiet = latency_row(&config, "quiet", &times, true);
+        let quiet = latency_row(&config, Protection::Encrypted, "quiet", &times, true);
         assert_eq!((quiet.p50_us, quiet.p90_us, quiet.max_us), (51.0, 90.0, 5000.0));
         assert_eq!((quiet.target_p99_us, quiet.verdict), (None, None));
-        let loaded = latency_row(&config, "spinning", &times, true);
+        let loaded = latency_row(&config, Protection::Encrypted, "spinning", &times, true);
         assert_eq!(loaded.p99_range, [20.0, 5000.0], "the blocks' p99s");
         assert_eq!(loaded.verdict, Some(Verdict::WithinNoise));
-        let fast = latency_row(&config, "spinning", &[20.0; 50], true);
+        let fast = latency_row(&config, Protection::Encrypted, "spinning", &[20.0; 50], true);
         assert_eq!(fast.verdict, Some(Verdict::Met));
         let json = serde_json::to_value(RemoteLine::Latency(&fast)).unwrap();
         assert_eq!((&json["row"], &json["load"]), (&"latency".into(), &"spinning".into()));

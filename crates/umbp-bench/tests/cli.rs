@@ -685,10 +685,11 @@ fn remote_json(args: &[&str], python: &Path) -> (String, Vec<Line>, Vec<Line>) {
     (stderr, restores, latency)
 }
 
-const REMOTE_FIELDS: [&str; 26] = [
+const REMOTE_FIELDS: [&str; 27] = [
     "row",
     "transport",
     "path",
+    "protection",
     "server",
     "fragment_size",
     "objects",
@@ -732,7 +733,10 @@ fn remote_json_fields_and_verified_restores() {
     let with_perftest = !stderr.contains("no reference");
     check_fields("remote", &lines, &REMOTE_FIELDS);
     let sizes: Vec<&Value> = lines.iter().map(|l| &l["fragment_size"]).collect();
-    assert_eq!(sizes, [65536, 262144, 1048576], "the default fragment sizes");
+    let twice = [65536, 65536, 262144, 262144, 1048576, 1048576];
+    assert_eq!(sizes, twice, "the default fragment sizes, a row per protection");
+    let protections: Vec<&Value> = lines.iter().map(|l| &l["protection"]).collect();
+    assert_eq!(protections, ["encrypted", "authenticated"].repeat(3));
     for l in &lines {
         assert_eq!(l["verified"], true, "{l:?}");
         assert_eq!((&l["transport"], &l["server"]), (&"tcp".into(), &"child".into()));
@@ -763,6 +767,7 @@ fn remote_json_fields_and_verified_restores() {
         "row",
         "transport",
         "path",
+        "protection",
         "load",
         "transfer_size",
         "transfers",
@@ -781,8 +786,15 @@ fn remote_json_fields_and_verified_restores() {
         "mooncake_verified",
     ];
     check_fields("remote", &latency, &fields);
-    let loads: Vec<&Value> = latency.iter().map(|l| &l["load"]).collect();
-    assert_eq!(loads, ["quiet", "spinning"]);
+    let loads: Vec<(&Value, &Value)> =
+        latency.iter().map(|l| (&l["load"], &l["protection"])).collect();
+    let expected: [(Value, Value); 4] = [
+        ("quiet".into(), "encrypted".into()),
+        ("quiet".into(), "authenticated".into()),
+        ("spinning".into(), "encrypted".into()),
+        ("spinning".into(), "authenticated".into()),
+    ];
+    assert_eq!(loads, expected.iter().map(|(a, b)| (a, b)).collect::<Vec<_>>());
     for l in &latency {
         assert_eq!((&l["transfer_size"], &l["transfers"]), (&4096.into(), &40.into()), "{l:?}");
         assert_eq!(l["verified"], true, "every single transfer delivered its bytes: {l:?}");
@@ -802,8 +814,10 @@ fn remote_json_fields_and_verified_restores() {
         missing,
     );
     assert!(latency.is_empty());
-    assert_eq!(lines.len(), 1);
-    assert_eq!(lines[0]["mooncake_skipped"], "not run (--no-mooncake)");
+    assert_eq!(lines.len(), 2, "one row per protection");
+    for l in &lines {
+        assert_eq!(l["mooncake_skipped"], "not run (--no-mooncake)");
+    }
 }
 
 /// The python of the Mooncake venv when it is installed already (UMBP_MOONCAKE_PYTHON, else
@@ -829,13 +843,14 @@ fn remote_measures_mooncake_beside_the_engine() {
     let args = ["--fragment-sizes", "256KiB", "--latency-transfers", "30", "--no-perftest"];
     let (stderr, lines, latency) = remote_json(&args, &python);
     assert!(stderr.lines().all(|l| l.starts_with("umbp-bench remote: no reference")), "{stderr}");
-    assert_eq!(latency.len(), 2, "quiet and spinning");
+    assert_eq!(latency.len(), 4, "quiet and spinning, each encrypted and authenticated");
     for l in &latency {
         assert_eq!(l["mooncake_verified"], true, "Mooncake's single reads landed: {l:?}");
         let p50 = l["mooncake_p50_us"].as_f64().expect("Mooncake's latency beside the engine's");
         assert!(0.0 < p50 && p50 <= l["mooncake_p99_us"].as_f64().unwrap(), "{l:?}");
     }
     check_fields("remote", &lines, &REMOTE_FIELDS);
+    assert_eq!(lines.len(), 2, "one row per protection");
     let l = &lines[0];
     assert_eq!(l["mooncake_skipped"], Value::Null, "{l:?}");
     assert_eq!(l["mooncake_verified"], true, "Mooncake read every byte right: {l:?}");
