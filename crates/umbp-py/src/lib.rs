@@ -23,8 +23,9 @@ use pyo3::exceptions::{PyException, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use umbp_composite::{
-    start_offload, start_restore, Batch as CompositeBatch, CompositeConfig, CompositeEngine,
-    ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging, TransferReport,
+    start_offload, start_restore, Batch as CompositeBatch, ChecksumPolicy, CompositeConfig,
+    CompositeEngine, ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging,
+    TransferReport,
 };
 use umbp_hbm::{HbmConfig, HbmEngine, LayerEvents, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
@@ -206,6 +207,7 @@ impl Engine {
         ssd_queue_depth: u32,
         ssd_worker_cpus: Option<Vec<usize>>,
         remote: Option<UcxConfig>,
+        checksums: ChecksumPolicy,
     ) -> PyResult<Self> {
         let registry = EndpointRegistry::new();
         let config = HbmConfig {
@@ -249,7 +251,7 @@ impl Engine {
         let composite = CompositeEngine::with_config(
             registry,
             engines,
-            CompositeConfig { workers, ..CompositeConfig::default() },
+            CompositeConfig { workers, checksums, ..CompositeConfig::default() },
         );
         let bounce = composite
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes))
@@ -272,9 +274,11 @@ impl Engine {
     /// nodes that run without authentication when `remote_insecure_no_auth`. `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
     /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
     /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
-    /// anything is allocated or started.
+    /// anything is allocated or started. `checksums`: which tiers' objects get a CRC32C
+    /// (`"off"`, `"files_and_remote"`, `"all_tiers"`; `umbp_composite::ChecksumPolicy`):
+    /// offloads report it, restores given one verify it.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false, checksums="files_and_remote"))]
     fn new(
         py: Python<'_>,
         device: &str,
@@ -288,7 +292,13 @@ impl Engine {
         remote_transports: Option<String>,
         remote_secret: Option<Vec<u8>>,
         remote_insecure_no_auth: bool,
+        checksums: &str,
     ) -> PyResult<Self> {
+        let checksums = ChecksumPolicy::from_name(checksums).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "checksums={checksums:?}: one of \"off\", \"files_and_remote\", \"all_tiers\""
+            ))
+        })?;
         // Checked before anything starts: the bounce region is allocated whole (an allocation
         // the system refuses aborts), and each worker is a thread.
         let bounce_bytes = host_len(bounce_bytes, "a bounce region")?.max(2);
@@ -310,6 +320,7 @@ impl Engine {
                 ssd_worker_cpus,
                 remote
                     .then(|| ucx_config(remote_transports, remote_secret, remote_insecure_no_auth)),
+                checksums,
             )
         })
     }
@@ -490,8 +501,10 @@ impl Engine {
     /// `(offset, length, endpoint, endpoint_offset, group)`; `tier` and `endpoint` are
     /// registrations of this engine or raw endpoint ids. With `stream` (a raw stream handle of
     /// device `stream_device`), device work is queued on that stream and one event per layer
-    /// group is recorded there.
-    #[pyo3(signature = (objects, restore, timeout=None, stream=None, stream_device=0))]
+    /// group is recorded there. `checksums`: one per object, the CRC32C a restore must find
+    /// (`None`: nothing to verify); offloads ignore them.
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
+    #[pyo3(signature = (objects, restore, timeout=None, stream=None, stream_device=0, checksums=None))]
     fn start(
         &self,
         py: Python<'_>,
@@ -500,7 +513,11 @@ impl Engine {
         timeout: Option<f64>,
         stream: Option<u64>,
         stream_device: u32,
+        checksums: Option<Vec<Option<u32>>>,
     ) -> PyResult<Batch> {
+        if checksums.as_ref().is_some_and(|c| c.len() != objects.len()) {
+            return Err(PyValueError::new_err("checksums: one per object"));
+        }
         let specs: Vec<Spec> = objects
             .into_iter()
             .map(|(tag, tier, pages, page_size, size, ranges)| {
@@ -532,7 +549,8 @@ impl Engine {
         let batch = py.allow_threads(move || {
             let transfers: Vec<ObjectTransfer<'_>> = specs
                 .iter()
-                .map(|s| ObjectTransfer {
+                .enumerate()
+                .map(|(i, s)| ObjectTransfer {
                     tag: s.tag,
                     object: PagedObject {
                         tier: s.tier,
@@ -541,7 +559,7 @@ impl Engine {
                         size: s.size,
                     },
                     ranges: &s.ranges,
-                    checksum: None,
+                    checksum: checksums.as_ref().and_then(|c| c[i]),
                 })
                 .collect();
             let mut builder = composite.builder();
@@ -560,7 +578,7 @@ impl Engine {
     }
 
     /// One shape: `{"engines": {(engine, direction): counters}, "in_flight": {"batches",
-    /// "bytes"}}`; `umbp.Metrics` types it.
+    /// "bytes"}, "checksums": {"mismatches", "bytes"}}`; `umbp.Metrics` types it.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engines = PyDict::new(py);
         let composite = self.composite();
@@ -575,12 +593,16 @@ impl Engine {
             d.set_item("rejected_fragments", c.rejected_fragments)?;
             engines.set_item((engine.to_string(), direction.to_string()), d)?;
         }
+        let checksums = PyDict::new(py);
+        checksums.set_item("mismatches", composite.metrics().checksum_mismatches())?;
+        checksums.set_item("bytes", composite.metrics().checksum_bytes())?;
         let in_flight = PyDict::new(py);
         in_flight.set_item("batches", flight.batches)?;
         in_flight.set_item("bytes", flight.bytes)?;
         let out = PyDict::new(py);
         out.set_item("engines", engines)?;
         out.set_item("in_flight", in_flight)?;
+        out.set_item("checksums", checksums)?;
         Ok(out)
     }
 
@@ -603,9 +625,9 @@ enum EndpointArg<'py> {
     Raw(u64),
 }
 
-/// A report as Python receives it: the aggregate, then `(tag, state, error or None)` per
-/// object.
-type ReportTuple = (&'static str, Vec<(u64, &'static str, Option<PyObject>)>);
+/// A report as Python receives it: the aggregate, then `(tag, state, error or None, checksum
+/// or None)` per object.
+type ReportTuple = (&'static str, Vec<(u64, &'static str, Option<PyObject>, Option<u32>)>);
 
 /// One object of a batch, owned while it is planned.
 struct Spec {
@@ -998,14 +1020,14 @@ fn object_error(py: Python<'_>, e: &ObjectError, tag: Option<u64>) -> PyResult<P
     Ok(value.clone().into_any().unbind())
 }
 
-/// `(aggregate, [(tag, state, error or None)])`.
+/// `(aggregate, [(tag, state, error or None, checksum or None)])`.
 fn report_tuple(py: Python<'_>, r: &TransferReport) -> PyResult<ReportTuple> {
     let objects = r
         .objects
         .iter()
         .map(|o| {
             let error = o.error.as_ref().map(|e| object_error(py, e, Some(o.tag))).transpose()?;
-            Ok((o.tag, state_name(o.state), error))
+            Ok((o.tag, state_name(o.state), error, o.checksum))
         })
         .collect::<PyResult<_>>()?;
     let aggregate = match r.aggregate {

@@ -84,7 +84,7 @@ def test_host_copies_and_ssd_round_trip(engine, tmp_path):
         engine.restore([host]).raise_for_errors()
         assert bytes(dst[8 * PAGE:8 * PAGE + 100]) == bytes(src[2 * PAGE + 10:2 * PAGE + 110])
     m = engine.metrics()
-    assert set(m) == {"engines", "in_flight"}, m
+    assert set(m) == {"engines", "in_flight", "checksums"}, m
     assert all(isinstance(k, tuple) and len(k) == 2 for k in m["engines"]), m
     assert m["engines"][("ssd", "host->file")]["bytes"] == 3 * PAGE
     assert m["in_flight"] == {"batches": 0, "bytes": 0}

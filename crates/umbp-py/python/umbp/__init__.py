@@ -77,6 +77,7 @@ __all__ = [
     "State",
     "RejectKind",
     "FailureKind",
+    "ChecksumPolicy",
     "UnknownKeyError",
     "reset_log_cache",
     "Engine",
@@ -88,6 +89,7 @@ __all__ = [
     "Metrics",
     "EngineCounters",
     "InFlight",
+    "ChecksumCounters",
     "ObjectResult",
     "Error",
     "RegistrationError",
@@ -168,7 +170,26 @@ class FailureKind(_StrEnum):
     CANCELLED = "cancelled"
     PEER_FAILED = "peer_failed"
     PANICKED = "panicked"
+    #: The object's bytes arrived but their CRC32C is not the :attr:`Object.checksum` given:
+    #: the block in the tier is not the block that was saved. A load error: recompute it.
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    #: A checksum was given but part of the object moved where it never sits in host memory
+    #: (device to device), so it could not be verified; it fails rather than load unverified.
+    CHECKSUM_UNVERIFIABLE = "checksum_unverifiable"
     OTHER = "other"
+
+
+class ChecksumPolicy(_StrEnum):
+    """Which tiers' objects get a CRC32C (``Engine(checksums=...)``): offloads report it
+    (:attr:`ObjectResult.checksum`), restores given one (:attr:`Object.checksum`) verify it."""
+
+    #: Nothing is hashed.
+    OFF = "off"
+    #: Objects in an SSD file or a remote node (the default): their bytes cross host memory
+    #: anyway, and hashing them costs a small share of the load.
+    FILES_AND_REMOTE = "files_and_remote"
+    #: Every tier, DRAM included (an extra pass over the DRAM tier's pages on each load).
+    ALL_TIERS = "all_tiers"
 
 
 class UnknownKeyError(Error, KeyError):
@@ -209,7 +230,10 @@ class Object:
     """A paged object: stored in ``tier`` (a registration) in pages of ``page_size`` bytes
     whose byte offsets in the tier are ``page_offsets`` (a list or a numpy array, in object
     order); ``size`` bytes long; moved as ``ranges``. ``tag`` is your own integer, reported
-    back with the object's result."""
+    back with the object's result. ``checksum``: for a restore, the CRC32C its bytes must have
+    (the :attr:`ObjectResult.checksum` the offload that saved them reported); where the
+    engine's :class:`ChecksumPolicy` covers the tier, other bytes fail the object with
+    :attr:`FailureKind.CHECKSUM_MISMATCH`. Offloads ignore it."""
 
     tag: int
     tier: Union[Registration, int]
@@ -217,6 +241,7 @@ class Object:
     page_size: int
     size: int
     ranges: Sequence[Range] = field(default_factory=list)
+    checksum: Optional[int] = None
 
     def _native(self) -> "_native._Object":
         return (
@@ -267,12 +292,22 @@ class InFlight(TypedDict):
     bytes: int
 
 
+class ChecksumCounters(TypedDict):
+    """What block checksums found since the engine started."""
+
+    #: Restored objects whose bytes did not match (``umbp_checksum_mismatches_total``).
+    mismatches: int
+    #: Bytes hashed (``umbp_checksum_bytes_total``).
+    bytes: int
+
+
 class Metrics(TypedDict):
     """:meth:`Engine.metrics`: counters keyed by ``(engine, direction)`` (``("ssd",
-    "host->file")``), and what is in flight."""
+    "host->file")``), what is in flight, and what checksums found."""
 
     engines: Dict[Tuple[str, str], EngineCounters]
     in_flight: InFlight
+    checksums: ChecksumCounters
 
 
 @dataclass(frozen=True)
@@ -281,11 +316,16 @@ class ObjectResult:
     ``FAILED``, ``CANCELLED``, ``IN_FLIGHT``; equal to its string); ``error`` the exception
     explaining anything but completion, whose ``.tag`` is this object's (:class:`RejectedError`
     with ``.reason`` and ``.kind``; :class:`TransferError` with ``.kind``, ``.errno``,
-    ``.device_code``, ``.engine``, ``.cause``; :class:`CancelledError`)."""
+    ``.device_code``, ``.engine``, ``.cause``; :class:`CancelledError`). ``checksum``: the
+    CRC32C of the object's bytes (its ranges in order) where the engine's
+    :class:`ChecksumPolicy` covers its tier: for an offload, of the bytes it wrote (record it
+    with the block, give it back as :attr:`Object.checksum` when loading); for a restore
+    given one, of the bytes that arrived; ``None`` otherwise."""
 
     tag: int
     state: State
     error: Optional[Error] = None
+    checksum: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -321,7 +361,9 @@ class Report:
     @staticmethod
     def _from(raw: "_native._Result") -> "Report":
         aggregate, objects = raw
-        return Report(State(aggregate), [ObjectResult(t, State(s), e) for (t, s, e) in objects])
+        return Report(
+            State(aggregate), [ObjectResult(t, State(s), e, c) for (t, s, e, c) in objects]
+        )
 
 
 class Batch:
@@ -589,7 +631,14 @@ class Engine:
     ``remote=True`` adds the remote tier (UCX) over ``remote_transports``; it proves to memory
     nodes that it holds ``remote_secret`` (``None``: the ``UMBP_UCX_SECRET`` environment
     variable) and checks that they hold it too, or, with ``remote_insecure_no_auth``, connects
-    to nodes that run without authentication."""
+    to nodes that run without authentication.
+
+    ``checksums`` (a :class:`ChecksumPolicy` or its name): which tiers' objects get a CRC32C,
+    reported by offloads (:attr:`ObjectResult.checksum`) and verified by restores given one
+    (:attr:`Object.checksum`). The default, ``"files_and_remote"``, verifies loads from SSD and
+    remote nodes; ``"all_tiers"`` adds DRAM (an extra pass over its pages: see the umbp-composite
+    README for the measured cost); ``"off"`` hashes nothing. An unknown name raises
+    ``ValueError``."""
 
     def __init__(
         self,
@@ -605,6 +654,7 @@ class Engine:
         remote_transports: Optional[str] = None,
         remote_secret: Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
+        checksums: Union["ChecksumPolicy", str] = "files_and_remote",
     ):
         self._native = _native.Engine(
             device=device,
@@ -618,6 +668,7 @@ class Engine:
             remote_transports=remote_transports,
             remote_secret=remote_secret,
             remote_insecure_no_auth=remote_insecure_no_auth,
+            checksums=str(ChecksumPolicy(checksums)),
         )
 
     def connect(self, address: str) -> "Peer":
@@ -762,7 +813,10 @@ class Engine:
         device: Optional[int],
     ) -> Batch:
         raw, on = _stream(stream, device)
-        return Batch(self._native.start([o._native() for o in objects], restore, timeout, raw, on))
+        native = [o._native() for o in objects]
+        sums = [o.checksum for o in objects]
+        checksums = None if all(c is None for c in sums) else sums
+        return Batch(self._native.start(native, restore, timeout, raw, on, checksums))
 
     def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
         """:meth:`start_restore`, then waits; one result per object (``timeout`` is the

@@ -43,7 +43,7 @@ class TransferError(Error):
 class CancelledError(Error): ...
 class ClosedError(Error): ...
 
-_Result = Tuple[str, List[Tuple[int, str, Optional[Error]]]]
+_Result = Tuple[str, List[Tuple[int, str, Optional[Error], Optional[int]]]]
 _Range = Tuple[int, int, Union["Registration", int], int, int]
 _Object = Tuple[int, Union["Registration", int], bytes, int, int, List[_Range]]
 
@@ -89,6 +89,7 @@ class Engine:
         remote_transports: Optional[str] = None,
         remote_secret: Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
+        checksums: str = "files_and_remote",
     ) -> "Engine": ...
     @property
     def device_kind(self) -> str: ...
@@ -119,6 +120,7 @@ class Engine:
         timeout: Optional[float] = None,
         stream: Optional[int] = None,
         stream_device: int = 0,
+        checksums: Optional[List[Optional[int]]] = None,
     ) -> Batch: ...
     def metrics(self) -> Dict[str, Dict[Any, Any]]: ...
     def metrics_text(self) -> str: ...
