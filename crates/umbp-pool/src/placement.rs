@@ -341,7 +341,8 @@ impl NodeAnnouncement {
         let node = NodeId(u32::from_be_bytes(b.get(0..4).ok_or_else(bad)?.try_into().unwrap()));
         let alen = u32::from_be_bytes(b.get(4..8).ok_or_else(bad)?.try_into().unwrap()) as usize;
         let end = 8usize.checked_add(alen).ok_or_else(bad)?;
-        let address = String::from_utf8(b.get(8..end).ok_or_else(bad)?.to_vec()).map_err(|_| bad())?;
+        let address =
+            String::from_utf8(b.get(8..end).ok_or_else(bad)?.to_vec()).map_err(|_| bad())?;
         let rest = &b[end..];
         if rest.len() % 10 != 0 {
             return Err(bad());

@@ -26,7 +26,8 @@ fn offload_publish_lookup_restore_round_trip() {
     index.register_tier(&spec).unwrap();
 
     // The DRAM tier's arena, poisoned, and the block to save (shorter than a slot).
-    let arena = composite.register_memory(vec![0xeeu8; (SLOT * u64::from(SLOTS)) as usize]).unwrap();
+    let arena =
+        composite.register_memory(vec![0xeeu8; (SLOT * u64::from(SLOTS)) as usize]).unwrap();
     let tier = TierRegion::new(arena.id(), 0, &spec);
     let len = SLOT - 1000;
     let block: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
@@ -34,7 +35,9 @@ fn offload_publish_lookup_restore_round_trip() {
     let key = BlockKey::from_u128(0x1234);
 
     // Save: reserve, offload into the slot, publish with the checksum.
-    let Reserved::Slot(r) = index.reserve(key, spec.node, spec.tier, len, Duration::from_secs(30)).unwrap() else {
+    let Reserved::Slot(r) =
+        index.reserve(key, spec.node, spec.tier, len, Duration::from_secs(30)).unwrap()
+    else {
         panic!("fresh index")
     };
     let mut page = [0u64; 1];
@@ -55,7 +58,8 @@ fn offload_publish_lookup_restore_round_trip() {
     let dst = composite.register_memory(vec![0u8; SLOT as usize]).unwrap();
     let mut page = [0u64; 1];
     let ranges = [ObjectRange::new(0, placement.len, dst.id(), 0)];
-    let load = [ObjectTransfer::new(8, tier.object(placement.slot, placement.len, &mut page), &ranges)];
+    let load =
+        [ObjectTransfer::new(8, tier.object(placement.slot, placement.len, &mut page), &ranges)];
     let report = restore(&mut builder, &load).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
     index.release(lease.id).unwrap();

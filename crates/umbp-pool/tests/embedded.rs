@@ -110,7 +110,11 @@ fn crash_between_reserve_and_publish_leaves_nothing_half_there() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool.redb");
     let status = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "crash_between_reserve_and_publish_leaves_nothing_half_there", "--nocapture"])
+        .args([
+            "--exact",
+            "crash_between_reserve_and_publish_leaves_nothing_half_there",
+            "--nocapture",
+        ])
         .env(CHILD_ENV, &path)
         .status()
         .unwrap();

@@ -71,12 +71,9 @@ fn authentication_is_required() {
 #[test]
 fn an_acl_user_with_its_own_password() {
     let Some(server) = RedisServer::start() else { return };
-    let admin = redis::Client::open(format!(
-        "redis://:{}@127.0.0.1:{}/",
-        support::PASSWORD,
-        server.port()
-    ))
-    .unwrap();
+    let admin =
+        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+            .unwrap();
     let mut c = admin.get_connection().unwrap();
     redis::cmd("ACL")
         .arg(&["SETUSER", "pool", "on", ">pool-secret", "~{test}:*", "+@all"])
@@ -138,7 +135,10 @@ fn node_expiry_drops_its_placements() {
     let short = Duration::from_millis(300);
     let announce = |node: NodeId, ttl| {
         index
-            .announce(&NodeAnnouncement { node, address: format!("node-{node}"), tiers: vec![] }, ttl)
+            .announce(
+                &NodeAnnouncement { node, address: format!("node-{node}"), tiers: vec![] },
+                ttl,
+            )
             .unwrap()
     };
     announce(NodeId(2), short);

@@ -11,10 +11,23 @@ use crate::{BlockKey, NodeAnnouncement, NodeId, Placement, TierId, TierSpec, Tie
 #[derive(Copy, Clone, Debug)]
 pub(super) enum SlotState {
     Free,
-    Reserved { key: BlockKey, len: u64, deadline: Instant },
-    Published { key: BlockKey, len: u64, checksum: u32, last_use: u64 },
+    Reserved {
+        key: BlockKey,
+        len: u64,
+        deadline: Instant,
+    },
+    Published {
+        key: BlockKey,
+        len: u64,
+        checksum: u32,
+        last_use: u64,
+    },
     /// Picked for eviction or removal; its deletion is being committed.
-    Leaving { key: BlockKey, len: u64, checksum: u32 },
+    Leaving {
+        key: BlockKey,
+        len: u64,
+        checksum: u32,
+    },
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -190,7 +203,9 @@ impl TierState {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s.state {
-                SlotState::Published { last_use, .. } if s.leases == 0 => Some((last_use, i as u32)),
+                SlotState::Published { last_use, .. } if s.leases == 0 => {
+                    Some((last_use, i as u32))
+                }
                 _ => None,
             })
             .collect();

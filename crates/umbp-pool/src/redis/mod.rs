@@ -225,7 +225,10 @@ impl RedisIndex {
 
     /// Runs `f` on a pooled connection; a connection whose call failed is dropped rather than
     /// pooled (it may hold half a reply, or the server may be gone).
-    fn with<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Error> {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
+    ) -> Result<T, Error> {
         let pooled = lock(&self.idle).pop();
         let mut conn = match pooled {
             Some(c) => c,
@@ -350,12 +353,9 @@ impl Index for RedisIndex {
             }
             b"dead" => Err(Error::NodeNotAlive(node)),
             b"unknown" => Err(Error::UnknownTier { node, tier }),
-            b"toolarge" if a.len() == 2 => Err(Error::TooLarge {
-                node,
-                tier,
-                len,
-                slot_size: int("reserve", &a[1])? as u64,
-            }),
+            b"toolarge" if a.len() == 2 => {
+                Err(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 })
+            }
             b"full" => Err(Error::TierFull { node, tier }),
             _ => Err(corrupt("reserve", &v)),
         }
@@ -401,7 +401,12 @@ impl Index for RedisIndex {
         let mut inv = self.scripts.abort.prepare_invoke();
         inv.arg(&self.prefix);
         for r in reservations {
-            inv.arg(&r.key.0[..]).arg(r.node.0).arg(r.tier.0).arg(r.slot).arg(r.generation).arg(r.len);
+            inv.arg(&r.key.0[..])
+                .arg(r.node.0)
+                .arg(r.tier.0)
+                .arg(r.slot)
+                .arg(r.generation)
+                .arg(r.len);
         }
         self.with(|c| inv.invoke::<i64>(c))?;
         Ok(())
@@ -466,7 +471,8 @@ impl Index for RedisIndex {
 
     fn renew(&self, id: u64, ttl: Duration) -> Result<(), Error> {
         let key = format!("{}:lease:{id}", self.prefix);
-        let renewed: i64 = self.with(|c| redis::cmd("PEXPIRE").arg(&key).arg(ttl_ms(ttl)).query(c))?;
+        let renewed: i64 =
+            self.with(|c| redis::cmd("PEXPIRE").arg(&key).arg(ttl_ms(ttl)).query(c))?;
         if renewed == 1 {
             Ok(())
         } else {
@@ -539,11 +545,8 @@ impl Index for RedisIndex {
         })?;
         if joined == 1 {
             tracing::info!(node = node.node.0, "pool: node joined (empty)");
-            let specs: Vec<TierSpec> = lock(&self.registered)
-                .values()
-                .filter(|s| s.node == node.node)
-                .copied()
-                .collect();
+            let specs: Vec<TierSpec> =
+                lock(&self.registered).values().filter(|s| s.node == node.node).copied().collect();
             for spec in specs {
                 self.register_remote(&spec)?;
             }

@@ -80,7 +80,9 @@ impl RedisServer {
              && printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n' > ext.cnf \
              && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf");
         if !made {
-            eprintln!("skipped: the openssl command is missing or failed to make test certificates");
+            eprintln!(
+                "skipped: the openssl command is missing or failed to make test certificates"
+            );
             return None;
         }
         Self::start_in(dir, true)

@@ -30,7 +30,9 @@ pub fn setup(index: &dyn Index, spec: &TierSpec) {
 
 pub fn key(i: u64) -> BlockKey {
     // Spread the bits so keys are not small integers only.
-    BlockKey::from_u128(u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) ^ 0xabcd)
+    BlockKey::from_u128(
+        u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835) ^ 0xabcd,
+    )
 }
 
 pub fn reserve(index: &dyn Index, k: BlockKey, spec: &TierSpec, len: u64) -> Reservation {
@@ -98,10 +100,7 @@ pub fn abort_frees_and_full_is_typed(index: &dyn Index) {
     let a = reserve(index, key(1), &spec, 64);
     let b = reserve(index, key(2), &spec, 64);
     assert_ne!(a.slot, b.slot);
-    assert!(matches!(
-        index.reserve(key(3), NODE, TierId(0), 64, TTL),
-        Err(Error::TierFull { .. })
-    ));
+    assert!(matches!(index.reserve(key(3), NODE, TierId(0), 64, TTL), Err(Error::TierFull { .. })));
     index.abort(&[a]).unwrap();
     assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![None]);
     // Aborting twice, or publishing an aborted reservation, does nothing.
@@ -212,7 +211,15 @@ pub fn leases_block_eviction_and_expire(index: &dyn Index) {
     std::thread::sleep(Duration::from_millis(600));
     assert!(matches!(index.renew(lease.id, TTL), Err(Error::LeaseExpired(id)) if id == lease.id));
     assert_eq!(index.evict(NODE, TierId(0), 2).unwrap(), 2);
-    assert_eq!(index.remove(&[key(0), key(1), key(2)]).unwrap().iter().filter(|r| **r == Removed::Removed).count(), 1);
+    assert_eq!(
+        index
+            .remove(&[key(0), key(1), key(2)])
+            .unwrap()
+            .iter()
+            .filter(|r| **r == Removed::Removed)
+            .count(),
+        1
+    );
     assert_eq!(index.tier_stats(NODE, TierId(0)).unwrap().free, 4);
 }
 
@@ -227,7 +234,7 @@ pub fn release_and_recency(index: &dyn Index) {
     assert_eq!(index.remove(&[key(2)]).unwrap(), vec![Removed::Leased]);
     index.release(lease.id).unwrap();
     index.release(lease.id).unwrap(); // idempotent
-    // Use key 0 and key 2 again; key 1 is the least recently used.
+                                      // Use key 0 and key 2 again; key 1 is the least recently used.
     std::thread::sleep(Duration::from_millis(5));
     let l2 = index.lease(&[ps[0], ps[2]], TTL).unwrap();
     index.release(l2.id).unwrap();
@@ -235,7 +242,10 @@ pub fn release_and_recency(index: &dyn Index) {
     let found = index.lookup(&[key(0), key(1), key(2)]).unwrap();
     assert_eq!(found.iter().filter(|p| p.is_some()).count(), 2);
     assert_eq!(found[1], None, "key 1 was the least recently used: {found:?}");
-    assert_eq!(index.remove(&[key(2), key(2), key(9)]).unwrap(), vec![Removed::Removed, Removed::Absent, Removed::Absent]);
+    assert_eq!(
+        index.remove(&[key(2), key(2), key(9)]).unwrap(),
+        vec![Removed::Removed, Removed::Absent, Removed::Absent]
+    );
     assert_eq!(index.lookup(&[key(2)]).unwrap(), vec![None]);
 }
 
