@@ -14,7 +14,7 @@ mod slots;
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
@@ -44,7 +44,7 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// One redb file belongs to one process at a time (redb locks it).
 pub struct EmbeddedIndex {
     db: Database,
-    state: Mutex<State>,
+    state: RwLock<State>,
 }
 
 impl std::fmt::Debug for EmbeddedIndex {
@@ -148,13 +148,18 @@ impl EmbeddedIndex {
             t.rebuild_free_list();
         }
         tracing::info!(blocks = state.keys.len(), tiers = state.tiers.len(), "embedded index open");
-        Ok(Self { db, state: Mutex::new(state) })
+        Ok(Self { db, state: RwLock::new(state) })
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        // A panic while the lock was held can only come from a bug in this module; the state
-        // is still the last consistent one because every change is applied after its commit.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    // A panic while the lock was held can only come from a bug in this module; the state is
+    // still the last consistent one because every change is applied after its commit.
+    fn state(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lookups share the state: any number run at once.
+    fn read_state(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
     }
 
     fn tier(state: &State, node: NodeId, tier: TierId) -> Result<usize, Error> {
@@ -352,12 +357,12 @@ impl Index for EmbeddedIndex {
     }
 
     fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
-        let state = self.state();
+        let state = self.read_state();
         Ok(keys.iter().map(|k| state.placement(k)).collect())
     }
 
     fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, Error> {
-        let state = self.state();
+        let state = self.read_state();
         Ok(keys.iter().take_while(|k| state.keys.contains_key(k)).count())
     }
 
