@@ -47,6 +47,19 @@ pub trait Index: Send + Sync {
         ttl: Duration,
     ) -> Result<Reserved, Error>;
 
+    /// Reserves slots of one tier for many blocks (`(key, len)` each) in one round trip or one
+    /// lock, as [`reserve`](Index::reserve) would one by one: one answer per item, in order,
+    /// `Err` holding what that item alone met ([`Error::TooLarge`], [`Error::TierFull`],
+    /// [`Error::UnknownTier`], [`Error::NodeNotAlive`]). The outer `Err` is the call's own
+    /// failure (the backend unreachable). A key given twice gets two slots; one publish wins.
+    fn reserve_many(
+        &self,
+        node: NodeId,
+        tier: TierId,
+        items: &[(BlockKey, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<Reserved, Error>>, Error>;
+
     /// Publishes each reservation with the CRC32C of the bytes written into its slot, in one
     /// round trip or transaction. For the embedded index a `Published::Won` is durable when this
     /// returns.

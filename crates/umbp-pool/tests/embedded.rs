@@ -36,6 +36,7 @@ shared!(
     release_and_recency,
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
+    reserve_many_answers_per_item,
 );
 
 #[test]

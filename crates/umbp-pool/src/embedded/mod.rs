@@ -203,6 +203,37 @@ impl EmbeddedIndex {
         result
     }
 
+    fn reserve_locked(
+        &self,
+        state: &mut State,
+        key: BlockKey,
+        node: NodeId,
+        tier: TierId,
+        len: u64,
+        deadline: Instant,
+    ) -> Result<Reserved, Error> {
+        if let Some(p) = state.placement(&key) {
+            return Ok(Reserved::Present(p));
+        }
+        let t = Self::tier(state, node, tier)?;
+        let spec = state.tiers[t].spec;
+        if len > spec.slot_size {
+            return Err(Error::TooLarge { node, tier, len, slot_size: spec.slot_size });
+        }
+        state.tiers[t].reclaim_expired(Instant::now());
+        let free = state.tiers[t].free_count();
+        if free < spec.low_watermark.max(1) {
+            let want = spec.high_watermark.max(1) - free.min(spec.high_watermark.max(1));
+            self.evict_locked(state, t, want)?;
+        }
+        let generation = state.next_generation;
+        let slot = state.tiers[t]
+            .take(key, len, generation, deadline)
+            .ok_or(Error::TierFull { node, tier })?;
+        state.next_generation += 1;
+        Ok(Reserved::Slot(Reservation { key, node, tier, slot, len, generation }))
+    }
+
     fn evict_locked(&self, state: &mut State, t: usize, want: u32) -> Result<u32, Error> {
         state.sweep_leases(Instant::now());
         let mut leaving = Vec::new();
@@ -248,27 +279,26 @@ impl Index for EmbeddedIndex {
         ttl: Duration,
     ) -> Result<Reserved, Error> {
         let mut state = self.state();
-        if let Some(p) = state.placement(&key) {
-            return Ok(Reserved::Present(p));
+        self.reserve_locked(&mut state, key, node, tier, len, Instant::now() + ttl)
+    }
+
+    fn reserve_many(
+        &self,
+        node: NodeId,
+        tier: TierId,
+        items: &[(BlockKey, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<Reserved, Error>>, Error> {
+        let mut state = self.state();
+        let deadline = Instant::now() + ttl;
+        let mut out = Vec::with_capacity(items.len());
+        for &(key, len) in items {
+            match self.reserve_locked(&mut state, key, node, tier, len, deadline) {
+                Err(e @ (Error::Store(_) | Error::Corrupt(_))) => return Err(e),
+                answer => out.push(answer),
+            }
         }
-        let t = Self::tier(&state, node, tier)?;
-        let spec = state.tiers[t].spec;
-        if len > spec.slot_size {
-            return Err(Error::TooLarge { node, tier, len, slot_size: spec.slot_size });
-        }
-        let now = Instant::now();
-        state.tiers[t].reclaim_expired(now);
-        let free = state.tiers[t].free_count();
-        if free < spec.low_watermark.max(1) {
-            let want = spec.high_watermark.max(1) - free.min(spec.high_watermark.max(1));
-            self.evict_locked(&mut state, t, want)?;
-        }
-        let generation = state.next_generation;
-        let slot = state.tiers[t]
-            .take(key, len, generation, now + ttl)
-            .ok_or(Error::TierFull { node, tier })?;
-        state.next_generation += 1;
-        Ok(Reserved::Slot(Reservation { key, node, tier, slot, len, generation }))
+        Ok(out)
     }
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {

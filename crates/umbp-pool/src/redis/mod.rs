@@ -61,6 +61,7 @@ impl RedisConfig {
 struct Scripts {
     register_tier: Script,
     reserve: Script,
+    reserve_many: Script,
     publish: Script,
     abort: Script,
     alive: Script,
@@ -80,6 +81,7 @@ impl Scripts {
         Self {
             register_tier: s(scripts::REGISTER_TIER),
             reserve: s(scripts::RESERVE),
+            reserve_many: s(scripts::RESERVE_MANY),
             publish: s(scripts::PUBLISH),
             abort: s(scripts::ABORT),
             alive: s(scripts::ALIVE),
@@ -307,6 +309,38 @@ impl RedisIndex {
     }
 }
 
+/// One answer of the reserve script.
+fn reserved(
+    v: &Value,
+    key: BlockKey,
+    node: NodeId,
+    tier: TierId,
+    len: u64,
+) -> Result<Reserved, Error> {
+    let a = array("reserve", v)?;
+    let code = a.first().ok_or_else(|| corrupt("reserve", v))?;
+    match bytes("reserve", code)? {
+        b"ok" if a.len() == 3 => Ok(Reserved::Slot(Reservation {
+            key,
+            node,
+            tier,
+            slot: int("reserve", &a[1])? as u32,
+            len,
+            generation: int("reserve", &a[2])? as u64,
+        })),
+        b"present" if a.len() == 2 => {
+            Ok(Reserved::Present(Placement::decode(key, bytes("reserve", &a[1])?)?))
+        }
+        b"dead" => Err(Error::NodeNotAlive(node)),
+        b"unknown" => Err(Error::UnknownTier { node, tier }),
+        b"toolarge" if a.len() == 2 => {
+            Err(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 })
+        }
+        b"full" => Err(Error::TierFull { node, tier }),
+        _ => Err(corrupt("reserve", v)),
+    }
+}
+
 fn ttl_ms(ttl: Duration) -> u64 {
     (ttl.as_millis() as u64).max(1)
 }
@@ -337,28 +371,48 @@ impl Index for RedisIndex {
                 v = self.reserve_once(key, node, tier, len, ttl)?;
             }
         }
-        let a = array("reserve", &v)?;
-        let code = a.first().ok_or_else(|| corrupt("reserve", &v))?;
-        match bytes("reserve", code)? {
-            b"ok" if a.len() == 3 => Ok(Reserved::Slot(Reservation {
-                key,
-                node,
-                tier,
-                slot: int("reserve", &a[1])? as u32,
-                len,
-                generation: int("reserve", &a[2])? as u64,
-            })),
-            b"present" if a.len() == 2 => {
-                Ok(Reserved::Present(Placement::decode(key, bytes("reserve", &a[1])?)?))
-            }
-            b"dead" => Err(Error::NodeNotAlive(node)),
-            b"unknown" => Err(Error::UnknownTier { node, tier }),
-            b"toolarge" if a.len() == 2 => {
-                Err(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 })
-            }
-            b"full" => Err(Error::TierFull { node, tier }),
-            _ => Err(corrupt("reserve", &v)),
+        reserved(&v, key, node, tier, len)
+    }
+
+    fn reserve_many(
+        &self,
+        node: NodeId,
+        tier: TierId,
+        items: &[(BlockKey, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<Reserved, Error>>, Error> {
+        if items.is_empty() {
+            return Ok(Vec::new());
         }
+        let call = || -> Result<Value, Error> {
+            let mut inv = self.scripts.reserve_many.prepare_invoke();
+            inv.arg(&self.prefix).arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
+            for (key, len) in items {
+                inv.arg(&key.0[..]).arg(*len);
+            }
+            self.with(|c| inv.invoke(c))
+        };
+        let mut v = call()?;
+        let forgotten = |v: &Value| {
+            array("reserve_many", v).is_ok_and(|a| {
+                a.iter().any(|o| {
+                    matches!(array("reserve_many", o).ok().and_then(|o| o.first()),
+                        Some(Value::BulkString(b)) if b == b"unknown")
+                })
+            })
+        };
+        if forgotten(&v) {
+            let spec = lock(&self.registered).get(&(node, tier)).copied();
+            if let Some(spec) = spec {
+                self.register_remote(&spec)?;
+                v = call()?;
+            }
+        }
+        let a = array("reserve_many", &v)?;
+        if a.len() != items.len() {
+            return Err(corrupt("reserve_many", &v));
+        }
+        Ok(a.iter().zip(items).map(|(o, &(key, len))| reserved(o, key, node, tier, len)).collect())
     }
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {

@@ -80,6 +80,31 @@ local function reclaim(n, t, now)
     redis.call('RPUSH', k('free', n, t), slot)
   end
 end
+local function reserve_one(key, n, t, len_arg, ttl, now)
+  local len = tonumber(len_arg)
+  local blob = redis.call('HGET', P .. ':blocks', key)
+  if blob then return {'present', blob} end
+  if redis.call('EXISTS', P .. ':node:' .. n) == 0 then return {'dead'} end
+  local tk = k('tier', n, t)
+  local meta = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'low', 'high', 'next')
+  if not meta[1] then return {'unknown'} end
+  local slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
+  local high, nxt = tonumber(meta[4]), tonumber(meta[5])
+  if len > slot_size then return {'toolarge', meta[1]} end
+  reclaim(n, t, now)
+  local free = redis.call('LLEN', k('free', n, t)) + (count - nxt)
+  if free < math.max(low, 1) then evict(n, t, math.max(high, 1) - free) end
+  local slot = redis.call('LPOP', k('free', n, t))
+  if not slot then
+    if nxt >= count then return {'full'} end
+    slot = nxt
+    redis.call('HSET', tk, 'next', nxt + 1)
+  end
+  local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
+  redis.call('ZADD', k('resv', n, t), now + ttl, slot)
+  redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
+  return {'ok', tonumber(slot), gen}
+end
 local function wipe(n)
   for _, t in ipairs(redis.call('SMEMBERS', P .. ':ntiers:' .. n)) do
     local all = redis.call('HGETALL', k('owner', n, t))
@@ -116,30 +141,18 @@ return {'ok'}
 /// Returns `{'ok', slot, generation}`, `{'present', placement}`, `{'dead'}`, `{'unknown'}`,
 /// `{'toolarge', slot_size}` or `{'full'}`.
 pub(super) const RESERVE: &str = r#"
-local key, n, t, len, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local blob = redis.call('HGET', P .. ':blocks', key)
-if blob then return {'present', blob} end
-if redis.call('EXISTS', P .. ':node:' .. n) == 0 then return {'dead'} end
-local tk = k('tier', n, t)
-local meta = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'low', 'high', 'next')
-if not meta[1] then return {'unknown'} end
-local slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
-local high, nxt = tonumber(meta[4]), tonumber(meta[5])
-if len > slot_size then return {'toolarge', meta[1]} end
+return reserve_one(ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), now_ms())
+"#;
+
+/// ARGV: P, node, tier, ttl_ms, then per item: key, len. Returns one answer per item, as
+/// [`RESERVE`]'s.
+pub(super) const RESERVE_MANY: &str = r#"
 local now = now_ms()
-reclaim(n, t, now)
-local free = redis.call('LLEN', k('free', n, t)) + (count - nxt)
-if free < math.max(low, 1) then evict(n, t, math.max(high, 1) - free) end
-local slot = redis.call('LPOP', k('free', n, t))
-if not slot then
-  if nxt >= count then return {'full'} end
-  slot = nxt
-  redis.call('HSET', tk, 'next', nxt + 1)
+local out = {}
+for i = 5, #ARGV - 1, 2 do
+  out[#out + 1] = reserve_one(ARGV[i], ARGV[2], ARGV[3], ARGV[i + 1], tonumber(ARGV[4]), now)
 end
-local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
-redis.call('ZADD', k('resv', n, t), now + ttl, slot)
-redis.call('HSET', k('rkey', n, t), slot, key .. ARGV[5])
-return {'ok', tonumber(slot), gen}
+return out
 "#;
 
 /// ARGV: P, then per item: key, node, tier, slot, generation, len, placement value.

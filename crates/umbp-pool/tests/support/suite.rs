@@ -275,15 +275,21 @@ pub fn batched_lookup_of_62500_keys(index: &dyn Index) {
     let spec = TierSpec::new(NODE, TierId(0), 16, N as u32 / 2).watermarks(0, 0);
     setup(index, &spec);
     let mut published = Vec::new();
-    let mut batch = Vec::new();
-    for i in (0..N).step_by(2) {
-        batch.push((reserve(index, key(i), &spec, 16), i as u32));
-        if batch.len() == 1000 {
-            published.extend(index.publish(&batch).unwrap());
-            batch.clear();
-        }
+    let evens: Vec<u64> = (0..N).step_by(2).collect();
+    for chunk in evens.chunks(1000) {
+        let items: Vec<(BlockKey, u64)> = chunk.iter().map(|&i| (key(i), 16)).collect();
+        let batch: Vec<(Reservation, u32)> = index
+            .reserve_many(NODE, TierId(0), &items, TTL)
+            .unwrap()
+            .into_iter()
+            .zip(chunk)
+            .map(|(r, &i)| match r.unwrap() {
+                Reserved::Slot(r) => (r, i as u32),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        published.extend(index.publish(&batch).unwrap());
     }
-    published.extend(index.publish(&batch).unwrap());
     assert!(published.iter().all(|p| matches!(p, Published::Won(_))));
     let keys: Vec<BlockKey> = (0..N).map(key).collect();
     let found = index.lookup(&keys).unwrap();
@@ -302,4 +308,38 @@ pub fn batched_lookup_of_62500_keys(index: &dyn Index) {
     let evens: Vec<BlockKey> = (0..N).step_by(2).map(key).collect();
     assert_eq!(index.prefix_hits(&evens).unwrap(), evens.len());
     assert_eq!(index.prefix_hits(&keys).unwrap(), 1);
+}
+
+/// A batched reserve answers per item, as single reserves would, in one call.
+pub fn reserve_many_answers_per_item(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 4).watermarks(0, 0);
+    setup(index, &spec);
+    let present = put(index, key(1), &spec);
+    // Leased, so the last item finds the tier full rather than evicting it.
+    let lease = index.lease(&[present], TTL).unwrap();
+    assert!(lease.all_granted());
+    let items =
+        [(key(2), 64), (key(1), 64), (key(3), 65), (key(4), 10), (key(5), 10), (key(6), 10)];
+    let out = index.reserve_many(NODE, TierId(0), &items, TTL).unwrap();
+    assert_eq!(out.len(), items.len());
+    let slots: Vec<Reservation> = out
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Reserved::Slot(r)) => Some(*r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(slots.iter().map(|r| r.key).collect::<Vec<_>>(), vec![key(2), key(4), key(5)]);
+    assert!(matches!(out[1], Ok(Reserved::Present(p)) if p == present));
+    assert!(matches!(out[2], Err(Error::TooLarge { len: 65, .. })));
+    assert!(matches!(out[5], Err(Error::TierFull { .. })), "{:?}", out[5]);
+    let set: HashSet<u32> = slots.iter().map(|r| r.slot).chain([present.slot]).collect();
+    assert_eq!(set.len(), 4, "every slot handed out once");
+    assert_eq!(index.lookup(&[key(2)]).unwrap(), vec![None]);
+    let published = index.publish(&slots.iter().map(|r| (*r, 5)).collect::<Vec<_>>()).unwrap();
+    assert!(published.iter().all(|p| matches!(p, Published::Won(_))));
+    assert_eq!(index.prefix_hits(&[key(1), key(2), key(4), key(5), key(3)]).unwrap(), 4);
+    let unknown = index.reserve_many(NODE, TierId(7), &[(key(9), 1)], TTL).unwrap();
+    assert!(matches!(unknown[0], Err(Error::UnknownTier { .. })));
+    assert!(index.reserve_many(NODE, TierId(0), &[], TTL).unwrap().is_empty());
 }
