@@ -100,13 +100,16 @@ pub mod internal {
         }
     }
 
+    /// An exported region as a client's handshake lists it: name, writable, length.
+    pub type Region = (String, bool, u64);
+
     /// Runs a client's handshake on `stream` with `secret`: the regions the server exported
-    /// (name, writable, len) and the session.
+    /// and the session.
     pub fn handshake(
         stream: &mut TcpStream,
         secret: &[u8],
         protection: Protection,
-    ) -> Result<(Vec<(String, bool, u64)>, Session), HandshakeError> {
+    ) -> Result<(Vec<Region>, Session), HandshakeError> {
         let (welcome, keys) = handshake::client(stream, Auth::Keyed(secret), protection)?;
         let regions = welcome.regions.into_iter().map(|r| (r.name, r.writable, r.len)).collect();
         Ok((regions, Session(keys)))

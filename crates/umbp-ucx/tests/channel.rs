@@ -47,8 +47,15 @@ type Log = Arc<Mutex<Vec<u8>>>;
 /// closes both sides); what follows passes through.
 struct Tamper {
     need: usize,
-    edit: Box<dyn FnOnce(&mut Vec<u8>) -> bool + Send>,
+    edit: Edit,
 }
+
+/// Rewrites the bytes held; whether to keep the connection open.
+type Edit = Box<dyn FnOnce(&mut Vec<u8>) -> bool + Send>;
+
+/// A tampering: what it does, upward (client to server) or not, the tampering, the objects
+/// that must fail, and whether the put may land (`Some(false)`: it must not).
+type Case = (&'static str, bool, Tamper, Vec<u32>, Option<bool>);
 
 fn flip(need: usize, at: usize) -> Tamper {
     Tamper {
@@ -267,7 +274,7 @@ fn check_unchanged_but_put(o: &Outcome) {
 
 /// Every tampering of the session after the handshake: what it does, which way, what it
 /// does to the bytes, the objects that must fail, and whether the put may land.
-fn tamperings() -> Vec<(&'static str, bool, Tamper, Vec<u32>, Option<bool>)> {
+fn tamperings() -> Vec<Case> {
     let (r, a, d) = (REQ, ANS, DATA);
     vec![
         ("a bit of a get request", true, flip(r, 10), vec![0, 1, 2], Some(false)),
