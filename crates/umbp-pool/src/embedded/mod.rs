@@ -123,7 +123,7 @@ impl EmbeddedIndex {
                     Some(&t) if state.tiers[t].spec.durable => {
                         let ok = state.tiers[t].restore(&p);
                         if ok {
-                            state.keys.insert(key, (t, p.slot));
+                            state.keys.insert(key, (t, p));
                         }
                         ok
                     }
@@ -353,7 +353,7 @@ impl Index for EmbeddedIndex {
             match *step {
                 Step::Win(t) => {
                     state.tiers[t].publish(r.slot, r.key, r.len, *checksum);
-                    state.keys.insert(r.key, (t, r.slot));
+                    state.keys.insert(r.key, (t, r.placement(*checksum)));
                     out.push(Published::Won(r.placement(*checksum)));
                 }
                 Step::Lose(t, key) => {
@@ -457,7 +457,7 @@ impl Index for EmbeddedIndex {
         let mut out = Vec::with_capacity(keys.len());
         let mut by_tier: HashMap<usize, Vec<(u32, BlockKey)>> = HashMap::new();
         for key in keys {
-            let Some(&(t, slot)) = state.keys.get(key) else {
+            let Some(&(t, Placement { slot, .. })) = state.keys.get(key) else {
                 out.push(Removed::Absent);
                 continue;
             };

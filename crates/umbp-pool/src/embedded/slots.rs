@@ -73,23 +73,6 @@ impl TierState {
         TierStats { free: self.free_count(), reserved: self.reserved, published: self.published }
     }
 
-    /// The placement of the block published in `slot`, if any.
-    pub(super) fn placement(&self, slot: u32) -> Option<Placement> {
-        let s = self.slots.get(slot as usize)?;
-        match s.state {
-            SlotState::Published { key, len, checksum, .. } => Some(Placement {
-                key,
-                node: self.spec.node,
-                tier: self.spec.tier,
-                slot,
-                len,
-                checksum,
-                generation: s.generation,
-            }),
-            _ => None,
-        }
-    }
-
     /// Frees reservations whose deadline passed.
     pub(super) fn reclaim_expired(&mut self, now: Instant) {
         while let Some(&Reverse((deadline, slot, generation))) = self.deadlines.peek() {
@@ -265,8 +248,9 @@ pub(super) struct LeaseRecord {
 pub(super) struct State {
     pub(super) tiers: Vec<TierState>,
     pub(super) tier_index: HashMap<(NodeId, TierId), usize>,
-    /// Published keys: (tier index, slot).
-    pub(super) keys: HashMap<BlockKey, (usize, u32)>,
+    /// Published keys: tier index and placement (a copy of what the slot holds, so a lookup
+    /// is one probe). Keys are usually hashes already: a fast, per-process seeded hasher.
+    pub(super) keys: HashMap<BlockKey, (usize, Placement), foldhash::fast::RandomState>,
     /// The next generation handed out (global, so every reservation's is larger than every
     /// earlier one in this store, across restarts).
     pub(super) next_generation: u64,
@@ -282,7 +266,7 @@ impl State {
         Self {
             tiers: Vec::new(),
             tier_index: HashMap::new(),
-            keys: HashMap::new(),
+            keys: HashMap::default(),
             next_generation: 1,
             leases: HashMap::new(),
             next_lease: 1,
@@ -315,7 +299,6 @@ impl State {
     }
 
     pub(super) fn placement(&self, key: &BlockKey) -> Option<Placement> {
-        let &(t, slot) = self.keys.get(key)?;
-        self.tiers[t].placement(slot)
+        self.keys.get(key).map(|&(_, p)| p)
     }
 }
