@@ -13,6 +13,9 @@
 //! file in the engine's read size and depth, alternating with it. The SSD engine's workers and
 //! fio run pinned to the same CPU ([`Placement`]).
 //!
+//! Last, the cost of block checksums: the DRAM and SSD restores by a composite that verifies
+//! every object's CRC32C, in turns with one that verifies none, paired round by round.
+//!
 //! On this project's virtual machine the disk sometimes serves the staged restore's reads at
 //! about 3.2 ms each (some 19,000 reads per second with about 60 in flight) where fio's run of
 //! the same reads in the same minutes takes 2.2 ms: the `ssd` and `ssd-half` rows then read
@@ -27,7 +30,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 use umbp_composite::{
-    restore, CompositeConfig, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject, Staging,
+    restore, ChecksumPolicy, CompositeConfig, CompositeEngine, ObjectRange, ObjectTransfer,
+    PagedObject, Staging,
 };
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
@@ -41,7 +45,7 @@ use crate::ceiling::{with_copy_ceiling, CeilingCopy, CeilingSamples, GatherCeili
 use crate::chart::{BarChart, Reference, Series};
 use crate::disk::{self, FioAmount, FioBuffers, FioReads, Placement};
 use crate::host_buffer::HostBuffer;
-use crate::measure::{spread_interval, verdict_text, Timed, Verdict};
+use crate::measure::{spread_interval, verdict_text, Difference, Timed, Verdict};
 use crate::progress::Progress;
 use crate::shape::{PageTable, RestoreShape};
 
@@ -67,6 +71,9 @@ pub struct RestoreBenchConfig {
     pub placement: Placement,
     /// Whether the SSD row alternates with fio (when it is installed). Default true.
     pub fio: bool,
+    /// Rounds of the checksum rows: each restores the objects once with verification and once
+    /// without, in turns (0 skips the rows). Default 10.
+    pub checksum_rounds: usize,
 }
 
 impl Default for RestoreBenchConfig {
@@ -81,6 +88,7 @@ impl Default for RestoreBenchConfig {
             callers: vec![1, 4, 16],
             placement: Placement::Completions,
             fio: true,
+            checksum_rounds: 10,
         }
     }
 }
@@ -88,7 +96,9 @@ impl Default for RestoreBenchConfig {
 /// One restore run.
 #[derive(Clone, Debug, Serialize)]
 pub struct RestoreRow {
-    /// `dram`, `ssd`, `mixed`, or `dram-half` / `ssd-half` (the mixed run's halves alone).
+    /// `dram`, `ssd`, `mixed`, `dram-half` / `ssd-half` (the mixed run's halves alone), or
+    /// `dram-crc` / `ssd-crc` (the whole restore verifying every object's CRC32C, in turns
+    /// with the same restore not verifying).
     pub source: &'static str,
     /// `incremental` (each engine's own builder) or `buffered` (the buffered baseline).
     pub builder: &'static str,
@@ -149,6 +159,18 @@ pub struct RestoreRow {
     pub gather_interval: Option<[f64; 2]>,
     /// The CPU the SSD engine's workers and fio were pinned to; `null`: unpinned.
     pub ssd_cpu: Option<usize>,
+    /// The `dram-crc` and `ssd-crc` rows (restores that verify every object's CRC32C):
+    /// the median time of the same restore without verification, taking turns with it.
+    /// `null` on other rows.
+    pub unchecked_seconds: Option<f64>,
+    /// The `-crc` rows: what verification adds, as a fraction of the unverified restore's
+    /// time: the median of the rounds' differences (verified − unverified) over the
+    /// unverified median. `null` on other rows.
+    pub checksum_cost: Option<f64>,
+    /// The `-crc` rows: `checksum_cost` give or take half the interquartile range of the
+    /// differences, `[low, high]`; the verdict holds the whole interval against the target
+    /// (at most 0.05 from DRAM, 0.02 from SSD).
+    pub checksum_cost_interval: Option<[f64; 2]>,
     /// The `ssd` row: whether fio also ran into huge pages (`fio-huge`), as the engine reads
     /// into a bounce region that asks for them; `false` when too few huge pages were reserved
     /// and free, so that fio's best may fall short of the disk's. `null` on other rows and
@@ -190,6 +212,9 @@ pub(crate) struct Setup {
     /// Device memory, one buffer per range of an object; freed when dropped.
     destinations: Vec<Registration>,
     _bounce: HostBuffer,
+    /// Each object's CRC32C (of its whole bytes, its ranges in order), the same in both
+    /// tiers.
+    checksums: Vec<u32>,
     /// The SSD tier's file, and the CPU its engine's workers are pinned to.
     path: std::path::PathBuf,
     ssd_cpu: Option<usize>,
@@ -262,7 +287,16 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
     let destinations = (0..shape.ranges)
         .map(|_| hbm.alloc_device(gpu, destination_len))
         .collect::<Result<Vec<_>, _>>()?;
+    let checksums = (0..shape.objects)
+        .map(|b| {
+            let page = shape.page_size as usize;
+            table.object(b).iter().fold(0, |crc, &p| {
+                crc32c::crc32c_append(crc, &arena.bytes()[p as usize..p as usize + page])
+            })
+        })
+        .collect();
     let setup = Setup {
+        checksums,
         shape,
         table,
         lent,
@@ -290,6 +324,66 @@ impl Setup {
             CompositeEngine::with_config(registry, composite.engines().to_vec(), config);
         composite.set_staging(Staging::new(self.lent[1].id()))?;
         Ok(composite)
+    }
+
+    /// Two more composites over the tiers, engines and bounce region of `composite`: one that
+    /// verifies every object's checksum (every tier), one that verifies none.
+    fn checksum_composites(
+        &self,
+        composite: &CompositeEngine,
+    ) -> anyhow::Result<[CompositeEngine; 2]> {
+        let with = |checksums| -> anyhow::Result<CompositeEngine> {
+            let config = CompositeConfig { checksums, ..composite.config() };
+            let registry = Arc::clone(composite.registry());
+            let c = CompositeEngine::with_config(registry, composite.engines().to_vec(), config);
+            c.set_staging(Staging::new(self.lent[1].id()))?;
+            Ok(c)
+        };
+        Ok([with(ChecksumPolicy::AllTiers)?, with(ChecksumPolicy::Off)?])
+    }
+
+    /// Restores `objects` (from SSD when `from_ssd`) `rounds` times with `checked` (which
+    /// verifies every object's checksum) and with `unchecked`, in turns (the first of each
+    /// round alternating), each restore timed alone; then verifies the bytes. Returns the
+    /// times of each and whether every restore completed and verified.
+    fn run_checksum_pair(
+        &self,
+        [checked, unchecked]: &[CompositeEngine; 2],
+        objects: &[usize],
+        from_ssd: bool,
+        rounds: usize,
+    ) -> (Vec<f64>, Vec<f64>, bool) {
+        let ranges = self.ranges(objects, |_| 0);
+        let mut builders = [checked.builder(), unchecked.builder()];
+        let mut once = |which: usize| {
+            let batch: Vec<ObjectTransfer<'_>> = self
+                .transfers(objects, &ranges, |_| from_ssd)
+                .into_iter()
+                .map(|t| t.with_checksum(self.checksums[t.tag as usize]))
+                .collect();
+            let report = restore(&mut builders[which], &batch);
+            report.is_ok_and(|r| {
+                r.aggregate == BatchState::Completed
+                    && (which == 1 || r.objects.iter().all(|o| o.checksum.is_some()))
+            })
+        };
+        let mut ok = once(0) && once(1);
+        let mut times = [Vec::new(), Vec::new()];
+        for round in 0..rounds.max(1) {
+            for k in 0..2 {
+                let which = (round + k) % 2;
+                self.poison();
+                let t = Instant::now();
+                ok &= once(which);
+                times[which].push(t.elapsed().as_secs_f64());
+            }
+        }
+        for which in 0..2 {
+            self.poison();
+            ok &= once(which) && self.verify(objects);
+        }
+        let [on, off] = times;
+        (on, off, ok)
     }
 
     /// The ranges of `objects`: range `r` of object `b` to destination `r` at `b × range_len`,
@@ -330,16 +424,14 @@ impl Setup {
         objects
             .iter()
             .zip(ranges)
-            .map(|(&b, ranges)| ObjectTransfer {
-                tag: b as u64,
-                object: PagedObject {
+            .map(|(&b, ranges)| {
+                let object = PagedObject {
                     tier: if from_ssd(b) { self.file.id() } else { self.arena_id },
                     page_offsets: self.table.object(b),
                     page_size: s.page_size,
                     size: s.object_size(),
-                },
-                ranges,
-                checksum: None,
+                };
+                ObjectTransfer::new(b as u64, object, ranges)
             })
             .collect()
     }
@@ -477,7 +569,8 @@ impl Setup {
 /// builders), and the mixed run with buffered builders.
 pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<Vec<RestoreRow>> {
     let sweeps = config.callers.iter().filter(|&&c| c > 1).count();
-    progress.section("restore", 4 + 2 * sweeps);
+    let crc_rows = if config.checksum_rounds > 0 { 2 } else { 0 };
+    progress.section("restore", 4 + 2 * sweeps + crc_rows);
     let mut rows = Vec::new();
     let n = config.objects;
     let all: Vec<usize> = (0..n).collect();
@@ -519,6 +612,9 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
             gather_interval: None,
             ssd_cpu,
             fio_huge_pages: None,
+            unchecked_seconds: None,
+            checksum_cost: None,
+            checksum_cost_interval: None,
         }
     };
     let it = config.iterations;
@@ -647,6 +743,24 @@ pub fn run(config: &RestoreBenchConfig, progress: &Progress) -> anyhow::Result<V
     let mut buffered_row = row("mixed", "buffered", &all, 1, Timing::of(buf_times, buf_ok));
     buffered_row.ratio_to_slower_half = Some(buffered_vs_slower.median);
     rows.push(buffered_row);
+    if config.checksum_rounds > 0 {
+        let pair = setup_inc.checksum_composites(&composite)?;
+        for (source, from_ssd, target) in [("dram-crc", false, 0.05), ("ssd-crc", true, 0.02)] {
+            progress.step(format!("{source}: verifying checksums and not, taking turns"));
+            let (on, off, ok) =
+                setup_inc.run_checksum_pair(&pair, &all, from_ssd, config.checksum_rounds);
+            let base = Timed::of(&off).median;
+            let d = Difference::of(&on, &off);
+            let mut r = row(source, "incremental", &all, 1, Timing::of(on, ok));
+            r.unchecked_seconds = Some(base);
+            r.checksum_cost = Some(d.median / base);
+            let interval = [(d.median - d.noise) / base, (d.median + d.noise) / base];
+            r.checksum_cost_interval = Some(interval);
+            r.verdict = Some(Verdict::range_at_most(Some(interval), target));
+            r.verdict_interval = Some(interval);
+            rows.push(r);
+        }
+    }
     Ok(rows)
 }
 
@@ -738,6 +852,22 @@ pub fn table(rows: &[RestoreRow]) -> String {
             );
         }
     }
+    for r in rows.iter().filter(|r| r.checksum_cost.is_some()) {
+        let target = if r.source.starts_with("ssd") { 0.02 } else { 0.05 };
+        out += &format!(
+            "{} to the device, verifying every object's CRC32C: {:.3} s against {:.3} s \
+             unverified (in turns): costs {:+.1}% of the restore time, interval [{:+.1}%, \
+             {:+.1}%]: {} (target: at most {:.0}%)\n",
+            r.source.trim_end_matches("-crc"),
+            r.seconds,
+            r.unchecked_seconds.unwrap_or(0.0),
+            100.0 * r.checksum_cost.unwrap_or(0.0),
+            100.0 * r.checksum_cost_interval.map_or(0.0, |i| i[0]),
+            100.0 * r.checksum_cost_interval.map_or(0.0, |i| i[1]),
+            r.verdict.map_or("-", |v| v.as_str()),
+            100.0 * target
+        );
+    }
     for r in rows.iter().filter(|r| r.callers > 1) {
         let figure = r
             .ratio_to_one_caller
@@ -758,7 +888,8 @@ pub fn chart(rows: &[RestoreRow]) -> BarChart {
         "Kimi-K3 shape, {objects} objects of 24 MiB; halves: the mixed run's DRAM and SSD objects alone"
     );
     let mut sources: Vec<&'static str> = Vec::new();
-    let rows: Vec<&RestoreRow> = rows.iter().filter(|r| r.callers == 1).collect();
+    let rows: Vec<&RestoreRow> =
+        rows.iter().filter(|r| r.callers == 1 && r.checksum_cost.is_none()).collect();
     for r in &rows {
         if !sources.contains(&r.source) {
             sources.push(r.source);
@@ -798,6 +929,7 @@ mod tests {
             callers: vec![1, 2],
             placement: Placement::Unpinned,
             fio: false,
+            checksum_rounds: 2,
             ..RestoreBenchConfig::default()
         };
         let rows = run(&config, &Progress::quiet()).unwrap();
@@ -812,7 +944,9 @@ mod tests {
                 ("mixed", 1),
                 ("dram", 2),
                 ("mixed", 2),
-                ("mixed", 1)
+                ("mixed", 1),
+                ("dram-crc", 1),
+                ("ssd-crc", 1)
             ]
         );
         for r in &rows {
@@ -821,6 +955,9 @@ mod tests {
         }
         assert!(rows[4].ratio_to_slower_half.is_some());
         assert_eq!(rows[7].builder, "buffered");
+        for r in &rows[8..] {
+            assert!(r.checksum_cost.is_some() && r.unchecked_seconds.is_some(), "{r:?}");
+        }
         assert!(rows[7].ratio_to_slower_half.is_some(), "the buffered row took turns too");
     }
 }

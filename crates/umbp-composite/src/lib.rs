@@ -21,6 +21,11 @@
 //!   waited for whole, by layer group ([`Batch::wait_group`]), with a deadline, or cancelled;
 //!   or awaited ([`Batch`] is a `Future`, and [`Batch::group_settled`] returns one) with no
 //!   thread per wait.
+//! - Block checksums ([`ChecksumPolicy`]): offloads report each object's CRC32C
+//!   ([`ObjectResult::checksum`]), restores given one ([`ObjectTransfer::checksum`]) verify
+//!   it where the bytes sit in host memory on their way, and an object whose bytes changed in
+//!   its tier fails alone with
+//!   [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch).
 //! - Metrics in the Prometheus text format: [`CompositeEngine::metrics_text`].
 //! - [`start_restore`] / [`start_offload`] take paged objects and the caller's ranges (each
 //!   range in a layer group) and return the batch; [`restore`] and [`offload`] wait for it.
