@@ -82,7 +82,7 @@ fn main() {
 
     // Embedded: the durable publish rate at a few batch sizes, then lookups.
     let dir = tempfile::tempdir().unwrap();
-    for batch in [1usize, 64, 1024] {
+    for batch in [1usize, 64, 1024, 4096] {
         let index = EmbeddedIndex::open(dir.path().join(format!("rate-{batch}.redb"))).unwrap();
         index.register_tier(&spec).unwrap();
         let n = if batch == 1 { 2_000 } else { KEYS };

@@ -2,7 +2,8 @@
 //! SSD tier.
 //!
 //! Strategy: the redb file holds what must survive a crash, and only that: the registered
-//! tiers, the published blocks of durable tiers and the generation counter. Everything else
+//! tiers, the published blocks of durable tiers (a log keyed by publish order, so a batch
+//! appends rather than dirtying a page per block) and the counters. Everything else
 //! (reservations, leases, the use stamps, the free lists, volatile tiers' blocks) lives in
 //! memory and is rebuilt or dropped at [`EmbeddedIndex::open`]. Each [`Index::publish`] batch is
 //! one redb write transaction committed with fsync before any of it becomes visible, so a
@@ -25,11 +26,15 @@ use crate::{
 };
 use slots::{LeaseRecord, SlotState, State, TierState};
 
-/// Published blocks of durable tiers: key (16 bytes) -> placement value.
-const BLOCKS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("blocks");
+/// Published blocks of durable tiers, as a log: publish sequence number -> key (16 bytes) and
+/// placement value. Keyed by sequence rather than by block key so a publish batch appends
+/// to the B-tree's last pages instead of dirtying a random page per block; eviction (least
+/// recently used, so mostly old entries) deletes from its front.
+const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("published");
+const LOG_VALUE: usize = 16 + crate::placement::PLACEMENT_BYTES;
 /// Registered tiers: (node, tier) -> slot size, slot count, durable, watermarks.
 const TIERS: TableDefinition<(u32, u16), &[u8]> = TableDefinition::new("tiers");
-/// Counters: "next_generation".
+/// Counters: "next_generation", "next_seq".
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 
 /// The embedded [`Index`]: one process's pool over its own tiers, kept in a redb file.
@@ -103,45 +108,51 @@ impl EmbeddedIndex {
             let meta = txn.open_table(META)?;
             let mut max_generation =
                 meta.get("next_generation")?.map(|v| v.value()).unwrap_or(1).saturating_sub(1);
-            let mut blocks = txn.open_table(BLOCKS)?;
-            let mut drop_keys: Vec<Vec<u8>> = Vec::new();
-            for entry in blocks.iter()? {
-                let (k, v) = entry?;
-                let Some(key) = BlockKey::from_slice(k.value()) else {
-                    drop_keys.push(k.value().to_vec());
+            let mut next_seq = meta.get("next_seq")?.map(|v| v.value()).unwrap_or(0);
+            let mut log = txn.open_table(LOG)?;
+            let mut dropped: Vec<u64> = Vec::new();
+            for entry in log.iter()? {
+                let (seq, v) = entry?;
+                let seq = seq.value();
+                next_seq = next_seq.max(seq + 1);
+                let v = v.value();
+                let decoded = (v.len() == LOG_VALUE)
+                    .then(|| BlockKey::from_slice(&v[..16]))
+                    .flatten()
+                    .and_then(|key| Placement::decode(key, &v[16..]).ok());
+                let Some(p) = decoded else {
+                    dropped.push(seq);
                     continue;
                 };
-                let p = match Placement::decode(key, v.value()) {
-                    Ok(p) => p,
-                    Err(_) => {
-                        drop_keys.push(k.value().to_vec());
-                        continue;
-                    }
-                };
                 max_generation = max_generation.max(p.generation);
+                // A key logged twice (it cannot be: a key is published once until it leaves,
+                // and leaving deletes its entry) would keep its first entry only.
                 let kept = match state.tier_index.get(&(p.node, p.tier)) {
-                    Some(&t) if state.tiers[t].spec.durable => {
-                        let ok = state.tiers[t].restore(&p);
+                    Some(&t) if state.tiers[t].spec.durable && !state.keys.contains_key(&p.key) => {
+                        let ok = state.tiers[t].restore(&p, seq);
                         if ok {
-                            state.keys.insert(key, (t, p));
+                            state.keys.insert(p.key, (t, p));
                         }
                         ok
                     }
                     _ => false,
                 };
                 if !kept {
-                    drop_keys.push(k.value().to_vec());
+                    dropped.push(seq);
                 }
             }
-            for k in &drop_keys {
-                blocks.remove(k.as_slice())?;
+            for seq in &dropped {
+                log.remove(*seq)?;
             }
-            if !drop_keys.is_empty() {
-                tracing::info!(dropped = drop_keys.len(), "embedded index: dropped blocks at open");
+            if !dropped.is_empty() {
+                tracing::info!(dropped = dropped.len(), "embedded index: dropped blocks at open");
             }
             state.next_generation = max_generation + 1;
+            state.next_seq = next_seq;
             drop(meta);
-            txn.open_table(META)?.insert("next_generation", state.next_generation)?;
+            let mut meta = txn.open_table(META)?;
+            meta.insert("next_generation", state.next_generation)?;
+            meta.insert("next_seq", state.next_seq)?;
         }
         txn.commit()?;
         for t in &mut state.tiers {
@@ -181,9 +192,9 @@ impl EmbeddedIndex {
             (|| -> Result<(), Error> {
                 let txn = self.db.begin_write()?;
                 {
-                    let mut blocks = txn.open_table(BLOCKS)?;
-                    for (_, key) in leaving {
-                        blocks.remove(&key.0[..])?;
+                    let mut log = txn.open_table(LOG)?;
+                    for &(slot, _) in leaving {
+                        log.remove(state.tiers[t].slots[slot as usize].seq)?;
                     }
                 }
                 txn.commit()?;
@@ -303,7 +314,7 @@ impl Index for EmbeddedIndex {
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
         enum Step {
-            Win(usize),
+            Win(usize, u64),
             Lose(usize, BlockKey),
             Expire,
         }
@@ -311,7 +322,7 @@ impl Index for EmbeddedIndex {
         let now = Instant::now();
         let mut steps = Vec::with_capacity(items.len());
         let mut won_here: HashSet<BlockKey> = HashSet::new();
-        let mut durable: Vec<(BlockKey, [u8; crate::placement::PLACEMENT_BYTES])> = Vec::new();
+        let mut durable: Vec<(u64, [u8; LOG_VALUE])> = Vec::new();
         for (r, checksum) in items {
             let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else {
                 steps.push(Step::Expire);
@@ -331,19 +342,27 @@ impl Index for EmbeddedIndex {
                 continue;
             }
             won_here.insert(r.key);
+            let mut seq = 0;
             if state.tiers[t].spec.durable {
-                durable.push((r.key, r.placement(*checksum).encode()));
+                seq = state.next_seq;
+                state.next_seq += 1;
+                let mut value = [0u8; LOG_VALUE];
+                value[..16].copy_from_slice(&r.key.0);
+                value[16..].copy_from_slice(&r.placement(*checksum).encode());
+                durable.push((seq, value));
             }
-            steps.push(Step::Win(t));
+            steps.push(Step::Win(t, seq));
         }
         if !durable.is_empty() {
             let txn = self.db.begin_write()?;
             {
-                let mut blocks = txn.open_table(BLOCKS)?;
-                for (key, value) in &durable {
-                    blocks.insert(&key.0[..], &value[..])?;
+                let mut log = txn.open_table(LOG)?;
+                for (seq, value) in &durable {
+                    log.insert(*seq, &value[..])?;
                 }
-                txn.open_table(META)?.insert("next_generation", state.next_generation)?;
+                let mut meta = txn.open_table(META)?;
+                meta.insert("next_generation", state.next_generation)?;
+                meta.insert("next_seq", state.next_seq)?;
             }
             txn.commit()?;
         }
@@ -351,8 +370,8 @@ impl Index for EmbeddedIndex {
         let mut out = Vec::with_capacity(items.len());
         for (step, (r, checksum)) in steps.iter_mut().zip(items) {
             match *step {
-                Step::Win(t) => {
-                    state.tiers[t].publish(r.slot, r.key, r.len, *checksum);
+                Step::Win(t, seq) => {
+                    state.tiers[t].publish(r.slot, r.key, r.len, *checksum, seq);
                     state.keys.insert(r.key, (t, r.placement(*checksum)));
                     out.push(Published::Won(r.placement(*checksum)));
                 }
@@ -514,6 +533,6 @@ impl EmbeddedIndex {
     /// Published blocks stored durably in the file (a reopen would keep these).
     pub fn durable_blocks(&self) -> Result<u64, Error> {
         let txn = self.db.begin_read()?;
-        Ok(txn.open_table(BLOCKS)?.len()?)
+        Ok(txn.open_table(LOG)?.len()?)
     }
 }

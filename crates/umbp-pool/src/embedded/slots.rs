@@ -35,6 +35,8 @@ pub(super) struct Slot {
     pub(super) generation: u64,
     /// Live leases on the slot (expired ones are subtracted at the next sweep).
     pub(super) leases: u32,
+    /// The store's log entry of the block published here (durable tiers).
+    pub(super) seq: u64,
     pub(super) state: SlotState,
 }
 
@@ -100,7 +102,7 @@ impl TierState {
         let slot = match self.free.pop() {
             Some(s) => s,
             None if (self.slots.len() as u32) < self.spec.slot_count => {
-                self.slots.push(Slot { generation: 0, leases: 0, state: SlotState::Free });
+                self.slots.push(Slot { generation: 0, leases: 0, seq: 0, state: SlotState::Free });
                 self.slots.len() as u32 - 1
             }
             None => return None,
@@ -125,8 +127,9 @@ impl TierState {
     }
 
     /// Turns a reserved slot into a published one.
-    pub(super) fn publish(&mut self, slot: u32, key: BlockKey, len: u64, checksum: u32) {
+    pub(super) fn publish(&mut self, slot: u32, key: BlockKey, len: u64, checksum: u32, seq: u64) {
         let s = &mut self.slots[slot as usize];
+        s.seq = seq;
         debug_assert!(matches!(s.state, SlotState::Reserved { .. }));
         self.uses += 1;
         s.state = SlotState::Published { key, len, checksum, last_use: self.uses };
@@ -135,13 +138,13 @@ impl TierState {
     }
 
     /// Places a block found in the store at open.
-    pub(super) fn restore(&mut self, p: &Placement) -> bool {
+    pub(super) fn restore(&mut self, p: &Placement, seq: u64) -> bool {
         let slot = p.slot as usize;
         if p.slot >= self.spec.slot_count || p.len > self.spec.slot_size {
             return false;
         }
         while self.slots.len() <= slot {
-            self.slots.push(Slot { generation: 0, leases: 0, state: SlotState::Free });
+            self.slots.push(Slot { generation: 0, leases: 0, seq: 0, state: SlotState::Free });
         }
         let s = &mut self.slots[slot];
         if !matches!(s.state, SlotState::Free) {
@@ -150,6 +153,7 @@ impl TierState {
         *s = Slot {
             generation: p.generation,
             leases: 0,
+            seq,
             state: SlotState::Published {
                 key: p.key,
                 len: p.len,
@@ -256,6 +260,8 @@ pub(super) struct State {
     pub(super) next_generation: u64,
     pub(super) leases: HashMap<u64, LeaseRecord>,
     pub(super) next_lease: u64,
+    /// The next log sequence number of the store.
+    pub(super) next_seq: u64,
     /// Lease count at the last sweep: the next sweep runs when it has doubled.
     pub(super) swept_at: usize,
     pub(super) nodes: HashMap<NodeId, (NodeAnnouncement, Instant)>,
@@ -270,6 +276,7 @@ impl State {
             next_generation: 1,
             leases: HashMap::new(),
             next_lease: 1,
+            next_seq: 0,
             swept_at: 0,
             nodes: HashMap::new(),
         }
