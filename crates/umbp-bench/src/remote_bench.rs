@@ -1345,7 +1345,7 @@ pub fn chart(rows: &[RemoteRow]) -> BarChart {
         let of = |size: u64| {
             rows.iter().find(|r| r.fragment_size == size && r.protection == name).map(|r| r.gib_s)
         };
-        Series::new(&format!("umbp-ucx restore, {name}"), sizes.iter().map(|&s| of(s)).collect())
+        Series::new(format!("umbp-ucx restore, {name}"), sizes.iter().map(|&s| of(s)).collect())
     };
     let peer = |f: fn(&RemoteRow) -> Option<f64>| -> Vec<Option<f64>> {
         sizes.iter().map(|&s| first_of(s).and_then(f)).collect()
