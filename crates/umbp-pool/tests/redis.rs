@@ -4,6 +4,7 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -142,10 +143,10 @@ fn node_expiry_drops_its_placements() {
             )
             .unwrap()
     };
-    announce(NodeId(2), short);
     assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(kept), Some(lost)]);
     assert_eq!(index.nodes().unwrap().len(), 2);
-    // Node 2 stops renewing.
+    // Node 2 renews once for a short time, then stops.
+    announce(NodeId(2), short);
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(kept), None]);
     assert_eq!(index.lease(&[kept, lost], TTL).unwrap().granted, vec![true, false]);
@@ -180,29 +181,38 @@ fn redis_killed_and_restarted_mid_run() {
     let before: Vec<_> = (0..8).map(|i| put(&*index, key(i), &spec)).collect();
     // A reader loops on lookups while the server dies and comes back: each answer is an error,
     // a miss, or exactly the placement that was published.
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let answers = Arc::new(AtomicU32::new(0));
     let reader = {
-        let (index, stop, before) = (index.clone(), stop.clone(), before.clone());
+        let (index, stop, answers, before) =
+            (index.clone(), stop.clone(), answers.clone(), before.clone());
         std::thread::spawn(move || {
             let keys: Vec<_> = (0..8).map(key).collect();
-            let (mut errors, mut answers) = (0u32, 0u32);
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut errors = 0u32;
+            while !stop.load(Ordering::Relaxed) {
                 match index.lookup(&keys) {
                     Ok(found) => {
-                        answers += 1;
                         for (f, b) in found.iter().zip(&before) {
                             assert!(f.is_none() || *f == Some(*b), "wrong hit {f:?}");
                         }
+                        answers.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(Error::Redis(_)) => errors += 1,
                     Err(e) => panic!("unexpected error {e}"),
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
-            (errors, answers)
+            errors
         })
     };
-    std::thread::sleep(Duration::from_millis(50));
+    let wait_for_answers = |more_than: u32| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while answers.load(Ordering::Relaxed) <= more_than {
+            assert!(Instant::now() < deadline, "the reader got no answer in 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    wait_for_answers(0);
     server.kill();
     let t = Instant::now();
     assert!(matches!(index.lookup(&[key(0)]), Err(Error::Redis(_))));
@@ -223,9 +233,12 @@ fn redis_killed_and_restarted_mid_run() {
     let p = put(&*index, key(100), &spec);
     assert_eq!(index.lookup(&[key(100)]).unwrap(), vec![Some(p)]);
     assert!(index.lease(&[p], TTL).unwrap().all_granted());
-    std::thread::sleep(Duration::from_millis(50));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (errors, answers) = reader.join().unwrap();
-    assert!(answers > 0, "the reader got no answer at all");
-    eprintln!("reader: {answers} answers, {errors} clean errors across the restart");
+    // The reader resumes too.
+    wait_for_answers(answers.load(Ordering::Relaxed));
+    stop.store(true, Ordering::Relaxed);
+    let errors = reader.join().unwrap();
+    eprintln!(
+        "reader: {} answers, {errors} clean errors across the restart",
+        answers.load(Ordering::Relaxed)
+    );
 }

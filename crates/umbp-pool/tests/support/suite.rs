@@ -188,7 +188,7 @@ pub fn leases_block_eviction_and_expire(index: &dyn Index) {
     let spec = TierSpec::new(NODE, TierId(0), 64, 4).watermarks(1, 1);
     setup(index, &spec);
     let ps: Vec<Placement> = (0..4).map(|i| put(index, key(i), &spec)).collect();
-    let lease = index.lease(&ps[..3], Duration::from_millis(400)).unwrap();
+    let lease = index.lease(&ps[..3], TTL).unwrap();
     assert_eq!(lease.granted, vec![true, true, true]);
     // Only key 3 is unleased: the next reserve must evict exactly it.
     let r = reserve(index, key(10), &spec, 64);
@@ -206,7 +206,8 @@ pub fn leases_block_eviction_and_expire(index: &dyn Index) {
     assert_eq!(index.evict(NODE, TierId(0), 4).unwrap(), 0);
     assert_eq!(index.remove(&[key(0)]).unwrap(), vec![Removed::Leased]);
     index.abort(&[r]).unwrap();
-    // The holder renews once, then stops: after the TTL the leases are gone by themselves.
+    // The holder renews once, for a short time, then stops: after that the leases are gone by
+    // themselves.
     index.renew(lease.id, Duration::from_millis(200)).unwrap();
     std::thread::sleep(Duration::from_millis(600));
     assert!(matches!(index.renew(lease.id, TTL), Err(Error::LeaseExpired(id)) if id == lease.id));
