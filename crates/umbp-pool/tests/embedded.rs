@@ -40,6 +40,12 @@ shared!(
 );
 
 #[test]
+fn concurrent_churn_serves_nothing_wrong() {
+    let (_dir, index) = fresh();
+    suite::concurrent_churn_serves_nothing_wrong(Arc::new(index), 2000);
+}
+
+#[test]
 fn racing_writers_one_winner() {
     let (_dir, index) = fresh();
     suite::racing_writers_one_winner(Arc::new(index));

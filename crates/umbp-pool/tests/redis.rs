@@ -39,6 +39,12 @@ shared!(
 );
 
 #[test]
+fn concurrent_churn_serves_nothing_wrong() {
+    let Some(server) = RedisServer::start() else { return };
+    suite::concurrent_churn_serves_nothing_wrong(Arc::new(connect(&server)), 600);
+}
+
+#[test]
 fn racing_writers_one_winner() {
     let Some(server) = RedisServer::start() else { return };
     suite::racing_writers_one_winner(Arc::new(connect(&server)));
