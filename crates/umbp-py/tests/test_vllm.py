@@ -196,7 +196,7 @@ class Harness:
         self.requests = {}
         self.steps = 0
         self.load_errors = set()
-        self.loaded = []  # (request id, block index, GPU block id) of every load planned
+        self.loaded = []  # [request id, GPU block id, failed] of every load not yet settled
         self.stats = {}
         self.checked_loads = 0
         self.prefills_checked = 0
@@ -232,10 +232,10 @@ class Harness:
     def cache_rows(self, rank, layer, block_ids, start, end):
         """Rows ``start..end-1`` of a request (its blocks ``block_ids``) in ``layer``, as they
         lie in the cache of ``rank``."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)[pos // BS]
-        rows = self.ranks[rank].kv8[self.layers[layer]][blocks, :, pos % BS, :]
-        return rows.reshape(end - start, -1).numpy()
+        pos = np.arange(start, end)
+        blocks = np.asarray(block_ids)[pos // BS]
+        rows = self.ranks[rank].kv8[self.layers[layer]].numpy()[blocks, :, pos % BS, :]
+        return rows.reshape(end - start, -1)
 
     def prefix_is_right(self, rid, rank, layer, n):
         """Whether tokens 0..n-1 of ``rid`` hold what their prefix implies in ``layer``."""
@@ -254,13 +254,10 @@ class Harness:
         if layer > 0 and not self.prefix_is_right(rid, rank, layer - 1, start):
             rows = rows ^ 0x5A  # what attention over wrong KV yields: wrong KV in turn
             self.computed_wrong += 1
-        blocks = self.block_ids(rid)
-        pos = torch.arange(start, end)
-        ids = torch.tensor(blocks, dtype=torch.long)[pos // BS]
-        shape = r.kv8[name][0, :, 0, :].shape
-        r.kv8[name][ids, :, pos % BS, :] = torch.from_numpy(
-            np.ascontiguousarray(rows).reshape(end - start, *shape)
-        )
+        pos = np.arange(start, end)
+        ids = np.asarray(self.block_ids(rid))[pos // BS]
+        cache = r.kv8[name].numpy()  # the tensor's own bytes
+        cache[ids, :, pos % BS, :] = rows.reshape(end - start, *cache.shape[1:2], -1)
 
     def block_ids(self, rid):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
@@ -395,15 +392,17 @@ class Harness:
             for k, v in stats.data.items():
                 self.stats[k] = self.stats.get(k, 0) + v
         for rid, _, _, _, block in loads:
-            self.loaded.append((rid, block))
+            self.loaded.append([rid, block, False])
+        for x in self.loaded:  # a rank may report a failure before the others settle
+            x[2] = x[2] or x[1] in invalid
         # A load that settled on every rank is checked now, before anything overwrites its
         # blocks: each block is either reported failed or holds exactly its prefix's bytes.
         if check_loads:
             settled = (output.finished_recving or set()) | {
                 rid for rid, *_ in loads if so.has_sync_kv_loads
             }
-            for rid, block in [x for x in self.loaded if x[0] in settled]:
-                if block in invalid or block in self.load_errors:
+            for rid, block, failed in [x for x in self.loaded if x[0] in settled]:
+                if failed:
                     continue
                 index = self.block_ids(rid).index(block)
                 assert self.block_is_right(
@@ -747,15 +746,82 @@ def test_two_tp_ranks_share_one_index_and_a_failure_on_one_rank_is_recomputed(tm
         h.close()
 
 
-class FailingLoads:
-    """A worker's engine whose loads of chosen SSD slots fail: the object is pointed past the
-    end of the tier, so the engine refuses it and the load of that block alone fails."""
+def test_replicas_and_ranks_given_one_ssd_path_get_files_of_their_own():
+    from umbp.vllm import UmbpConfig
 
-    def __init__(self, engine, worker_side, slots):
-        self._engine = engine
+    def files(path, rank, ranks, dp):
+        return UmbpConfig(ssd_path=path, ssd_bytes_per_rank=1).ssd_file(rank, ranks, dp)
+
+    assert files("/n/kv", 0, 1, 0) == "/n/kv"  # one replica, one rank: the path as given
+    assert files("/n/kv", 1, 2, 0) == "/n/kv.rank1"
+    assert files("/n/kv", 0, 1, 2) == "/n/kv.dp2"
+    assert files("/n/kv", 1, 2, 3) == "/n/kv.dp3.rank1"
+    assert files("/n/kv-{rank}", 1, 2, 3) == "/n/kv-1.dp3"
+    assert files("/n/{dp_rank}/kv", 1, 2, 3) == "/n/3/kv.rank1"
+    assert files("/n{dp_rank}/kv-{rank}", 1, 2, 3) == "/n3/kv-1"
+    assert files("/n{dp_rank}/kv-{rank}", 0, 1, 0) == "/n0/kv-0"
+
+
+def test_a_second_instance_on_one_ssd_file_is_refused_at_start_naming_the_file(tmp_path):
+    # Two instances whose ssd_path expands to one file would overwrite each other's slots
+    # and serve the bytes as hits: the second is refused while the first holds it. Replica
+    # 1 of the same config gets a file of its own (vLLM keeps a dense model's replica in
+    # data_parallel_index, with data_parallel_rank reset to 0).
+    import errno
+
+    import umbp
+    from umbp.vllm import _dp_rank
+
+    slot = slot_bytes()
+    base = tmp_path / "kv.ssd"
+    h = Harness(tmp_path, dram_bytes_per_rank=0, ssd_path=str(base), ssd_bytes_per_rank=8 * slot)
+    assert _dp_rank(h.config) == 0
+
+    def worker(dp):
+        with mock.patch("umbp.vllm._dp_rank", return_value=dp):
+            w = UmbpConnector(h.config, KVConnectorRole.WORKER, h.kv_cache_config)
+        layout = h.config.cache_config.get_resolved_kv_cache_layout()
+        w.register_kv_caches(allocate_kv_cache(h.kv_cache_config, torch.device("cpu"), layout))
+        return w
+
+    others = []
+    try:
+        assert h.worker.worker_side.ssd_path == str(base)
+        with pytest.raises(RuntimeError, match="in use by another instance") as refused:
+            worker(0)
+        assert str(base) in str(refused.value) and "{dp_rank}" in str(refused.value)
+        cause = refused.value.__cause__
+        assert isinstance(cause, umbp.RegistrationError) and cause.errno == errno.EWOULDBLOCK
+        others.append(worker(1))
+        assert others[-1].worker_side.ssd_path == f"{base}.dp1"
+        # The first instance still works: a prefix saved and loaded back byte-exact.
+        h.add("a", prompt(80, 3 * BS) + [1])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", prompt(80, 3 * BS) + prompt(81, 5))
+        h.run()
+        assert h.checked_loads == 3 and not h.load_errors
+        h.close()
+        others.append(worker(0))  # the file is free once its instance shut down
+    finally:
+        h.close()
+        for w in others:
+            w.shutdown()
+
+
+class FailingLoads:
+    """A worker's engine whose loads of chosen slots fail (``slots``: ``(tier, slot)``), or
+    of any block with probability ``p``: the object is pointed past the end of its tier, so
+    the engine refuses it and the load of that block alone fails."""
+
+    def __init__(self, worker_side, slots=(), p=0.0, seed=0):
         self._side = worker_side
+        self._engine = worker_side.engine
         self.slots = set(slots)
+        self.p = p
+        self._rng = np.random.default_rng(seed)
         self.failed = 0
+        worker_side.engine = self
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -766,8 +832,9 @@ class FailingLoads:
         side = self._side
         out = []
         for o in objects:
+            tier = SSD if o.tier is side.ssd else DRAM
             slot = int(np.asarray(o.page_offsets)[0]) // side.layout.slot_bytes
-            if o.tier is side.ssd and slot in self.slots:
+            if (tier, slot) in self.slots or (self.p and self._rng.random() < self.p):
                 o = replace(o, page_offsets=np.asarray(o.page_offsets) + (1 << 50))
                 self.failed += 1
             out.append(o)
@@ -809,12 +876,8 @@ def test_blocks_computed_over_a_failed_load_are_never_published(
         keys = h.requests["a"].block_hashes[:4]
         assert all(h.index.entry(k).tier == SSD for k in keys)
         assert h.scheduler.reset_prefix_cache()
-        faults = []
-        for k in failing_ranks:
-            side = h.ranks[k].worker.worker_side
-            f = FailingLoads(side.engine, side, [h.index.entry(keys[failed]).slot])
-            side.engine = f
-            faults.append(f)
+        victim = (SSD, h.index.entry(keys[failed]).slot)
+        faults = [FailingLoads(h.ranks[k].worker.worker_side, [victim]) for k in failing_ranks]
         b = a + prompt(71, 3 * BS)
         h.add("b", b + [9])
         h.run()
@@ -839,5 +902,139 @@ def test_blocks_computed_over_a_failed_load_are_never_published(
         assert computed == 7 * BS, (computed, [h.index.is_hit(k) for k in hashes_b])
         assert not h.load_errors
         assert h.prefills_checked == 4
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize(
+    "load_mode,tp,seed", [("async", 1, 1), ("layerwise", 1, 2), ("layerwise", 2, 3), ("async", 2, 4)]
+)
+def test_a_random_workload_for_thousands_of_steps_settles_every_request_byte_exact(
+    tmp_path, load_mode, tp, seed
+):
+    # The connector's random workload on vLLM's scheduler: requests arriving at random in
+    # bursts, sharing random prefixes, with chunked prefills, decodes, preemptions (few GPU
+    # blocks), aborts, demotions and evictions (small tiers), vLLM's own prefix cache reset
+    # whenever it is idle so hits come through the connector, and loads failing at random
+    # on every rank.
+    # Every loaded byte is compared (the harness), every request must finish and every
+    # operation settle; a batch whose objects all settled must be done (a lost completion
+    # fails here), and no progress for two minutes is a hang. UMBP_KV_STEPS sets the steps of
+    # arrivals per case (default 1000; an hour locally, four cases, is about 60000).
+    from vllm.v1.request import RequestStatus
+
+    steps = int(os.environ.get("UMBP_KV_STEPS", "1000"))
+    rng = np.random.default_rng(seed)
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        tp=tp,
+        num_blocks=40,
+        max_batched=256,
+        load_mode=load_mode,
+        layers_per_group=2,
+        dram_bytes_per_rank=24 * slot,
+        dram_free_fraction=0.1,
+        ssd_path=str(tmp_path / "kv-{rank}.ssd"),
+        ssd_bytes_per_rank=96 * slot,
+    )
+    faults = [FailingLoads(r.worker.worker_side, p=0.03, seed=seed * 10 + r.rank) for r in h.ranks]
+    prefixes = [prompt(1000 * seed + k, int(rng.integers(1, 7)) * BS) for k in range(8)]
+    added, left, aborted = {}, {}, 0
+    lifetimes = []
+    waits, longest = {}, [0, 0.0]
+    seen, unsettled, oldest = {}, {}, [0.0, "", 0]
+    preemptions = 0
+    n = 0
+    hang = 120.0
+    last_progress = time.monotonic()
+    try:
+        while h.steps < steps or h.scheduler.requests or h.index.pending_ops():
+            arriving = h.steps < steps and h.steps % 40 < 25
+            if arriving and len(h.scheduler.requests) < 10 and rng.random() < 0.4:
+                head = prefixes[int(rng.integers(len(prefixes)))] if rng.random() < 0.8 else []
+                tail = prompt(int(rng.integers(1 << 30)), int(rng.integers(1, 3 * BS)))
+                rid = f"r{n}"
+                n += 1
+                h.add(rid, head + tail, max_tokens=int(rng.integers(1, 30)))
+                added[rid] = h.steps
+            if not h.scheduler.requests:
+                assert h.scheduler.reset_prefix_cache()
+            if h.steps < steps and h.scheduler.requests and rng.random() < 0.01:
+                live = sorted(h.scheduler.requests)
+                victim = live[int(rng.integers(len(live)))]
+                if not h.scheduler.requests[victim].is_finished():
+                    h.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+                    aborted += 1
+                    if victim not in h.scheduler.requests:  # freed at once
+                        left[victim] = h.steps
+                        lifetimes.append(h.steps - added[victim])
+            before = set(h.scheduler.requests)
+            # Steps (and seconds) each request waits on the connector alone: its load (async)
+            # or, finished, the saves that hold its blocks.
+            for rid, req in h.scheduler.requests.items():
+                if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished():
+                    wait = waits.setdefault(rid, [0, time.monotonic(), 0.0])
+                    wait[0] += 1
+                    wait[2] = time.monotonic() - wait[1]
+                else:
+                    waits.pop(rid, None)
+                if rid in waits:
+                    longest[0] = max(longest[0], waits[rid][0])
+                    longest[1] = max(longest[1], waits[rid][2])
+            so = h.idle_step()
+            # Every batch still in flight on a worker: how long, and whether it is done in all
+            # but name (every object settled, done() still false: a lost completion).
+            now = time.monotonic()
+            for r in h.ranks:
+                for t in r.worker.worker_side._transfers:
+                    first = seen.setdefault(id(t), (now, t))[0]
+                    age = now - first
+                    if age > oldest[0]:
+                        oldest[:] = [age, t.kind, h.steps]
+                    if not t.batch.done() and all(o.state.settled for o in t.batch.report().objects):
+                        since = unsettled.setdefault(id(t), now)
+                        assert now - since < 10.0, (
+                            f"a {t.kind} batch has every object settled but is not done "
+                            f"after {now - since:.1f} s (step {h.steps})"
+                        )
+            live = {id(t) for r in h.ranks for t in r.worker.worker_side._transfers}
+            for k in [k for k in seen if k not in live]:
+                del seen[k]
+                unsettled.pop(k, None)
+            for rid in before - set(h.scheduler.requests):
+                left[rid] = h.steps
+                lifetimes.append(h.steps - added[rid])
+                preemptions += h.requests[rid].num_preemptions
+            if so.total_num_scheduled_tokens or before - set(h.scheduler.requests):
+                last_progress = time.monotonic()
+            assert time.monotonic() - last_progress < hang, (
+                f"no progress for {hang} s at step {h.steps}: "
+                f"{[(rid, h.scheduler.requests[rid].status) for rid in h.scheduler.requests]}, "
+                f"{h.index.pending_ops()} operations pending"
+            )
+        assert set(left) == set(added)  # every request finished (or was aborted) and left
+        assert h.index.pending_ops() == 0
+        assert (
+            h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            == h.kv_cache_config.num_blocks - 1
+        )
+        side = h.sched_side
+        assert not side._loading and not side._save_ops and not side._blocks
+        for r in h.ranks:
+            w = r.worker.worker_side
+            assert not w._transfers and not w._req_saves and not w._hold
+        print(
+            f"{load_mode} tp={tp}: {h.steps} steps, {n} requests ({aborted} aborted), "
+            f"{h.checked_loads} loads checked, {h.prefills_checked} prefills checked, "
+            f"{sum(f.failed for f in faults)} loads failed, {h.computed_wrong} passes over "
+            f"failed loads, counters {h.index.counters}, preemptions {preemptions}, "
+            f"lifetime steps max {max(lifetimes)} median {int(np.median(lifetimes))}, "
+            f"longest wait on the connector {longest[0]} steps, {longest[1]:.3f} s, "
+            f"oldest batch {oldest[0]:.3f} s ({oldest[1]}, step {oldest[2]}), "
+            f"first request's lifetime {left['r0'] - added['r0']} steps"
+        )
+        assert h.checked_loads > 0
+        assert sum(f.failed for f in faults) > 0 or steps < 1000
     finally:
         h.close()

@@ -73,9 +73,11 @@ class KVConnector:
         self.buffers = list(layer_buffers)
         self.arena = np.zeros(dram_slots * self.slot_bytes, dtype=np.uint8)
         self.dram = engine.register(self.arena)
-        with open(ssd_path, "wb") as f:
-            f.truncate(ssd_slots * self.slot_bytes)
-        self.ssd = engine.register_file(ssd_path, 0, ssd_slots * self.slot_bytes)
+        # Exclusive: a second connector (or process) given the same file is refused here,
+        # before anything of this one's could be overwritten by it.
+        self.ssd = engine.register_file(
+            ssd_path, 0, ssd_slots * self.slot_bytes, create=True, extend=True, exclusive=True
+        )
         self.ssd_path = ssd_path
         # key -> (tier registration, slot)
         self.index: Dict[Hashable, Tuple[Registration, int]] = {}

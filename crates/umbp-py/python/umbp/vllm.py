@@ -39,6 +39,7 @@ See docs/VLLM.md for every extra-config key and the metrics.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -60,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import Engine, Object, Range, Registration
+from . import Engine, Object, Range, Registration, RegistrationError
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
@@ -141,14 +142,22 @@ class UmbpConfig:
             raise ValueError("UmbpConnector: load_timeout_s must be positive")
         return cfg
 
-    def ssd_file(self, rank: int, ranks: int) -> Optional[str]:
-        """Rank ``rank``'s SSD file: ``{rank}`` in ``ssd_path`` is replaced by the rank;
-        without it, ``.rank<r>`` is appended when there is more than one rank."""
+    def ssd_file(self, rank: int, ranks: int, dp_rank: int = 0) -> Optional[str]:
+        """The SSD file of tensor-parallel rank ``rank`` (of ``ranks``) in data-parallel
+        replica ``dp_rank``: ``{dp_rank}`` and ``{rank}`` in ``ssd_path`` are replaced by
+        them; without ``{dp_rank}``, ``.dp<d>`` is appended for a replica other than 0, and
+        without ``{rank}``, ``.rank<r>`` when there is more than one rank. So replicas and
+        ranks given one ``ssd_path`` get files of their own."""
         if not self.ssd_path:
             return None
-        if "{rank}" in self.ssd_path:
-            return self.ssd_path.replace("{rank}", str(rank))
-        return self.ssd_path if ranks == 1 else f"{self.ssd_path}.rank{rank}"
+        path = self.ssd_path
+        if "{dp_rank}" in path:
+            path = path.replace("{dp_rank}", str(dp_rank))
+        elif dp_rank:
+            path = f"{path}.dp{dp_rank}"
+        if "{rank}" in path:
+            return path.replace("{rank}", str(rank))
+        return path if ranks == 1 else f"{path}.rank{rank}"
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,14 @@ class _Layout:
             int(spec.block_size),
             int(kv_cache_config.num_blocks),
         )
+
+
+def _dp_rank(vllm_config: "VllmConfig") -> int:
+    """This engine's data-parallel replica. vLLM runs each replica of a dense model as an
+    engine of its own with ``data_parallel_rank`` reset to 0; ``data_parallel_index`` keeps
+    the replica's rank in both cases."""
+    parallel = vllm_config.parallel_config
+    return int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
 
 
 def _tp(vllm_config: "VllmConfig") -> Tuple[int, int]:
@@ -570,11 +587,13 @@ class _WorkerSide:
         rank: int,
         ranks: int,
         kv_cache_config: "KVCacheConfig",
+        dp_rank: int = 0,
     ):
         self.cfg = cfg
         self.layout = layout
         self.rank = rank
         self.ranks = ranks
+        self.dp_rank = dp_rank
         self.kv_cache_config = kv_cache_config
         self.engine: Optional[Engine] = None
         self.cuda = False
@@ -698,13 +717,30 @@ class _WorkerSide:
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
             self.dram = self._eng().register(self._arena)
-        path = self.cfg.ssd_file(self.rank, self.ranks)
+        path = self.cfg.ssd_file(self.rank, self.ranks, self.dp_rank)
         if path:
             ssd_slots = self.cfg.ssd_bytes_per_rank // slot
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.ssd = self._eng().register_file(
-                path, 0, ssd_slots * slot, direct=self.cfg.ssd_direct, create=True, extend=True
-            )
+            try:
+                # Exclusive: another instance's saves into this file would overwrite this
+                # one's slots, and its loads would then serve them as hits.
+                self.ssd = self._eng().register_file(
+                    path,
+                    0,
+                    ssd_slots * slot,
+                    direct=self.cfg.ssd_direct,
+                    create=True,
+                    extend=True,
+                    exclusive=True,
+                )
+            except RegistrationError as e:
+                if e.errno != errno.EWOULDBLOCK:
+                    raise
+                raise RuntimeError(
+                    f"UmbpConnector: the SSD tier file {path} is in use by another instance "
+                    "(another vLLM server, or a data-parallel replica, given the same "
+                    "ssd_path): give each its own ssd_path, or put {dp_rank} in it"
+                ) from e
             self.ssd_path = path
 
     # -- moving blocks -----------------------------------------------------------------------
@@ -930,7 +966,9 @@ class UmbpConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = _SchedulerSide(self.config, layout, ranks)
         else:
-            self.worker_side = _WorkerSide(self.config, layout, rank, ranks, kv_cache_config)
+            self.worker_side = _WorkerSide(
+                self.config, layout, rank, ranks, kv_cache_config, _dp_rank(vllm_config)
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
