@@ -354,19 +354,6 @@ fn settle_panicked(
     (panicked(shared, index, carried, &*payload, metered), plans)
 }
 
-/// Submits `plans` to engine `index`, waits, and records metrics.
-fn execute(
-    shared: &Shared,
-    index: usize,
-    plans: PlanSet,
-    metered: bool,
-) -> (Vec<Failure>, PlanSet) {
-    match submit(shared, index, plans, metered) {
-        Ok(submitted) => settle(shared, submitted),
-        Err(failures) => (failures, PlanSet::default()),
-    }
-}
-
 /// Runs one engine's lane of a batch: its parts in group order. A part queued on the batch's
 /// stream is enqueued at once and settled when its handle is done; any other is settled
 /// before the next part starts.
@@ -546,15 +533,20 @@ fn run_leased(job: StageJob, lease: Lease) -> Lease {
         }
         Some(bounce) => {
             let mut failures =
-                hop(&shared, &batch, &pieces, lease.base, Hop::First, &HashSet::new());
+                hop(&shared, &batch, &pieces, lease.base, Hop::First, &HashSet::new(), None);
             let failed: HashSet<Tag> =
                 failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
-            // The slot holds the stage's bytes now: hash them there, before the second hop.
-            if let Some(checks) = batch.checks() {
-                let skip = |tag| failed.contains(&tag) || batch.has_failed(tag);
-                checks.hash_stage(&bounce, lease.base, &pieces, &skip);
-            }
-            failures.extend(hop(&shared, &batch, &pieces, lease.base, Hop::Second, &failed));
+            // The slot holds the stage's bytes now: they are hashed there while the second
+            // hop's engine reads them out (an asynchronous copy to a GPU, SSD writes).
+            let hash = || {
+                if let Some(checks) = batch.checks() {
+                    let skip = |tag| failed.contains(&tag) || batch.has_failed(tag);
+                    checks.hash_stage(&bounce, lease.base, &pieces, &skip);
+                }
+            };
+            let second =
+                hop(&shared, &batch, &pieces, lease.base, Hop::Second, &failed, Some(&hash));
+            failures.extend(second);
             if batch.checks().is_some() {
                 check_part(&batch, part, &mut failures, |_| {});
             }
@@ -574,7 +566,8 @@ enum Hop {
 }
 
 /// One hop of one stage, skipping objects in `skip` and objects the batch already failed. The
-/// stage holds one route, so one engine carries the whole hop.
+/// stage holds one route, so one engine carries the whole hop. `meanwhile` runs once the
+/// hop's plans are submitted, while its engine works, before waiting for them.
 fn hop(
     shared: &Shared,
     batch: &BatchShared,
@@ -582,6 +575,7 @@ fn hop(
     base: u64,
     which: Hop,
     skip: &HashSet<Tag>,
+    meanwhile: Option<&dyn Fn()>,
 ) -> Vec<Failure> {
     let Some(first) = pieces.first() else { return Vec::new() };
     let index = match which {
@@ -629,7 +623,13 @@ fn hop(
             rejected.extend_from_slice(plans.rejected());
             plans.set_deadline(batch.deadline());
             plans.set_cancel(Some(batch.token().clone()));
-            let (mut failures, _) = execute(shared, index, plans, batch.is_metered());
+            let (mut failures, _) = match submit(shared, index, plans, batch.is_metered()) {
+                Ok(submitted) => {
+                    meanwhile.into_iter().for_each(|f| f());
+                    settle(shared, submitted)
+                }
+                Err(failures) => (failures, PlanSet::default()),
+            };
             if !rejected.is_empty() {
                 failures.push(refused(rejected, "staged hop refused by its engine".into()));
             }

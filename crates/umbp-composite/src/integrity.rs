@@ -14,7 +14,8 @@
 //! Wherever the bytes sit in host memory on their way, so that no extra copy is made:
 //!
 //! - the staged route (SSD or remote to device, device to SSD or remote): each stage hashes its
-//!   fragments in the bounce slot once the first hop landed, before the second hop;
+//!   fragments in the bounce slot once the first hop landed, while the second hop's engine
+//!   reads them out (an asynchronous copy to a GPU, SSD writes), before the slot is released;
 //! - a direct route with a host side: the side the engine reads when it is host memory (a
 //!   restore's DRAM tier pages, an offload's source), right after the part is submitted,
 //!   while the engine works; else the side it writes (a restore's destination, an offload's
