@@ -13,9 +13,9 @@
 
 mod slots;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
@@ -49,6 +49,8 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 /// One redb file belongs to one process at a time (redb locks it).
 pub struct EmbeddedIndex {
     db: Database,
+    /// Held by the one publish committing at a time.
+    publishing: Mutex<()>,
     state: RwLock<State>,
 }
 
@@ -159,7 +161,7 @@ impl EmbeddedIndex {
             t.rebuild_free_list();
         }
         tracing::info!(blocks = state.keys.len(), tiers = state.tiers.len(), "embedded index open");
-        Ok(Self { db, state: RwLock::new(state) })
+        Ok(Self { db, publishing: Mutex::new(()), state: RwLock::new(state) })
     }
 
     // A panic while the lock was held can only come from a bug in this module; the state is
@@ -315,69 +317,91 @@ impl Index for EmbeddedIndex {
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
         enum Step {
             Win(usize, u64),
-            Lose(usize, BlockKey),
+            Lose(usize, Placement),
             Expire,
         }
-        let mut state = self.state();
+        // One publish at a time: the state's lock is held only to decide and to apply, not
+        // across the fsync, so lookups (and reserves) go on while a batch commits.
+        let _one_at_a_time = self.publishing.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let mut steps = Vec::with_capacity(items.len());
-        let mut won_here: HashSet<BlockKey> = HashSet::new();
         let mut durable: Vec<(u64, [u8; LOG_VALUE])> = Vec::new();
-        for (r, checksum) in items {
-            let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else {
-                steps.push(Step::Expire);
-                continue;
-            };
-            let live = state.tiers[t].slots.get(r.slot as usize).is_some_and(|s| {
-                s.generation == r.generation
-                    && matches!(s.state, SlotState::Reserved { key, len, deadline }
-                        if key == r.key && len == r.len && deadline > now)
-            });
-            if !live {
-                steps.push(Step::Expire);
-                continue;
-            }
-            if state.keys.contains_key(&r.key) || won_here.contains(&r.key) {
-                steps.push(Step::Lose(t, r.key));
-                continue;
-            }
-            won_here.insert(r.key);
-            let mut seq = 0;
-            if state.tiers[t].spec.durable {
-                seq = state.next_seq;
-                state.next_seq += 1;
-                let mut value = [0u8; LOG_VALUE];
-                value[..16].copy_from_slice(&r.key.0);
-                value[16..].copy_from_slice(&r.placement(*checksum).encode());
-                durable.push((seq, value));
-            }
-            steps.push(Step::Win(t, seq));
-        }
-        if !durable.is_empty() {
-            let txn = self.db.begin_write()?;
-            {
-                let mut log = txn.open_table(LOG)?;
-                for (seq, value) in &durable {
-                    log.insert(*seq, &value[..])?;
+        let (next_generation, next_seq) = {
+            let mut state = self.state();
+            let mut won_here: HashMap<BlockKey, Placement> = HashMap::new();
+            for (r, checksum) in items {
+                let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else {
+                    steps.push(Step::Expire);
+                    continue;
+                };
+                let live = state.tiers[t].slots.get(r.slot as usize).is_some_and(|s| {
+                    s.generation == r.generation
+                        && matches!(s.state, SlotState::Reserved { key, len, deadline }
+                            if key == r.key && len == r.len && deadline > now)
+                });
+                if !live {
+                    steps.push(Step::Expire);
+                    continue;
                 }
-                let mut meta = txn.open_table(META)?;
-                meta.insert("next_generation", state.next_generation)?;
-                meta.insert("next_seq", state.next_seq)?;
+                if let Some(winner) = state.placement(&r.key).or(won_here.get(&r.key).copied()) {
+                    steps.push(Step::Lose(t, winner));
+                    continue;
+                }
+                won_here.insert(r.key, r.placement(*checksum));
+                let mut seq = 0;
+                if state.tiers[t].spec.durable {
+                    seq = state.next_seq;
+                    state.next_seq += 1;
+                    let mut value = [0u8; LOG_VALUE];
+                    value[..16].copy_from_slice(&r.key.0);
+                    value[16..].copy_from_slice(&r.placement(*checksum).encode());
+                    durable.push((seq, value));
+                }
+                // Neither expiry nor abort touches a slot being published.
+                state.tiers[t].begin_publish(r.slot);
+                steps.push(Step::Win(t, seq));
             }
-            txn.commit()?;
+            (state.next_generation, state.next_seq)
+        };
+        let committed = if durable.is_empty() {
+            Ok(())
+        } else {
+            (|| -> Result<(), Error> {
+                let txn = self.db.begin_write()?;
+                {
+                    let mut log = txn.open_table(LOG)?;
+                    for (seq, value) in &durable {
+                        log.insert(*seq, &value[..])?;
+                    }
+                    let mut meta = txn.open_table(META)?;
+                    meta.insert("next_generation", next_generation)?;
+                    meta.insert("next_seq", next_seq)?;
+                }
+                txn.commit()?;
+                Ok(())
+            })()
+        };
+        let mut state = self.state();
+        if let Err(e) = committed {
+            // Nothing was published: the winners' reservations stand again (to retry or abort).
+            for (step, (r, _)) in steps.iter().zip(items) {
+                if let Step::Win(t, _) = *step {
+                    state.tiers[t].cancel_publish(r.slot);
+                }
+            }
+            return Err(e);
         }
-        // Committed (or nothing durable to commit): apply.
         let mut out = Vec::with_capacity(items.len());
-        for (step, (r, checksum)) in steps.iter_mut().zip(items) {
+        for (step, (r, checksum)) in steps.iter().zip(items) {
             match *step {
                 Step::Win(t, seq) => {
                     state.tiers[t].publish(r.slot, r.key, r.len, *checksum, seq);
                     state.keys.insert(r.key, (t, r.placement(*checksum)));
                     out.push(Published::Won(r.placement(*checksum)));
                 }
-                Step::Lose(t, key) => {
-                    state.tiers[t].unreserve(r.slot);
-                    let winner = state.placement(&key).expect("the winner was just published");
+                Step::Lose(t, winner) => {
+                    // Unless it expired meanwhile (and is someone else's now): free it.
+                    state.tiers[t].unreserve_generation(r.slot, r.generation);
                     out.push(Published::Lost { winner });
                 }
                 Step::Expire => {

@@ -16,6 +16,12 @@ pub(super) enum SlotState {
         len: u64,
         deadline: Instant,
     },
+    /// Reserved, and its publish is being committed: invisible, not expiring, not abortable.
+    Publishing {
+        key: BlockKey,
+        len: u64,
+        deadline: Instant,
+    },
     Published {
         key: BlockKey,
         len: u64,
@@ -126,11 +132,35 @@ impl TierState {
         }
     }
 
-    /// Turns a reserved slot into a published one.
+    /// Frees a reserved slot if it still has `generation` (a lost publish race).
+    pub(super) fn unreserve_generation(&mut self, slot: u32, generation: u64) {
+        if self.slots[slot as usize].generation == generation {
+            self.unreserve(slot);
+        }
+    }
+
+    /// Marks a reserved slot as being published.
+    pub(super) fn begin_publish(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if let SlotState::Reserved { key, len, deadline } = s.state {
+            s.state = SlotState::Publishing { key, len, deadline };
+        }
+    }
+
+    /// The publish's commit failed: the slot is reserved again, under its old deadline.
+    pub(super) fn cancel_publish(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        if let SlotState::Publishing { key, len, deadline } = s.state {
+            s.state = SlotState::Reserved { key, len, deadline };
+            self.deadlines.push(Reverse((deadline, slot, s.generation)));
+        }
+    }
+
+    /// Turns a slot being published into a published one.
     pub(super) fn publish(&mut self, slot: u32, key: BlockKey, len: u64, checksum: u32, seq: u64) {
         let s = &mut self.slots[slot as usize];
         s.seq = seq;
-        debug_assert!(matches!(s.state, SlotState::Reserved { .. }));
+        debug_assert!(matches!(s.state, SlotState::Publishing { .. }));
         self.uses += 1;
         s.state = SlotState::Published { key, len, checksum, last_use: self.uses };
         self.reserved -= 1;
