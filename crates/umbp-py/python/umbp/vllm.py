@@ -459,10 +459,14 @@ class _SchedulerSide:
             end = min(end, request.num_prompt_tokens)
         full = min(end // self.layout.block_size, len(request.block_hashes))
         first = self._next_save.get(rid, 0)
-        if full <= first:
+        if full <= first and rid not in self._blocks:
             return []
+        # Its blocks as this step uses them (a preempted request's are new): a load failure
+        # reported for this step is matched against them (_poison).
         block_ids = self.kv_cache_manager.get_block_ids(rid)[0]
         self._blocks[rid] = list(block_ids)
+        if full <= first:
+            return []
         items = []
         for i in range(first, min(full, len(block_ids))):
             planned = self.index.begin_save(request.block_hashes[i])
@@ -501,7 +505,9 @@ class _SchedulerSide:
             d.pop(rid, None)
         if rid in self._loading:
             # Its load writes into its blocks: vLLM frees them once the workers report it
-            # (finished_recving).
+            # (finished_recving). Saves from before a preemption, if any, read blocks vLLM
+            # already took back and waited for (handle_preemptions): nothing to hold.
+            self._forget_saves(rid)
             return True, None
         ops = self._save_ops.get(rid, set())
         if any(not self.index.op_settled(op) for op in ops):
