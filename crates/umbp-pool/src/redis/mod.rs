@@ -2,9 +2,9 @@
 //!
 //! Strategy: every operation that changes state is one Lua script (sent as `EVALSHA`; the
 //! client loads it once and again after `NOSCRIPT`, for example after a Redis restart), so the
-//! rules hold atomically whatever number of clients race. A batched lookup is one pipeline of
-//! two commands, `HMGET` of all keys and the alive-nodes script: one round trip for any number
-//! of keys. Leases and node announcements are keys with Redis's own TTL: a holder that stops
+//! rules hold atomically whatever number of clients race. A batched lookup is one pipeline:
+//! the alive-nodes script, then one `HMGET` per 4,096 keys: one round trip for any number of
+//! keys. Leases and node announcements are keys with Redis's own TTL: a holder that stops
 //! renewing simply lets them expire. Connections are pooled (one per concurrent caller), with
 //! read, write and connect timeouts, and a connection that failed is dropped, so a restarted
 //! server is reconnected to on the next call. See [`scripts`] for the key layout.
@@ -341,6 +341,9 @@ fn reserved(
     }
 }
 
+/// Keys per `HMGET` of a batched lookup.
+const LOOKUP_CHUNK: usize = 4096;
+
 fn ttl_ms(ttl: Duration) -> u64 {
     (ttl.as_millis() as u64).max(1)
 }
@@ -470,40 +473,50 @@ impl Index for RedisIndex {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let mut hmget = redis::cmd("HMGET");
-        hmget.arg(format!("{}:blocks", self.prefix));
-        for k in keys {
-            hmget.arg(&k.0[..]);
-        }
+        // The alive-nodes script first, then the keys in chunks: one pipeline, one round trip,
+        // and the server answers the first chunks while the client still parses.
+        let blocks = format!("{}:blocks", self.prefix);
         let mut pipe = redis::pipe();
-        pipe.add_command(hmget);
         pipe.cmd("EVALSHA").arg(self.scripts.alive.get_hash()).arg(0).arg(&self.prefix);
-        let (found, alive): (Value, Value) = self.with(|c| match pipe.query(c) {
+        for chunk in keys.chunks(LOOKUP_CHUNK) {
+            let hmget = pipe.cmd("HMGET").arg(&blocks);
+            for k in chunk {
+                hmget.arg(&k.0[..]);
+            }
+        }
+        let replies: Vec<Value> = self.with(|c| match pipe.query(c) {
             Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
                 redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)?;
                 pipe.query(c)
             }
             other => other,
         })?;
-        let alive: HashSet<u32> = array("alive nodes", &alive)?
+        let (alive, found) =
+            replies.split_first().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
+        let alive: HashSet<u32> = array("alive nodes", alive)?
             .iter()
             .map(|v| int("alive nodes", v).map(|n| n as u32))
             .collect::<Result<_, _>>()?;
-        let found = array("lookup", &found)?;
-        if found.len() != keys.len() {
-            return Err(corrupt("lookup", &Value::Int(found.len() as i64)));
+        let mut out = Vec::with_capacity(keys.len());
+        for (reply, chunk) in found.iter().zip(keys.chunks(LOOKUP_CHUNK)) {
+            let reply = array("lookup", reply)?;
+            if reply.len() != chunk.len() {
+                return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
+            }
+            for (v, &key) in reply.iter().zip(chunk) {
+                out.push(match v {
+                    Value::Nil => None,
+                    v => {
+                        let p = Placement::decode(key, bytes("lookup", v)?)?;
+                        alive.contains(&p.node.0).then_some(p)
+                    }
+                });
+            }
         }
-        found
-            .iter()
-            .zip(keys)
-            .map(|(v, &key)| match v {
-                Value::Nil => Ok(None),
-                v => {
-                    let p = Placement::decode(key, bytes("lookup", v)?)?;
-                    Ok(alive.contains(&p.node.0).then_some(p))
-                }
-            })
-            .collect()
+        if out.len() != keys.len() {
+            return Err(corrupt("lookup", &Value::Int(out.len() as i64)));
+        }
+        Ok(out)
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
