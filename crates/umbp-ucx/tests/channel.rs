@@ -161,7 +161,14 @@ fn server(protection: Protection) -> umbp_ucx::UcxServer {
 }
 
 fn engine(protection: Protection) -> UcxEngine {
-    let config = UcxConfig { protection, peer_timeout: Duration::from_secs(3), ..config("tcp") };
+    // No heartbeat in the middle of the records the relays count (a slow machine could
+    // otherwise put one before the batch's requests).
+    let config = UcxConfig {
+        protection,
+        peer_timeout: Duration::from_secs(3),
+        heartbeat: Duration::from_secs(600),
+        ..config("tcp")
+    };
     UcxEngine::new(EndpointRegistry::new(), config).unwrap()
 }
 
