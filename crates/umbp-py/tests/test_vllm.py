@@ -1038,3 +1038,50 @@ def test_a_random_workload_for_thousands_of_steps_settles_every_request_byte_exa
         assert sum(f.failed for f in faults) > 0 or steps < 1000
     finally:
         h.close()
+
+
+def test_a_request_sharing_the_failed_block_through_vllms_prefix_cache_saves_nothing_over_it(
+    tmp_path,
+):
+    # B and C arrive together with A's 4 saved blocks as their prefix: B loads them (layer-wise)
+    # and C, scheduled in the same step, finds them in vLLM's own prefix cache, so both compute
+    # their next 3 blocks over block 1, whose load fails. Neither's blocks computed over it
+    # may be published: E and F, with B's and C's 7 blocks as prefixes, load only right bytes.
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        load_mode="layerwise",
+        dram_bytes_per_rank=0,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=64 * slot,
+    )
+    try:
+        a = prompt(90, 4 * BS)
+        h.add("a", a + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:4]
+        assert h.scheduler.reset_prefix_cache()
+        fault = FailingLoads(h.worker.worker_side, [(SSD, h.index.entry(keys[1]).slot)])
+        b, c = a + prompt(91, 3 * BS), a + prompt(92, 3 * BS)
+        h.add("b", b + [9])
+        h.add("c", c + [9])
+        so, _ = first_step_of(h, "b")
+        # Both start past A's 4 blocks in one step: B by the connector's load, C by vLLM's
+        # prefix cache (the blocks B is loading).
+        assert {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs} == {
+            "b": 4 * BS,
+            "c": 4 * BS,
+        }
+        assert h.stats.get("loaded_blocks.ssd", 0) + h.stats.get("load_errors.ssd", 0) == 4
+        h.run()
+        assert fault.failed == 1 and h.computed_wrong > 0
+        fault.slots = set()
+        for rid, p in (("e", b), ("f", c)):
+            assert h.scheduler.reset_prefix_cache()
+            h.load_errors = set()
+            h.add(rid, p + prompt(93, 20))
+            h.run()
+            assert not h.load_errors
+        assert h.prefills_checked == 5
+    finally:
+        h.close()
