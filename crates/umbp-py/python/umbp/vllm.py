@@ -32,7 +32,14 @@ layer's group only, or on CUDA queues the wait on vLLM's current stream).
 Failures: a block whose object did not land whole on every rank (an I/O error, a bad page, a
 deadline) is reported by ``get_block_ids_with_load_errors`` and vLLM recomputes it (set
 ``"kv_load_failure_policy": "recompute"``, vLLM's default fails the request); it is never
-reported loaded, and the index forgets it. A failed save only costs a future miss.
+reported loaded, and the index forgets it. Blocks computed over a failed layer-wise load (in
+its step, or before vLLM learned of it) are never published: their saves fail whatever the
+ranks report, and are planned again from the failed block. A failed save only costs a future
+miss.
+
+SSD files: each instance's own (the data-parallel replica and the TP rank are in the default
+name, ``{dp_rank}`` and ``{rank}`` place them), held under an exclusive lock while it runs, so
+a second instance given the same file stops at start.
 
 See docs/VLLM.md for every extra-config key and the metrics.
 """
@@ -388,7 +395,7 @@ class _SchedulerSide:
         self._next_save: Dict[str, int] = {}  # request -> first block not yet planned
         self._save_ops: Dict[str, Set[int]] = {}  # request -> its save operations
         self._save_block: Dict[int, int] = {}  # save operation -> its block's index
-        self._blocks: Dict[str, List[int]] = {}  # request -> its GPU blocks when last planned
+        self._blocks: Dict[str, List[int]] = {}  # request -> its GPU blocks, last step it ran
         self._plans: Dict[str, Tuple[int, int]] = {}  # request -> (first block, blocks) hit
         self._pending_loads: Dict[str, List[Item]] = {}
         self._hit_sources: Dict[str, Dict[CacheHitSource, int]] = {}
