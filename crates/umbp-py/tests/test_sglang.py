@@ -1,0 +1,343 @@
+"""umbp.sglang.UmbpHiCacheStorage against SGLang's own classes, on CPU.
+
+The backend is built the way SGLang's cache controller builds it: through SGLang's
+``StorageBackendFactory`` with ``--hicache-storage-backend dynamic`` (module path and class
+name in the extra config), then ``register_mem_pool_host`` with SGLang's own MHA host memory
+pool (``MHATokenToKVPoolHost``), allocated on CPU in each host layout SGLang offers for it.
+Pages are moved with the calls SGLang's controller makes: ``batch_exists``, the zero-copy
+``batch_get_v1`` / ``batch_set_v1`` (``"interface_v1": 1``), and the older ``batch_get`` /
+``batch_set`` with the pool's flat data pages. Every restored byte is compared with the
+bytes saved.
+
+Needs SGLang (`bash .ci/sglang-venv` installs it into a cached virtual environment); skipped
+with the reason printed where it is absent, and a failure where UMBP_REQUIRE_SGLANG=1.
+"""
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("UMBP_REQUIRE_SGLANG") == "1":
+        raise
+    pytest.skip(
+        f"SGLang is not installed ({e}); run: bash .ci/sglang-venv", allow_module_level=True
+    )
+
+import umbp
+from umbp.sglang import SLOT_ALIGN, UmbpHiCacheStorage, UmbpStorageConfig
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 16, 8  # a page: 2 x 3 x 8 x 2 x 16 bf16 = 3 KiB
+DEVICE_TOKENS = 256
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+
+
+def host_pool(layout="page_first", tokens=DEVICE_TOKENS):
+    """SGLang's MHA host pool on CPU (unpinned: no GPU), twice the device pool's tokens."""
+    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
+        ),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+
+
+def storage_config(extra, *, tp_rank=0, tp_size=1, mla=False, layout="page_first"):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=layout == "page_first",
+        model_name="test-model",
+        extra_config=extra,
+    )
+
+
+def extra(**ours):
+    return {
+        "backend_name": "umbp",
+        "module_path": "umbp.sglang",
+        "class_name": "UmbpHiCacheStorage",
+        "interface_v1": 1,
+        **ours,
+    }
+
+
+def attach(pool, layout="page_first", **ours):
+    """What SGLang's HiCacheController.attach_storage_backend does with a dynamic backend."""
+    config = storage_config(extra(**ours), layout=layout)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def fill(pool, seed=1):
+    """Random bytes in the whole host pool."""
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, flat.numel(), dtype=np.uint8)))
+
+
+def page_bytes(pool, page):
+    """The bytes of host page ``page`` (all layers, K and V), as SGLang's get_data_page sees them."""
+    return pool.get_data_page(page * PAGE, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def indices(pages):
+    """Host token indices of the host pages ``pages`` (page_size each), as SGLang passes them."""
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, dtype=torch.int64) for p in pages])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_through_the_factory_in_every_layout(tmp_path, layout):
+    pool = host_pool(layout)
+    backend = attach(pool, layout, dram_bytes=1 << 20, ssd_path=str(tmp_path / "t"), ssd_bytes=1 << 20)
+    try:
+        assert isinstance(backend, UmbpHiCacheStorage)  # SGLang's own dynamic loading built it
+        fill(pool)
+        n = pool.page_num // 2 - 1
+        src, dst = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1))
+        keys = [f"hash-{layout}-{i}" for i in range(n)]
+        saved = [page_bytes(pool, p) for p in src]
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys, indices(src)) == [True] * n
+        assert backend.batch_exists(keys) == n and all(backend.exists(k) for k in keys)
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        assert backend.batch_get_v1(keys, indices(dst)) == [True] * n
+        assert [page_bytes(pool, p) for p in dst] == saved
+    finally:
+        backend.close()
+
+
+def test_many_keys_over_dram_and_ssd_with_demotions(tmp_path):
+    # 4 DRAM slots: most pages are demoted to (or saved straight into) the SSD file.
+    pool = host_pool(tokens=1024)
+    backend = attach(pool, dram_bytes=4 * SLOT_ALIGN, ssd_path=str(tmp_path / "s"), ssd_bytes=1 << 20)
+    try:
+        fill(pool, seed=2)
+        rng = np.random.default_rng(3)
+        keys, saved = [], {}
+        for round_ in range(6):  # batches as SGLang's backup thread sends them
+            pages = list(range(1 + 20 * round_, 21 + 20 * round_))
+            ks = [f"k{round_}-{p}" for p in pages]
+            assert backend.batch_set_v1(ks, indices(pages)) == [True] * len(ks)
+            keys += ks
+            saved.update({k: page_bytes(pool, p) for k, p in zip(ks, pages)})
+        tiers = [backend._index.entry(k).tier for k in keys]
+        assert tiers.count("ssd") >= len(keys) - 4 and tiers.count("dram") >= 1
+        m = backend.engine.metrics()
+        assert m["engines"][("ssd", "host->file")]["objects"] >= len(keys) - 4
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        order = list(rng.permutation(len(keys)))
+        for start in range(0, len(order), 25):
+            chunk = [keys[i] for i in order[start : start + 25]]
+            dst = list(range(1, 1 + len(chunk)))
+            assert backend.batch_get_v1(chunk, indices(dst)) == [True] * len(chunk)
+            assert [page_bytes(pool, p) for p in dst] == [saved[k] for k in chunk]
+        assert backend.engine.metrics()["checksums"]["mismatches"] == 0
+    finally:
+        backend.close()
+
+
+def test_missing_keys_fail_alone_and_leave_their_pages_untouched(tmp_path):
+    pool = host_pool()
+    backend = attach(pool, dram_bytes=1 << 20)
+    try:
+        fill(pool, seed=4)
+        stored = [f"s{i}" for i in range(6)]
+        saved = [page_bytes(pool, p) for p in range(1, 7)]
+        assert backend.batch_set_v1(stored, indices(range(1, 7))) == [True] * 6
+        asked = ["s0", "nope-1", "s2", "s3", "nope-2", "s5"]
+        assert backend.batch_exists(asked) == 1  # the consecutive hits from the start
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0xAB
+        sentinel = page_bytes(pool, 10)
+        dst = list(range(10, 16))
+        assert backend.batch_get_v1(asked, indices(dst)) == [True, False, True, True, False, True]
+        got = [page_bytes(pool, p) for p in dst]
+        assert got[0] == saved[0] and got[2] == saved[2] and got[3] == saved[3] and got[5] == saved[5]
+        assert got[1] == sentinel and got[4] == sentinel
+        # A key saved twice stays one copy, reported saved.
+        assert backend.batch_set_v1(["s1", "new"], indices([1, 2])) == [True, True]
+        # Host indices that do not cover the keys' pages: every key fails, nothing is dropped.
+        assert backend.batch_get_v1(["s0", "s2"], indices([3])) == [False, False]
+        assert backend.batch_exists(["s0", "s1", "s2"]) == 3
+    finally:
+        backend.close()
+
+
+def test_a_corrupted_ssd_slot_fails_that_key_only(tmp_path):
+    pool = host_pool()
+    path = tmp_path / "ssd"
+    backend = attach(pool, dram_bytes=0, ssd_path=str(path), ssd_bytes=1 << 20)
+    try:
+        fill(pool, seed=5)
+        keys = [f"c{i}" for i in range(8)]
+        saved = [page_bytes(pool, p) for p in range(1, 9)]
+        assert backend.batch_set_v1(keys, indices(range(1, 9))) == [True] * 8
+        entry = backend._index.entry("c3")
+        assert entry.tier == "ssd"
+        # Flip bytes of c3's slot behind umbp's back (another writer, a bad sector).
+        with open(path, "r+b") as f:
+            f.seek(entry.slot * backend.slot_bytes + 100)
+            f.write(b"\xff\x00" * 32)
+            f.flush()
+            os.fsync(f.fileno())
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        dst = list(range(20, 28))
+        ok = backend.batch_get_v1(keys, indices(dst))
+        assert ok == [True, True, True, False, True, True, True, True]
+        got = [page_bytes(pool, p) for p in dst]
+        assert [g for i, g in enumerate(got) if i != 3] == [s for i, s in enumerate(saved) if i != 3]
+        assert backend.engine.metrics()["checksums"]["mismatches"] == 1
+        # The index forgot the bad copy: a miss now, saved anew later.
+        assert not backend.exists("c3") and backend.batch_exists(keys) == 3
+        fill(pool, seed=5)  # page 4 holds c3's bytes again
+        assert backend.batch_set_v1(["c3"], indices([4])) == [True]
+        assert backend.batch_get_v1(["c3"], indices([30])) == [True]
+        assert page_bytes(pool, 30) == saved[3]
+    finally:
+        backend.close()
+
+
+def test_a_second_instance_on_the_same_ssd_file_is_refused(tmp_path):
+    path = str(tmp_path / "shared")
+    first = attach(host_pool(), dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)
+    try:
+        second = UmbpHiCacheStorage(storage_config(extra(dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)))
+        with pytest.raises(RuntimeError, match="in use by another instance") as e:
+            second.register_mem_pool_host(host_pool())
+        assert isinstance(e.value.__cause__, umbp.RegistrationError)
+        assert e.value.__cause__.errno == errno.EWOULDBLOCK
+    finally:
+        first.close()
+    # Once the first closed, the file is free again.
+    third = attach(host_pool(), dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)
+    third.close()
+
+
+def test_ranks_get_files_of_their_own(tmp_path):
+    cfg = UmbpStorageConfig.from_extra(extra(ssd_path=str(tmp_path / "f"), ssd_bytes=1 << 20))
+    assert cfg.ssd_file(storage_config({}, tp_rank=1, tp_size=2)) == str(tmp_path / "f.tp1")
+    assert cfg.ssd_file(storage_config({})) == str(tmp_path / "f")
+    cfg = UmbpStorageConfig.from_extra(extra(ssd_path=str(tmp_path / "r{tp_rank}"), ssd_bytes=1 << 20))
+    assert cfg.ssd_file(storage_config({}, tp_rank=1, tp_size=2)) == str(tmp_path / "r1")
+
+
+def test_bad_configuration_is_refused_by_name():
+    with pytest.raises(ValueError, match="ssd_byts"):
+        UmbpStorageConfig.from_extra(extra(ssd_byts=1))
+    with pytest.raises(ValueError, match="ssd_path needs ssd_bytes"):
+        UmbpStorageConfig.from_extra(extra(ssd_path="/tmp/x"))
+    with pytest.raises(ValueError, match="checksums"):
+        UmbpStorageConfig.from_extra(extra(checksums="sometimes"))
+    with pytest.raises(ValueError, match="dram_bytes"):
+        UmbpStorageConfig.from_extra(extra(dram_bytes=-1))
+    with pytest.raises(ValueError, match="MLA"):
+        UmbpHiCacheStorage(storage_config(extra(), tp_size=2, mla=True))
+
+
+def test_the_tensor_per_page_interface_without_interface_v1(tmp_path):
+    # What SGLang's _generic_page_set / _generic_page_get do when interface_v1 is not set.
+    pool = host_pool("layer_first")
+    backend = attach(pool, "layer_first", dram_bytes=1 << 20, ssd_path=str(tmp_path / "g"), ssd_bytes=1 << 20)
+    try:
+        fill(pool, seed=6)
+        keys = [f"g{i}" for i in range(5)]
+        saved = [page_bytes(pool, p) for p in range(1, 6)]
+        data = [pool.get_data_page(p * PAGE) for p in range(1, 6)]
+        assert backend.batch_set(keys, data) is True
+        dummies = [pool.get_dummy_flat_data_page() for _ in range(6)]
+        got = backend.batch_get(keys + ["missing"], dummies)
+        assert got[5] is None and all(g is d for g, d in zip(got[:5], dummies))
+        for i, page in enumerate(range(10, 15)):
+            pool.set_from_flat_data_page(page * PAGE, got[i])
+        assert [page_bytes(pool, p) for p in range(10, 15)] == saved
+        assert backend.get("g0", pool.get_dummy_flat_data_page()) is not None
+        assert backend.set("g9", pool.get_data_page(7 * PAGE)) is True and backend.exists("g9")
+    finally:
+        backend.close()
+
+
+def test_sixteen_threads_at_once(tmp_path):
+    # SGLang calls a backend from its prefetch, prefetch I/O and backup threads at once.
+    pool = host_pool(tokens=2048)
+    backend = attach(pool, dram_bytes=64 * SLOT_ALIGN, ssd_path=str(tmp_path / "m"), ssd_bytes=4 << 20)
+    fill(pool, seed=7)
+    threads_n, pages_per = 16, 12  # each thread its own host pages: 2 x 12 of them
+    saved = {}
+    for t in range(threads_n):
+        for j in range(pages_per):
+            saved[f"t{t}-{j}"] = page_bytes(pool, 1 + t * 2 * pages_per + j)
+    errors = []
+    barrier = threading.Barrier(threads_n)
+
+    def work(t):
+        try:
+            base = 1 + t * 2 * pages_per
+            src = list(range(base, base + pages_per))
+            dst = list(range(base + pages_per, base + 2 * pages_per))
+            keys = [f"t{t}-{j}" for j in range(pages_per)]
+            barrier.wait()
+            for round_ in range(4):
+                assert backend.batch_set_v1(keys, indices(src)) == [True] * pages_per
+                assert backend.batch_exists(keys) == pages_per
+                assert backend.batch_get_v1(keys, indices(dst)) == [True] * pages_per
+                got = [page_bytes(pool, p) for p in dst]
+                assert got == [saved[k] for k in keys], f"thread {t} round {round_}"
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(threads_n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    try:
+        assert not any(th.is_alive() for th in threads), "a thread never finished"
+        assert not errors, errors[0]
+        assert backend.engine.metrics()["checksums"]["mismatches"] == 0
+    finally:
+        backend.close()
+
+
+def test_closed_backend_refuses_calls(tmp_path):
+    pool = host_pool()
+    backend = attach(pool, dram_bytes=1 << 20)
+    backend.close()
+    backend.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.batch_exists(["a"])
