@@ -31,8 +31,8 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    BatchState, BatchStatus, CancelToken, DeviceStream, EndpointId, EndpointPins, Failure,
-    FailureCause, GroupListener, ObjectState, PlanSet, Tag,
+    BatchState, BatchStatus, CancelToken, DeviceStream, EndpointId, EndpointPins, EndpointRegistry,
+    Failure, FailureCause, GroupListener, ObjectState, PlanSet, Tag,
 };
 
 use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
@@ -47,13 +47,14 @@ use crate::metrics::Metrics;
 #[non_exhaustive]
 pub enum ObjectError {
     /// Refused while planning (a bad range or page list, a fragment no engine carries or one
-    /// the engine refused); no byte of it was written. Displayed with the reason only: the
-    /// plan error's tag is the batch's internal one, and the result names the caller's.
-    #[error("rejected: {}", Reason(.0))]
-    Rejected(umbp_plan::Error),
+    /// the engine refused); no byte of it was written. Displayed with the reason only, naming
+    /// endpoints by the caller's names (the second field): the plan error's tag is the batch's
+    /// internal one, and the result names the caller's.
+    #[error("rejected: {}", Reason(.0, .1))]
+    Rejected(umbp_plan::Error, EndpointNames),
     /// A transfer carrying its bytes failed. Its destination ranges may hold some of its bytes;
     /// nothing outside them was written.
-    #[error("{engine} failed endpoint {} -> endpoint {}: {cause}", .src.raw(), .dst.raw())]
+    #[error("{engine} failed {} -> {}: {cause}", .names.show(*.src), .names.show(*.dst))]
     Failed {
         /// The engine that ran the transfer (`staged` for a bounce region that went away).
         engine: String,
@@ -63,6 +64,8 @@ pub enum ObjectError {
         dst: EndpointId,
         /// What went wrong.
         cause: FailureCause,
+        /// The caller's names of `src` and `dst`, for the message.
+        names: EndpointNames,
     },
     /// The batch was cancelled before all of the object's bytes arrived: its transfers not
     /// yet started were skipped, and those running were cancelled where their engine can
@@ -75,11 +78,11 @@ pub enum ObjectError {
 impl std::fmt::Debug for ObjectError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Rejected(umbp_plan::Error::Rejected { reason, .. }) => {
+            Self::Rejected(umbp_plan::Error::Rejected { reason, .. }, _) => {
                 f.debug_tuple("Rejected").field(reason).finish()
             }
-            Self::Rejected(other) => f.debug_tuple("Rejected").field(other).finish(),
-            Self::Failed { engine, src, dst, cause } => f
+            Self::Rejected(other, _) => f.debug_tuple("Rejected").field(other).finish(),
+            Self::Failed { engine, src, dst, cause, .. } => f
                 .debug_struct("Failed")
                 .field("engine", engine)
                 .field("src", src)
@@ -91,28 +94,124 @@ impl std::fmt::Debug for ObjectError {
     }
 }
 
-/// A plan error without the object it names (for [`ObjectError::Rejected`]).
-struct Reason<'a>(&'a umbp_plan::Error);
+impl ObjectError {
+    /// Why the object was rejected, in the words of its message without `rejected: ` (endpoints
+    /// by the caller's names); `None` unless it was rejected.
+    pub fn rejection(&self) -> Option<String> {
+        match self {
+            Self::Rejected(error, names) => Some(Reason(error, names).to_string()),
+            _ => None,
+        }
+    }
+}
+
+/// What the caller calls the endpoints an [`ObjectError`] names: the label given at
+/// registration ([`Registration::set_label`](umbp_plan::Registration::set_label)) or the path
+/// of a file registered by path, looked up when the error was made. An endpoint without one is
+/// `endpoint N`, its id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointNames(Vec<(EndpointId, Arc<str>)>);
+
+impl EndpointNames {
+    /// The names `registry` has for `ids` (nothing is allocated when none has one).
+    pub fn lookup(registry: &EndpointRegistry, ids: impl IntoIterator<Item = EndpointId>) -> Self {
+        Self(ids.into_iter().filter_map(|id| registry.name(id).map(|name| (id, name))).collect())
+    }
+
+    /// The caller's name of endpoint `id`, if it has one.
+    pub fn get(&self, id: EndpointId) -> Option<&str> {
+        self.0.iter().find(|(e, _)| *e == id).map(|(_, name)| &**name)
+    }
+
+    /// `id` as a message shows it: its name in double quotes, else `endpoint N`.
+    pub fn show(&self, id: EndpointId) -> impl std::fmt::Display + '_ {
+        Shown(self.get(id), id)
+    }
+}
+
+struct Shown<'a>(Option<&'a str>, EndpointId);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(name) => write!(f, "\"{name}\""),
+            None => write!(f, "endpoint {}", self.1.raw()),
+        }
+    }
+}
+
+/// A plan error without the object it names (for [`ObjectError::Rejected`]), its endpoints by
+/// the caller's names.
+struct Reason<'a>(&'a umbp_plan::Error, &'a EndpointNames);
 
 impl std::fmt::Display for Reason<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
+        use umbp_plan::RejectReason as R;
+        let n = self.1;
+        let reason = match self.0 {
+            umbp_plan::Error::Rejected { reason, .. } => reason,
+            other => return other.fmt(f),
+        };
+        match *reason {
             // Only routing rejects a pair (an engine's builder is given the pairs it claims):
             // say what would carry it.
-            umbp_plan::Error::Rejected {
-                reason: umbp_plan::RejectReason::PairNotHandled { src, dst },
-                ..
-            } => write!(
+            R::PairNotHandled { src, dst } => write!(
                 f,
-                "no engine carries endpoint {} -> endpoint {}; a pair two engines carry only \
-                 through host memory (file -> device, say) needs a staging region: register \
-                 host memory and pass it to `CompositeEngine::set_staging`",
-                src.raw(),
-                dst.raw()
+                "no engine carries {} -> {}; a pair two engines carry only through host memory \
+                 (file -> device, say) needs a staging region: register host memory and pass \
+                 it to `CompositeEngine::set_staging`",
+                n.show(src),
+                n.show(dst)
             ),
-            umbp_plan::Error::Rejected { reason, .. } => reason.fmt(f),
-            other => other.fmt(f),
+            R::UnknownEndpoint(id) => write!(f, "{} is not registered", n.show(id)),
+            R::OutOfBounds { endpoint, offset, len, endpoint_len } => write!(
+                f,
+                "bytes {offset}..+{len} lie outside {} of {endpoint_len} bytes",
+                n.show(endpoint)
+            ),
+            R::Overflow { endpoint, offset, len } => {
+                write!(f, "offset {offset} + length {len} overflows on {}", n.show(endpoint))
+            }
+            R::ReadOnly(id) => write!(f, "{} is read-only", n.show(id)),
+            R::Misaligned { endpoint, offset, len, align } => write!(
+                f,
+                "bytes {offset}..+{len} of {} are not aligned to {align}",
+                n.show(endpoint)
+            ),
+            _ => reason.fmt(f),
         }
+    }
+}
+
+/// Object failure `cause` of a transfer `src -> dst` by `engine`, its endpoints named.
+fn failed(
+    registry: &EndpointRegistry,
+    engine: String,
+    src: EndpointId,
+    dst: EndpointId,
+    cause: FailureCause,
+) -> ObjectError {
+    let names = EndpointNames::lookup(registry, [src, dst]);
+    ObjectError::Failed { engine, src, dst, cause, names }
+}
+
+/// Object rejection `error`, its endpoints named.
+fn rejected(registry: &EndpointRegistry, error: umbp_plan::Error) -> ObjectError {
+    let names = EndpointNames::lookup(registry, named_endpoints(&error).into_iter().flatten());
+    ObjectError::Rejected(error, names)
+}
+
+/// The endpoints a plan error names.
+fn named_endpoints(error: &umbp_plan::Error) -> [Option<EndpointId>; 2] {
+    use umbp_plan::RejectReason as R;
+    let umbp_plan::Error::Rejected { reason, .. } = error else { return [None, None] };
+    match *reason {
+        R::PairNotHandled { src, dst } => [Some(src), Some(dst)],
+        R::UnknownEndpoint(id) | R::ReadOnly(id) => [Some(id), None],
+        R::OutOfBounds { endpoint, .. }
+        | R::Overflow { endpoint, .. }
+        | R::Misaligned { endpoint, .. } => [Some(endpoint), None],
+        _ => [None, None],
     }
 }
 
@@ -234,6 +333,8 @@ pub(crate) struct BatchShared {
     metered: bool,
     /// The batch's endpoints, pinned until it settles.
     pins: Mutex<Option<EndpointPins>>,
+    /// Where errors find the caller's names of endpoints.
+    registry: Arc<EndpointRegistry>,
     deadline: Option<Instant>,
     stream: Option<DeviceStream>,
     /// The objects' checksums, when the batch hashes any.
@@ -284,6 +385,7 @@ impl BatchShared {
         metrics: Arc<Metrics>,
         pins: EndpointPins,
         checks: Option<Checks>,
+        registry: Arc<EndpointRegistry>,
     ) -> Prepared {
         let objects = std::mem::take(&mut plans.objects);
         let (keys, positions) = match keys {
@@ -355,7 +457,7 @@ impl BatchShared {
         for (tag, error) in std::mem::take(&mut plans.rejected) {
             if let Some(i) = position(tag) {
                 let _ = status.set(Tag::new(i as u32), ObjectState::Rejected);
-                errors[i].get_or_insert(ObjectError::Rejected(error));
+                errors[i].get_or_insert_with(|| rejected(&registry, error));
             }
         }
         // Objects the builder failed before anything runs (the overlap rule across parts).
@@ -363,11 +465,8 @@ impl BatchShared {
             for &tag in &f.tags {
                 if let Some(i) = position(tag) {
                     let _ = status.set(Tag::new(i as u32), ObjectState::Failed);
-                    errors[i].get_or_insert_with(|| ObjectError::Failed {
-                        engine: f.engine.clone(),
-                        src: f.src,
-                        dst: f.dst,
-                        cause: f.cause.clone(),
+                    errors[i].get_or_insert_with(|| {
+                        failed(&registry, f.engine.clone(), f.src, f.dst, f.cause.clone())
                     });
                 }
             }
@@ -392,12 +491,7 @@ impl BatchShared {
                     }
                     Some(f) => {
                         let _ = status.set(tag, ObjectState::Failed);
-                        errors[i] = Some(ObjectError::Failed {
-                            engine: f.engine,
-                            src: f.src,
-                            dst: f.dst,
-                            cause: f.cause,
-                        });
+                        errors[i] = Some(failed(&registry, f.engine, f.src, f.dst, f.cause));
                     }
                 }
             }
@@ -443,6 +537,7 @@ impl BatchShared {
             submitted: Instant::now(),
             metered: !unmetered,
             pins: Mutex::new(Some(pins)),
+            registry,
             deadline,
             stream,
             checks,
@@ -640,12 +735,13 @@ impl BatchShared {
                                 }
                                 _ => (
                                     ObjectState::Failed,
-                                    ObjectError::Failed {
-                                        engine: f.engine.clone(),
-                                        src: f.src,
-                                        dst: f.dst,
-                                        cause: f.cause.clone(),
-                                    },
+                                    failed(
+                                        &self.registry,
+                                        f.engine.clone(),
+                                        f.src,
+                                        f.dst,
+                                        f.cause.clone(),
+                                    ),
                                 ),
                             };
                             let _ = p.status.set(Tag::new(i as u32), state);
@@ -658,12 +754,9 @@ impl BatchShared {
                         let Some(i) = self.position(tag) else { continue };
                         if !p.status.objects()[i].is_unsuccessful() {
                             let _ = p.status.set(Tag::new(i as u32), ObjectState::Failed);
-                            p.errors[i] = Some(ObjectError::Failed {
-                                engine: engine.clone(),
-                                src,
-                                dst,
-                                cause: FailureCause::TimedOut,
-                            });
+                            let cause = FailureCause::TimedOut;
+                            p.errors[i] =
+                                Some(failed(&self.registry, engine.clone(), src, dst, cause));
                         }
                     }
                 }

@@ -202,6 +202,9 @@ pub struct CompositeBuilder {
     metered: bool,
     /// The whole batch's overlap check, its buffers kept for the next batch.
     overlap: BatchOverlap,
+    /// The caller's tags of a restore's or offload's objects, by position (their tags here):
+    /// what the log names an object by. Empty when the caller's tags are the builder's own.
+    caller_tags: Vec<u64>,
 }
 
 impl CompositeBuilder {
@@ -227,6 +230,7 @@ impl CompositeBuilder {
             planning_since: None,
             metered: true,
             overlap: BatchOverlap::default(),
+            caller_tags: Vec::new(),
         }
     }
 
@@ -335,7 +339,7 @@ impl CompositeBuilder {
                     other => other,
                 }
             }
-            Route::Staged { read, write } => match self.check_staged(&f) {
+            Route::Staged { read, write } => match self.check_staged(&f, read, write) {
                 Ok(()) => {
                     self.staged.push(StagedFragment {
                         fragment: f,
@@ -345,7 +349,7 @@ impl CompositeBuilder {
                     });
                     Ok(())
                 }
-                Err(reason) => Err(self.poison(tag, reason, &f, None)),
+                Err((reason, engine)) => Err(self.poison(tag, reason, &f, Some(engine))),
             },
             Route::Unrouted => {
                 let reason = match (self.table.get(f.src), self.table.get(f.dst)) {
@@ -557,6 +561,7 @@ impl CompositeBuilder {
         }
         out.parts.sort_by_key(|p| (p.group, p.engine));
         self.staged_at_begin = 0;
+        self.caller_tags.clear();
         self.seen.clear();
         self.group = 0;
         self.last = None;
@@ -683,22 +688,28 @@ impl CompositeBuilder {
         Ok(())
     }
 
-    /// Bounds of a staged fragment against both endpoints.
-    fn check_staged(&self, f: &Fragment) -> Result<(), RejectReason> {
-        for (id, offset) in [(f.src, f.src_offset), (f.dst, f.dst_offset)] {
-            let e = self.table.get(id).ok_or(RejectReason::UnknownEndpoint(id))?;
-            match offset.checked_add(f.len) {
-                None => return Err(RejectReason::Overflow { endpoint: id, offset, len: f.len }),
-                Some(end) if end > e.len() => {
-                    return Err(RejectReason::OutOfBounds {
-                        endpoint: id,
-                        offset,
-                        len: f.len,
-                        endpoint_len: e.len(),
-                    })
-                }
-                Some(_) => {}
-            }
+    /// Bounds of a staged fragment against both endpoints; a refusal comes with the engine it
+    /// is counted under: the first hop's (`read`) for the source, the second's (`write`) for
+    /// the destination. The pair is routed, so it is never counted as unrouted.
+    fn check_staged(
+        &self,
+        f: &Fragment,
+        read: usize,
+        write: usize,
+    ) -> Result<(), (RejectReason, usize)> {
+        for (id, offset, engine) in [(f.src, f.src_offset, read), (f.dst, f.dst_offset, write)] {
+            let e = self.table.get(id).ok_or((RejectReason::UnknownEndpoint(id), engine))?;
+            let reason = match offset.checked_add(f.len) {
+                None => RejectReason::Overflow { endpoint: id, offset, len: f.len },
+                Some(end) if end > e.len() => RejectReason::OutOfBounds {
+                    endpoint: id,
+                    offset,
+                    len: f.len,
+                    endpoint_len: e.len(),
+                },
+                Some(_) => continue,
+            };
+            return Err((reason, engine));
         }
         Ok(())
     }
@@ -726,8 +737,20 @@ impl CompositeBuilder {
         if self.metered {
             self.composite.metrics().record_rejected(&name, dir, &reason);
         }
-        tracing::debug!(tag = tag.get(), %reason, "object rejected");
+        tracing::debug!(tag = self.caller_tag(tag), %reason, "object rejected");
         error
+    }
+
+    /// Names the objects of the next batch, by position, with the caller's `tags` in the log
+    /// (restore and offload number their objects `0 ..`). Cleared by `finish`.
+    pub(crate) fn set_caller_tags(&mut self, tags: impl IntoIterator<Item = u64>) {
+        self.caller_tags.clear();
+        self.caller_tags.extend(tags);
+    }
+
+    /// The tag the caller knows object `tag` by.
+    fn caller_tag(&self, tag: Tag) -> u64 {
+        self.caller_tags.get(tag.get() as usize).copied().unwrap_or(u64::from(tag.get()))
     }
 
     fn rollback_subs(&mut self) -> Result<(), Error> {

@@ -349,8 +349,9 @@ impl CompositeEngine {
         let checks = checks.and_then(|c| {
             c.resolve(config.checksums, Arc::clone(&table), Arc::clone(&metrics), metered)
         });
+        let registry = Arc::clone(&shared.registry);
         let Prepared { batch, direct, stages } =
-            BatchShared::prepare(plans, keys, cut, metrics, pins, checks);
+            BatchShared::prepare(plans, keys, cut, metrics, pins, checks, registry);
 
         // One lane per engine, its parts in group order (the builder sorted them so).
         let mut lanes: Vec<Vec<(usize, RoutedPart)>> = Vec::new();

@@ -103,6 +103,8 @@ impl ChecksumPolicy {
 
 /// One object's layout, copied from the caller's [`ObjectTransfer`].
 struct ObjectCheck {
+    /// The caller's tag, for the log.
+    tag: u64,
     /// Whether the object is hashed (decided against the policy at submit).
     tracked: bool,
     /// The checksum a restore must find.
@@ -164,6 +166,7 @@ impl ChecksPlan {
                 }
                 pages.extend_from_slice(o.object.page_offsets);
                 ObjectCheck {
+                    tag: o.tag,
                     tracked: !restore || o.checksum.is_some(),
                     expect: o.checksum,
                     tier: o.object.tier,
@@ -557,7 +560,7 @@ impl Checks {
         let first = self.ranges[o.ranges.0..o.ranges.1].first().map_or(o.tier, |r| r.endpoint);
         let (src, dst) = if self.restore { (o.tier, first) } else { (first, o.tier) };
         tracing::warn!(
-            object = i,
+            tag = o.tag,
             %cause,
             "an object's bytes failed their checksum: it fails as a load error"
         );

@@ -103,7 +103,9 @@ mod restore;
 mod route;
 mod staging;
 
-pub use batch::{Batch, GroupReady, ObjectError, ObjectResult, Settled, TransferReport};
+pub use batch::{
+    Batch, EndpointNames, GroupReady, ObjectError, ObjectResult, Settled, TransferReport,
+};
 pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
 pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;

@@ -51,7 +51,7 @@ fn kind(e: &Endpoint) -> usize {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     /// Segments executed (`umbp_transfer_segments_total`).
-    pub operations: u64,
+    pub segments: u64,
     /// Bytes executed (`umbp_transfer_bytes_total`).
     pub bytes: u64,
     /// Objects whose bytes rode in the engine's plans (`umbp_transfer_objects_total`).
@@ -60,7 +60,7 @@ pub struct Counters {
     /// causes (`umbp_transfer_failures_total`).
     pub failures: u64,
     /// Objects rejected while planning, all reasons (`umbp_rejected_objects_total`).
-    pub rejected_fragments: u64,
+    pub rejected_objects: u64,
 }
 
 /// Counters keyed by (engine name, direction).
@@ -312,11 +312,11 @@ impl Metrics {
                 let failures = self.failures_of(&l);
                 let rejected = self.rejected_of(&l);
                 let counters = Counters {
-                    operations: get(&self.segments, &l),
+                    segments: get(&self.segments, &l),
                     bytes: get(&self.bytes, &l),
                     objects: get(&self.objects, &l),
                     failures,
-                    rejected_fragments: rejected,
+                    rejected_objects: rejected,
                 };
                 ((l.engine, l.direction.to_string()), counters)
             })

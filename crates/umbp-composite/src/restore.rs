@@ -163,6 +163,8 @@ fn start(
     if let Some(o) = objects.iter().find(|o| !seen.insert(o.tag)) {
         return Err(Error::DuplicateTag(o.tag));
     }
+    // The log names objects by the caller's tags, not by these positions.
+    builder.set_caller_tags(objects.iter().map(|o| o.tag));
     let span = tracing::info_span!("umbp.build", objects = objects.len());
     let plans = {
         let _enter = span.enter();

@@ -480,16 +480,17 @@ fn a_rejected_object_carries_its_reason() {
     assert_eq!(report.objects[0].state, ObjectState::Completed);
     assert!(matches!(
         report.object(7).and_then(|o| o.error.clone()),
-        Some(ObjectError::Rejected(umbp_plan::Error::Rejected {
-            reason: umbp_plan::RejectReason::OutOfBounds { .. },
-            ..
-        }))
+        Some(ObjectError::Rejected(
+            umbp_plan::Error::Rejected { reason: umbp_plan::RejectReason::OutOfBounds { .. }, .. },
+            _
+        ))
     ));
     assert!(matches!(
         report.object(u64::MAX).and_then(|o| o.error.clone()),
-        Some(ObjectError::Rejected(umbp_plan::Error::Walk(
-            umbp_plan::WalkError::RangePastEnd { .. }
-        )))
+        Some(ObjectError::Rejected(
+            umbp_plan::Error::Walk(umbp_plan::WalkError::RangePastEnd { .. }),
+            _
+        ))
     ));
     // The message gives the reason, not the batch's internal position of the object (1 here),
     // which the caller never chose: the result's own tag names the object.
@@ -877,10 +878,13 @@ fn an_engine_whose_name_panics_rejects_its_objects_and_leaves_the_builder_usable
     assert!(
         matches!(
             &rejected.error,
-            Some(ObjectError::Rejected(umbp_plan::Error::Rejected {
-                reason: umbp_plan::RejectReason::OutOfBounds { .. },
-                ..
-            }))
+            Some(ObjectError::Rejected(
+                umbp_plan::Error::Rejected {
+                    reason: umbp_plan::RejectReason::OutOfBounds { .. },
+                    ..
+                },
+                _
+            ))
         ),
         "{rejected:?}"
     );

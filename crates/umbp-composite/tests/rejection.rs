@@ -105,10 +105,13 @@ fn check(objects: &[Object], buffered_first: bool) {
             assert_eq!(r.state, ObjectState::Rejected);
             assert!(matches!(
                 r.error,
-                Some(ObjectError::Rejected(umbp_plan::Error::Rejected {
-                    reason: RejectReason::Misaligned { align: REFUSED, .. },
-                    ..
-                }))
+                Some(ObjectError::Rejected(
+                    umbp_plan::Error::Rejected {
+                        reason: RejectReason::Misaligned { align: REFUSED, .. },
+                        ..
+                    },
+                    _
+                ))
             ));
             assert!(out[host_range].iter().all(|&x| x == POISON), "object {o} written to host");
             for &(at, l) in device_spans {

@@ -157,7 +157,7 @@ fn a_pair_no_engine_claims_rejects_its_object_everywhere() {
     assert_eq!(&out[2048..3072], &a[2048..3072]);
     let snapshot = rig.composite.metrics_snapshot();
     let unrouted = snapshot.get(&("unrouted".to_string(), "file->host".to_string()));
-    assert_eq!(unrouted.map(|c| c.rejected_fragments), Some(1));
+    assert_eq!(unrouted.map(|c| c.rejected_objects), Some(1));
 }
 
 #[test]

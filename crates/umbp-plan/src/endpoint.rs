@@ -5,6 +5,7 @@
 //! dereferences an address. The engines do, which is why registering a memory endpoint is
 //! `unsafe` (see [`EndpointRegistry::register`]).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::Error;
@@ -278,6 +279,10 @@ impl EndpointTable {
 #[derive(Debug, Default)]
 pub struct EndpointRegistry {
     current: Mutex<Current>,
+    /// What the caller calls each named endpoint: a label given at registration
+    /// ([`Registration::set_label`](crate::Registration::set_label)) or a file's path. Read
+    /// only to word errors, never on a transfer's path.
+    names: Mutex<HashMap<EndpointId, Arc<str>>>,
     pins: Mutex<Pins>,
     /// Signalled when an endpoint's pin count drops to zero.
     unpinned: Condvar,
@@ -400,6 +405,25 @@ impl EndpointRegistry {
         })
     }
 
+    /// What the caller calls endpoint `id`: the label given at registration
+    /// ([`Registration::set_label`](crate::Registration::set_label)), else the path of a file
+    /// registered by path; `None` for an unnamed or unknown endpoint.
+    pub fn name(&self, id: EndpointId) -> Option<Arc<str>> {
+        self.lock_names().get(&id).cloned()
+    }
+
+    /// Names endpoint `id` `name` (replacing any name it had); an unknown id is ignored.
+    pub(crate) fn set_name(&self, id: EndpointId, name: Arc<str>) {
+        if self.get(id).is_some() {
+            self.lock_names().insert(id, name);
+        }
+    }
+
+    fn lock_names(&self) -> MutexGuard<'_, HashMap<EndpointId, Arc<str>>> {
+        // A map of names: a poisoned lock still guards a consistent map.
+        self.names.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Removes an endpoint and returns its description, once no submitted batch pins it (it
     /// waits for those batches to settle). Builders that already hold a snapshot may still plan
     /// against it; engines look endpoints up again at submit and fail plans whose endpoint is
@@ -419,6 +443,7 @@ impl EndpointRegistry {
         if let Some(at) = pins.dying.iter().position(|&d| d == id) {
             pins.dying.swap_remove(at);
         }
+        self.lock_names().remove(&id);
         // Published while the pins are locked: a batch pinning now finds it gone.
         self.publish(|slots, free| {
             let slot = slots

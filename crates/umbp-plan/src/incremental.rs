@@ -657,12 +657,14 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     }
 
     /// Undoes the open object's fragments, rejects its tag once, and refuses its later pushes.
+    /// Nothing is logged here: the error goes back to whoever pushed, and under the composite
+    /// this builder's tags are batch positions, so the composite logs the rejection with the
+    /// caller's tag instead.
     fn poison(&mut self, tag: Tag, reason: RejectReason) -> Error {
         self.undo_object();
         self.rejected.push(tag);
         self.reasons.push(reason);
         self.scope = Scope::Poisoned(tag);
-        tracing::debug!(tag = tag.get(), %reason, "object rejected");
         Error::Rejected { tag, reason }
     }
 

@@ -139,6 +139,14 @@ impl FileSource {
         Self(Source::Path(path.into(), options))
     }
 
+    /// The path, for a source opened by path: what errors name the endpoint by.
+    fn path(&self) -> Option<&Path> {
+        match &self.0 {
+            Source::Path(path, _) => Some(path),
+            Source::Open(_) => None,
+        }
+    }
+
     /// The open file, checked to hold `file_offset .. end` (or extended to, as the options
     /// say; see [`Register::register_file`]), whether its descriptor has `O_DIRECT`, and
     /// whether it holds the file's exclusive lock ([`FileOptions::exclusive`]).
@@ -390,6 +398,29 @@ impl<K> Registration<K> {
         &self.endpoint
     }
 
+    /// Names the endpoint `label` in errors (`"kv-cache"` instead of `endpoint 3`), replacing
+    /// the name it had (a file registered by path is named by its path). Any string; it need
+    /// not be unique. The name goes when the registration ends.
+    ///
+    /// ```
+    /// use umbp_plan::{EndpointRegistry, Register};
+    ///
+    /// let registry = EndpointRegistry::new();
+    /// let kv = registry.register_memory(vec![0u8; 4096])?;
+    /// kv.set_label("kv-cache");
+    /// assert_eq!(kv.label().as_deref(), Some("kv-cache"));
+    /// # Ok::<(), umbp_plan::RegisterError>(())
+    /// ```
+    pub fn set_label(&self, label: impl AsRef<str>) {
+        self.registry.set_name(self.id, Arc::from(label.as_ref()));
+    }
+
+    /// What errors call the endpoint: the label given with [`set_label`](Self::set_label),
+    /// else the path of a file registered by path; `None` otherwise.
+    pub fn label(&self) -> Option<Arc<str>> {
+        self.registry.name(self.id)
+    }
+
     /// Ends the registration (waiting for the batches in flight that use it, then releasing
     /// what engines held for it) and hands back what backed it: the buffer, to read what the
     /// transfers wrote, or the file.
@@ -538,10 +569,15 @@ pub trait Register {
         if file_offset.checked_add(len).is_none() {
             return Err(RegisterError::RangeOverflow { file_offset, len });
         }
-        let (file, direct, locked) = file.into().into_file(file_offset, file_offset + len)?;
+        let source = file.into();
+        let path: Option<Arc<str>> = source.path().map(|p| Arc::from(p.to_string_lossy()));
+        let (file, direct, locked) = source.into_file(file_offset, file_offset + len)?;
         let fd = file.as_raw_fd();
         let endpoint = Endpoint::file(fd, file_offset, len, direct);
         let id = self.registry().insert(endpoint);
+        if let Some(path) = path {
+            self.registry().set_name(id, path);
+        }
         let mut registration = finish(self, id, endpoint, file)?;
         registration.locked = locked.then_some(fd);
         Ok(registration)
