@@ -616,7 +616,7 @@ impl Client {
             EndpointRegistry::new(),
             UcxConfig {
                 transports: Some(config.transports.clone()),
-                token: Some(secret().into()),
+                secret: Some(secret().into()),
                 protection,
                 ..UcxConfig::default()
             },

@@ -1226,7 +1226,7 @@ fn ucx_config(
 ) -> UcxConfig {
     let mut config = UcxConfig { transports, insecure_no_auth, ..UcxConfig::default() };
     if secret.is_some() {
-        config.token = secret;
+        config.secret = secret;
     }
     config
 }

@@ -40,13 +40,14 @@
 
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
 use crate::progress::Command;
+use crate::server::Counters;
 
 /// Bytes of a request header.
 pub(crate) const REQUEST_LEN: usize = 32;
@@ -197,26 +198,31 @@ pub(crate) unsafe fn serve(
     regions: &[Served],
     mut keys: Keys,
     timing: Timing,
-) -> io::Result<()> {
+    drain: BorrowedFd<'_>,
+    counters: &Counters,
+) -> io::Result<Ended> {
     stream.set_read_timeout(Some(timing.idle))?;
     let fd = stream.as_raw_fd();
     let mut scratch = vec![0u8; CHUNK];
     loop {
+        // Between requests: a drain ends the session here, so no request is cut short.
+        match wait_for_request(fd, drain.as_raw_fd(), timing.idle)? {
+            Wait::Request => {}
+            Wait::Drain => return Ok(Ended::Drained),
+            Wait::Idle => return Ok(Ended::Idle),
+        }
         let mut header = [0; REQUEST_LEN + TAG];
         match stream.read_exact(&mut header) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) if is_timeout(&e) => {
-                tracing::debug!("a client sent nothing for the idle timeout; closing");
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "client idle"));
-            }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Ended::Left),
+            Err(e) if is_timeout(&e) => return Ok(Ended::Idle),
             Err(e) => return Err(e),
         }
         let (body, tag) = header.split_at_mut(REQUEST_LEN);
         let tag: [u8; TAG] = (&*tag).try_into().expect("16 bytes");
         if keys.recv.open(body, &tag).is_err() {
             tracing::warn!("a request did not authenticate; closing the connection");
-            return Ok(());
+            return Ok(Ended::Tampered);
         }
         let request = Request::decode((&*body).try_into().expect("32 bytes"));
         let deadline = Instant::now() + timing.stalled;
@@ -230,7 +236,7 @@ pub(crate) unsafe fn serve(
                 tracing::warn!(?request, ?refusal, "refused a request; closing the connection");
                 let answer = response(refusal as u8, request.id, 0);
                 send_record(fd, &mut keys.send, answer, Some(deadline))?;
-                return Ok(());
+                return Ok(Ended::Refused);
             }
         };
         let region = &regions[request.region as usize];
@@ -255,6 +261,7 @@ pub(crate) unsafe fn serve(
                 let tag = keys.send.seal(record);
                 send_all(fd, &[record, &tag], Some(deadline))?;
             }
+            counters.sent.fetch_add(len, Ordering::Relaxed);
         } else {
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
@@ -263,7 +270,7 @@ pub(crate) unsafe fn serve(
                 stream.read_exact(&mut tag)?;
                 if keys.recv.open(record, &tag).is_err() {
                     tracing::warn!("a put's bytes did not authenticate; closing the connection");
-                    return Ok(());
+                    return Ok(Ended::Tampered);
                 }
                 let _only = region.lock.write().unwrap_or_else(PoisonError::into_inner);
                 // SAFETY: inside a region exported writable (checked above), kept mapped by
@@ -278,8 +285,67 @@ pub(crate) unsafe fn serve(
                     );
                 }
             }
+            counters.received.fetch_add(len, Ordering::Relaxed);
             let deadline = Instant::now() + timing.stalled;
             send_record(fd, &mut keys.send, response(0, request.id, 0), Some(deadline))?;
+        }
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How a checked client's session ended (the server counts each by its reason).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// The client closed its connection between requests.
+    Left,
+    /// The client sent nothing for the idle timeout.
+    Idle,
+    /// A record did not open with the session's keys (changed on the way, or forged).
+    Tampered,
+    /// The client asked for bytes the exports do not allow.
+    Refused,
+    /// The server drains: the session ended between requests.
+    Drained,
+}
+
+/// What [`wait_for_request`] saw first.
+enum Wait {
+    /// Bytes of a request (or the client's end of the connection) are there to read.
+    Request,
+    /// The server drains.
+    Drain,
+    /// Nothing arrived for the idle timeout.
+    Idle,
+}
+
+/// Waits until the client's socket `fd` is readable, the drain descriptor `drain` is (the
+/// server drains: checked first), or `idle` passed.
+fn wait_for_request(fd: i32, drain: i32, idle: Duration) -> io::Result<Wait> {
+    let deadline = Instant::now() + idle;
+    loop {
+        let mut fds = [
+            libc::pollfd { fd: drain, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
+        ];
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a live array of two initialised pollfds.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        if ready < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if fds[0].revents != 0 {
+            return Ok(Wait::Drain);
+        }
+        if fds[1].revents != 0 {
+            return Ok(Wait::Request);
+        }
+        if left.is_zero() {
+            return Ok(Wait::Idle);
         }
     }
 }

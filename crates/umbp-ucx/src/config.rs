@@ -14,7 +14,7 @@ pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
 /// UCX reads its own `UCX_*` environment as usual (`UCX_TLS`, `UCX_NET_DEVICES`...); the
 /// settings here override what they name.
 ///
-/// Peers authenticate each other with a shared secret ([`token`](Self::token)); a server or
+/// Peers authenticate each other with a shared secret ([`secret`](Self::secret)); a server or
 /// client without one refuses to start or connect unless
 /// [`insecure_no_auth`](Self::insecure_no_auth) says to run without authentication.
 ///
@@ -26,7 +26,7 @@ pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
 ///
 /// let config = UcxConfig {
 ///     transports: Some("tcp".into()),
-///     token: Some(b"a shared secret of at least 16 bytes".to_vec()),
+///     secret: Some(b"a shared secret of at least 16 bytes".to_vec()),
 ///     ..UcxConfig::default()
 /// };
 /// // Debug output names whether a secret is set, never the secret.
@@ -42,7 +42,8 @@ pub struct UcxConfig {
     /// The shared secret both sides prove they hold (HMAC-SHA256 challenge-response over
     /// fresh nonces from both sides; the secret itself never travels). 16 to 4096 bytes.
     /// Default: the bytes of the environment variable [`SECRET_ENV`] when set, else none.
-    pub token: Option<Vec<u8>>,
+    /// (Python: `umbp.Engine(remote_secret=...)`, `umbp.Server(secret=...)`.)
+    pub secret: Option<Vec<u8>>,
     /// Run without authentication: a server serves whoever connects, a client connects to a
     /// server that runs so. Anyone who can reach the port can then read every exported
     /// region and write the writable ones. Default: off.
@@ -112,7 +113,7 @@ impl std::fmt::Debug for UcxConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UcxConfig")
             .field("transports", &self.transports)
-            .field("token", &self.token.as_ref().map(|_| "<secret>"))
+            .field("secret", &self.secret.as_ref().map(|_| "<secret>"))
             .field("insecure_no_auth", &self.insecure_no_auth)
             .field("connect_timeout", &self.connect_timeout)
             .field("peer_timeout", &self.peer_timeout)
@@ -130,7 +131,7 @@ impl Default for UcxConfig {
     fn default() -> Self {
         Self {
             transports: None,
-            token: std::env::var_os(SECRET_ENV).map(|s| s.into_encoded_bytes()),
+            secret: std::env::var_os(SECRET_ENV).map(|s| s.into_encoded_bytes()),
             insecure_no_auth: false,
             connect_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
@@ -148,14 +149,14 @@ impl UcxConfig {
     /// How this side authenticates: the secret, or the explicit choice to run without one.
     pub(crate) fn auth(&self) -> Result<crate::handshake::Auth<'_>, Error> {
         use crate::handshake::Auth;
-        match (&self.token, self.insecure_no_auth) {
+        match (&self.secret, self.insecure_no_auth) {
             (Some(_), true) => Err(Error::Config {
                 setting: "insecure_no_auth",
                 reason: "set together with a secret: choose one".into(),
             }),
             (Some(secret), false) if !(MIN_SECRET..=MAX_SECRET).contains(&secret.len()) => {
                 Err(Error::Config {
-                    setting: "token",
+                    setting: "secret",
                     reason: format!(
                         "a secret of {} bytes; it must have {MIN_SECRET} to {MAX_SECRET}",
                         secret.len()
@@ -165,10 +166,10 @@ impl UcxConfig {
             (Some(secret), false) => Ok(Auth::Keyed(secret)),
             (None, true) => Ok(Auth::Insecure),
             (None, false) => Err(Error::Config {
-                setting: "token",
+                setting: "secret",
                 reason: format!(
-                    "no shared secret: set one (or {SECRET_ENV}), or run explicitly without \
-                     authentication (insecure_no_auth)"
+                    "no shared secret: set one (the `secret`, Python's `remote_secret`, or \
+                     {SECRET_ENV}), or run explicitly without authentication (insecure_no_auth)"
                 ),
             }),
         }

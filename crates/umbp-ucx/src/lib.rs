@@ -23,7 +23,7 @@
 //! use umbp_ucx::{UcxConfig, UcxEngine};
 //!
 //! let registry = Arc::new(EndpointRegistry::new());
-//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::token`.
+//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::secret`.
 //! let engine = UcxEngine::new(Arc::clone(&registry), UcxConfig::default())?;
 //! let peer = engine.connect("10.0.0.2:7400")?;
 //! let arena = peer.region("kv-arena").expect("the peer exports its arena");
@@ -72,7 +72,7 @@ pub use config::{ServerLimits, UcxConfig, SECRET_ENV};
 pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
 pub use error::{Error, HandshakeError};
 pub use handshake::{MAX_SECRET, MIN_SECRET};
-pub use server::{Exports, ServerBuilder, UcxServer};
+pub use server::{Exports, ServerBuilder, ServerStats, StatsSnapshot, UcxServer};
 
 #[doc(hidden)]
 pub mod internal {

@@ -11,8 +11,9 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 use umbp_plan::HostMemory;
 
 use crate::channel::{Keys, Protection, Side};
-use crate::checked::{self, Served};
+use crate::checked::{self, Ended, Served};
 use crate::handshake::{self, Auth, Verdict, Welcome, WireRegion};
 use crate::ucp::{self, Access, Context, Worker};
 use crate::{Error, ServerLimits, UcxConfig};
@@ -48,6 +49,106 @@ pub(crate) fn hardware_enforced(transports: Option<&str>) -> bool {
         let mut names = t.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
         names.peek().is_some() && names.all(|n| HARDWARE_RMA.contains(&n))
     })
+}
+
+/// What a server counts as it serves: atomics, bumped once per request or connection (no
+/// lock on the request path), read by [`ServerStats::read`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Authenticated clients whose session is open now.
+    pub(crate) connected: AtomicU64,
+    /// Clients admitted, in all.
+    pub(crate) admitted: AtomicU64,
+    /// Handshakes refused: the client's proof did not verify with the server's secret.
+    pub(crate) refused_secret: AtomicU64,
+    /// Handshakes refused: the server served as many clients as allowed.
+    pub(crate) refused_full: AtomicU64,
+    /// Handshakes closed: not an umbp-ucx hello.
+    pub(crate) refused_malformed: AtomicU64,
+    /// Handshakes closed: the connect timeout passed.
+    pub(crate) refused_deadline: AtomicU64,
+    /// Handshakes closed to make room for newer connections.
+    pub(crate) refused_displaced: AtomicU64,
+    /// Handshakes whose connection failed (the client went away mid-handshake).
+    pub(crate) refused_failed: AtomicU64,
+    /// Bytes received from clients into the regions (puts).
+    pub(crate) received: AtomicU64,
+    /// Bytes sent to clients out of the regions (gets).
+    pub(crate) sent: AtomicU64,
+    /// Gets and puts served whole.
+    pub(crate) requests: AtomicU64,
+    /// Sessions ended, by reason (see [`ServerStats`]).
+    pub(crate) closed_left: AtomicU64,
+    pub(crate) closed_idle: AtomicU64,
+    pub(crate) closed_tampered: AtomicU64,
+    pub(crate) closed_stalled: AtomicU64,
+    pub(crate) closed_refused: AtomicU64,
+    pub(crate) closed_failed: AtomicU64,
+    pub(crate) closed_shutdown: AtomicU64,
+}
+
+/// Reads a server's counters, from any thread, while it serves and after
+/// ([`UcxServer::stats`]).
+#[derive(Clone, Debug)]
+pub struct ServerStats(Arc<Counters>);
+
+/// What a server did since it started, as [`ServerStats::read`] saw it (each counter read on
+/// its own: a snapshot of counters, not of one instant).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Authenticated clients whose session is open now.
+    pub clients_connected: u64,
+    /// Clients admitted (authenticated and served) in all.
+    pub clients_admitted: u64,
+    /// Handshakes refused or closed, by reason: `wrong_secret` (the client's proof did not
+    /// verify), `full` (serving as many clients as allowed), `malformed` (not an umbp-ucx
+    /// hello), `deadline` (not done within the connect timeout), `displaced` (closed to make
+    /// room past a bound), `failed` (the connection failed mid-handshake).
+    pub handshakes_refused: Vec<(&'static str, u64)>,
+    /// Bytes the clients' puts wrote into the regions.
+    pub bytes_received: u64,
+    /// Bytes the clients' gets read out of the regions.
+    pub bytes_sent: u64,
+    /// Gets and puts served whole (checked path; heartbeats not counted).
+    pub requests: u64,
+    /// Sessions ended, by reason: `left` (the client closed), `idle` (silent past the idle
+    /// timeout), `tamper` (a record did not authenticate), `timeout` (an answer left unread
+    /// past the peer timeout), `refused_request` (a request outside the exports), `failed`
+    /// (the connection failed), `shutdown` (the server drained or stopped).
+    pub sessions_closed: Vec<(&'static str, u64)>,
+}
+
+impl ServerStats {
+    /// The counters now.
+    pub fn read(&self) -> StatsSnapshot {
+        let c = &*self.0;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            clients_connected: get(&c.connected),
+            clients_admitted: get(&c.admitted),
+            handshakes_refused: vec![
+                ("wrong_secret", get(&c.refused_secret)),
+                ("full", get(&c.refused_full)),
+                ("malformed", get(&c.refused_malformed)),
+                ("deadline", get(&c.refused_deadline)),
+                ("displaced", get(&c.refused_displaced)),
+                ("failed", get(&c.refused_failed)),
+            ],
+            bytes_received: get(&c.received),
+            bytes_sent: get(&c.sent),
+            requests: get(&c.requests),
+            sessions_closed: vec![
+                ("left", get(&c.closed_left)),
+                ("idle", get(&c.closed_idle)),
+                ("tamper", get(&c.closed_tampered)),
+                ("timeout", get(&c.closed_stalled)),
+                ("refused_request", get(&c.closed_refused)),
+                ("failed", get(&c.closed_failed)),
+                ("shutdown", get(&c.closed_shutdown)),
+            ],
+        }
+    }
 }
 
 /// One region to export, before serving.
@@ -153,9 +254,16 @@ impl ServerBuilder {
             .map_err(|source| Error::Connect { addr: "listener".into(), source })?;
         let stop = Arc::new(AtomicBool::new(false));
         let one_sided = hardware_enforced(self.config.transports.as_deref());
+        // Client threads wait on the reading end besides their socket: shutting the writing
+        // end down (a drain) wakes them all between requests.
+        let (drain_tx, drain_rx) = UnixStream::pair()
+            .map_err(|source| Error::Connect { addr: "drain pipe".into(), source })?;
         let mut server = UcxServer {
             local_addr,
             stop,
+            accepting: Arc::new(AtomicBool::new(true)),
+            drain: drain_tx,
+            counters: Arc::new(Counters::default()),
             progress: None,
             accept: None,
             clients: Arc::new(Mutex::new(HashMap::new())),
@@ -216,7 +324,9 @@ impl ServerBuilder {
                 limits,
                 served,
                 one_sided,
-                stop: Arc::clone(&server.stop),
+                accepting: Arc::clone(&server.accepting),
+                drain: Arc::new(drain_rx),
+                counters: Arc::clone(&server.counters),
                 clients: Arc::clone(&server.clients),
                 next: 0,
             };
@@ -234,7 +344,13 @@ impl ServerBuilder {
 /// Memory exported to peers, served until [`shutdown`](Self::shutdown) or drop.
 pub struct UcxServer {
     local_addr: SocketAddr,
+    /// Stops the UCX thread.
     stop: Arc<AtomicBool>,
+    /// Cleared to stop the accept thread (which then closes the listener).
+    accepting: Arc<AtomicBool>,
+    /// Shut down to wake the client threads for a drain.
+    drain: UnixStream,
+    counters: Arc<Counters>,
     progress: Option<JoinHandle<()>>,
     accept: Option<JoinHandle<()>>,
     /// Authenticated clients: their connection and their thread, ended when the server stops.
@@ -278,6 +394,12 @@ impl UcxServer {
         self.one_sided
     }
 
+    /// What the server counted so far (a handle that reads them from any thread, also after
+    /// the server stopped).
+    pub fn stats(&self) -> ServerStats {
+        ServerStats(Arc::clone(&self.counters))
+    }
+
     /// Stops serving (clients see their peer go away) and hands back what backed the regions,
     /// once no thread of the server can touch them.
     pub fn shutdown(mut self) -> Exports {
@@ -285,11 +407,32 @@ impl UcxServer {
         Exports(std::mem::take(self.exports.get_mut().unwrap_or_else(PoisonError::into_inner)))
     }
 
-    fn stop_threads(&mut self) {
-        self.stop.store(true, Ordering::Release);
+    /// Stops serving gracefully: closes the listener at once (new connections are refused,
+    /// handshakes in progress closed), lets every checked client's request in progress finish
+    /// (its session then ends before the next request: the client sees its peer go away, and
+    /// what it had not yet had answered fails), waits up to `deadline` for that, then stops
+    /// as [`shutdown`](Self::shutdown) does and hands back the regions. One-sided clients'
+    /// requests are the NIC's, and are not waited for.
+    pub fn drain(mut self, deadline: Duration) -> Exports {
+        let until = Instant::now() + deadline;
+        self.stop_accepting();
+        let _ = self.drain.shutdown(Shutdown::Write);
+        while !self.one_sided && self.clients() > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.shutdown()
+    }
+
+    fn stop_accepting(&mut self) {
+        self.accepting.store(false, Ordering::Release);
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
+    }
+
+    fn stop_threads(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.stop_accepting();
         let clients: Vec<_> =
             self.clients.lock().unwrap_or_else(PoisonError::into_inner).drain().collect();
         for (_, (stream, _)) in &clients {
@@ -423,6 +566,8 @@ impl Step {
 struct Pending {
     stream: TcpStream,
     ip: IpAddr,
+    /// The client's address and port, for the logs.
+    peer: SocketAddr,
     deadline: Instant,
     step: Step,
 }
@@ -443,7 +588,11 @@ struct Handshakes {
     limits: ServerLimits,
     served: Arc<[Served]>,
     one_sided: bool,
-    stop: Arc<AtomicBool>,
+    /// Cleared when the server stops accepting.
+    accepting: Arc<AtomicBool>,
+    /// The drain descriptor the client threads wait on.
+    drain: Arc<UnixStream>,
+    counters: Arc<Counters>,
     clients: Clients,
     next: u64,
 }
@@ -465,13 +614,14 @@ impl Handshakes {
         let mut backoff = ACCEPT_BACKOFF;
         let mut accept_after = Instant::now();
         // Clients by IP, counted here: only this thread admits, client threads remove.
-        while !self.stop.load(Ordering::Acquire) {
+        while self.accepting.load(Ordering::Acquire) {
             let now = Instant::now();
             // Close what passed its deadline.
             pending.retain(|p| {
                 let alive = p.deadline > now;
                 if !alive {
-                    tracing::debug!(ip = %p.ip, "handshake deadline passed; closed");
+                    tracing::debug!(peer = %p.peer, "handshake deadline passed; closed");
+                    self.counters.refused_deadline.fetch_add(1, Ordering::Relaxed);
                 }
                 alive
             });
@@ -526,7 +676,7 @@ impl Handshakes {
                         let p = pending.swap_remove(i);
                         fds.swap_remove(k - 1);
                         k -= 1;
-                        tracing::debug!(ip = %p.ip, why, "handshake ended");
+                        tracing::debug!(peer = %p.peer, why, "handshake ended");
                     }
                 }
             }
@@ -538,6 +688,7 @@ impl Handshakes {
                     Err(e) if out_of_descriptors(&e) && !pending.is_empty() => {
                         if let Some(at) = oldest(&pending, None) {
                             pending.swap_remove(at);
+                            self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
                         }
                         tracing::debug!(error = %e, "out of descriptors; closed the oldest handshake");
                     }
@@ -573,15 +724,18 @@ impl Handshakes {
             if of_ip >= self.limits.max_handshakes_per_ip.max(1) {
                 if let Some(at) = oldest(pending, Some(ip)) {
                     pending.swap_remove(at);
+                    self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
                 }
             } else if pending.len() >= self.limits.max_handshakes {
                 if let Some(at) = oldest(pending, None) {
                     pending.swap_remove(at);
+                    self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
                 }
             }
             pending.push(Pending {
                 stream,
                 ip,
+                peer,
                 deadline: Instant::now() + self.deadline,
                 step: Step::Hello { buf: [0; handshake::HELLO_LEN], have: 0 },
             });
@@ -595,9 +749,10 @@ impl Handshakes {
             let next = match &mut p.step {
                 Step::Hello { buf, have } => match fill(&mut p.stream, &mut buf[..], have) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return Outcome::Close("the connection failed"),
+                    Err(_) => return self.failed(),
                     Ok(true) => {
                         let Ok((client, asked)) = handshake::parse_hello(buf) else {
+                            self.counters.refused_malformed.fetch_add(1, Ordering::Relaxed);
                             return Outcome::Close("not an umbp-ucx hello");
                         };
                         let Ok(server) = handshake::nonce() else {
@@ -614,7 +769,7 @@ impl Handshakes {
                 },
                 Step::Challenge { out, sent, hello } => match drain(&mut p.stream, out, sent) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return Outcome::Close("the connection failed"),
+                    Err(_) => return self.failed(),
                     Ok(true) => Step::Proof {
                         buf: [0; handshake::PROOF],
                         have: 0,
@@ -625,7 +780,18 @@ impl Handshakes {
                 Step::Proof { buf, have, hello, challenge } => {
                     match fill(&mut p.stream, &mut buf[..], have) {
                         Ok(false) => return Outcome::Wait,
-                        Err(_) => return Outcome::Close("the connection failed"),
+                        // A client checks the server's proof before it sends its own, and
+                        // hangs up when it does not verify: its secret differs.
+                        Err(e) if *have == 0 && e.kind() == io::ErrorKind::UnexpectedEof => {
+                            tracing::warn!(
+                                peer = %p.peer,
+                                "authentication failed: the client hung up on the server's \
+                                 proof (its secret differs, or it has none)"
+                            );
+                            self.counters.refused_secret.fetch_add(1, Ordering::Relaxed);
+                            return Outcome::Close("the client refused the server's proof");
+                        }
+                        Err(_) => return self.failed(),
                         Ok(true) => {
                             let client = &hello[12..12 + handshake::NONCE];
                             let server = &challenge[13..13 + handshake::NONCE];
@@ -639,14 +805,19 @@ impl Handshakes {
                                 )
                             });
                             if !proven {
-                                tracing::warn!(ip = %p.ip, "refused a client without the secret");
+                                tracing::warn!(
+                                    peer = %p.peer,
+                                    "authentication failed: refused a client without the secret"
+                                );
+                                self.counters.refused_secret.fetch_add(1, Ordering::Relaxed);
                                 let out = handshake::verdict(
                                     Verdict::WrongProof,
                                     &Welcome { address: None, regions: Vec::new() },
                                 );
                                 Step::Verdict { out, sent: 0, admit: None }
                             } else if !self.room_for(p.ip) {
-                                tracing::warn!(ip = %p.ip, "refused a client: serving as many as allowed");
+                                tracing::warn!(peer = %p.peer, "refused a client: serving as many as allowed");
+                                self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
                                 let out = handshake::verdict(
                                     Verdict::Full,
                                     &Welcome { address: None, regions: Vec::new() },
@@ -668,7 +839,7 @@ impl Handshakes {
                 }
                 Step::Verdict { out, sent, admit } => match drain(&mut p.stream, out, sent) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return Outcome::Close("the connection failed"),
+                    Err(_) => return self.failed(),
                     Ok(true) => match admit.take() {
                         Some(keys) => return Outcome::Admit(keys),
                         None => return Outcome::Close("refused"),
@@ -677,6 +848,12 @@ impl Handshakes {
             };
             p.step = next;
         }
+    }
+
+    /// A handshake whose connection failed: counted, and closed.
+    fn failed(&self) -> Outcome {
+        self.counters.refused_failed.fetch_add(1, Ordering::Relaxed);
+        Outcome::Close("the connection failed")
     }
 
     /// How this server authenticates.
@@ -709,27 +886,48 @@ impl Handshakes {
         let Ok(kept) = stream.try_clone() else { return };
         let (served, clients, one_sided) =
             (Arc::clone(&self.served), Arc::clone(&self.clients), self.one_sided);
+        let (drain, counters, stop) =
+            (Arc::clone(&self.drain), Arc::clone(&self.counters), Arc::clone(&self.accepting));
         let timing = self.timing;
+        let peer = p.peer;
         // Registered under the lock before the thread can remove itself.
         let mut map = self.clients.lock().unwrap_or_else(PoisonError::into_inner);
         let thread = std::thread::Builder::new().name("umbp-ucx-client".into()).spawn(move || {
-            let peer = stream.peer_addr().ok();
-            tracing::debug!(?peer, "client connected");
+            tracing::info!(%peer, "client connected");
+            counters.admitted.fetch_add(1, Ordering::Relaxed);
+            counters.connected.fetch_add(1, Ordering::Relaxed);
             let ended = if one_sided {
-                watch(stream)
+                watch(stream).map(|()| Ended::Left)
             } else {
                 // SAFETY: the regions stay mapped until the server stopped, which joins this
                 // thread first (`stop_threads`); their owner accepted peers' access.
                 #[allow(unsafe_code)]
                 unsafe {
-                    checked::serve(stream, &served, keys, timing)
+                    checked::serve(stream, &served, keys, timing, drain.as_fd(), &counters)
                 }
             };
-            if let Err(e) = ended {
-                tracing::debug!(?peer, error = %e, "client connection failed");
-            }
+            // The server stopping shuts the socket down: whatever this thread then saw, that
+            // is why the session ended.
+            let stopping = !stop.load(Ordering::Acquire);
+            let (reason, counter) = match &ended {
+                Ok(Ended::Drained) => ("shutdown", &counters.closed_shutdown),
+                _ if stopping => ("shutdown", &counters.closed_shutdown),
+                Ok(Ended::Left) => ("left", &counters.closed_left),
+                Ok(Ended::Idle) => ("idle", &counters.closed_idle),
+                Ok(Ended::Tampered) => ("tamper", &counters.closed_tampered),
+                Ok(Ended::Refused) => ("refused_request", &counters.closed_refused),
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    ("timeout", &counters.closed_stalled)
+                }
+                Err(_) => ("failed", &counters.closed_failed),
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             clients.lock().unwrap_or_else(PoisonError::into_inner).remove(&number);
-            tracing::debug!(?peer, "client left");
+            counters.connected.fetch_sub(1, Ordering::Relaxed);
+            match ended {
+                Err(e) => tracing::info!(%peer, reason, error = %e, "client disconnected"),
+                Ok(_) => tracing::info!(%peer, reason, "client disconnected"),
+            }
         });
         match thread {
             Ok(thread) => {

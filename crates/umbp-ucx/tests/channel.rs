@@ -644,7 +644,7 @@ fn honest_clients_connect_through_a_connect_flood_from_their_own_address() {
 #[test]
 fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
-        .args(["--insecure-no-auth", "--bytes", "4096"])
+        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
         .env(umbp_ucx::SECRET_ENV, SECRET)
         .stdin(std::process::Stdio::null())
         .output()
@@ -655,7 +655,8 @@ fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
     assert!(stderr.contains("insecure_no_auth"), "{stderr}");
     // Without the secret it serves (insecure, and says so).
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
-        .args(["--insecure-no-auth", "--bytes", "4096"])
+        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
+        .arg("--exit-on-stdin-close")
         .env_remove(umbp_ucx::SECRET_ENV)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

@@ -272,19 +272,19 @@ fn without_the_secret_nothing_is_served_and_the_secret_never_travels() {
     let addr = server.local_addr();
 
     // No secret and no insecure flag: neither side starts.
-    let bare = UcxConfig { transports: Some("tcp".into()), token: None, ..UcxConfig::default() };
+    let bare = UcxConfig { transports: Some("tcp".into()), secret: None, ..UcxConfig::default() };
     let refused = ServerBuilder::new(bare.clone()).serve("127.0.0.1:0").unwrap_err();
-    assert!(matches!(refused, Error::Config { setting: "token", .. }), "{refused}");
+    assert!(matches!(refused, Error::Config { setting: "secret", .. }), "{refused}");
     let e =
         UcxEngine::new(EndpointRegistry::new(), bare.clone()).unwrap().connect(addr).unwrap_err();
-    assert!(matches!(e, Error::Config { setting: "token", .. }), "{e}");
+    assert!(matches!(e, Error::Config { setting: "secret", .. }), "{e}");
     // A short secret is refused as a setting.
-    let short = UcxConfig { token: Some(b"too short".to_vec()), ..bare.clone() };
+    let short = UcxConfig { secret: Some(b"too short".to_vec()), ..bare.clone() };
     assert!(matches!(ServerBuilder::new(short).serve("127.0.0.1:0"), Err(Error::Config { .. })));
 
     // A wrong secret: the server's proof does not verify, the client stops there.
     let wrong =
-        UcxConfig { token: Some(b"a wrong secret of thirty-two b!!".to_vec()), ..bare.clone() };
+        UcxConfig { secret: Some(b"a wrong secret of thirty-two b!!".to_vec()), ..bare.clone() };
     let e = UcxEngine::new(EndpointRegistry::new(), wrong).unwrap().connect(addr).unwrap_err();
     assert!(
         matches!(e, Error::Handshake { source: HandshakeError::ServerNotAuthenticated, .. }),

@@ -80,6 +80,8 @@ impl Served {
     ) -> Self {
         let mut child = command
             .args([
+                "--listen",
+                "127.0.0.1:0",
                 "--transports",
                 transports,
                 "--bytes",
@@ -124,7 +126,7 @@ impl Drop for Served {
 pub(crate) fn config(transports: &str) -> UcxConfig {
     UcxConfig {
         transports: Some(transports.to_owned()),
-        token: Some(SECRET.into()),
+        secret: Some(SECRET.into()),
         ..UcxConfig::default()
     }
 }
