@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
+# SGLang ships no type information (no py.typed): its classes are Any to mypy.
+from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
@@ -63,7 +64,7 @@ from . import ChecksumPolicy, Engine, Object, Range, Registration, RegistrationE
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
-    from sglang.srt.mem_cache.pool_host import HostKVCache
+    from sglang.srt.mem_cache.pool_host import HostKVCache  # type: ignore[import-untyped]
 
 __all__ = ["UmbpHiCacheStorage", "UmbpStorageConfig"]
 
@@ -197,7 +198,7 @@ def _pool_buffers(pool: Any) -> List[torch.Tensor]:
     )
 
 
-class UmbpHiCacheStorage(HiCacheStorage):
+class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's class is Any)
     """SGLang's ``HiCacheStorage`` over umbp's tiers. Built by SGLang's
     ``StorageBackendFactory`` as ``UmbpHiCacheStorage(storage_config, kwargs)``; the tiers open
     when SGLang registers its host pool (``register_mem_pool_host``), whose page size they
@@ -499,12 +500,10 @@ class UmbpHiCacheStorage(HiCacheStorage):
             ]
         if not plans:
             return
-        dram = self._tier(DRAM)
+        dram, size = self._tier(DRAM), self.object_bytes
         try:
             objects = [
-                self._object(
-                    k, SSD, ssd_slot, [Range(0, self.object_bytes, dram, dram_slot * self.slot_bytes)]
-                )
+                self._object(k, SSD, ssd_slot, [Range(0, size, dram, dram_slot * self.slot_bytes)])
                 for k, (_, dram_slot, ssd_slot, _) in enumerate(plans)
             ]
             report = self.engine.offload(objects)
@@ -598,11 +597,11 @@ class UmbpHiCacheStorage(HiCacheStorage):
         self._idx()
         regs, _ = self._flat(target_locations)
         try:
-            usable = [i for i, r in enumerate(regs) if r is not None]
-            sub = [keys[i] for i in usable]
-            oks = self._load(sub, lambda j: [Range(0, self.object_bytes, regs[usable[j]], 0)])
+            usable = [(i, r) for i, r in enumerate(regs) if r is not None]
+            sub = [keys[i] for i, _ in usable]
+            oks = self._load(sub, lambda j: [Range(0, self.object_bytes, usable[j][1], 0)])
             out: List[Optional[torch.Tensor]] = [None] * len(keys)
-            for j, ok in zip(usable, oks):
+            for (j, _), ok in zip(usable, oks):
                 if ok:
                     out[j] = target_locations[j]
             return out
@@ -636,9 +635,10 @@ class UmbpHiCacheStorage(HiCacheStorage):
         values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
         regs, _ = self._flat(values)
         try:
-            if any(r is None for r in regs):
+            held = [r for r in regs if r is not None]
+            if len(held) != len(regs):
                 return False
-            return all(self._save(keys, lambda i: [Range(0, self.object_bytes, regs[i], 0)]))
+            return all(self._save(keys, lambda i: [Range(0, self.object_bytes, held[i], 0)]))
         finally:
             for r in regs:
                 if r is not None:
