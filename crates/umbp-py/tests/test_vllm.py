@@ -1085,3 +1085,47 @@ def test_a_request_sharing_the_failed_block_through_vllms_prefix_cache_saves_not
         assert h.prefills_checked == 5
     finally:
         h.close()
+
+
+def test_a_block_whose_load_failed_is_never_a_prefix_cache_hit_before_it_is_recomputed(tmp_path):
+    # B's layer-wise load of block 1 fails and B leaves before vLLM recomputed it (aborted).
+    # vLLM's recompute policy keeps the failed block and those computed over it in its own
+    # prefix cache, so C, arriving next with the same prefix, would find them there, compute
+    # over them and save its blocks: Z would then load wrong bytes from the tiers. (The
+    # random workload met it: a block wrong after prefill, with TP 2, layer-wise.)
+    from vllm.v1.request import RequestStatus
+
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        load_mode="layerwise",
+        dram_bytes_per_rank=0,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=64 * slot,
+    )
+    try:
+        a = prompt(95, 4 * BS)
+        h.add("a", a + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:4]
+        assert h.scheduler.reset_prefix_cache()
+        fault = FailingLoads(h.worker.worker_side, [(SSD, h.index.entry(keys[1]).slot)])
+        b = a + prompt(96, 3 * BS)
+        h.add("b", b + [9], max_tokens=4)
+        first_step_of(h, "b")
+        assert fault.failed == 1 and h.load_errors
+        fault.slots = set()
+        h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        h.run()
+        # C: B's prompt and more. Its prefix is found wherever it is, and it must be right.
+        h.load_errors = set()
+        h.add("c", b + prompt(97, 2 * BS) + [9])
+        h.run()
+        assert not h.load_errors
+        assert h.scheduler.reset_prefix_cache()
+        h.add("z", b + prompt(97, 2 * BS) + prompt(98, 5))
+        h.run()
+        assert not h.load_errors
+        assert h.prefills_checked == 3
+    finally:
+        h.close()

@@ -536,16 +536,27 @@ class _SchedulerSide:
         failed one on fail whatever the ranks report (``TierIndex.fail_save``), so no block
         computed over a failed load is ever published; the saves start again from there, as
         vLLM recomputes from the first failed block (``kv_load_failure_policy:
-        "recompute"``)."""
+        "recompute"``).
+
+        Those blocks also leave vLLM's own prefix cache: under the recompute policy vLLM
+        keeps them there for the requests it recomputes in place, and a request that found
+        them there before that (the failed request aborted or preempted first, or not
+        scheduled in the step after) would compute over them and save what it computed."""
+        stale = set(invalid)
         for rid, blocks in self._blocks.items():
             first = next((i for i, b in enumerate(blocks) if b in invalid), None)
             if first is None:
                 continue
+            stale.update(blocks[first:])
             for op in self._save_ops.get(rid, ()):
                 if self._save_block.get(op, -1) >= first:
                     self.index.fail_save(op)
             if rid in self._next_save:
                 self._next_save[rid] = min(self._next_save[rid], first)
+        if self.kv_cache_manager is not None:
+            # Blocks in use stay allocated; only their hashes go (what vLLM's own "fail"
+            # policy does to them).
+            self.kv_cache_manager.evict_blocks(stale)
 
     def update(self, output: "KVConnectorOutput") -> None:
         # Load failures first: a save computed over one may be reported in this output too
