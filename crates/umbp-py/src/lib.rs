@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use umbp_composite::{
     start_offload, start_restore, Batch as CompositeBatch, ChecksumPolicy, CompositeConfig,
-    CompositeEngine, ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging,
+    CompositeEngine, EndpointNames, ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging,
     TransferReport,
 };
 use umbp_hbm::{HbmConfig, HbmEngine, LayerEvents, SimDevice};
@@ -586,11 +586,11 @@ impl Engine {
             py.allow_threads(|| (composite.metrics_snapshot(), composite.in_flight()));
         for ((engine, direction), c) in snapshot {
             let d = PyDict::new(py);
-            d.set_item("operations", c.operations)?;
+            d.set_item("segments", c.segments)?;
             d.set_item("bytes", c.bytes)?;
             d.set_item("objects", c.objects)?;
             d.set_item("failures", c.failures)?;
-            d.set_item("rejected_fragments", c.rejected_fragments)?;
+            d.set_item("rejected_objects", c.rejected_objects)?;
             engines.set_item((engine.to_string(), direction.to_string()), d)?;
         }
         let checksums = PyDict::new(py);
@@ -678,10 +678,10 @@ impl OneError {
 /// while planning as unknown, or failed in flight as gone.
 fn gone(e: &ObjectError) -> Option<EndpointId> {
     match e {
-        ObjectError::Rejected(umbp_plan::Error::Rejected {
-            reason: RejectReason::UnknownEndpoint(id),
-            ..
-        })
+        ObjectError::Rejected(
+            umbp_plan::Error::Rejected { reason: RejectReason::UnknownEndpoint(id), .. },
+            _,
+        )
         | ObjectError::Failed { cause: FailureCause::EndpointGone(id), .. } => Some(*id),
         _ => None,
     }
@@ -729,7 +729,8 @@ fn run_one(composite: &CompositeEngine, f: Fragment) -> Result<(), OneError> {
         Ok(plans) => plans,
         // A refused fragment is the object's rejection, as a batch would report it.
         Err(e @ umbp_plan::Error::Rejected { .. }) => {
-            return Err(OneError::Object(ObjectError::Rejected(e)))
+            let names = EndpointNames::lookup(composite.registry(), [f.src, f.dst]);
+            return Err(OneError::Object(ObjectError::Rejected(e, names)));
         }
         Err(e) => return Err(OneError::other(e)),
     };
@@ -858,6 +859,28 @@ impl Registration {
         self.kind
     }
 
+    /// What errors call it: the label given at registration, else a file's path; `None`
+    /// otherwise (and once closed).
+    #[getter]
+    fn label(&self) -> Option<String> {
+        match &*self.state() {
+            State::Open(k) => self.registry.name(k.id()).map(|name| name.to_string()),
+            State::Closing | State::Closed => None,
+        }
+    }
+
+    /// Names it `label` in errors; `Engine.register*(..., label=...)` calls it.
+    fn _set_label(&self, label: &str) -> PyResult<()> {
+        match &*self.state() {
+            State::Open(Kept::Memory(g)) => g.set_label(label),
+            State::Open(Kept::File(g)) => g.set_label(label),
+            State::Closing | State::Closed => {
+                return Err(ClosedError::new_err(format!("registration {} is closed", self.id)))
+            }
+        }
+        Ok(())
+    }
+
     /// Whether it has been closed.
     #[getter]
     fn closed(&self) -> bool {
@@ -972,11 +995,9 @@ fn py_enum(py: Python<'_>, name: &str, value: &str) -> PyObject {
 fn object_error(py: Python<'_>, e: &ObjectError, tag: Option<u64>) -> PyResult<PyObject> {
     let mut cause = None;
     let (err, mut attrs): (PyErr, Vec<(&str, PyObject)>) = match e {
-        ObjectError::Rejected(plan) => {
-            let reason = match plan {
-                umbp_plan::Error::Rejected { reason, .. } => reason.to_string(),
-                other => other.to_string(),
-            };
+        ObjectError::Rejected(plan, _) => {
+            // In the caller's terms: endpoints by their labels or paths.
+            let reason = e.rejection().unwrap_or_default();
             (
                 RejectedError::new_err(e.to_string()),
                 vec![

@@ -268,19 +268,29 @@ def _offsets_bytes(offsets: Any) -> bytes:
     return a.tobytes()
 
 
+def _labeled(registration: Registration, label: Optional[str]) -> Registration:
+    """``registration``, named ``label`` in error messages when given."""
+    if label is not None:
+        registration._set_label(label)
+    return registration
+
+
 class EngineCounters(TypedDict):
-    """What one engine moved in one direction since the engine started."""
+    """What one engine moved in one direction since the engine started. Each key is the
+    Prometheus counter's name without ``umbp_transfer_`` (``umbp_`` for ``rejected_objects``)
+    and ``_total``, summed over the labels it has beyond engine and direction."""
 
     #: Segments executed (``umbp_transfer_segments_total``).
-    operations: int
+    segments: int
     #: Bytes executed (``umbp_transfer_bytes_total``).
     bytes: int
     #: Objects whose bytes rode in the engine's plans (``umbp_transfer_objects_total``).
     objects: int
-    #: Failed plans or segments, and plans the engine panicked with, all causes.
+    #: Failed plans or segments, and plans the engine panicked with, all causes
+    #: (``umbp_transfer_failures_total``).
     failures: int
     #: Objects rejected while planning, all reasons (``umbp_rejected_objects_total``).
-    rejected_fragments: int
+    rejected_objects: int
 
 
 class InFlight(TypedDict):
@@ -684,36 +694,51 @@ class Engine:
         self._native.disconnect(peer.id)
 
     def register_remote(
-        self, region: "RemoteRegion", offset: int = 0, length: Optional[int] = None
+        self,
+        region: "RemoteRegion",
+        offset: int = 0,
+        length: Optional[int] = None,
+        *,
+        label: Optional[str] = None,
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` (default: to the end) of a peer's
         region, to use as an object's tier like a registered array or file. Refused past what
-        the peer exported."""
+        the peer exported. ``label``: what error messages call it (see :meth:`register`)."""
         if length is None:
             length = region.length - offset
-        return self._native.register_remote(region.peer, region.region, offset, length)
+        return _labeled(
+            self._native.register_remote(region.peer, region.region, offset, length), label
+        )
 
     @property
     def device_kind(self) -> str:
         """``"sim"`` or ``"cuda"``."""
         return self._native.device_kind
 
-    def register(self, buffer: Any) -> Registration:
+    def register(self, buffer: Any, *, label: Optional[str] = None) -> Registration:
         """Registers host memory (a numpy array, ``bytearray``, writable ``memoryview``, or a
         CPU torch tensor) or a CUDA torch tensor (as device memory). The registration keeps the
         buffer alive until closed; a tensor is kept, not locked, so do not resize it (or
         ``set_()`` its storage) while it is registered. Only plain numbers and bytes register:
         an object array, a structured array with an object field, or any buffer format but
-        numbers and bytes raises ``TypeError`` (transfers write raw bytes into it)."""
+        numbers and bytes raises ``TypeError`` (transfers write raw bytes into it).
+
+        ``label``: what error messages call the region (``"kv-cache"`` instead of
+        ``endpoint 4294967296``); :attr:`Registration.label` reads it back."""
         device: Any = getattr(buffer, "device", None)
         if getattr(device, "type", None) == "cuda":
             if not buffer.is_contiguous():
                 raise ValueError("the tensor must be contiguous")
             _check_tensor_dtype(buffer)
             nbytes = buffer.numel() * buffer.element_size()
-            return self._native.register_device(device.index or 0, buffer.data_ptr(), nbytes, buffer)
+            return _labeled(
+                self._native.register_device(
+                    device.index or 0, buffer.data_ptr(), nbytes, buffer
+                ),
+                label,
+            )
         address, nbytes, keep = _host_address(buffer)
-        return self._native.register_host(address, nbytes, keep)
+        return _labeled(self._native.register_host(address, nbytes, keep), label)
 
     def register_file(
         self,
@@ -726,9 +751,11 @@ class Engine:
         create: bool = False,
         extend: bool = False,
         exclusive: bool = False,
+        label: Optional[str] = None,
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` of a file or block device (to its end
-        by default), opened with ``O_DIRECT`` where the filesystem allows it. Raises
+        by default), opened with ``O_DIRECT`` where the filesystem allows it. Error messages
+        call it by its path, or by ``label`` when given. Raises
         :class:`RegistrationError` (with ``.errno``) if it cannot be opened, and for a
         read-only range past the end of the file (no transfer could read those bytes). A
         writable range may reach past the end (an offload tier may start empty; reading bytes
@@ -747,7 +774,7 @@ class Engine:
             if offset > size:
                 raise ValueError(f"offset {offset} lies past the end of {path} ({size} bytes)")
             length = size - offset
-        return self._native.register_file(
+        registration = self._native.register_file(
             _os.fspath(path),
             offset,
             length,
@@ -757,6 +784,7 @@ class Engine:
             extend=extend,
             exclusive=exclusive,
         )
+        return _labeled(registration, label)
 
     def alloc_device(self, length: int, device: int = 0) -> Registration:
         """Allocates ``length`` bytes of device memory, freed when the registration closes."""
