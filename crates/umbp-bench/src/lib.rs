@@ -5,28 +5,43 @@
 //! run. Rows serialize to the JSON lines documented in the crate README.
 
 // Workloads, one per subcommand.
+#[cfg(feature = "engines")]
 pub mod batch_bench;
+#[cfg(feature = "engines")]
 pub mod churn_bench;
+#[cfg(feature = "engines")]
 pub mod copy_bench;
+#[cfg(feature = "engines")]
 pub mod hbm_bench;
+#[cfg(feature = "engines")]
 pub mod layers_bench;
 pub mod plan_bench;
+#[cfg(feature = "engines")]
 pub mod remote_bench;
+#[cfg(feature = "engines")]
 pub mod restore_bench;
+#[cfg(feature = "engines")]
 pub mod ssd_bench;
+#[cfg(feature = "engines")]
 pub mod tour;
 
 // What the workloads share: shapes, buffers, counters, and the command's output.
 pub mod alloc_count;
+#[cfg(feature = "engines")]
 pub mod ceiling;
 pub mod chart;
 pub mod counters;
+#[cfg(feature = "engines")]
 pub mod disk;
+#[cfg(feature = "engines")]
 pub mod host_buffer;
+#[cfg(feature = "engines")]
 pub mod measure;
+#[cfg(feature = "engines")]
 pub mod peers;
 pub mod progress;
 pub mod report;
 pub mod shape;
 pub mod size;
+#[cfg(feature = "engines")]
 pub mod ssd_report;

@@ -3,27 +3,41 @@
 //! Exit status: 0 on success, 2 for a bad argument (one line on stderr, before anything runs),
 //! 1 when a run fails (one line on stderr).
 
-use std::path::{Path, PathBuf};
+#[cfg(feature = "engines")]
+use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+#[cfg(feature = "engines")]
 use anyhow::Context;
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use umbp_bench::alloc_count::CountingAllocator;
+#[cfg(feature = "engines")]
 use umbp_bench::batch_bench::{self, BatchBenchConfig, BatchEngine};
+#[cfg(feature = "engines")]
 use umbp_bench::churn_bench::{self, ChurnBenchConfig, ChurnTarget};
+#[cfg(feature = "engines")]
 use umbp_bench::copy_bench::{self, CopyBenchConfig};
+#[cfg(feature = "engines")]
 use umbp_bench::disk::Placement;
+#[cfg(feature = "engines")]
 use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
+#[cfg(feature = "engines")]
 use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
 use umbp_bench::progress::Progress;
+#[cfg(feature = "engines")]
 use umbp_bench::remote_bench::{self, RemoteBenchConfig, ServeConfig, ServerChoice};
 use umbp_bench::report::Report;
+#[cfg(feature = "engines")]
 use umbp_bench::restore_bench::{self, RestoreBenchConfig};
 use umbp_bench::size::ByteSize;
+#[cfg(feature = "engines")]
 use umbp_bench::ssd_bench::{self, SsdBenchConfig};
+#[cfg(feature = "engines")]
 use umbp_bench::ssd_report;
+#[cfg(feature = "engines")]
 use umbp_bench::tour::{self, TourConfig};
 
 #[global_allocator]
@@ -58,6 +72,7 @@ enum Command {
     /// The default: four parts (plan building, a verified DRAM, SSD and mixed restore, batch
     /// vs single submits, the remote engine where UCX loads) at a small scale, then one
     /// summary line per headline figure and its target.
+    #[cfg(feature = "engines")]
     Tour(TourArgs),
     /// Plan building for the Kimi-K3 restore shape: buffered vs incremental vs a floor.
     ///
@@ -70,6 +85,7 @@ enum Command {
     ///
     /// Targets: at 64 KiB fragments at least 90% of the memcpy ceiling with the same threads;
     /// batch submit at least 10x less overhead per fragment than single submits.
+    #[cfg(feature = "engines")]
     Copy(CopyArgs),
     /// The device engine: one gather launch against one copy per fragment.
     ///
@@ -77,6 +93,7 @@ enum Command {
     /// restore. `--backend auto` takes CUDA (`--features cuda`) or HIP (`--features hip`) when
     /// built in and a GPU answers, else the simulated device (which measures descriptor
     /// building and CPU execution only).
+    #[cfg(feature = "engines")]
     Hbm(HbmArgs),
     /// Random O_DIRECT reads through the SSD engine against fio on the same file.
     ///
@@ -85,12 +102,14 @@ enum Command {
     /// not installed), taking turns, median of the repeats. The file lives in a temporary
     /// directory that is removed afterwards. Targets: at least 95% of fio at the same depth for
     /// 256 KiB reads; the engine at its depth at least 1.3x depth 1.
+    #[cfg(feature = "engines")]
     Ssd(SsdArgs),
     /// The Kimi-K3 restore shape, scaled down, from DRAM, SSD and both into the simulated
     /// device through the composite engine.
     ///
     /// Every restore is verified byte for byte after timing. Target: the mixed restore takes at
     /// most 1.1x the slower of its two halves run alone (the engines overlap).
+    #[cfg(feature = "engines")]
     Restore(RestoreArgs),
     /// A layer-wise restore: 61 layers in groups of 8, a forward pass that waits for each
     /// group and computes (spins) per layer, from DRAM, SSD and mixed into the simulated device.
@@ -98,6 +117,7 @@ enum Command {
     /// Blocking (restore, then forward) against layered (forward waits per group while the
     /// restore runs). Targets: layered time to the first group at most 0.25x the blocking
     /// restore; layered stall at most half the blocking stall.
+    #[cfg(feature = "engines")]
     Layers(LayersArgs),
     /// One batch submit against one submit per transfer, for the host, simulated-device and
     /// SSD engines.
@@ -107,6 +127,7 @@ enum Command {
     /// per transfer: wall time minus a floor that copies the same bytes without an engine
     /// (localcopy, hbm-sim), plain wall time (ssd). Targets: at least 10x for localcopy and
     /// hbm-sim, 1.3x for ssd.
+    #[cfg(feature = "engines")]
     Batch(BatchArgs),
     /// Register, restore, deregister, a million times over: whether a cycle costs the same
     /// after a million registrations as after ten, and memory stays flat.
@@ -116,6 +137,7 @@ enum Command {
     /// registration. Time per cycle of the first --window timed cycles against the last, and
     /// resident memory after the warmup against the end. Targets: the last window at most
     /// 1.2x the first; resident memory grows at most 10%.
+    #[cfg(feature = "engines")]
     Churn(ChurnArgs),
     /// A memory node: exports one writable region, `arena`, over UCX until stdin closes.
     ///
@@ -123,6 +145,7 @@ enum Command {
     /// little-endian word (w x 0x9E3779B97F4A7C15) xor (w >> 7), w = i / 8). Prints
     /// `listening ADDR` on stdout once serving. With --perftest-port it also keeps a
     /// `ucx_perftest` server running for `remote --server`'s reference.
+    #[cfg(feature = "engines")]
     Serve(ServeArgs),
     /// The remote memory engine (umbp-ucx) restoring the Kimi-K3 shape from another process's
     /// memory, against Mooncake Transfer Engine and ucx_perftest moving the same bytes, and its
@@ -138,9 +161,11 @@ enum Command {
     /// --latency-transfers single 4 KiB transfers one at a time, quiet and beside one process
     /// spinning a CPU. Targets: at least 1.0x Mooncake at 64 KiB and larger; at least 0.8x
     /// perftest where the path is one-sided (RDMA); p99 at most 1 ms under load.
+    #[cfg(feature = "engines")]
     Remote(RemoteArgs),
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug, Default)]
 struct TourArgs {
     /// Run every part at a tiny scale (a few seconds; for tests and smoke checks, the figures
@@ -179,6 +204,7 @@ struct PlanArgs {
     skip_buffered: bool,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct CopyArgs {
     /// Fragment sizes of the throughput comparison, comma-separated (units allowed).
@@ -205,6 +231,7 @@ struct CopyArgs {
     submit_iterations: u32,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct HbmArgs {
     /// The device runtime: `cuda` and `hip` need the matching feature (and a GPU).
@@ -224,6 +251,7 @@ struct HbmArgs {
     restore_objects: usize,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct SsdArgs {
     /// Size of the test file (units allowed).
@@ -263,6 +291,7 @@ struct SsdArgs {
     writes: bool,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct RestoreArgs {
     /// Objects of 24 MiB to restore (43 is about 1 GiB; the whole 999,936-token prefix is 651).
@@ -302,6 +331,7 @@ struct RestoreArgs {
     checksum_rounds: u32,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct LayersArgs {
     /// Objects of 24 MiB to restore.
@@ -326,6 +356,7 @@ struct LayersArgs {
     dir: PathBuf,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct ChurnArgs {
     /// Timed register/restore/deregister cycles.
@@ -352,6 +383,7 @@ struct ChurnArgs {
     seed: u64,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct BatchArgs {
     /// Engines to compare, comma-separated.
@@ -378,6 +410,7 @@ struct BatchArgs {
     seed: u64,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
     /// Address of the control connection, host:port (port 0 picks a free one; to serve other
@@ -400,6 +433,7 @@ struct ServeArgs {
     perftest_port: Option<u16>,
 }
 
+#[cfg(feature = "engines")]
 #[derive(clap::Args, Debug)]
 struct RemoteArgs {
     /// UCX transports of the engine, the server and ucx_perftest, in UCX_TLS's syntax.
@@ -453,6 +487,7 @@ fn unit_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+#[cfg(feature = "engines")]
 fn positive_size(s: &str) -> Result<ByteSize, String> {
     let size: ByteSize = s.parse()?;
     if size.0 == 0 {
@@ -461,6 +496,7 @@ fn positive_size(s: &str) -> Result<ByteSize, String> {
     Ok(size)
 }
 
+#[cfg(feature = "engines")]
 fn seconds(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
     if v > 0.0 && v <= 3600.0 {
@@ -470,6 +506,7 @@ fn seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+#[cfg(feature = "engines")]
 fn placement(s: &str) -> Result<Placement, String> {
     match s {
         "completions" => Ok(Placement::Completions),
@@ -562,22 +599,41 @@ fn main() -> ExitCode {
         }
     }
     // `serve` runs until stdin closes and has no steps to show.
+    #[cfg(feature = "engines")]
     let serving = matches!(cli.command, Some(Command::Serve(_)));
+    #[cfg(not(feature = "engines"))]
+    let serving = false;
     let progress = Progress::on_stderr(!cli.json && !serving);
     let out = Output { json: cli.json, dir: cli.out.clone(), progress: &progress };
     let result = match cli.command {
+        #[cfg(feature = "engines")]
         None => tour(&TourArgs { tiny: false, dir: std::env::temp_dir() }, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Tour(args)) => tour(&args, &out),
         Some(Command::Plan(args)) => plan(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Copy(args)) => copy(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Hbm(args)) => hbm(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Ssd(args)) => ssd(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Restore(args)) => restore(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Layers(args)) => layers(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Batch(args)) => batch(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Churn(args)) => churn(&args, &out),
+        #[cfg(feature = "engines")]
         Some(Command::Serve(args)) => serve(&args),
+        #[cfg(feature = "engines")]
         Some(Command::Remote(args)) => remote(&args, &out),
+        #[cfg(not(feature = "engines"))]
+        None => Err(anyhow::anyhow!(
+            "built without the `engines` feature, so only `plan` is here; the tour and the \
+             other subcommands need the default features"
+        )),
     };
     drop(progress);
     match result {
@@ -627,6 +683,7 @@ impl Output<'_> {
     }
 }
 
+#[cfg(feature = "engines")]
 fn tour(args: &TourArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
     let remote_server = std::env::current_exe().ok();
@@ -663,6 +720,7 @@ fn plan(args: &PlanArgs, out: &Output<'_>) -> anyhow::Result<()> {
     out.emit(&Report::new("plan", &rows, plan_bench::table(&rows), Some(plan_bench::chart(&rows)))?)
 }
 
+#[cfg(feature = "engines")]
 fn copy(args: &CopyArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = CopyBenchConfig {
         fragment_sizes: args.fragment_sizes.iter().map(|s| s.0).collect(),
@@ -689,6 +747,7 @@ fn copy(args: &CopyArgs, out: &Output<'_>) -> anyhow::Result<()> {
     out.emit(&report)
 }
 
+#[cfg(feature = "engines")]
 fn hbm(args: &HbmArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let config = HbmBenchConfig {
         backend: args.backend,
@@ -716,6 +775,7 @@ fn hbm(args: &HbmArgs, out: &Output<'_>) -> anyhow::Result<()> {
     out.emit(&emitted)
 }
 
+#[cfg(feature = "engines")]
 fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
     for block in &args.block_sizes {
@@ -753,6 +813,7 @@ fn ssd(args: &SsdArgs, out: &Output<'_>) -> anyhow::Result<()> {
     out.emit(&Report::new("ssd", &rows, ssd_report::table(&rows), Some(ssd_report::chart(&rows)))?)
 }
 
+#[cfg(feature = "engines")]
 fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
     let config = RestoreBenchConfig {
@@ -779,6 +840,7 @@ fn restore(args: &RestoreArgs, out: &Output<'_>) -> anyhow::Result<()> {
     )?)
 }
 
+#[cfg(feature = "engines")]
 fn layers(args: &LayersArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
     if args.compute_us.is_some_and(|us| !(0.0..=1e7).contains(&us)) {
@@ -806,6 +868,7 @@ fn layers(args: &LayersArgs, out: &Output<'_>) -> anyhow::Result<()> {
     )?)
 }
 
+#[cfg(feature = "engines")]
 fn churn(args: &ChurnArgs, out: &Output<'_>) -> anyhow::Result<()> {
     if args.window % 10 != 0 || args.window.saturating_mul(2) > args.cycles {
         usage_error(&format!(
@@ -829,6 +892,7 @@ fn churn(args: &ChurnArgs, out: &Output<'_>) -> anyhow::Result<()> {
     out.emit(&Report::new("churn", std::slice::from_ref(&row), churn_bench::table(&row), None)?)
 }
 
+#[cfg(feature = "engines")]
 fn batch(args: &BatchArgs, out: &Output<'_>) -> anyhow::Result<()> {
     check_dir(&args.dir)?;
     let mut engines = args.engines.clone();
@@ -855,6 +919,7 @@ fn batch(args: &BatchArgs, out: &Output<'_>) -> anyhow::Result<()> {
     )?)
 }
 
+#[cfg(feature = "engines")]
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     use std::io::{BufRead, Write};
     let config = ServeConfig {
@@ -878,9 +943,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "engines")]
 fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
     let server = match &args.server {
         Some(addr) => ServerChoice::Node { addr: addr.clone(), perftest_port: args.perftest_port },
+        #[cfg(feature = "engines")]
         None => ServerChoice::Child {
             program: std::env::current_exe().context("finding the umbp-bench binary")?,
         },
@@ -910,9 +977,11 @@ fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
     )?)
 }
 
+#[cfg(feature = "engines")]
 /// Bytes of one Kimi-K3 object: 24 ranges of 1 MiB.
 const OBJECT_BYTES: u64 = 24 << 20;
 
+#[cfg(feature = "engines")]
 /// A `--dir` that does not exist is a runtime error (exit 1) with its path.
 fn check_dir(dir: &Path) -> anyhow::Result<()> {
     let meta = std::fs::metadata(dir).with_context(|| format!("--dir {}", dir.display()))?;
@@ -920,7 +989,8 @@ fn check_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
+// The tests parse every subcommand: they need the default features.
+#[cfg(all(test, feature = "engines"))]
 mod tests {
     use super::*;
     use clap::CommandFactory;
