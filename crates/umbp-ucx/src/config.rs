@@ -168,8 +168,10 @@ impl UcxConfig {
             (None, false) => Err(Error::Config {
                 setting: "secret",
                 reason: format!(
-                    "no shared secret: set one (the `secret`, Python's `remote_secret`, or \
-                     {SECRET_ENV}), or run explicitly without authentication (insecure_no_auth)"
+                    "no shared secret: give one (`secret`; in Python `remote_secret=` or \
+                     `Server(secret=)`; or the environment's {SECRET_ENV}), or choose to run \
+                     without authentication (`insecure_no_auth`; in Python \
+                     `remote_insecure_no_auth=` or `Server(insecure_no_auth=)`)"
                 ),
             }),
         }
