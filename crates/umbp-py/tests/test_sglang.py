@@ -6,8 +6,10 @@ name in the extra config), then ``register_mem_pool_host`` with SGLang's own MHA
 pool (``MHATokenToKVPoolHost``), allocated on CPU in each host layout SGLang offers for it.
 Pages are moved with the calls SGLang's controller makes: ``batch_exists``, the zero-copy
 ``batch_get_v1`` / ``batch_set_v1`` (``"interface_v1": 1``), and the older ``batch_get`` /
-``batch_set`` with the pool's flat data pages. Every restored byte is compared with the
-bytes saved.
+``batch_set`` with the pool's flat data pages; and through the controller's own code
+(``_page_backup``, ``_storage_hit_query``, ``_page_transfer``) on keys from SGLang's own page
+hash, with the controller's state set up by hand since its constructor needs a GPU. Every
+restored byte is compared with the bytes saved.
 
 Needs SGLang (`bash .ci/sglang-venv` installs it into a cached virtual environment); skipped
 with the reason printed where it is absent, and a failure where UMBP_REQUIRE_SGLANG=1.
@@ -15,17 +17,25 @@ with the reason printed where it is absent, and a failure where UMBP_REQUIRE_SGL
 
 import errno
 import os
+import sys
 import threading
+from queue import Queue
 
 import numpy as np
 import pytest
 
 try:
     import torch
+    from sglang.srt.managers.cache_controller import (
+        HiCacheController,
+        PrefetchOperation,
+        StorageOperation,
+    )
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
 except ImportError as e:  # pragma: no cover - depends on the environment
     if os.environ.get("UMBP_REQUIRE_SGLANG") == "1":
         raise
@@ -341,3 +351,66 @@ def test_closed_backend_refuses_calls(tmp_path):
     backend.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         backend.batch_exists(["a"])
+
+
+class _Controller(HiCacheController):
+    """SGLang's HiCacheController with only the state its storage methods read, so that its
+    own code (``_page_backup``, ``_storage_hit_query``, ``_page_transfer`` and the page
+    get/set functions ``attach_storage_backend`` picks) runs against the backend without the
+    GPU its constructor needs."""
+
+    def __init__(self, backend, pool, zero_copy):  # no super().__init__: it needs a GPU
+        self.storage_backend = backend
+        self.storage_host_pool = self.mem_pool_host = pool
+        self.page_size = PAGE
+        self.prefetch_sync_queue = Queue()
+        if zero_copy:  # what attach_storage_backend picks for "interface_v1": 1
+            self.page_get_func = self._page_get_zero_copy
+            self.page_set_func = self._page_set_zero_copy
+        else:
+            self.page_get_func = self._generic_page_get
+            self.page_set_func = self._generic_page_set
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "tensor_per_page"])
+def test_sglang_controller_code_saves_finds_and_prefetches(tmp_path, monkeypatch, zero_copy):
+    # SGLang hashes pages with a C++ extension that torch builds on first use with the venv's
+    # ninja, found on PATH as in an activated venv (a server runs in one).
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    pool = host_pool()
+    ours = dict(dram_bytes=8 * SLOT_ALIGN, ssd_path=str(tmp_path / "c"), ssd_bytes=1 << 20)
+    if not zero_copy:
+        ours_extra = {k: v for k, v in extra(**ours).items() if k != "interface_v1"}
+        config = storage_config(ours_extra)
+        backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+        backend.register_mem_pool_host(pool)
+    else:
+        backend = attach(pool, **ours)
+    try:
+        ctl = _Controller(backend, pool, zero_copy)
+        fill(pool, seed=8)
+        pages = 12
+        tokens = list(range(1000, 1000 + pages * PAGE))
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)  # SGLang's page keys
+        assert len(hashes) == pages
+        src = list(range(1, 1 + pages))
+        saved = [page_bytes(pool, p) for p in src]
+        backup = StorageOperation(indices(src), tokens, hash_value=hashes)
+        ctl._page_backup(backup)
+        assert backup.completed_tokens == pages * PAGE
+
+        # A later request sharing the first 12 pages and going on for 3 more.
+        longer = tokens + list(range(5000, 5000 + 3 * PAGE))
+        prefetch = PrefetchOperation("req-1", longer)
+        hit_hashes, hit_tokens = ctl._storage_hit_query(prefetch)
+        assert hit_hashes == hashes and hit_tokens == pages * PAGE
+
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        dst = list(range(20, 20 + pages))
+        prefetch.hash_value = hit_hashes
+        prefetch.host_indices = indices(dst)
+        assert ctl._page_transfer(prefetch) == pages
+        assert [page_bytes(pool, p) for p in dst] == saved
+    finally:
+        backend.close()
