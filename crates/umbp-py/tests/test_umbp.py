@@ -567,11 +567,15 @@ def test_a_memory_node_serves_only_engines_that_prove_its_secret():
     arena = pattern(4 * PAGE, 6)
     with umbp.Server({"arena": arena}, transports="tcp", secret=SECRET) as server:
         assert engine.connect(server.address).region("arena").length == 4 * PAGE
-        with pytest.raises(umbp.Error):
+        # The words say what is wrong, whichever side holds the other secret.
+        with pytest.raises(umbp.Error, match=r"authentication failed \(wrong or missing secret on this side or the server's\)"):
             stranger.connect(server.address)
     if os.environ.get("UMBP_UCX_SECRET") is None:
-        # No secret anywhere: refused, unless running without authentication is asked for.
-        with pytest.raises(umbp.Error):
+        # No secret anywhere: refused, unless running without authentication is asked for; the
+        # error names the arguments and the variable that give one.
+        with pytest.raises(umbp.Error, match=r"secret.*remote_secret=.*UMBP_UCX_SECRET"):
+            umbp.Engine(remote=True, remote_transports="tcp").connect("127.0.0.1:9")  # refused before connecting
+        with pytest.raises(umbp.Error, match=r"Server\(secret=\)"):
             umbp.Server({"arena": arena}, transports="tcp")
         with umbp.Server({"arena": arena}, transports="tcp", insecure_no_auth=True) as open_node:
             insecure = umbp.Engine(remote=True, remote_transports="tcp", remote_insecure_no_auth=True)
