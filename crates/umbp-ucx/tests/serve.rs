@@ -353,6 +353,18 @@ fn metrics_count_a_clients_restore_and_the_log_names_each_client() {
     assert!(value(&body, "umbp_ucx_serve_requests_total") >= 1, "{body}");
     assert_eq!(value(&body, "umbp_ucx_serve_handshakes_refused_total{reason=\"wrong_secret\"}"), 1);
     assert_eq!(scrape(at, "/other").0, "HTTP/1.1 404 Not Found");
+    // The responder is bounded: a request past 8 KiB is refused, and a client that connects and
+    // says nothing holds it for its 2 s timeout at most (10 s: a never-settles signal).
+    let mut long = TcpStream::connect(at).unwrap();
+    long.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = long.write_all(&[b'x'; 10 << 10]);
+    let mut answer = String::new();
+    let _ = long.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer:?}");
+    let _silent = TcpStream::connect(at).unwrap();
+    let started = Instant::now();
+    assert_eq!(scrape(at, "/metrics").0, "HTTP/1.1 200 OK");
+    assert!(started.elapsed() < Duration::from_secs(10), "a silent client held /metrics");
 
     drop(peer);
     drop(client);
@@ -373,4 +385,31 @@ fn metrics_count_a_clients_restore_and_the_log_names_each_client() {
     assert_eq!(lines("client connected"), 1, "{log}");
     assert_eq!(lines("client disconnected"), 1, "{log}");
     assert_eq!(lines("authentication failed"), 1, "{log}");
+}
+
+/// SIGINT drains as SIGTERM does: an idle node exits 0 (within 10 s: a never-settles signal).
+#[test]
+fn sigint_stops_an_idle_node_with_status_zero() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let mut node = Node::start(&["--region", "kv=1MiB", "--region", "ro=64KiB:ro"]);
+    let client = engine("tcp");
+    let peer = client.connect(node.addr).unwrap();
+    let regions: Vec<_> =
+        peer.regions.iter().map(|r| (r.name.clone(), r.len, r.writable)).collect();
+    assert_eq!(regions, [("kv".to_owned(), 1 << 20, true), ("ro".to_owned(), 64 << 10, false)]);
+    // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
+    #[allow(unsafe_code)]
+    let sent = unsafe { libc::kill(node.child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(sent, 0);
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = node.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < until, "still running 10 s after SIGINT: {}", node.log());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.code(), Some(0), "{}", node.log());
 }
