@@ -31,9 +31,15 @@ try:
         PrefetchOperation,
         StorageOperation,
     )
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -81,6 +87,37 @@ def host_pool(layout="page_first", tokens=DEVICE_TOKENS):
     )
 
 
+def mla_host_pool(layout="page_first", tokens=DEVICE_TOKENS):
+    """SGLang's MLA host pool on CPU: one latent row (kv_lora_rank + rope dims) per token."""
+    rank, rope = 32, 16
+    bufs = tuple(torch.zeros(tokens, 1, rank + rope, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(LAYERS)),
+        device_layer_num=LAYERS,
+        page_size=PAGE,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=rank + rope,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=tokens,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
+
+
 def storage_config(extra, *, tp_rank=0, tp_size=1, mla=False, layout="page_first"):
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -107,9 +144,9 @@ def extra(**ours):
     }
 
 
-def attach(pool, layout="page_first", **ours):
+def attach(pool, layout="page_first", mla=False, **ours):
     """What SGLang's HiCacheController.attach_storage_backend does with a dynamic backend."""
-    config = storage_config(extra(**ours), layout=layout)
+    config = storage_config(extra(**ours), layout=layout, mla=mla)
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
@@ -149,6 +186,42 @@ def test_round_trip_through_the_factory_in_every_layout(tmp_path, layout):
         pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
         assert backend.batch_get_v1(keys, indices(dst)) == [True] * n
         assert [page_bytes(pool, p) for p in dst] == saved
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_round_trip_of_an_mla_host_pool(tmp_path, layout):
+    pool = mla_host_pool(layout)
+    backend = attach(pool, layout, mla=True, dram_bytes=4 * SLOT_ALIGN, ssd_path=str(tmp_path / "l"), ssd_bytes=1 << 20)
+    try:
+        assert backend.object_bytes == LAYERS * PAGE * 48 * 2  # one latent row per token
+        fill(pool, seed=9)
+        keys = [f"mla-{i}" for i in range(10)]
+        saved = [page_bytes(pool, p) for p in range(1, 11)]
+        assert backend.batch_set_v1(keys, indices(range(1, 11))) == [True] * 10
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        assert backend.batch_get_v1(keys, indices(range(12, 22))) == [True] * 10
+        assert [page_bytes(pool, p) for p in range(12, 22)] == saved
+    finally:
+        backend.close()
+
+
+def test_dram_only_keeps_the_newest_pages(tmp_path):
+    # No SSD tier: a save makes room by dropping the least recently used pages.
+    pool = host_pool()
+    backend = attach(pool, dram_bytes=4 * SLOT_ALIGN)
+    try:
+        fill(pool, seed=10)
+        for round_ in range(4):
+            ks = [f"d{round_}-{j}" for j in range(3)]
+            assert backend.batch_set_v1(ks, indices(range(1 + 3 * round_, 4 + 3 * round_))) == [True] * 3
+        assert backend.batch_exists(["d3-0", "d3-1", "d3-2"]) == 3
+        assert backend.batch_exists(["d0-0"]) == 0 and backend.batch_exists(["d1-0"]) == 0
+        newest = page_bytes(pool, 10)
+        pool.kv_buffer.view(-1).view(torch.uint8)[:] = 0
+        assert backend.batch_get_v1(["d3-0", "d0-0"], indices([20, 21])) == [True, False]
+        assert page_bytes(pool, 20) == newest
     finally:
         backend.close()
 

@@ -232,6 +232,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
         self.dram: Optional[Registration] = None
         self.ssd: Optional[Registration] = None
         self.ssd_path: Optional[str] = None
+        self._dram_slots = 0
         self.page_tokens = 0
         self.object_bytes = 0
         self.slot_bytes = 0
@@ -271,6 +272,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             raise ValueError(
                 f"umbp.sglang: dram_bytes and ssd_bytes hold no page of {slot} bytes"
             )
+        self._dram_slots = dram_slots
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
             self.dram = self.engine.register(self._arena)
@@ -439,6 +441,11 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
         plans: List[Tuple[int, int, str, int]] = []
         with self._lock:
             index = self._idx()
+            fresh = len({k for k in keys if index.entry(k) is None})
+        if fresh:
+            self._demote(fresh)
+        with self._lock:
+            index = self._idx()
             seen = set()
             for i, key in enumerate(keys):
                 if key in seen or index.entry(key) is not None:
@@ -487,16 +494,23 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
                 if e is None or e.tier != t or e.slot != s:
                     del self._sums[k]
 
-    def _demote(self) -> None:
-        """Moves the least recent DRAM pages to the SSD tier down to ``dram_free_fraction``
-        of DRAM free (without an SSD tier the index drops them)."""
+    def _demote(self, room: int = 0) -> None:
+        """Moves the least recent DRAM pages to the SSD tier until ``room`` DRAM slots, and
+        at least ``dram_free_fraction`` of them, are free (without an SSD tier the index drops
+        them): before a save, so that new pages land in DRAM, and after it."""
         with self._lock:
             index = self._idx()
+            base = index.dram_free_slots
+            index.dram_free_slots = min(max(base, room), self._dram_slots)
+            try:
+                planned = index.plan_demotions()
+            finally:
+                index.dram_free_slots = base
             plans = [
                 # The key each demotion moves (TierIndex hands out the op; its key is read
                 # here, under the same lock, before any report can settle it).
                 (op, dram_slot, ssd_slot, str(index._ops[op].key))
-                for op, dram_slot, ssd_slot in index.plan_demotions()
+                for op, dram_slot, ssd_slot in planned
             ]
         if not plans:
             return
