@@ -316,6 +316,22 @@ def test_a_corrupted_ssd_slot_fails_that_key_only(tmp_path):
         backend.close()
 
 
+def test_all_tiers_checksums_catch_a_corrupted_dram_slot(tmp_path):
+    pool = host_pool()
+    backend = attach(pool, dram_bytes=1 << 20, checksums="all_tiers")
+    try:
+        fill(pool, seed=11)
+        keys = [f"a{i}" for i in range(4)]
+        assert backend.batch_set_v1(keys, indices(range(1, 5))) == [True] * 4
+        entry = backend._index.entry("a2")
+        assert entry.tier == "dram"
+        backend._arena[entry.slot * backend.slot_bytes + 7] ^= 0x5A  # a bit flip in host memory
+        assert backend.batch_get_v1(keys, indices(range(10, 14))) == [True, True, False, True]
+        assert backend.engine.metrics()["checksums"]["mismatches"] == 1
+    finally:
+        backend.close()
+
+
 def test_a_second_instance_on_the_same_ssd_file_is_refused(tmp_path):
     path = str(tmp_path / "shared")
     first = attach(host_pool(), dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)
