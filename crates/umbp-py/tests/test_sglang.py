@@ -336,11 +336,14 @@ def test_a_second_instance_on_the_same_ssd_file_is_refused(tmp_path):
     path = str(tmp_path / "shared")
     first = attach(host_pool(), dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)
     try:
-        second = UmbpHiCacheStorage(storage_config(extra(dram_bytes=0, ssd_path=path, ssd_bytes=1 << 20)))
+        second = UmbpHiCacheStorage(
+            storage_config(extra(dram_bytes=1 << 20, ssd_path=path, ssd_bytes=1 << 20))
+        )
         with pytest.raises(RuntimeError, match="in use by another instance") as e:
             second.register_mem_pool_host(host_pool())
         assert isinstance(e.value.__cause__, umbp.RegistrationError)
         assert e.value.__cause__.errno == errno.EWOULDBLOCK
+        assert second.dram is None  # what it had opened is closed again
     finally:
         first.close()
     # Once the first closed, the file is free again.

@@ -244,12 +244,15 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
 
     def register_mem_pool_host(self, mem_pool_host: "HostKVCache") -> None:
         """Cuts the tiers to the host pool's page (as ``get_page_buffer_meta`` describes it)
-        and opens them; the pool's buffer itself registers on the first zero-copy call."""
+        and opens them. The pool's buffer itself registers on the first zero-copy call: the
+        tensor-per-page calls register the tensors they are given instead, which may be views
+        of the pool (an MLA pool's ``get_data_page``) that must not overlap a registration."""
         super().register_mem_pool_host(mem_pool_host)
         pool: Any = mem_pool_host
         with self._lock:
             if self._index is not None:
                 raise RuntimeError("umbp.sglang: a host pool is registered already")
+            _pool_buffers(pool)  # refused now if its bytes cannot be addressed
             page_tokens = int(pool.page_size)
             _, sizes = pool.get_page_buffer_meta(torch.arange(page_tokens, dtype=torch.int64))
             self.page_tokens = page_tokens
@@ -276,6 +279,28 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
             self.dram = self.engine.register(self._arena)
+        try:
+            self._open_ssd(ssd_slots)
+        except BaseException:
+            if self.dram is not None:
+                self.dram.close()
+                self.dram, self._arena = None, None
+            raise
+        free = int(dram_slots * float(cfg.dram_free_fraction))
+        self._index = TierIndex(
+            dram_slots, ssd_slots if self.ssd is not None else 0, dram_free_slots=max(free, 1)
+        )
+        logger.info(
+            "umbp.sglang: pages of %d bytes; %d DRAM slots, %d SSD slots%s",
+            self.object_bytes,
+            dram_slots,
+            ssd_slots if self.ssd is not None else 0,
+            f" in {self.ssd_path}" if self.ssd is not None else "",
+        )
+
+    def _open_ssd(self, ssd_slots: int) -> None:
+        cfg = self.cfg
+        slot = self.slot_bytes
         path = cfg.ssd_file(self.storage_config)
         if path and ssd_slots:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -300,17 +325,6 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
                     "its own ssd_path, or put {tp_rank}/{dp_rank} in it"
                 ) from e
             self.ssd_path = path
-        free = int(dram_slots * float(cfg.dram_free_fraction))
-        self._index = TierIndex(
-            dram_slots, ssd_slots if self.ssd is not None else 0, dram_free_slots=max(free, 1)
-        )
-        logger.info(
-            "umbp.sglang: pages of %d bytes; %d DRAM slots, %d SSD slots%s",
-            self.object_bytes,
-            dram_slots,
-            ssd_slots if self.ssd is not None else 0,
-            f" in {path}" if self.ssd is not None else "",
-        )
 
     def _idx(self) -> TierIndex:
         if self._closed:
