@@ -2,6 +2,7 @@
 given at registration, a file by its path; ``Engine.metrics()`` uses the Prometheus counters'
 names."""
 
+import os
 import re
 
 import numpy as np
@@ -77,3 +78,27 @@ def test_metrics_use_the_prometheus_counters_names():
     assert any(c["rejected_objects"] == 1 for c in metrics["engines"].values()), metrics
     for key in ("batches", "bytes"):
         assert re.search(rf"^umbp_in_flight_{key} 0$", text, re.M), text
+
+
+SECRET = b"umbp python tests: 32 bytes long"
+
+
+def test_a_remote_region_is_named_by_its_name_on_the_node():
+    try:
+        engine = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET)
+    except umbp.Error as e:
+        if os.environ.get("UMBP_REQUIRE_UCX") == "1":
+            raise
+        pytest.skip(f"no remote tier here: {e}")
+    arena = np.zeros(4 * PAGE, dtype=np.uint8)
+    server = umbp.Server({"arena": arena}, transports="tcp", secret=SECRET)
+    peer = engine.connect(server.address)
+    out = np.zeros(2 * PAGE, dtype=np.uint8)
+    with engine.register_remote(peer.region("arena")) as remote, engine.register(out) as dst:
+        assert remote.label == "arena"
+        past_end = umbp.Object(5, remote, [4 * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, dst, 0)])
+        error = engine.restore([past_end]).object(5).error
+        assert '"arena"' in str(error), str(error)
+    with engine.register_remote(peer.region("arena"), label="node-a") as remote:
+        assert remote.label == "node-a"
+    server.close()

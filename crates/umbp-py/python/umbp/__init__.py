@@ -703,11 +703,13 @@ class Engine:
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` (default: to the end) of a peer's
         region, to use as an object's tier like a registered array or file. Refused past what
-        the peer exported. ``label``: what error messages call it (see :meth:`register`)."""
+        the peer exported. Error messages call it by the region's name on its node
+        (``"arena"``), or by ``label`` when given."""
         if length is None:
             length = region.length - offset
         return _labeled(
-            self._native.register_remote(region.peer, region.region, offset, length), label
+            self._native.register_remote(region.peer, region.region, offset, length),
+            region.name if label is None else label,
         )
 
     @property
