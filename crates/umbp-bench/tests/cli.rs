@@ -449,9 +449,25 @@ fn restore_json_fields() {
         "verdict",
         "ssd_cpu",
         "fio_huge_pages",
+        "unchecked_seconds",
+        "checksum_cost",
+        "checksum_cost_interval",
     ];
     check_fields("restore", &lines, &fields);
     assert!(lines.iter().all(|l| l["verified"] == true), "every restore is byte-correct");
+    // The checksum rows: the same restore verifying every object, timed in turns without.
+    let crc: Vec<&Map<String, Value>> = lines
+        .iter()
+        .filter(|l| l["source"].as_str().is_some_and(|s| s.ends_with("-crc")))
+        .collect();
+    let sources: Vec<&Value> = crc.iter().map(|l| &l["source"]).collect();
+    assert_eq!(sources, ["dram-crc", "ssd-crc"]);
+    for l in &crc {
+        assert!(l["unchecked_seconds"].as_f64().is_some_and(|s| s > 0.0), "{l:?}");
+        assert!(l["checksum_cost"].is_f64() && l["checksum_cost_interval"].is_array(), "{l:?}");
+    }
+    let other = lines.iter().filter(|l| !crc.contains(l));
+    assert!(other.clone().all(|l| l["checksum_cost"].is_null()));
     let dram = lines.iter().find(|l| l["source"] == "dram" && l["callers"] == 1).unwrap();
     let (gather, vs) = (dram["gather_ceiling_gib_s"].as_f64(), dram["vs_gather_ceiling"].as_f64());
     assert!(gather.is_some_and(|g| g > 0.0) && vs.is_some_and(|v| v > 0.0), "{dram:?}");
@@ -602,7 +618,9 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
     }
     let restores = std::fs::read_to_string(out_dir.join("restore.jsonl")).unwrap();
     let restores: Vec<Value> = restores.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(restores.len(), 6);
+    let sources: Vec<&str> = restores.iter().filter_map(|r| r["source"].as_str()).collect();
+    assert_eq!(sources.len(), 8, "{sources:?}");
+    assert_eq!(sources.iter().filter(|s| s.ends_with("-crc")).count(), 2, "{sources:?}");
     assert!(restores.iter().all(|r| r["verified"] == true), "{restores:?}");
     assert_eq!(std::fs::read_dir(&ssd_dir).unwrap().count(), 0, "temporary SSD files removed");
 
@@ -616,8 +634,8 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
         .collect();
     assert_eq!(correct.len(), 2 + usize::from(remote), "restores, batch transfers (and remote)");
     assert!(correct.iter().all(|l| l["verdict"] == "met"), "{correct:?}");
-    let restored = lines.iter().find(|l| l["figure"] == "restores byte-correct (of 6)").unwrap();
-    assert_eq!((&restored["value"], &restored["target"]), (&6.0.into(), &6.0.into()));
+    let restored = lines.iter().find(|l| l["figure"] == "restores byte-correct (of 8)").unwrap();
+    assert_eq!((&restored["value"], &restored["target"]), (&8.0.into(), &8.0.into()));
 }
 
 #[test]
