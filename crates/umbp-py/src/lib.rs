@@ -1351,6 +1351,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<TransferError>().setattr(name, &none)?;
     }
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32c_combine, m)?)?;
     install_logger(py);
     Ok(())
 }
@@ -1372,6 +1373,16 @@ fn install_logger(py: Python<'_>) {
         // subinterpreter): that one forwards the records.
         logger.install().ok()
     });
+}
+
+/// The checksum of `a ‖ b` from `first = crc32c(a)`, `second = crc32c(b)` and `second_len =
+/// len(b)`: how a caller that saved an object in pieces (one offload per layer, say) gets the
+/// checksum a restore of the whole object verifies.
+#[pyfunction]
+fn crc32c_combine(first: u32, second: u32, second_len: u64) -> PyResult<u32> {
+    let second_len = usize::try_from(second_len)
+        .map_err(|_| PyValueError::new_err(format!("second_len {second_len} exceeds memory")))?;
+    Ok(crc32c::crc32c_combine(first, second, second_len))
 }
 
 /// Forgets the loggers and levels the Rust side has cached: call it after changing the level

@@ -66,6 +66,7 @@ from ._native import (  # noqa: F401  (re-exported)
     RegistrationError,
     RejectedError,
     TransferError,
+    crc32c_combine,
     reset_log_cache,
 )
 
@@ -80,6 +81,7 @@ __all__ = [
     "ChecksumPolicy",
     "UnknownKeyError",
     "reset_log_cache",
+    "crc32c_combine",
     "Engine",
     "Registration",
     "Object",

@@ -18,12 +18,14 @@ __all__ = [
     "CUDA",
     "__version__",
     "reset_log_cache",
+    "crc32c_combine",
 ]
 
 CUDA: bool
 __version__: str
 
 def reset_log_cache() -> None: ...
+def crc32c_combine(first: int, second: int, second_len: int) -> int: ...
 
 class Error(Exception):
     # The caller's tag of the object whose error this is (None when no object is behind it).

@@ -29,19 +29,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple
 
-from . import Batch, Engine, Error, Object, ObjectResult, Range, Registration, State, UnknownKeyError
+from . import (
+    Batch,
+    Engine,
+    Error,
+    Object,
+    FailureKind,
+    ObjectResult,
+    Range,
+    Registration,
+    State,
+    TransferError,
+    UnknownKeyError,
+    crc32c_combine,
+)
 
 
 @dataclass
 class _Save:
-    """A key's save of this step: its new slot, the block it reads, the layers started and
-    the layers whose offload completed."""
+    """A key's save of this step: its new slot, the block it reads, the layers started and,
+    for each layer whose offload completed, the checksum it reported (``None`` where the
+    engine's checksum policy does not cover the tier)."""
 
     reg: Registration
     slot: int
     block: int
     started: Set[int] = field(default_factory=set)
-    saved: Set[int] = field(default_factory=set)
+    saved: Dict[int, Optional[int]] = field(default_factory=dict)
 
 
 class KVConnector:
@@ -79,8 +93,9 @@ class KVConnector:
             ssd_path, 0, ssd_slots * self.slot_bytes, create=True, extend=True, exclusive=True
         )
         self.ssd_path = ssd_path
-        # key -> (tier registration, slot)
-        self.index: Dict[Hashable, Tuple[Registration, int]] = {}
+        # key -> (tier registration, slot, the block's CRC32C or None): the checksum a load
+        # verifies (see `_block_checksum`).
+        self.index: Dict[Hashable, Tuple[Registration, int, Optional[int]]] = {}
         self._free = {id(self.dram): list(range(dram_slots))[::-1], id(self.ssd): list(range(ssd_slots))[::-1]}
         self._load: Optional[Batch] = None
         self._load_on_stream = False
@@ -116,12 +131,33 @@ class KVConnector:
     def _release(self, reg: Registration, slot: int) -> None:
         self._free[id(reg)].append(slot)
 
-    def _publish(self, key: Hashable, reg: Registration, slot: int) -> None:
-        """Makes ``key`` load from ``slot`` of ``reg``, retiring the slot it loaded from."""
+    def _publish(
+        self, key: Hashable, reg: Registration, slot: int, checksum: Optional[int] = None
+    ) -> None:
+        """Makes ``key`` load from ``slot`` of ``reg`` (verified against ``checksum`` when one
+        is known), retiring the slot it loaded from."""
         old = self.index.get(key)
-        self.index[key] = (reg, slot)
+        self.index[key] = (reg, slot, checksum)
         if old is not None:
-            self._retire(*old)
+            self._retire(old[0], old[1])
+
+    def _forget(self, key: Hashable) -> None:
+        """Drops ``key`` from the index and retires its slot."""
+        place = self.index.pop(key, None)
+        if place is not None:
+            self._retire(place[0], place[1])
+
+    def _block_checksum(self, layers: Dict[int, Optional[int]]) -> Optional[int]:
+        """The CRC32C of a whole slot (every layer's page, in layer order) from the checksums
+        its per-layer offloads reported: what a load of the block, one object over all its
+        layers, verifies. ``None`` when a layer's is unknown (its tier is not checksummed)."""
+        crc: Optional[int] = None
+        for layer in range(self.layers):
+            part = layers.get(layer)
+            if part is None:
+                return None
+            crc = part if crc is None else crc32c_combine(crc, part, self.block_bytes)
+        return crc
 
     def _retire(self, reg: Registration, slot: int) -> None:
         """Frees a replaced slot, or, while a load may still read it, once the load is over."""
@@ -164,7 +200,7 @@ class KVConnector:
             if key not in self.index:
                 # Before anything started: the load is refused whole.
                 raise UnknownKeyError(key)
-            tier, slot = self.index[key]
+            tier, slot, checksum = self.index[key]
             ranges = [
                 Range(
                     layer * self.block_bytes,
@@ -175,7 +211,17 @@ class KVConnector:
                 )
                 for layer in range(self.layers)
             ]
-            objects.append(Object(tag, tier, self._slot_pages(slot), self.block_bytes, self.slot_bytes, ranges))
+            objects.append(
+                Object(
+                    tag,
+                    tier,
+                    self._slot_pages(slot),
+                    self.block_bytes,
+                    self.slot_bytes,
+                    ranges,
+                    checksum=checksum,
+                )
+            )
             keys[tag] = key
         self._load_keys = keys
         self._load = self.engine.start_restore(objects, stream=stream)
@@ -268,7 +314,7 @@ class KVConnector:
             for o in batch.wait().objects:
                 key = keys[o.tag]
                 if o.ok:
-                    self._saving[key].saved.add(layer)
+                    self._saving[key].saved[layer] = o.checksum
                 else:
                     failed.add(key)
         self._saves = []
@@ -277,7 +323,7 @@ class KVConnector:
                 failed.add(key)
                 self._release(save.reg, save.slot)
                 continue
-            self._publish(key, save.reg, save.slot)
+            self._publish(key, save.reg, save.slot, self._block_checksum(save.saved))
             self._saved.add(key)
         self._saving = {}
         return sorted(failed, key=repr)
@@ -286,10 +332,17 @@ class KVConnector:
 
     def finished(self) -> Tuple[Set[Hashable], Set[Hashable]]:
         """``(loaded, saved)``: keys whose load completed and keys saved since the last call.
-        A load in flight is reported once it has fully settled."""
+        A load in flight is reported once it has fully settled.
+
+        A key whose cached bytes failed their checksum (the slot no longer holds what was
+        saved: :attr:`~umbp.FailureKind.CHECKSUM_MISMATCH`) is forgotten here and its slot
+        freed, so it is a miss from now on rather than a load error every time."""
         if self._load is not None and self._load.done():
             report = self._load.wait()
             self._loaded |= {self._load_keys[o.tag] for o in report.objects if o.ok}
+            for o in report.objects:
+                if isinstance(o.error, TransferError) and o.error.kind == FailureKind.CHECKSUM_MISMATCH:
+                    self._forget(self._load_keys[o.tag])
             self._load = None
             for place in self._retired:
                 self._release(*place)
