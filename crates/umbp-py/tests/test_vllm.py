@@ -571,6 +571,61 @@ def test_an_ssd_read_error_fails_that_block_only_and_vllm_recomputes_it(tmp_path
         h.close()
 
 
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_a_block_whose_ssd_bytes_changed_fails_its_checksum_and_is_recomputed(tmp_path, load_mode):
+    # A middle block's slot changes behind the connector (one flipped byte, as a bad sector
+    # or another process writing the file would): the read succeeds, only the checksum the
+    # save recorded tells. That block is a load error, every other one loads byte-exact.
+    path = tmp_path / "kv.ssd"
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path,
+        dram_bytes_per_rank=0,
+        ssd_path=str(path),
+        ssd_bytes_per_rank=16 * slot,
+        load_mode=load_mode,
+    )
+    try:
+        shared = prompt(30, 8 * BS)
+        h.add("a", shared + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:8]
+        entries = [h.index.entry(k) for k in keys]
+        assert [e.tier for e in entries] == [SSD] * 8
+        victim = 3
+        at = entries[victim].slot * slot + slot // 3
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", shared + prompt(31, 30))
+        first_step_of(h, "b")
+        # Exactly the victim's GPU block was reported (in the step its load settled).
+        deadline = time.monotonic() + 120.0
+        while not h.load_errors and time.monotonic() < deadline:
+            h.idle_step()
+        assert h.load_errors == {h.block_ids("b")[victim]}
+        h.run()
+        assert h.stats.get("corrupt_blocks.ssd") == 1
+        assert h.stats.get("load_errors.ssd") == 1
+        # The blocks before the victim loaded; the checked ones are byte-exact.
+        assert h.checked_loads >= victim
+        assert h.index.counters.failed_loads == 1
+        # Recomputed and saved anew: a later request hits all eight, byte-exact.
+        assert h.index.is_hit(keys[victim])
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        h.add("c", shared + prompt(32, 20))
+        first_step_of(h, "c")
+        h.run()
+        assert h.checked_loads - before == 8
+        assert h.stats.get("corrupt_blocks.ssd") == 1
+    finally:
+        h.close()
+
+
 def test_many_concurrent_requests_with_mixed_hits_and_misses(tmp_path):
     path = tmp_path / "kv.ssd"
     slot = slot_bytes()

@@ -37,6 +37,12 @@ its step, or before vLLM learned of it) are never published: their saves fail wh
 ranks report, and are planned again from the failed block. A failed save only costs a future
 miss.
 
+Checksums: each rank records the CRC32C its save of a block into a slot reported, and its loads
+of that slot verify it (the ``checksums`` key: by default the SSD tier's blocks, hashed as they
+pass host memory; ``"all_tiers"`` adds DRAM, at the cost docs/VLLM.md gives). A
+block whose bytes changed in the tier (a bad sector, another process writing the file) fails as
+a load error, counted as ``corrupt_blocks``, and is recomputed, never loaded.
+
 SSD files: each instance's own (the data-parallel replica and the TP rank are in the default
 name, ``{dp_rank}`` and ``{rank}`` place them), held under an exclusive lock while it runs, so
 a second instance given the same file stops at start.
@@ -68,7 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import Engine, Object, Range, Registration, RegistrationError
+from . import ChecksumPolicy, Engine, FailureKind, Object, Range, Registration, RegistrationError
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
@@ -118,6 +124,7 @@ class UmbpConfig:
     save_decode: bool = False
     load_timeout_s: Optional[float] = None
     engine_workers: int = 8
+    checksums: str = "files_and_remote"
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
@@ -147,6 +154,9 @@ class UmbpConfig:
             raise ValueError("UmbpConnector: dram_free_fraction must lie in [0, 1)")
         if cfg.load_timeout_s is not None and not float(cfg.load_timeout_s) > 0:
             raise ValueError("UmbpConnector: load_timeout_s must be positive")
+        policies = [p.value for p in ChecksumPolicy]
+        if cfg.checksums not in policies:
+            raise ValueError(f"UmbpConnector: checksums must be one of {policies}")
         return cfg
 
     def ssd_file(self, rank: int, ranks: int, dp_rank: int = 0) -> Optional[str]:
@@ -296,6 +306,7 @@ _STAT_NAMES = (
     "save_errors",
     "demoted_blocks",
     "demote_errors",
+    "corrupt_blocks",
 )
 
 
@@ -348,6 +359,8 @@ class UmbpPromMetrics(KVConnectorPromMetrics):
             "save_errors": "KV blocks whose save failed (a later miss), per tier.",
             "demoted_blocks": "KV blocks moved from DRAM to SSD.",
             "demote_errors": "KV blocks whose move from DRAM to SSD failed (dropped).",
+            "corrupt_blocks": "KV blocks whose bytes in the tier failed their checksum on load "
+            "(counted in load_errors too; recomputed), per tier.",
         }
         self._counters: Dict[str, Any] = {
             name: self._counter_cls(
@@ -640,6 +653,10 @@ class _WorkerSide:
         self._ok: Dict[int, int] = {}
         self._failed: Dict[int, int] = {}
         self._stats = UmbpConnectorStats()
+        #: (tier, slot) -> the CRC32C this rank's last completed save into the slot reported
+        #: (None where the engine's checksum policy leaves the tier unhashed): loads of the
+        #: slot verify it, so a block whose bytes changed in the tier is a load error.
+        self._checksums: Dict[Tuple[str, int], Optional[int]] = {}
         # A slot is paged by TIER_PAGE (or one page, for a smaller block): page k of slot s
         # starts at s * slot_bytes + k * page.
         self._page = min(layout.object_bytes, TIER_PAGE)
@@ -668,6 +685,7 @@ class _WorkerSide:
             "cuda" if self.cuda else "sim",
             pin_device=(device.index or 0) if self.cuda else 0,
             workers=self.cfg.engine_workers,
+            checksums=self.cfg.checksums,
         )
         # vLLM allocates the layers' caches as views of shared backing allocations: register
         # each allocation once (registrations must not overlap), address layers inside it.
@@ -783,7 +801,15 @@ class _WorkerSide:
         reg = self._tier(tier)
         size = self.layout.object_bytes
         return Object(
-            tag, reg, self._pages + slot * self.layout.slot_bytes, self._page, size, ranges
+            tag,
+            reg,
+            self._pages + slot * self.layout.slot_bytes,
+            self._page,
+            size,
+            ranges,
+            # What this rank's last save into the slot reported: a load verifies it (a save
+            # ignores it).
+            checksum=self._checksums.get((tier, slot)),
         )
 
     def _eng(self) -> Engine:
@@ -883,7 +909,14 @@ class _WorkerSide:
         report = t.batch.wait()
         size = self.layout.object_bytes
         for o in report.objects:
-            op, tier, _, block = t.items[o.tag]
+            op, tier, slot, block = t.items[o.tag]
+            if t.kind != "load":
+                # The slot now holds this save's bytes (their checksum, or None where the
+                # engine's policy leaves the tier unhashed), or, after a failure, unknown ones.
+                if o.ok:
+                    self._checksums[(tier, slot)] = o.checksum
+                else:
+                    self._checksums.pop((tier, slot), None)
             if o.ok:
                 self._ok[op] = self._ok.get(op, 0) + 1
             else:
@@ -898,6 +931,8 @@ class _WorkerSide:
                 else:
                     self._load_errors.add(block)
                     self._stats.add(f"load_errors.{tier}", 1)
+                    if getattr(o.error, "kind", None) == FailureKind.CHECKSUM_MISMATCH:
+                        self._stats.add(f"corrupt_blocks.{tier}", 1)
             elif t.kind == "save":
                 self._stats.add(f"saved_blocks.{tier}" if o.ok else f"save_errors.{tier}", 1)
                 if o.ok:
