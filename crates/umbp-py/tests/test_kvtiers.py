@@ -127,3 +127,45 @@ def test_a_save_failed_early_is_never_a_hit_and_its_slot_waits_for_every_rank():
     assert index.is_hit(b"a") and index.entry(b"a").slot == slot2
     assert not index.fail_save(again)  # settled
     assert not index.fail_save(10**6)  # unknown
+
+
+def test_residency_is_announced_when_a_block_becomes_loadable_and_when_it_stops():
+    index = TierIndex(2, 1, dram_free_slots=1)
+    seen = []
+    index.on_residency = lambda key, tier, stored: seen.append((key, tier, stored))
+    saved(index, b"a")
+    assert seen == [(b"a", DRAM, True)]
+    op, _, _ = index.begin_save(b"b")
+    index.report(op, failed=1)  # never loadable: never announced
+    assert seen == [(b"a", DRAM, True)]
+    saved(index, b"c")
+    ((demote, _, _),) = index.plan_demotions()  # a leaves DRAM for SSD
+    assert seen[-1] == (b"c", DRAM, True)
+    index.report(demote, ok=1)
+    assert seen[-2:] == [(b"a", DRAM, False), (b"a", SSD, True)]
+    saved(index, b"d")
+    index.plan_demotions()  # c is next; the SSD tier drops a, its least recent, for it
+    assert seen[-1] == (b"a", SSD, False)
+    load, _, _ = index.begin_load(b"d")
+    index.report(load, failed=1)  # a failed load drops d
+    assert seen[-1] == (b"d", DRAM, False)
+    index.clear(in_flight=True)  # c, being demoted, goes too
+    assert seen[-1] == (b"c", DRAM, False)
+    assert len(index) == 0
+
+
+def test_a_reset_with_in_flight_fails_saves_and_demotions_started_before_it():
+    index = TierIndex(4, 4, ranks=2, dram_free_slots=2)
+    saved(index, b"a", ranks=2)
+    saved(index, b"b", ranks=2)
+    save, _, _ = index.begin_save(b"c")
+    ((demote, _, _),) = index.plan_demotions()  # a, the least recent
+    assert index.clear() == 1  # a plain reset drops b and keeps what is in flight
+    assert index.is_hit(b"a")
+    assert index.clear(in_flight=True) == 2  # c's save and a's demotion
+    for op in (save, demote):
+        index.report(op, ok=2)  # every rank completed them: still nothing from before
+    assert index.entry(b"a") is None and index.entry(b"c") is None
+    assert index.pending_ops() == 0
+    # Every slot is free again once the ranks reported.
+    assert index.free_slots(DRAM) == 4 and index.free_slots(SSD) == 4

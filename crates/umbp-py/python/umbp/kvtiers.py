@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Set, Tuple
 
 __all__ = ["DRAM", "SSD", "TierIndex", "Entry"]
 
@@ -146,6 +146,11 @@ class TierIndex:
         self._ops: Dict[int, _Op] = {}
         self._next_op = 1
         self.counters = Counters()
+        #: Called as ``(key, tier, True)`` when a block becomes loadable in a tier (every
+        #: rank's save completed, or a demotion landed on SSD) and ``(key, tier, False)`` when
+        #: it stops being (evicted, dropped after a failure, cleared, demoted out of DRAM);
+        #: a block whose save never completed is never announced. A connector's KV events.
+        self.on_residency: Optional[Callable[[Hashable, str, bool], None]] = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -202,6 +207,8 @@ class TierIndex:
         del self._entries[e.key]
         self._lru[e.tier].pop(e.key, None)
         self._slots[e.tier].release(e.slot)
+        if e.state != SAVING and self.on_residency is not None:
+            self.on_residency(e.key, e.tier, False)
 
     def begin_load(self, key: Hashable) -> Tuple[int, str, int]:
         """Plans loading ``key`` (which must be a hit): ``(op id, tier, slot)``. The slot stays
@@ -319,6 +326,8 @@ class TierIndex:
             else:
                 e.state = READY
                 self._touch(e)
+                if self.on_residency is not None:
+                    self.on_residency(e.key, e.tier, True)
         elif op.kind == "load":
             self._slots[op.tier].unpin(op.slot)
             if op.failed:
@@ -338,11 +347,23 @@ class TierIndex:
                 self._slots[DRAM].release(e.slot)
                 e.tier, e.slot, e.state = SSD, op.ssd_slot, READY
                 self._touch(e)
+                if self.on_residency is not None:
+                    self.on_residency(e.key, DRAM, False)
+                    self.on_residency(e.key, SSD, True)
 
-    def clear(self) -> int:
-        """Forgets every ready block (a cache reset); blocks in flight stay. Returns how many
-        were dropped."""
-        ready = [e for e in self._entries.values() if e.state == READY]
+    def clear(self, *, in_flight: bool = False) -> int:
+        """Forgets every ready block (a cache reset); blocks in flight stay, unless
+        ``in_flight``: then saves in flight fail whatever the ranks report (as
+        :meth:`fail_save`: their bytes were computed before the reset) and blocks being demoted
+        leave too, so nothing from before the reset is ever a hit. Returns how many blocks were
+        dropped."""
+        dropped = 0
+        if in_flight:
+            for op_id, op in list(self._ops.items()):
+                if op.kind == "save" and self.fail_save(op_id):
+                    dropped += 1
+        states = (READY, DEMOTING) if in_flight else (READY,)
+        ready = [e for e in self._entries.values() if e.state in states]
         for e in ready:
             self._drop(e)
-        return len(ready)
+        return dropped + len(ready)
