@@ -108,4 +108,14 @@ pub trait Index: Send + Sync {
 
     /// The nodes alive now.
     fn nodes(&self) -> Result<Vec<NodeAnnouncement>, Error>;
+
+    /// Withdraws `node` from the pool now, as if its announcement had just expired: it leaves
+    /// [`nodes`](Index::nodes), and where placements depend on their node being alive (Redis)
+    /// they drop out of lookups and leases at once, its reservations can no longer be
+    /// published, and its slots are freed (it rejoins empty when it announces itself again).
+    /// A memory node calls this when it stops, so readers miss its blocks at once instead of
+    /// failing their loads until its announcement expires. Returns whether it was alive.
+    ///
+    /// The embedded index only forgets the announcement: its placements never depended on it.
+    fn leave(&self, node: NodeId) -> Result<bool, Error>;
 }

@@ -551,6 +551,11 @@ impl Index for EmbeddedIndex {
         nodes.sort_by_key(|a| a.node);
         Ok(nodes)
     }
+
+    fn leave(&self, node: NodeId) -> Result<bool, Error> {
+        let now = Instant::now();
+        Ok(self.state().nodes.remove(&node).is_some_and(|(_, deadline)| deadline > now))
+    }
 }
 
 impl EmbeddedIndex {

@@ -73,6 +73,7 @@ struct Scripts {
     stats: Script,
     announce: Script,
     reap: Script,
+    leave: Script,
 }
 
 impl Scripts {
@@ -93,6 +94,7 @@ impl Scripts {
             stats: s(scripts::STATS),
             announce: s(scripts::ANNOUNCE),
             reap: s(scripts::REAP),
+            leave: s(scripts::LEAVE),
         }
     }
 }
@@ -637,5 +639,11 @@ impl Index for RedisIndex {
             .collect::<Result<_, _>>()?;
         nodes.sort_by_key(|a| a.node);
         Ok(nodes)
+    }
+
+    fn leave(&self, node: NodeId) -> Result<bool, Error> {
+        let was: i64 = self.with(|c| self.scripts.leave.arg(&self.prefix).arg(node.0).invoke(c))?;
+        tracing::info!(node = node.0, was_alive = was == 1, "pool: node left");
+        Ok(was == 1)
     }
 }

@@ -331,6 +331,17 @@ end
 return reaped
 "#;
 
+/// ARGV: P, node. The node leaves now, as if its announcement had expired, and its
+/// placements and reservations are deleted (as [`REAP`] does for a dead node). Returns 1 when
+/// it was alive, 0 otherwise.
+pub(super) const LEAVE: &str = r#"
+local n = ARGV[2]
+local was = redis.call('DEL', P .. ':node:' .. n)
+wipe(n)
+redis.call('SREM', P .. ':nodes', n)
+return was
+"#;
+
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
     format!("{PRELUDE}{body}")
