@@ -33,6 +33,10 @@ pub trait Index: Send + Sync {
     /// same shape again is a no-op (a restart); another shape is [`Error::TierConflict`].
     fn register_tier(&self, spec: &TierSpec) -> Result<(), Error>;
 
+    /// The shape a tier was registered with (by any client of the index); `None` for a tier
+    /// never registered. A reader of another node's tier learns its slot size here.
+    fn tier_spec(&self, node: NodeId, tier: TierId) -> Result<Option<TierSpec>, Error>;
+
     /// Reserves a slot of tier `tier` of node `node` for a block of `len` bytes under `key`,
     /// valid for `ttl`. Returns [`Reserved::Present`] if `key` is already published.
     ///

@@ -71,6 +71,7 @@ mod error;
 mod index;
 mod key;
 mod placement;
+mod pool;
 #[allow(clippy::module_inception)]
 mod redis;
 mod region;
@@ -82,6 +83,10 @@ pub use key::BlockKey;
 pub use placement::{
     checksum, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed, Reservation,
     Reserved, TierId, TierSpec, TierStats,
+};
+pub use pool::{
+    BlockError, GetBlock, GetOutcome, Pool, PoolConfig, PoolMetrics, PutBlock, PutOutcome,
+    TierResolver,
 };
 pub use redis::{RedisConfig, RedisIndex};
 pub use region::TierRegion;

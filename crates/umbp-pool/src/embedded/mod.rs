@@ -531,6 +531,11 @@ impl Index for EmbeddedIndex {
         self.evict_locked(&mut state, t, count)
     }
 
+    fn tier_spec(&self, node: NodeId, tier: TierId) -> Result<Option<TierSpec>, Error> {
+        let state = self.read_state();
+        Ok(state.tier_index.get(&(node, tier)).map(|&t| state.tiers[t].spec))
+    }
+
     fn tier_stats(&self, node: NodeId, tier: TierId) -> Result<TierStats, Error> {
         let mut state = self.state();
         let t = Self::tier(&state, node, tier)?;

@@ -588,6 +588,34 @@ impl Index for RedisIndex {
         Ok(n as u32)
     }
 
+    fn tier_spec(&self, node: NodeId, tier: TierId) -> Result<Option<TierSpec>, Error> {
+        let key = format!("{}:tier:{}:{}", self.prefix, node.0, tier.0);
+        let v: Vec<Option<u64>> = self.with(|c| {
+            redis::cmd("HMGET")
+                .arg(&key)
+                .arg(&["slot_size", "slot_count", "durable", "low", "high"])
+                .query(c)
+        })?;
+        match v[..] {
+            [Some(slot_size), Some(count), Some(durable), Some(low), Some(high)] => {
+                let narrow = |x: u64| {
+                    u32::try_from(x).map_err(|_| Error::Corrupt(format!("tier {key}: {x}")))
+                };
+                Ok(Some(TierSpec {
+                    node,
+                    tier,
+                    slot_size,
+                    slot_count: narrow(count)?,
+                    durable: durable != 0,
+                    low_watermark: narrow(low)?,
+                    high_watermark: narrow(high)?,
+                }))
+            }
+            [None, ..] => Ok(None),
+            _ => Err(Error::Corrupt(format!("tier {key} has missing fields"))),
+        }
+    }
+
     fn tier_stats(&self, node: NodeId, tier: TierId) -> Result<TierStats, Error> {
         let v: Value =
             self.with(|c| self.scripts.stats.arg(&self.prefix).arg(node.0).arg(tier.0).invoke(c))?;
