@@ -229,25 +229,39 @@ impl RedisIndex {
 
     /// Runs `f` on a pooled connection; a connection whose call failed is dropped rather than
     /// pooled (it may hold half a reply, or the server may be gone).
+    ///
+    /// A pooled connection to a server that went away since it was pooled (the server was
+    /// restarted) fails at once, closed; the call is then made once more on a fresh
+    /// connection, so the first calls after a restart succeed. Making it again is safe: the
+    /// server that closed the connection is gone, and with it whatever the call did there
+    /// (unless it persisted it: then a reservation or lease is taken twice and ends by its TTL,
+    /// or a publish that won answers `Expired`, which the caller treats as a failed save).
     fn with<T>(
         &self,
-        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
+        mut f: impl FnMut(&mut Connection) -> redis::RedisResult<T>,
     ) -> Result<T, Error> {
         let pooled = lock(&self.idle).pop();
+        let was_pooled = pooled.is_some();
         let mut conn = match pooled {
             Some(c) => c,
-            None => {
-                let c = self.client.get_connection_with_timeout(self.timeout)?;
-                c.set_read_timeout(Some(self.timeout))?;
-                c.set_write_timeout(Some(self.timeout))?;
-                c
-            }
+            None => self.open_connection()?,
         };
-        let result = f(&mut conn);
+        let mut result = f(&mut conn);
+        if was_pooled && result.as_ref().is_err_and(|e| e.is_connection_dropped()) {
+            conn = self.open_connection()?;
+            result = f(&mut conn);
+        }
         if result.is_ok() {
             lock(&self.idle).push(conn);
         }
         Ok(result?)
+    }
+
+    fn open_connection(&self) -> Result<Connection, Error> {
+        let c = self.client.get_connection_with_timeout(self.timeout)?;
+        c.set_read_timeout(Some(self.timeout))?;
+        c.set_write_timeout(Some(self.timeout))?;
+        Ok(c)
     }
 
     /// Deletes the placements of every node whose announcement expired (they are already out

@@ -12,7 +12,7 @@
 //! | `P:ntiers:N` | set | node N's tier ids |
 //! | `P:tier:N:T` | hash | `slot_size`, `slot_count`, `durable`, `low`, `high`, `next` (never-used cursor) |
 //! | `P:free:N:T` | list | used slots free again |
-//! | `P:gen:N:T` | hash | slot -> generation (incremented at each reservation) |
+//! | `P:gen:N:T` | hash | slot -> generation (incremented at each reservation; a slot's first starts from the server's clock in ms × 1000, so a restarted server never hands one out again) |
 //! | `P:owner:N:T` | hash | slot -> key of the block published there |
 //! | `P:lru:N:T` | sorted set | published slot -> last use (ms, server clock) |
 //! | `P:resv:N:T` | sorted set | reserved slot -> deadline (ms) |
@@ -101,6 +101,15 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
     redis.call('HSET', tk, 'next', nxt + 1)
   end
   local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
+  if gen == 1 then
+    -- No generation for this slot on this server: its first reservation, or the server lost
+    -- its data (a restart). Start from the server's clock (ms * 1000), above every generation
+    -- an earlier life of the server handed out for the slot (that would take 1,000
+    -- reservations of one slot per millisecond), so a placement or reservation from before
+    -- never matches again. Exact in Lua's doubles until the year 2255.
+    gen = now * 1000
+    redis.call('HSET', k('gen', n, t), slot, string.format('%.0f', gen))
+  end
   redis.call('ZADD', k('resv', n, t), now + ttl, slot)
   redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
   return {'ok', tonumber(slot), gen}

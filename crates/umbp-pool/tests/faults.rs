@@ -1,0 +1,689 @@
+//! Issue 36's faults, each with real processes: a real `redis-server` killed and restarted,
+//! other instances of the pool in child processes (this binary run again) killed with
+//! SIGKILL while they hold leases or publish, two processes saving the same keys at once, a
+//! stale lookup result used after its slot was evicted and reused by another process, and the
+//! embedded index killed at random points of its publishes. Every block's bytes live in a real
+//! tier file; every check is the same: nothing wrong is ever served (a hit's bytes verify
+//! against its CRC32C and are the winner's), and what fails, fails for that block alone.
+//!
+//! The Redis tests skip (with a printed reason) without `redis-server`, unless
+//! `UMBP_REQUIRE_REDIS=1`.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::faults::{block_bytes, commands, reply, save, Process, Rng, Saved, TierFile, ROLE};
+use support::suite::{key, put, reserve, setup, TTL};
+use support::RedisServer;
+use umbp_pool::{
+    checksum, EmbeddedIndex, Error, Index, NodeAnnouncement, NodeId, Placement, Published,
+    RedisConfig, RedisIndex, Removed, Reserved, TierId, TierSpec,
+};
+
+/// The tier every instance of the Redis tests has: 256 slots of 4 KiB in a file, no eviction
+/// unless asked.
+fn instance_tier(node: NodeId) -> TierSpec {
+    TierSpec::new(node, TierId(0), 4096, 256).watermarks(0, 0)
+}
+
+const PREFIX: &str = "faults";
+
+fn redis_config(port: u16) -> RedisConfig {
+    let mut c = RedisConfig::new(format!("redis://127.0.0.1:{port}/"));
+    c.password = Some(support::PASSWORD.into());
+    c.prefix = PREFIX.into();
+    c.timeout = Duration::from_secs(2);
+    c
+}
+
+fn env<T: std::str::FromStr>(name: &str) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("child process without {name}"))
+}
+
+fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+/// Starts an instance of the pool in another process: its own Redis client, node `node`
+/// (announced), the instance tier in `tier_file`.
+fn spawn_instance(server: &RedisServer, node: u32, tier_file: &Path) -> Process {
+    let mut p = Process::spawn(
+        "child_instance",
+        "instance",
+        &[
+            ("UMBP_FAULTS_PORT", server.port().to_string()),
+            ("UMBP_FAULTS_NODE", node.to_string()),
+            ("UMBP_FAULTS_TIER", tier_file.display().to_string()),
+        ],
+    );
+    assert_eq!(p.answer(), "ready");
+    p
+}
+
+/// The child side of [`spawn_instance`]: serves commands until killed. Commands:
+/// `put ID WRITER LEN`, `putmany FROM TO WRITER LEN`, `reserve ID WRITER LEN` (and write),
+/// `publish` (every reservation so far), `lease TTL_MS RENEW ID...`, `evict N`.
+#[test]
+fn child_instance() {
+    if role().as_deref() != Some("instance") {
+        return;
+    }
+    let index = RedisIndex::connect(&redis_config(env("UMBP_FAULTS_PORT"))).unwrap();
+    let spec = instance_tier(NodeId(env("UMBP_FAULTS_NODE")));
+    setup(&index, &spec);
+    let path: String = env("UMBP_FAULTS_TIER");
+    let tier = TierFile::open(spec, Path::new(&path));
+    let index = Arc::new(index);
+    let mut pending = Vec::new();
+    reply("ready");
+    for line in commands() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> u64 { w[i].parse().unwrap() };
+        match w[0] {
+            "put" => reply(match save(&*index, &tier, num(1), num(2) as u8, num(3)) {
+                Saved::Published(r, Published::Won(_)) => {
+                    format!("won {} {}", r.slot, r.generation)
+                }
+                Saved::Published(_, Published::Lost { winner }) => format!("lost {}", winner.node),
+                Saved::Published(_, Published::Expired) => "expired".into(),
+                Saved::Present(p) => format!("present {}", p.node),
+                Saved::Failed(e) => format!("failed {e}"),
+            }),
+            "putmany" => {
+                let (mut won, mut lost, mut present, mut failed) = (0, 0, 0, 0);
+                for id in num(1)..num(2) {
+                    match save(&*index, &tier, id, num(3) as u8, num(4)) {
+                        Saved::Published(_, Published::Won(_)) => won += 1,
+                        Saved::Published(_, Published::Lost { .. }) => lost += 1,
+                        Saved::Present(_) => present += 1,
+                        _ => failed += 1,
+                    }
+                }
+                reply(format!("done {won} {lost} {present} {failed}"));
+            }
+            "reserve" => {
+                let (id, writer, len) = (num(1), num(2) as u8, num(3));
+                let r = reserve(&*index, key(id), &spec, len);
+                let bytes = block_bytes(id, writer, len);
+                tier.write(r.slot, &bytes);
+                pending.push((r, checksum(&bytes)));
+                reply(format!("reserved {} {}", r.slot, r.generation));
+            }
+            "publish" => {
+                let out = index.publish(&pending).unwrap();
+                pending.clear();
+                let codes: Vec<&str> = out
+                    .iter()
+                    .map(|o| match o {
+                        Published::Won(_) => "W",
+                        Published::Lost { .. } => "L",
+                        Published::Expired => "E",
+                    })
+                    .collect();
+                reply(codes.join(","));
+            }
+            "lease" => {
+                let ttl = Duration::from_millis(num(1));
+                let renew = num(2) == 1;
+                let keys: Vec<_> = w[3..].iter().map(|i| key(i.parse().unwrap())).collect();
+                let found: Vec<Placement> =
+                    index.lookup(&keys).unwrap().into_iter().flatten().collect();
+                let lease = index.lease(&found, ttl).unwrap();
+                let granted = lease.granted.iter().filter(|&&g| g).count();
+                if renew {
+                    let index = index.clone();
+                    std::thread::spawn(move || loop {
+                        std::thread::sleep(ttl / 4);
+                        index.renew(lease.id, ttl).unwrap();
+                    });
+                }
+                reply(format!("leased {granted}"));
+            }
+            "evict" => reply(format!(
+                "evicted {}",
+                index.evict(spec.node, spec.tier, num(1) as u32).unwrap()
+            )),
+            other => panic!("unknown command {other}"),
+        }
+    }
+}
+
+/// The placement of block `id` and its bytes as loaded from the tier file of its node,
+/// verified: `Err` is a load error (a miss for the caller), never wrong bytes.
+fn load(files: &HashMap<NodeId, TierFile>, p: &Placement) -> Result<Vec<u8>, Error> {
+    files[&p.node].load(p)
+}
+
+/// A Redis restart loses every generation counter with the rest of its data. Before the fix,
+/// generations started at 1 again, so a placement looked up before the restart matched the
+/// slot again once the same key was saved there (with other bytes: a lease was granted on a
+/// stale placement), and a reservation made before the restart published over a new writer's
+/// reservation of the same slot. Generations are now seeded from the server's clock when a
+/// slot has none.
+#[test]
+fn redis_restart_never_repeats_a_generation() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let spec = TierSpec::new(NodeId(1), TierId(0), 64, 2).watermarks(0, 0);
+    setup(&index, &spec);
+    let before = put(&index, key(1), &spec);
+    assert_eq!(before.slot, 0);
+    let in_flight = reserve(&index, key(2), &spec, 64);
+    assert_eq!(in_flight.slot, 1);
+
+    server.kill();
+    server.restart();
+    setup(&index, &spec);
+
+    // The same key saved again, into the same slot, with other bytes (another checksum).
+    let again = match index.reserve(key(1), spec.node, spec.tier, before.len, TTL).unwrap() {
+        Reserved::Slot(r) => r,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(again.slot, before.slot);
+    let Published::Won(after) = index.publish(&[(again, before.checksum ^ 1)]).unwrap()[0] else {
+        panic!("the only writer of key 1 must win")
+    };
+    assert!(
+        after.generation > before.generation,
+        "a generation was handed out twice: {} before the restart, {} after",
+        before.generation,
+        after.generation
+    );
+    assert_eq!(
+        index.lease(&[before, after], TTL).unwrap().granted,
+        vec![false, true],
+        "a placement from before the restart must be a miss"
+    );
+    // A new writer of key 2 gets the slot the lost reservation had; the old reservation's
+    // publish must not take it over.
+    let new_writer = reserve(&index, key(2), &spec, 64);
+    assert_eq!(new_writer.slot, in_flight.slot);
+    assert_eq!(index.publish(&[(in_flight, 7)]).unwrap(), vec![Published::Expired]);
+    assert!(matches!(index.publish(&[(new_writer, 8)]).unwrap()[0], Published::Won(_)));
+    assert_eq!(index.lookup(&[key(2)]).unwrap()[0].unwrap().checksum, 8);
+}
+
+/// Redis killed and restarted while four threads save and load blocks through a real tier
+/// file and a node renews its announcement: while it is down every call is a clean
+/// `Error::Redis` (a save fails, a lookup is a miss for the caller), a hit's bytes always
+/// verify, and once it is back the node rejoins, saves publish and loads hit again. A
+/// reservation made before the kill publishes nothing after it; a lease held across it is gone.
+#[test]
+fn redis_killed_and_restarted_under_saves_and_loads() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let index = Arc::new(RedisIndex::connect(&server.config(PREFIX)).unwrap());
+    let spec = instance_tier(NodeId(1)).watermarks(8, 16);
+    setup(&*index, &spec);
+    let tier = Arc::new(TierFile::open(spec, &dir.path().join("tier")));
+    let stop = Arc::new(AtomicBool::new(false));
+    // The node renews its announcement as a running node does (a failed renewal is retried).
+    let renewer = {
+        let (index, stop) = (index.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let a = NodeAnnouncement { node: spec.node, address: "n1".into(), tiers: vec![] };
+                let _ = index.announce(&a, Duration::from_secs(2));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    // [hits, saves won, redis errors, verified-bad loads]
+    let counts: Arc<[AtomicU64; 4]> = Arc::new(Default::default());
+    let workers: Vec<_> = (0..4u8)
+        .map(|w| {
+            let (index, tier, stop, counts) =
+                (index.clone(), tier.clone(), stop.clone(), counts.clone());
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x5eed ^ u64::from(w + 1) << 32);
+                while !stop.load(Ordering::Relaxed) {
+                    let id = rng.below(512);
+                    let found = match index.lookup(&[key(id)]) {
+                        Ok(f) => f[0],
+                        Err(Error::Redis(_)) => {
+                            counts[2].fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        Err(e) => panic!("{e}"),
+                    };
+                    match found {
+                        Some(p) => {
+                            let Ok(lease) = index.lease(&[p], TTL) else {
+                                counts[2].fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            };
+                            if lease.granted[0] {
+                                let bytes = tier.load(&p).unwrap_or_else(|e| {
+                                    panic!("a leased hit served wrong bytes: {e}")
+                                });
+                                assert_eq!(bytes.len() as u64, 100 + id);
+                                counts[0].fetch_add(1, Ordering::Relaxed);
+                            }
+                            let _ = index.release(lease.id);
+                        }
+                        None => match save(&*index, &tier, id, w, 100 + id) {
+                            Saved::Published(_, Published::Won(_)) => {
+                                counts[1].fetch_add(1, Ordering::Relaxed);
+                            }
+                            Saved::Failed(_) => {
+                                counts[2].fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => {}
+                        },
+                    }
+                }
+            })
+        })
+        .collect();
+    let wait_for = |what: usize, more_than: u64| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while counts[what].load(Ordering::Relaxed) <= more_than {
+            assert!(Instant::now() < deadline, "counter {what} stuck at {more_than}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    wait_for(0, 20);
+    // A save and a load in flight across the restart.
+    let in_flight = reserve(&*index, key(10_000), &spec, 100);
+    let held = index.lookup(&[key(0), key(1), key(2), key(3)]).unwrap();
+    let held: Vec<Placement> = held.into_iter().flatten().collect();
+    let lease = index.lease(&held, TTL).unwrap();
+
+    let errors_before = counts[2].load(Ordering::Relaxed);
+    server.kill();
+    wait_for(2, errors_before + 10);
+    server.restart();
+    let (hits, saves) = (counts[0].load(Ordering::Relaxed), counts[1].load(Ordering::Relaxed));
+    wait_for(1, saves + 5);
+    wait_for(0, hits + 5);
+
+    assert_eq!(index.publish(&[(in_flight, 1)]).unwrap(), vec![Published::Expired]);
+    assert_eq!(index.lookup(&[key(10_000)]).unwrap(), vec![None]);
+    if !held.is_empty() {
+        assert!(matches!(index.renew(lease.id, TTL), Err(Error::LeaseExpired(_))));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    renewer.join().unwrap();
+    let [hits, saves, errors, _] = &*counts;
+    eprintln!(
+        "{} hits, {} saves, {} clean errors across the restart",
+        hits.load(Ordering::Relaxed),
+        saves.load(Ordering::Relaxed),
+        errors.load(Ordering::Relaxed)
+    );
+    // Every published block still verifies in the file.
+    let all: Vec<_> = (0..512).map(key).collect();
+    for p in index.lookup(&all).unwrap().into_iter().flatten() {
+        tier.load(&p).unwrap();
+    }
+}
+
+/// Another instance (a child process) leases every block of a tier and keeps renewing, then is
+/// killed with SIGKILL: while it lives nothing of the tier can be evicted, removed or reused,
+/// even long past one lease TTL; once it is dead its leases expire by themselves and the
+/// slots come back.
+#[test]
+fn instance_killed_holding_leases_frees_them() {
+    let Some(server) = RedisServer::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let spec = TierSpec::new(NodeId(1), TierId(0), 4096, 8).watermarks(1, 1);
+    setup(&index, &spec);
+    let tier = TierFile::open(spec, &dir.path().join("tier1"));
+    for id in 0..8 {
+        assert!(matches!(save(&index, &tier, id, 0, 1000), Saved::Published(_, Published::Won(_))));
+    }
+    let mut reader = spawn_instance(&server, 2, &dir.path().join("tier2"));
+    let ids: Vec<String> = (0..8).map(|i| i.to_string()).collect();
+    assert_eq!(reader.ask(&format!("lease 600 1 {}", ids.join(" "))), "leased 8");
+    let full = |index: &RedisIndex| {
+        matches!(
+            index.reserve(key(100), spec.node, spec.tier, 10, TTL),
+            Err(Error::TierFull { .. })
+        )
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(full(&index), "a renewed lease must hold past its TTL");
+    assert_eq!(index.evict(spec.node, spec.tier, 8).unwrap(), 0);
+    assert_eq!(index.remove(&[key(3)]).unwrap(), vec![Removed::Leased]);
+
+    reader.kill();
+    let killed = Instant::now();
+    while full(&index) {
+        assert!(
+            killed.elapsed() < Duration::from_secs(10),
+            "the dead reader's leases never expired"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("slots back {:?} after the kill (lease TTL 600 ms)", killed.elapsed());
+    // Every block can go now; what is still published still verifies.
+    let all: Vec<_> = (0..8).map(key).collect();
+    for p in index.lookup(&all).unwrap().into_iter().flatten() {
+        tier.load(&p).unwrap();
+    }
+    // The reserve that found a free slot evicted one block (watermarks 1, 1): 7 are left.
+    assert_eq!(index.evict(spec.node, spec.tier, 8).unwrap(), 7);
+}
+
+/// The embedded index's leases live in its process: an instance killed holding leases leaves
+/// none behind, and every block it published is there and unleased at reopen.
+#[test]
+fn embedded_instance_killed_holding_leases() {
+    if role().as_deref() == Some("embedded-leaser") {
+        let spec = embedded_tier();
+        let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
+        index.register_tier(&spec).unwrap();
+        let tier = TierFile::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
+        let placements: Vec<Placement> = (0..8)
+            .map(|id| match save(&index, &tier, id, 0, 1000) {
+                Saved::Published(_, Published::Won(p)) => p,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(index.lease(&placements, TTL).unwrap().all_granted());
+        reply("leased");
+        for _ in commands() {}
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (index_path, tier_path) = (dir.path().join("pool.redb"), dir.path().join("tier"));
+    let mut child = Process::spawn(
+        "embedded_instance_killed_holding_leases",
+        "embedded-leaser",
+        &[
+            ("UMBP_FAULTS_INDEX", index_path.display().to_string()),
+            ("UMBP_FAULTS_TIER", tier_path.display().to_string()),
+        ],
+    );
+    assert_eq!(child.answer(), "leased");
+    child.kill();
+    let index = EmbeddedIndex::open(&index_path).unwrap();
+    let tier = TierFile::open(embedded_tier(), &tier_path);
+    let all: Vec<_> = (0..8).map(key).collect();
+    let found: Vec<Placement> = index.lookup(&all).unwrap().into_iter().flatten().collect();
+    assert_eq!(found.len(), 8);
+    for p in &found {
+        tier.load(p).unwrap();
+    }
+    assert_eq!(index.remove(&all[..4]).unwrap(), vec![Removed::Removed; 4]);
+    assert_eq!(index.evict(embedded_tier().node, embedded_tier().tier, 8).unwrap(), 4);
+}
+
+fn embedded_tier() -> TierSpec {
+    TierSpec::new(NodeId(0), TierId(1), 4096, 4096).durable().watermarks(0, 0)
+}
+
+/// A lookup result in flight while another process evicts its slot and saves another block
+/// there: the stale placement's lease is refused (a miss), and its bytes, if read anyway, fail
+/// verification. A reader whose lease ran out during a slow load finds the same: its renew
+/// fails and the bytes it read do not verify.
+#[test]
+fn stale_lookup_while_another_process_reuses_the_slot() {
+    let Some(server) = RedisServer::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let spec = instance_tier(NodeId(1));
+    setup(&index, &spec);
+    let tier_path = dir.path().join("tier1");
+    let mut files = HashMap::new();
+    files.insert(spec.node, TierFile::open(spec, &tier_path));
+    // Another instance of the same node: it shares the tier and its file.
+    let mut other = spawn_instance(&server, 1, &tier_path);
+
+    let Saved::Published(_, Published::Won(seen)) = save(&index, &files[&spec.node], 1, 0, 3000)
+    else {
+        panic!()
+    };
+    assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![Some(seen)]);
+    // The other process evicts it and saves block 2 into the same slot.
+    assert_eq!(other.ask("evict 256"), "evicted 1");
+    assert_eq!(other.ask("put 2 1 3000"), format!("won {} {}", seen.slot, seen.generation + 1));
+    // The stale result: not leased, not a hit; its bytes are block 2's and fail verification.
+    assert_eq!(index.lease(&[seen], TTL).unwrap().granted, vec![false]);
+    assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![None]);
+    assert!(matches!(load(&files, &seen), Err(Error::ChecksumMismatch { .. })));
+
+    // A slow load: leased for 200 ms, the reader stalls past it, the slot is reused.
+    let p2 = index.lookup(&[key(2)]).unwrap()[0].unwrap();
+    let lease = index.lease(&[p2], Duration::from_millis(200)).unwrap();
+    assert!(lease.all_granted());
+    assert_eq!(other.ask("evict 256"), "evicted 0", "a live lease must keep its slot");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(other.ask("evict 256"), "evicted 1");
+    assert!(other.ask("put 3 1 3000").starts_with(&format!("won {} ", p2.slot)));
+    assert!(matches!(index.renew(lease.id, TTL), Err(Error::LeaseExpired(_))));
+    assert!(matches!(load(&files, &p2), Err(Error::ChecksumMismatch { .. })));
+    let p3 = index.lookup(&[key(3)]).unwrap()[0].unwrap();
+    assert_eq!(load(&files, &p3).unwrap(), block_bytes(3, 1, 3000));
+}
+
+/// Two instances (two processes, each with its own node and tier file) save the same keys at
+/// once. First both have written their bytes before either publishes: exactly one publish wins,
+/// the loser's slot is free again, and the winner's bytes are served. Then both save 200 keys
+/// each as fast as they can: every key is published once, by one of them, and its bytes are
+/// that writer's; no slot leaks on either tier.
+#[test]
+fn two_processes_save_the_same_keys_at_once() {
+    let Some(server) = RedisServer::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let mut files = HashMap::new();
+    let mut instances = Vec::new();
+    for node in [1u32, 2] {
+        let path = dir.path().join(format!("tier{node}"));
+        instances.push(spawn_instance(&server, node, &path));
+        files.insert(NodeId(node), TierFile::open(instance_tier(NodeId(node)), &path));
+    }
+    // Writer id = node id, so the bytes tell who wrote them.
+    for (i, p) in instances.iter_mut().enumerate() {
+        assert!(p.ask(&format!("reserve 7 {} 2000", i + 1)).starts_with("reserved "));
+    }
+    for p in instances.iter_mut() {
+        p.send("publish");
+    }
+    let outcomes: Vec<String> = instances.iter_mut().map(|p| p.answer()).collect();
+    let mut sorted = outcomes.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec!["L", "W"], "exactly one publish of key 7 wins: {outcomes:?}");
+    let winner = NodeId(if outcomes[0] == "W" { 1 } else { 2 });
+    let p = index.lookup(&[key(7)]).unwrap()[0].unwrap();
+    assert_eq!(p.node, winner);
+    assert_eq!(load(&files, &p).unwrap(), block_bytes(7, winner.0 as u8, 2000));
+    let loser = NodeId(3 - winner.0);
+    let stats = index.tier_stats(loser, TierId(0)).unwrap();
+    assert_eq!((stats.free, stats.reserved, stats.published), (256, 0, 0), "the loser's slot");
+
+    for (i, p) in instances.iter_mut().enumerate() {
+        p.send(&format!("putmany 100 300 {} 1500", i + 1));
+    }
+    let done: Vec<Vec<u32>> = instances
+        .iter_mut()
+        .map(|p| {
+            let a = p.answer();
+            a.strip_prefix("done ").unwrap().split(' ').map(|n| n.parse().unwrap()).collect()
+        })
+        .collect();
+    // [won, lost, present, failed] per process.
+    assert_eq!(done[0][3] + done[1][3], 0, "{done:?}");
+    assert_eq!(done[0][0] + done[1][0], 200, "each key won once: {done:?}");
+    assert_eq!(done[0][1] + done[0][2] + done[1][1] + done[1][2], 200, "{done:?}");
+    let all: Vec<_> = (100..300).map(key).collect();
+    let mut by_node = HashMap::new();
+    for (p, id) in index.lookup(&all).unwrap().into_iter().zip(100..300u64) {
+        let p = p.unwrap_or_else(|| panic!("key {id} lost"));
+        assert_eq!(load(&files, &p).unwrap(), block_bytes(id, p.node.0 as u8, 1500));
+        *by_node.entry(p.node).or_insert(0u32) += 1;
+    }
+    eprintln!("winners by node: {by_node:?}");
+    for node in [NodeId(1), NodeId(2)] {
+        let s = index.tier_stats(node, TierId(0)).unwrap();
+        let expected = by_node.get(&node).copied().unwrap_or(0) + u32::from(node == winner);
+        assert_eq!((s.reserved, s.published, s.free), (0, expected, 256 - expected), "{node:?}");
+    }
+}
+
+/// Power loss in the embedded index, for real processes: a child publishes batches of blocks
+/// (each written into the tier file first) and removes some, telling the parent after each
+/// call returns; the parent kills it with SIGKILL at a random moment (during a write, between
+/// write and publish, during redb's commit, during a removal's commit, during open), 30 times
+/// over one index file. After every reopen: every acknowledged publish is there and its bytes
+/// verify, every acknowledged removal is gone, the batch in flight is all there or all absent,
+/// every block present verifies (never half there), and no slot is lost.
+#[test]
+fn embedded_killed_at_random_points() {
+    if role().as_deref() == Some("publisher") {
+        return publisher();
+    }
+    let seed: u64 = std::env::var("UMBP_FAULTS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::process::id().into());
+    eprintln!("seed {seed} (UMBP_FAULTS_SEED={seed} repeats this run)");
+    let mut rng = Rng(seed | 1);
+    let dir = tempfile::tempdir().unwrap();
+    let (index_path, tier_path) = (dir.path().join("pool.redb"), dir.path().join("tier"));
+    let spec = embedded_tier();
+    let (mut published_total, mut in_flight_seen) = (0u64, [0u32; 2]);
+    for round in 0..30u64 {
+        let start = round * 100_000;
+        let mut child = Process::spawn(
+            "embedded_killed_at_random_points",
+            "publisher",
+            &[
+                ("UMBP_FAULTS_INDEX", index_path.display().to_string()),
+                ("UMBP_FAULTS_TIER", tier_path.display().to_string()),
+                ("UMBP_FAULTS_START", start.to_string()),
+            ],
+        );
+        let delay = Duration::from_micros(rng.below(150_000));
+        std::thread::sleep(delay);
+        child.kill();
+        let answers = child.remaining_answers();
+        let (mut acked, mut removed, mut removing) = (HashSet::new(), HashSet::new(), Vec::new());
+        let mut next = start;
+        for a in &answers {
+            let w: Vec<u64> = a.split(' ').skip(1).map(|n| n.parse().unwrap()).collect();
+            match a.split(' ').next() {
+                Some("pub") => {
+                    acked.extend(w[0]..w[0] + w[1]);
+                    next = w[0] + w[1];
+                }
+                Some("rm") => {
+                    removed.extend(w[0]..w[0] + w[1]);
+                    removing.clear();
+                }
+                Some("removing") => removing = (w[0]..w[0] + w[1]).collect(),
+                _ => panic!("{a}"),
+            }
+        }
+        let index = EmbeddedIndex::open(&index_path)
+            .unwrap_or_else(|e| panic!("round {round}: reopen after the kill failed: {e}"));
+        // The child may have died before it registered the tier: the same shape again is a no-op.
+        index.register_tier(&spec).unwrap();
+        let tier = TierFile::open(spec, &tier_path);
+        let ids: Vec<u64> = (start..next + BATCH).collect();
+        let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+        let found = index.lookup(&keys).unwrap();
+        let mut present = Vec::new();
+        for (&id, p) in ids.iter().zip(&found) {
+            if let Some(p) = p {
+                let bytes = tier
+                    .load(p)
+                    .unwrap_or_else(|e| panic!("round {round}: block {id} half there: {e}"));
+                assert_eq!(bytes, block_bytes(id, 0, block_len(id)), "round {round}: {id}");
+                present.push(key(id));
+            }
+            let acked_here = acked.contains(&id) && !removed.contains(&id);
+            let gone = removed.contains(&id) && !removing.contains(&id);
+            assert!(
+                !acked_here || p.is_some() || removing.contains(&id),
+                "round {round}: {id} lost"
+            );
+            assert!(!gone || p.is_none(), "round {round}: removed {id} came back");
+        }
+        let in_flight = found[(next - start) as usize..].iter().filter(|p| p.is_some()).count();
+        assert!(
+            in_flight == 0 || in_flight == BATCH as usize,
+            "round {round}: {in_flight} of the batch in flight are there"
+        );
+        in_flight_seen[usize::from(in_flight > 0)] += 1;
+        let s = index.tier_stats(spec.node, spec.tier).unwrap();
+        assert_eq!(s.reserved, 0);
+        assert_eq!(s.published as usize, present.len(), "round {round}: {s:?}");
+        assert_eq!(s.free + s.published, spec.slot_count, "round {round}: slots lost");
+        published_total += present.len() as u64;
+        // Empty the tier for the next round (the file keeps its history of crashes).
+        assert!(index.remove(&present).unwrap().iter().all(|r| *r == Removed::Removed));
+        eprintln!(
+            "round {round}: killed after {delay:?}: {} acknowledged, {} present",
+            acked.len(),
+            present.len()
+        );
+    }
+    eprintln!(
+        "{published_total} blocks checked; in-flight batch absent {} times, whole {} times",
+        in_flight_seen[0], in_flight_seen[1]
+    );
+}
+
+const BATCH: u64 = 16;
+
+fn block_len(id: u64) -> u64 {
+    1000 + id % 3000
+}
+
+/// The child of [`embedded_killed_at_random_points`]: publishes batches of `BATCH` blocks
+/// from `UMBP_FAULTS_START` on, each written into the tier file first, and after every third
+/// batch removes half of the one before; says so after each call returns.
+fn publisher() {
+    let spec = embedded_tier();
+    let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
+    index.register_tier(&spec).unwrap();
+    let tier = TierFile::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
+    let start: u64 = env("UMBP_FAULTS_START");
+    let mut first = start;
+    // Stay below the tier's size: no eviction, so every acknowledged block must be there.
+    while first + BATCH <= start + 2000 {
+        let items: Vec<_> = (first..first + BATCH).map(|id| (key(id), block_len(id))).collect();
+        let batch: Vec<_> = index
+            .reserve_many(spec.node, spec.tier, &items, TTL)
+            .unwrap()
+            .into_iter()
+            .zip(first..)
+            .map(|(r, id)| {
+                let Ok(Reserved::Slot(r)) = r else { panic!("{r:?}") };
+                let bytes = block_bytes(id, 0, block_len(id));
+                tier.write(r.slot, &bytes);
+                (r, checksum(&bytes))
+            })
+            .collect();
+        let out = index.publish(&batch).unwrap();
+        assert!(out.iter().all(|o| matches!(o, Published::Won(_))));
+        reply(format!("pub {first} {BATCH}"));
+        if (first - start) / BATCH % 3 == 2 {
+            let from = first - BATCH;
+            reply(format!("removing {from} {}", BATCH / 2));
+            let keys: Vec<_> = (from..from + BATCH / 2).map(key).collect();
+            assert!(index.remove(&keys).unwrap().iter().all(|r| *r == Removed::Removed));
+            reply(format!("rm {from} {}", BATCH / 2));
+        }
+        first += BATCH;
+    }
+    // Done: wait to be killed.
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
