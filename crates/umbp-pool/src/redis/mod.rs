@@ -685,7 +685,7 @@ impl Index for RedisIndex {
 
     fn leave(&self, node: NodeId) -> Result<bool, Error> {
         let was: i64 = self.with(|c| self.scripts.leave.arg(&self.prefix).arg(node.0).invoke(c))?;
-        tracing::info!(node = node.0, was_alive = was == 1, "pool: node left");
+        tracing::debug!(node = node.0, was_alive = was == 1, "pool: node left");
         Ok(was == 1)
     }
 }

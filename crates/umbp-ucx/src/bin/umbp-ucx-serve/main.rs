@@ -9,8 +9,13 @@
 //! whoever connects; with one and `--insecure-no-auth` it refuses to start too, as the
 //! library does: the two contradict each other.
 //!
+//! With `--pool redis://...` the node joins a umbp pool before it prints `listening`: each
+//! writable region becomes a tier of `--pool-slot-size` slots (tier `i` is region `i`), the
+//! node is announced under `--node-id` at `--advertise` and renewed from a thread, and a
+//! signal makes it leave the pool (its blocks leave lookups at once) before it drains.
+//!
 //! Exit status: 0 after a drain, 1 when serving failed to start (or a second signal cut the
-//! drain short), 2 for bad flags or configuration.
+//! drain short; or the pool could not be joined), 2 for bad flags or configuration.
 //!
 //! For tests and benchmarks, `--bytes N` exports a writable region `arena` whose byte `i` is
 //! `fill_byte(SEED, i)` (see [`fill_byte`]), and `--read-only-bytes` a read-only `ro` filled
@@ -27,9 +32,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
+use umbp_pool::RedisIndex;
+use umbp_ucx::pool::Membership;
 use umbp_ucx::ServerBuilder;
 
-use settings::{Args, RegionSpec, Settings};
+use settings::{Args, PoolSettings, RegionSpec, Settings};
 
 /// Byte `i` of a region filled with `seed`: varies within and across pages.
 fn fill_byte(seed: u8, i: usize) -> u8 {
@@ -47,6 +54,21 @@ fn memory(r: &RegionSpec) -> Result<Vec<u8>, String> {
         Some(seed) => (0..len).map(|i| fill_byte(seed, i)).collect(),
         None => vec![0u8; len],
     })
+}
+
+/// Connects to the pool's index and joins it with the writable `regions` of the server
+/// bound to `bound`.
+fn join(
+    pool: &PoolSettings,
+    bound: std::net::SocketAddr,
+    regions: &[(String, u64, bool)],
+) -> Result<Membership, String> {
+    let config = pool.membership(bound)?;
+    tracing::info!(pool = %pool.shown, name = %pool.redis.prefix, node = pool.node.0, address = %config.address, "joining the pool");
+    let index = RedisIndex::connect(&pool.redis)
+        .map_err(|e| format!("pool {}: {}", pool.shown, chain(&e)))?;
+    Membership::join(Arc::new(index), config, regions)
+        .map_err(|e| format!("joining the pool {}: {}", pool.shown, chain(&e)))
 }
 
 /// The error's words, then its causes'.
@@ -113,6 +135,12 @@ fn run(settings: Settings) -> Result<ExitCode, String> {
     for (name, len, writable) in &regions {
         tracing::info!(region = %name, bytes = len, writable, "exported");
     }
+    // Joined before `listening` is printed: a supervisor that waits for that line finds the
+    // node in the pool.
+    let membership = match &settings.pool {
+        Some(pool) => Some(join(pool, server.local_addr(), &regions)?),
+        None => None,
+    };
     let stop_metrics = Arc::new(AtomicBool::new(false));
     let metrics = match &settings.metrics {
         Some(addr) => {
@@ -122,10 +150,11 @@ fn run(settings: Settings) -> Result<ExitCode, String> {
             tracing::info!(%at, "metrics at http://{at}/metrics");
             println!("metrics {at}");
             let (stats, stop) = (server.stats(), Arc::clone(&stop_metrics));
+            let pool = membership.as_ref().map(Membership::stats);
             Some(
                 std::thread::Builder::new()
                     .name("umbp-ucx-metrics".into())
-                    .spawn(move || metrics::serve(listener, stats, regions, stop))
+                    .spawn(move || metrics::serve(listener, stats, pool, regions, stop))
                     .map_err(|e| format!("metrics thread: {e}"))?,
             )
         }
@@ -147,6 +176,11 @@ fn run(settings: Settings) -> Result<ExitCode, String> {
     }
     let why = if term.load(Ordering::Acquire) { "a signal" } else { "standard input closed" };
     let (clients, started) = (server.clients(), Instant::now());
+    // Leave first: readers stop finding this node's blocks now, and the loads that leased one
+    // before finish during the drain.
+    if let Some(membership) = membership {
+        let _ = membership.leave();
+    }
     tracing::info!(clients, deadline = ?settings.drain_timeout, "draining on {why}");
     let stats = server.stats();
     drop(server.drain(settings.drain_timeout));

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use umbp_ucx::pool::{MembershipSnapshot, MembershipState, MembershipStats};
 use umbp_ucx::{ServerStats, StatsSnapshot};
 
 /// The most bytes of a request read (its line and headers).
@@ -29,6 +30,7 @@ pub(crate) type Regions = Vec<(String, u64, bool)>;
 pub(crate) fn serve(
     listener: TcpListener,
     stats: ServerStats,
+    pool: Option<MembershipStats>,
     regions: Regions,
     stop: Arc<AtomicBool>,
 ) {
@@ -40,7 +42,7 @@ pub(crate) fn serve(
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, peer)) => {
-                if let Err(e) = answer(stream, &stats, &regions) {
+                if let Err(e) = answer(stream, &stats, pool.as_ref(), &regions) {
                     tracing::debug!(%peer, error = %e, "metrics request failed");
                 }
             }
@@ -57,7 +59,12 @@ pub(crate) fn serve(
 
 /// Reads one request and answers it: 200 with the metrics for `GET /metrics`, 404 for
 /// another path, 405 for another method, 400 for anything else.
-fn answer(mut stream: TcpStream, stats: &ServerStats, regions: &Regions) -> std::io::Result<()> {
+fn answer(
+    mut stream: TcpStream,
+    stats: &ServerStats,
+    pool: Option<&MembershipStats>,
+    regions: &Regions,
+) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
     stream.set_write_timeout(Some(REQUEST_TIMEOUT))?;
@@ -79,7 +86,11 @@ fn answer(mut stream: TcpStream, stats: &ServerStats, regions: &Regions) -> std:
     let mut words = line.split_whitespace();
     match (words.next(), words.next()) {
         (Some("GET"), Some(path)) if path == "/metrics" || path.starts_with("/metrics?") => {
-            respond(&mut stream, "200 OK", &render(&stats.read(), regions))
+            let mut body = render(&stats.read(), regions);
+            if let Some(pool) = pool {
+                render_pool(&mut body, &pool.read(), regions);
+            }
+            respond(&mut stream, "200 OK", &body)
         }
         (Some("GET"), Some(_)) => respond(&mut stream, "404 Not Found", "only /metrics here\n"),
         (Some(_), Some(_)) => respond(&mut stream, "405 Method Not Allowed", "GET only\n"),
@@ -163,4 +174,64 @@ pub(crate) fn render(s: &StatsSnapshot, regions: &Regions) -> String {
         );
     }
     out
+}
+
+/// Escapes a label value.
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// The pool membership's lines, appended to `out`.
+pub(crate) fn render_pool(out: &mut String, m: &MembershipSnapshot, regions: &Regions) {
+    let _ = writeln!(
+        out,
+        "# HELP umbp_ucx_serve_pool_member Whether the node is in the pool now (announced, last \
+         renewal succeeded).\n# TYPE umbp_ucx_serve_pool_member gauge\n\
+         umbp_ucx_serve_pool_member{{node=\"{}\",address=\"{}\"}} {}",
+        m.node,
+        label(&m.address),
+        u8::from(m.state == MembershipState::Joined)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP umbp_ucx_serve_pool_state The node's pool membership state (1 for the current \
+         one).\n# TYPE umbp_ucx_serve_pool_state gauge"
+    );
+    for s in [
+        MembershipState::Joined,
+        MembershipState::Lapsing,
+        MembershipState::Expired,
+        MembershipState::Left,
+    ] {
+        let _ = writeln!(
+            out,
+            "umbp_ucx_serve_pool_state{{state=\"{}\"}} {}",
+            s.name(),
+            u8::from(m.state == s)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP umbp_ucx_serve_pool_announcements_total Announcements made (the join and every \
+         renewal).\n# TYPE umbp_ucx_serve_pool_announcements_total counter\n\
+         umbp_ucx_serve_pool_announcements_total {}\n\
+         # HELP umbp_ucx_serve_pool_announce_failures_total Renewals that failed (the index \
+         unreachable).\n# TYPE umbp_ucx_serve_pool_announce_failures_total counter\n\
+         umbp_ucx_serve_pool_announce_failures_total {}",
+        m.announcements, m.failures
+    );
+    let _ = writeln!(
+        out,
+        "# HELP umbp_ucx_serve_pool_free_bytes Free bytes of each tier, as last announced.\n\
+         # TYPE umbp_ucx_serve_pool_free_bytes gauge"
+    );
+    for (tier, free) in &m.free_bytes {
+        let region = regions.get(usize::from(tier.0)).map_or("", |r| r.0.as_str());
+        let _ = writeln!(
+            out,
+            "umbp_ucx_serve_pool_free_bytes{{tier=\"{}\",region=\"{}\"}} {free}",
+            tier,
+            label(region)
+        );
+    }
 }

@@ -5,8 +5,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use std::net::SocketAddr;
+
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
+use umbp_pool::{NodeId, RedisConfig};
+use umbp_ucx::pool::MembershipConfig;
 use umbp_ucx::{Protection, UcxConfig};
 
 /// Serve this node's memory to other nodes' umbp engines over UCX: a memory node.
@@ -100,6 +104,46 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) exit_on_stdin_close: bool,
 
+    /// Join the umbp pool whose index is this Redis server (`redis://host:port/db`; a password
+    /// may be in the URL, `redis://:PASSWORD@host:port/`, but `--pool-password-file` keeps it
+    /// out of the process list): each writable region is offered as a tier of
+    /// `--pool-slot-size` slots, the node is announced and renewed, and SIGTERM leaves the pool
+    /// before draining. Needs `--node-id` and `--pool-slot-size`.
+    #[arg(long, value_name = "URL")]
+    pub(crate) pool: Option<String>,
+
+    /// The file holding the pool's Redis password (`requirepass`, or the ACL user's); one
+    /// trailing newline dropped. Refused when other users may read it (chmod 600).
+    #[arg(long, value_name = "PATH")]
+    pub(crate) pool_password_file: Option<PathBuf>,
+
+    /// The pool's name in Redis (its keys' prefix; several pools share one server apart).
+    /// Clients must use the same. Default: umbp.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) pool_name: Option<String>,
+
+    /// This node's id in the pool (0 to 4294967295): unique among the pool's nodes and the
+    /// same across restarts of this node.
+    #[arg(long, value_name = "N")]
+    pub(crate) node_id: Option<u32>,
+
+    /// The address clients reach this node at, announced in the pool: HOST:PORT, or HOST
+    /// alone for the port listened on. Default: the address listened on, which must then be
+    /// a specific one (not 0.0.0.0 or [::]).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) advertise: Option<String>,
+
+    /// Bytes per slot of the pool's tiers: the largest block clients store here (e.g. 2MiB).
+    /// A region of N bytes is a tier of N / SIZE slots.
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub(crate) pool_slot_size: Option<u64>,
+
+    /// How long the node's announcement lasts, in milliseconds (default 10000); it is renewed
+    /// every third of it. A node killed without leaving drops out of the pool this long after
+    /// its last renewal.
+    #[arg(long, value_name = "MS")]
+    pub(crate) pool_ttl_ms: Option<u64>,
+
     /// Test pattern (tests and benchmarks): a writable region `arena` of this size whose byte
     /// i is a function of i and `--fill`, exported before the `--region` ones.
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
@@ -156,6 +200,9 @@ pub(crate) enum SettingsError {
     /// The secret file could not be read.
     #[error("secret file {path}: {source}")]
     ReadSecret { path: PathBuf, source: std::io::Error },
+    /// The pool settings are incomplete or contradict the regions.
+    #[error("pool: {0}")]
+    Pool(String),
     /// The secret file may be read by other users.
     #[error(
         "secret file {path} is readable by other users (mode {mode:04o}): make it private \
@@ -214,6 +261,13 @@ pub(crate) struct FileConfig {
     max_clients_per_ip: Option<usize>,
     metrics: Option<String>,
     drain_timeout_ms: Option<u64>,
+    pool: Option<String>,
+    pool_password_file: Option<PathBuf>,
+    pool_name: Option<String>,
+    node_id: Option<u32>,
+    advertise: Option<String>,
+    pool_slot_size: Option<SizeValue>,
+    pool_ttl_ms: Option<u64>,
 }
 
 /// A `[[region]]` table.
@@ -267,8 +321,72 @@ pub(crate) struct Settings {
     pub(crate) metrics: Option<String>,
     pub(crate) drain_timeout: Duration,
     pub(crate) exit_on_stdin_close: bool,
+    /// The pool to join, if any.
+    pub(crate) pool: Option<PoolSettings>,
     /// Warnings to log once logging is up (a group-readable secret file).
     pub(crate) warnings: Vec<String>,
+}
+
+/// How the node joins a pool.
+#[derive(Debug)]
+pub(crate) struct PoolSettings {
+    /// The Redis index (its password, when from a file, set).
+    pub(crate) redis: RedisConfig,
+    /// The URL without its password, for logs.
+    pub(crate) shown: String,
+    pub(crate) node: NodeId,
+    /// `--advertise`, if given.
+    pub(crate) advertise: Option<String>,
+    pub(crate) slot_size: u64,
+    pub(crate) ttl: Duration,
+}
+
+impl PoolSettings {
+    /// The membership for a server bound to `bound` with `regions`.
+    pub(crate) fn membership(&self, bound: SocketAddr) -> Result<MembershipConfig, String> {
+        let address = advertised(self.advertise.as_deref(), bound)?;
+        let mut c = MembershipConfig::new(self.node, address, self.slot_size);
+        c.ttl = self.ttl;
+        Ok(c)
+    }
+}
+
+/// The address to announce: `advertise` (HOST:PORT, or HOST alone for `bound`'s port), or
+/// `bound` itself when it is a specific address.
+pub(crate) fn advertised(advertise: Option<&str>, bound: SocketAddr) -> Result<String, String> {
+    match advertise.map(str::trim) {
+        None if bound.ip().is_unspecified() => Err(format!(
+            "listening on {bound}, which is no address a client can reach: give the address              to announce with --advertise HOST[:PORT]"
+        )),
+        None => Ok(bound.to_string()),
+        Some("") => Err("--advertise is empty".into()),
+        Some(a) => {
+            if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+                return Ok(SocketAddr::new(ip, bound.port()).to_string());
+            }
+            if a.parse::<SocketAddr>().is_ok() {
+                return Ok(a.to_owned());
+            }
+            match a.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                    Ok(a.to_owned())
+                }
+                Some(_) => Err(format!("--advertise {a}: expected HOST, HOST:PORT or [IPv6]:PORT")),
+                None => Ok(format!("{a}:{}", bound.port())),
+            }
+        }
+    }
+}
+
+/// `url` with its password replaced by `***`, for logs.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let (auth, host) = match rest.split_once('@') {
+        Some(parts) => parts,
+        None => return url.to_owned(),
+    };
+    let user = auth.split_once(':').map_or("", |(user, _)| user);
+    format!("{scheme}://{user}:***@{host}")
 }
 
 impl Settings {
@@ -349,6 +467,41 @@ impl Settings {
         if let Some(n) = args.max_clients_per_ip.or(file.max_clients_per_ip) {
             ucx.limits.max_clients_per_ip = n;
         }
+        if args.pool.as_deref().is_some_and(|url| redact(url) != url) {
+            warnings.push(
+                "the --pool URL carries a password, which other users of this machine can read in \
+                 the process list: use --pool-password-file (or the config file) instead"
+                    .into(),
+            );
+        }
+        let pool = pool_settings(
+            PoolArgs {
+                url: args.pool.or(file.pool),
+                password_file: args.pool_password_file.or(file.pool_password_file),
+                name: args.pool_name.or(file.pool_name),
+                node: args.node_id.or(file.node_id),
+                advertise: args.advertise.or(file.advertise),
+                slot_size: match (args.pool_slot_size, file.pool_slot_size) {
+                    (Some(n), _) => Some(n),
+                    (None, Some(SizeValue::Bytes(n))) => Some(n),
+                    (None, Some(SizeValue::Text(text))) => {
+                        Some(parse_size_text("pool_slot_size", &text)?)
+                    }
+                    (None, None) => None,
+                },
+                ttl_ms: args.pool_ttl_ms.or(file.pool_ttl_ms),
+            },
+            &mut warnings,
+        )?;
+        if let Some(p) = &pool {
+            // The same tiers the join will register: a region too small for a slot is a
+            // configuration error now, not a failed start later.
+            let shapes: Vec<_> =
+                regions.iter().map(|r| (r.name.clone(), r.size, !r.read_only)).collect();
+            MembershipConfig::new(p.node, "", p.slot_size)
+                .tiers(&shapes)
+                .map_err(|e| SettingsError::Pool(e.to_string()))?;
+        }
         Ok(Self {
             listen: args.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:7400".into()),
             regions,
@@ -356,9 +509,77 @@ impl Settings {
             metrics: args.metrics.or(file.metrics),
             drain_timeout: ms(args.drain_timeout_ms.or(file.drain_timeout_ms).unwrap_or(5000)),
             exit_on_stdin_close: args.exit_on_stdin_close,
+            pool,
             warnings,
         })
     }
+}
+
+/// The pool's settings as given, before they are checked.
+struct PoolArgs {
+    url: Option<String>,
+    password_file: Option<PathBuf>,
+    name: Option<String>,
+    node: Option<u32>,
+    advertise: Option<String>,
+    slot_size: Option<u64>,
+    ttl_ms: Option<u64>,
+}
+
+/// `None` without `--pool` (refusing the other pool settings alone); else the checked settings.
+fn pool_settings(
+    a: PoolArgs,
+    warnings: &mut Vec<String>,
+) -> Result<Option<PoolSettings>, SettingsError> {
+    let bad = |m: String| SettingsError::Pool(m);
+    let Some(url) = a.url else {
+        let given = [
+            ("--pool-password-file", a.password_file.is_some()),
+            ("--pool-name", a.name.is_some()),
+            ("--node-id", a.node.is_some()),
+            ("--advertise", a.advertise.is_some()),
+            ("--pool-slot-size", a.slot_size.is_some()),
+            ("--pool-ttl-ms", a.ttl_ms.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, set)| *set) {
+            return Err(bad(format!("{flag} is a pool setting, but no --pool URL was given")));
+        }
+        return Ok(None);
+    };
+    let node = a.node.ok_or_else(|| {
+        bad("--pool needs --node-id N (unique in the pool, the same across restarts)".into())
+    })?;
+    let slot_size = a.slot_size.ok_or_else(|| {
+        bad("--pool needs --pool-slot-size SIZE (the largest block stored here, e.g. 2MiB)".into())
+    })?;
+    if slot_size == 0 {
+        return Err(bad("--pool-slot-size must be positive".into()));
+    }
+    let ttl = Duration::from_millis(a.ttl_ms.unwrap_or(10_000));
+    if ttl < Duration::from_millis(30) {
+        return Err(bad("--pool-ttl-ms must be at least 30".into()));
+    }
+    let mut redis = RedisConfig::new(url.clone());
+    if let Some(name) = a.name {
+        redis.prefix = name;
+    }
+    // A call that takes longer than a third of the TTL would let the announcement lapse.
+    redis.timeout = (ttl / 3).clamp(Duration::from_millis(10), Duration::from_secs(5));
+    if let Some(path) = &a.password_file {
+        let (password, warning) = read_secret(path)?;
+        let password = String::from_utf8(password)
+            .map_err(|_| bad(format!("the password in {} is not UTF-8 text", path.display())))?;
+        redis.password = Some(password);
+        warnings.extend(warning);
+    }
+    Ok(Some(PoolSettings {
+        shown: redact(&url),
+        redis,
+        node: NodeId(node),
+        advertise: a.advertise,
+        slot_size,
+        ttl,
+    }))
 }
 
 /// Names unique and not empty, sizes above zero.
@@ -507,6 +728,73 @@ mod tests {
         let e = Settings::merge(args(&["--region", "a=0"]).unwrap(), FileConfig::default())
             .unwrap_err();
         assert!(e.to_string().contains("0 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_advertised_address_and_the_redacted_url() {
+        let bound: SocketAddr = "127.0.0.1:7400".parse().unwrap();
+        let any: SocketAddr = "0.0.0.0:7401".parse().unwrap();
+        assert_eq!(advertised(None, bound).unwrap(), "127.0.0.1:7400");
+        assert!(advertised(None, any).unwrap_err().contains("--advertise"));
+        assert_eq!(advertised(Some("10.0.0.2"), any).unwrap(), "10.0.0.2:7401");
+        assert_eq!(advertised(Some("node-a"), any).unwrap(), "node-a:7401");
+        assert_eq!(advertised(Some("node-a:9000"), any).unwrap(), "node-a:9000");
+        assert_eq!(advertised(Some("fe80::1"), any).unwrap(), "[fe80::1]:7401");
+        assert_eq!(advertised(Some("[fe80::1]:9"), any).unwrap(), "[fe80::1]:9");
+        assert!(advertised(Some("node-a:port"), any).is_err());
+        assert!(advertised(Some(" "), any).is_err());
+        assert_eq!(redact("redis://:pw@h:6379/0"), "redis://:***@h:6379/0");
+        assert_eq!(redact("redis://user:pw@h:6379/"), "redis://user:***@h:6379/");
+        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+    }
+
+    #[test]
+    fn pool_settings_come_from_flags_or_the_file() {
+        let file = FileConfig::parse(
+            Path::new("t.toml"),
+            r#"
+            pool = "redis://127.0.0.1:6379/"
+            pool_name = "cluster-a"
+            node_id = 12
+            advertise = "10.0.0.12"
+            pool_slot_size = "256KiB"
+            pool_ttl_ms = 6000
+            [[region]]
+            name = "kv"
+            size = "1MiB"
+            "#,
+        )
+        .unwrap();
+        let s = Settings::merge(args(&["--node-id", "13"]).unwrap(), file).unwrap();
+        let p = s.pool.unwrap();
+        assert_eq!((p.node, p.slot_size, p.ttl), (NodeId(13), 256 << 10, Duration::from_secs(6)));
+        assert_eq!(
+            (p.redis.prefix.as_str(), p.advertise.as_deref()),
+            ("cluster-a", Some("10.0.0.12"))
+        );
+        assert_eq!(p.redis.timeout, Duration::from_secs(2));
+        let m = p.membership("0.0.0.0:7400".parse().unwrap()).unwrap();
+        assert_eq!(m.address, "10.0.0.12:7400");
+        // A password in the command line's URL is taken, with a warning.
+        let s = Settings::merge(
+            args(&[
+                "--region",
+                "kv=1MiB",
+                "--pool",
+                "redis://:pw@h/",
+                "--node-id",
+                "1",
+                "--pool-slot-size",
+                "4KiB",
+            ])
+            .unwrap(),
+            FileConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(s.pool.unwrap().shown, "redis://:***@h/");
+        assert!(s.warnings.iter().any(|w| w.contains("--pool-password-file")), "{:?}", s.warnings);
+        let e = FileConfig::parse(Path::new("t.toml"), "pool_slot = 1\n").unwrap_err();
+        assert!(e.to_string().contains("pool_slot"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,393 @@
+//! `umbp-ucx-serve --pool`: a real memory node process joins a pool whose index is a real
+//! `redis-server`, renews its announcement, leaves the pool at once on SIGTERM, and is dead
+//! after its TTL when SIGKILLed. Its settings are refused by name when wrong.
+
+#[path = "support/redis.rs"]
+mod redis;
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use redis::{redis_or_skip, Redis, PASSWORD};
+use support::{ucx_or_skip, SECRET};
+use umbp_pool::{
+    checksum, BlockKey, Error, Index, NodeId, Placement, Published, RedisIndex, Reserved, TierId,
+};
+
+const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
+
+/// Whether both redis-server and UCX are here (each prints why not).
+fn available() -> bool {
+    redis_or_skip() && ucx_or_skip()
+}
+
+/// A file holding the pool's password, private.
+fn password_file(dir: &Path) -> PathBuf {
+    let path = dir.join("redis-password");
+    std::fs::write(&path, format!("{PASSWORD}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// A running memory node with its standard error collected; SIGKILLed when dropped.
+struct Node {
+    child: Child,
+    addr: SocketAddr,
+    metrics: Option<SocketAddr>,
+    log: Arc<Mutex<String>>,
+}
+
+impl Node {
+    /// Starts `umbp-ucx-serve` with `args` and waits for `listening` (printed once joined);
+    /// `Err` with its exit status and log when it exits instead.
+    fn start(args: &[String]) -> Result<Self, (Option<i32>, String)> {
+        let mut child = Command::new(SERVE)
+            .args(["--transports", "tcp"])
+            .args(args)
+            .env(umbp_ucx::SECRET_ENV, SECRET)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut stderr = child.stderr.take().unwrap();
+        let into = Arc::clone(&log);
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                into.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut node =
+            Self { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)), metrics: None, log };
+        loop {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            if let Some(at) = line.strip_prefix("metrics ") {
+                node.metrics = Some(at.trim().parse().unwrap());
+            } else if let Some(at) = line.strip_prefix("listening ") {
+                node.addr = at.trim().parse().unwrap();
+                return Ok(node);
+            } else if line.is_empty() {
+                let status = node.child.wait().unwrap();
+                let _ = reader.join();
+                return Err((status.code(), node.log()));
+            } else {
+                panic!("the server said {line:?}; log: {}", node.log());
+            }
+        }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Sends `signal` and waits at most `bound` for the exit status.
+    fn signal(&mut self, signal: libc::c_int, bound: Duration) -> Option<ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
+        #[allow(unsafe_code)]
+        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(sent, 0);
+        let until = Instant::now() + bound;
+        while Instant::now() < until {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, with a
+/// 1 MiB writable region `kv`, a 64 KiB read-only `ro`, and `extra`.
+fn pool_args(
+    redis: &Redis,
+    dir: &Path,
+    name: &str,
+    node: u32,
+    ttl_ms: u64,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--region",
+        "kv=1MiB",
+        "--region",
+        "ro=64KiB:ro",
+        "--pool",
+        &redis.url(),
+        "--pool-password-file",
+        password_file(dir).to_str().unwrap(),
+        "--pool-name",
+        name,
+        "--node-id",
+        &node.to_string(),
+        "--pool-slot-size",
+        "64KiB",
+        "--pool-ttl-ms",
+        &ttl_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Reserves and publishes `key` (as a client writing it would) on tier 0 of `node`.
+fn publish(index: &RedisIndex, node: NodeId, key: BlockKey) -> Placement {
+    let bytes = key.0.repeat(4);
+    let Reserved::Slot(r) =
+        index.reserve(key, node, TierId(0), bytes.len() as u64, Duration::from_secs(30)).unwrap()
+    else {
+        panic!("{key} present already")
+    };
+    match index.publish(&[(r, checksum(&bytes))]).unwrap()[..] {
+        [Published::Won(p)] => p,
+        ref other => panic!("{other:?}"),
+    }
+}
+
+/// `GET /metrics`.
+fn scrape(at: SocketAddr) -> String {
+    let mut s = TcpStream::connect(at).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+fn value(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
+        .parse()
+        .unwrap()
+}
+
+/// A node joins with its writable region as tier 0 (16 slots of 64 KiB; the read-only region
+/// is no tier), stays alive past several TTLs by renewing, says so in its log and /metrics,
+/// and on SIGTERM leaves the pool before it exits 0: with a 60 s TTL, its blocks miss as soon
+/// as the process is gone, not a minute later.
+#[test]
+fn a_node_joins_renews_and_leaves_at_once_on_sigterm() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let index = redis.index("join");
+    // Renewal: a 600 ms announcement, alive 2 s later.
+    let mut node =
+        Node::start(&pool_args(&redis, dir.path(), "join", 3, 600, &["--metrics", "127.0.0.1:0"]))
+            .unwrap();
+    let nodes = index.nodes().unwrap();
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert_eq!(nodes[0].node, NodeId(3));
+    assert_eq!(nodes[0].address, node.addr.to_string());
+    assert_eq!(nodes[0].tiers, vec![(TierId(0), 1 << 20)]);
+    let stats = index.tier_stats(NodeId(3), TierId(0)).unwrap();
+    assert_eq!((stats.free, stats.reserved, stats.published), (16, 0, 0));
+    assert!(matches!(index.tier_stats(NodeId(3), TierId(1)), Err(Error::UnknownTier { .. })));
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(index.nodes().unwrap().len(), 1, "renewed: {}", node.log());
+    let p = publish(&index, NodeId(3), BlockKey::from_u128(1));
+    let body = scrape(node.metrics.unwrap());
+    let member = format!("umbp_ucx_serve_pool_member{{node=\"3\",address=\"{}\"}}", node.addr);
+    assert_eq!(value(&body, &member), 1, "{body}");
+    assert_eq!(value(&body, "umbp_ucx_serve_pool_state{state=\"joined\"}"), 1);
+    assert!(value(&body, "umbp_ucx_serve_pool_announcements_total") >= 3, "{body}");
+    assert_eq!(value(&body, "umbp_ucx_serve_pool_announce_failures_total"), 0);
+    assert!(node.log().contains("pool: joined"), "{}", node.log());
+    let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", node.log());
+    assert!(index.lookup(&[p.key]).unwrap()[0].is_none());
+    drop(node);
+
+    // Leaving: a 60 s announcement, gone the moment the process is.
+    let mut node = Node::start(&pool_args(&redis, dir.path(), "join", 4, 60_000, &[])).unwrap();
+    let p = publish(&index, NodeId(4), BlockKey::from_u128(2));
+    assert_eq!(index.lookup(&[p.key]).unwrap(), vec![Some(p)]);
+    let lease = index.lease(&[p], Duration::from_secs(30)).unwrap();
+    assert!(lease.all_granted());
+    let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
+    let log = node.log();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert_eq!(index.lookup(&[p.key]).unwrap(), vec![None], "still found after the node left");
+    assert!(index.nodes().unwrap().is_empty());
+    assert_eq!(index.lease(&[p], Duration::from_secs(30)).unwrap().granted, vec![false]);
+    assert!(matches!(
+        index.reserve(BlockKey::from_u128(3), NodeId(4), TierId(0), 10, Duration::from_secs(5)),
+        Err(Error::NodeNotAlive(NodeId(4)))
+    ));
+    index.release(lease.id).unwrap();
+    // It left before it drained, and said so.
+    let (left, drained) = (log.find("pool: left"), log.find("draining on a signal"));
+    assert!(left.is_some() && left < drained, "{log}");
+}
+
+/// SIGKILL: nothing leaves, the announcement stops being renewed, and the node is dead once
+/// it expires: gone from the nodes, its blocks out of lookups. A node restarted under the
+/// same id at the same address before that (a restart within the TTL) drops its old blocks,
+/// which its fresh memory no longer holds; one at another address is refused until the TTL.
+#[test]
+fn a_killed_node_is_dead_after_its_ttl_and_a_restart_drops_its_old_blocks() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let index = redis.index("kill");
+    let mut node = Node::start(&pool_args(&redis, dir.path(), "kill", 5, 1000, &[])).unwrap();
+    let p = publish(&index, NodeId(5), BlockKey::from_u128(5));
+    assert!(node.signal(libc::SIGKILL, Duration::from_secs(10)).is_some());
+    let killed = Instant::now();
+    let until = killed + Duration::from_secs(20);
+    while !index.nodes().unwrap().is_empty() {
+        assert!(Instant::now() < until, "a killed node still alive 20 s later");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("dead {:?} after SIGKILL (TTL 1 s)", killed.elapsed());
+    assert_eq!(index.lookup(&[p.key]).unwrap(), vec![None]);
+    drop(node);
+
+    // A restart at the same address within the TTL: the old block is dropped at once.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{port}");
+    let args = pool_args(&redis, dir.path(), "kill", 6, 60_000, &["--listen", &listen]);
+    let mut node = Node::start(&args).unwrap();
+    let old = publish(&index, NodeId(6), BlockKey::from_u128(6));
+    assert!(node.signal(libc::SIGKILL, Duration::from_secs(10)).is_some());
+    assert_eq!(index.lookup(&[old.key]).unwrap(), vec![Some(old)], "alive for its 60 s TTL");
+    // Another node claiming id 6 from another address is refused while 6 is alive.
+    let elsewhere = pool_args(&redis, dir.path(), "kill", 6, 60_000, &[]);
+    let (code, log) = Node::start(&elsewhere).err().expect("a second node 6 is refused");
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains(&format!("node 6 is alive in the pool at {listen}")), "{log}");
+    let node = Node::start(&args).unwrap();
+    assert!(node.log().contains("a restart within the TTL"), "{}", node.log());
+    assert_eq!(index.lookup(&[old.key]).unwrap(), vec![None], "an old life's block");
+    assert_eq!(index.tier_stats(NodeId(6), TierId(0)).unwrap().free, 16);
+    let new = publish(&index, NodeId(6), BlockKey::from_u128(7));
+    assert!(new.generation > old.generation);
+}
+
+/// Wrong pool settings: refused by name before serving (status 2), or when the pool cannot be
+/// joined (status 1).
+#[test]
+fn bad_pool_settings_are_refused_by_name() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let refused = |args: Vec<String>, code: i32, words: &[&str]| {
+        let (status, log) = Node::start(&args).err().expect("refused");
+        assert_eq!(status, Some(code), "{args:?}: {log}");
+        for w in words {
+            assert!(log.contains(w), "{args:?}: no {w:?} in {log}");
+        }
+    };
+    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    refused(s(&["--region", "kv=1MiB", "--node-id", "1"]), 2, &["--node-id", "no --pool URL"]);
+    let url = redis.url();
+    refused(
+        s(&["--region", "kv=1MiB", "--pool", &url, "--pool-slot-size", "4KiB"]),
+        2,
+        &["--node-id"],
+    );
+    refused(
+        s(&["--region", "kv=1MiB", "--pool", &url, "--node-id", "1"]),
+        2,
+        &["--pool-slot-size"],
+    );
+    refused(
+        s(&["--region", "kv=32KiB", "--pool", &url, "--node-id", "1", "--pool-slot-size", "64KiB"]),
+        2,
+        &["region `kv`", "smaller than one 65536-byte slot"],
+    );
+    refused(
+        s(&[
+            "--region",
+            "ro=1MiB:ro",
+            "--pool",
+            &url,
+            "--node-id",
+            "1",
+            "--pool-slot-size",
+            "4KiB",
+        ]),
+        2,
+        &["no writable region"],
+    );
+    let exposed = password_file(dir.path());
+    std::fs::set_permissions(&exposed, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut args = pool_args(&redis, dir.path(), "bad", 1, 1000, &[]);
+    let at = args.iter().position(|a| a == "--pool-password-file").unwrap();
+    let exposed_copy = dir.path().join("exposed");
+    std::fs::copy(&exposed, &exposed_copy).unwrap();
+    std::fs::set_permissions(&exposed_copy, std::fs::Permissions::from_mode(0o644)).unwrap();
+    args[at + 1] = exposed_copy.to_str().unwrap().into();
+    refused(args, 2, &["readable by other users"]);
+    // Listening on every interface without --advertise: nothing to announce.
+    refused(
+        pool_args(&redis, dir.path(), "bad", 1, 1000, &["--listen", "0.0.0.0:0"]),
+        1,
+        &["--advertise"],
+    );
+    // A wrong password, an unreachable server: status 1, the URL named without a password.
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "not the password").unwrap();
+    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut args = pool_args(&redis, dir.path(), "bad", 1, 1000, &[]);
+    let at = args.iter().position(|a| a == "--pool-password-file").unwrap();
+    args[at + 1] = wrong.to_str().unwrap().into();
+    refused(args, 1, &[&format!("pool {url}")]);
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let gone = format!("redis://:{PASSWORD}@127.0.0.1:{closed}/");
+    let (code, log) = Node::start(&s(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--region",
+        "kv=1MiB",
+        "--pool",
+        &gone,
+        "--node-id",
+        "1",
+        "--pool-slot-size",
+        "4KiB",
+    ]))
+    .err()
+    .expect("refused");
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains(&format!("redis://:***@127.0.0.1:{closed}/")), "{log}");
+    assert!(!log.contains(PASSWORD), "the password leaked into the log: {log}");
+    // With --advertise, the announced address is the one given.
+    let args = pool_args(&redis, dir.path(), "adv", 2, 60_000, &["--advertise", "10.1.2.3"]);
+    let node = Node::start(&args).unwrap();
+    let nodes = redis.index("adv").nodes().unwrap();
+    assert_eq!(nodes[0].address, format!("10.1.2.3:{}", node.addr.port()));
+}
