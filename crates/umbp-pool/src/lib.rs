@@ -76,7 +76,7 @@ mod pool;
 mod redis;
 mod region;
 
-pub use embedded::EmbeddedIndex;
+pub use embedded::{DropReason, Dropped, EmbeddedIndex, ReconcileReport, TierFile, Verify};
 pub use error::Error;
 pub use index::Index;
 pub use key::BlockKey;

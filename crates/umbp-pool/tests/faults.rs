@@ -17,12 +17,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::faults::{block_bytes, commands, reply, save, Process, Rng, Saved, TierFile, ROLE};
+use support::faults::{block_bytes, commands, reply, save, FileTier, Process, Rng, Saved, ROLE};
 use support::suite::{key, put, reserve, setup, TTL};
 use support::RedisServer;
 use umbp_pool::{
-    checksum, EmbeddedIndex, Error, Index, NodeAnnouncement, NodeId, Placement, Published,
-    RedisConfig, RedisIndex, Removed, Reserved, TierId, TierSpec,
+    checksum, DropReason, EmbeddedIndex, Error, Index, NodeAnnouncement, NodeId, Placement,
+    Published, RedisConfig, RedisIndex, Removed, Reserved, TierFile, TierId, TierSpec, Verify,
 };
 
 /// The tier every instance of the Redis tests has: 256 slots of 4 KiB in a file, no eviction
@@ -80,7 +80,7 @@ fn child_instance() {
     let spec = instance_tier(NodeId(env("UMBP_FAULTS_NODE")));
     setup(&index, &spec);
     let path: String = env("UMBP_FAULTS_TIER");
-    let tier = TierFile::open(spec, Path::new(&path));
+    let tier = FileTier::open(spec, Path::new(&path));
     let index = Arc::new(index);
     let mut pending = Vec::new();
     reply("ready");
@@ -158,7 +158,7 @@ fn child_instance() {
 
 /// The placement of block `id` and its bytes as loaded from the tier file of its node,
 /// verified: `Err` is a load error (a miss for the caller), never wrong bytes.
-fn load(files: &HashMap<NodeId, TierFile>, p: &Placement) -> Result<Vec<u8>, Error> {
+fn load(files: &HashMap<NodeId, FileTier>, p: &Placement) -> Result<Vec<u8>, Error> {
     files[&p.node].load(p)
 }
 
@@ -224,7 +224,7 @@ fn redis_killed_and_restarted_under_saves_and_loads() {
     let index = Arc::new(RedisIndex::connect(&server.config(PREFIX)).unwrap());
     let spec = instance_tier(NodeId(1)).watermarks(8, 16);
     setup(&*index, &spec);
-    let tier = Arc::new(TierFile::open(spec, &dir.path().join("tier")));
+    let tier = Arc::new(FileTier::open(spec, &dir.path().join("tier")));
     let stop = Arc::new(AtomicBool::new(false));
     // The node renews its announcement as a running node does (a failed renewal is retried).
     let renewer = {
@@ -341,7 +341,7 @@ fn instance_killed_holding_leases_frees_them() {
     let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
     let spec = TierSpec::new(NodeId(1), TierId(0), 4096, 8).watermarks(1, 1);
     setup(&index, &spec);
-    let tier = TierFile::open(spec, &dir.path().join("tier1"));
+    let tier = FileTier::open(spec, &dir.path().join("tier1"));
     for id in 0..8 {
         assert!(matches!(save(&index, &tier, id, 0, 1000), Saved::Published(_, Published::Won(_))));
     }
@@ -386,7 +386,7 @@ fn embedded_instance_killed_holding_leases() {
         let spec = embedded_tier();
         let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
         index.register_tier(&spec).unwrap();
-        let tier = TierFile::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
+        let tier = FileTier::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
         let placements: Vec<Placement> = (0..8)
             .map(|id| match save(&index, &tier, id, 0, 1000) {
                 Saved::Published(_, Published::Won(p)) => p,
@@ -411,7 +411,7 @@ fn embedded_instance_killed_holding_leases() {
     assert_eq!(child.answer(), "leased");
     child.kill();
     let index = EmbeddedIndex::open(&index_path).unwrap();
-    let tier = TierFile::open(embedded_tier(), &tier_path);
+    let tier = FileTier::open(embedded_tier(), &tier_path);
     let all: Vec<_> = (0..8).map(key).collect();
     let found: Vec<Placement> = index.lookup(&all).unwrap().into_iter().flatten().collect();
     assert_eq!(found.len(), 8);
@@ -439,7 +439,7 @@ fn stale_lookup_while_another_process_reuses_the_slot() {
     setup(&index, &spec);
     let tier_path = dir.path().join("tier1");
     let mut files = HashMap::new();
-    files.insert(spec.node, TierFile::open(spec, &tier_path));
+    files.insert(spec.node, FileTier::open(spec, &tier_path));
     // Another instance of the same node: it shares the tier and its file.
     let mut other = spawn_instance(&server, 1, &tier_path);
 
@@ -485,7 +485,7 @@ fn two_processes_save_the_same_keys_at_once() {
     for node in [1u32, 2] {
         let path = dir.path().join(format!("tier{node}"));
         instances.push(spawn_instance(&server, node, &path));
-        files.insert(NodeId(node), TierFile::open(instance_tier(NodeId(node)), &path));
+        files.insert(NodeId(node), FileTier::open(instance_tier(NodeId(node)), &path));
     }
     // Writer id = node id, so the bytes tell who wrote them.
     for (i, p) in instances.iter_mut().enumerate() {
@@ -593,7 +593,7 @@ fn embedded_killed_at_random_points() {
             .unwrap_or_else(|e| panic!("round {round}: reopen after the kill failed: {e}"));
         // The child may have died before it registered the tier: the same shape again is a no-op.
         index.register_tier(&spec).unwrap();
-        let tier = TierFile::open(spec, &tier_path);
+        let tier = FileTier::open(spec, &tier_path);
         let ids: Vec<u64> = (start..next + BATCH).collect();
         let keys: Vec<_> = ids.iter().map(|&i| key(i)).collect();
         let found = index.lookup(&keys).unwrap();
@@ -652,7 +652,7 @@ fn publisher() {
     let spec = embedded_tier();
     let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
     index.register_tier(&spec).unwrap();
-    let tier = TierFile::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
+    let tier = FileTier::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
     let start: u64 = env("UMBP_FAULTS_START");
     let mut first = start;
     // Stay below the tier's size: no eviction, so every acknowledged block must be there.
@@ -686,4 +686,196 @@ fn publisher() {
     loop {
         std::thread::sleep(Duration::from_secs(1));
     }
+}
+
+/// A child process saves `n` blocks (ids `0..n`, lengths [`block_len`]) into the embedded
+/// tier of `dir` and is killed: the crash before the reconcile tests.
+fn crash_after_saving(dir: &Path, n: u64) {
+    let mut child = Process::spawn(
+        "child_embedded_saver",
+        "embedded-saver",
+        &[
+            ("UMBP_FAULTS_INDEX", dir.join("pool.redb").display().to_string()),
+            ("UMBP_FAULTS_TIER", dir.join("tier").display().to_string()),
+            ("UMBP_FAULTS_COUNT", n.to_string()),
+        ],
+    );
+    assert_eq!(child.answer(), "saved");
+    child.kill();
+}
+
+#[test]
+fn child_embedded_saver() {
+    if role().as_deref() != Some("embedded-saver") {
+        return;
+    }
+    let spec = embedded_tier();
+    let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
+    index.register_tier(&spec).unwrap();
+    let tier = FileTier::open(spec, Path::new(&env::<String>("UMBP_FAULTS_TIER")));
+    for id in 0..env::<u64>("UMBP_FAULTS_COUNT") {
+        let Saved::Published(_, Published::Won(_)) = save(&index, &tier, id, 0, block_len(id))
+        else {
+            panic!("save {id}")
+        };
+    }
+    reply("saved");
+    for _ in commands() {}
+}
+
+/// Every key of `0..n` that the index still has loads and verifies from the tier file; the
+/// number of them.
+fn served_blocks_verify(index: &EmbeddedIndex, tier_path: &Path, n: u64) -> usize {
+    let keys: Vec<_> = (0..n).map(key).collect();
+    let found: Vec<(u64, Placement)> = index
+        .lookup(&keys)
+        .unwrap()
+        .into_iter()
+        .zip(0..)
+        .filter_map(|(p, id)| p.map(|p| (id, p)))
+        .collect();
+    if found.is_empty() {
+        return 0;
+    }
+    let tier = FileTier::open_existing(embedded_tier(), tier_path);
+    for (id, p) in &found {
+        assert_eq!(tier.load(p).unwrap(), block_bytes(*id, 0, block_len(*id)), "block {id}");
+    }
+    found.len()
+}
+
+/// After a crash the tier file was truncated (or recreated shorter), then deleted: the index
+/// still lists every block (the disagreement), and the reconcile at start drops exactly the
+/// blocks the file no longer holds, each with its reason, without reading a block; what stays
+/// is served and verifies.
+#[test]
+fn reconcile_a_truncated_then_missing_tier_file() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_after_saving(dir.path(), 64);
+    let spec = embedded_tier();
+    let tier_path = dir.path().join("tier");
+    // 20 slots and half of the 21st block's slot.
+    let cut = spec.slot_offset(20) + 500;
+    std::fs::OpenOptions::new().write(true).open(&tier_path).unwrap().set_len(cut).unwrap();
+
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    let all: Vec<_> = (0..64).map(key).collect();
+    let before: Vec<Placement> = index.lookup(&all).unwrap().into_iter().flatten().collect();
+    assert_eq!(before.len(), 64, "the index lists blocks the file no longer holds");
+    let report = index.reconcile(&[TierFile::new(spec, &tier_path)], Verify::Shape).unwrap();
+    assert_eq!(report.bytes_read, 0);
+    let past: HashSet<u32> =
+        before.iter().filter(|p| spec.slot_offset(p.slot) + p.len > cut).map(|p| p.slot).collect();
+    assert_eq!(report.dropped.len(), past.len());
+    for d in &report.dropped {
+        assert!(past.contains(&d.placement.slot), "{d:?}");
+        assert_eq!(d.reason, DropReason::PastEnd { file_len: cut });
+    }
+    assert_eq!(report.kept as usize, 64 - past.len());
+    assert_eq!(served_blocks_verify(&index, &tier_path, 64), 64 - past.len());
+    let s = index.tier_stats(spec.node, spec.tier).unwrap();
+    assert_eq!((s.published as usize, s.free + s.published), (64 - past.len(), spec.slot_count));
+    drop(index);
+
+    // Reopened (the drops were durable), then the file is gone.
+    std::fs::remove_file(&tier_path).unwrap();
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    assert_eq!(index.lookup(&all).unwrap().iter().flatten().count(), 64 - past.len());
+    let report = index.reconcile(&[TierFile::new(spec, &tier_path)], Verify::Full).unwrap();
+    assert_eq!(report.dropped.len(), 64 - past.len());
+    assert!(report.dropped.iter().all(|d| matches!(d.reason, DropReason::FileMissing { .. })));
+    assert_eq!(index.lookup(&all).unwrap().iter().flatten().count(), 0);
+    assert_eq!(index.durable_blocks().unwrap(), 0);
+}
+
+/// After a crash the tier file was replaced by another of the same size: the cheap check
+/// cannot see it, a sample can (and then verifies the whole tier, dropping every block); a
+/// single block overwritten behind the index's back is found by a full verify and dropped
+/// alone. Nothing dropped is served again, everything kept verifies.
+#[test]
+fn reconcile_a_replaced_or_damaged_tier_file() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_after_saving(dir.path(), 64);
+    let spec = embedded_tier();
+    let tier_path = dir.path().join("tier");
+    let file = TierFile::new(spec, &tier_path);
+
+    // One block damaged: found by the full verify, dropped alone.
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    let damaged = index.lookup(&[key(17)]).unwrap()[0].unwrap();
+    {
+        let tier = FileTier::open_existing(spec, &tier_path);
+        let mut bytes = tier.read(damaged.slot, damaged.len);
+        bytes[123] ^= 0x40;
+        tier.write(damaged.slot, &bytes);
+    }
+    assert!(index
+        .reconcile(std::slice::from_ref(&file), Verify::Shape)
+        .unwrap()
+        .dropped
+        .is_empty());
+    let report = index.reconcile(std::slice::from_ref(&file), Verify::Full).unwrap();
+    assert_eq!(report.dropped.len(), 1, "{report:?}");
+    assert_eq!(report.dropped[0].placement, damaged);
+    assert!(matches!(report.dropped[0].reason, DropReason::ChecksumMismatch { .. }));
+    assert_eq!((report.verified, report.kept), (63, 63));
+    assert_eq!(index.lookup(&[key(17)]).unwrap(), vec![None]);
+    assert_eq!(served_blocks_verify(&index, &tier_path, 64), 63);
+    drop(index);
+
+    // The whole file replaced by one of the same size.
+    let len = std::fs::metadata(&tier_path).unwrap().len();
+    std::fs::remove_file(&tier_path).unwrap();
+    std::fs::write(&tier_path, vec![0x5a; len as usize]).unwrap();
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    let cheap = index.reconcile(std::slice::from_ref(&file), Verify::Shape).unwrap();
+    assert!(cheap.dropped.is_empty() && cheap.kept == 63, "the length alone cannot tell");
+    let report = index
+        .reconcile(std::slice::from_ref(&file), Verify::Sample { max_bytes: 8 << 10 })
+        .unwrap();
+    assert_eq!(report.escalated, 1, "a failed sample verifies the whole tier");
+    assert_eq!(report.dropped.len(), 63);
+    assert_eq!((report.kept, report.verified), (0, 0));
+    assert_eq!(served_blocks_verify(&index, &tier_path, 64), 0);
+}
+
+/// After a restart the tier is configured smaller, then with another slot size: the reconcile
+/// drops the blocks past the new end (then every block), registers the new shape (which a
+/// plain `register_tier` refuses), and reservations follow it.
+#[test]
+fn reconcile_a_tier_that_shrank_or_changed_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    crash_after_saving(dir.path(), 64);
+    let tier_path = dir.path().join("tier");
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    let smaller = TierSpec { slot_count: 40, ..embedded_tier() };
+    assert!(matches!(index.register_tier(&smaller), Err(Error::TierConflict { .. })));
+    let report = index
+        .reconcile(&[TierFile::new(smaller, &tier_path)], Verify::Sample { max_bytes: 1 << 20 })
+        .unwrap();
+    assert_eq!(report.dropped.len(), 24);
+    assert!(report
+        .dropped
+        .iter()
+        .all(|d| d.reason == DropReason::Shrunk && d.placement.slot >= 40));
+    assert_eq!((report.kept, report.verified), (40, 40));
+    let s = index.tier_stats(smaller.node, smaller.tier).unwrap();
+    assert_eq!((s.published, s.free), (40, 0));
+    index.register_tier(&smaller).unwrap();
+    assert_eq!(served_blocks_verify(&index, &tier_path, 64), 40);
+    drop(index);
+
+    let index = EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap();
+    assert_eq!(
+        index.lookup(&(0..64).map(key).collect::<Vec<_>>()).unwrap().iter().flatten().count(),
+        40
+    );
+    let other = TierSpec { slot_size: 8192, ..smaller };
+    let report = index.reconcile(&[TierFile::new(other, &tier_path)], Verify::Shape).unwrap();
+    assert_eq!(report.dropped.len(), 40);
+    assert!(report.dropped.iter().all(|d| d.reason == DropReason::Reshaped));
+    let r = reserve(&index, key(1000), &other, 8000);
+    assert!(r.slot < 40);
+    let s = index.tier_stats(other.node, other.tier).unwrap();
+    assert_eq!((s.reserved, s.published, s.free), (1, 0, 39));
 }

@@ -11,6 +11,7 @@
 //! blocks commit their deletion before the slot can be reserved again, so a slot is never
 //! recorded under a key whose bytes a later writer has started to overwrite.
 
+mod reconcile;
 mod slots;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use crate::{
     BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
     Reservation, Reserved, TierId, TierSpec, TierStats,
 };
+pub use reconcile::{DropReason, Dropped, ReconcileReport, TierFile, Verify};
 use slots::{LeaseRecord, SlotState, State, TierState};
 
 /// Published blocks of durable tiers, as a log: publish sequence number -> key (16 bytes) and

@@ -19,13 +19,13 @@ use super::suite::key;
 pub const ROLE: &str = "UMBP_FAULTS_ROLE";
 
 /// A tier's bytes in a file: slot `s` at `s * slot_size`.
-pub struct TierFile {
+pub struct FileTier {
     pub spec: TierSpec,
     pub path: PathBuf,
     file: File,
 }
 
-impl TierFile {
+impl FileTier {
     /// Opens (creating, sized to the whole tier) the tier file at `path`.
     pub fn open(spec: TierSpec, path: &Path) -> Self {
         let file = OpenOptions::new()
@@ -39,6 +39,12 @@ impl TierFile {
         if file.metadata().unwrap().len() < size {
             file.set_len(size).unwrap();
         }
+        Self { spec, path: path.to_owned(), file }
+    }
+
+    /// Opens the tier file at `path` as it is (no creating, no resizing).
+    pub fn open_existing(spec: TierSpec, path: &Path) -> Self {
+        let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
         Self { spec, path: path.to_owned(), file }
     }
 
@@ -79,7 +85,7 @@ pub fn block_bytes(id: u64, writer: u8, len: u64) -> Vec<u8> {
 
 /// Reserves block `id` on `tier`, writes writer `writer`'s bytes into the slot and publishes
 /// them with their CRC32C: the two-phase write a pool instance does.
-pub fn save(index: &dyn Index, tier: &TierFile, id: u64, writer: u8, len: u64) -> Saved {
+pub fn save(index: &dyn Index, tier: &FileTier, id: u64, writer: u8, len: u64) -> Saved {
     let spec = &tier.spec;
     let r = match index.reserve(key(id), spec.node, spec.tier, len, Duration::from_secs(60)) {
         Ok(Reserved::Slot(r)) => r,
