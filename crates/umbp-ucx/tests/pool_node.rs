@@ -2,159 +2,19 @@
 //! `redis-server`, renews its announcement, leaves the pool at once on SIGTERM, and is dead
 //! after its TTL when SIGKILLed. Its settings are refused by name when wrong.
 
-#[path = "support/redis.rs"]
-mod redis;
+#[path = "support/pool.rs"]
+mod pool_support;
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use redis::{redis_or_skip, Redis, PASSWORD};
-use support::{ucx_or_skip, SECRET};
+use pool_support::{available, password_file, pool_args, Node, Redis, PASSWORD};
 use umbp_pool::{
     checksum, BlockKey, Error, Index, NodeId, Placement, Published, RedisIndex, Reserved, TierId,
 };
-
-const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
-
-/// Whether both redis-server and UCX are here (each prints why not).
-fn available() -> bool {
-    redis_or_skip() && ucx_or_skip()
-}
-
-/// A file holding the pool's password, private.
-fn password_file(dir: &Path) -> PathBuf {
-    let path = dir.join("redis-password");
-    std::fs::write(&path, format!("{PASSWORD}\n")).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    path
-}
-
-/// A running memory node with its standard error collected; SIGKILLed when dropped.
-struct Node {
-    child: Child,
-    addr: SocketAddr,
-    metrics: Option<SocketAddr>,
-    log: Arc<Mutex<String>>,
-}
-
-impl Node {
-    /// Starts `umbp-ucx-serve` with `args` and waits for `listening` (printed once joined);
-    /// `Err` with its exit status and log when it exits instead.
-    fn start(args: &[String]) -> Result<Self, (Option<i32>, String)> {
-        let mut child = Command::new(SERVE)
-            .args(["--transports", "tcp"])
-            .args(args)
-            .env(umbp_ucx::SECRET_ENV, SECRET)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let mut stderr = child.stderr.take().unwrap();
-        let into = Arc::clone(&log);
-        let reader = std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stderr.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                into.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut node =
-            Self { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)), metrics: None, log };
-        loop {
-            let mut line = String::new();
-            stdout.read_line(&mut line).unwrap();
-            if let Some(at) = line.strip_prefix("metrics ") {
-                node.metrics = Some(at.trim().parse().unwrap());
-            } else if let Some(at) = line.strip_prefix("listening ") {
-                node.addr = at.trim().parse().unwrap();
-                return Ok(node);
-            } else if line.is_empty() {
-                let status = node.child.wait().unwrap();
-                let _ = reader.join();
-                return Err((status.code(), node.log()));
-            } else {
-                panic!("the server said {line:?}; log: {}", node.log());
-            }
-        }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// Sends `signal` and waits at most `bound` for the exit status.
-    fn signal(&mut self, signal: libc::c_int, bound: Duration) -> Option<ExitStatus> {
-        // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
-        #[allow(unsafe_code)]
-        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-        assert_eq!(sent, 0);
-        let until = Instant::now() + bound;
-        while Instant::now() < until {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        None
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, with a
-/// 1 MiB writable region `kv`, a 64 KiB read-only `ro`, and `extra`.
-fn pool_args(
-    redis: &Redis,
-    dir: &Path,
-    name: &str,
-    node: u32,
-    ttl_ms: u64,
-    extra: &[&str],
-) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--region",
-        "kv=1MiB",
-        "--region",
-        "ro=64KiB:ro",
-        "--pool",
-        &redis.url(),
-        "--pool-password-file",
-        password_file(dir).to_str().unwrap(),
-        "--pool-name",
-        name,
-        "--node-id",
-        &node.to_string(),
-        "--pool-slot-size",
-        "64KiB",
-        "--pool-ttl-ms",
-        &ttl_ms.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if !extra.contains(&"--listen") {
-        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
 
 /// Reserves and publishes `key` (as a client writing it would) on tier 0 of `node`.
 fn publish(index: &RedisIndex, node: NodeId, key: BlockKey) -> Placement {

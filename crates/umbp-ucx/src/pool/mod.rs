@@ -11,7 +11,9 @@
 //!   region with the pool's composite, one connection per node.
 
 mod member;
+mod resolver;
 
 pub use member::{
     Membership, MembershipConfig, MembershipSnapshot, MembershipState, MembershipStats,
 };
+pub use resolver::UcxResolver;

@@ -129,7 +129,7 @@ pub(crate) struct Args {
 
     /// The address clients reach this node at, announced in the pool: HOST:PORT, or HOST
     /// alone for the port listened on. Default: the address listened on, which must then be
-    /// a specific one (not 0.0.0.0 or [::]).
+    /// a specific one (not 0.0.0.0, or :: for IPv6).
     #[arg(long, value_name = "ADDR")]
     pub(crate) advertise: Option<String>,
 

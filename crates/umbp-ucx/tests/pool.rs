@@ -1,0 +1,318 @@
+//! The pool's data path through memory nodes: clients' `umbp_pool::Pool`s reach real
+//! `umbp-ucx-serve` processes through `UcxResolver`, over a real `redis-server`. Blocks put into
+//! a node's tier come back byte for byte to another client; a node that leaves (SIGTERM) is a
+//! miss at once; a node killed mid-get fails only its own blocks, as load errors, and is a
+//! miss once its announcement expires.
+
+#[path = "support/pool.rs"]
+mod pool_support;
+mod support;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use pool_support::{available, password_file, Node, Redis};
+use umbp_composite::CompositeEngine;
+use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::{EndpointRegistry, Register, TransferEngine};
+use umbp_pool::{
+    BlockError, BlockKey, GetBlock, GetOutcome, NodeId, Pool, PoolConfig, PutBlock, PutOutcome,
+    TierId,
+};
+use umbp_ucx::pool::UcxResolver;
+use umbp_ucx::UcxEngine;
+
+const POISON: u8 = 0xA5;
+
+/// A client of the pool `name`: its own engines, composite, resolver and pool, as node `node`.
+struct Client {
+    pool: Pool,
+    resolver: Arc<UcxResolver>,
+    composite: CompositeEngine,
+}
+
+fn client(redis: &Redis, name: &str, node: u32) -> Client {
+    let registry = EndpointRegistry::new();
+    let host = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
+    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, ucx.clone()];
+    let composite = CompositeEngine::new(registry, engines);
+    let resolver = Arc::new(UcxResolver::new(ucx, composite.clone()).unwrap());
+    let pool = Pool::with_resolver(
+        Arc::new(redis.index(name)),
+        composite.clone(),
+        PoolConfig::new(NodeId(node)),
+        Some(resolver.clone()),
+    )
+    .unwrap();
+    Client { pool, resolver, composite }
+}
+
+/// The flags of memory node `node` in pool `name`: one writable region `kv` of `region`, a
+/// read-only `ro` before it (so the writable one is tier 1), slots of `slot`.
+fn node_args(
+    redis: &Redis,
+    dir: &Path,
+    name: &str,
+    node: u32,
+    ttl_ms: u64,
+    region: &str,
+    slot: &str,
+) -> Vec<String> {
+    [
+        "--listen",
+        "127.0.0.1:0",
+        "--region",
+        "ro=64KiB:ro",
+        "--region",
+        &format!("kv={region}"),
+        "--pool",
+        &redis.url(),
+        "--pool-password-file",
+        password_file(dir).to_str().unwrap(),
+        "--pool-name",
+        name,
+        "--node-id",
+        &node.to_string(),
+        "--pool-slot-size",
+        slot,
+        "--pool-ttl-ms",
+        &ttl_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The writable region of a node started with [`node_args`].
+const KV: TierId = TierId(1);
+
+/// Block `i` of node `node`'s set: its key, and its bytes (`len` of them).
+fn key(node: u32, i: usize) -> BlockKey {
+    BlockKey::from_u128((u128::from(node) << 64 | i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+fn block(node: u32, i: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|b| (b as u32).wrapping_mul(31).wrapping_add(node * 7 + i as u32 * 13) as u8)
+        .collect()
+}
+
+/// Puts blocks `0..n` of `node`'s set (each `len` bytes, the last one shorter) into tier `KV`
+/// of `node` through `c`: every one stored.
+fn put_blocks(c: &Client, node: u32, n: usize, len: usize) -> Vec<Vec<u8>> {
+    let blocks: Vec<Vec<u8>> =
+        (0..n).map(|i| block(node, i, if i == n - 1 { len - 1000 } else { len })).collect();
+    let src = c.composite.register_memory(blocks.concat()).unwrap();
+    let mut offset = 0;
+    let puts: Vec<PutBlock> = blocks
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let p = PutBlock { key: key(node, i), src: src.id(), offset, len: b.len() as u64 };
+            offset += b.len() as u64;
+            p
+        })
+        .collect();
+    let out = c.pool.put_on(NodeId(node), KV, &puts).unwrap();
+    for (i, o) in out.iter().enumerate() {
+        match o {
+            PutOutcome::Stored(p) => {
+                assert_eq!((p.node, p.tier, p.len), (NodeId(node), KV, blocks[i].len() as u64))
+            }
+            other => panic!("block {i} of node {node}: {other:?}"),
+        }
+    }
+    blocks
+}
+
+/// Gets `keys` into slots of `len` bytes of a fresh poisoned buffer: the outcomes and the
+/// buffer.
+fn get_blocks(c: &Client, keys: &[BlockKey], len: usize) -> (Vec<GetOutcome>, Vec<u8>) {
+    let dst = c.composite.register_memory(vec![POISON; keys.len() * len]).unwrap();
+    let gets: Vec<GetBlock> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, &key)| GetBlock {
+            key,
+            dst: dst.id(),
+            offset: (i * len) as u64,
+            capacity: len as u64,
+        })
+        .collect();
+    let out = c.pool.get(&gets).unwrap();
+    (out, dst.deregister())
+}
+
+/// Blocks put into a memory node's tier by one client come back byte for byte to another
+/// (each with its own engine, composite and connection), the read-only region is no tier, a
+/// second put finds them present; after SIGTERM the node has left: every get is a miss at
+/// once (its TTL is a minute), and a put to it fails cleanly.
+#[test]
+fn blocks_put_into_a_memory_node_come_back_byte_for_byte_and_miss_once_it_left() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    const LEN: usize = 64 << 10;
+    let mut node =
+        Node::start(&node_args(&redis, dir.path(), "data", 10, 60_000, "4MiB", "64KiB")).unwrap();
+    let writer = client(&redis, "data", 100);
+    let blocks = put_blocks(&writer, 10, 48, LEN);
+    assert_eq!(writer.resolver.connected(), [(NodeId(10), node.addr.to_string())]);
+
+    let reader = client(&redis, "data", 101);
+    let keys: Vec<BlockKey> = (0..48).map(|i| key(10, i)).collect();
+    let (out, bytes) = get_blocks(&reader, &keys, LEN);
+    for (i, (o, b)) in out.iter().zip(&blocks).enumerate() {
+        assert!(o.is_loaded(), "block {i}: {o:?}");
+        let got = &bytes[i * LEN..i * LEN + b.len()];
+        assert!(got == &b[..], "block {i}: other bytes");
+        assert!(bytes[i * LEN + b.len()..(i + 1) * LEN].iter().all(|&x| x == POISON));
+    }
+    assert_eq!(reader.pool.metrics().hits.load(Ordering::Relaxed), 48);
+    // Again: present, nothing written.
+    let again = writer.pool.put_on(
+        NodeId(10),
+        KV,
+        &[PutBlock {
+            key: key(10, 0),
+            src: writer.composite.register_memory(vec![0u8; LEN]).unwrap().id(),
+            offset: 0,
+            len: LEN as u64,
+        }],
+    );
+    assert!(matches!(again.unwrap()[..], [PutOutcome::Present(_)]));
+    // The read-only region (tier 0) is no tier of the pool.
+    let ro = writer.pool.put_on(
+        NodeId(10),
+        TierId(0),
+        &[PutBlock {
+            key: key(10, 999),
+            src: writer.composite.register_memory(vec![0u8; 16]).unwrap().id(),
+            offset: 0,
+            len: 16,
+        }],
+    );
+    assert!(matches!(ro.unwrap()[..], [PutOutcome::Failed(_)]));
+
+    let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", node.log());
+    let (out, bytes) = get_blocks(&reader, &keys, LEN);
+    assert!(out.iter().all(|o| matches!(o, GetOutcome::Miss)), "{out:?}");
+    assert!(bytes.iter().all(|&x| x == POISON), "a miss wrote bytes");
+    let src = writer.composite.register_memory(vec![1u8; LEN]).unwrap();
+    let late = writer
+        .pool
+        .put_on(
+            NodeId(10),
+            KV,
+            &[PutBlock { key: key(10, 500), src: src.id(), offset: 0, len: 16 }],
+        )
+        .unwrap();
+    assert!(matches!(late[..], [PutOutcome::Failed(_)]), "{late:?}");
+}
+
+/// Two memory nodes; a reader loads all their blocks in a loop while one node is SIGKILLed.
+/// Every block loaded is byte-exact; the survivor's blocks always load; the dead node's fail
+/// as load errors (never a hit with other bytes) until its announcement expires, then miss.
+/// The resolver drops the dead node's connection.
+#[test]
+fn a_memory_node_killed_mid_get_fails_only_its_blocks_then_misses_after_its_ttl() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    const LEN: usize = 256 << 10;
+    const N: usize = 24;
+    let args = |node| node_args(&redis, dir.path(), "kill", node, 3000, "8MiB", "256KiB");
+    let mut doomed = Node::start(&args(20)).unwrap();
+    let survivor = Node::start(&args(21)).unwrap();
+    let writer = client(&redis, "kill", 200);
+    let mut expected = put_blocks(&writer, 20, N, LEN);
+    expected.extend(put_blocks(&writer, 21, N, LEN));
+    let keys: Vec<BlockKey> =
+        (0..N).map(|i| key(20, i)).chain((0..N).map(|i| key(21, i))).collect();
+
+    let reader = Arc::new(client(&redis, "kill", 201));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (round_tx, rounds) = mpsc::channel::<(Instant, Instant, Vec<GetOutcome>)>();
+    let loader = {
+        let (reader, stop, keys, expected) =
+            (reader.clone(), stop.clone(), keys.clone(), expected.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                let (out, bytes) = get_blocks(&reader, &keys, LEN);
+                for (i, o) in out.iter().enumerate() {
+                    let b = &expected[i];
+                    if o.is_loaded() {
+                        assert!(
+                            bytes[i * LEN..i * LEN + b.len()] == b[..],
+                            "block {i}: wrong bytes served"
+                        );
+                    }
+                }
+                if round_tx.send((started, Instant::now(), out)).is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    // Three whole rounds, then the kill.
+    for _ in 0..3 {
+        let (_, _, out) = rounds.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert!(out.iter().all(GetOutcome::is_loaded), "{out:?}");
+    }
+    assert!(doomed.signal(libc::SIGKILL, Duration::from_secs(10)).is_some());
+    let killed = Instant::now();
+    let (mut failed_rounds, mut in_flight_at_kill) = (0, false);
+    let until = killed + Duration::from_secs(30);
+    loop {
+        let (started, ended, out) = rounds.recv_timeout(Duration::from_secs(30)).unwrap();
+        let (dead, alive) = out.split_at(N);
+        assert!(alive.iter().all(GetOutcome::is_loaded), "the survivor's blocks: {alive:?}");
+        if started < killed && ended > killed {
+            in_flight_at_kill = true;
+        }
+        let failed = dead.iter().filter(|o| matches!(o, GetOutcome::Failed(_))).count();
+        for o in dead {
+            assert!(
+                matches!(
+                    o,
+                    GetOutcome::Failed(BlockError::Transfer(_) | BlockError::Unreachable { .. })
+                ) || (started < killed && o.is_loaded())
+                    || matches!(o, GetOutcome::Miss),
+                "the dead node's block: {o:?}"
+            );
+        }
+        if failed > 0 {
+            failed_rounds += 1;
+        }
+        if dead.iter().all(|o| matches!(o, GetOutcome::Miss)) {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the killed node's blocks did not miss 30 s after the kill"
+        );
+    }
+    let dead_after = killed.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    drop(rounds);
+    loader.join().unwrap();
+    eprintln!(
+        "killed node: {failed_rounds} gets failed its blocks, then all missed {dead_after:?} after \
+         the kill (TTL 3 s); a get was in flight at the kill: {in_flight_at_kill}"
+    );
+    assert!(failed_rounds >= 1, "no get met the dead node before it expired");
+    let m = reader.pool.metrics();
+    assert_eq!(m.checksum_failures.load(Ordering::Relaxed), 0);
+    assert!(m.get_failures.load(Ordering::Relaxed) >= 1);
+    // The dead node's connection is gone; the survivor's stays.
+    assert_eq!(reader.resolver.connected(), [(NodeId(21), survivor.addr.to_string())]);
+}

@@ -1,0 +1,244 @@
+//! What the pool tests share: a real `redis-server` (loopback, a fresh port, a temp dir and a
+//! password, started by the test and killed when dropped, as umbp-pool's tests do) and a real
+//! `umbp-ucx-serve` memory node joining its pool.
+#![allow(dead_code)] // Each test file uses its own part.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use umbp_pool::{RedisConfig, RedisIndex};
+
+use crate::support::{ucx_or_skip, SECRET};
+
+/// The password every test server requires.
+pub(crate) const PASSWORD: &str = "umbp-ucx-pool-test-password";
+
+/// Whether `redis-server` runs here; prints why a test skips, or panics when
+/// `UMBP_REQUIRE_REDIS=1` (CI installs it).
+pub(crate) fn redis_or_skip() -> bool {
+    let ok = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("UMBP_REQUIRE_REDIS").is_none_or(|v| v != "1"),
+            "redis-server is not installed, and UMBP_REQUIRE_REDIS=1"
+        );
+        eprintln!("skipped: redis-server is not installed (apt-get install redis-server)");
+    }
+    ok
+}
+
+/// A `redis-server` this test started.
+pub(crate) struct Redis {
+    child: Child,
+    pub(crate) port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Redis {
+    /// Starts one on a fresh loopback port (a few tries: a port may be taken meanwhile).
+    pub(crate) fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        for _ in 0..5 {
+            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let mut child = Command::new("redis-server")
+                .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--requirepass", PASSWORD, "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn redis-server");
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if ping(port) {
+                    return Self { child, port, _dir: dir };
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// `redis://127.0.0.1:PORT/`, without the password.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A client of the pool `name` on this server.
+    pub(crate) fn index(&self, name: &str) -> RedisIndex {
+        let mut c = RedisConfig::new(self.url());
+        c.password = Some(PASSWORD.into());
+        c.prefix = name.into();
+        RedisIndex::connect(&c).unwrap()
+    }
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    if s.write_all(format!("AUTH {PASSWORD}\r\nPING\r\n").as_bytes()).is_err() {
+        return false;
+    }
+    let mut r = BufReader::new(s);
+    let (mut a, mut b) = (String::new(), String::new());
+    r.read_line(&mut a).is_ok() && r.read_line(&mut b).is_ok() && b.starts_with("+PONG")
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub(crate) const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
+
+/// Whether both redis-server and UCX are here (each prints why not).
+pub(crate) fn available() -> bool {
+    redis_or_skip() && ucx_or_skip()
+}
+
+/// A file holding the pool's password, private.
+pub(crate) fn password_file(dir: &Path) -> PathBuf {
+    let path = dir.join("redis-password");
+    std::fs::write(&path, format!("{PASSWORD}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+/// A running memory node with its standard error collected; SIGKILLed when dropped.
+pub(crate) struct Node {
+    pub(crate) child: Child,
+    pub(crate) addr: SocketAddr,
+    pub(crate) metrics: Option<SocketAddr>,
+    log: Arc<Mutex<String>>,
+}
+
+impl Node {
+    /// Starts `umbp-ucx-serve` with `args` and waits for `listening` (printed once joined);
+    /// `Err` with its exit status and log when it exits instead.
+    pub(crate) fn start(args: &[String]) -> Result<Self, (Option<i32>, String)> {
+        let mut child = Command::new(SERVE)
+            .args(["--transports", "tcp"])
+            .args(args)
+            .env(umbp_ucx::SECRET_ENV, SECRET)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut stderr = child.stderr.take().unwrap();
+        let into = Arc::clone(&log);
+        let reader = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                into.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut node =
+            Self { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)), metrics: None, log };
+        loop {
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            if let Some(at) = line.strip_prefix("metrics ") {
+                node.metrics = Some(at.trim().parse().unwrap());
+            } else if let Some(at) = line.strip_prefix("listening ") {
+                node.addr = at.trim().parse().unwrap();
+                return Ok(node);
+            } else if line.is_empty() {
+                let status = node.child.wait().unwrap();
+                let _ = reader.join();
+                return Err((status.code(), node.log()));
+            } else {
+                panic!("the server said {line:?}; log: {}", node.log());
+            }
+        }
+    }
+
+    pub(crate) fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Sends `signal` and waits at most `bound` for the exit status.
+    pub(crate) fn signal(&mut self, signal: libc::c_int, bound: Duration) -> Option<ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
+        #[allow(unsafe_code)]
+        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(sent, 0);
+        let until = Instant::now() + bound;
+        while Instant::now() < until {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, with a
+/// 1 MiB writable region `kv`, a 64 KiB read-only `ro`, and `extra`.
+pub(crate) fn pool_args(
+    redis: &Redis,
+    dir: &Path,
+    name: &str,
+    node: u32,
+    ttl_ms: u64,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--region",
+        "kv=1MiB",
+        "--region",
+        "ro=64KiB:ro",
+        "--pool",
+        &redis.url(),
+        "--pool-password-file",
+        password_file(dir).to_str().unwrap(),
+        "--pool-name",
+        name,
+        "--node-id",
+        &node.to_string(),
+        "--pool-slot-size",
+        "64KiB",
+        "--pool-ttl-ms",
+        &ttl_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
