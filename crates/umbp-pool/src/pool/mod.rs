@@ -250,7 +250,8 @@ struct Inner {
 ///   failed (or whose reservation expired) is aborted and publishes nothing.
 /// - [`get`](Self::get): one lookup, one lease, one restore batch in which each block's
 ///   recorded checksum is verified, one release. A stale placement is a miss, a checksum
-///   mismatch a failure, never a hit; a failed read (a dead peer) costs only its blocks.
+///   mismatch a failure (never a hit; the key is removed from the pool, so later gets miss
+///   it); a failed read (a dead peer) costs only its blocks.
 ///
 /// The composite's [`ChecksumPolicy`](umbp_composite::ChecksumPolicy) must cover every tier
 /// the pool uses ([`add_tier`](Self::add_tier) refuses one it does not): a block is published
@@ -768,6 +769,28 @@ impl Inner {
             }
             if let Err(e) = self.index.release(lease.id) {
                 tracing::warn!(lease = lease.id, error = %e, "pool: release failed; the lease will expire");
+            }
+            // A block whose bytes no longer match its checksum leaves the pool, so it is not
+            // found (and failed) again: a miss from now on. Removing is always safe; a key
+            // published again meanwhile loses only a good copy.
+            let corrupt: Vec<BlockKey> = loads
+                .iter()
+                .filter(|l| {
+                    matches!(
+                        out[l.0],
+                        Some(GetOutcome::Failed(BlockError::ChecksumMismatch { .. }))
+                    )
+                })
+                .map(|l| l.1.key)
+                .collect();
+            if !corrupt.is_empty() {
+                tracing::warn!(
+                    blocks = corrupt.len(),
+                    "pool: blocks failed their checksum; removed"
+                );
+                if let Err(e) = self.index.remove(&corrupt) {
+                    tracing::warn!(error = %e, "pool: removing blocks that failed their checksum failed");
+                }
             }
         }
         let out: Vec<GetOutcome> = out.into_iter().map(|o| o.unwrap_or(GetOutcome::Miss)).collect();
