@@ -4,13 +4,14 @@
 //! # Loading
 //!
 //! cudarc finds and opens the libraries (`libcuda.so.1`, `libnvrtc.so.12`, ... on the loader's
-//! search path, so `LD_LIBRARY_PATH` may point at a pip-installed NVRTC): first its presence
-//! probe, so a machine without them gets [`DeviceError::LibraryMissing`] instead of cudarc's
-//! panic, then the shared handle, so the process loads each library once whoever else uses
-//! cudarc. The calls themselves are looked up here, each declared returning its status as a
-//! plain `c_int`: cudarc's bindings return `CUresult` and `nvrtcResult` as Rust enums, and a
-//! status a newer driver added would be undefined behaviour the moment it is returned (the same
-//! reason the HIP backend declares its own calls).
+//! search path, so `LD_LIBRARY_PATH` may point at a pip-installed NVRTC; CUDA 13's
+//! `libnvrtc.so.13`, which cudarc does not name, is opened here when it finds no NVRTC): first
+//! its presence probe, so a machine without them gets [`DeviceError::LibraryMissing`] instead
+//! of cudarc's panic, then the shared handle, so the process loads each library once whoever
+//! else uses cudarc. The calls themselves are looked up here, each declared returning its
+//! status as a plain `c_int`: cudarc's bindings return `CUresult` and `nvrtcResult` as Rust
+//! enums, and a status a newer driver added would be undefined behaviour the moment it is
+//! returned (the same reason the HIP backend declares its own calls).
 #![allow(non_snake_case)] // The driver's own names.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
@@ -167,17 +168,34 @@ pub(super) fn driver() -> Result<&'static Driver, DeviceError> {
     loaded.as_ref().map_err(Clone::clone)
 }
 
+/// Sonames of NVRTC releases newer than those cudarc's loader names (it stops at CUDA 12's
+/// `libnvrtc.so.12`), tried when its probe finds none. CUDA 13's is the one vLLM 0.33's torch
+/// loads (from the `nvidia-cuda-nvrtc` wheel, through its RPATH), so inside such a process the
+/// name resolves to the library already mapped, with no `LD_LIBRARY_PATH`. The entry points
+/// used here are unchanged in CUDA 13.
+const NEWER_NVRTC: &[&str] = &["libnvrtc.so.13"];
+
 /// NVRTC, loaded once per process. Needs no GPU and no driver.
 pub(super) fn nvrtc() -> Result<&'static Nvrtc, DeviceError> {
     static NVRTC: OnceLock<Result<Nvrtc, DeviceError>> = OnceLock::new();
+    static NEWER: OnceLock<libloading::Library> = OnceLock::new();
     let loaded = NVRTC.get_or_init(|| {
         let missing = |reason: String| DeviceError::LibraryMissing { library: "libnvrtc", reason };
         // SAFETY: as for the driver's probe.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(missing("no NVRTC library on the loader's search path".into()));
-        }
-        // SAFETY: present (just probed); loaded for the process.
-        let lib = unsafe { cudarc::nvrtc::sys::culib() };
+        let lib = if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            // SAFETY: present (just probed); loaded for the process.
+            unsafe { cudarc::nvrtc::sys::culib() }
+        } else {
+            // SAFETY: opening a library runs its initialisers, as any load does; NVRTC's have
+            // no preconditions.
+            let newer =
+                NEWER_NVRTC.iter().find_map(|name| unsafe { libloading::Library::new(*name) }.ok());
+            let Some(newer) = newer else {
+                return Err(missing("no NVRTC library on the loader's search path".into()));
+            };
+            // Kept for the process, as cudarc keeps the one it opens.
+            NEWER.get_or_init(|| newer)
+        };
         // SAFETY: every entry point is declared with NVRTC's C signature, statuses as `int`.
         unsafe { Nvrtc::load(lib) }.map_err(missing)
     });
