@@ -881,3 +881,76 @@ fn reconcile_a_tier_that_shrank_or_changed_shape() {
     let s = index.tier_stats(other.node, other.tier).unwrap();
     assert_eq!((s.reserved, s.published, s.free), (1, 0, 39));
 }
+
+/// What the reconcile leaves to the loads: a block whose bytes changed in its slot after its
+/// publish (a torn write, a writer that outlived its reservation, bit rot) fails its get, alone
+/// in its batch, and is removed from the index, so it is a miss afterwards, never a hit that
+/// fails again. The blocks beside it load and verify.
+#[test]
+fn pool_drops_a_block_that_fails_verification() {
+    use umbp_composite::{
+        offload, ChecksumPolicy, CompositeConfig, CompositeEngine, ObjectRange, ObjectTransfer,
+    };
+    use umbp_localcopy::LocalCopyEngine;
+    use umbp_plan::{BatchState, EndpointRegistry, Register};
+    use umbp_pool::{
+        BlockError, GetBlock, GetOutcome, Pool, PoolConfig, PutBlock, PutOutcome, TierRegion,
+    };
+
+    const SLOT: u64 = 4096;
+    let registry = EndpointRegistry::new();
+    let copy = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let config =
+        CompositeConfig { checksums: ChecksumPolicy::AllTiers, ..CompositeConfig::default() };
+    let composite = CompositeEngine::with_config(registry, vec![copy], config);
+    let dir = tempfile::tempdir().unwrap();
+    let index = Arc::new(EmbeddedIndex::open(dir.path().join("pool.redb")).unwrap());
+    let spec = TierSpec::new(NodeId(0), TierId(0), SLOT, 8).watermarks(0, 0);
+    let arena = composite.register_memory(vec![0u8; (SLOT * 8) as usize]).unwrap();
+    let region = TierRegion::new(arena.id(), 0, &spec);
+    let pool = Pool::new(index.clone(), composite.clone(), PoolConfig::new(NodeId(0))).unwrap();
+    pool.add_tier(spec, region).unwrap();
+
+    let blocks: Vec<Vec<u8>> = (0..3).map(|id| block_bytes(id, 0, 3000)).collect();
+    let src = composite.register_memory(blocks.concat()).unwrap();
+    let puts: Vec<PutBlock> = (0..3)
+        .map(|i| PutBlock { key: key(i), src: src.id(), offset: i * 3000, len: 3000 })
+        .collect();
+    let stored: Vec<Placement> = pool
+        .put(spec.tier, &puts)
+        .unwrap()
+        .into_iter()
+        .map(|o| match o {
+            PutOutcome::Stored(p) => p,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // Block 1's slot is overwritten behind the index's back.
+    let junk = composite.register_memory(vec![0x77u8; 3000]).unwrap();
+    let mut page = [0u64; 1];
+    let ranges = [ObjectRange::new(0, 3000, junk.id(), 0)];
+    let clobber = [ObjectTransfer::new(1, region.object(stored[1].slot, 3000, &mut page), &ranges)];
+    let mut builder = composite.builder();
+    assert_eq!(offload(&mut builder, &clobber).unwrap().aggregate, BatchState::Completed);
+
+    let dst = composite.register_memory(vec![0u8; 3 * 3000]).unwrap();
+    let gets: Vec<GetBlock> = (0..3)
+        .map(|i| GetBlock { key: key(i), dst: dst.id(), offset: i * 3000, capacity: 3000 })
+        .collect();
+    let out = pool.get(&gets).unwrap();
+    assert!(out[0].is_loaded() && out[2].is_loaded(), "{out:?}");
+    assert!(matches!(out[1], GetOutcome::Failed(BlockError::ChecksumMismatch { .. })), "{out:?}");
+    assert_eq!(
+        index.lookup(&[key(0), key(1), key(2)]).unwrap(),
+        vec![Some(stored[0]), None, Some(stored[2])],
+        "a block that failed verification must not stay a hit"
+    );
+    let again = pool.get(&gets[1..2]).unwrap();
+    assert!(matches!(again[0], GetOutcome::Miss), "{again:?}");
+    let loaded = dst.deregister();
+    assert_eq!(&loaded[..3000], &blocks[0][..]);
+    assert_eq!(&loaded[6000..], &blocks[2][..]);
+    // Its slot is free again: the tier holds the two good blocks only.
+    let s = index.tier_stats(spec.node, spec.tier).unwrap();
+    assert_eq!((s.published, s.free), (2, 6));
+}
