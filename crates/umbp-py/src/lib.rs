@@ -14,6 +14,8 @@
 //! buffers it keeps exported.
 #![allow(unsafe_code)] // Registering raw addresses the Python layer vouches for.
 
+mod pool;
+
 use std::fs::File;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -1352,6 +1354,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c_combine, m)?)?;
+    pool::register(m)?;
     install_logger(py);
     Ok(())
 }

@@ -69,6 +69,14 @@ from ._native import (  # noqa: F401  (re-exported)
     crc32c_combine,
     reset_log_cache,
 )
+from .pool import (  # noqa: F401  (re-exported)
+    BlockResult,
+    Placement,
+    Pool,
+    PoolError,
+    PoolIndex,
+    Reservation,
+)
 
 #: The package's version (the Rust crate's, which the wheel's metadata carries too).
 __version__: str = _native.__version__
@@ -103,6 +111,12 @@ __all__ = [
     "Peer",
     "RemoteRegion",
     "Server",
+    "PoolIndex",
+    "Pool",
+    "Placement",
+    "Reservation",
+    "PoolError",
+    "BlockResult",
 ]
 
 #: Whether this build has the CUDA backend (``Engine(device="cuda")``).
