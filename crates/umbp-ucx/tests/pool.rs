@@ -51,17 +51,17 @@ fn client(redis: &Redis, name: &str, node: u32) -> Client {
 }
 
 /// The flags of memory node `node` in pool `name`: one writable region `kv` of `region`, a
-/// read-only `ro` before it (so the writable one is tier 1), slots of `slot`.
+/// read-only `ro` before it (so the writable one is tier 1), slots of `slot`, and `extra`.
 fn node_args(
     redis: &Redis,
     dir: &Path,
     name: &str,
     node: u32,
     ttl_ms: u64,
-    region: &str,
-    slot: &str,
+    (region, slot): (&str, &str),
+    extra: &[&str],
 ) -> Vec<String> {
-    [
+    let mut args: Vec<String> = [
         "--listen",
         "127.0.0.1:0",
         "--region",
@@ -83,7 +83,9 @@ fn node_args(
     ]
     .iter()
     .map(|s| s.to_string())
-    .collect()
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
 }
 
 /// The writable region of a node started with [`node_args`].
@@ -159,7 +161,8 @@ fn blocks_put_into_a_memory_node_come_back_byte_for_byte_and_miss_once_it_left()
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 64 << 10;
     let mut node =
-        Node::start(&node_args(&redis, dir.path(), "data", 10, 60_000, "4MiB", "64KiB")).unwrap();
+        Node::start(&node_args(&redis, dir.path(), "data", 10, 60_000, ("4MiB", "64KiB"), &[]))
+            .unwrap();
     let writer = client(&redis, "data", 100);
     let blocks = put_blocks(&writer, 10, 48, LEN);
     assert_eq!(writer.resolver.connected(), [(NodeId(10), node.addr.to_string())]);
@@ -229,7 +232,7 @@ fn a_memory_node_killed_mid_get_fails_only_its_blocks_then_misses_after_its_ttl(
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 256 << 10;
     const N: usize = 24;
-    let args = |node| node_args(&redis, dir.path(), "kill", node, 3000, "8MiB", "256KiB");
+    let args = |node| node_args(&redis, dir.path(), "kill", node, 3000, ("8MiB", "256KiB"), &[]);
     let mut doomed = Node::start(&args(20)).unwrap();
     let survivor = Node::start(&args(21)).unwrap();
     let writer = client(&redis, "kill", 200);
@@ -315,4 +318,73 @@ fn a_memory_node_killed_mid_get_fails_only_its_blocks_then_misses_after_its_ttl(
     assert!(m.get_failures.load(Ordering::Relaxed) >= 1);
     // The dead node's connection is gone; the survivor's stays.
     assert_eq!(reader.resolver.connected(), [(NodeId(21), survivor.addr.to_string())]);
+}
+
+/// 16 threads of one client meet a memory node at once (its first contact: no connection yet),
+/// then keep loading while 16 threads of another client store: every load is byte-exact,
+/// every store lands, and each client holds one connection to the node.
+#[test]
+fn sixteen_threads_meet_a_memory_node_at_once() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    const LEN: usize = 16 << 10;
+    const THREADS: usize = 16;
+    let node = Node::start(&node_args(
+        &redis,
+        dir.path(),
+        "many",
+        30,
+        60_000,
+        ("8MiB", "16KiB"),
+        &["--metrics", "127.0.0.1:0"],
+    ))
+    .unwrap();
+    let writer = Arc::new(client(&redis, "many", 300));
+    let blocks = Arc::new(put_blocks(&writer, 30, 64, LEN));
+    let reader = Arc::new(client(&redis, "many", 301));
+    let start = Arc::new(std::sync::Barrier::new(THREADS * 2));
+    let mut threads = Vec::new();
+    for t in 0..THREADS {
+        let (reader, blocks, go) = (reader.clone(), blocks.clone(), start.clone());
+        threads.push(std::thread::spawn(move || {
+            go.wait();
+            for round in 0..8 {
+                let picks: Vec<usize> = (0..8).map(|k| (t * 5 + round * 3 + k * 7) % 64).collect();
+                let keys: Vec<BlockKey> = picks.iter().map(|&i| key(30, i)).collect();
+                let (out, bytes) = get_blocks(&reader, &keys, LEN);
+                for (j, (&i, o)) in picks.iter().zip(&out).enumerate() {
+                    assert!(o.is_loaded(), "thread {t} block {i}: {o:?}");
+                    let b = &blocks[i];
+                    assert!(bytes[j * LEN..j * LEN + b.len()] == b[..], "thread {t} block {i}");
+                }
+            }
+        }));
+        let (writer, go) = (writer.clone(), start.clone());
+        threads.push(std::thread::spawn(move || {
+            go.wait();
+            let own: Vec<u8> = block(31, t, LEN);
+            let src = writer.composite.register_memory(own).unwrap();
+            let put = PutBlock { key: key(31, t), src: src.id(), offset: 0, len: LEN as u64 };
+            let out = writer.pool.put_on(NodeId(30), KV, &[put]).unwrap();
+            assert!(matches!(out[..], [PutOutcome::Stored(_)]), "writer {t}: {out:?}");
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    let addr = node.addr.to_string();
+    // One connection per client: the 16 first contacts waited for one.
+    let metrics = pool_support::scrape(node.metrics.unwrap());
+    assert_eq!(pool_support::value(&metrics, "umbp_ucx_serve_clients_admitted_total"), 2);
+    assert_eq!(reader.resolver.connected(), [(NodeId(30), addr.clone())]);
+    assert_eq!(writer.resolver.connected(), [(NodeId(30), addr)]);
+    let keys: Vec<BlockKey> = (0..THREADS).map(|t| key(31, t)).collect();
+    let (out, bytes) = get_blocks(&reader, &keys, LEN);
+    for (t, o) in out.iter().enumerate() {
+        assert!(o.is_loaded(), "{o:?}");
+        assert!(bytes[t * LEN..(t + 1) * LEN] == block(31, t, LEN)[..]);
+    }
 }

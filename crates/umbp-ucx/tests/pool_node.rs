@@ -6,12 +6,11 @@
 mod pool_support;
 mod support;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-use pool_support::{available, password_file, pool_args, Node, Redis, PASSWORD};
+use pool_support::{available, password_file, pool_args, scrape, value, Node, Redis, PASSWORD};
 use umbp_pool::{
     checksum, BlockKey, Error, Index, NodeId, Placement, Published, RedisIndex, Reserved, TierId,
 };
@@ -28,24 +27,6 @@ fn publish(index: &RedisIndex, node: NodeId, key: BlockKey) -> Placement {
         [Published::Won(p)] => p,
         ref other => panic!("{other:?}"),
     }
-}
-
-/// `GET /metrics`.
-fn scrape(at: SocketAddr) -> String {
-    let mut s = TcpStream::connect(at).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    answer.split_once("\r\n\r\n").unwrap().1.to_owned()
-}
-
-fn value(body: &str, name: &str) -> u64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
-        .parse()
-        .unwrap()
 }
 
 /// A node joins with its writable region as tier 0 (16 slots of 64 KiB; the read-only region
@@ -250,4 +231,57 @@ fn bad_pool_settings_are_refused_by_name() {
     let node = Node::start(&args).unwrap();
     let nodes = redis.index("adv").nodes().unwrap();
     assert_eq!(nodes[0].address, format!("10.1.2.3:{}", node.addr.port()));
+}
+
+/// Redis killed under a running node: the node keeps serving and says `lapsing`, then
+/// `expired`, in its log and /metrics while its renewals fail; Redis restarted (empty): the
+/// node rejoins by itself, its tier registered again and empty, and says `joined` again.
+#[test]
+fn a_node_rejoins_a_restarted_redis_by_itself() {
+    if !available() {
+        return;
+    }
+    let mut redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(&pool_args(
+        &redis,
+        dir.path(),
+        "restart",
+        8,
+        600,
+        &["--metrics", "127.0.0.1:0"],
+    ))
+    .unwrap();
+    let at = node.metrics.unwrap();
+    let state =
+        |s: &str| value(&scrape(at), &format!("umbp_ucx_serve_pool_state{{state=\"{s}\"}}"));
+    let wait_for = |s: &str| {
+        let until = Instant::now() + Duration::from_secs(20);
+        while state(s) != 1 {
+            assert!(Instant::now() < until, "never {s}: {}", node.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(state("joined"), 1);
+    redis.kill();
+    wait_for("expired");
+    let body = scrape(at);
+    assert!(value(&body, "umbp_ucx_serve_pool_announce_failures_total") >= 1, "{body}");
+    let member = format!("umbp_ucx_serve_pool_member{{node=\"8\",address=\"{}\"}}", node.addr);
+    assert_eq!(value(&body, &member), 0);
+    redis.restart();
+    wait_for("joined");
+    let index = redis.index("restart");
+    let nodes = index.nodes().unwrap();
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    assert_eq!((nodes[0].node, nodes[0].address.clone()), (NodeId(8), node.addr.to_string()));
+    assert_eq!(index.tier_stats(NodeId(8), TierId(0)).unwrap().free, 16);
+    let p = publish(&index, NodeId(8), BlockKey::from_u128(8));
+    assert_eq!(index.lookup(&[p.key]).unwrap(), vec![Some(p)]);
+    let log = node.log();
+    assert!(log.contains("announcement not renewed") && log.contains("state=\"expired\""), "{log}");
+    assert!(
+        log.contains("announcement renewed again") && log.contains("rejoined_empty=true"),
+        "{log}"
+    );
 }

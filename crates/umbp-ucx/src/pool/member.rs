@@ -344,7 +344,9 @@ impl Drop for Membership {
     }
 }
 
-/// Announces the node with its tiers' free bytes now.
+/// Announces the node with its tiers' free bytes now. A tier the index forgot (its server
+/// restarted without its data) is registered again first: it is empty, and so is the node
+/// when this announcement rejoins it.
 fn announce(
     index: &dyn Index,
     config: &MembershipConfig,
@@ -353,7 +355,18 @@ fn announce(
 ) -> Result<(), Error> {
     let mut free = Vec::with_capacity(tiers.len());
     for spec in tiers {
-        let stats = index.tier_stats(spec.node, spec.tier)?;
+        let stats = match index.tier_stats(spec.node, spec.tier) {
+            Err(Error::UnknownTier { .. }) => {
+                tracing::info!(
+                    node = spec.node.0,
+                    tier = spec.tier.0,
+                    "pool: the index forgot this tier; registering it again"
+                );
+                index.register_tier(spec)?;
+                index.tier_stats(spec.node, spec.tier)?
+            }
+            other => other?,
+        };
         free.push((spec.tier, u64::from(stats.free).saturating_mul(spec.slot_size)));
     }
     let a = NodeAnnouncement { node: config.node, address: config.address.clone(), tiers: free };

@@ -52,6 +52,9 @@ pub struct UcxResolver {
     /// tried again, so that the gets meeting a dead node before its announcement expires do
     /// not each wait for a connect timeout.
     refused: Mutex<HashMap<NodeId, (String, Instant)>>,
+    /// One lock per node, held while connecting to it: the gets that meet a node at once wait
+    /// for one connection instead of each making its own.
+    connecting: Mutex<HashMap<NodeId, Arc<Mutex<()>>>>,
 }
 
 /// How long a node whose connection failed is not tried again at the same address.
@@ -83,6 +86,7 @@ impl UcxResolver {
             composite,
             peers: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            connecting: Mutex::new(HashMap::new()),
         })
     }
 
@@ -106,6 +110,14 @@ impl UcxResolver {
     }
 
     fn try_resolve(&self, node: &NodeAnnouncement, spec: &TierSpec) -> Result<TierRegion, String> {
+        let one = Arc::clone(
+            self.connecting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(node.node)
+                .or_default(),
+        );
+        let _connecting = one.lock().unwrap_or_else(PoisonError::into_inner);
         let mut retired = Retired::default();
         // A peer that moved or died is dropped; a connection, made outside the lock.
         let connected = {
@@ -146,25 +158,18 @@ impl UcxResolver {
                     return Err(format!("connecting to {}: {}", node.address, chain(&e)));
                 }
             };
-            let mut peers = self.lock();
-            let raced = peers.get(&node.node).is_some_and(|p| p.address == node.address);
-            if raced {
-                // Another get connected meanwhile: keep its connection.
-                drop(peers);
-                let _ = self.engine.disconnect(info.id);
-            } else {
-                tracing::info!(node = node.node.0, address = %node.address, peer = info.id, "pool: memory node connected");
-                let old = peers.insert(
-                    node.node,
-                    Peer { address: node.address.clone(), info, tiers: HashMap::new() },
-                );
-                drop(peers);
-                if let Some(old) = old {
-                    self.retire(Retired {
-                        registrations: old.tiers.into_values().collect(),
-                        peers: vec![old.info.id],
-                    });
-                }
+            tracing::info!(node = node.node.0, address = %node.address, peer = info.id, "pool: memory node connected");
+            // Connections to a node are made under its lock: nothing was inserted meanwhile
+            // but by `forget` (which only removes), so this is the node's one connection.
+            let old = self.lock().insert(
+                node.node,
+                Peer { address: node.address.clone(), info, tiers: HashMap::new() },
+            );
+            if let Some(old) = old {
+                self.retire(Retired {
+                    registrations: old.tiers.into_values().collect(),
+                    peers: vec![old.info.id],
+                });
             }
         }
         let mut peers = self.lock();

@@ -39,40 +39,67 @@ pub(crate) fn redis_or_skip() -> bool {
 
 /// A `redis-server` this test started.
 pub(crate) struct Redis {
-    child: Child,
+    child: Option<Child>,
     pub(crate) port: u16,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Redis {
     /// Starts one on a fresh loopback port (a few tries: a port may be taken meanwhile).
     pub(crate) fn start() -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        let mut redis = Self { child: None, port: 0, dir: tempfile::tempdir().unwrap() };
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let mut child = Command::new("redis-server")
-                .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--requirepass", PASSWORD, "--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("spawn redis-server");
-            let until = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < until {
-                if child.try_wait().unwrap().is_some() {
-                    break;
-                }
-                if ping(port) {
-                    return Self { child, port, _dir: dir };
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            redis.port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            if redis.launch() {
+                return redis;
             }
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// Starts the process on `self.port`; false if it exited instead of answering in 10 s.
+    fn launch(&mut self) -> bool {
+        let mut child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--requirepass", PASSWORD, "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if child.try_wait().unwrap().is_some() {
+                return false;
+            }
+            if ping(self.port) {
+                self.child = Some(child);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    /// Kills the server (SIGKILL: it keeps no data).
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
         }
-        panic!("redis-server did not start");
+    }
+
+    /// Starts it again, empty, on the same port.
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !self.launch() {
+            assert!(Instant::now() < until, "redis-server did not restart on port {}", self.port);
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// `redis://127.0.0.1:PORT/`, without the password.
@@ -102,8 +129,7 @@ fn ping(port: u16) -> bool {
 
 impl Drop for Redis {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
@@ -241,4 +267,22 @@ pub(crate) fn pool_args(
     }
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// `GET /metrics`.
+pub(crate) fn scrape(at: SocketAddr) -> String {
+    let mut s = TcpStream::connect(at).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+pub(crate) fn value(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{body}"))
+        .parse()
+        .unwrap()
 }
