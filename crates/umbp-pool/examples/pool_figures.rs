@@ -1,6 +1,10 @@
 //! Figures for the pool's notes: a batched lookup of 62,500 keys (the 999,936-token prefix in
 //! 16-token blocks) through Redis on loopback and through the embedded index, and the embedded
-//! index's durable publish rate. Starts its own `redis-server` (skipped if it is missing).
+//! index's durable publish rate. Starts its own `redis-server`s (skipped if it is missing).
+//! The Redis lookup runs on the direct path and the redis-rs path in alternating rounds, with
+//! the server's HMGET time (its command statistics) and the CPU the server's main thread and
+//! this thread spent per lookup; then with the keys sharded over 1, 2 and 4 servers, looked up
+//! in parallel. `umbp-bench pool` runs these beside Mooncake Store.
 //!
 //! `cargo run --release -p umbp-pool --example pool_figures`
 //!
@@ -76,6 +80,45 @@ fn lookups(index: &dyn Index, rounds: usize) -> Vec<f64> {
         .collect()
 }
 
+/// An admin connection to `server`.
+fn admin(server: &support::RedisServer) -> redis::Connection {
+    redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// The server's total HMGET time so far, in microseconds (its command statistics).
+fn hmget_usec(admin: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(admin).unwrap();
+    info.lines()
+        .find(|l| l.starts_with("cmdstat_hmget:"))
+        .and_then(|l| l.split(',').find(|f| f.starts_with("usec=")))
+        .and_then(|f| f["usec=".len()..].parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The server's main-thread CPU seconds so far (user + system, its `INFO cpu`).
+fn server_cpu(admin: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query(admin).unwrap();
+    info.lines()
+        .filter(|l| {
+            l.starts_with("used_cpu_user_main_thread:")
+                || l.starts_with("used_cpu_sys_main_thread:")
+        })
+        .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// This thread's CPU seconds so far (user + system, from /proc; 10 ms ticks).
+fn thread_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    f.get(11).zip(f.get(12)).map_or(0.0, |(u, s)| (u + s) / 100.0)
+}
+
 fn main() {
     println!("load before: {}", load());
     let spec = TierSpec::new(NodeId(1), TierId(0), 16, KEYS as u32).durable().watermarks(0, 0);
@@ -147,34 +190,115 @@ fn main() {
                 })
                 .collect();
             println!("redis lookup of 1 key (the round-trip floor): {}", summary(rtt));
-            let admin = redis::Client::open(format!(
-                "redis://:{}@127.0.0.1:{}/",
-                support::PASSWORD,
-                server.port()
-            ))
-            .unwrap();
-            let mut admin = admin.get_connection().unwrap();
-            redis::cmd("CONFIG").arg("RESETSTAT").query::<()>(&mut admin).unwrap();
-            let rounds = 30;
+            let mut admin = admin(&server);
+            // The direct path (the default) and the redis-rs path, alternating lookup by
+            // lookup; the server's HMGET time of each lookup from its command statistics.
+            let mut config = server.config("figures");
+            config.direct_lookup = false;
+            let values = umbp_pool::RedisIndex::connect(&config).unwrap();
+            let keys: Vec<BlockKey> = (0..KEYS).map(key).collect();
+            let _ = values.lookup(&keys).unwrap();
+            let _ = index.lookup(&keys).unwrap();
+            let (mut direct_t, mut values_t, mut direct_s, mut values_s) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            // CPU seconds over all rounds: [server main thread, this thread] per path.
+            let mut cpu = [[0.0f64; 2]; 2];
+            for _ in 0..20 {
+                for (path, (which, t, s)) in [
+                    (&index, &mut direct_t, &mut direct_s),
+                    (&values, &mut values_t, &mut values_s),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let before = hmget_usec(&mut admin);
+                    let server_before = server_cpu(&mut admin);
+                    let client_before = thread_cpu();
+                    let start = Instant::now();
+                    let found = which.lookup(&keys).unwrap();
+                    t.push(start.elapsed().as_secs_f64());
+                    cpu[path][1] += thread_cpu() - client_before;
+                    cpu[path][0] += server_cpu(&mut admin) - server_before;
+                    s.push((hmget_usec(&mut admin) - before) / 1e6);
+                    assert!(found.iter().all(Option::is_some));
+                }
+            }
+            println!("redis lookup of {KEYS} keys, direct path:   {}", summary(direct_t));
+            println!("  of which the server's HMGET time:        {}", summary(direct_s));
+            println!("redis lookup of {KEYS} keys, redis-rs path: {}", summary(values_t));
+            println!("  of which the server's HMGET time:        {}", summary(values_s));
+            for (path, [server, client]) in ["direct", "redis-rs"].iter().zip(cpu) {
+                println!(
+                    "  CPU per lookup, {path} path: server main thread {:.1} ms (HMGET and the rest: reading, parsing, writing), client thread {:.1} ms",
+                    server / 20.0 * 1e3,
+                    client / 20.0 * 1e3
+                );
+            }
+        }
+    }
+
+    // The keys sharded over 1, 2 and 4 servers (by the key's first byte), one lookup per
+    // server in parallel threads: the wall time of the whole lookup.
+    if support::redis_available() {
+        for shards in [1usize, 2, 4] {
+            let servers: Vec<_> =
+                (0..shards).map(|_| support::RedisServer::start().unwrap()).collect();
+            let indexes: Vec<_> = servers
+                .iter()
+                .map(|s| {
+                    let index = umbp_pool::RedisIndex::connect(&s.config("figures")).unwrap();
+                    index
+                        .announce(
+                            &NodeAnnouncement {
+                                node: spec.node,
+                                address: "local".into(),
+                                tiers: vec![],
+                            },
+                            TTL,
+                        )
+                        .unwrap();
+                    index.register_tier(&spec).unwrap();
+                    index
+                })
+                .collect();
+            let shard_of = |k: &BlockKey| usize::from(k.0[0]) % shards;
+            let mut parts: Vec<Vec<BlockKey>> = vec![Vec::new(); shards];
+            for k in (0..KEYS).map(key) {
+                parts[shard_of(&k)].push(k);
+            }
+            for (index, part) in indexes.iter().zip(&parts) {
+                for chunk in part.chunks(1024) {
+                    let items: Vec<(BlockKey, u64)> = chunk.iter().map(|&k| (k, 16)).collect();
+                    let reserved = index.reserve_many(spec.node, spec.tier, &items, TTL).unwrap();
+                    let publish: Vec<_> = reserved
+                        .into_iter()
+                        .map(|r| match r.unwrap() {
+                            Reserved::Slot(r) => (r, 0),
+                            other => panic!("fresh pool: {other:?}"),
+                        })
+                        .collect();
+                    index.publish(&publish).unwrap();
+                }
+            }
+            let samples: Vec<f64> = (0..21)
+                .map(|_| {
+                    let t = Instant::now();
+                    std::thread::scope(|scope| {
+                        let handles: Vec<_> = indexes
+                            .iter()
+                            .zip(&parts)
+                            .map(|(index, part)| scope.spawn(move || index.lookup(part).unwrap()))
+                            .collect();
+                        for h in handles {
+                            assert!(h.join().unwrap().iter().all(Option::is_some));
+                        }
+                    });
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
             println!(
-                "redis lookup of {KEYS} keys, one round trip: {}",
-                summary(lookups(&index, rounds))
-            );
-            // The server's own time per lookup (HMGET of every key; the alive-nodes script is
-            // separate), from its command statistics.
-            let info: String = redis::cmd("INFO").arg("commandstats").query(&mut admin).unwrap();
-            let usec = |cmd: &str| -> f64 {
-                info.lines()
-                    .find(|l| l.starts_with(&format!("cmdstat_{cmd}:")))
-                    .and_then(|l| l.split(',').find(|f| f.starts_with("usec=")))
-                    .and_then(|f| f["usec=".len()..].parse().ok())
-                    .unwrap_or(0.0)
-            };
-            println!(
-                "redis server time per {KEYS}-key lookup: HMGET {:.2} ms, alive-nodes script {:.3} ms (mean of {} lookups)",
-                usec("hmget") / 1e3 / (rounds + 1) as f64,
-                usec("evalsha") / 1e3 / (rounds + 1) as f64,
-                rounds + 1
+                "redis lookup of {KEYS} keys sharded over {shards} server(s), in parallel: {}",
+                summary(samples[1..].to_vec())
             );
         }
     }

@@ -248,3 +248,81 @@ fn redis_killed_and_restarted_mid_run() {
         answers.load(Ordering::Relaxed)
     );
 }
+
+/// Batched lookups decode their reply directly (plain TCP) or through redis-rs (`direct_lookup:
+/// false`, and TLS): both answer the same, over chunk boundaries, with misses, a dead node's
+/// placements and a server that forgot the alive-nodes script; a corrupt value is a typed
+/// error on both, and the direct path goes on serving after it.
+#[test]
+fn direct_and_redis_rs_lookups_agree() {
+    let Some(server) = RedisServer::start() else { return };
+    let direct = connect(&server);
+    let mut config = server.config("test");
+    config.direct_lookup = false;
+    let values = RedisIndex::connect(&config).unwrap();
+    let one = TierSpec::new(NODE, TierId(0), 64, 12_000);
+    let two = TierSpec::new(NodeId(2), TierId(0), 64, 100);
+    setup(&direct, &one);
+    setup(&direct, &two);
+    let mut saved = Vec::new();
+    for chunk in (0..9_000u64).collect::<Vec<_>>().chunks(1024) {
+        let items: Vec<_> = chunk.iter().map(|&i| (key(i), 16)).collect();
+        let reserved = direct.reserve_many(NODE, TierId(0), &items, TTL).unwrap();
+        let publish: Vec<_> = reserved
+            .into_iter()
+            .map(|r| match r.unwrap() {
+                umbp_pool::Reserved::Slot(r) => (r, umbp_pool::checksum(&r.key.0)),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        saved.extend(direct.publish(&publish).unwrap());
+    }
+    let on_two = put(&direct, key(50_000), &two);
+    // Hits of both nodes, and misses, spread over three 4,096-key chunks.
+    let keys: Vec<_> = (0..12_000u64)
+        .map(|i| if i % 7 == 3 { key(100_000 + i) } else { key(i % 9_000) })
+        .collect();
+    let mut keys = keys;
+    keys[4_095] = key(50_000);
+    keys[4_096] = key(50_000);
+    let a = direct.lookup(&keys).unwrap();
+    assert_eq!(a, values.lookup(&keys).unwrap());
+    assert_eq!(a[4_095], Some(on_two));
+    for (i, found) in a.iter().enumerate() {
+        match i {
+            4_095 | 4_096 => {}
+            i if i % 7 == 3 => assert_eq!(*found, None, "key {i}"),
+            i => {
+                let umbp_pool::Published::Won(p) = saved[i % 9_000] else { panic!() };
+                assert_eq!(*found, Some(p), "key {i}");
+            }
+        }
+    }
+    assert_eq!(direct.lookup(&[]).unwrap(), vec![]);
+
+    let admin =
+        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+            .unwrap();
+    let mut admin = admin.get_connection().unwrap();
+    // Node 2 dies: its placement leaves both paths' lookups at once.
+    redis::cmd("DEL").arg("{test}:node:2").query::<()>(&mut admin).unwrap();
+    let a = direct.lookup(&keys).unwrap();
+    assert_eq!(a, values.lookup(&keys).unwrap());
+    assert_eq!((a[4_095], a[4_096]), (None, None));
+    assert!(a[0].is_some());
+    // The server forgets every script: both paths load the alive-nodes script again.
+    redis::cmd("SCRIPT").arg("FLUSH").query::<()>(&mut admin).unwrap();
+    assert_eq!(direct.lookup(&keys).unwrap(), a);
+    redis::cmd("SCRIPT").arg("FLUSH").query::<()>(&mut admin).unwrap();
+    assert_eq!(values.lookup(&keys).unwrap(), a);
+    // A value of the wrong shape is corrupt on both paths, and the direct path recovers.
+    redis::cmd("HSET")
+        .arg("{test}:blocks")
+        .arg(&key(5).0[..])
+        .arg("short")
+        .query::<()>(&mut admin)
+        .unwrap();
+    assert!(matches!(direct.lookup(&keys), Err(Error::Corrupt(_))));
+    assert!(matches!(values.lookup(&keys), Err(Error::Corrupt(_))));
+    assert_eq!(direct.lookup(&[key(6), key(100_003)]).unwrap(), vec![a[6], None]);
+}

@@ -9,6 +9,7 @@
 //! read, write and connect timeouts, and a connection that failed is dropped, so a restarted
 //! server is reconnected to on the next call. See [`scripts`] for the key layout.
 
+mod lookup;
 mod scripts;
 
 use std::collections::{HashMap, HashSet};
@@ -42,6 +43,11 @@ pub struct RedisConfig {
     /// PEM file of the CA that signed the server's certificate, for `rediss://` with a private
     /// CA (the system's roots otherwise). Needs the `tls` feature.
     pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Batched lookups write their pipeline and decode its reply directly over their own TCP
+    /// connections (default `true`), instead of through redis-rs's parser, which allocates a
+    /// value per key. `false`, and any TLS server, takes the redis-rs path. Both send the same
+    /// commands and give the same answers.
+    pub direct_lookup: bool,
 }
 
 impl RedisConfig {
@@ -54,6 +60,7 @@ impl RedisConfig {
             prefix: "umbp".into(),
             timeout: Duration::from_secs(5),
             tls_ca_file: None,
+            direct_lookup: true,
         }
     }
 }
@@ -114,6 +121,8 @@ pub struct RedisIndex {
     prefix: String,
     scripts: Scripts,
     registered: Mutex<HashMap<(NodeId, TierId), TierSpec>>,
+    /// The batched lookup's direct path (plain TCP servers; `None`: the redis-rs path).
+    direct: Option<lookup::Direct>,
 }
 
 impl std::fmt::Debug for RedisIndex {
@@ -188,6 +197,10 @@ impl RedisIndex {
         if config.password.is_some() {
             info.redis.password = config.password.clone();
         }
+        let direct = config
+            .direct_lookup
+            .then(|| lookup::Direct::for_connection(&info, config.timeout))
+            .flatten();
         let client = Self::client(info, config)?;
         let index = Self {
             client,
@@ -196,6 +209,7 @@ impl RedisIndex {
             prefix: format!("{{{}}}", config.prefix),
             scripts: Scripts::new(),
             registered: Mutex::new(HashMap::new()),
+            direct,
         };
         index.with(|c| redis::cmd("PING").query::<()>(c))?;
         Ok(index)
@@ -322,6 +336,74 @@ impl RedisIndex {
                 .arg(ttl_ms(ttl))
                 .invoke(c)
         })
+    }
+
+    /// The batched lookup through redis-rs (TLS and Unix-socket servers): the same pipeline as
+    /// the direct path, each reply parsed into `Value`s.
+    fn lookup_values(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
+        // The alive-nodes script first, then the keys in chunks: one pipeline, one round trip,
+        // and the server answers the first chunks while the client still parses.
+        let blocks = format!("{}:blocks", self.prefix);
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA").arg(self.scripts.alive.get_hash()).arg(0).arg(&self.prefix);
+        for chunk in keys.chunks(LOOKUP_CHUNK) {
+            let hmget = pipe.cmd("HMGET").arg(&blocks);
+            for k in chunk {
+                hmget.arg(&k.0[..]);
+            }
+        }
+        let replies: Vec<Value> = self.with(|c| match pipe.query(c) {
+            Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)?;
+                pipe.query(c)
+            }
+            other => other,
+        })?;
+        let (alive, found) =
+            replies.split_first().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
+        let alive: HashSet<u32> = array("alive nodes", alive)?
+            .iter()
+            .map(|v| int("alive nodes", v).map(|n| n as u32))
+            .collect::<Result<_, _>>()?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (reply, chunk) in found.iter().zip(keys.chunks(LOOKUP_CHUNK)) {
+            let reply = array("lookup", reply)?;
+            if reply.len() != chunk.len() {
+                return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
+            }
+            for (v, &key) in reply.iter().zip(chunk) {
+                out.push(match v {
+                    Value::Nil => None,
+                    v => {
+                        let p = Placement::decode(key, bytes("lookup", v)?)?;
+                        alive.contains(&p.node.0).then_some(p)
+                    }
+                });
+            }
+        }
+        if out.len() != keys.len() {
+            return Err(corrupt("lookup", &Value::Int(out.len() as i64)));
+        }
+        Ok(out)
+    }
+
+    /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
+    /// place. A server that lost the alive-nodes script (a restart) gets it loaded once.
+    fn lookup_direct(
+        &self,
+        direct: &lookup::Direct,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Option<Placement>>, Error> {
+        let hash = self.scripts.alive.get_hash();
+        for _ in 0..2 {
+            match direct.lookup(hash, &self.prefix, keys, LOOKUP_CHUNK)? {
+                lookup::Found::Placements(found) => return Ok(found),
+                lookup::Found::NoScript => self.with(|c| {
+                    redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)
+                })?,
+            }
+        }
+        Err(Error::Corrupt("the server forgot the alive-nodes script twice in a row".into()))
     }
 }
 
@@ -489,50 +571,10 @@ impl Index for RedisIndex {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        // The alive-nodes script first, then the keys in chunks: one pipeline, one round trip,
-        // and the server answers the first chunks while the client still parses.
-        let blocks = format!("{}:blocks", self.prefix);
-        let mut pipe = redis::pipe();
-        pipe.cmd("EVALSHA").arg(self.scripts.alive.get_hash()).arg(0).arg(&self.prefix);
-        for chunk in keys.chunks(LOOKUP_CHUNK) {
-            let hmget = pipe.cmd("HMGET").arg(&blocks);
-            for k in chunk {
-                hmget.arg(&k.0[..]);
-            }
+        match &self.direct {
+            Some(direct) => self.lookup_direct(direct, keys),
+            None => self.lookup_values(keys),
         }
-        let replies: Vec<Value> = self.with(|c| match pipe.query(c) {
-            Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)?;
-                pipe.query(c)
-            }
-            other => other,
-        })?;
-        let (alive, found) =
-            replies.split_first().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
-        let alive: HashSet<u32> = array("alive nodes", alive)?
-            .iter()
-            .map(|v| int("alive nodes", v).map(|n| n as u32))
-            .collect::<Result<_, _>>()?;
-        let mut out = Vec::with_capacity(keys.len());
-        for (reply, chunk) in found.iter().zip(keys.chunks(LOOKUP_CHUNK)) {
-            let reply = array("lookup", reply)?;
-            if reply.len() != chunk.len() {
-                return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
-            }
-            for (v, &key) in reply.iter().zip(chunk) {
-                out.push(match v {
-                    Value::Nil => None,
-                    v => {
-                        let p = Placement::decode(key, bytes("lookup", v)?)?;
-                        alive.contains(&p.node.0).then_some(p)
-                    }
-                });
-            }
-        }
-        if out.len() != keys.len() {
-            return Err(corrupt("lookup", &Value::Int(out.len() as i64)));
-        }
-        Ok(out)
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
