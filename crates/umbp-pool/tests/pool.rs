@@ -564,6 +564,8 @@ struct Loopback {
     region: TierRegion,
     resolved: AtomicUsize,
     forgotten: AtomicUsize,
+    /// What `is_current` answers.
+    current: AtomicBool,
 }
 
 impl TierResolver for Loopback {
@@ -575,6 +577,10 @@ impl TierResolver for Loopback {
     }
     fn forget(&self, _spec: &TierSpec) {
         self.forgotten.fetch_add(1, Ordering::Relaxed);
+    }
+    fn is_current(&self, node: NodeId, region: &TierRegion) -> bool {
+        assert_eq!((node, *region), (NodeId(7), self.region));
+        self.current.load(Ordering::Relaxed)
     }
 }
 
@@ -597,6 +603,7 @@ fn other_nodes_tiers_through_a_resolver_and_a_dead_peer_costs_only_its_blocks() 
         region: TierRegion::new(remote.id(), 0, &spec7),
         resolved: AtomicUsize::new(0),
         forgotten: AtomicUsize::new(0),
+        current: AtomicBool::new(true),
     });
     let me = Pool::with_resolver(
         index.clone(),
@@ -647,6 +654,15 @@ fn other_nodes_tiers_through_a_resolver_and_a_dead_peer_costs_only_its_blocks() 
     let got = me.get(&gets).unwrap();
     assert!(got.iter().all(GetOutcome::is_loaded), "{got:?}");
     assert_eq!(resolver.resolved.load(Ordering::Relaxed), 2);
+
+    // The resolver says its cached region is stale (its peer reconnected): the pool resolves
+    // again before using it, and no block fails.
+    resolver.current.store(false, Ordering::Relaxed);
+    let got = me.get(&gets).unwrap();
+    resolver.current.store(true, Ordering::Relaxed);
+    assert!(got.iter().all(GetOutcome::is_loaded), "{got:?}");
+    assert_eq!(resolver.resolved.load(Ordering::Relaxed), 3);
+    assert_eq!(resolver.forgotten.load(Ordering::Relaxed), 2);
 
     // Without a resolver, another node's block is unreachable: a failure, not a hit.
     let alone =
@@ -759,4 +775,41 @@ fn add_tier_refuses_what_it_cannot_verify_or_hold() {
         Pool::new(index, rig.composite.clone(), zero),
         Err(umbp_pool::Error::InvalidConfig(_))
     ));
+}
+
+#[test]
+fn after_a_redis_restart_the_node_comes_back_and_puts_work() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let index: Arc<dyn Index> =
+        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-restart")).unwrap());
+    let rig = rig(4);
+    let config = PoolConfig { announce_ttl: Duration::from_millis(600), ..PoolConfig::new(NODE) };
+    let pool = pool_on(&rig, index.clone(), config);
+    let src = rig.composite.register_memory(bytes_of(1, SLOT)).unwrap();
+    let block = |k| [PutBlock { key: key(k), src: src.id(), offset: 0, len: SLOT }];
+    assert!(matches!(pool.put(DRAM, &block(1)).unwrap()[0], PutOutcome::Stored(_)));
+    // The server restarts empty: it forgot the node, its tier and the block.
+    server.restart();
+    // The announcer registers the tier again and announces the node (every 200 ms): within a
+    // few periods, a put works again. Polled, not timed: a loaded machine only makes it later.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match pool.put(DRAM, &block(2)) {
+            Ok(out) if matches!(out[0], PutOutcome::Stored(_)) => break,
+            other => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the node never came back: {other:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    assert_eq!(index.nodes().unwrap().len(), 1);
+    assert_eq!(pool.exists(&[key(1), key(2)]).unwrap(), vec![false, true]);
+    let dst = rig.composite.register_memory(vec![0u8; SLOT as usize]).unwrap();
+    let got =
+        pool.get(&[GetBlock { key: key(2), dst: dst.id(), offset: 0, capacity: SLOT }]).unwrap();
+    assert!(got[0].is_loaded(), "{got:?}");
+    assert_eq!(dst.deregister(), bytes_of(1, SLOT));
 }

@@ -486,7 +486,16 @@ impl Inner {
             .collect();
         let mut free = Vec::with_capacity(tiers.len());
         for r in tiers {
-            let stats = self.index.tier_stats(r.spec.node, r.spec.tier)?;
+            let stats = match self.index.tier_stats(r.spec.node, r.spec.tier) {
+                // The index forgot the tier (a Redis server restarted empty): register it
+                // again, or the node would never be announced again and every put to it
+                // would find it dead.
+                Err(Error::UnknownTier { .. }) => {
+                    self.index.register_tier(&r.spec)?;
+                    self.index.tier_stats(r.spec.node, r.spec.tier)?
+                }
+                other => other?,
+            };
             free.push((r.spec.tier, u64::from(stats.free).saturating_mul(r.spec.slot_size)));
         }
         free.sort_by_key(|t| t.0);
@@ -519,10 +528,16 @@ impl Inner {
         if let Some(r) = read(&self.local).get(&(node, tier)) {
             return Ok(Some(*r));
         }
-        if let Some(r) = read(&self.resolved).get(&(node, tier)) {
-            return Ok(Some(*r));
-        }
         let Some(resolver) = &self.resolver else { return Ok(None) };
+        let cached = read(&self.resolved).get(&(node, tier)).copied();
+        if let Some(r) = cached {
+            if resolver.is_current(node, &r.region) {
+                return Ok(Some(r));
+            }
+            // The resolver knows the region is gone (its peer died or moved): resolve again
+            // now rather than fail a transfer through it first.
+            self.forget(node, tier, &r.region);
+        }
         if nodes.is_none() {
             *nodes = Some(self.index.nodes()?);
         }
