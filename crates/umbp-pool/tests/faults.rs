@@ -954,3 +954,118 @@ fn pool_drops_a_block_that_fails_verification() {
     let s = index.tier_stats(spec.node, spec.tier).unwrap();
     assert_eq!((s.published, s.free), (2, 6));
 }
+
+/// A [`Pool`](umbp_pool::Pool) with one DRAM tier (a fresh, zeroed arena) of 64 slots of 4 KiB,
+/// saving and loading blocks of [`DRAM_LEN`] bytes (writer 0's bytes of each id).
+struct DramPool {
+    pool: umbp_pool::Pool,
+    composite: umbp_composite::CompositeEngine,
+    spec: TierSpec,
+    _arena: umbp_plan::Registration<Vec<u8>>,
+}
+
+const DRAM_LEN: u64 = 3000;
+
+impl DramPool {
+    fn new(index: Arc<dyn Index>, node: NodeId, announce_ttl: Duration) -> Self {
+        use umbp_composite::{ChecksumPolicy, CompositeConfig, CompositeEngine};
+        use umbp_plan::{EndpointRegistry, Register};
+        let registry = EndpointRegistry::new();
+        let copy = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+        let config =
+            CompositeConfig { checksums: ChecksumPolicy::AllTiers, ..CompositeConfig::default() };
+        let composite = CompositeEngine::with_config(registry, vec![copy], config);
+        let spec = TierSpec::new(node, TierId(0), 4096, 64).watermarks(0, 0);
+        let arena = composite.register_memory(vec![0u8; 4096 * 64]).unwrap();
+        let mut pool_config = umbp_pool::PoolConfig::new(node);
+        pool_config.announce_ttl = announce_ttl;
+        let pool = umbp_pool::Pool::new(index, composite.clone(), pool_config).unwrap();
+        pool.add_tier(spec, umbp_pool::TierRegion::new(arena.id(), 0, &spec)).unwrap();
+        Self { pool, composite, spec, _arena: arena }
+    }
+
+    /// Puts blocks `from..to`: how many are in the pool after, or the call's error.
+    fn put(&self, from: u64, to: u64) -> Result<usize, Error> {
+        use umbp_plan::Register;
+        let bytes: Vec<u8> = (from..to).flat_map(|id| block_bytes(id, 0, DRAM_LEN)).collect();
+        let src = self.composite.register_memory(bytes).unwrap();
+        let blocks: Vec<umbp_pool::PutBlock> = (from..to)
+            .map(|id| umbp_pool::PutBlock {
+                key: key(id),
+                src: src.id(),
+                offset: (id - from) * DRAM_LEN,
+                len: DRAM_LEN,
+            })
+            .collect();
+        let out = self.pool.put(self.spec.tier, &blocks)?;
+        Ok(out.iter().filter(|o| o.is_in_pool()).count())
+    }
+
+    /// Gets blocks `from..to`: one letter per block, `L` loaded with the right bytes, `X`
+    /// loaded with wrong ones, `M` miss, `F` failed; or the call's error.
+    fn get(&self, from: u64, to: u64) -> Result<String, Error> {
+        use umbp_plan::Register;
+        use umbp_pool::GetOutcome;
+        let n = to - from;
+        let dst = self.composite.register_memory(vec![0u8; (n * DRAM_LEN) as usize]).unwrap();
+        let blocks: Vec<umbp_pool::GetBlock> = (from..to)
+            .map(|id| umbp_pool::GetBlock {
+                key: key(id),
+                dst: dst.id(),
+                offset: (id - from) * DRAM_LEN,
+                capacity: DRAM_LEN,
+            })
+            .collect();
+        let out = self.pool.get(&blocks)?;
+        let bytes = dst.deregister();
+        Ok(out
+            .iter()
+            .zip(from..)
+            .map(|(o, id)| match o {
+                GetOutcome::Loaded(_) => {
+                    let at = ((id - from) * DRAM_LEN) as usize;
+                    if bytes[at..at + DRAM_LEN as usize] == block_bytes(id, 0, DRAM_LEN)[..] {
+                        'L'
+                    } else {
+                        'X'
+                    }
+                }
+                GetOutcome::Miss => 'M',
+                GetOutcome::Failed(_) => 'F',
+            })
+            .collect())
+    }
+}
+
+/// The pool's data path across a Redis restart: while the server is down a put and a get fail
+/// as calls (`Error::Redis`, nothing written or loaded); once it is back (empty) the pool's own
+/// announcer rejoins the node, gets are misses, and puts store and gets load again, with no
+/// help from the caller.
+#[test]
+fn pool_resumes_by_itself_after_a_redis_restart() {
+    let Some(mut server) = RedisServer::start() else { return };
+    let index: Arc<dyn Index> = Arc::new(RedisIndex::connect(&server.config(PREFIX)).unwrap());
+    let pool = DramPool::new(index, NodeId(1), Duration::from_millis(300));
+    assert_eq!(pool.put(0, 8).unwrap(), 8);
+    assert_eq!(pool.get(0, 8).unwrap(), "LLLLLLLL");
+    server.kill();
+    assert!(matches!(pool.put(8, 16), Err(Error::Redis(_))));
+    assert!(matches!(pool.get(0, 8), Err(Error::Redis(_))));
+    server.restart();
+    assert_eq!(pool.get(0, 8).unwrap(), "MMMMMMMM", "the restarted server knows nothing");
+    // The announcer (every 100 ms) rejoins the node; the index registers its tier again.
+    let back = Instant::now();
+    while pool.put(0, 8).ok() != Some(8) {
+        if back.elapsed() > Duration::from_secs(10) {
+            let r = pool.pool.index().reserve(key(0), pool.spec.node, pool.spec.tier, 1, TTL);
+            panic!(
+                "puts never resumed: {:?}; {r:?}; nodes {:?}",
+                pool.put(0, 8),
+                pool.pool.index().nodes()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("puts resumed {:?} after the restart", back.elapsed());
+    assert_eq!(pool.get(0, 10).unwrap(), "LLLLLLLLMM");
+}
