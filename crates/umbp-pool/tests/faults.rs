@@ -1069,3 +1069,61 @@ fn pool_resumes_by_itself_after_a_redis_restart() {
     eprintln!("puts resumed {:?} after the restart", back.elapsed());
     assert_eq!(pool.get(0, 10).unwrap(), "LLLLLLLLMM");
 }
+
+/// The child of [`restarted_instance_serves_none_of_its_old_dram_blocks`]: a [`DramPool`] over
+/// the shared Redis as node `UMBP_FAULTS_NODE`, announced for a minute (so a killed instance
+/// is still alive in the index when it restarts). Commands: `put FROM TO` (answers `stored N`),
+/// `get FROM TO` (answers [`DramPool::get`]'s letters).
+#[test]
+fn child_pool_instance() {
+    if role().as_deref() != Some("pool-instance") {
+        return;
+    }
+    let index = Arc::new(RedisIndex::connect(&redis_config(env("UMBP_FAULTS_PORT"))).unwrap());
+    let pool = DramPool::new(index, NodeId(env("UMBP_FAULTS_NODE")), Duration::from_secs(60));
+    reply("ready");
+    for line in commands() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let (from, to): (u64, u64) = (w[1].parse().unwrap(), w[2].parse().unwrap());
+        match w[0] {
+            "put" => reply(format!("stored {}", pool.put(from, to).unwrap())),
+            "get" => reply(pool.get(from, to).unwrap()),
+            other => panic!("unknown command {other}"),
+        }
+    }
+}
+
+/// An instance (a child process running a `Pool` over the shared Redis, with a DRAM tier) saves
+/// blocks and is killed with SIGKILL; restarted at once as the same node (its announcement
+/// has not expired), its DRAM arena is new. Its old blocks are never served: they are misses
+/// from the start (the restarted pool rejoins empty), and what it saves afterwards is served.
+#[test]
+fn restarted_instance_serves_none_of_its_old_dram_blocks() {
+    let Some(server) = RedisServer::start() else { return };
+    let spawn = |node: u32| {
+        let mut p = Process::spawn(
+            "child_pool_instance",
+            "pool-instance",
+            &[
+                ("UMBP_FAULTS_PORT", server.port().to_string()),
+                ("UMBP_FAULTS_NODE", node.to_string()),
+            ],
+        );
+        assert_eq!(p.answer(), "ready");
+        p
+    };
+    let mut a = spawn(2);
+    assert_eq!(a.ask("put 0 8"), "stored 8");
+    assert_eq!(a.ask("get 0 8"), "LLLLLLLL");
+    a.kill();
+    let mut a = spawn(2);
+    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    assert_eq!(
+        index.lookup(&(0..8).map(key).collect::<Vec<_>>()).unwrap(),
+        vec![None; 8],
+        "the restarted node's old DRAM blocks are still listed"
+    );
+    assert_eq!(a.ask("get 0 8"), "MMMMMMMM");
+    assert_eq!(a.ask("put 0 4"), "stored 4");
+    assert_eq!(a.ask("get 0 8"), "LLLLMMMM");
+}

@@ -361,6 +361,10 @@ impl Pool {
     /// another node's region it registered itself), registering `spec` with the index, and
     /// announces the node again with it.
     ///
+    /// A volatile tier of this pool's node starts empty: blocks the index still lists on it
+    /// (this node restarted before its announcement expired) are dropped, since the region
+    /// is new. A durable tier keeps them (see `EmbeddedIndex::reconcile`).
+    ///
     /// Errors: [`Error::InvalidConfig`] when the region's slot size is not the spec's, its
     /// endpoint is not registered with the composite, is shorter than the tier, or is a
     /// tier kind the composite's checksum policy does not cover; the index's
@@ -368,6 +372,20 @@ impl Pool {
     pub fn add_tier(&self, spec: TierSpec, region: TierRegion) -> Result<(), Error> {
         self.inner.check_region(&spec, &region)?;
         self.inner.index.register_tier(&spec)?;
+        if !spec.durable && spec.node == self.inner.config.node {
+            // A volatile tier's bytes did not outlive the process that wrote them: blocks the
+            // index still lists on it are an earlier life's (this node restarted before its
+            // announcement expired), and the fresh region holds none of them.
+            let stale = self.inner.index.evict(spec.node, spec.tier, spec.slot_count)?;
+            if stale > 0 {
+                tracing::info!(
+                    node = spec.node.0,
+                    tier = spec.tier.0,
+                    blocks = stale,
+                    "pool: dropped an earlier life's blocks of a volatile tier"
+                );
+            }
+        }
         write(&self.inner.local).insert((spec.node, spec.tier), Reach { spec, region });
         self.inner.announce()
     }
