@@ -12,8 +12,9 @@ use umbp_pool::{
     BlockError, BlockKey, EmbeddedIndex, GetBlock, GetOutcome, Index, NodeAnnouncement, NodeId,
     Placement as RsPlacement, Pool as RsPool, PoolConfig, Published, PutBlock, PutOutcome,
     RedisConfig, RedisIndex, Removed, Reservation as RsReservation, Reserved, TierId, TierRegion,
-    TierSpec,
+    TierResolver, TierSpec,
 };
+use umbp_ucx::pool::UcxResolver;
 
 use crate::{message, Engine, Registration};
 
@@ -553,9 +554,16 @@ impl Pool {
         config.lease_ttl = seconds("lease_ttl", lease_ttl)?;
         config.announce_ttl = seconds("announce_ttl", announce_ttl)?;
         let composite = (**engine.get().composite()).clone();
+        // An engine with the remote tier reaches memory nodes' tiers through it.
+        let resolver: Option<Arc<dyn TierResolver>> = match &engine.get().remote {
+            Some(remote) => Some(Arc::new(
+                UcxResolver::new(Arc::clone(remote), composite.clone()).map_err(crate::error)?,
+            )),
+            None => None,
+        };
         let index = Arc::clone(&index.index);
         let pool = py
-            .allow_threads(move || RsPool::new(index, composite, config))
+            .allow_threads(move || RsPool::with_resolver(index, composite, config, resolver))
             .map_err(|e| pool_error(py, &e))?;
         Ok(Self { pool: Mutex::new(Some(Arc::new(pool))), engine, tiers: Mutex::new(Vec::new()) })
     }
@@ -593,16 +601,20 @@ impl Pool {
     }
 
     /// Stores `blocks` (`(key, registration, offset, length)` each: the block's bytes in
-    /// registered memory) in tier `tier` of this node, in one reservation, one transfer batch
-    /// and one publish: per block `(status, placement, error)` with status `"stored"`,
+    /// registered memory) in tier `tier` of node `node` (default: this one; another node's
+    /// tier is reached through the remote engine), in one reservation, one transfer batch and
+    /// one publish: per block `(status, placement, error)` with status `"stored"`,
     /// `"present"` (already in the pool) or `"failed"` (nothing published; `error` says why).
+    #[pyo3(signature = (tier, blocks, *, node=None))]
     fn put(
         &self,
         py: Python<'_>,
         tier: u16,
         blocks: Vec<(Vec<u8>, PyRef<'_, Registration>, u64, u64)>,
+        node: Option<u32>,
     ) -> PyResult<Vec<Outcome>> {
         let pool = self.pool()?;
+        let node = node.map_or(pool.config().node, NodeId);
         let blocks: Vec<PutBlock> = blocks
             .iter()
             .map(|(k, r, offset, len)| {
@@ -610,8 +622,9 @@ impl Pool {
                 Ok(PutBlock { key: key_of(k)?, src: self.endpoint(r)?, offset: *offset, len: *len })
             })
             .collect::<PyResult<_>>()?;
-        let out =
-            py.allow_threads(|| pool.put(TierId(tier), &blocks)).map_err(|e| pool_error(py, &e))?;
+        let out = py
+            .allow_threads(|| pool.put_on(node, TierId(tier), &blocks))
+            .map_err(|e| pool_error(py, &e))?;
         Ok(out
             .into_iter()
             .map(|o| match o {

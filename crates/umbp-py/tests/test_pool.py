@@ -2,6 +2,7 @@
 embedded index (a redb file) and on a real redis-server started by the test (skipped with the
 reason printed when redis-server is absent, unless UMBP_REQUIRE_REDIS=1)."""
 
+import os
 import threading
 
 import numpy as np
@@ -223,3 +224,43 @@ def test_pool_sixteen_threads_overlapping_keys(index):
     assert not errors, errors[0]
     m = pool.metrics()
     assert m["hits"] > 0 and m["checksum_failures"] == 0 and m["get_failures"] == 0, m
+
+
+#: The shared secret the memory node and the engine authenticate each other with.
+SECRET = b"umbp python tests: 32 bytes long"
+
+
+def test_pool_reaches_a_memory_node_and_its_loss_costs_only_its_blocks(tmp_path):
+    try:
+        engine = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET, checksums="all_tiers")
+    except umbp.Error as e:
+        if os.environ.get("UMBP_REQUIRE_UCX") == "1":
+            raise
+        pytest.skip(f"no remote tier here: {e}")
+    # The memory node: one exported region, tier 0 of node 7 in the pool.
+    node_mem = np.zeros(SLOTS * SLOT, dtype=np.uint8)
+    server = umbp.Server({"arena": node_mem}, transports="tcp", secret=SECRET)
+    index = umbp.PoolIndex(str(tmp_path / "pool.redb"))
+    index.register_tier(7, 0, SLOT, SLOTS)
+    index.announce(7, server.address, [(0, SLOTS * SLOT)], 60.0)
+    pool = umbp.Pool(engine, index, node=3)
+    arena = engine.register(np.zeros(SLOT * SLOTS, dtype=np.uint8))
+    pool.add_tier(0, arena, slot_size=SLOT, slot_count=SLOTS)
+
+    far, near = block(1), block(2)
+    src = engine.register(np.concatenate([far, near]))
+    put = pool.put(0, [(key(1), src, 0, SLOT)], node=7) + pool.put(0, [(key(2), src, SLOT, SLOT)])
+    assert [r.status for r in put] == ["stored", "stored"], put
+    assert (put[0].placement.node, put[1].placement.node) == (7, 3)
+
+    dst = engine.register(np.zeros(2 * SLOT, dtype=np.uint8))
+    gets = [(key(1), dst, 0, SLOT), (key(2), dst, SLOT, SLOT)]
+    got = pool.get(gets)
+    assert [r.status for r in got] == ["loaded", "loaded"], got
+    assert engine.read(dst, 0, 2 * SLOT) == far.tobytes() + near.tobytes()
+
+    # The node goes away: its block fails (never loaded), the local one still loads.
+    server.close()
+    got = pool.get(gets)
+    assert [r.status for r in got] == ["failed", "loaded"], got
+    assert pool.metrics()["get_failures"] == 1

@@ -79,7 +79,13 @@ class Pool:
     ``announce_ttl`` seconds until :meth:`close`. A put's reservations last
     ``reservation_ttl`` seconds (a transfer still running at three quarters of it is
     cancelled and the block fails); a get's lease lasts ``lease_ttl`` seconds, renewed while
-    its transfer runs. Thread-safe: any number of threads may put and get at once."""
+    its transfer runs. Thread-safe: any number of threads may put and get at once.
+
+    Memory nodes: with an engine made with ``remote=True``, blocks placed on another node's
+    tier (a memory node that announced its address and registered its exported regions as
+    tiers 0, 1, ... in the index) are reached through the remote engine: connected on first
+    use, its region registered, and connected again after the node restarts. A node that dies
+    costs only its blocks (they fail; they are never reported loaded)."""
 
     def __init__(
         self,
@@ -132,12 +138,18 @@ class Pool:
         )
 
     def put(
-        self, tier: int, blocks: Sequence[Tuple[bytes, "Registration", int, int]]
+        self,
+        tier: int,
+        blocks: Sequence[Tuple[bytes, "Registration", int, int]],
+        *,
+        node: Optional[int] = None,
     ) -> List[BlockResult]:
         """Stores ``blocks``, each ``(key, registration, offset, length)`` (the block's bytes
-        in registered memory), in tier ``tier`` of this node. One result per block, in order.
-        Raises :class:`PoolError` only when the index could not be reached (nothing stored)."""
-        return _results(self._native.put(tier, list(blocks)))
+        in registered memory), in tier ``tier`` of node ``node`` (default: this pool's; a
+        memory node's tier is reached through the engine's remote tier). One result per
+        block, in order. Raises :class:`PoolError` only when the index could not be reached
+        (nothing stored)."""
+        return _results(self._native.put(tier, list(blocks), node=node))
 
     def get(self, blocks: Sequence[Tuple[bytes, "Registration", int, int]]) -> List[BlockResult]:
         """Loads ``blocks``, each ``(key, registration, offset, capacity)`` (where its bytes
