@@ -41,9 +41,9 @@ fn a_node_joins_renews_and_leaves_at_once_on_sigterm() {
     let redis = Redis::start();
     let dir = tempfile::tempdir().unwrap();
     let index = redis.index("join");
-    // Renewal: a 600 ms announcement, alive 2 s later.
+    // Renewal: a 1 s announcement, alive 3 s later.
     let mut node =
-        Node::start(&pool_args(&redis, dir.path(), "join", 3, 600, &["--metrics", "127.0.0.1:0"]))
+        Node::start(&pool_args(&redis, dir.path(), "join", 3, 1000, &["--metrics", "127.0.0.1:0"]))
             .unwrap();
     let nodes = index.nodes().unwrap();
     assert_eq!(nodes.len(), 1, "{nodes:?}");
@@ -53,7 +53,7 @@ fn a_node_joins_renews_and_leaves_at_once_on_sigterm() {
     let stats = index.tier_stats(NodeId(3), TierId(0)).unwrap();
     assert_eq!((stats.free, stats.reserved, stats.published), (16, 0, 0));
     assert!(matches!(index.tier_stats(NodeId(3), TierId(1)), Err(Error::UnknownTier { .. })));
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_secs(3));
     assert_eq!(index.nodes().unwrap().len(), 1, "renewed: {}", node.log());
     let p = publish(&index, NodeId(3), BlockKey::from_u128(1));
     let body = scrape(node.metrics.unwrap());

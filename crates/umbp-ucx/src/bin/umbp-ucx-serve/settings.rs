@@ -563,8 +563,9 @@ fn pool_settings(
     if let Some(name) = a.name {
         redis.prefix = name;
     }
-    // A call that takes longer than a third of the TTL would let the announcement lapse.
-    redis.timeout = (ttl / 3).clamp(Duration::from_millis(10), Duration::from_secs(5));
+    // A call that takes longer than a third of the TTL would let the announcement lapse; but
+    // under half a second, a loaded machine's slow answer would fail renewals for nothing.
+    redis.timeout = (ttl / 3).clamp(Duration::from_millis(500), Duration::from_secs(5));
     if let Some(path) = &a.password_file {
         let (password, warning) = read_secret(path)?;
         let password = String::from_utf8(password)
