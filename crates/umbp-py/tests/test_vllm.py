@@ -39,6 +39,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -119,6 +120,7 @@ class Harness:
         kv_heads=KV_HEADS,
         head=HEAD,
         tp=1,
+        kv_events=False,
         **extra,
     ):
         extra.setdefault("dram_bytes_per_rank", 64 << 20)
@@ -153,6 +155,9 @@ class Harness:
             kv_transfer_config=kv_transfer_config,
             device_config=DeviceConfig("cpu"),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            kv_events_config=(
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+            ),
         )
         self.tp = tp
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -1182,5 +1187,259 @@ def test_a_block_whose_load_failed_is_never_a_prefix_cache_hit_before_it_is_reco
         h.run()
         assert not h.load_errors
         assert h.prefills_checked == 3
+    finally:
+        h.close()
+
+
+# -- vLLM features: labels, KV events, the required layout, sleep mode ----------------------
+
+
+class KeptLoads(FailingLoads):
+    """FailingLoads that keeps every load batch it started, to read its objects' errors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
+    def start_restore(self, objects, *args, **kwargs):
+        batch = super().start_restore(objects, *args, **kwargs)
+        self.batches.append(batch)
+        return batch
+
+
+def test_the_tiers_and_the_kv_cache_are_registered_under_names_that_errors_use(tmp_path):
+    path = tmp_path / "kv.ssd"
+    slot = slot_bytes()
+    h = Harness(
+        tmp_path, dram_bytes_per_rank=8 * slot, ssd_path=str(path), ssd_bytes_per_rank=8 * slot
+    )
+    try:
+        side = h.worker.worker_side
+        assert side.dram.label == "vllm dram tier rank 0"
+        assert side.ssd.label == f"vllm ssd tier rank 0 ({path})"
+        labels = [r.label for r in side._registrations]
+        assert labels and all(l.startswith("vllm kv cache rank 0 layer model.layers.") for l in labels)
+        # The registrations name the layers they hold, first to last.
+        assert h.layers[0] in labels[0] and h.layers[-1] in labels[-1]
+        a = prompt(150, 3 * BS)
+        h.add("a", a + [9])
+        h.run()
+        keys = h.requests["a"].block_hashes[:3]
+        assert [h.index.entry(k).tier for k in keys] == [DRAM] * 3
+        assert h.scheduler.reset_prefix_cache()
+        fault = KeptLoads(side, [(DRAM, h.index.entry(keys[1]).slot)])
+        h.add("b", a + prompt(151, 20))
+        h.run()
+        assert fault.failed == 1 and len(h.load_errors) == 1
+        errors = [str(o.error) for b in fault.batches for o in b.wait().objects if not o.ok]
+        assert len(errors) == 1 and "vllm dram tier rank 0" in errors[0], errors
+        assert "endpoint" not in errors[0], errors
+    finally:
+        h.close()
+
+
+def stored_residency(events):
+    """What a consumer of the KV events believes the connector holds: (hash, medium) pairs."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    held = set()
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium in ("CPU", "STORAGE"):
+            for h in e.block_hashes:
+                assert (h, e.medium) not in held, f"stored twice: {e}"
+                held.add((h, e.medium))
+        elif isinstance(e, BlockRemoved) and e.medium in ("CPU", "STORAGE"):
+            for h in e.block_hashes:
+                assert (h, e.medium) in held, f"removed but never stored: {e}"
+                held.discard((h, e.medium))
+    return held
+
+
+def index_residency(index):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out = set()
+    for tier, medium in ((DRAM, "CPU"), (SSD, "STORAGE")):
+        for key in index.keys_in(tier):
+            if index.is_hit(key):
+                out.add((maybe_convert_block_hash(key), medium))
+    return out
+
+
+def test_kv_events_announce_what_the_tiers_hold_as_vllms_own_event_types(tmp_path):
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    slot = slot_bytes()
+    # 4 DRAM slots (one kept free) and 6 SSD slots for 15 blocks: demotions and evictions.
+    h = Harness(
+        tmp_path,
+        kv_events=True,
+        dram_bytes_per_rank=4 * slot,
+        dram_free_fraction=0.25,
+        ssd_path=str(tmp_path / "kv.ssd"),
+        ssd_bytes_per_rank=6 * slot,
+    )
+    events = []
+    h.scheduler.kv_event_publisher.publish = lambda batch: events.extend(batch.events)
+    try:
+        prompts = {f"r{i}": prompt(160 + i, 3 * BS) for i in range(5)}
+        for rid, p in prompts.items():
+            h.add(rid, p + [9])
+            h.run()
+            # After every request: the events say exactly what the index can load.
+            assert stored_residency(events) == index_residency(h.index)
+        # Each block's BlockStored is the block vLLM would announce: its hash, its parent's,
+        # its tokens.
+        r4 = h.requests["r4"]
+        stored = {
+            e.block_hashes[0]: e
+            for e in events
+            if isinstance(e, BlockStored) and e.medium in ("CPU", "STORAGE")
+        }
+        for i in range(3):
+            e = stored[maybe_convert_block_hash(r4.block_hashes[i])]
+            assert e.token_ids == prompts["r4"][i * BS : (i + 1) * BS]
+            assert e.block_size == BS
+            assert e.parent_block_hash == (
+                maybe_convert_block_hash(r4.block_hashes[i - 1]) if i else None
+            )
+        assert h.index.counters.demotions > 0 and h.index.counters.evictions[SSD] > 0
+        assert any(e.medium == "STORAGE" for e in events if isinstance(e, BlockStored))
+        # A block whose load fails leaves the tiers, and the events say so.
+        keys = r4.block_hashes[:3]
+        victim = next(k for k in keys if h.index.is_hit(k))
+        entry = h.index.entry(victim)
+        assert h.scheduler.reset_prefix_cache()
+        FailingLoads(h.worker.worker_side, [(entry.tier, entry.slot)])
+        h.add("again", prompts["r4"] + prompt(170, 20))
+        h.run()
+        assert h.load_errors and h.index.counters.failed_loads == 1
+        assert stored_residency(events) == index_residency(h.index)
+        # A reset (vLLM's sleep and weight updates) removes everything.
+        assert h.scheduler.connector.reset_cache()
+        events.extend(h.scheduler.connector.take_events())
+        assert stored_residency(events) == set() == index_residency(h.index)
+    finally:
+        h.close()
+
+
+class HeldSaves:
+    """A worker's engine whose save batches do not report done until ``release()``: saves
+    that are still in flight when the test acts."""
+
+    class _Batch:
+        def __init__(self, owner, batch):
+            self._owner, self._batch = owner, batch
+
+        def done(self):
+            return self._owner.released and self._batch.done()
+
+        def __getattr__(self, name):
+            return getattr(self._batch, name)
+
+    def __init__(self, worker_side):
+        self._engine = worker_side.engine
+        self.released = False
+        worker_side.engine = self
+
+    def release(self):
+        self.released = True
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def start_offload(self, objects, *args, **kwargs):
+        return self._Batch(self, self._engine.start_offload(objects, *args, **kwargs))
+
+
+def test_a_cache_reset_fails_the_saves_in_flight_so_nothing_from_before_it_is_a_hit(tmp_path):
+    # vLLM resets the connector's cache with its own when the KV no longer holds (sleep
+    # mode, new weights): a save that lands after the reset holds bytes from before it.
+    h = Harness(tmp_path)
+    try:
+        held = HeldSaves(h.worker.worker_side)
+        a = prompt(180, 4 * BS)
+        h.add("a", a + [9])
+        for _ in range(3):
+            h.step()
+        keys = h.requests["a"].block_hashes[:4]
+        assert h.index.pending_ops() == 4 and not any(h.index.is_hit(k) for k in keys)
+        assert h.scheduler.connector.reset_cache()
+        held.release()
+        h.run()
+        assert h.stats.get("saved_blocks.dram") == 4  # every rank completed them...
+        assert not any(h.index.is_hit(k) for k in keys)  # ...and none is a hit
+        assert h.index.free_slots(DRAM) == h.index._slots[DRAM].count
+        # What is saved after the reset is a hit as usual.
+        h.add("b", a + [9])
+        h.run()
+        assert all(h.index.is_hit(k) for k in keys)
+    finally:
+        h.close()
+
+
+def test_sleep_mode_finishes_transfers_releases_the_kv_cache_and_wakes_with_the_tiers(tmp_path):
+    # vLLM's sleep mode calls unregister_kv_caches before it gives the KV cache's memory
+    # back, and restore_kv_caches once it is mapped again (at the same addresses, holding
+    # anything). The tiers keep their blocks across it.
+    h = Harness(tmp_path)
+    try:
+        side = h.worker.worker_side
+        a = prompt(190, 4 * BS)
+        h.add("a", a + [9])
+        h.step()  # the prefill: its saves start (and may still run)
+        kv_regs = list(side._registrations)
+        h.worker.unregister_kv_caches()
+        # Nothing reads or writes the KV cache any more, and it is no longer registered.
+        assert all(t.batch.done() for t in side._transfers)
+        assert kv_regs and all(r.closed for r in kv_regs)
+        h.worker.unregister_kv_caches()  # idempotent
+        for name in h.layers:  # asleep: the memory is gone; awake again, it holds garbage
+            h.kv8[name][:] = POISON
+        h.worker.restore_kv_caches()
+        h.worker.restore_kv_caches()  # idempotent
+        assert side._registrations and not any(r.closed for r in side._registrations)
+        h.run()
+        assert h.stats.get("saved_blocks.dram") == 4
+        # The saves read the blocks before the sleep; a hit after it loads them byte-exact
+        # into the KV cache registered again.
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", a + prompt(191, 20))
+        h.run()
+        assert h.checked_loads == 4 and not h.load_errors
+    finally:
+        h.close()
+
+
+def test_the_connector_asks_vllm_for_a_layout_whose_pages_it_can_move(tmp_path, monkeypatch):
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    h = Harness(tmp_path)
+    h.close()
+
+    def resolve(supported):
+        h.config.cache_config.kv_cache_layout = None  # not set by the user
+        return resolve_kv_cache_layout(h.config, [supported])
+
+    # ROCm's attention backends prefer LHBNC (heads outside blocks), which the connector
+    # refuses at start; asked, vLLM takes their second choice.
+    assert resolve(["LHBNC", "LBHNC"]) == KVCacheLayout.LBHNC
+    # Backends that take any layout (FlashAttention) get it too; one that takes only LBNHC
+    # keeps it (block-compact as well).
+    assert resolve(["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]) == KVCacheLayout.LBHNC
+    assert resolve(["LBNHC"]) == KVCacheLayout.LBNHC
+    # The layout it asks for works end to end: a saved prefix loads byte-exact.
+    h = Harness(tmp_path, layout="LBHNC")
+    try:
+        p = prompt(200, 4 * BS)
+        h.add("a", p + [9])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", p + prompt(201, 20))
+        h.run()
+        assert h.checked_loads == 4 and not h.load_errors
     finally:
         h.close()

@@ -57,7 +57,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -79,6 +79,7 @@ from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -414,6 +415,11 @@ class _SchedulerSide:
         self._hit_sources: Dict[str, Dict[CacheHitSource, int]] = {}
         self._loading: Set[str] = set()  # async loads not yet reported finished
         self._hold: List[str] = []
+        # KV events (enable_events): what each stored block's BlockStored says, kept while
+        # it is stored or being saved; the save operations whose key may need forgetting.
+        self._events: Optional[List["KVCacheEvent"]] = None
+        self._event_meta: Dict[Any, "BlockStored"] = {}
+        self._event_ops: Dict[int, Any] = {}
         logger.info(
             "UmbpConnector: %d layers x %d bytes per block and rank, slots: %d DRAM, %d SSD, load %s",
             len(layout.layer_names),
@@ -422,6 +428,74 @@ class _SchedulerSide:
             ssd_slots,
             cfg.load_mode,
         )
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def enable_events(self) -> None:
+        """Publishes vLLM KV events (``BlockStored``, ``BlockRemoved``) for what the tiers
+        hold: a block is stored once every rank's save of it landed (medium ``"CPU"`` for
+        DRAM, ``"STORAGE"`` for SSD), moves from CPU to STORAGE when demoted, and is removed
+        when evicted, dropped after a failed load or cleared by a reset."""
+        self._events = []
+        self.index.on_residency = self._residency
+
+    def _record_store(self, request: "Request", i: int, op: int) -> None:
+        """What the event of block ``i`` of ``request`` will say once its save (``op``)
+        landed, built as vLLM's own block pool builds its ``BlockStored``."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            to_event_extra_keys,
+        )
+
+        bs = self.layout.block_size
+        key = request.block_hashes[i]
+        extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+        lora = request.lora_request
+        self._event_meta[key] = BlockStored(
+            block_hashes=[maybe_convert_block_hash(key)],
+            parent_block_hash=maybe_convert_block_hash(request.block_hashes[i - 1]) if i else None,
+            token_ids=list(request.all_token_ids[i * bs : (i + 1) * bs]),
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            medium=None,
+            lora_name=lora.name if lora else None,
+            extra_keys=to_event_extra_keys([extra]),
+            group_idx=0,
+            session_id=getattr(request, "session_id", None),
+        )
+        self._event_ops[op] = key
+
+    def _residency(self, key: Any, tier: str, stored: bool) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        if self._events is None:
+            return
+        medium = MEDIUM_CPU if tier == DRAM else MEDIUM_STORAGE
+        meta = self._event_meta.get(key)
+        if stored:
+            if meta is not None:
+                self._events.append(msgspec.structs.replace(meta, medium=medium))
+            return
+        hashes = meta.block_hashes if meta is not None else [maybe_convert_block_hash(key)]
+        self._events.append(BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=0))
+        if self.index.entry(key) is None:
+            self._event_meta.pop(key, None)
+
+    def _settled_event_op(self, op: int) -> None:
+        """A save settled: a block it never stored (failed) needs no event data."""
+        key = self._event_ops.pop(op, None)
+        if key is not None and self.index.entry(key) is None:
+            self._event_meta.pop(key, None)
+
+    def take_events(self) -> List["KVCacheEvent"]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
 
     def matched(self, request: "Request", num_computed_tokens: int) -> Tuple[int, bool]:
         bs = self.layout.block_size
@@ -495,6 +569,8 @@ class _SchedulerSide:
                 items.append((op, tier, slot, block_ids[i]))
                 self._save_ops.setdefault(rid, set()).add(op)
                 self._save_block[op] = i
+                if self._events is not None:
+                    self._record_store(request, i, op)
         self._next_save[rid] = full
         return items
 
@@ -583,6 +659,8 @@ class _SchedulerSide:
                 self.index.report(op, ok=meta.ok.get(op, 0), failed=meta.failed.get(op, 0))
                 if self.index.op_settled(op):
                     self._save_block.pop(op, None)
+                    if self._events is not None:
+                        self._settled_event_op(op)
         for rid in output.finished_recving or ():
             self._loading.discard(rid)
         for rid in output.finished_sending or ():
@@ -636,6 +714,7 @@ class _WorkerSide:
         self.cuda = False
         self._registrations: List[Any] = []
         self._runs: List[_Run] = []
+        self._kv_caches: Dict[str, torch.Tensor] = {}
         self._group_of: Dict[str, int] = {
             name: i // cfg.layers_per_group for i, name in enumerate(layout.layer_names)
         }
@@ -687,9 +766,23 @@ class _WorkerSide:
             workers=self.cfg.engine_workers,
             checksums=self.cfg.checksums,
         )
+        self._kv_caches = kv_caches
+        self._register_kv()
+        self._open_tiers()
+
+    def _register_kv(self) -> None:
+        """Registers the KV cache (``register_kv_caches``, and again after vLLM's sleep mode
+        gave its memory back) and plans each block's ranges in it."""
+        layout = self.layout
+        tensors = [self._kv_caches[n] for n in layout.layer_names]
+        device = tensors[0].device
         # vLLM allocates the layers' caches as views of shared backing allocations: register
         # each allocation once (registrations must not overlap), address layers inside it.
         by_storage: Dict[int, Any] = {}
+        # Each allocation is named in errors by the layers it holds.
+        storage_layers: Dict[int, List[str]] = {}
+        for name, t in zip(layout.layer_names, tensors):
+            storage_layers.setdefault(t.untyped_storage().data_ptr(), []).append(name)
         strides = self._block_strides()
         pb = layout.page_bytes
         layers = []
@@ -699,7 +792,11 @@ class _WorkerSide:
             if base not in by_storage:
                 flat = torch.empty(0, dtype=torch.uint8, device=t.device)
                 flat.set_(storage)
-                reg = self._eng().register(flat)
+                names = storage_layers[base]
+                held = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+                reg = self._eng().register(
+                    flat, label=f"vllm kv cache {self._who()} layer {held}"
+                )
                 self._registrations.append(reg)
                 by_storage[base] = (reg, storage.nbytes())
             reg, nbytes = by_storage[base]
@@ -734,7 +831,6 @@ class _WorkerSide:
             else:
                 runs.append(_Run(i * pb, pb, reg, offset, stride, group))
         self._runs = runs
-        self._open_tiers()
         logger.info(
             "UmbpConnector rank %d: %d layers in %d ranges per block, %s device",
             self.rank,
@@ -742,6 +838,27 @@ class _WorkerSide:
             len(runs),
             device.type,
         )
+
+    def unregister_kv(self) -> None:
+        """vLLM's sleep mode is about to give the KV cache's memory back: every transfer in
+        flight reads or writes it (a save of a finished request, an async load), so each one
+        finishes first (its outcome is reported by the next ``get_finished``, as usual), then
+        the KV cache's registrations close. The tiers and what they hold stay. Idempotent."""
+        if not self._registrations:
+            return
+        for t in self._transfers:
+            t.batch.wait()
+        for reg in self._registrations:
+            reg.close()
+        self._registrations = []
+        self._runs = []
+
+    def restore_kv(self) -> None:
+        """After vLLM's sleep mode mapped the KV cache's memory back: registers it again.
+        Idempotent."""
+        if self._registrations or not self._kv_caches or self.engine is None:
+            return
+        self._register_kv()
 
     def _block_strides(self) -> Dict[str, int]:
         """Each layer's block stride in bytes, from vLLM's placement of the KV cache."""
@@ -753,12 +870,17 @@ class _WorkerSide:
                     out[name] = int(stride)
         return out
 
+    def _who(self) -> str:
+        """This worker in registration labels: ``rank 0``, or ``dp 1 rank 0`` in a
+        data-parallel replica other than the first."""
+        return f"dp {self.dp_rank} rank {self.rank}" if self.dp_rank else f"rank {self.rank}"
+
     def _open_tiers(self) -> None:
         slot = self.layout.slot_bytes
         dram_slots = self.cfg.dram_bytes_per_rank // slot
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
-            self.dram = self._eng().register(self._arena)
+            self.dram = self._eng().register(self._arena, label=f"vllm dram tier {self._who()}")
         path = self.cfg.ssd_file(self.rank, self.ranks, self.dp_rank)
         if path:
             ssd_slots = self.cfg.ssd_bytes_per_rank // slot
@@ -774,6 +896,7 @@ class _WorkerSide:
                     create=True,
                     extend=True,
                     exclusive=True,
+                    label=f"vllm ssd tier {self._who()} ({path})",
                 )
             except RegistrationError as e:
                 if e.errno != errno.EWOULDBLOCK:
@@ -788,6 +911,11 @@ class _WorkerSide:
     # -- moving blocks -----------------------------------------------------------------------
 
     def _object(self, tag: int, tier: str, slot: int, block_id: int) -> Object:
+        if not self._runs:
+            raise RuntimeError(
+                "UmbpConnector: the KV cache is not registered (vLLM's sleep mode released it "
+                "and it was not restored)"
+            )
         ranges = [
             Range(
                 r.object_offset,
@@ -1024,10 +1152,26 @@ class UmbpConnector(KVConnectorBase_V1):
         self.worker_side: Optional[_WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = _SchedulerSide(self.config, layout, ranks)
+            events = vllm_config.kv_events_config
+            if events is not None and events.enable_kv_cache_events:
+                self.scheduler_side.enable_events()
         else:
             self.worker_side = _WorkerSide(
                 self.config, layout, rank, ranks, kv_cache_config, _dp_rank(vllm_config)
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        # A block's pages must each be one contiguous run (block-compact layouts). vLLM
+        # takes this wherever the attention backends support it (VLLM_KV_CACHE_LAYOUT still
+        # wins), so a backend whose first choice puts heads outside blocks (ROCm's) gets a
+        # layout the connector can move instead of a refusal at start. Where they do not,
+        # vLLM keeps their first choice, saying so. MLA caches have one head: any
+        # block-compact layout is the same bytes, so they keep vLLM's choice.
+        model = vllm_config.model_config
+        if model is not None and getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
@@ -1087,13 +1231,30 @@ class UmbpConnector(KVConnectorBase_V1):
     def reset_cache(self) -> Optional[bool]:
         if self.scheduler_side is None:
             return None
-        self._sched.index.clear()
+        # vLLM resets caches when the KV they hold is no longer right (new weights, sleep):
+        # a save in flight was computed before the reset, so it fails whatever the ranks
+        # report, and a block being demoted leaves with the rest.
+        self._sched.index.clear(in_flight=True)
         return True
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        # The scheduler publishes these with its own prefix cache's events.
+        return [] if self.scheduler_side is None else self.scheduler_side.take_events()
 
     # -- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self._work.register(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        # Sleep mode: the transfers touching the KV cache finish, its registrations close.
+        if self.worker_side is not None:
+            self.worker_side.unregister_kv()
+
+    def restore_kv_caches(self) -> None:
+        # Wake-up: the KV cache's memory is back (vLLM keeps its addresses).
+        if self.worker_side is not None:
+            self.worker_side.restore_kv()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
