@@ -264,3 +264,62 @@ def test_pool_reaches_a_memory_node_and_its_loss_costs_only_its_blocks(tmp_path)
     got = pool.get(gets)
     assert [r.status for r in got] == ["failed", "loaded"], got
     assert pool.metrics()["get_failures"] == 1
+
+
+def test_pool_duplicate_keys_in_one_call(index):
+    engine, pool, _arena = make_pool(index)
+    a, b = block(1), block(2)
+    src = engine.register(np.concatenate([a, b]))
+    # The same key twice in one put: one publish wins, the other is "present" (its slot freed).
+    put = pool.put(0, [(key(1), src, 0, SLOT), (key(1), src, SLOT, SLOT)])
+    assert sorted(r.status for r in put) == ["present", "stored"], put
+    assert put[0].placement == put[1].placement
+    winner = a if put[0].status == "stored" else b
+    assert index.tier_stats(3, 0) == (SLOTS - 1, 0, 1)
+    # The same key twice in one get: both destinations get the winner's bytes.
+    dst = engine.register(np.zeros(2 * SLOT, dtype=np.uint8))
+    got = pool.get([(key(1), dst, 0, SLOT), (key(1), dst, SLOT, SLOT)])
+    assert [r.status for r in got] == ["loaded", "loaded"], got
+    assert engine.read(dst, 0, 2 * SLOT) == winner.tobytes() * 2
+
+
+def test_pool_source_closed_while_threads_put_from_it(tmp_path):
+    """A source registration closed by another thread while puts read from it: each put block
+    is stored whole or fails (nothing published); every key reported stored loads exactly."""
+    index = umbp.PoolIndex(str(tmp_path / "pool.redb"))
+    engine, pool, _arena = make_pool(index)
+    data = block(9, 4 * SLOT)
+    src = engine.register(data)
+    stored = []
+    raised = []
+
+    def putter(t):
+        for i in range(40):
+            k = key(1000 * t + i)
+            try:
+                r = pool.put(0, [(k, src, (i % 4) * SLOT, SLOT)])[0]
+            except umbp.ClosedError:
+                raised.append(k)  # closed before the put took its endpoint: nothing happened
+                continue
+            assert r.status in ("stored", "failed"), r
+            if r.status == "stored":
+                stored.append((k, (i % 4) * SLOT))
+            else:
+                assert pool.exists([k]) == [False]
+
+    threads = [threading.Thread(target=putter, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    src.close()  # waits for the batches using it
+    for t in threads:
+        t.join()
+    for k in raised:
+        assert pool.exists([k]) == [False]
+    dst = engine.register(np.zeros(SLOT, dtype=np.uint8))
+    for k, offset in stored:
+        r = pool.get([(k, dst, 0, SLOT)])[0]
+        # Evicted by later puts (16 slots) is a miss; what loads is the source's bytes exactly.
+        assert r.status in ("loaded", "miss"), r
+        if r.ok:
+            assert engine.read(dst, 0, SLOT) == data[offset : offset + SLOT].tobytes()
+    assert pool.metrics()["checksum_failures"] == 0
