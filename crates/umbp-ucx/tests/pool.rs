@@ -388,3 +388,63 @@ fn sixteen_threads_meet_a_memory_node_at_once() {
         assert!(bytes[t * LEN..(t + 1) * LEN] == block(31, t, LEN)[..]);
     }
 }
+
+/// A memory node restarted at its address (SIGTERM, then the same command): clients that
+/// reached it before find its old blocks gone, store and load new ones with no failed block
+/// (the resolver tells the pool the old connection is dead before a transfer meets it), over
+/// one fresh connection each.
+#[test]
+fn clients_follow_a_memory_node_restarted_at_its_address() {
+    if !available() {
+        return;
+    }
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    const LEN: usize = 64 << 10;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = node_args(&redis, dir.path(), "again", 40, 60_000, ("2MiB", "64KiB"), &[]);
+    let at = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
+    args[at] = listen.clone();
+    let mut node = Node::start(&args).unwrap();
+    let writer = client(&redis, "again", 400);
+    let reader = client(&redis, "again", 401);
+    let old_keys: Vec<BlockKey> = (0..8).map(|i| key(40, i)).collect();
+    put_blocks(&writer, 40, 8, LEN);
+    assert!(get_blocks(&reader, &old_keys, LEN).0.iter().all(GetOutcome::is_loaded));
+
+    let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", node.log());
+    drop(node);
+    let until = Instant::now() + Duration::from_secs(10);
+    while !(writer.resolver.connected().is_empty() && reader.resolver.connected().is_empty()) {
+        assert!(Instant::now() < until, "the clients never saw the node's connection close");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _node = Node::start(&args).unwrap();
+    let (out, _) = get_blocks(&reader, &old_keys, LEN);
+    assert!(out.iter().all(|o| matches!(o, GetOutcome::Miss)), "{out:?}");
+    // New blocks under other keys: stored through a new connection, loaded through another.
+    let fresh = |i: usize| key(41, i);
+    let bytes: Vec<Vec<u8>> = (0..8).map(|i| block(41, i, LEN)).collect();
+    let src = writer.composite.register_memory(bytes.concat()).unwrap();
+    let puts: Vec<PutBlock> = (0..8)
+        .map(|i| PutBlock {
+            key: fresh(i),
+            src: src.id(),
+            offset: (i * LEN) as u64,
+            len: LEN as u64,
+        })
+        .collect();
+    let out = writer.pool.put_on(NodeId(40), KV, &puts).unwrap();
+    assert!(out.iter().all(|o| matches!(o, PutOutcome::Stored(_))), "{out:?}");
+    let keys: Vec<BlockKey> = (0..8).map(fresh).collect();
+    let (out, got) = get_blocks(&reader, &keys, LEN);
+    assert!(out.iter().all(GetOutcome::is_loaded), "{out:?}");
+    assert!(got == bytes.concat());
+    for c in [&writer, &reader] {
+        assert_eq!(c.pool.metrics().get_failures.load(Ordering::Relaxed), 0);
+        assert_eq!(c.pool.metrics().put_failures.load(Ordering::Relaxed), 0);
+        assert_eq!(c.resolver.connected(), [(NodeId(40), listen.clone())]);
+    }
+}

@@ -39,8 +39,9 @@ struct Retired {
 ///
 /// A node is connected again, and its regions registered again, when its announcement names
 /// another address, when the engine declared the peer dead (its process exited, its network
-/// went), or after the pool [`forget`](TierResolver::forget)s its tier (a transfer through it
-/// failed). A node whose connection failed is not tried again at that address for a second,
+/// went: [`is_current`](TierResolver::is_current) then tells the pool, before a transfer
+/// meets the dead connection), or after the pool [`forget`](TierResolver::forget)s its tier
+/// (a transfer through it failed). A node whose connection failed is not tried again at that address for a second,
 /// so the gets that meet a dead node fail at once rather than each after a connect timeout. A node that died costs only the blocks in flight to it and those of the gets that
 /// meet it before it is dead in the index: they fail as load errors, never as wrong bytes,
 /// and its blocks leave lookups once it left the pool or its announcement expired.
@@ -90,9 +91,14 @@ impl UcxResolver {
         })
     }
 
-    /// The nodes connected now, with the address each was reached at.
+    /// The nodes connected now (their peer alive), with the address each was reached at.
     pub fn connected(&self) -> Vec<(NodeId, String)> {
-        let mut v: Vec<_> = self.lock().iter().map(|(n, p)| (*n, p.address.clone())).collect();
+        let mut v: Vec<_> = self
+            .lock()
+            .iter()
+            .filter(|(_, p)| self.engine.is_alive(p.info.id))
+            .map(|(n, p)| (*n, p.address.clone()))
+            .collect();
         v.sort();
         v
     }
@@ -231,6 +237,15 @@ impl TierResolver for UcxResolver {
                 None
             }
         }
+    }
+
+    /// Whether `region` is still registered for `node` over a live connection: a node that
+    /// exited, restarted or lost its network is resolved again before a transfer meets it.
+    fn is_current(&self, node: NodeId, region: &TierRegion) -> bool {
+        let peers = self.lock();
+        peers.get(&node).is_some_and(|p| {
+            p.tiers.values().any(|r| r.id() == region.endpoint) && self.engine.is_alive(p.info.id)
+        })
     }
 
     fn forget(&self, spec: &TierSpec) {
