@@ -813,3 +813,30 @@ fn after_a_redis_restart_the_node_comes_back_and_puts_work() {
     assert!(got[0].is_loaded(), "{got:?}");
     assert_eq!(dst.deregister(), bytes_of(1, SLOT));
 }
+
+#[test]
+fn leaving_withdraws_the_node_at_once_and_for_good() {
+    let Some(server) = RedisServer::start() else { return };
+    let index: Arc<dyn Index> =
+        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-leave")).unwrap());
+    let rig = rig(4);
+    let config = PoolConfig { announce_ttl: Duration::from_millis(300), ..PoolConfig::new(NODE) };
+    let pool = pool_on(&rig, index.clone(), config);
+    let src = rig.composite.register_memory(bytes_of(1, SLOT)).unwrap();
+    let block = |k| [PutBlock { key: key(k), src: src.id(), offset: 0, len: SLOT }];
+    assert!(matches!(pool.put(DRAM, &block(1)).unwrap()[0], PutOutcome::Stored(_)));
+    assert!(pool.leave().unwrap());
+    // At once: no node, its block a miss.
+    assert!(index.nodes().unwrap().is_empty());
+    assert_eq!(pool.exists(&[key(1)]).unwrap(), vec![false]);
+    // And for good: the announcer is stopped (several of its periods later, still gone), so a
+    // put finds the node dead.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(index.nodes().unwrap().is_empty());
+    let put = pool.put(DRAM, &block(2)).unwrap();
+    assert!(
+        matches!(&put[0], PutOutcome::Failed(BlockError::Index(e)) if matches!(**e, umbp_pool::Error::NodeNotAlive(_))),
+        "{put:?}"
+    );
+    assert!(!pool.leave().unwrap(), "already gone");
+}

@@ -261,8 +261,9 @@ struct Inner {
 /// of [`PoolConfig::announce_ttl`]); dropping the pool stops it.
 pub struct Pool {
     inner: Arc<Inner>,
-    stop: Option<mpsc::Sender<()>>,
-    announcer: Option<JoinHandle<()>>,
+    /// Dropped to stop the announcer.
+    stop: Mutex<Option<mpsc::Sender<()>>>,
+    announcer: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -334,7 +335,7 @@ impl Pool {
                 }
             })
             .map_err(|e| Error::InvalidConfig(format!("cannot start the announcer: {e}")))?;
-        Ok(Self { inner, stop: Some(stop), announcer: Some(announcer) })
+        Ok(Self { inner, stop: Mutex::new(Some(stop)), announcer: Mutex::new(Some(announcer)) })
     }
 
     /// The index.
@@ -396,6 +397,27 @@ impl Pool {
         self.inner.announce()
     }
 
+    /// Leaves the pool now, for a planned stop: stops renewing the announcement and withdraws
+    /// the node ([`Index::leave`]), so that readers miss its blocks at once instead of failing
+    /// their loads until the announcement expires. On Redis its placements are dropped and
+    /// later puts to its tiers fail ([`Error::NodeNotAlive`]); a new pool of the node rejoins
+    /// empty. Returns whether the node was alive.
+    pub fn leave(&self) -> Result<bool, Error> {
+        // The announcer ends first: an announcement of its after the leave would bring the
+        // node back.
+        self.stop_announcing();
+        self.inner.index.leave(self.inner.config.node)
+    }
+
+    /// Stops the announcer and waits for it (at most one index call in flight).
+    fn stop_announcing(&self) {
+        drop(self.stop.lock().unwrap_or_else(PoisonError::into_inner).take());
+        let thread = self.announcer.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+
     /// Stores `blocks` in tier `tier` of this node ([`put_on`](Self::put_on)).
     pub fn put(&self, tier: TierId, blocks: &[PutBlock]) -> Result<Vec<PutOutcome>, Error> {
         self.put_on(self.inner.config.node, tier, blocks)
@@ -449,10 +471,7 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(t) = self.announcer.take() {
-            let _ = t.join();
-        }
+        self.stop_announcing();
     }
 }
 
