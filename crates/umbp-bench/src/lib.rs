@@ -17,6 +17,8 @@ pub mod hbm_bench;
 pub mod layers_bench;
 pub mod plan_bench;
 #[cfg(feature = "engines")]
+pub mod pool_bench;
+#[cfg(feature = "engines")]
 pub mod remote_bench;
 #[cfg(feature = "engines")]
 pub mod restore_bench;

@@ -28,6 +28,8 @@ use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
 use umbp_bench::progress::Progress;
 #[cfg(feature = "engines")]
+use umbp_bench::pool_bench::{self, PoolBenchConfig};
+#[cfg(feature = "engines")]
 use umbp_bench::remote_bench::{self, RemoteBenchConfig, ServeConfig, ServerChoice};
 use umbp_bench::report::Report;
 #[cfg(feature = "engines")]
@@ -163,6 +165,19 @@ enum Command {
     /// perftest where the path is one-sided (RDMA); p99 at most 1 ms under load.
     #[cfg(feature = "engines")]
     Remote(RemoteArgs),
+    /// The pool's index (umbp-pool) beside Mooncake Store on the same work, in alternating
+    /// rounds.
+    ///
+    /// A batched lookup of --keys keys (62,500: the 999,936-token prefix) through umbp's Redis
+    /// index on loopback (a redis-server the bench starts), umbp's embedded index and Mooncake
+    /// Store's batch_is_exist (its master and a memory-holding client on loopback, TCP
+    /// transport; skipped with a message where scripts/mooncake-venv does not install); the
+    /// embedded index's durable publish rate; the time from reopening an embedded index of
+    /// --restart-blocks durable blocks to its first SSD hit, read and verified. Targets:
+    /// lookup through Redis at most 5 ms and at least 1.0x Mooncake's; embedded lookup at most
+    /// 2 ms; publish at least 100k blocks/s.
+    #[cfg(feature = "engines")]
+    Pool(PoolArgs),
 }
 
 #[cfg(feature = "engines")]
@@ -478,6 +493,53 @@ struct RemoteArgs {
     latency_transfers: u32,
 }
 
+#[cfg(feature = "engines")]
+#[derive(clap::Args, Debug)]
+struct PoolArgs {
+    /// Keys of the batched lookup (62,500: the 999,936-token prefix in 16-token blocks).
+    #[arg(long, default_value_t = 62_500, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    keys: u32,
+    /// Lookup rounds (one lookup per system per round, the order rotating), after one
+    /// untimed warm-up round.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    rounds: u32,
+    /// Blocks per publish call of the publish rate.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    publish_batch: u32,
+    /// Rounds of the publish rate (each publishes --keys blocks into a fresh file).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    publish_rounds: u32,
+    /// Durable blocks in the restarted embedded index.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+    restart_blocks: u32,
+    /// Restarts timed.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    restarts: u32,
+    /// Blocks per put and per get between this process and the memory node (0: no put/get
+    /// rows).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    transfer_blocks: u32,
+    /// Block sizes of the put/get rows, comma-separated (units allowed; a power of two from
+    /// 4KiB to 1MiB).
+    #[arg(long = "block-size", value_delimiter = ',', default_values = ["64KiB", "1MiB"], value_parser = page_size)]
+    block_sizes: Vec<ByteSize>,
+    /// Rounds of the put/get rows (after one untimed warm-up round).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    transfer_rounds: u32,
+    /// A tiny run (2,000 keys, 3 rounds, 5,000 blocks restarted: seconds; for tests and smoke
+    /// checks, the figures mean little). Default: off.
+    #[arg(long)]
+    tiny: bool,
+    /// Skip Mooncake Store (no comparison). Default: run it, from the venv
+    /// scripts/mooncake-venv installs (or the python UMBP_MOONCAKE_PYTHON names).
+    #[arg(long)]
+    no_mooncake: bool,
+    /// Directory for the index files and the restart's sparse SSD tier file (a temporary
+    /// directory is created in it and removed afterwards).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+}
+
 fn unit_fraction(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
     if (0.0..=1.0).contains(&v) {
@@ -629,6 +691,8 @@ fn main() -> ExitCode {
         Some(Command::Serve(args)) => serve(&args),
         #[cfg(feature = "engines")]
         Some(Command::Remote(args)) => remote(&args, &out),
+        #[cfg(feature = "engines")]
+        Some(Command::Pool(args)) => pool(&args, &out),
         #[cfg(not(feature = "engines"))]
         None => Err(anyhow::anyhow!(
             "built without the `engines` feature, so only `plan` is here; the tour and the \
@@ -975,6 +1039,52 @@ fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
         remote_bench::table(&run),
         Some(remote_bench::chart(&run.restores)),
     )?)
+}
+
+#[cfg(feature = "engines")]
+fn pool(args: &PoolArgs, out: &Output<'_>) -> anyhow::Result<()> {
+    check_dir(&args.dir)?;
+    let mut config = PoolBenchConfig {
+        keys: args.keys as usize,
+        rounds: args.rounds as usize,
+        publish_batch: args.publish_batch as usize,
+        publish_blocks: args.keys as usize,
+        publish_rounds: args.publish_rounds as usize,
+        restart_blocks: args.restart_blocks as usize,
+        restarts: args.restarts as usize,
+        dir: args.dir.clone(),
+        mooncake: !args.no_mooncake,
+        transfer_blocks: args.transfer_blocks as usize,
+        transfer_sizes: args.block_sizes.iter().map(|s| s.0).collect(),
+        transfer_rounds: args.transfer_rounds as usize,
+        ..PoolBenchConfig::default()
+    };
+    if args.tiny {
+        config.transfer_blocks = config.transfer_blocks.min(64);
+        config.transfer_sizes.truncate(1);
+        config.transfer_rounds = 1;
+        config.keys = config.keys.min(2_000);
+        config.publish_blocks = config.keys;
+        config.rounds = config.rounds.min(3);
+        config.publish_rounds = config.publish_rounds.min(2);
+        config.restart_blocks = config.restart_blocks.min(5_000);
+        config.restarts = config.restarts.min(2);
+    }
+    // The put/get rows hold the largest size's blocks four times over: the memory node's
+    // arena and this process's buffer, Mooncake's segment (with a quarter to spare) and its
+    // client's buffer.
+    let largest = config.transfer_sizes.iter().copied().max().unwrap_or(0);
+    check_memory(
+        (config.transfer_blocks as u64).saturating_mul(largest).saturating_mul(17) / 4,
+        "--transfer-blocks x --block-size",
+    );
+    let (rows, skipped) = pool_bench::run(&config, out.progress)?;
+    if out.json {
+        for s in &skipped {
+            eprintln!("umbp-bench pool: skipped {s}");
+        }
+    }
+    out.emit(&Report::new("pool", &rows, pool_bench::table(&rows, &skipped), None)?)
 }
 
 #[cfg(feature = "engines")]

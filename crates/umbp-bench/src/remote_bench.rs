@@ -171,7 +171,7 @@ const POISON: u8 = 0xA5;
 /// The shared secret of the memory node and the client (umbp-ucx serves only peers that prove
 /// it): `UMBP_UCX_SECRET` when set (a node started elsewhere needs the same), else one drawn
 /// for this run from the process's random hash keys and handed to the child server.
-fn secret() -> &'static str {
+pub(crate) fn secret() -> &'static str {
     static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SECRET.get_or_init(|| {
         std::env::var(umbp_ucx::SECRET_ENV).unwrap_or_else(|_| {
@@ -498,7 +498,8 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 }
 
 /// A `serve` child process, stopped (its stdin closed, then killed if need be) when dropped.
-struct ChildServer {
+/// `umbp-bench pool` runs its memory node the same way.
+pub(crate) struct ChildServer {
     child: Child,
     stdin: Option<ChildStdin>,
     addr: SocketAddr,
@@ -507,16 +508,17 @@ struct ChildServer {
 }
 
 impl ChildServer {
-    fn start(
+    /// Starts `program serve` exporting `bytes` over `transports`, and waits for its address.
+    pub(crate) fn start(
         program: &Path,
-        config: &RemoteBenchConfig,
+        transports: &str,
         bytes: u64,
         perftest_port: Option<u16>,
     ) -> anyhow::Result<Self> {
         let mut command = Command::new(program);
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--bytes", &bytes.to_string()])
-            .args(["--transports", &config.transports])
+            .args(["--transports", transports])
             .env(umbp_ucx::SECRET_ENV, secret());
         if let Some(port) = perftest_port {
             command.args(["--perftest-port", &port.to_string()]);
@@ -563,6 +565,11 @@ impl ChildServer {
         };
         server.addr = addr;
         Ok(server)
+    }
+
+    /// The child's control address (its `listening` line).
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// Closes the child's stdin (it stops serving), waits a while, kills it if it lingers;
@@ -929,7 +936,7 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
     let (server, addr, perftest_port, server_kind) = match &config.server {
         ServerChoice::Child { program } => {
             let port = if with_perftest { Some(free_port()?) } else { None };
-            let child = ChildServer::start(program, config, base.bytes(), port)?;
+            let child = ChildServer::start(program, &config.transports, base.bytes(), port)?;
             let addr = child.addr;
             (Some(child), addr, port.unwrap_or(0), "child")
         }

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-const SUBCOMMANDS: [&str; 11] = [
+const SUBCOMMANDS: [&str; 12] = [
     "tour", "plan", "copy", "hbm", "ssd", "restore", "layers", "batch", "churn", "serve", "remote",
+    "pool",
 ];
 
 fn umbp_bench(args: &[&str]) -> Output {
@@ -153,6 +154,9 @@ fn bad_arguments_exit_2_with_one_line() {
         &["remote", "--bytes", "0"],
         &["remote", "--latency-transfers", "2000000"],
         &["serve", "--perftest-port", "70000"],
+        &["pool", "--keys", "0"],
+        &["pool", "--block-size", "48KiB"],
+        &["pool", "--transfer-blocks", "4096", "--block-size", "1MiB", "--keys", "x"],
         &["--json", "--out"],
     ];
     for args in cases {
@@ -922,4 +926,130 @@ fn serve_listens_until_stdin_closes() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");
+}
+
+/// The fields of every `pool` line.
+const POOL_FIELDS: [&str; 15] = [
+    "figure",
+    "system",
+    "items",
+    "block_size",
+    "median",
+    "interval",
+    "unit",
+    "rounds",
+    "target",
+    "vs_mooncake",
+    "vs_mooncake_range",
+    "verdict",
+    "server_cpu_ms",
+    "verified",
+    "load",
+];
+
+/// Whether `redis-server` runs here; prints why a test skips. `UMBP_REQUIRE_REDIS=1` (CI)
+/// makes its absence a failure (the pattern of umbp-pool's tests).
+fn redis_or_skip() -> bool {
+    let ok = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        assert!(
+            std::env::var_os("UMBP_REQUIRE_REDIS").is_none_or(|v| v != "1"),
+            "UMBP_REQUIRE_REDIS=1 but redis-server does not run"
+        );
+        eprintln!("skipped: redis-server is not installed (apt-get install redis-server)");
+    }
+    ok
+}
+
+/// The rows of `pool` whose `figure` and `system` are these.
+fn pool_row<'a>(lines: &'a [Line], figure: &str, system: &str) -> Option<&'a Line> {
+    lines
+        .iter()
+        .find(|l| l["figure"] == figure && l["system"].as_str().unwrap().starts_with(system))
+}
+
+#[test]
+fn pool_json_fields_and_verified_rows() {
+    if !redis_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let lines = json_lines_noting(
+        &["pool", "--tiny", "--json", "--no-mooncake", "--dir", dir.path().to_str().unwrap()],
+        |l| l.starts_with("umbp-bench pool: skipped the put/get rows"),
+    );
+    check_fields("pool", &lines, &POOL_FIELDS);
+    for l in &lines {
+        assert_eq!(l["verified"], true, "every round found or moved every block: {l:?}");
+        assert_eq!(l["vs_mooncake"], Value::Null, "no Mooncake, no ratio: {l:?}");
+        let [lo, hi] = [0, 1].map(|i| l["interval"][i].as_f64().unwrap());
+        let median = l["median"].as_f64().unwrap();
+        assert!(0.0 < lo && lo <= median && median <= hi, "{l:?}");
+    }
+    for (figure, system, target) in [
+        ("lookup", "umbp embedded", Some(2.0)),
+        ("lookup", "umbp redis", Some(5.0)),
+        ("lookup", "umbp redis (redis-rs)", None),
+        ("publish", "umbp embedded", Some(100_000.0)),
+        ("reserve+publish", "umbp embedded", None),
+        ("reopen", "umbp embedded", None),
+        ("restart", "umbp embedded", None),
+    ] {
+        let l = pool_row(&lines, figure, system).unwrap_or_else(|| panic!("{figure} {system}"));
+        assert_eq!(l["target"]["value"].as_f64(), target, "{l:?}");
+        assert_eq!(l["verdict"].is_null(), target.is_none(), "{l:?}");
+    }
+    let redis = pool_row(&lines, "lookup", "umbp redis").unwrap();
+    assert_eq!(redis["items"], 2000);
+    assert!(redis["server_cpu_ms"].as_f64().unwrap() >= 0.0, "{redis:?}");
+    assert_eq!(pool_row(&lines, "restart", "umbp embedded").unwrap()["items"], 5000);
+    if ucx_or_skip() {
+        for figure in ["put", "get"] {
+            let l = pool_row(&lines, figure, "umbp pool").unwrap_or_else(|| panic!("{figure}"));
+            assert_eq!((l["items"].as_u64(), l["block_size"].as_u64()), (Some(64), Some(64 << 10)));
+        }
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the index files are removed");
+}
+
+#[test]
+fn pool_measures_mooncake_store_beside_umbp() {
+    if !redis_or_skip() {
+        return;
+    }
+    let Some(python) = mooncake_python() else {
+        eprintln!("skipped: the Mooncake venv is not installed (bash scripts/mooncake-venv)");
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_umbp-bench"))
+        .args(["pool", "--tiny", "--json", "--restart-blocks", "100"])
+        .env("UMBP_MOONCAKE_PYTHON", &python)
+        .output()
+        .expect("the umbp-bench binary runs");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "pool failed: {stderr}");
+    let lines: Vec<Line> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mooncake = pool_row(&lines, "lookup", "mooncake store")
+        .unwrap_or_else(|| panic!("no Mooncake lookup row: {stderr}"));
+    assert_eq!(mooncake["verified"], true, "batch_is_exist found every key: {mooncake:?}");
+    let redis = pool_row(&lines, "lookup", "umbp redis").unwrap();
+    let ratio = redis["vs_mooncake"].as_f64().expect("umbp's lookup against Mooncake's");
+    let expected = mooncake["median"].as_f64().unwrap() / redis["median"].as_f64().unwrap();
+    assert!((ratio / expected - 1.0).abs() < 1e-9, "{redis:?}");
+    let range = redis["vs_mooncake_range"].as_array().unwrap();
+    assert!(range[0].as_f64().unwrap() <= ratio && ratio <= range[1].as_f64().unwrap());
+    if umbp_ucx::ucx_available().is_ok() {
+        for figure in ["put", "get"] {
+            let l =
+                pool_row(&lines, figure, "mooncake store").unwrap_or_else(|| panic!("{stderr}"));
+            assert_eq!(l["verified"], true, "Mooncake moved every byte right: {l:?}");
+            let ours = pool_row(&lines, figure, "umbp pool").unwrap();
+            assert!(ours["vs_mooncake"].as_f64().unwrap() > 0.0, "{ours:?}");
+        }
+    }
 }

@@ -125,8 +125,9 @@ fn from_script() -> Result<PathBuf, String> {
     }
 }
 
-/// One of the two processes: its stdin for commands, its answers line by line.
-struct Process {
+/// A python program of a peer driver (this one's two processes, the Store driver's three):
+/// its stdin for commands, its answers line by line (JSON), its stderr kept for errors.
+pub(crate) struct Process {
     role: &'static str,
     child: Child,
     stdin: Option<ChildStdin>,
@@ -136,9 +137,22 @@ struct Process {
 
 impl Process {
     fn start(python: &Path, role: &'static str, bytes: u64) -> anyhow::Result<Self> {
+        Self::spawn(python, PROGRAM, role, &[role.to_owned(), bytes.to_string()])
+    }
+
+    /// Runs `program` (its source, with `python -c`) with `args`, as `role` in messages, with
+    /// Mooncake's TCP transport allowed batches of [`MAX_BATCH`] transfers per peer.
+    pub(crate) fn spawn(
+        python: &Path,
+        program: &str,
+        role: &'static str,
+        args: &[String],
+    ) -> anyhow::Result<Self> {
         let limit = MAX_BATCH.to_string();
         let mut child = Command::new(python)
-            .args(["-c", PROGRAM, role, &bytes.to_string()])
+            .arg("-c")
+            .arg(program)
+            .args(args)
             .env("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", &limit)
             .env("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", &limit)
             .stdin(Stdio::piped())
@@ -163,7 +177,7 @@ impl Process {
     }
 
     /// Sends `command` (none: only waits for the next answer) and returns the answer.
-    fn ask(&mut self, command: Option<&Value>) -> anyhow::Result<Value> {
+    pub(crate) fn ask(&mut self, command: Option<&Value>) -> anyhow::Result<Value> {
         if let Some(command) = command {
             let stdin = self.stdin.as_mut().context("the process was stopped")?;
             let sent = writeln!(stdin, "{command}").and_then(|()| stdin.flush());
@@ -193,7 +207,7 @@ impl Process {
     }
 
     /// Closes stdin (the process ends), kills it if it lingers; returns the last of its log.
-    fn stop(&mut self) -> String {
+    pub(crate) fn stop(&mut self) -> String {
         drop(self.stdin.take());
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
