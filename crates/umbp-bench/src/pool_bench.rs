@@ -122,7 +122,7 @@ pub struct PoolRow {
     /// The range of that ratio over the rounds, `[min, max]` (`measure::ratio_range`).
     pub vs_mooncake_range: Option<[f64; 2]>,
     /// The verdict of the row's target (and, where it has one, of >= 1.0x Mooncake: the worse
-    /// of the two); `null` without a target.
+    /// of the two); `unmet` whenever the row is not verified; `null` without a target.
     pub verdict: Option<Verdict>,
     /// Redis rows: the server's main-thread CPU per lookup, ms (reading, parsing, executing,
     /// writing); `null` otherwise.
@@ -830,6 +830,7 @@ pub fn transfer(
             if !theirs.is_empty() {
                 row = row.against_mooncake(ours, theirs);
             }
+
             rows.push(row);
             if !theirs.is_empty() {
                 let mut row = PoolRow::of(figure, "mooncake store", n as u64, theirs, "GiB/s");
@@ -886,6 +887,10 @@ pub fn run(
             Ok(r) => rows.extend(r),
             Err(e) => skipped.push(format!("the put/get rows: {e:#}")),
         }
+    }
+    // A round that missed keys or failed blocks is fast, not good: no target is met by it.
+    for row in rows.iter_mut().filter(|r| !r.verified) {
+        row.verdict = row.verdict.map(|_| Verdict::Unmet);
     }
     Ok((rows, skipped))
 }
