@@ -1164,3 +1164,56 @@ fn restarted_instance_serves_none_of_its_old_dram_blocks() {
     assert_eq!(a.ask("put 0 4"), "stored 4");
     assert_eq!(a.ask("get 0 8"), "LLLLMMMM");
 }
+
+/// The embedded index killed (SIGKILL) while it creates its file, at random moments of a
+/// child process's start: the next open must always succeed (an empty index), never find a
+/// half-created file it cannot read. Before the fix, a kill during redb's creation left a file
+/// that failed every later open ("I/O error: invalid data"), so the instance could not start
+/// until someone deleted it.
+#[test]
+fn embedded_killed_while_creating_its_index() {
+    if role().as_deref() == Some("creator") {
+        let index = EmbeddedIndex::open(env::<String>("UMBP_FAULTS_INDEX")).unwrap();
+        index.register_tier(&embedded_tier()).unwrap();
+        reply("created");
+        for _ in commands() {}
+        return;
+    }
+    let seed: u64 = std::env::var("UMBP_FAULTS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::process::id().into());
+    eprintln!("seed {seed} (UMBP_FAULTS_SEED={seed} repeats this run)");
+    let mut rng = Rng(seed | 1);
+    let spawn = |path: &Path| {
+        Process::spawn(
+            "embedded_killed_while_creating_its_index",
+            "creator",
+            &[("UMBP_FAULTS_INDEX", path.display().to_string())],
+        )
+    };
+    // How long a child takes to start and create its index on this machine now: the kills
+    // land anywhere in that span, so the test does not depend on the machine's load.
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    assert_eq!(spawn(&dir.path().join("pool.redb")).answer(), "created");
+    let span = started.elapsed();
+    eprintln!("a child starts and creates its index in {span:?}");
+    let mut created_before_kill = 0;
+    for round in 0..25 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.redb");
+        let mut child = spawn(&path);
+        // The creation is the end of the span: most kills land in its second half.
+        std::thread::sleep(span.mul_f64(0.3 + rng.below(800) as f64 / 1000.0));
+        child.kill();
+        created_before_kill += child.remaining_answers().len();
+        let index = EmbeddedIndex::open(&path).unwrap_or_else(|e| {
+            let len = std::fs::metadata(&path).map(|m| m.len());
+            panic!("round {round}: the index cannot be opened after a kill during its creation ({len:?} bytes): {e}")
+        });
+        assert_eq!(index.durable_blocks().unwrap(), 0);
+        index.register_tier(&embedded_tier()).unwrap();
+    }
+    eprintln!("{created_before_kill} of 25 children finished creating before the kill");
+}

@@ -97,7 +97,11 @@ impl EmbeddedIndex {
     /// Errors: [`Error::Store`] (I/O, the file is held by another process),
     /// [`Error::Corrupt`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
-        let db = Database::create(path.as_ref())?;
+        let path = path.as_ref();
+        if !path.exists() {
+            Self::create(path)?;
+        }
+        let db = Database::create(path)?;
         let mut state = State::new();
         let txn = db.begin_write()?;
         {
@@ -164,6 +168,45 @@ impl EmbeddedIndex {
         }
         tracing::info!(blocks = state.keys.len(), tiers = state.tiers.len(), "embedded index open");
         Ok(Self { db, publishing: Mutex::new(()), state: RwLock::new(state) })
+    }
+
+    /// Creates an empty index file at `path` so that a crash at any moment leaves either no
+    /// file there or a whole one. redb writes a new file in several steps, and one cut short
+    /// by a crash failed every later open ("invalid data"): the instance could not start until
+    /// someone deleted it. So the file is made under a temporary name beside it, committed
+    /// (redb fsyncs), linked into place (a link fails rather than replaces: if another process
+    /// created the index meanwhile, its file is the one used), and the directory synced.
+    fn create(path: &Path) -> Result<(), Error> {
+        let io = |what: &Path, e: std::io::Error| Error::Store(format!("{}: {e}", what.display()));
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = path.file_name().ok_or_else(|| {
+            Error::InvalidConfig(format!("index path {} names no file", path.display()))
+        })?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(".creating");
+        let tmp = dir.join(tmp_name);
+        // What a creation killed earlier left (a later open never reads it).
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&tmp, e)),
+            _ => {}
+        }
+        let made = (|| -> Result<(), Error> {
+            let db = Database::create(&tmp)?;
+            let txn = db.begin_write()?;
+            txn.open_table(TIERS)?;
+            txn.open_table(META)?;
+            txn.open_table(LOG)?;
+            txn.commit()?;
+            drop(db);
+            match std::fs::hard_link(&tmp, path) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(io(path, e)),
+                _ => {}
+            }
+            std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        made
     }
 
     // A panic while the lock was held can only come from a bug in this module; the state is
