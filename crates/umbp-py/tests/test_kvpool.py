@@ -1,0 +1,192 @@
+"""umbp.kvpool: the pool as the index of umbp.vllm's scheduler side, over a real
+umbp.PoolIndex (an embedded redb file, or a redis-server started here). No vLLM needed."""
+
+import time
+
+import pytest
+
+from umbp import _native
+from umbp.kvpool import SSD, PoolTierIndex, pool_key, tier_id
+from redis_server import redis  # noqa: F401  (the fixture)
+
+SLOT = 4096
+OBJECT = 4000
+
+
+def pool_index(client, node=1, *, ranks=2, slots=8, ns=b"model-a", host="host-1", **kw):
+    return PoolTierIndex(
+        client,
+        node=node,
+        ranks=ranks,
+        slot_bytes=SLOT,
+        object_bytes=OBJECT,
+        dram_slots=0,
+        ssd_slots=slots,
+        ssd_files=[f"/nvme/kv-{node}.rank{r}" for r in range(ranks)],
+        namespace=ns,
+        host=host,
+        **kw,
+    )
+
+
+def crc(key, rank):
+    """The checksum a rank's save of ``key`` reports in these tests."""
+    return (hash((key, rank)) & 0xFFFFFFFF) or 1
+
+
+def save(ix, keys, fail_rank=None):
+    """Plans, reserves, reports (every rank ok, or ``fail_rank`` failed) and publishes saves
+    of ``keys``; returns {key: refs} of those that got slots."""
+    ops = {k: ix.begin_save(k)[0] for k in keys}
+    refs = ix.commit()
+    for k, op in ops.items():
+        if op not in refs:
+            continue
+        for r in range(ix.ranks):
+            if r == fail_rank:
+                ix.report(op, failed=1)
+            else:
+                ix.report(op, ok=1, checksums={r: crc(k, r)})
+    ix.flush()
+    return {k: refs[op] for k, op in ops.items() if op in refs}
+
+
+def load(ix, keys, fail=()):
+    """Plans loads of ``keys`` (after count_hits found them), commits (one lease) and
+    reports as the workers would: a rank told slot -1 fails the block, the others complete
+    it (or fail it, for ``fail``); returns {key: refs}."""
+    ops = {k: ix.begin_load(k)[0] for k in keys}
+    refs = ix.commit()
+    for k, op in ops.items():
+        for ref in refs[op]:
+            bad = k in fail or ref[2] < 0
+            ix.report(op, ok=0 if bad else 1, failed=1 if bad else 0)
+    ix.flush()
+    return {k: refs[op] for k, op in ops.items()}
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    return _native.PoolIndex(str(tmp_path / "pool.redb"))
+
+
+def test_a_block_is_published_only_when_every_rank_saved_it_with_that_ranks_checksum(embedded):
+    ix = pool_index(embedded)
+    keys = [b"h%d" % i for i in range(3)]
+    ops = {k: ix.begin_save(k)[0] for k in keys}
+    refs = ix.commit()
+    assert set(refs) == set(ops.values())
+    for k, op in ops.items():
+        ix.report(op, ok=1, checksums={0: crc(k, 0)})
+    ix.flush()
+    assert ix.count_hits(keys) == 0  # rank 1 has not reported: nothing is visible
+    for k, op in ops.items():
+        ix.report(op, ok=1, checksums={1: crc(k, 1)})
+    ix.flush()
+    assert ix.count_hits(keys) == 3 and ix.counters.published == 3
+    # Each rank's shard is a block of its own, in its rank's tier, with its own checksum.
+    for k in keys:
+        found = embedded.lookup(ix.keys_of(k))
+        assert [p.tier for p in found] == [tier_id(0, SSD), tier_id(1, SSD)]
+        assert [p.checksum for p in found] == [crc(k, 0), crc(k, 1)]
+        assert all(p.node == 1 and p.length == OBJECT for p in found)
+    # What the workers are told to load: each rank's slot and checksum, from its own tier.
+    got = load(ix, keys[:2])
+    for k in keys[:2]:
+        found = embedded.lookup(ix.keys_of(k))
+        assert got[k] == [(None, 0, p.slot, p.checksum) for p in found]
+    assert ix.pending_ops() == 0
+
+
+def test_a_save_that_failed_on_one_rank_publishes_nothing_and_frees_every_ranks_slot(embedded):
+    ix = pool_index(embedded, slots=4)
+    save(ix, [b"a", b"b"], fail_rank=1)
+    assert ix.count_hits([b"a"]) == 0 and ix.counters.failed_saves == 2
+    for r in range(2):
+        assert embedded.tier_stats(1, tier_id(r, SSD)) == (4, 0, 0)
+    # fail_save (a block computed over a failed load): never published, whatever the ranks
+    # report, and the key can be saved anew at once.
+    op = ix.begin_save(b"c")[0]
+    ix.commit()
+    assert ix.fail_save(op)
+    again = ix.begin_save(b"c")
+    assert again is not None
+    for r in range(2):
+        ix.report(op, ok=1, checksums={r: 7})
+    ix.flush()
+    assert ix.count_hits([b"c"]) == 0
+    assert embedded.lookup(ix.keys_of(b"c")) == [None, None]
+    ix.commit()
+    for r in range(2):
+        ix.report(again[0], ok=1, checksums={r: 9})
+    ix.flush()
+    assert ix.count_hits([b"c"]) == 1
+
+
+def test_a_placement_reused_under_a_new_generation_is_a_load_error_never_other_bytes(embedded):
+    ix = pool_index(embedded, slots=1, ranks=1)
+    save(ix, [b"old"])
+    assert ix.count_hits([b"old"]) == 1  # the lookup's placement, then the slot is reused
+    assert embedded.remove(ix.keys_of(b"old")) == ["removed"]
+    other = pool_index(embedded, 1, slots=1, ranks=1)
+    save(other, [b"new"])
+    [old_slot] = [p.slot for p in embedded.lookup(other.keys_of(b"new"))]
+    got = load(ix, [b"old"])
+    # The lease on the stale generation is refused: every rank fails the block (slot -1),
+    # nothing is read from the slot that now holds b"new".
+    assert got[b"old"] == [(None, 0, -1, None)] and old_slot == 0
+    assert ix.counters.leases_refused == 1 and ix.counters.failed_loads == 1
+
+
+def test_another_instance_on_the_host_reads_its_files_others_do_not(embedded):
+    a = pool_index(embedded, 1)
+    save(a, [b"x", b"y"])
+    b = pool_index(embedded, 2)
+    assert b.count_hits([b"x", b"y", b"z"]) == 2
+    got = load(b, [b"x"])
+    found = embedded.lookup(b.keys_of(b"x"))
+    assert got[b"x"] == [
+        (f"/nvme/kv-1.rank{r}", 8 * SLOT, found[r].slot, crc(b"x", r)) for r in range(2)
+    ]
+    # Another host cannot open instance 1's files; another model or shape never shares keys.
+    assert pool_index(embedded, 3, host="host-2").count_hits([b"x"]) == 0
+    assert pool_index(embedded, 4, ns=b"model-b").count_hits([b"x"]) == 0
+    assert pool_key(b"model-a", b"x", 0) != pool_key(b"model-b", b"x", 0)
+    assert pool_key(b"model-a", b"x", 0) != pool_key(b"model-a", b"x", 1)
+
+
+def test_a_load_that_failed_removes_the_block_once_its_lease_ends(embedded):
+    ix = pool_index(embedded)
+    save(ix, [b"a", b"b"])
+    assert ix.count_hits([b"a", b"b"]) == 2
+    load(ix, [b"a", b"b"], fail={b"a"})
+    assert ix.counters.failed_loads == 1
+    assert embedded.lookup(ix.keys_of(b"a")) == [None, None]  # not trusted again
+    assert ix.count_hits([b"b"]) == 1
+
+
+def test_an_unreachable_redis_costs_hits_and_saves_only_and_all_resumes(tmp_path, redis):
+    client = _native.PoolIndex(redis.url, timeout=1.0)
+    ix = pool_index(client, announce_s=0.6)
+    ix.start()
+    try:
+        save(ix, [b"a"])
+        assert ix.count_hits([b"a"]) == 1
+        ops = {k: ix.begin_save(k)[0] for k in [b"b"]}
+        ix.commit()  # reserved; Redis dies before the publish
+        redis.kill()
+        for op in ops.values():
+            for r in range(2):
+                ix.report(op, ok=1, checksums={r: 5})
+        ix.flush()
+        assert ix.counters.failed_saves == 1 and ix.counters.index_errors >= 1
+        assert ix.count_hits([b"a"]) == 0  # a miss, not an exception
+        assert save(ix, [b"c"]) == {} and ix.pending_ops() == 0
+        redis.start()  # empty: the renewal thread announces the node and its tiers again
+        deadline = time.monotonic() + 30
+        while not save(ix, [b"d"]):
+            assert time.monotonic() < deadline, "saves did not resume"
+            time.sleep(0.1)
+        assert ix.count_hits([b"d"]) == 1
+    finally:
+        ix.close()
