@@ -194,7 +194,13 @@ impl Conn {
             }
         }
         while self.len - self.pos < n {
-            let got = self.stream.read(&mut self.buf[self.len..]).map_err(io)?;
+            let got = match self.stream.read(&mut self.buf[self.len..]) {
+                Ok(got) => got,
+                // A signal interrupted the read (a socket with a timeout is never restarted
+                // by the kernel): nothing was read, read again.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io(e)),
+            };
             if got == 0 {
                 return Err(io(std::io::ErrorKind::UnexpectedEof.into()));
             }

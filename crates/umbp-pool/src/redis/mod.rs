@@ -147,6 +147,20 @@ fn bytes<'v>(what: &str, v: &'v Value) -> Result<&'v [u8], Error> {
     }
 }
 
+/// Whether `e` is, or was caused by, an interrupted system call (`EINTR`).
+fn interrupted(e: &redis::RedisError) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::Interrupted)
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 fn int(what: &str, v: &Value) -> Result<i64, Error> {
     match v {
         Value::Int(i) => Ok(*i),
@@ -262,6 +276,20 @@ impl RedisIndex {
         };
         let mut result = f(&mut conn);
         if was_pooled && result.as_ref().is_err_and(|e| e.is_connection_dropped()) {
+            conn = self.open_connection()?;
+            result = f(&mut conn);
+        }
+        // A signal handled by this process interrupts a socket read that has a timeout (the
+        // kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands the
+        // EINTR up. The connection's state is unknown then: the call is made again on a
+        // fresh one. (Seen in Python processes, whose other threads' io_uring completions and
+        // signals interrupt the thread waiting on Redis.) Every script is safe to run twice:
+        // a repeated reservation or lease holds its slot until its TTL, a repeated publish,
+        // removal or leave answers as for one that already happened.
+        for _ in 0..3 {
+            if !result.as_ref().is_err_and(interrupted) {
+                break;
+            }
             conn = self.open_connection()?;
             result = f(&mut conn);
         }
