@@ -282,10 +282,11 @@ impl RedisIndex {
         // A signal handled by this process interrupts a socket read that has a timeout (the
         // kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands the
         // EINTR up. The connection's state is unknown then: the call is made again on a
-        // fresh one. (Seen in Python processes, whose other threads' io_uring completions and
-        // signals interrupt the thread waiting on Redis.) Every script is safe to run twice:
-        // a repeated reservation or lease holds its slot until its TTL, a repeated publish,
-        // removal or leave answers as for one that already happened.
+        // fresh one. (Seen in Python processes.) Every script is safe to run twice: a
+        // repeated reservation or lease holds its slot until its TTL; a repeated publish
+        // answers `Expired` for a block that is published (its caller reports a failed put of
+        // a block that is in the pool, with right bytes); a repeated removal or leave answers
+        // as for one that already happened.
         for _ in 0..3 {
             if !result.as_ref().is_err_and(interrupted) {
                 break;
