@@ -451,6 +451,12 @@ impl PoolIndex {
         self.call(py, move |i| i.announce(&a, ttl))
     }
 
+    /// Withdraws node `node` now, as if its announcement had just expired (a planned stop:
+    /// readers miss its blocks at once); returns whether it was alive.
+    fn leave(&self, py: Python<'_>, node: u32) -> PyResult<bool> {
+        self.call(py, move |i| i.leave(NodeId(node)))
+    }
+
     /// The nodes alive now: `(node, address, [(tier, free_bytes)])` each.
     #[allow(clippy::type_complexity)] // The Python tuple.
     fn nodes(&self, py: Python<'_>) -> PyResult<Vec<(u32, String, Vec<(u16, u64)>)>> {
@@ -709,6 +715,14 @@ impl Pool {
         ]
         .into_iter()
         .collect())
+    }
+
+    /// Leaves the pool now (a planned stop): stops renewing the node's announcement and
+    /// withdraws it, so readers miss its blocks at once; later puts to its tiers fail. Returns
+    /// whether the node was alive.
+    fn leave(&self, py: Python<'_>) -> PyResult<bool> {
+        let pool = self.pool()?;
+        py.allow_threads(|| pool.leave()).map_err(|e| pool_error(py, &e))
     }
 
     /// Stops renewing the node's announcement and lets go of the tiers' registrations; later

@@ -89,6 +89,10 @@ def test_index_two_phase_lease_and_generations(index):
     assert index.publish([(r3, 1)]) == [("expired", None)]
     assert index.lookup([key(5)]) == [None]
 
+    assert index.leave(1) is True
+    assert index.nodes() == []
+    assert index.leave(1) is False
+
 
 def test_index_rejects_bad_keys_and_ttls(tmp_path):
     index = umbp.PoolIndex(str(tmp_path / "pool.redb"))
@@ -323,3 +327,16 @@ def test_pool_source_closed_while_threads_put_from_it(tmp_path):
         if r.ok:
             assert engine.read(dst, 0, SLOT) == data[offset : offset + SLOT].tobytes()
     assert pool.metrics()["checksum_failures"] == 0
+
+
+def test_pool_leave_withdraws_the_node_for_other_instances(redis):  # noqa: F811
+    index = umbp.PoolIndex(redis.url, prefix="leave", timeout=2.0)
+    engine, pool, _arena = make_pool(index, node=3)
+    src = engine.register(block(1))
+    assert pool.put(0, [(key(1), src, 0, SLOT)])[0].status == "stored"
+    other = umbp.PoolIndex(redis.url, prefix="leave", timeout=2.0)
+    assert other.lookup([key(1)])[0] is not None
+    assert pool.leave() is True
+    assert other.lookup([key(1)]) == [None]
+    assert [n[0] for n in other.nodes()] == []
+    assert pool.put(0, [(key(2), src, 0, SLOT)])[0].status == "failed"

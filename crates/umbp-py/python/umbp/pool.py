@@ -177,6 +177,13 @@ class Pool:
         ``present``, ``put_failures``."""
         return self._native.metrics()
 
+    def leave(self) -> bool:
+        """Leaves the pool now, for a planned stop: stops renewing the node's announcement and
+        withdraws it, so other instances miss its blocks at once instead of failing their loads
+        until the announcement expires (on Redis its blocks are dropped; a new pool of the node
+        rejoins empty). Returns whether the node was alive."""
+        return self._native.leave()
+
     def close(self) -> None:
         """Stops renewing the node's announcement and lets go of the tiers' registrations;
         later calls raise :class:`~umbp.ClosedError`. Idempotent."""
