@@ -340,3 +340,32 @@ def test_pool_leave_withdraws_the_node_for_other_instances(redis):  # noqa: F811
     assert other.lookup([key(1)]) == [None]
     assert [n[0] for n in other.nodes()] == []
     assert pool.put(0, [(key(2), src, 0, SLOT)])[0].status == "failed"
+
+
+def test_pool_ssd_blocks_survive_a_restart(tmp_path):
+    """An instance with an embedded index and a durable SSD tier stops and starts again (a new
+    engine, index and pool over the same files): what it stored loads byte for byte."""
+    path, tier_file = str(tmp_path / "pool.redb"), str(tmp_path / "tier.bin")
+    datas = [block(i) for i in range(3)]
+
+    def start():
+        engine = umbp.Engine()
+        index = umbp.PoolIndex(path)
+        pool = umbp.Pool(engine, index, node=0)
+        ssd = engine.register_file(tier_file, 0, SLOT * SLOTS, create=True, extend=True, direct=False)
+        pool.add_tier(1, ssd, slot_size=SLOT, slot_count=SLOTS, durable=True)
+        return engine, pool
+
+    engine, pool = start()
+    src = engine.register(np.concatenate(datas))
+    put = pool.put(1, [(key(i), src, i * SLOT, SLOT) for i in range(3)])
+    assert [r.status for r in put] == ["stored"] * 3, put
+    pool.close()
+    del engine, pool, src
+
+    engine, pool = start()
+    assert pool.prefix_hits([key(0), key(1), key(2), key(3)]) == 3
+    dst = engine.register(np.zeros(3 * SLOT, dtype=np.uint8))
+    got = pool.get([(key(i), dst, i * SLOT, SLOT) for i in range(3)])
+    assert [r.status for r in got] == ["loaded"] * 3, got
+    assert engine.read(dst, 0, 3 * SLOT) == b"".join(d.tobytes() for d in datas)
