@@ -679,21 +679,22 @@ fn a_get_that_outlives_its_lease_ttl_renews_it() {
     let dir = tempfile::tempdir().unwrap();
     let index = embedded(&dir);
     let rig = rig(4);
-    let config = PoolConfig { lease_ttl: Duration::from_millis(600), ..PoolConfig::new(NODE) };
+    let config = PoolConfig { lease_ttl: Duration::from_millis(1200), ..PoolConfig::new(NODE) };
     let pool = pool_on(&rig, index.clone(), config);
     let src = rig.composite.register_memory(bytes_of(1, SLOT)).unwrap();
     assert!(pool
         .put(DRAM, &[PutBlock { key: key(1), src: src.id(), offset: 0, len: SLOT }])
         .unwrap()[0]
         .is_in_pool());
-    // Every transfer now takes 3 s, five lease TTLs.
-    *rig.engine.delay.lock().unwrap() = Duration::from_secs(3);
+    // Every transfer now takes 4 s, more than three lease TTLs (renewed every 600 ms: a
+    // renewal may come 600 ms late on a loaded machine and still hold).
+    *rig.engine.delay.lock().unwrap() = Duration::from_secs(4);
     let dst = rig.composite.register_memory(vec![0u8; SLOT as usize]).unwrap();
     let removed_meanwhile = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
-            // Well past the first TTL: the lease still holds the block, so it stays.
-            std::thread::sleep(Duration::from_millis(1800));
+            // Past two TTLs: the lease still holds the block, so it stays.
+            std::thread::sleep(Duration::from_millis(2600));
             let r = index.remove(&[key(1)]).unwrap();
             removed_meanwhile.store(r == vec![Removed::Removed], Ordering::Relaxed);
         });
