@@ -138,7 +138,9 @@ class PoolTierIndex:
         if ranks < 1:
             raise ValueError("ranks must be at least 1")
         if dram_slots + ssd_slots == 0:
-            raise ValueError("the tiers hold no slot: give DRAM or SSD bytes for at least one block")
+            raise ValueError(
+                "the tiers hold no slot: give DRAM or SSD bytes for at least one block"
+            )
         self.client = client
         self.node = int(node)
         self.ranks = ranks
@@ -302,7 +304,8 @@ class PoolTierIndex:
         if node == self.node:
             r = (tier - 1) // 2
             if r < len(self.ssd_files) and self.ssd_files[r]:
-                return (self.ssd_files[r], self.slots * self.slot_bytes, int(p.slot), int(p.checksum))
+                size = self.slots * self.slot_bytes
+                return (self.ssd_files[r], size, int(p.slot), int(p.checksum))
             return None
         files = self._peer_files(node)
         if not files or tier not in files:

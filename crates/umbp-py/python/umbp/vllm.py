@@ -43,6 +43,14 @@ pass host memory; ``"all_tiers"`` adds DRAM, at the cost docs/VLLM.md gives). A
 block whose bytes changed in the tier (a bad sector, another process writing the file) fails as
 a load error, counted as ``corrupt_blocks``, and is recomputed, never loaded.
 
+Pool (``"pool"``: ``"redis://..."`` shared by instances and nodes, or ``"embedded"``, a redb
+file beside the SSD tier that outlives restarts): the scheduler side's index is the pool's
+(:class:`umbp.kvpool.PoolTierIndex`) instead of an in-process one. A hit may then come from
+another instance (its SSD file on this host) or from before a restart; each TP rank's shard is
+a pool block of its own with its own checksum, published only once every rank's save landed,
+and a load leases what it reads (a refused lease is a load error). ``kv_role``:
+``kv_producer`` only saves, ``kv_consumer`` only loads. docs/VLLM.md, "Sharing the cache".
+
 SSD files: each instance's own (the data-parallel replica and the TP rank are in the default
 name, ``{dp_rank}`` and ``{rank}`` place them), held under an exclusive lock while it runs, so
 a second instance given the same file stops at start.
@@ -53,10 +61,13 @@ See docs/VLLM.md for every extra-config key and the metrics.
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import math
 import os
+import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
@@ -75,6 +86,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import ChecksumPolicy, Engine, FailureKind, Object, Range, Registration, RegistrationError
+from .kvpool import PoolTierIndex, RankRef
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
@@ -126,6 +138,12 @@ class UmbpConfig:
     load_timeout_s: Optional[float] = None
     engine_workers: int = 8
     checksums: str = "files_and_remote"
+    pool: Optional[str] = None
+    pool_node: Optional[int] = None
+    pool_namespace: Optional[str] = None
+    pool_lease_s: float = 30.0
+    pool_reserve_s: float = 120.0
+    pool_announce_s: float = 15.0
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
@@ -158,7 +176,43 @@ class UmbpConfig:
         policies = [p.value for p in ChecksumPolicy]
         if cfg.checksums not in policies:
             raise ValueError(f"UmbpConnector: checksums must be one of {policies}")
+        if cfg.pool is not None:
+            if not isinstance(cfg.pool, str) or not cfg.pool:
+                raise ValueError("UmbpConnector: pool must be 'embedded', a path or a redis:// URL")
+            if cfg.pool == "embedded" and not cfg.ssd_path:
+                raise ValueError(
+                    "UmbpConnector: the embedded pool lies beside the SSD tier: it needs ssd_path"
+                )
+            if cfg.checksums == ChecksumPolicy.OFF.value:
+                raise ValueError(
+                    "UmbpConnector: a pool records each block's checksum: checksums cannot be off"
+                )
+        if cfg.pool_node is not None and not (
+            isinstance(cfg.pool_node, int) and 0 <= cfg.pool_node < 1 << 32
+        ):
+            raise ValueError("UmbpConnector: pool_node must be an integer in [0, 2**32)")
+        for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
+            if not float(getattr(cfg, name)) > 0:
+                raise ValueError(f"UmbpConnector: {name} must be positive")
         return cfg
+
+    def engine_checksums(self) -> str:
+        """The workers' checksum policy: a pool publishes every block with its checksum, so
+        with a pool whose blocks go to DRAM (no SSD tier) DRAM is hashed too."""
+        if self.pool is not None and not self.ssd_path:
+            return ChecksumPolicy.ALL_TIERS.value
+        return self.checksums
+
+    def pool_file(self, dp_rank: int = 0) -> Optional[str]:
+        """The embedded pool's redb file: beside the SSD tier, one per data-parallel replica
+        (``"pool": "embedded"``), or the path given."""
+        if self.pool is None or "://" in self.pool:
+            return None
+        if self.pool != "embedded":
+            return self.pool.replace("{dp_rank}", str(dp_rank))
+        base = self.ssd_file(0, 1, dp_rank)
+        assert base is not None
+        return base.replace("{rank}", "all") + ".pool.redb"
 
     def ssd_file(self, rank: int, ranks: int, dp_rank: int = 0) -> Optional[str]:
         """The SSD file of tensor-parallel rank ``rank`` (of ``ranks``) in data-parallel
@@ -236,6 +290,81 @@ def _tp(vllm_config: "VllmConfig") -> Tuple[int, int]:
     return rank, size
 
 
+def _pool_namespace(
+    cfg: UmbpConfig, vllm_config: "VllmConfig", layout: _Layout, ranks: int
+) -> bytes:
+    """What makes the bytes of one block hash differ between instances sharing a pool: the
+    model (or ``pool_namespace``, which names it instead) and the KV cache's shape and
+    placement (dtype, layout, block size, page bytes, layers, TP size). Keys of instances
+    that differ in any of them never meet."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    fields = {
+        "umbp.vllm": 1,
+        "model": cfg.pool_namespace
+        or [str(getattr(model, "model", "")), str(getattr(model, "revision", None))],
+        "dtype": [str(getattr(model, "dtype", "")), str(getattr(cache, "cache_dtype", ""))],
+        "layout": str(getattr(cache, "kv_cache_layout", None)),
+        "block_size": layout.block_size,
+        "page_bytes": layout.page_bytes,
+        "layers": list(layout.layer_names),
+        "tp": ranks,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+
+
+def _open_pool(
+    cfg: UmbpConfig, vllm_config: "VllmConfig", layout: _Layout, ranks: int
+) -> Optional[PoolTierIndex]:
+    """The scheduler's index over the pool ``cfg.pool`` names, None without one. Only the
+    scheduler opens it (the embedded index's file can be opened by one process): workers move
+    bytes where the metadata says."""
+    if cfg.pool is None:
+        return None
+    from ._native import PoolIndex
+
+    dp = _dp_rank(vllm_config)
+    target = cfg.pool
+    if "://" not in target:
+        target = os.path.abspath(cfg.pool_file(dp) or target)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    ssd_files = [
+        os.path.abspath(f) for f in (cfg.ssd_file(r, ranks, dp) for r in range(ranks)) if f
+    ]
+    node = cfg.pool_node
+    if node is None:
+        # Stable across restarts where the instance has an SSD tier (its blocks outlive it).
+        seed = f"{socket.gethostname()}|" + (
+            "|".join(ssd_files) if ssd_files else f"{os.getpid()}|{dp}|{time.time_ns()}"
+        )
+        node = int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=4).digest(), "big")
+    slot = layout.slot_bytes
+    # A password in UMBP_POOL_PASSWORD keeps it off the command line (it overrides the URL's).
+    client = PoolIndex(target, password=os.environ.get("UMBP_POOL_PASSWORD") or None)
+    index = PoolTierIndex(
+        client,
+        node=node,
+        ranks=ranks,
+        slot_bytes=slot,
+        object_bytes=layout.object_bytes,
+        dram_slots=cfg.dram_bytes_per_rank // slot,
+        ssd_slots=cfg.ssd_bytes_per_rank // slot if cfg.ssd_path else 0,
+        ssd_files=ssd_files,
+        namespace=_pool_namespace(cfg, vllm_config, layout, ranks),
+        lease_s=cfg.pool_lease_s,
+        reserve_s=cfg.pool_reserve_s,
+        announce_s=cfg.pool_announce_s,
+    )
+    index.start()
+    logger.info(
+        "UmbpConnector: pool %s, node %d, %s tier",
+        cfg.pool if "://" in cfg.pool else target,
+        node,
+        index.tier,
+    )
+    return index
+
+
 def _dense_pages(t: torch.Tensor, num_blocks: int, page_bytes: int) -> bool:
     """Whether each block's page of the layer view ``t`` (blocks, or kernel blocks, first) is
     one contiguous run of ``page_bytes``: true of the block-compact layouts, where the block
@@ -276,22 +405,32 @@ class UmbpConnectorMetadata(KVConnectorMetadata):
     #: requests preempted this step: their blocks are about to be reused.
     preempted: List[str] = field(default_factory=list)
     layerwise: bool = False
+    #: With a pool: operation id -> what each rank does (its file, slot and checksum; see
+    #: umbp.kvpool.RankRef), for every load and save of this step.
+    pool: Dict[int, List[RankRef]] = field(default_factory=dict)
 
 
 @dataclass
 class UmbpWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: how many ranks completed (``ok``) or failed each operation."""
+    """Workers -> scheduler: how many ranks completed (``ok``) or failed each operation;
+    with a pool, the CRC32C each rank's completed save of it wrote (``checksums``: operation
+    id -> rank -> checksum), which the scheduler publishes."""
 
     ok: Dict[int, int] = field(default_factory=dict)
     failed: Dict[int, int] = field(default_factory=dict)
+    checksums: Dict[int, Dict[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "UmbpWorkerMetadata":
-        out = UmbpWorkerMetadata(dict(self.ok), dict(self.failed))
+        out = UmbpWorkerMetadata(
+            dict(self.ok), dict(self.failed), {op: dict(c) for op, c in self.checksums.items()}
+        )
         if isinstance(other, UmbpWorkerMetadata):
             for op, n in other.ok.items():
                 out.ok[op] = out.ok.get(op, 0) + n
             for op, n in other.failed.items():
                 out.failed[op] = out.failed.get(op, 0) + n
+            for op, c in other.checksums.items():
+                out.checksums.setdefault(op, {}).update(c)
         return out
 
 
@@ -393,16 +532,33 @@ class UmbpPromMetrics(KVConnectorPromMetrics):
 class _SchedulerSide:
     """The index and the per-request bookkeeping (see :class:`UmbpConnector`)."""
 
-    def __init__(self, cfg: UmbpConfig, layout: _Layout, ranks: int):
+    def __init__(
+        self,
+        cfg: UmbpConfig,
+        layout: _Layout,
+        ranks: int,
+        pool: Optional[PoolTierIndex] = None,
+        *,
+        loads: bool = True,
+        saves: bool = True,
+    ):
         self.cfg = cfg
         self.layout = layout
         dram_slots = cfg.dram_bytes_per_rank // layout.slot_bytes
         ssd_slots = cfg.ssd_bytes_per_rank // layout.slot_bytes if cfg.ssd_path else 0
-        self.index = TierIndex(
-            dram_slots,
-            ssd_slots,
-            ranks=ranks,
-            dram_free_slots=math.ceil(cfg.dram_free_fraction * dram_slots),
+        #: The pool's index, when one is configured: it replaces the in-process one.
+        self.pool = pool
+        #: kv_role: a kv_producer never loads, a kv_consumer never saves.
+        self.loads, self.saves = loads, saves
+        self.index: "TierIndex | PoolTierIndex" = (
+            pool
+            if pool is not None
+            else TierIndex(
+                dram_slots,
+                ssd_slots,
+                ranks=ranks,
+                dram_free_slots=math.ceil(cfg.dram_free_fraction * dram_slots),
+            )
         )
         self.kv_cache_manager = None
         self._requests: Dict[str, "Request"] = {}
@@ -501,7 +657,7 @@ class _SchedulerSide:
         bs = self.layout.block_size
         rid = request.request_id
         self._plans.pop(rid, None)
-        if num_computed_tokens % bs:
+        if num_computed_tokens % bs or not self.loads:
             return 0, False
         start = num_computed_tokens // bs
         # vLLM computes at least the last prompt token itself.
@@ -546,7 +702,7 @@ class _SchedulerSide:
 
     def _plan_saves(self, rid: str, num_computed: int, num_scheduled: int) -> List[Item]:
         request = self._requests.get(rid)
-        if request is None or self.kv_cache_manager is None:
+        if request is None or self.kv_cache_manager is None or not self.saves:
             return []
         end = num_computed + num_scheduled
         if not self.cfg.save_decode:
@@ -590,10 +746,34 @@ class _SchedulerSide:
             )
             if items:
                 meta.saves[rid] = items
+        if self.pool is not None:
+            self._commit_pool(meta)
         meta.demotions = self.index.plan_demotions()
         meta.hold, self._hold = self._hold, []
         meta.preempted = sorted(so.preempted_req_ids or ())
         return meta
+
+    def _commit_pool(self, meta: UmbpConnectorMetadata) -> None:
+        """The pool's part of a step: one lease over its loads, one reservation per rank over
+        its saves (``meta.pool``: what each rank does). A save that got no slot on some rank
+        (the block is published already, the tier is full, the pool unreachable) is dropped
+        from the step: a later miss at worst."""
+        assert self.pool is not None
+        meta.pool = self.pool.commit()
+        for rid, items in list(meta.loads.items()):
+            meta.loads[rid] = [(op, t, meta.pool[op][0][2], b) for op, t, _, b in items]
+        for rid, items in list(meta.saves.items()):
+            kept = []
+            for op, tier, _, block in items:
+                refs = meta.pool.get(op)
+                if refs is None:
+                    self._save_block.pop(op, None)
+                else:
+                    kept.append((op, tier, refs[0][2], block))
+            if kept:
+                meta.saves[rid] = kept
+            else:
+                del meta.saves[rid]
 
     def finished(self, request: "Request") -> Tuple[bool, Optional[Dict[str, Any]]]:
         rid = request.request_id
@@ -656,7 +836,11 @@ class _SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, UmbpWorkerMetadata):
             for op in sorted(set(meta.ok) | set(meta.failed)):
-                self.index.report(op, ok=meta.ok.get(op, 0), failed=meta.failed.get(op, 0))
+                ok, failed = meta.ok.get(op, 0), meta.failed.get(op, 0)
+                if self.pool is not None:
+                    self.pool.report(op, ok=ok, failed=failed, checksums=meta.checksums.get(op))
+                else:
+                    self.index.report(op, ok=ok, failed=failed)
                 if self.index.op_settled(op):
                     self._save_block.pop(op, None)
                     if self._events is not None:
@@ -665,6 +849,9 @@ class _SchedulerSide:
             self._loading.discard(rid)
         for rid in output.finished_sending or ():
             self._forget_saves(rid)
+        if self.pool is not None:
+            # Publishes what every rank saved, aborts what failed: one call each.
+            self.pool.flush()
 
 
 # -- the worker side ------------------------------------------------------------------------
@@ -736,6 +923,16 @@ class _WorkerSide:
         #: (None where the engine's checksum policy leaves the tier unhashed): loads of the
         #: slot verify it, so a block whose bytes changed in the tier is a load error.
         self._checksums: Dict[Tuple[str, int], Optional[int]] = {}
+        #: With a pool: the save operations in flight (their checksums go back to the
+        #: scheduler, which publishes them), the checksums to report (operation -> this rank
+        #: -> CRC32C), and other instances' SSD files opened for reading, by path.
+        self._pool_saves: Set[int] = set()
+        self._crcs: Dict[int, Dict[int, int]] = {}
+        self._peer_files: Dict[str, Optional[Registration]] = {}
+        #: Loads the pool refused (made to fail on purpose): tags of the batch being built,
+        #: and their operations until they settle.
+        self._refused: Set[int] = set()
+        self._refused_ops: Set[int] = set()
         # A slot is paged by TIER_PAGE (or one page, for a smaller block): page k of slot s
         # starts at s * slot_bytes + k * page.
         self._page = min(layout.object_bytes, TIER_PAGE)
@@ -764,7 +961,7 @@ class _WorkerSide:
             "cuda" if self.cuda else "sim",
             pin_device=(device.index or 0) if self.cuda else 0,
             workers=self.cfg.engine_workers,
-            checksums=self.cfg.checksums,
+            checksums=self.cfg.engine_checksums(),
         )
         self._kv_caches = kv_caches
         self._register_kv()
@@ -878,6 +1075,8 @@ class _WorkerSide:
     def _open_tiers(self) -> None:
         slot = self.layout.slot_bytes
         dram_slots = self.cfg.dram_bytes_per_rank // slot
+        if self.cfg.pool is not None and self.cfg.ssd_path:
+            dram_slots = 0  # a pool keeps blocks in the SSD tier: no DRAM arena to fill
         if dram_slots:
             self._arena = np.zeros(dram_slots * slot, dtype=np.uint8)
             self.dram = self._eng().register(self._arena, label=f"vllm dram tier {self._who()}")
@@ -954,6 +1153,52 @@ class _WorkerSide:
     def _stream(self) -> Any:
         return torch.cuda.current_stream() if self.cuda else None
 
+    def _objects(self, items: List[Item], meta: UmbpConnectorMetadata) -> List[Object]:
+        """The objects of ``items`` (tag ``k``: ``items[k]``), placed where the pool said for
+        this rank when ``meta.pool`` names their operation."""
+        self._refused = set()
+        objects = [
+            self._object(k, tier, slot, block)
+            if op not in meta.pool
+            else self._pool_object(k, tier, block, meta.pool[op][self.rank])
+            for k, (op, tier, slot, block) in enumerate(items)
+        ]
+        self._refused_ops.update(items[k][0] for k in self._refused)
+        return objects
+
+    def _pool_object(self, tag: int, tier: str, block: int, ref: RankRef) -> Object:
+        """The object of this rank's part of a pooled operation: its slot in this rank's own
+        tier or in another instance's SSD file (opened read-only), and the checksum the pool
+        recorded. A part the scheduler could not lease (slot -1), or whose file cannot be
+        opened, is an object past the end of the tier, which the engine rejects alone: a load
+        error like any other, that vLLM recomputes."""
+        path, size, slot, checksum = ref
+        own = SSD if self.ssd is not None else DRAM
+        obj = self._object(tag, own, max(slot, 0), block)
+        reg = self._peer_file(path, size) if path else obj.tier
+        if slot < 0 or reg is None:
+            self._refused.add(tag)
+            return replace(obj, page_offsets=self._pages + np.uint64(1 << 60), checksum=None)
+        return replace(obj, tier=reg, checksum=checksum)
+
+    def _peer_file(self, path: str, size: int) -> Optional[Registration]:
+        """Another instance's SSD file, opened read-only (without its lock, which that
+        instance holds: the pool's lease keeps the slot from being reused under the load, and
+        the checksum verifies it). None when it cannot be opened (logged)."""
+        if path in self._peer_files:
+            return self._peer_files[path]
+        if path == self.ssd_path:
+            return self.ssd
+        reg: Optional[Registration] = None
+        try:
+            reg = self._eng().register_file(
+                path, 0, size, direct=self.cfg.ssd_direct, writable=False
+            )
+        except (OSError, RegistrationError) as e:
+            logger.warning("UmbpConnector: cannot open another instance's SSD tier %s: %s", path, e)
+        self._peer_files[path] = reg
+        return reg
+
     def start_loads(self, meta: UmbpConnectorMetadata) -> None:
         self._step_load = None
         items, requests = [], []
@@ -962,9 +1207,7 @@ class _WorkerSide:
             requests.extend([rid] * len(its))
         if not items:
             return
-        objects = [
-            self._object(k, tier, slot, block) for k, (_, tier, slot, block) in enumerate(items)
-        ]
+        objects = self._objects(items, meta)
         batch = self._eng().start_restore(
             objects, timeout=self.cfg.load_timeout_s, stream=self._stream()
         )
@@ -996,9 +1239,8 @@ class _WorkerSide:
             items.extend(its)
             requests.extend([rid] * len(its))
         if items:
-            objects = [
-                self._object(k, tier, slot, block) for k, (_, tier, slot, block) in enumerate(items)
-            ]
+            objects = self._objects(items, meta)
+            self._pool_saves.update(it[0] for it in items if it[0] in meta.pool)
             # On CUDA the reads of the KV cache queue on the compute stream, after this step's
             # forward pass wrote it; nothing here waits for them.
             batch = self._eng().start_offload(objects, stream=self._stream())
@@ -1038,6 +1280,10 @@ class _WorkerSide:
         size = self.layout.object_bytes
         for o in report.objects:
             op, tier, slot, block = t.items[o.tag]
+            if t.kind == "save" and op in self._pool_saves:
+                self._pool_saves.discard(op)
+                if o.ok and o.checksum is not None:
+                    self._crcs[op] = {self.rank: int(o.checksum)}
             if t.kind != "load":
                 # The slot now holds this save's bytes (their checksum, or None where the
                 # engine's policy leaves the tier unhashed), or, after a failure, unknown ones.
@@ -1049,9 +1295,21 @@ class _WorkerSide:
                 self._ok[op] = self._ok.get(op, 0) + 1
             else:
                 self._failed[op] = self._failed.get(op, 0) + 1
-                logger.warning(
-                    "UmbpConnector: %s of block %d (%s) failed: %s", t.kind, block, tier, o.error
-                )
+                if op in self._refused_ops:
+                    self._refused_ops.discard(op)
+                    logger.warning(
+                        "UmbpConnector: load of block %d failed: the pool refused its lease "
+                        "(evicted, reused or gone since the lookup); vLLM recomputes it",
+                        block,
+                    )
+                else:
+                    logger.warning(
+                        "UmbpConnector: %s of block %d (%s) failed: %s",
+                        t.kind,
+                        block,
+                        tier,
+                        o.error,
+                    )
             if t.kind == "load":
                 if o.ok:
                     self._stats.add(f"loaded_blocks.{tier}", 1)
@@ -1102,8 +1360,8 @@ class _WorkerSide:
     def worker_meta(self) -> Optional[UmbpWorkerMetadata]:
         if not self._ok and not self._failed:
             return None
-        meta = UmbpWorkerMetadata(self._ok, self._failed)
-        self._ok, self._failed = {}, {}
+        meta = UmbpWorkerMetadata(self._ok, self._failed, self._crcs)
+        self._ok, self._failed, self._crcs = {}, {}, {}
         return meta
 
     def stats(self) -> Optional[UmbpConnectorStats]:
@@ -1116,10 +1374,11 @@ class _WorkerSide:
         for t in self._transfers:
             t.batch.wait()
         self._transfers = []
-        for reg in [self.dram, self.ssd, *self._registrations]:
+        for reg in [self.dram, self.ssd, *self._registrations, *self._peer_files.values()]:
             if reg is not None:
                 reg.close()
         self._registrations = []
+        self._peer_files = {}
         self.dram = self.ssd = None
 
 
@@ -1151,7 +1410,15 @@ class UmbpConnector(KVConnectorBase_V1):
         self.scheduler_side: Optional[_SchedulerSide] = None
         self.worker_side: Optional[_WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = _SchedulerSide(self.config, layout, ranks)
+            kv = self._kv_transfer_config
+            self.scheduler_side = _SchedulerSide(
+                self.config,
+                layout,
+                ranks,
+                _open_pool(self.config, vllm_config, layout, ranks),
+                loads=kv.is_kv_consumer,
+                saves=kv.is_kv_producer,
+            )
             events = vllm_config.kv_events_config
             if events is not None and events.enable_kv_cache_events:
                 self.scheduler_side.enable_events()
@@ -1324,3 +1591,5 @@ class UmbpConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None and self.scheduler_side.pool is not None:
+            self.scheduler_side.pool.close()

@@ -1,0 +1,388 @@
+"""umbp.vllm.UmbpConnector with a pool (issue 36): vLLM's own scheduler and workers on CPU, as
+in test_vllm.py (whose harness this reuses), with the connector's index in the pool instead
+of in the process.
+
+Real components only: a redis-server started here on loopback (a password, a fresh port, a
+temp dir) and stopped at the end; instances are separate processes (one is a child process
+started by the test, the other the test's own), each with vLLM's scheduler and its workers,
+sharing that Redis; the embedded index is a redb file beside the SSD tier. Every loaded byte
+is checked against what its token prefix implies (test_vllm.Harness).
+
+Needs vLLM (skipped with the reason printed where it is absent, a failure with
+UMBP_REQUIRE_VLLM=1) and, for the Redis tests, redis-server (likewise, UMBP_REQUIRE_REDIS=1).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+try:
+    import torch  # noqa: F401
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("UMBP_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
+
+import test_vllm as tv
+from redis_server import redis  # noqa: F401  (the fixture)
+from test_vllm import BS, first_step_of, prompt, slot_bytes
+from vllm.config import KVTransferConfig
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- instances ----------------------------------------------------------------------------------
+
+
+def harness(tmp, *, kv_role="kv_both", **extra):
+    """test_vllm's harness (vLLM's scheduler, the workers, the fake forward pass) as a
+    ``kv_role`` instance, its model's config in ``tmp`` (instances that share a pool serve one
+    model: the same ``tmp``)."""
+    real = KVTransferConfig
+
+    def config(**kw):
+        return real(**{**kw, "kv_role": kv_role})
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    with mock.patch.object(tv, "KVTransferConfig", config):
+        return tv.Harness(tmp, **extra)
+
+
+def close(h):
+    h.close()
+    h.scheduler.connector.shutdown()
+
+
+def summary(h):
+    return {
+        "stats": h.stats,
+        "checked_loads": h.checked_loads,
+        "load_errors": sorted(h.load_errors),
+        "counters": asdict(h.index.counters),
+        "node": h.index.node,
+    }
+
+
+def run_prompt(h, rid, tokens):
+    """Runs one request to its end; returns (tokens computed before its first step: the
+    connector's hit, tokens its first step computed)."""
+    h.add(rid, tokens)
+    so, computed = first_step_of(h, rid)
+    h.run()
+    return computed, so.num_scheduled_tokens.get(rid, 0)
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {here!r})
+    import test_vllm_pool as t
+    args = json.loads({args!r})
+    h = t.harness(Path(args["tmp"]), kv_role=args["role"], tp=args["tp"], **args["extra"])
+    computed, _ = t.run_prompt(h, "a", args["tokens"])
+    out = t.summary(h)
+    out["computed"] = computed
+    Path(args["out"] + ".tmp").write_text(json.dumps(out))
+    Path(args["out"] + ".tmp").rename(args["out"])  # whole, or not there
+    if args.get("crash"):
+        os._exit(0)  # as a killed server: nothing closed, nothing flushed
+    stop = Path(args["out"] + ".stop")
+    deadline = time.monotonic() + 300
+    while args.get("hold") and not stop.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t.close(h)
+    """
+)
+
+
+class Child:
+    """An instance in a process of its own: runs ``tokens`` as request "a" and reports;
+    with ``hold``, stays up (its SSD file locked, its node announced) until stopped."""
+
+    def __init__(self, tmp, tokens, *, role="kv_both", tp=1, hold=False, crash=False, **extra):
+        self.out = tmp / "child.json"
+        args = dict(
+            tmp=str(tmp),
+            role=role,
+            tp=tp,
+            extra=extra,
+            tokens=tokens,
+            out=str(self.out),
+            hold=hold,
+            crash=crash,
+        )
+        code = CHILD.format(here=str(HERE), args=json.dumps(args))
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=str(tmp))
+
+    def result(self, timeout=300.0):
+        deadline = time.monotonic() + timeout
+        while not self.out.exists():
+            rc = self.proc.poll()
+            assert rc is None, f"the child instance exited with {rc}"
+            assert time.monotonic() < deadline, "the child instance hung"
+            time.sleep(0.05)
+        return json.loads(self.out.read_text())
+
+    def stop(self):
+        Path(str(self.out) + ".stop").write_text("")
+        try:
+            rc = self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert rc == 0, f"the child instance exited with {rc}"
+
+
+class HeldSaves:
+    """Wraps a worker's engine so that its save batches report done only after
+    ``release()``: saves still in flight when the test acts."""
+
+    class Batch:
+        def __init__(self, owner, batch):
+            self._owner, self._batch = owner, batch
+
+        def done(self):
+            return self._owner.released and self._batch.done()
+
+        def __getattr__(self, name):
+            return getattr(self._batch, name)
+
+    def __init__(self, worker_side):
+        self._engine = worker_side.engine
+        self.released = False
+        worker_side.engine = self
+
+    def release(self):
+        self.released = True
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def start_offload(self, objects, *args, **kwargs):
+        return self.Batch(self, self._engine.start_offload(objects, *args, **kwargs))
+
+
+def ssd(tmp, name, blocks=64):
+    return dict(
+        dram_bytes_per_rank=0,
+        ssd_path=str(tmp / name),
+        ssd_bytes_per_rank=blocks * slot_bytes(),
+    )
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_instance_b_hits_and_loads_byte_exact_what_instance_a_saved_through_redis(
+    tmp_path, redis, tp
+):
+    # Two instances, two processes, one Redis: A saves a prompt's blocks into its SSD file
+    # and stays up (its file locked, its node announced); B finds them in one lookup, loads
+    # them from A's file (opened read-only) and checks every byte against the prefix.
+    shared = prompt(1, 10 * BS)
+    a = Child(tmp_path, shared + [9], tp=tp, hold=True, pool=redis.url, **ssd(tmp_path, "a.ssd"))
+    try:
+        ra = a.result()
+        assert ra["computed"] == 0 and ra["stats"].get("saved_blocks.ssd") == 10 * tp
+        assert ra["counters"]["published"] == 10
+        h = harness(tmp_path, tp=tp, pool=redis.url, **ssd(tmp_path, "b.ssd"))
+        try:
+            computed, scheduled = run_prompt(h, "b", shared + prompt(2, 21))
+            assert computed == 10 * BS  # every block of A's, from the first
+            assert scheduled == 21  # only the rest is computed
+            assert h.checked_loads == 10 and not h.load_errors
+            assert h.stats.get("loaded_blocks.ssd") == 10 * tp
+            assert h.index.node != ra["node"]
+            # B's own blocks (the rest of its prompt) went to its own file and are published.
+            assert h.index.counters.published == 1
+            assert h.index.counters.lookups >= 1 and h.index.counters.index_errors == 0
+            assert h.index.pending_ops() == 0
+        finally:
+            close(h)
+    finally:
+        a.stop()
+
+
+def test_a_restarted_instance_hits_its_own_ssd_tier_through_the_embedded_index(tmp_path):
+    # The first instance saves and dies without closing anything (os._exit after its saves
+    # were published); a new process with the same config hits every block and loads it
+    # byte-exact. Without a pool the same restart is a miss (the in-process index is gone).
+    cfg = ssd(tmp_path, "kv.ssd")
+    shared = prompt(3, 8 * BS)
+    first = Child(tmp_path, shared + [9], crash=True, pool="embedded", **cfg)
+    r = first.result()
+    assert first.proc.wait(timeout=60) == 0
+    assert r["counters"]["published"] == 8
+    assert (tmp_path / "kv.ssd.pool.redb").exists()  # beside the SSD tier
+    h = harness(tmp_path, pool="embedded", **cfg)
+    try:
+        computed, _ = run_prompt(h, "b", shared + prompt(4, 30))
+        assert computed == 8 * BS
+        assert h.checked_loads == 8 and not h.load_errors
+        assert h.stats.get("loaded_blocks.ssd") == 8
+        assert h.index.node == r["node"]  # the same node: its SSD file is its identity
+    finally:
+        close(h)
+    h = harness(tmp_path, **cfg)
+    try:
+        computed, _ = run_prompt(h, "c", shared + prompt(5, 30))
+        assert computed == 0
+    finally:
+        close(h)
+
+
+def test_a_producer_hands_a_prompts_kv_to_a_consumer_through_the_pool(tmp_path, redis):
+    # Prefill/decode disaggregation: the producer (kv_producer) computes the prompt and saves
+    # it, never loads; the consumer (kv_consumer) loads it, computes only the last token, and
+    # saves nothing.
+    p = prompt(6, 12 * BS)
+    prod = Child(
+        tmp_path, p + [9], role="kv_producer", hold=True, pool=redis.url, **ssd(tmp_path, "p.ssd")
+    )
+    try:
+        rp = prod.result()
+        assert rp["stats"].get("saved_blocks.ssd") == 12 and rp["counters"]["lookups"] == 0
+        h = harness(tmp_path, kv_role="kv_consumer", pool=redis.url, **ssd(tmp_path, "c.ssd"))
+        try:
+            computed, scheduled = run_prompt(h, "d", p + [9])
+            assert computed == 12 * BS and scheduled == 1
+            assert h.checked_loads == 12 and not h.load_errors
+            assert not h.stats.get("saved_blocks.ssd") and h.index.counters.saves["ssd"] == 0
+        finally:
+            close(h)
+    finally:
+        prod.stop()
+
+
+def test_redis_killed_mid_run_lookups_miss_saves_fail_cleanly_and_all_resumes(tmp_path, redis):
+    h = harness(tmp_path, pool=redis.url, pool_announce_s=0.6, **ssd(tmp_path, "kv.ssd"))
+    try:
+        p1, p2 = prompt(7, 6 * BS), prompt(8, 6 * BS)
+        run_prompt(h, "a", p1 + [9])
+        assert h.index.counters.published == 6
+        # A request's saves are reserved in its first step; Redis dies before they land.
+        held = HeldSaves(h.worker.worker_side)
+        h.add("b", p2 + [9])
+        first_step_of(h, "b")
+        assert h.index.pending_ops() == 6
+        redis.kill()
+        held.release()
+        h.run()
+        c = h.index.counters
+        assert c.published == 6 and c.failed_saves == 6 and c.index_errors > 0
+        assert h.index.pending_ops() == 0  # nothing hangs on the lost server
+        # Lookups miss (nothing wrong is loaded), saves fail, requests still complete.
+        assert h.scheduler.reset_prefix_cache()
+        computed, _ = run_prompt(h, "c", p1 + prompt(9, 20))
+        assert computed == 0 and not h.load_errors
+        # Redis comes back empty: the renewal announces the node again, and saves and hits
+        # resume by themselves.
+        redis.start()
+        deadline = time.monotonic() + 60
+        published = h.index.counters.published
+        k = 0
+        while h.index.counters.published < published + 6:
+            assert time.monotonic() < deadline, "saves did not resume after Redis came back"
+            assert h.scheduler.reset_prefix_cache()
+            run_prompt(h, f"d{k}", p2 + [9])
+            k += 1
+            time.sleep(0.2)
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "e", p2 + prompt(10, 20))
+        assert computed == 6 * BS and h.checked_loads - before == 6 and not h.load_errors
+    finally:
+        close(h)
+
+
+class EvictBeforeLease:
+    """A pool client whose first ``lease`` finds ``keys`` removed just before it (another
+    instance evicted them between this instance's lookup and its lease)."""
+
+    def __init__(self, client, keys):
+        self._client, self._keys = client, keys
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def lease(self, placements, ttl):
+        if self._keys:
+            assert self._client.remove(self._keys) == ["removed"] * len(self._keys)
+            self._keys = []
+        return self._client.lease(placements, ttl)
+
+
+def test_a_block_evicted_between_lookup_and_lease_is_a_load_error_vllm_recomputes(tmp_path):
+    h = harness(tmp_path, pool="embedded", **ssd(tmp_path, "kv.ssd"))
+    try:
+        shared = prompt(11, 8 * BS)
+        run_prompt(h, "a", shared + [9])
+        assert h.index.counters.published == 8
+        victim = 5
+        keys = h.index.keys_of(h.requests["a"].block_hashes[victim])
+        h.index.client = EvictBeforeLease(h.index.client, keys)
+        assert h.scheduler.reset_prefix_cache()
+        b = h.add("b", shared + prompt(12, 30))
+        first_step_of(h, "b")  # scheduled once its load settled, failure included
+        ids = h.block_ids("b")
+        h.run()
+        # The lookup counted 8 hits; the lease on the victim was refused: every rank reported
+        # it failed (nothing read from its slot) and vLLM recomputed it and what follows.
+        assert h.load_errors == {ids[victim]}
+        assert h.index.counters.leases_refused == 1
+        # The blocks around it loaded byte-exact (vLLM recomputes those after it anyway).
+        assert h.checked_loads == 7 and h.prefills_checked == 2
+        assert h.stats.get("load_errors.ssd") == 1
+        # Recomputed and saved anew: a later request hits all eight, byte-exact.
+        assert h.index.count_hits(b.block_hashes[:8]) == 8
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "c", shared + prompt(13, 20))
+        assert computed == 8 * BS and h.checked_loads - before == 8
+    finally:
+        close(h)
+
+
+def test_a_block_whose_bytes_changed_in_the_file_fails_its_checksum_and_leaves_the_pool(tmp_path):
+    h = harness(tmp_path, pool="embedded", **ssd(tmp_path, "kv.ssd"))
+    try:
+        shared = prompt(14, 8 * BS)
+        run_prompt(h, "a", shared + [9])
+        victim = 3
+        keys = h.index.keys_of(h.requests["a"].block_hashes[victim])
+        [placement] = h.index.client.lookup(keys)
+        at = placement.slot * slot_bytes() + 100
+        with open(tmp_path / "kv.ssd", "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x01]))
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", shared + prompt(15, 30))
+        first_step_of(h, "b")  # scheduled once its load settled, failure included
+        ids = h.block_ids("b")
+        h.run()
+        assert h.load_errors == {ids[victim]}
+        assert h.stats.get("corrupt_blocks.ssd") == 1
+        assert h.index.counters.failed_loads == 1
+        # The corrupt copy left the pool; the recomputed block was published in its place.
+        [again] = h.index.client.lookup(keys)
+        assert again is not None and again.generation != placement.generation
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "c", shared + prompt(16, 20))
+        assert computed == 8 * BS and h.checked_loads - before == 8
+        assert h.stats.get("corrupt_blocks.ssd") == 1
+    finally:
+        close(h)
