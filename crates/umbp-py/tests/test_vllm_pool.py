@@ -386,3 +386,32 @@ def test_a_block_whose_bytes_changed_in_the_file_fails_its_checksum_and_leaves_t
         assert h.stats.get("corrupt_blocks.ssd") == 1
     finally:
         close(h)
+
+
+def test_blocks_computed_over_a_refused_layerwise_load_are_never_published(tmp_path):
+    # Issue 34's rule under a pool: a layer-wise load feeds the step that computes the rest of
+    # the prompt, so when one of its blocks fails (here its lease is refused), what that step
+    # computed after it is wrong bytes. None of it may be published: a later request loads
+    # every block and the harness checks each byte against what its prefix implies.
+    h = harness(
+        tmp_path, pool="embedded", load_mode="layerwise", layers_per_group=2,
+        **ssd(tmp_path, "kv.ssd"),
+    )
+    try:
+        shared = prompt(17, 8 * BS)
+        run_prompt(h, "a", shared + [9])
+        victim = 3
+        keys = h.index.keys_of(h.requests["a"].block_hashes[victim])
+        h.index.client = EvictBeforeLease(h.index.client, keys)
+        assert h.scheduler.reset_prefix_cache()
+        rest = prompt(18, 40)
+        run_prompt(h, "b", shared + rest)
+        assert len(h.load_errors) == 1 and h.index.counters.leases_refused == 1
+        assert h.computed_wrong > 0  # the step did compute over the failed block
+        assert h.index.counters.failed_saves >= 2  # b's blocks 8 and 9 of that step
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "c", shared + rest[: 2 * BS] + prompt(19, 5))
+        assert computed == 10 * BS and h.checked_loads - before == 10
+    finally:
+        close(h)
