@@ -639,6 +639,10 @@ impl UmbpTransfer {
             umbp_ucx::UcxConfig {
                 transports: Some("tcp".into()),
                 secret: Some(crate::remote_bench::secret().into()),
+                // A batch of 4,096 blocks of 1 MiB into a memory node that first touches its
+                // arena's pages, on a loaded 2-core machine, left the default 5 s without an
+                // answer (the peer was declared dead and the rows failed): room for that.
+                peer_timeout: Duration::from_secs(60),
                 ..umbp_ucx::UcxConfig::default()
             },
         )?);

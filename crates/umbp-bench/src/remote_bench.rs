@@ -246,6 +246,9 @@ impl Serving {
         let ucx = UcxConfig {
             transports: config.transports.clone(),
             protection: Protection::Authenticated,
+            // A client reading a 4 GiB batch slowly on a loaded machine (`pool`'s 4,096 blocks
+            // of 1 MiB) was cut after the default 5 s per answer; a bench node waits longer.
+            peer_timeout: Duration::from_secs(60),
             ..UcxConfig::default()
         };
         let server = ServerBuilder::new(ucx)
