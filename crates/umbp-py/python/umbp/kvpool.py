@@ -330,14 +330,25 @@ class PoolTierIndex:
         except Exception as e:
             self._error("a lookup", e)
             return 0
+        # The hot loop of a long prompt (62,500 blocks): a placement on this rank's own tier is
+        # checked inline; only others go through _ref (another instance's file).
+        ranks, node, size = self.ranks, self.node, self.object_bytes
+        own = [tier_id(r, self.tier) for r in range(ranks)]
+        saving, kept = self._saving, self._found
         n = 0
         for i, key in enumerate(keys):
-            ps = found[i * self.ranks : (i + 1) * self.ranks]
-            if any(p is None for p in ps) or key in self._saving:
-                break
-            if any(self._ref(r, p) is None for r, p in enumerate(ps)):
-                break
-            self._found[key] = ps
+            base = i * ranks
+            ps = found[base : base + ranks]
+            for r, p in enumerate(ps):
+                if p is None:
+                    return n
+                if (p.node != node or p.tier != own[r] or p.length != size) and self._ref(
+                    r, p
+                ) is None:
+                    return n
+            if key in saving:
+                return n
+            kept[key] = ps
             n += 1
         return n
 
