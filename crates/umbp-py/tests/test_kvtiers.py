@@ -169,3 +169,52 @@ def test_a_reset_with_in_flight_fails_saves_and_demotions_started_before_it():
     assert index.pending_ops() == 0
     # Every slot is free again once the ranks reported.
     assert index.free_slots(DRAM) == 4 and index.free_slots(SSD) == 4
+
+
+def test_a_save_into_a_full_dram_only_tier_evicts_the_least_recent_block_no_one_reads():
+    index = TierIndex(4, 0, dram_free_slots=0)
+    for key in (b"a", b"b", b"c", b"d"):
+        saved(index, key)
+    load, _, a_slot = index.begin_load(b"a")  # a is read until its load settles
+    for key in (b"b", b"c", b"d"):
+        index.report(index.begin_load(key)[0], ok=1)
+    assert index.keys_in(DRAM) == [b"a", b"b", b"c", b"d"]
+    # Each save takes the slot of the least recent ready block, skipping a (being loaded)
+    # and the blocks being saved.
+    for key, evicted in ((b"e", b"b"), (b"f", b"c"), (b"g", b"d")):
+        slot = index.entry(evicted).slot
+        op, tier, got = index.begin_save(key)
+        assert (tier, got) == (DRAM, slot) and index.entry(evicted) is None
+        assert not index.is_hit(key)
+    assert index.begin_save(b"h") is None  # a is read, e, f and g are being saved
+    assert index.counters.saves_skipped == 1 and index.is_hit(b"a")
+    index.report(load, ok=1)
+    index.report(index.begin_load(b"a")[0], ok=1)  # a is the most recent again ...
+    saved(index, b"e2")  # ... but the only ready block: it goes
+    assert index.entry(b"a") is None and index.entry(b"e2").slot == a_slot
+    assert index.counters.evictions[DRAM] == 4
+
+
+def test_a_burst_of_saves_larger_than_the_headroom_is_stored_whole():
+    index = TierIndex(64, 0, dram_free_slots=3)  # the watermark keeps 3 slots free
+    for k in range(64):
+        saved(index, ("old", k))
+    assert len(index.plan_demotions()) == 0 and index.free_slots(DRAM) == 3
+    ops = [index.begin_save(("new", k)) for k in range(40)]
+    assert all(op is not None for op in ops)
+    for op, _, _ in ops:
+        index.report(op, ok=1)
+    assert all(index.is_hit(("new", k)) for k in range(40))
+    # The oldest went (3 for the headroom, 37 for the burst), the newest old ones stay.
+    assert index.keys_in(DRAM)[:24] == [("old", k) for k in range(40, 64)]
+    assert index.counters.saves_skipped == 0
+
+
+def test_a_full_ssd_whose_blocks_are_all_busy_makes_room_in_dram():
+    index = TierIndex(2, 1, dram_free_slots=0)
+    saved(index, b"a")
+    saved(index, b"b")
+    ssd_save, tier, _ = index.begin_save(b"c")  # c is being saved into the only SSD slot
+    assert tier == SSD
+    op, tier, slot = index.begin_save(b"d")
+    assert tier == DRAM and index.entry(b"a") is None and index.is_hit(b"b")

@@ -508,6 +508,36 @@ def test_a_saved_prefix_is_a_hit_and_only_the_rest_is_computed(tmp_path, load_mo
         h.close()
 
 
+def test_a_dram_only_tier_that_is_full_stores_a_burst_larger_than_its_headroom(tmp_path):
+    slot = slot_bytes()
+    # 40 DRAM slots, no SSD tier; the watermark keeps 2 of them free between steps.
+    h = Harness(tmp_path, dram_bytes_per_rank=40 * slot, dram_free_fraction=0.05)
+    try:
+        old = prompt(50, 40 * BS)
+        h.add("old", old + [5])
+        h.run()
+        assert h.stats.get("saved_blocks.dram") == 40
+        # One step saves 24 blocks: the least recent old blocks make room for all of them.
+        burst = prompt(51, 24 * BS)
+        h.add("new", burst + [5])
+        so, _ = first_step_of(h, "new")
+        assert so.num_scheduled_tokens["new"] == 24 * BS + 1
+        h.run()
+        keys = h.requests["new"].block_hashes
+        assert all(h.index.is_hit(k) for k in keys)
+        assert h.index.counters.saves_skipped == 0
+        assert h.stats.get("saved_blocks.dram") == 40 + 24
+        # The old prompt's newest blocks stay (its first ones went), so only the burst hits.
+        assert h.scheduler.reset_prefix_cache()
+        h.add("again", burst + [6])
+        so, computed = first_step_of(h, "again")
+        assert computed == 24 * BS
+        h.run()
+        assert h.checked_loads == 24 and not h.load_errors
+    finally:
+        h.close()
+
+
 def test_dram_pressure_demotes_to_ssd_and_an_ssd_hit_is_byte_exact(tmp_path):
     slot = slot_bytes()
     # Room for 6 blocks in DRAM (one kept free), 32 on SSD.

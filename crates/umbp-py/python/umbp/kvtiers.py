@@ -22,7 +22,9 @@ Eviction: each tier is LRU (a hit or a completed save makes a block the most rec
 fewer than ``dram_free_slots`` DRAM slots are free, :meth:`TierIndex.plan_demotions` moves the
 least recent ready DRAM blocks to the SSD tier (the SSD tier drops its own least recent ready
 block to make room); without an SSD tier they are dropped. A save that finds no free DRAM slot
-goes straight to the SSD tier.
+goes straight to the SSD tier; one that finds no slot there either (no SSD tier, or every SSD
+block busy) evicts the least recent ready DRAM block no operation reads, so a burst of saves
+larger than the headroom ``dram_free_slots`` keeps is stored whole while older blocks can go.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class _Slots:
 
     def pin(self, slot: int) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self._pins
 
     def unpin(self, slot: int) -> None:
         left = self._pins[slot] - 1
@@ -222,10 +227,12 @@ class TierIndex:
         return self._op(_Op("load", key, e.tier, e.slot)), e.tier, e.slot
 
     def _evict_lru(self, tier: str) -> bool:
-        """Drops the least recent ready block of ``tier``; False if none is ready."""
+        """Drops the least recent ready block of ``tier`` that no operation reads, so its slot
+        is free at once; False if there is none."""
+        slots = self._slots[tier]
         for key in self._lru[tier]:
             e = self._entries[key]
-            if e.state == READY:
+            if e.state == READY and not slots.pinned(e.slot):
                 self._drop(e)
                 self.counters.evictions[tier] += 1
                 return True
@@ -243,17 +250,25 @@ class TierIndex:
     def begin_save(self, key: Hashable) -> Optional[Tuple[int, str, int]]:
         """Plans saving ``key``: ``(op id, tier, slot)``, or None when it is stored already
         (or being saved) or no slot can be had. DRAM first, then SSD (which evicts its least
-        recent ready block when full)."""
+        recent ready block when full), then the least recent ready DRAM block (evicted; never
+        one being saved, loaded or demoted)."""
         if key in self._entries:
             return None
         for tier in (DRAM, SSD):
             slot = self._take(tier)
             if slot is not None:
-                self._entries[key] = Entry(key, tier, slot, SAVING)
-                self.counters.saves[tier] += 1
-                return self._op(_Op("save", key, tier, slot)), tier, slot
-        self.counters.saves_skipped += 1
-        return None
+                break
+        else:
+            # No free slot anywhere: an older block makes room (plan_demotions' headroom is
+            # only what it frees between steps, far less than one burst of saves may need).
+            tier = DRAM
+            slot = self._slots[DRAM].take() if self._evict_lru(DRAM) else None
+            if slot is None:
+                self.counters.saves_skipped += 1
+                return None
+        self._entries[key] = Entry(key, tier, slot, SAVING)
+        self.counters.saves[tier] += 1
+        return self._op(_Op("save", key, tier, slot)), tier, slot
 
     def fail_save(self, op_id: int) -> bool:
         """Fails save ``op_id`` now, whatever the ranks report (its bytes are known wrong):
