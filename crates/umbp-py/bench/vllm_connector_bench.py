@@ -282,7 +282,9 @@ class SchedulerRun:
         sampled = []
         for rid in req_ids:
             req = self.requests[rid]
-            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
+            # schedule() already counted this step's tokens as computed: a request whose
+            # prefill goes on next step (chunked) samples nothing yet.
+            done = req.num_computed_tokens >= req.num_tokens
             sampled.append([7] if done else [])
         model_output = ModelRunnerOutput(
             req_ids=req_ids,

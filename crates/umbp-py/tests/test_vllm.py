@@ -508,6 +508,36 @@ def test_a_saved_prefix_is_a_hit_and_only_the_rest_is_computed(tmp_path, load_mo
         h.close()
 
 
+def test_a_prefill_split_across_steps_saves_every_full_block_and_a_repeat_hits_them_all(
+    tmp_path,
+):
+    # A token budget of 4.5 blocks (vLLM's least: max_num_seqs, 64 tokens): the prompt's 20
+    # full blocks are computed over 5 steps, and every other step ends inside a block that
+    # the next one finishes.
+    budget = 9 * BS // 2
+    h = Harness(tmp_path, max_batched=budget)
+    try:
+        tokens = prompt(40, 20 * BS + 3)
+        h.add("a", tokens)
+        steps = []
+        while h.scheduler.requests or h.index.pending_ops():
+            so = h.idle_step()
+            if "a" in so.num_scheduled_tokens:
+                steps.append(so.num_scheduled_tokens["a"])
+        assert len(steps) == 5 and max(steps) <= budget, steps
+        keys = h.requests["a"].block_hashes
+        assert len(keys) == 20 and all(h.index.is_hit(k) for k in keys)
+        assert h.stats.get("saved_blocks.dram") == 20
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", list(tokens))
+        so, computed = first_step_of(h, "b")
+        assert computed == 20 * BS  # every full block, the last one included
+        h.run()
+        assert h.checked_loads == 20 and not h.load_errors
+    finally:
+        h.close()
+
+
 def test_a_dram_only_tier_that_is_full_stores_a_burst_larger_than_its_headroom(tmp_path):
     slot = slot_bytes()
     # 40 DRAM slots, no SSD tier; the watermark keeps 2 of them free between steps.
