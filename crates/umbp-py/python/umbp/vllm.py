@@ -953,8 +953,10 @@ class _WorkerSide:
 
             if not CUDA:
                 raise RuntimeError(
-                    "UmbpConnector: the KV cache is on CUDA but this umbp build has no CUDA backend; "
-                    "install it with --config-settings=build-args='--features cuda'"
+                    "UmbpConnector: the KV cache is on CUDA but this umbp build has no CUDA "
+                    "backend, which every build has unless pyproject.toml's maturin features were "
+                    "overridden: reinstall it as docs/VLLM.md says (the wheel `bash .ci/wheel` "
+                    "builds, or `pip install \"./crates/umbp-py[vllm]\"`)"
                 )
         # Host tiers are pinned for this rank's GPU.
         self.engine = Engine(
