@@ -19,16 +19,16 @@
 //! target inside it is *within noise*. Each row carries the load average when it finished.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use serde::Serialize;
+use umbp_pool::redis_server::RedisServer;
 use umbp_pool::{
-    checksum, BlockKey, EmbeddedIndex, Index, NodeAnnouncement, NodeId, Published, RedisConfig,
-    RedisIndex, Reserved, TierId, TierSpec,
+    checksum, BlockKey, EmbeddedIndex, Index, NodeAnnouncement, NodeId, Published, RedisIndex,
+    Reserved, TierId, TierSpec,
 };
 
 use crate::measure::{ratio_range, Verdict};
@@ -218,110 +218,39 @@ pub fn key(i: u64) -> BlockKey {
     BlockKey::from_u128(u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
 }
 
-/// The password of the Redis server the bench starts.
-const PASSWORD: &str = "umbp-bench-secret";
-
-/// A `redis-server` on a fresh loopback port with a password, in a temporary directory, no
-/// persistence; killed when dropped.
-pub struct RedisServer {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
+/// The server's main-thread CPU seconds so far (user + system, from `INFO cpu`).
+fn cpu_seconds(server: &RedisServer) -> anyhow::Result<f64> {
+    let info = redis_command(server, "INFO cpu")?;
+    Ok(info
+        .lines()
+        .filter(|l| {
+            l.starts_with("used_cpu_user_main_thread:")
+                || l.starts_with("used_cpu_sys_main_thread:")
+        })
+        .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+        .sum())
 }
 
-impl RedisServer {
-    /// Starts one; `Err` says why not (`redis-server` missing, did not answer in 10 s).
-    pub fn start() -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir().context("a temporary directory for redis-server")?;
-        for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-            let mut child = Command::new("redis-server")
-                .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--requirepass", PASSWORD, "--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("redis-server does not run (apt-get install redis-server)")?;
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if child.try_wait()?.is_some() {
-                    break; // the port was taken meanwhile: another one
-                }
-                if ping(port) {
-                    return Ok(Self { child, port, _dir: dir });
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        bail!("redis-server did not start on loopback")
-    }
-
-    /// The pool's settings for this server, under `prefix`.
-    pub fn config(&self, prefix: &str) -> RedisConfig {
-        let mut c = RedisConfig::new(format!("redis://127.0.0.1:{}/", self.port));
-        c.password = Some(PASSWORD.into());
-        c.prefix = prefix.into();
-        c
-    }
-
-    /// The server's main-thread CPU seconds so far (user + system, from `INFO cpu`).
-    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let info = self.command("INFO cpu")?;
-        Ok(info
-            .lines()
-            .filter(|l| {
-                l.starts_with("used_cpu_user_main_thread:")
-                    || l.starts_with("used_cpu_sys_main_thread:")
-            })
-            .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
-            .sum())
-    }
-
-    /// One inline command's bulk-string reply, on a fresh connection.
-    fn command(&self, command: &str) -> anyhow::Result<String> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(s, "AUTH {PASSWORD}\r\n{command}\r\n")?;
-        let mut r = BufReader::new(s);
-        let mut line = String::new();
-        r.read_line(&mut line)?;
-        ensure!(line.starts_with("+OK"), "redis AUTH answered {line:?}");
-        line.clear();
-        r.read_line(&mut line)?;
-        let len: usize = line
-            .trim()
-            .strip_prefix('$')
-            .and_then(|n| n.parse().ok())
-            .with_context(|| format!("redis {command} answered {line:?}"))?;
-        let mut body = vec![0; len + 2];
-        std::io::Read::read_exact(&mut r, &mut body)?;
-        body.truncate(len);
-        Ok(String::from_utf8_lossy(&body).into_owned())
-    }
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if write!(s, "AUTH {PASSWORD}\r\nPING\r\n").is_err() {
-        return false;
-    }
+/// One inline command's bulk-string reply from `server`, on a fresh connection.
+fn redis_command(server: &RedisServer, command: &str) -> anyhow::Result<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", server.port()))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "AUTH {}\r\n{command}\r\n", server.password())?;
     let mut r = BufReader::new(s);
     let mut line = String::new();
-    let ok = r.read_line(&mut line).is_ok() && line.starts_with("+OK");
+    r.read_line(&mut line)?;
+    ensure!(line.starts_with("+OK"), "redis AUTH answered {line:?}");
     line.clear();
-    ok && r.read_line(&mut line).is_ok() && line.starts_with("+PONG")
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    r.read_line(&mut line)?;
+    let len: usize = line
+        .trim()
+        .strip_prefix('$')
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("redis {command} answered {line:?}"))?;
+    let mut body = vec![0; len + 2];
+    std::io::Read::read_exact(&mut r, &mut body)?;
+    body.truncate(len);
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// The tier every lookup key is published into (16-byte blocks: only the index is measured).
@@ -375,7 +304,7 @@ pub fn lookup(
     let embedded = EmbeddedIndex::open(dir.join("lookup.redb"))?;
     embedded.register_tier(&spec)?;
     publish_keys(&embedded, &spec, n, 4096)?;
-    let server = match RedisServer::start() {
+    let server = match RedisServer::try_start() {
         Ok(s) => Some(s),
         Err(e) => {
             skipped.push(format!("the Redis rows: {e:#}"));
@@ -416,11 +345,11 @@ pub fn lookup(
             let s = (j + round) % lookers.len();
             let (seconds, found, server_cpu) = match &mut lookers[s] {
                 Looker::Index(index, server) => {
-                    let before = server.map(|s| s.cpu_seconds()).transpose()?;
+                    let before = server.map(cpu_seconds).transpose()?;
                     let t = Instant::now();
                     let found = index.lookup(&keys)?;
                     let seconds = t.elapsed().as_secs_f64();
-                    let after = server.map(|s| s.cpu_seconds()).transpose()?;
+                    let after = server.map(cpu_seconds).transpose()?;
                     let cpu = before.zip(after).map_or(0.0, |(b, a)| a - b);
                     (seconds, found.iter().filter(|p| p.is_some()).count(), cpu)
                 }
@@ -632,7 +561,7 @@ impl UmbpTransfer {
         use umbp_composite::{CompositeConfig, CompositeEngine};
         use umbp_plan::{EndpointRegistry, Register};
         let node = crate::remote_bench::ChildServer::start(program, "tcp", arena, None)?;
-        let server = RedisServer::start()?;
+        let server = RedisServer::try_start()?;
         let registry = EndpointRegistry::new();
         let ucx = Arc::new(umbp_ucx::UcxEngine::new(
             registry.clone(),

@@ -947,25 +947,6 @@ const POOL_FIELDS: [&str; 15] = [
     "load",
 ];
 
-/// Whether `redis-server` runs here; prints why a test skips. `UMBP_REQUIRE_REDIS=1` (CI)
-/// makes its absence a failure (the pattern of umbp-pool's tests).
-fn redis_or_skip() -> bool {
-    let ok = Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("UMBP_REQUIRE_REDIS").is_none_or(|v| v != "1"),
-            "UMBP_REQUIRE_REDIS=1 but redis-server does not run"
-        );
-        eprintln!("skipped: redis-server is not installed (apt-get install redis-server)");
-    }
-    ok
-}
-
 /// The rows of `pool` whose `figure` and `system` are these.
 fn pool_row<'a>(lines: &'a [Line], figure: &str, system: &str) -> Option<&'a Line> {
     lines
@@ -975,7 +956,7 @@ fn pool_row<'a>(lines: &'a [Line], figure: &str, system: &str) -> Option<&'a Lin
 
 #[test]
 fn pool_json_fields_and_verified_rows() {
-    if !redis_or_skip() {
+    if !umbp_pool::redis_server::available() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -1019,7 +1000,7 @@ fn pool_json_fields_and_verified_rows() {
 
 #[test]
 fn pool_measures_mooncake_store_beside_umbp() {
-    if !redis_or_skip() {
+    if !umbp_pool::redis_server::available() {
         return;
     }
     let Some(python) = mooncake_python() else {

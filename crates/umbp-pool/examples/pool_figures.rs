@@ -82,7 +82,7 @@ fn lookups(index: &dyn Index, rounds: usize) -> Vec<f64> {
 
 /// An admin connection to `server`.
 fn admin(server: &support::RedisServer) -> redis::Connection {
-    redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+    redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", server.password(), server.port()))
         .unwrap()
         .get_connection()
         .unwrap()
@@ -169,7 +169,8 @@ fn main() {
     match support::RedisServer::start() {
         None => println!("redis: skipped (no redis-server)"),
         Some(server) => {
-            let index = umbp_pool::RedisIndex::connect(&server.config("figures")).unwrap();
+            let index =
+                umbp_pool::RedisIndex::connect(&support::config(&server, "figures")).unwrap();
             index
                 .announce(
                     &NodeAnnouncement { node: spec.node, address: "local".into(), tiers: vec![] },
@@ -193,7 +194,7 @@ fn main() {
             let mut admin = admin(&server);
             // The direct path (the default) and the redis-rs path, alternating lookup by
             // lookup; the server's HMGET time of each lookup from its command statistics.
-            let mut config = server.config("figures");
+            let mut config = support::config(&server, "figures");
             config.direct_lookup = false;
             let values = umbp_pool::RedisIndex::connect(&config).unwrap();
             let keys: Vec<BlockKey> = (0..KEYS).map(key).collect();
@@ -239,14 +240,15 @@ fn main() {
 
     // The keys sharded over 1, 2 and 4 servers (by the key's first byte), one lookup per
     // server in parallel threads: the wall time of the whole lookup.
-    if support::redis_available() {
+    if umbp_pool::redis_server::available() {
         for shards in [1usize, 2, 4] {
             let servers: Vec<_> =
                 (0..shards).map(|_| support::RedisServer::start().unwrap()).collect();
             let indexes: Vec<_> = servers
                 .iter()
                 .map(|s| {
-                    let index = umbp_pool::RedisIndex::connect(&s.config("figures")).unwrap();
+                    let index =
+                        umbp_pool::RedisIndex::connect(&support::config(s, "figures")).unwrap();
                     index
                         .announce(
                             &NodeAnnouncement {

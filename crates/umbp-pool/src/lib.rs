@@ -74,6 +74,8 @@ mod placement;
 mod pool;
 #[allow(clippy::module_inception)]
 mod redis;
+#[cfg(feature = "redis-server")]
+pub mod redis_server;
 mod region;
 
 pub use embedded::{DropReason, Dropped, EmbeddedIndex, ReconcileReport, TierFile, Verify};

@@ -35,7 +35,7 @@ const PREFIX: &str = "faults";
 
 fn redis_config(port: u16) -> RedisConfig {
     let mut c = RedisConfig::new(format!("redis://127.0.0.1:{port}/"));
-    c.password = Some(support::PASSWORD.into());
+    c.password = Some(umbp_pool::redis_server::PASSWORD.into());
     c.prefix = PREFIX.into();
     c.timeout = Duration::from_secs(2);
     c
@@ -171,7 +171,7 @@ fn load(files: &HashMap<NodeId, FileTier>, p: &Placement) -> Result<Vec<u8>, Err
 #[test]
 fn redis_restart_never_repeats_a_generation() {
     let Some(mut server) = RedisServer::start() else { return };
-    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
     let spec = TierSpec::new(NodeId(1), TierId(0), 64, 2).watermarks(0, 0);
     setup(&index, &spec);
     let before = put(&index, key(1), &spec);
@@ -221,7 +221,7 @@ fn redis_restart_never_repeats_a_generation() {
 fn redis_killed_and_restarted_under_saves_and_loads() {
     let Some(mut server) = RedisServer::start() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let index = Arc::new(RedisIndex::connect(&server.config(PREFIX)).unwrap());
+    let index = Arc::new(RedisIndex::connect(&support::config(&server, PREFIX)).unwrap());
     let spec = instance_tier(NodeId(1)).watermarks(8, 16);
     setup(&*index, &spec);
     let tier = Arc::new(FileTier::open(spec, &dir.path().join("tier")));
@@ -338,7 +338,7 @@ fn redis_killed_and_restarted_under_saves_and_loads() {
 fn instance_killed_holding_leases_frees_them() {
     let Some(server) = RedisServer::start() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
     let spec = TierSpec::new(NodeId(1), TierId(0), 4096, 8).watermarks(1, 1);
     setup(&index, &spec);
     let tier = FileTier::open(spec, &dir.path().join("tier1"));
@@ -435,7 +435,7 @@ fn embedded_tier() -> TierSpec {
 fn stale_lookup_while_another_process_reuses_the_slot() {
     let Some(server) = RedisServer::start() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
     let spec = instance_tier(NodeId(1));
     setup(&index, &spec);
     let tier_path = dir.path().join("tier1");
@@ -481,7 +481,7 @@ fn stale_lookup_while_another_process_reuses_the_slot() {
 fn two_processes_save_the_same_keys_at_once() {
     let Some(server) = RedisServer::start() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
     let mut files = HashMap::new();
     let mut instances = Vec::new();
     for node in [1u32, 2] {
@@ -1081,7 +1081,8 @@ impl DramPool {
 #[test]
 fn pool_resumes_by_itself_after_a_redis_restart() {
     let Some(mut server) = RedisServer::start() else { return };
-    let index: Arc<dyn Index> = Arc::new(RedisIndex::connect(&server.config(PREFIX)).unwrap());
+    let index: Arc<dyn Index> =
+        Arc::new(RedisIndex::connect(&support::config(&server, PREFIX)).unwrap());
     let pool = DramPool::new(index, NodeId(1), Duration::from_millis(300));
     assert_eq!(pool.put(0, 8).unwrap(), 8);
     assert_eq!(pool.get(0, 8).unwrap(), "LLLLLLLL");
@@ -1154,7 +1155,7 @@ fn restarted_instance_serves_none_of_its_old_dram_blocks() {
     assert_eq!(a.ask("get 0 8"), "LLLLLLLL");
     a.kill();
     let mut a = spawn(2);
-    let index = RedisIndex::connect(&server.config(PREFIX)).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
     assert_eq!(
         index.lookup(&(0..8).map(key).collect::<Vec<_>>()).unwrap(),
         vec![None; 8],

@@ -25,9 +25,9 @@ fn alive(index: &dyn Index) -> Vec<NodeId> {
 #[test]
 fn a_node_that_leaves_is_gone_from_redis_at_once() {
     let Some(server) = RedisServer::start() else { return };
-    let index = RedisIndex::connect(&server.config("test")).unwrap();
+    let index = RedisIndex::connect(&support::config(&server, "test")).unwrap();
     // A second client: what a reader elsewhere in the cluster sees.
-    let reader = RedisIndex::connect(&server.config("test")).unwrap();
+    let reader = RedisIndex::connect(&support::config(&server, "test")).unwrap();
     let stays = TierSpec::new(NodeId(1), TierId(0), 64, 4);
     let leaves = TierSpec::new(NodeId(2), TierId(0), 64, 4);
     setup(&index, &stays);

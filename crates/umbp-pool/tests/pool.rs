@@ -193,7 +193,7 @@ fn round_trip_embedded() {
 fn round_trip_redis() {
     let Some(server) = RedisServer::start() else { return };
     let index: Arc<dyn Index> =
-        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-rt")).unwrap());
+        Arc::new(umbp_pool::RedisIndex::connect(&support::config(&server, "pool-rt")).unwrap());
     round_trip(index);
 }
 
@@ -302,7 +302,7 @@ fn sixteen_threads_embedded() {
 fn sixteen_threads_redis() {
     let Some(server) = RedisServer::start() else { return };
     let index: Arc<dyn Index> =
-        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-16")).unwrap());
+        Arc::new(umbp_pool::RedisIndex::connect(&support::config(&server, "pool-16")).unwrap());
     sixteen_threads(index);
 }
 
@@ -714,7 +714,7 @@ fn a_get_that_outlives_its_lease_ttl_renews_it() {
 fn the_node_is_announced_while_the_pool_lives() {
     let Some(server) = RedisServer::start() else { return };
     let index: Arc<dyn Index> =
-        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-ann")).unwrap());
+        Arc::new(umbp_pool::RedisIndex::connect(&support::config(&server, "pool-ann")).unwrap());
     let rig = rig(4);
     let config = PoolConfig {
         announce_ttl: Duration::from_millis(1500),
@@ -781,8 +781,9 @@ fn add_tier_refuses_what_it_cannot_verify_or_hold() {
 #[test]
 fn after_a_redis_restart_the_node_comes_back_and_puts_work() {
     let Some(mut server) = RedisServer::start() else { return };
-    let index: Arc<dyn Index> =
-        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-restart")).unwrap());
+    let index: Arc<dyn Index> = Arc::new(
+        umbp_pool::RedisIndex::connect(&support::config(&server, "pool-restart")).unwrap(),
+    );
     let rig = rig(4);
     let config = PoolConfig { announce_ttl: Duration::from_millis(600), ..PoolConfig::new(NODE) };
     let pool = pool_on(&rig, index.clone(), config);
@@ -819,7 +820,7 @@ fn after_a_redis_restart_the_node_comes_back_and_puts_work() {
 fn leaving_withdraws_the_node_at_once_and_for_good() {
     let Some(server) = RedisServer::start() else { return };
     let index: Arc<dyn Index> =
-        Arc::new(umbp_pool::RedisIndex::connect(&server.config("pool-leave")).unwrap());
+        Arc::new(umbp_pool::RedisIndex::connect(&support::config(&server, "pool-leave")).unwrap());
     let rig = rig(4);
     let config = PoolConfig { announce_ttl: Duration::from_millis(300), ..PoolConfig::new(NODE) };
     let pool = pool_on(&rig, index.clone(), config);

@@ -13,7 +13,7 @@ use support::RedisServer;
 use umbp_pool::{Error, Index, NodeAnnouncement, NodeId, RedisIndex, TierId, TierSpec};
 
 fn connect(server: &RedisServer) -> RedisIndex {
-    RedisIndex::connect(&server.config("test")).unwrap()
+    RedisIndex::connect(&support::config(server, "test")).unwrap()
 }
 
 macro_rules! shared {
@@ -60,14 +60,14 @@ fn two_clients_share_one_pool_and_prefixes_keep_pools_apart() {
     let p = put(&a, key(1), &spec);
     assert_eq!(b.lookup(&[key(1)]).unwrap(), vec![Some(p)]);
     assert!(b.lease(&[p], TTL).unwrap().all_granted());
-    let other = RedisIndex::connect(&server.config("other-pool")).unwrap();
+    let other = RedisIndex::connect(&support::config(&server, "other-pool")).unwrap();
     assert_eq!(other.lookup(&[key(1)]).unwrap(), vec![None]);
 }
 
 #[test]
 fn authentication_is_required() {
     let Some(server) = RedisServer::start() else { return };
-    let mut config = server.config("test");
+    let mut config = support::config(&server, "test");
     config.password = None;
     assert!(matches!(RedisIndex::connect(&config), Err(Error::Redis(_))));
     config.password = Some("wrong".into());
@@ -80,20 +80,20 @@ fn authentication_is_required() {
 fn an_acl_user_with_its_own_password() {
     let Some(server) = RedisServer::start() else { return };
     let admin =
-        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", server.password(), server.port()))
             .unwrap();
     let mut c = admin.get_connection().unwrap();
     redis::cmd("ACL")
         .arg(&["SETUSER", "pool", "on", ">pool-secret", "~{test}:*", "+@all"])
         .query::<()>(&mut c)
         .unwrap();
-    let mut config = server.config("test");
+    let mut config = support::config(&server, "test");
     config.username = Some("pool".into());
     config.password = Some("pool-secret".into());
     let index = RedisIndex::connect(&config).unwrap();
     suite::visible_only_after_publish(&index);
     // The user reaches only its pool's keys.
-    let mut outside = server.config("elsewhere");
+    let mut outside = support::config(&server, "elsewhere");
     outside.username = Some("pool".into());
     outside.password = Some("pool-secret".into());
     let index = RedisIndex::connect(&outside).unwrap();
@@ -119,10 +119,10 @@ fn tls_without_the_feature_is_a_typed_error() {
 fn tls_with_a_private_ca() {
     let Some(server) = RedisServer::start_tls() else { return };
     suite::visible_only_after_publish(&connect(&server));
-    let mut untrusted = server.config("test");
+    let mut untrusted = support::config(&server, "test");
     untrusted.tls_ca_file = None;
     assert!(matches!(RedisIndex::connect(&untrusted), Err(Error::Redis(_))));
-    let mut plain = server.config("test");
+    let mut plain = support::config(&server, "test");
     plain.url = format!("redis://127.0.0.1:{}/", server.port());
     plain.tls_ca_file = None;
     assert!(RedisIndex::connect(&plain).is_err(), "plaintext to a TLS-only port must fail");
@@ -257,7 +257,7 @@ fn redis_killed_and_restarted_mid_run() {
 fn direct_and_redis_rs_lookups_agree() {
     let Some(server) = RedisServer::start() else { return };
     let direct = connect(&server);
-    let mut config = server.config("test");
+    let mut config = support::config(&server, "test");
     config.direct_lookup = false;
     let values = RedisIndex::connect(&config).unwrap();
     let one = TierSpec::new(NODE, TierId(0), 64, 12_000);
@@ -301,7 +301,7 @@ fn direct_and_redis_rs_lookups_agree() {
     assert_eq!(direct.lookup(&[]).unwrap(), vec![]);
 
     let admin =
-        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", support::PASSWORD, server.port()))
+        redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", server.password(), server.port()))
             .unwrap();
     let mut admin = admin.get_connection().unwrap();
     // Node 2 dies: its placement leaves both paths' lookups at once.

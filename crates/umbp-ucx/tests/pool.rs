@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use pool_support::{available, password_file, Node, Redis};
+use pool_support::{available, password_file, Node, RedisServer};
 use umbp_composite::CompositeEngine;
 use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{EndpointRegistry, Register, TransferEngine};
@@ -33,7 +33,7 @@ struct Client {
     composite: CompositeEngine,
 }
 
-fn client(redis: &Redis, name: &str, node: u32) -> Client {
+fn client(redis: &RedisServer, name: &str, node: u32) -> Client {
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
@@ -41,7 +41,7 @@ fn client(redis: &Redis, name: &str, node: u32) -> Client {
     let composite = CompositeEngine::new(registry, engines);
     let resolver = Arc::new(UcxResolver::new(ucx, composite.clone()).unwrap());
     let pool = Pool::with_resolver(
-        Arc::new(redis.index(name)),
+        Arc::new(redis.index(name).unwrap()),
         composite.clone(),
         PoolConfig::new(NodeId(node)),
         Some(resolver.clone()),
@@ -53,7 +53,7 @@ fn client(redis: &Redis, name: &str, node: u32) -> Client {
 /// The flags of memory node `node` in pool `name`: one writable region `kv` of `region`, a
 /// read-only `ro` before it (so the writable one is tier 1), slots of `slot`, and `extra`.
 fn node_args(
-    redis: &Redis,
+    redis: &RedisServer,
     dir: &Path,
     name: &str,
     node: u32,
@@ -157,7 +157,7 @@ fn blocks_put_into_a_memory_node_come_back_byte_for_byte_and_miss_once_it_left()
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 64 << 10;
     let mut node =
@@ -228,7 +228,7 @@ fn a_memory_node_killed_mid_get_fails_only_its_blocks_then_misses_after_its_ttl(
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 256 << 10;
     const N: usize = 24;
@@ -328,7 +328,7 @@ fn sixteen_threads_meet_a_memory_node_at_once() {
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 16 << 10;
     const THREADS: usize = 16;
@@ -398,7 +398,7 @@ fn clients_follow_a_memory_node_restarted_at_its_address() {
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     const LEN: usize = 64 << 10;
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -10,7 +10,9 @@ use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-use pool_support::{available, password_file, pool_args, scrape, value, Node, Redis, PASSWORD};
+use pool_support::{
+    available, password_file, pool_args, scrape, value, Node, RedisServer, PASSWORD,
+};
 use umbp_pool::{
     checksum, BlockKey, Error, Index, NodeId, Placement, Published, RedisIndex, Reserved, TierId,
 };
@@ -38,9 +40,9 @@ fn a_node_joins_renews_and_leaves_at_once_on_sigterm() {
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let index = redis.index("join");
+    let index = redis.index("join").unwrap();
     // Renewal: a 1 s announcement, alive 3 s later.
     let mut node =
         Node::start(&pool_args(&redis, dir.path(), "join", 3, 1000, &["--metrics", "127.0.0.1:0"]))
@@ -99,9 +101,9 @@ fn a_killed_node_is_dead_after_its_ttl_and_a_restart_drops_its_old_blocks() {
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let index = redis.index("kill");
+    let index = redis.index("kill").unwrap();
     let mut node = Node::start(&pool_args(&redis, dir.path(), "kill", 5, 1000, &[])).unwrap();
     let p = publish(&index, NodeId(5), BlockKey::from_u128(5));
     assert!(node.signal(libc::SIGKILL, Duration::from_secs(10)).is_some());
@@ -143,7 +145,7 @@ fn bad_pool_settings_are_refused_by_name() {
     if !available() {
         return;
     }
-    let redis = Redis::start();
+    let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let refused = |args: Vec<String>, code: i32, words: &[&str]| {
         let (status, log) = Node::start(&args).err().expect("refused");
@@ -229,7 +231,7 @@ fn bad_pool_settings_are_refused_by_name() {
     // With --advertise, the announced address is the one given.
     let args = pool_args(&redis, dir.path(), "adv", 2, 60_000, &["--advertise", "10.1.2.3"]);
     let node = Node::start(&args).unwrap();
-    let nodes = redis.index("adv").nodes().unwrap();
+    let nodes = redis.index("adv").unwrap().nodes().unwrap();
     assert_eq!(nodes[0].address, format!("10.1.2.3:{}", node.addr.port()));
 }
 
@@ -241,7 +243,7 @@ fn a_node_rejoins_a_restarted_redis_by_itself() {
     if !available() {
         return;
     }
-    let mut redis = Redis::start();
+    let mut redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let node = Node::start(&pool_args(
         &redis,
@@ -271,7 +273,7 @@ fn a_node_rejoins_a_restarted_redis_by_itself() {
     assert_eq!(value(&body, &member), 0);
     redis.restart();
     wait_for("joined");
-    let index = redis.index("restart");
+    let index = redis.index("restart").unwrap();
     let nodes = index.nodes().unwrap();
     assert_eq!(nodes.len(), 1, "{nodes:?}");
     assert_eq!((nodes[0].node, nodes[0].address.clone()), (NodeId(8), node.addr.to_string()));

@@ -1,143 +1,26 @@
 //! What the pool tests share: a real `redis-server` (loopback, a fresh port, a temp dir and a
-//! password, started by the test and killed when dropped, as umbp-pool's tests do) and a real
-//! `umbp-ucx-serve` memory node joining its pool.
+//! password, started by the test and killed when dropped: umbp-pool's `redis-server` feature,
+//! as umbp-pool's tests use it) and a real `umbp-ucx-serve` memory node joining its pool.
 #![allow(dead_code)] // Each test file uses its own part.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use umbp_pool::{RedisConfig, RedisIndex};
-
 use crate::support::{ucx_or_skip, SECRET};
 
-/// The password every test server requires.
-pub(crate) const PASSWORD: &str = "umbp-ucx-pool-test-password";
-
-/// Whether `redis-server` runs here; prints why a test skips, or panics when
-/// `UMBP_REQUIRE_REDIS=1` (CI installs it).
-pub(crate) fn redis_or_skip() -> bool {
-    let ok = Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var_os("UMBP_REQUIRE_REDIS").is_none_or(|v| v != "1"),
-            "redis-server is not installed, and UMBP_REQUIRE_REDIS=1"
-        );
-        eprintln!("skipped: redis-server is not installed (apt-get install redis-server)");
-    }
-    ok
-}
-
-/// A `redis-server` this test started.
-pub(crate) struct Redis {
-    child: Option<Child>,
-    pub(crate) port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl Redis {
-    /// Starts one on a fresh loopback port (a few tries: a port may be taken meanwhile).
-    pub(crate) fn start() -> Self {
-        let mut redis = Self { child: None, port: 0, dir: tempfile::tempdir().unwrap() };
-        for _ in 0..5 {
-            redis.port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            if redis.launch() {
-                return redis;
-            }
-        }
-        panic!("redis-server did not start");
-    }
-
-    /// Starts the process on `self.port`; false if it exited instead of answering in 10 s.
-    fn launch(&mut self) -> bool {
-        let mut child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
-            .args(["--requirepass", PASSWORD, "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        let until = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < until {
-            if child.try_wait().unwrap().is_some() {
-                return false;
-            }
-            if ping(self.port) {
-                self.child = Some(child);
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
-    }
-
-    /// Kills the server (SIGKILL: it keeps no data).
-    pub(crate) fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Starts it again, empty, on the same port.
-    pub(crate) fn restart(&mut self) {
-        self.kill();
-        let until = Instant::now() + Duration::from_secs(10);
-        while !self.launch() {
-            assert!(Instant::now() < until, "redis-server did not restart on port {}", self.port);
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// `redis://127.0.0.1:PORT/`, without the password.
-    pub(crate) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
-    }
-
-    /// A client of the pool `name` on this server.
-    pub(crate) fn index(&self, name: &str) -> RedisIndex {
-        let mut c = RedisConfig::new(self.url());
-        c.password = Some(PASSWORD.into());
-        c.prefix = name.into();
-        RedisIndex::connect(&c).unwrap()
-    }
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
-    s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-    if s.write_all(format!("AUTH {PASSWORD}\r\nPING\r\n").as_bytes()).is_err() {
-        return false;
-    }
-    let mut r = BufReader::new(s);
-    let (mut a, mut b) = (String::new(), String::new());
-    r.read_line(&mut a).is_ok() && r.read_line(&mut b).is_ok() && b.starts_with("+PONG")
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
+/// The `redis-server` a test starts (umbp-pool's `redis-server` feature), and its password.
+pub(crate) use umbp_pool::redis_server::{RedisServer, PASSWORD};
 
 pub(crate) const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
 
 /// Whether both redis-server and UCX are here (each prints why not).
 pub(crate) fn available() -> bool {
-    redis_or_skip() && ucx_or_skip()
+    umbp_pool::redis_server::available() && ucx_or_skip()
 }
 
 /// A file holding the pool's password, private.
@@ -234,7 +117,7 @@ impl Drop for Node {
 /// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, with a
 /// 1 MiB writable region `kv`, a 64 KiB read-only `ro`, and `extra`.
 pub(crate) fn pool_args(
-    redis: &Redis,
+    redis: &RedisServer,
     dir: &Path,
     name: &str,
     node: u32,
