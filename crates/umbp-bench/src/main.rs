@@ -26,9 +26,9 @@ use umbp_bench::hbm_bench::{self, HbmBackend, HbmBenchConfig};
 #[cfg(feature = "engines")]
 use umbp_bench::layers_bench::{self, LayersBenchConfig};
 use umbp_bench::plan_bench::{self, PlanBenchConfig};
-use umbp_bench::progress::Progress;
 #[cfg(feature = "engines")]
 use umbp_bench::pool_bench::{self, PoolBenchConfig};
+use umbp_bench::progress::Progress;
 #[cfg(feature = "engines")]
 use umbp_bench::remote_bench::{self, RemoteBenchConfig, ServeConfig, ServerChoice};
 use umbp_bench::report::Report;
