@@ -12,7 +12,7 @@
 //!   time from reopening it to the first hit read from the SSD and verified (reopen, lookup,
 //!   lease, read of the slot after dropping the file's cached pages, checksum).
 //! - **put / get**: blocks between two processes through a memory node; see
-//!   [`crate::pool_transfer`].
+//!   [`transfer`].
 //!
 //! Every figure is the median of its rounds with the 10th..90th percentile interval; targets
 //! are judged on that interval ([`Verdict::range_at_most`] / [`Verdict::range_at_least`]), so a
