@@ -1,18 +1,21 @@
 //! The `umbp-ucx-serve` memory node as a service: its flags and configuration file, its
 //! drain on SIGTERM under load, its logs and its `/metrics`.
 
+#[path = "support/pool.rs"]
+mod pool_support;
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
 use umbp_ucx::{PeerInfo, UcxConfig, UcxEngine};
 
+use pool_support::Node;
 use support::{engine, fill_byte, ucx_or_skip, SECRET};
 
 const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
@@ -141,82 +144,11 @@ fn bad_flags_and_configuration_are_refused_by_name() {
     assert!(text.contains("insecure_no_auth"), "{text}");
 }
 
-/// A running `umbp-ucx-serve` with its standard error collected; SIGKILLed when dropped.
-struct Node {
-    child: Child,
-    addr: SocketAddr,
-    metrics: Option<SocketAddr>,
-    log: Arc<Mutex<String>>,
-}
-
-impl Node {
-    fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(SERVE)
-            .args(["--listen", "127.0.0.1:0", "--transports", "tcp"])
-            .args(args)
-            .env(umbp_ucx::SECRET_ENV, SECRET)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let mut stderr = child.stderr.take().unwrap();
-        let into = Arc::clone(&log);
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stderr.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                into.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        // Killed and waited for (when dropped) whatever happens below.
-        let mut node =
-            Self { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)), metrics: None, log };
-        loop {
-            let mut line = String::new();
-            stdout.read_line(&mut line).unwrap();
-            if let Some(at) = line.strip_prefix("metrics ") {
-                node.metrics = Some(at.trim().parse().unwrap());
-            } else if let Some(at) = line.strip_prefix("listening ") {
-                node.addr = at.trim().parse().unwrap();
-                return node;
-            } else {
-                panic!("the server said {line:?}; log: {}", node.log());
-            }
-        }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// Sends SIGTERM and waits at most `bound` for the exit status.
-    fn terminate(&mut self, bound: Duration) -> Option<std::process::ExitStatus> {
-        // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
-        #[allow(unsafe_code)]
-        let sent = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        assert_eq!(sent, 0);
-        let until = Instant::now() + bound;
-        while Instant::now() < until {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        None
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts `umbp-ucx-serve` on a fresh loopback port with `args` (the pool tests' launcher).
+fn start(args: &[&str]) -> Node {
+    let all: Vec<String> =
+        ["--listen", "127.0.0.1:0"].iter().chain(args).map(|a| a.to_string()).collect();
+    Node::start(&all).unwrap_or_else(|(code, log)| panic!("the node exited ({code:?}): {log}"))
 }
 
 /// Reads `len` bytes of region `name` of `peer` from `offset`: the bytes, or the failure.
@@ -256,7 +188,7 @@ fn sigterm_under_load_drains_and_exits_zero() {
         return;
     }
     const LEN: usize = 8 << 20;
-    let mut node = Node::start(&["--bytes", "8MiB", "--fill", "5", "--drain-timeout-ms", "3000"]);
+    let mut node = start(&["--bytes", "8MiB", "--fill", "5", "--drain-timeout-ms", "3000"]);
     let engine = Arc::new(engine("tcp"));
     let peer = engine.connect(node.addr).unwrap();
     let (first_tx, first_rx) = std::sync::mpsc::channel();
@@ -280,7 +212,7 @@ fn sigterm_under_load_drains_and_exits_zero() {
         })
     };
     first_rx.recv_timeout(Duration::from_secs(30)).expect("a first get completes");
-    let status = node.terminate(Duration::from_secs(10));
+    let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
     let log = node.log();
     assert!(status.is_some(), "still running 10 s after SIGTERM; log: {log}");
     assert_eq!(status.unwrap().code(), Some(0), "{log}");
@@ -320,7 +252,7 @@ fn metrics_count_a_clients_restore_and_the_log_names_each_client() {
     if !ucx_or_skip() {
         return;
     }
-    let node = Node::start(&["--bytes", "4MiB", "--fill", "2", "--metrics", "127.0.0.1:0"]);
+    let node = start(&["--bytes", "4MiB", "--fill", "2", "--metrics", "127.0.0.1:0"]);
     let at = node.metrics.expect("a metrics address");
     let (status, body) = scrape(at, "/metrics");
     assert_eq!(status, "HTTP/1.1 200 OK");
@@ -400,7 +332,7 @@ fn sigint_stops_an_idle_node_with_status_zero() {
     if !ucx_or_skip() {
         return;
     }
-    let mut node = Node::start(&["--region", "kv=1MiB", "--region", "ro=64KiB:ro"]);
+    let mut node = start(&["--region", "kv=1MiB", "--region", "ro=64KiB:ro"]);
     let client = engine("tcp");
     let peer = client.connect(node.addr).unwrap();
     let regions: Vec<_> =
