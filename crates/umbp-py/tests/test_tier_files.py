@@ -47,6 +47,7 @@ def test_blocks_with_8_mib_ranges_round_trip_through_the_ssd_tier_byte_exact(tmp
         kv.start_load([("stored", 1)])
         for layer in range(layers):
             assert kv.wait_for_layer(layer, timeout=60) == []
+        assert kv.wait_for_load(timeout=60) == []
         assert kv.finished()[0] == {"stored"}
         for layer in range(layers):
             got = engine.read(buffers[layer], block_bytes, block_bytes)

@@ -349,6 +349,9 @@ def test_the_kv_connector_loads_on_the_servers_stream(engine, tmp_path):
     kv.start_load([("a", 1), ("b", 3)], stream=77)
     for layer in range(layers):
         assert kv.wait_for_layer(layer, timeout=30) == []
+    # On a stream a layer is ready once its group is queued there: the load settles (and
+    # finished() reports it) only after the stream ran it, which may be later.
+    assert kv.wait_for_load(timeout=60) == []
     loaded, _ = kv.finished()
     assert loaded == {"a", "b"}
     for layer in (0, 5, 11):
@@ -384,6 +387,7 @@ def test_the_kv_connector_loads_61_layers_in_groups_in_order(engine, tmp_path):
                 got = engine.read(buffers[layer], block * block_bytes, block_bytes)
                 assert got == cached[key][layer * block_bytes:(layer + 1) * block_bytes]
     assert order == sorted(order)
+    assert kv.wait_for_load(timeout=60) == []
     loaded, _ = kv.finished()
     assert loaded == set(cached)
 
@@ -424,6 +428,7 @@ def test_a_failed_or_partial_save_leaves_what_was_cached_loadable_and_frees_its_
     # "k" still loads its cached bytes, untouched by the save's layers that did land.
     kv.start_load([("k", 1)])
     assert kv.wait_for_layer(layers - 1, timeout=30) == []
+    assert kv.wait_for_load(timeout=60) == []
     assert kv.finished()[0] == {"k"}
     for layer in range(layers):
         got = engine.read(buffers[layer], block_bytes, block_bytes)
@@ -461,6 +466,7 @@ def test_a_slot_replaced_while_a_load_may_read_it_is_reused_only_after_the_load(
     # Both DRAM slots are taken: the new copy's, and the old one the load may still read.
     with pytest.raises(umbp.Error, match="no free dram slot"):
         kv.store("other", "dram", old)
+    assert kv.wait_for_load(timeout=60) == []
     loaded, saved = kv.finished()
     assert loaded == {"k"} and saved == {"k"}
     assert engine.read(buffers[1], 0, block_bytes) == old[block_bytes:]
@@ -654,7 +660,7 @@ def test_the_kv_connector_refuses_an_unknown_key_with_an_umbp_error_and_stays_us
     assert unknown.value.key == "never stored" and "never stored" in str(unknown.value)
     # Nothing started: the next load runs.
     kv.start_load([("known", 1)])
-    assert kv.wait_for_layer(layers - 1, timeout=30) == []
+    assert kv.wait_for_load(timeout=60) == []
     assert kv.finished()[0] == {"known"}
     assert engine.read(buffers[2], block_bytes, block_bytes) == data[2 * block_bytes:3 * block_bytes]
     kv.close()

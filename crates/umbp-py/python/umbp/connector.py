@@ -244,6 +244,18 @@ class KVConnector:
             raise Error(f"layer {layer} did not land within {timeout} s")
         return [self._load_keys[t] for t, _ in self._failed_loads(load)]
 
+    def wait_for_load(self, timeout: Optional[float] = None) -> List[Hashable]:
+        """Blocks until the load in flight has settled: every byte landed or failed (on a
+        stream, after the stream ran its device work), so :meth:`finished` reports it from
+        now on. Returns the keys whose load failed; empty when all arrived or when no load is
+        in flight."""
+        load = self._load
+        if load is None:
+            return []
+        if load.wait(timeout) is None:
+            raise Error(f"the load did not settle within {timeout} s")
+        return [self._load_keys[t] for t, _ in self._failed_loads(load)]
+
     @staticmethod
     def _failed_loads(load: Batch) -> List[Tuple[int, ObjectResult]]:
         report = load.report()
