@@ -11,6 +11,7 @@
 //! blocks commit their deletion before the slot can be reserved again, so a slot is never
 //! recorded under a key whose bytes a later writer has started to overwrite.
 
+mod keymap;
 mod reconcile;
 mod slots;
 
@@ -25,6 +26,7 @@ use crate::{
     BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
     Reservation, Reserved, TierId, TierSpec, TierStats,
 };
+use keymap::Entry;
 pub use reconcile::{DropReason, Dropped, ReconcileReport, TierFile, Verify};
 use slots::{LeaseRecord, SlotState, State, TierState};
 
@@ -136,10 +138,14 @@ impl EmbeddedIndex {
                 // A key logged twice (it cannot be: a key is published once until it leaves,
                 // and leaving deletes its entry) would keep its first entry only.
                 let kept = match state.tier_index.get(&(p.node, p.tier)) {
-                    Some(&t) if state.tiers[t].spec.durable && !state.keys.contains_key(&p.key) => {
+                    Some(&t)
+                        if state.tiers[t].spec.durable
+                            && p.generation != 0
+                            && !state.keys.contains_key(&p.key) =>
+                    {
                         let ok = state.tiers[t].restore(&p, seq);
                         if ok {
-                            state.keys.insert(p.key, (t, p));
+                            state.insert_key(t, &p);
                         }
                         ok
                     }
@@ -441,7 +447,7 @@ impl Index for EmbeddedIndex {
             match *step {
                 Step::Win(t, seq) => {
                     state.tiers[t].publish(r.slot, r.key, r.len, *checksum, seq);
-                    state.keys.insert(r.key, (t, r.placement(*checksum)));
+                    state.insert_key(t, &r.placement(*checksum));
                     out.push(Published::Won(r.placement(*checksum)));
                 }
                 Step::Lose(t, winner) => {
@@ -475,13 +481,13 @@ impl Index for EmbeddedIndex {
     }
 
     fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
-        let state = self.read_state();
-        Ok(keys.iter().map(|k| state.placement(k)).collect())
+        let mut out = Vec::new();
+        self.read_state().lookup_into(keys, &mut out);
+        Ok(out)
     }
 
     fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, Error> {
-        let state = self.read_state();
-        Ok(keys.iter().take_while(|k| state.keys.contains_key(k)).count())
+        Ok(self.read_state().prefix_hits(keys))
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
@@ -545,10 +551,11 @@ impl Index for EmbeddedIndex {
         let mut out = Vec::with_capacity(keys.len());
         let mut by_tier: HashMap<usize, Vec<(u32, BlockKey)>> = HashMap::new();
         for key in keys {
-            let Some(&(t, Placement { slot, .. })) = state.keys.get(key) else {
+            let Some(&Entry { tier, slot, .. }) = state.keys.get(key) else {
                 out.push(Removed::Absent);
                 continue;
             };
+            let t = tier as usize;
             match state.tiers[t].pick(slot) {
                 Some(k) => {
                     by_tier.entry(t).or_default().push((slot, k));

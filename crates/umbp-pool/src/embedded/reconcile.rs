@@ -162,8 +162,13 @@ impl EmbeddedIndex {
                             let mut b: Vec<(Placement, u64)> = state
                                 .keys
                                 .values()
-                                .filter(|(bt, _)| *bt == t)
-                                .map(|&(_, p)| (p, state.tiers[t].slots[p.slot as usize].seq))
+                                .filter(|e| e.tier as usize == t)
+                                .map(|e| {
+                                    (
+                                        state.placement_of(e),
+                                        state.tiers[t].slots[e.slot as usize].seq,
+                                    )
+                                })
                                 .collect();
                             b.sort_by_key(|(p, _)| p.slot);
                             b
@@ -246,7 +251,10 @@ impl EmbeddedIndex {
             let old = std::mem::replace(&mut state.tiers[t], TierState::new(tf.spec));
             for s in &old.slots {
                 if let SlotState::Published { key, .. } = s.state {
-                    let p = state.keys[&key].1;
+                    let Some(p) = state.placement(&key) else {
+                        debug_assert!(false, "a published slot's key is in the map");
+                        continue;
+                    };
                     let restored = state.tiers[t].restore(&p, s.seq);
                     debug_assert!(restored, "a survivor of the reshape fits");
                 }

@@ -5,6 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
+use super::keymap::{Entry, KeyMap};
 use crate::{BlockKey, NodeAnnouncement, NodeId, Placement, TierId, TierSpec, TierStats};
 
 /// What one slot holds.
@@ -282,9 +283,9 @@ pub(super) struct LeaseRecord {
 pub(super) struct State {
     pub(super) tiers: Vec<TierState>,
     pub(super) tier_index: HashMap<(NodeId, TierId), usize>,
-    /// Published keys: tier index and placement (a copy of what the slot holds, so a lookup
-    /// is one probe). Keys are usually hashes already: a fast, per-process seeded hasher.
-    pub(super) keys: HashMap<BlockKey, (usize, Placement), foldhash::fast::RandomState>,
+    /// Published keys: tier index and what the slot holds (a copy, so a lookup is one probe
+    /// of one table; see [`KeyMap`]).
+    pub(super) keys: KeyMap,
     /// The next generation handed out (global, so every reservation's is larger than every
     /// earlier one in this store, across restarts).
     pub(super) next_generation: u64,
@@ -302,7 +303,7 @@ impl State {
         Self {
             tiers: Vec::new(),
             tier_index: HashMap::new(),
-            keys: HashMap::default(),
+            keys: KeyMap::with_capacity(0),
             next_generation: 1,
             leases: HashMap::new(),
             next_lease: 1,
@@ -336,6 +337,53 @@ impl State {
     }
 
     pub(super) fn placement(&self, key: &BlockKey) -> Option<Placement> {
-        self.keys.get(key).map(|&(_, p)| p)
+        self.keys.get(key).map(|e| self.placement_of(e))
+    }
+
+    /// The placement a map entry stands for.
+    pub(super) fn placement_of(&self, e: &Entry) -> Placement {
+        let spec = &self.tiers[e.tier as usize].spec;
+        Placement {
+            key: e.key,
+            node: spec.node,
+            tier: spec.tier,
+            slot: e.slot,
+            len: e.len,
+            checksum: e.checksum,
+            generation: e.generation,
+        }
+    }
+
+    /// Records a published block of tier `t`; the entry it replaced.
+    pub(super) fn insert_key(&mut self, t: usize, p: &Placement) -> Option<Entry> {
+        self.keys.insert(Entry {
+            key: p.key,
+            generation: p.generation,
+            len: p.len,
+            slot: p.slot,
+            checksum: p.checksum,
+            tier: t as u32,
+        })
+    }
+
+    /// The placements of `keys`, in order, into `out` (cleared first): one batched pass over
+    /// the key map.
+    pub(super) fn lookup_into(&self, keys: &[BlockKey], out: &mut Vec<Option<Placement>>) {
+        out.clear();
+        out.reserve(keys.len());
+        self.keys.for_each_batched(keys, |e| {
+            out.push(e.map(|e| self.placement_of(e)));
+            true
+        });
+    }
+
+    /// How many of `keys`, from the first, are published.
+    pub(super) fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
+        let mut hits = 0;
+        self.keys.for_each_batched(keys, |e| {
+            hits += usize::from(e.is_some());
+            e.is_some()
+        });
+        hits
     }
 }
