@@ -6,7 +6,15 @@ import time
 import pytest
 
 from umbp import _native
-from umbp.kvpool import SSD, PoolTierIndex, pool_key, tier_id
+from umbp.kvpool import (
+    REMOTE,
+    SAVE_MEMORY_NODES,
+    SAVE_MEMORY_NODES_ONLY,
+    SSD,
+    PoolTierIndex,
+    pool_key,
+    tier_id,
+)
 from redis_server import redis  # noqa: F401  (the fixture)
 
 SLOT = 4096
@@ -190,3 +198,75 @@ def test_an_unreachable_redis_costs_hits_and_saves_only_and_all_resumes(tmp_path
         assert ix.count_hits([b"d"]) == 1
     finally:
         ix.close()
+
+
+def announce_memory_node(index, node=77, *, slots=8, slot=SLOT, address="127.0.0.1:7400"):
+    """A memory node as umbp-ucx-serve joins the pool: its first region is tier 0 and its
+    address is ``host:port`` (the index's view only: no bytes move in these tests)."""
+    index.register_tier(node, 0, slot, slots)
+    index.announce(node, address, [(0, slots * slot)], 60.0)
+
+
+def test_saves_go_to_a_memory_node_and_every_instance_that_reaches_it_loads_them(embedded):
+    announce_memory_node(embedded)
+    a = pool_index(embedded, 1, memory_nodes=True, save_to=SAVE_MEMORY_NODES)
+    refs = save(a, [b"x", b"y"])
+    where = "ucx://127.0.0.1:7400/0/4096"
+    for k, rs in refs.items():
+        found = embedded.lookup(a.keys_of(k))
+        assert [(p.node, p.tier) for p in found] == [(77, 0), (77, 0)]
+        assert rs == [(where, 8 * SLOT, p.slot, None) for p in found]
+    assert a.counters.saves[REMOTE] == 2 and a.counters.saves[SSD] == 0
+    assert a.counters.published == 2 and a.counters.fell_back == 0
+    # Another instance, on another host too (a memory node is reached over the network),
+    # loads them from the node: each rank its own slot, with the checksum its shard has.
+    b = pool_index(embedded, 2, host="host-2", memory_nodes=True)
+    assert b.count_hits([b"x", b"y", b"z"]) == 2
+    got = load(b, [b"x"])
+    found = embedded.lookup(b.keys_of(b"x"))
+    assert got[b"x"] == [(where, 8 * SLOT, p.slot, crc(b"x", r)) for r, p in enumerate(found)]
+    assert b.counters.hits[REMOTE] == 1
+    # An instance that cannot reach memory nodes (no secret) does not count them as hits.
+    assert pool_index(embedded, 3, host="host-2").count_hits([b"x"]) == 0
+
+
+def test_without_a_memory_node_with_room_saves_fall_back_or_are_skipped_per_block(embedded):
+    # No memory node at all: "memory_nodes" saves into the instance's own tier, counted;
+    # "memory_nodes_only" skips them, counted, and holds nothing.
+    fallback = pool_index(embedded, 1, memory_nodes=True, save_to=SAVE_MEMORY_NODES)
+    refs = save(fallback, [b"a"])
+    assert [r[0] for r in refs[b"a"]] == [None, None]
+    assert fallback.counters.fell_back == 1 and fallback.counters.saves[SSD] == 1
+    assert fallback.count_hits([b"a"]) == 1
+    only = pool_index(embedded, 2, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    assert save(only, [b"b"]) == {} and only.counters.no_room == 1
+    assert only.pending_ops() == 0 and only.count_hits([b"b"]) == 0
+    # A node whose slots are too small for the block, and one with a single slot (rank 0
+    # gets it, rank 1 finds the tier full): no room either, and the slot rank 0 had is free
+    # again once flushed.
+    announce_memory_node(embedded, 78, slot=OBJECT // 2, address="127.0.0.1:7401")
+    announce_memory_node(embedded, 79, slots=1, address="127.0.0.1:7402")
+    only = pool_index(embedded, 3, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    assert save(only, [b"c"]) == {} and only.counters.no_room == 1
+    assert embedded.tier_stats(79, 0) == (1, 0, 0)
+    # With room for one block on the node, a TP-1 instance saves there.
+    one = pool_index(embedded, 4, ranks=1, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    assert save(one, [b"d"])[b"d"][0][0] == "ucx://127.0.0.1:7402/0/4096"
+    assert embedded.tier_stats(79, 0) == (0, 0, 1)
+
+
+def test_an_index_refuses_memory_node_saves_it_cannot_make(embedded):
+    with pytest.raises(ValueError, match="needs memory_nodes"):
+        pool_index(embedded, save_to=SAVE_MEMORY_NODES)
+    with pytest.raises(ValueError, match="save_to must be one of"):
+        pool_index(embedded, save_to="anywhere")
+    # Only "memory_nodes_only" may have no tier of its own.
+    PoolTierIndex(
+        embedded, node=5, ranks=1, slot_bytes=SLOT, object_bytes=OBJECT, dram_slots=0,
+        ssd_slots=0, namespace=b"m", memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY,
+    )
+    with pytest.raises(ValueError, match="hold no slot"):
+        PoolTierIndex(
+            embedded, node=6, ranks=1, slot_bytes=SLOT, object_bytes=OBJECT, dram_slots=0,
+            ssd_slots=0, namespace=b"m", memory_nodes=True, save_to=SAVE_MEMORY_NODES,
+        )

@@ -21,6 +21,14 @@ module maps a connector's blocks onto it:
   replaces the in-process index's DRAM-to-SSD demotion.
 - **Another instance's SSD file** is found through its node announcement (the address is a
   JSON object naming the host and each tier's file); a worker opens it read-only.
+- **Memory nodes** (``umbp-ucx-serve --pool``, with ``memory_nodes=True``): a node whose
+  announcement's address is ``host:port`` exports its writable regions as tiers ``0, 1, ...``
+  of its own slot size. Their placements are hits (every rank reaches them through its remote
+  engine), and ``save_to`` sends saves there: :data:`SAVE_MEMORY_NODES` to the memory-node
+  tier with the most free bytes, this instance's own tier when none has room;
+  :data:`SAVE_MEMORY_NODES_ONLY` skips a save that finds no room (counted in
+  :attr:`PoolCounters.no_room`). A rank's reference to such a slot names the node's address,
+  tier and slot size (:data:`RankRef`).
 - **Operations.** As with :class:`~umbp.kvtiers.TierIndex`, each decision is an operation the
   workers report once per rank. A load's placements are leased (one lease per batch of loads)
   until every rank reported it; a placement whose lease is refused (evicted, reused under a new
@@ -45,19 +53,44 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
-__all__ = ["PoolTierIndex", "PoolCounters", "RankRef", "pool_key", "tier_id"]
+__all__ = [
+    "PoolTierIndex",
+    "PoolCounters",
+    "RankRef",
+    "pool_key",
+    "tier_id",
+    "remote_ref",
+    "REMOTE",
+    "SAVE_LOCAL",
+    "SAVE_MEMORY_NODES",
+    "SAVE_MEMORY_NODES_ONLY",
+    "SAVE_TO",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Tier names, as :mod:`umbp.kvtiers` spells them.
+#: Tier names, as :mod:`umbp.kvtiers` spells them, and a memory node's tier.
 DRAM = "dram"
 SSD = "ssd"
+REMOTE = "remote"
+
+#: Where saves go (``pool_save_to``): this instance's own tier; a memory node's, else this
+#: instance's own; a memory node's only.
+SAVE_LOCAL = "local"
+SAVE_MEMORY_NODES = "memory_nodes"
+SAVE_MEMORY_NODES_ONLY = "memory_nodes_only"
+SAVE_TO = (SAVE_LOCAL, SAVE_MEMORY_NODES, SAVE_MEMORY_NODES_ONLY)
 
 #: What one rank does for one pooled operation: ``(file, file_bytes, slot, checksum)``.
-#: ``file`` is None for this rank's own tier (the operation's tier), else another instance's
-#: SSD file to read (``file_bytes`` long); ``slot`` is -1 where the rank must fail the block
-#: without moving anything (a lease refused); ``checksum`` is what a load verifies.
+#: ``file`` is None for this rank's own tier (the operation's tier); another instance's SSD
+#: file to read (``file_bytes`` long); or a memory node's tier, ``"ucx://HOST:PORT/TIER/
+#: SLOT_SIZE"`` (:func:`remote_ref`; ``file_bytes``: the tier's bytes). ``slot`` is -1 where
+#: the rank must fail the block without moving anything (a lease refused); ``checksum`` is
+#: what a load verifies.
 RankRef = Tuple[Optional[str], int, int, Optional[int]]
+
+#: The prefix of a memory node's tier in a :data:`RankRef`.
+UCX = "ucx://"
 
 #: A rank's part of a load that must fail without moving anything.
 _FAIL: RankRef = (None, 0, -1, None)
@@ -66,6 +99,27 @@ _FAIL: RankRef = (None, 0, -1, None)
 def tier_id(rank: int, tier: str) -> int:
     """The pool tier id of rank ``rank``'s ``tier`` on its node."""
     return 2 * rank + (1 if tier == SSD else 0)
+
+
+def remote_ref(where: str) -> Optional[Tuple[str, int, int]]:
+    """``(address, tier, slot size)`` of a :data:`RankRef`'s memory-node tier, or None when
+    ``where`` names a file."""
+    if not where.startswith(UCX):
+        return None
+    address, tier, slot_size = where[len(UCX) :].rsplit("/", 2)
+    return address, int(tier), int(slot_size)
+
+
+def _instance(address: str) -> Optional[Dict[str, Any]]:
+    """The announcement of a vLLM instance (a JSON object), or None (a memory node's
+    ``host:port``)."""
+    if not address.startswith("{"):
+        return None
+    try:
+        info = json.loads(address)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def pool_key(namespace: bytes, block_hash: Hashable, rank: int) -> bytes:
@@ -82,8 +136,8 @@ class PoolCounters:
     """What the pool index did since it was made (monotonic)."""
 
     lookups: int = 0
-    hits: Dict[str, int] = field(default_factory=lambda: {DRAM: 0, SSD: 0})
-    saves: Dict[str, int] = field(default_factory=lambda: {DRAM: 0, SSD: 0})
+    hits: Dict[str, int] = field(default_factory=lambda: {DRAM: 0, SSD: 0, REMOTE: 0})
+    saves: Dict[str, int] = field(default_factory=lambda: {DRAM: 0, SSD: 0, REMOTE: 0})
     published: int = 0
     #: Saves whose key another writer published first (its bytes are what lookups find).
     lost: int = 0
@@ -94,6 +148,10 @@ class PoolCounters:
     leases_refused: int = 0
     #: Calls to the index that failed (unreachable, an error): each cost hits or saves only.
     index_errors: int = 0
+    #: Saves that found no memory node with room (``save_to`` memory nodes only): skipped.
+    no_room: int = 0
+    #: Saves a memory node refused (no room, gone) that went to this instance's tier instead.
+    fell_back: int = 0
 
 
 @dataclass
@@ -116,7 +174,9 @@ class PoolTierIndex:
     """A connector's index over the pool ``client`` (a :class:`umbp.PoolIndex`), for node
     ``node`` with ``ranks`` tensor-parallel ranks. ``slot_bytes``: a slot of each rank's tier;
     ``dram_slots``/``ssd_slots``: each rank's tier sizes; ``ssd_files``: each rank's SSD file
-    (for other instances to find); ``namespace``: bytes naming the KV shape (see the module)."""
+    (for other instances to find); ``namespace``: bytes naming the KV shape (see the module).
+    ``memory_nodes``: the workers reach memory nodes (their blocks are hits); ``save_to``: one
+    of :data:`SAVE_TO` (memory nodes need ``memory_nodes``)."""
 
     def __init__(
         self,
@@ -134,10 +194,16 @@ class PoolTierIndex:
         reserve_s: float = 120.0,
         announce_s: float = 15.0,
         host: Optional[str] = None,
+        memory_nodes: bool = False,
+        save_to: str = SAVE_LOCAL,
     ):
         if ranks < 1:
             raise ValueError("ranks must be at least 1")
-        if dram_slots + ssd_slots == 0:
+        if save_to not in SAVE_TO:
+            raise ValueError(f"save_to must be one of {SAVE_TO}")
+        if save_to != SAVE_LOCAL and not memory_nodes:
+            raise ValueError("saving to memory nodes needs memory_nodes (a remote engine)")
+        if dram_slots + ssd_slots == 0 and save_to != SAVE_MEMORY_NODES_ONLY:
             raise ValueError(
                 "the tiers hold no slot: give DRAM or SSD bytes for at least one block"
             )
@@ -155,6 +221,8 @@ class PoolTierIndex:
         self.tier = SSD if ssd_slots else DRAM
         self.slots = ssd_slots if ssd_slots else dram_slots
         self.ssd_files = list(ssd_files) if ssd_slots else []
+        self.memory_nodes = memory_nodes
+        self.save_to = save_to
         self.counters = PoolCounters()
         self._ops: Dict[int, _Op] = {}
         self._next_op = 1
@@ -173,6 +241,11 @@ class PoolTierIndex:
         self._keys: Dict[Hashable, List[bytes]] = {}
         self._files: Dict[int, Dict[int, Tuple[str, int]]] = {}  # node -> tier -> (file, bytes)
         self._files_at = 0.0
+        #: Memory nodes alive at the last look: node -> address; (node, tier) -> free bytes
+        #: announced; (node, tier) -> (slot size, slot count), or None where unknown.
+        self._mem_nodes: Dict[int, str] = {}
+        self._mem_free: Dict[Tuple[int, int], int] = {}
+        self._specs: Dict[Tuple[int, int], Optional[Tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -199,10 +272,10 @@ class PoolTierIndex:
         c.announce(
             self.node,
             self._address(),
-            [(tier_id(r, self.tier), 0) for r in range(self.ranks)],
+            [(tier_id(r, self.tier), 0) for r in range(self.ranks) if self.slots],
             self.announce_s,
         )
-        for r in range(self.ranks):
+        for r in range(self.ranks if self.slots else 0):
             c.register_tier(
                 self.node,
                 tier_id(r, self.tier),
@@ -274,23 +347,71 @@ class PoolTierIndex:
             self._keys[key] = ks
         return ks
 
+    def _look(self) -> None:
+        """Reads the nodes alive now: the SSD files of this host's other instances and the
+        memory nodes' addresses and free bytes. An index that cannot answer keeps the last
+        view."""
+        self._files_at = time.monotonic()
+        try:
+            nodes = self.client.nodes()
+        except Exception as e:
+            self._error("reading the pool's nodes", e)
+            return
+        files: Dict[int, Dict[int, Tuple[str, int]]] = {}
+        mem: Dict[int, str] = {}
+        free: Dict[Tuple[int, int], int] = {}
+        for node_id, address, tiers in nodes:
+            node_id = int(node_id)
+            info = _instance(address)
+            if info is None:
+                if self.memory_nodes and node_id != self.node and ":" in address:
+                    mem[node_id] = address
+                    for t, f in tiers:
+                        free[(node_id, int(t))] = int(f)
+                continue
+            if info.get("host") != self.host:
+                continue
+            try:
+                files[node_id] = {
+                    int(t): (str(p), int(n)) for t, (p, n) in info.get("files", {}).items()
+                }
+            except (ValueError, TypeError, AttributeError):
+                continue
+        self._files, self._mem_nodes, self._mem_free = files, mem, free
+
     def _peer_files(self, node: int) -> Optional[Dict[int, Tuple[str, int]]]:
         files = self._files.get(node)
-        if files is None and time.monotonic() - self._files_at > 1.0:
-            self._files_at = time.monotonic()
-            self._files = {}
-            for node_id, address, _ in self.client.nodes():
-                try:
-                    info = json.loads(address)
-                    if not isinstance(info, dict) or info.get("host") != self.host:
-                        continue
-                    self._files[int(node_id)] = {
-                        int(t): (str(p), int(n)) for t, (p, n) in info.get("files", {}).items()
-                    }
-                except (ValueError, TypeError, AttributeError):
-                    continue  # another kind of node (a memory node): not a file of this host
+        if files is None and node not in self._mem_nodes and self._stale(1.0):
+            self._look()
             files = self._files.get(node)
         return files
+
+    def _stale(self, after: float) -> bool:
+        return time.monotonic() - self._files_at > after
+
+    def _spec(self, node: int, tier: int) -> Optional[Tuple[int, int]]:
+        """(slot size, slot count) of a memory node's tier (fixed per node id), or None."""
+        key = (node, tier)
+        if key not in self._specs:
+            try:
+                spec = self.client.tier_spec(node, tier)
+            except Exception as e:
+                self._error("reading a memory node's tier", e)
+                return None
+            self._specs[key] = None if spec is None else (int(spec[0]), int(spec[1]))
+        return self._specs[key]
+
+    def _mem_ref(self, node: int, tier: int, slot: int, checksum: Optional[int]) -> Optional[RankRef]:
+        """How a rank reaches slot ``slot`` of memory node ``node``'s tier ``tier``, or None
+        (not a memory node alive at the last look, its tier unknown or too small)."""
+        address = self._mem_nodes.get(node)
+        if address is None:
+            return None
+        spec = self._spec(node, tier)
+        if spec is None or spec[0] < self.object_bytes or not 0 <= slot < spec[1]:
+            return None
+        size, count = spec
+        return (f"{UCX}{address}/{tier}/{size}", size * count, slot, checksum)
 
     def _ref(self, rank: int, p: Any) -> Optional[RankRef]:
         """How rank ``rank`` reads placement ``p``, or None when it cannot."""
@@ -299,6 +420,11 @@ class PoolTierIndex:
         node, tier = int(p.node), int(p.tier)
         if node == self.node and tier == tier_id(rank, self.tier):
             return (None, 0, int(p.slot), int(p.checksum))
+        if self.memory_nodes and node != self.node:
+            if node not in self._mem_nodes and node not in self._files and self._stale(1.0):
+                self._look()
+            if node in self._mem_nodes:
+                return self._mem_ref(node, tier, int(p.slot), int(p.checksum))
         if tier % 2 == 0:
             return None  # a DRAM arena of another process (or rank)
         if node == self.node:
@@ -325,6 +451,8 @@ class PoolTierIndex:
             return 0
         pool_keys = [k for key in keys for k in self.keys_of(key)]
         self.counters.lookups += 1
+        if self.memory_nodes and self._stale(5.0):
+            self._look()  # a memory node that moved or left since
         try:
             found = self.client.lookup(pool_keys)
         except Exception as e:
@@ -392,7 +520,8 @@ class PoolTierIndex:
             self._to_lease.append(op_id)
             return op_id, self.tier, -1
         good = [ref for ref in refs if ref is not None]
-        tier = self.tier if good[0][0] is None else SSD
+        where = good[0][0]
+        tier = self.tier if where is None else REMOTE if where.startswith(UCX) else SSD
         op_id = self._op(_Op("load", key, tier, good, placements=list(ps)))
         self._to_lease.append(op_id)
         return op_id, tier, good[0][2]
@@ -452,18 +581,82 @@ class PoolTierIndex:
         self._planned.append(op_id)
         return op_id, self.tier, -1
 
+    def tier_of(self, op_id: int) -> str:
+        """The tier operation ``op_id`` reads or writes (a save's: where its slots were
+        reserved, known after :meth:`commit`)."""
+        op = self._ops.get(op_id)
+        return op.tier if op is not None else self.tier
+
     def _reserve_planned(self) -> Dict[int, List[RankRef]]:
         ops, self._planned = self._planned, []
         ops = [o for o in ops if o in self._ops and not self._ops[o].abandoned]
         if not ops:
             return {}
+        out: Dict[int, List[RankRef]] = {}
+        left = ops
+        if self.save_to != SAVE_LOCAL:
+            for node, tier, address, size, count in self._save_targets():
+                ref = (f"{UCX}{address}/{tier}/{size}", size * count)
+                left = self._reserve_on(left, node, [tier] * self.ranks, REMOTE, out, ref)
+                if not left:
+                    return out
+            if self.save_to == SAVE_MEMORY_NODES_ONLY or not self.slots:
+                for o in left:
+                    self.counters.no_room += 1
+                    self._settle(o)
+                self._warn_no_room(len(left))
+                return out
+            self.counters.fell_back += len(left)
+        if left:
+            tiers = [tier_id(r, self.tier) for r in range(self.ranks)]
+            for o in self._reserve_on(left, self.node, tiers, self.tier, out, None):
+                self.counters.saves_skipped += 1
+                self._settle(o)
+        return out
+
+    def _save_targets(self) -> List[Tuple[int, int, str, int, int]]:
+        """The memory nodes' tiers a save may go to, the most free bytes first: ``(node,
+        tier, address, slot size, slot count)``."""
+        if self._stale(1.0):
+            self._look()
+        out = []
+        for (node, tier), free in sorted(self._mem_free.items(), key=lambda x: -x[1]):
+            address = self._mem_nodes.get(node)
+            spec = self._spec(node, tier)
+            if address is not None and spec is not None and spec[0] >= self.object_bytes:
+                out.append((node, tier, address, spec[0], spec[1]))
+        return out
+
+    def _warn_no_room(self, n: int) -> None:
+        now = time.monotonic()
+        if now - self._warned_at > 5.0:
+            self._warned_at = now
+            logger.warning(
+                "umbp pool: %d saves skipped: no memory node has room (none alive, or every "
+                "slot reserved or leased)",
+                n,
+            )
+
+    def _reserve_on(
+        self,
+        ops: List[int],
+        node: int,
+        tiers: List[int],
+        tier: str,
+        out: Dict[int, List[RankRef]],
+        remote: Optional[Tuple[str, int]],
+    ) -> List[int]:
+        """Reserves every rank's slot of each of ``ops`` on ``node`` (rank r's in tier
+        ``tiers[r]``), one ``reserve_many`` per rank; a save that got them all goes into
+        ``out``. Returns the saves that some rank could not reserve there (no room, the node
+        gone): each rank's slots that were had are aborted. A save whose key is published
+        already is settled (skipped); so is everything when the index cannot be reached."""
         per_rank: List[List[Any]] = []
-        tier_ids = [tier_id(r, self.tier) for r in range(self.ranks)]
         try:
             for r in range(self.ranks):
                 items = [(self.keys_of(self._ops[o].key)[r], self.object_bytes) for o in ops]
                 per_rank.append(
-                    list(self.client.reserve_many(self.node, tier_ids[r], items, self.reserve_s))
+                    list(self.client.reserve_many(node, tiers[r], items, self.reserve_s))
                 )
         except Exception as e:
             self._error("a reservation", e)
@@ -472,23 +665,31 @@ class PoolTierIndex:
             for o in ops:
                 self.counters.saves_skipped += 1
                 self._settle(o)
-            return {}
-        out = {}
+            return []
+        retry = []
         for j, o in enumerate(ops):
             got = [per_rank[r][j] for r in range(self.ranks)]
             op = self._ops[o]
             if all(_is_slot(x) for x in got):
                 op.reservations = [_slot(x) for x in got]
-                op.refs = [(None, 0, int(res.slot), None) for res in op.reservations]
-                self.counters.saves[self.tier] += 1
+                op.tier = tier
+                if remote is None:
+                    op.refs = [(None, 0, int(res.slot), None) for res in op.reservations]
+                else:
+                    where, size = remote
+                    op.refs = [(where, size, int(res.slot), None) for res in op.reservations]
+                self.counters.saves[tier] += 1
                 out[o] = op.refs
-            else:
-                # Published already (another instance, or an earlier save), or no slot: the
-                # ranks' slots that were had go back.
-                self._to_abort.extend(_slot(x) for x in got if _is_slot(x))
+                continue
+            # The ranks' slots that were had go back.
+            self._to_abort.extend(_slot(x) for x in got if _is_slot(x))
+            if any(_is_placement(x) for x in got):
+                # Published already (another instance, or an earlier save).
                 self.counters.saves_skipped += 1
                 self._settle(o)
-        return out
+            else:
+                retry.append(o)  # no slot here: elsewhere, or skipped
+        return retry
 
     def fail_save(self, op_id: int) -> bool:
         """Fails save ``op_id`` now, whatever the ranks report: it is never published; its
@@ -622,6 +823,11 @@ def _is_slot(x: Any) -> bool:
     """Whether a ``reserve_many`` answer is a reservation (not the placement of a key
     published already, not the error of that item)."""
     return type(x).__name__ == "Reservation"
+
+
+def _is_placement(x: Any) -> bool:
+    """Whether a ``reserve_many`` answer is the placement of a key published already."""
+    return type(x).__name__ == "Placement"
 
 
 def _slot(x: Any) -> Any:
