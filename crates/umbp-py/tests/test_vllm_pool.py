@@ -8,8 +8,12 @@ started by the test, the other the test's own), each with vLLM's scheduler and i
 sharing that Redis; the embedded index is a redb file beside the SSD tier. Every loaded byte
 is checked against what its token prefix implies (test_vllm.Harness).
 
+Memory nodes are real ``umbp-ucx-serve`` processes joining that Redis (tests/memory_node.py
+builds the binary with cargo); instances reach them with the remote engine over TCP.
+
 Needs vLLM (skipped with the reason printed where it is absent, a failure with
-UMBP_REQUIRE_VLLM=1) and, for the Redis tests, redis-server (likewise, UMBP_REQUIRE_REDIS=1).
+UMBP_REQUIRE_VLLM=1), for the Redis tests redis-server (likewise, UMBP_REQUIRE_REDIS=1), and
+for the memory-node tests umbp-ucx-serve and UCX (likewise, UMBP_REQUIRE_UCX=1).
 """
 
 import json
@@ -33,6 +37,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
 
 import test_vllm as tv
+from memory_node import memory_node  # noqa: F401  (the fixture)
 from redis_server import redis  # noqa: F401  (the fixture)
 from test_vllm import BS, first_step_of, prompt, slot_bytes
 from vllm.config import KVTransferConfig
@@ -415,3 +420,211 @@ def test_blocks_computed_over_a_refused_layerwise_load_are_never_published(tmp_p
         assert computed == 10 * BS and h.checked_loads - before == 10
     finally:
         close(h)
+
+
+# -- memory nodes -------------------------------------------------------------------------------
+
+
+def reaches(node, redis, **extra):
+    """An instance's keys to reach the pool's memory nodes (``node``'s secret, over TCP)."""
+    return dict(
+        pool=redis.url,
+        remote_secret_file=str(node.secret_file),
+        remote_transports="tcp",
+        **extra,
+    )
+
+
+def test_instance_b_hits_and_loads_byte_exact_what_instance_a_saved_into_a_memory_node(
+    tmp_path, redis, memory_node
+):
+    # Two instances in two processes, one Redis, one umbp-ucx-serve memory node. A (TP 2) has
+    # no tier of its own: every rank's shard of every block goes into the memory node, and A
+    # exits (leaving the pool) before B starts, so nothing of A's process serves B. B saves
+    # into its own SSD file, and finds A's blocks on the memory node in its one lookup, loads
+    # them over the remote engine and checks every byte of both ranks against the prefix.
+    node = memory_node(node_id=9001, slot_size=slot_bytes(), slots=64)
+    shared = prompt(21, 10 * BS)
+    a = Child(
+        tmp_path,
+        shared + [9],
+        tp=2,
+        **reaches(node, redis, pool_save_to="memory_nodes_only", dram_bytes_per_rank=0),
+    )
+    ra = a.result()
+    a.stop()
+    assert ra["computed"] == 0 and ra["stats"].get("saved_blocks.remote") == 10 * 2
+    assert ra["counters"]["saves"]["remote"] == 10 and ra["counters"]["published"] == 10
+    assert not ra["counters"]["no_room"] and not ra["stats"].get("save_errors.remote")
+    h = harness(tmp_path, tp=2, **reaches(node, redis, **ssd(tmp_path, "b.ssd")))
+    try:
+        computed, scheduled = run_prompt(h, "b", shared + prompt(22, 21))
+        assert computed == 10 * BS  # every block of A's, from the memory node
+        assert scheduled == 21
+        assert h.checked_loads == 10 and not h.load_errors
+        assert h.stats.get("loaded_blocks.remote") == 10 * 2
+        assert h.index.counters.hits["remote"] == 10
+        # B saves where it was told to (its own file, the default): its one new block.
+        assert h.index.counters.saves["ssd"] == 1 and h.index.counters.saves["remote"] == 0
+        assert h.index.counters.published == 1 and h.index.pending_ops() == 0
+    finally:
+        close(h)
+
+
+class KillBeforeRestore:
+    """Wraps a worker's engine: its next restore starts just after ``node`` was SIGKILLed,
+    once the scheduler found the blocks and the pool granted their lease (the bytes are then
+    asked of a node that is gone, through a connection made while it was up)."""
+
+    def __init__(self, worker_side, node):
+        self._engine = worker_side.engine
+        self._node = node
+        self.killed = False
+        worker_side.engine = self
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def start_restore(self, objects, *args, **kwargs):
+        if not self.killed:
+            self._node.kill()
+            self.killed = True
+        return self._engine.start_restore(objects, *args, **kwargs)
+
+
+def test_a_memory_node_killed_mid_get_fails_its_blocks_which_vllm_recomputes(
+    tmp_path, redis, memory_node
+):
+    node = memory_node(node_id=9002, slot_size=slot_bytes(), slots=64, ttl_ms=1000)
+    h = harness(
+        tmp_path, **reaches(node, redis, pool_save_to="memory_nodes", **ssd(tmp_path, "kv.ssd"))
+    )
+    try:
+        shared = prompt(23, 8 * BS)
+        run_prompt(h, "a", shared + [9])
+        c = h.index.counters
+        assert c.saves["remote"] == 8 and c.published == 8 and c.saves["ssd"] == 0
+        assert h.stats.get("saved_blocks.remote") == 8
+        # A second request hits all 8 on the memory node; the node is SIGKILLed between the
+        # lease and the transfer. Every one of its blocks is a load error (nothing loaded,
+        # nothing wrong), vLLM recomputes them, and the harness checks the recomputed prefill.
+        kill = KillBeforeRestore(h.worker.worker_side, node)
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", shared + prompt(24, 30))
+        _, computed = first_step_of(h, "b")
+        ids = h.block_ids("b")
+        h.run()
+        assert kill.killed and computed == 0
+        assert h.load_errors == set(ids[:8])
+        assert h.stats.get("load_errors.remote") == 8 and not h.stats.get("loaded_blocks.remote")
+        assert c.hits["remote"] == 8 and c.failed_loads == 8
+        assert h.prefills_checked >= 1 and h.index.pending_ops() == 0
+        # Once the dead node's announcement lapsed, saves fall back to this instance's SSD
+        # tier (each counted), are published, and a later request hits them byte-exact.
+        deadline = time.monotonic() + 30
+        while any(n == node.node_id for n, _, _ in h.index.client.nodes()):
+            assert time.monotonic() < deadline, "the killed node's announcement never lapsed"
+            time.sleep(0.1)
+        time.sleep(1.1)  # the index's view of the nodes is at most a second old
+        fell, published, ssd_saves = c.fell_back, c.published, c.saves["ssd"]
+        other = prompt(25, 6 * BS)
+        run_prompt(h, "c", other + [9])
+        assert c.fell_back - fell == 6 and c.saves["ssd"] - ssd_saves == 6
+        assert c.published - published == 6
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "d", other + prompt(26, 20))
+        assert computed == 6 * BS and h.checked_loads - before == 6
+        assert h.stats.get("loaded_blocks.ssd") == 6
+        # The node restarts at its address (empty): saves go to it again, through a new
+        # connection (the one to its old life was dropped when the loads through it failed),
+        # and a later request loads them from it byte-exact.
+        node.restart()
+        while not any(n == node.node_id for n, _, _ in h.index.client.nodes()):
+            assert time.monotonic() < deadline + 30, "the restarted node never joined"
+            time.sleep(0.1)
+        time.sleep(1.1)
+        remote, errors = c.saves["remote"], h.stats.get("save_errors.remote", 0)
+        again = prompt(27, 5 * BS)
+        run_prompt(h, "e", again + [9])
+        assert c.saves["remote"] - remote == 5 and h.stats.get("save_errors.remote") == errors
+        assert h.scheduler.reset_prefix_cache()
+        before, loaded = h.checked_loads, h.stats.get("loaded_blocks.remote", 0)
+        computed, _ = run_prompt(h, "f", again + prompt(28, 20))
+        assert computed == 5 * BS and h.checked_loads - before == 5
+        assert h.stats.get("loaded_blocks.remote", 0) - loaded == 5
+    finally:
+        close(h)
+
+
+def test_a_block_whose_bytes_changed_on_the_memory_node_fails_its_checksum_and_leaves_the_pool(
+    tmp_path, redis, memory_node
+):
+    import umbp
+    from memory_node import SECRET
+
+    node = memory_node(node_id=9003, slot_size=slot_bytes(), slots=64)
+    h = harness(
+        tmp_path,
+        **reaches(node, redis, pool_save_to="memory_nodes_only", dram_bytes_per_rank=0),
+    )
+    try:
+        shared = prompt(31, 8 * BS)
+        run_prompt(h, "a", shared + [9])
+        assert h.index.counters.published == 8
+        victim = 3
+        keys = h.index.keys_of(h.requests["a"].block_hashes[victim])
+        [placement] = h.index.client.lookup(keys)
+        assert placement.node == node.node_id
+        # Another client of the node flips one bit of the block where it lies.
+        other = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET)
+        peer = other.connect(node.address)
+        with other.register_remote(peer.region("kv")) as kv:
+            at = placement.slot * slot_bytes() + 100
+            byte = other.read(kv, at, 1)
+            other.write(kv, at, bytes([byte[0] ^ 0x01]))
+        other.disconnect(peer)
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", shared + prompt(32, 30))
+        first_step_of(h, "b")  # scheduled once its load settled, failure included
+        ids = h.block_ids("b")
+        h.run()
+        assert h.load_errors == {ids[victim]}
+        assert h.stats.get("corrupt_blocks.remote") == 1 and h.stats.get("load_errors.remote") == 1
+        assert h.index.counters.failed_loads == 1
+        # The corrupt copy left the pool; the recomputed block was saved to the node anew.
+        [again] = h.index.client.lookup(keys)
+        assert again is not None and again.generation != placement.generation
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "c", shared + prompt(33, 20))
+        assert computed == 8 * BS and h.checked_loads - before == 8
+        assert h.stats.get("corrupt_blocks.remote") == 1
+    finally:
+        close(h)
+
+
+def test_memory_nodes_need_a_redis_pool_and_their_secret(tmp_path, monkeypatch):
+    from umbp.vllm import UmbpConfig
+
+    monkeypatch.delenv("UMBP_UCX_SECRET", raising=False)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 32 + b"\n")
+    with pytest.raises(ValueError, match="pool_save_to must be one of"):
+        UmbpConfig.from_extra({"pool": "redis://h:1/", "pool_save_to": "nodes"})
+    with pytest.raises(ValueError, match="needs the memory nodes' shared secret"):
+        UmbpConfig.from_extra({"pool": "redis://h:1/", "pool_save_to": "memory_nodes"})
+    with pytest.raises(ValueError, match="join a Redis pool"):
+        UmbpConfig.from_extra(
+            {"pool": "embedded", "ssd_path": "/x", "ssd_bytes_per_rank": 1 << 20,
+             "pool_save_to": "memory_nodes", "remote_secret_file": str(secret)}
+        )
+    cfg = UmbpConfig.from_extra(
+        {"pool": "redis://h:1/", "pool_save_to": "memory_nodes_only",
+         "remote_secret_file": str(secret)}
+    )
+    assert cfg.memory_nodes() and cfg.remote_secret() == b"x" * 32
+    # Without the secret, memory nodes' blocks are not this instance's hits.
+    assert not UmbpConfig.from_extra({"pool": "redis://h:1/"}).memory_nodes()
+    monkeypatch.setenv("UMBP_UCX_SECRET", "y" * 32)
+    assert UmbpConfig.from_extra({"pool": "redis://h:1/"}).memory_nodes()

@@ -48,7 +48,11 @@ file beside the SSD tier that outlives restarts): the scheduler side's index is 
 (:class:`umbp.kvpool.PoolTierIndex`) instead of an in-process one. A hit may then come from
 another instance (its SSD file on this host) or from before a restart; each TP rank's shard is
 a pool block of its own with its own checksum, published only once every rank's save landed,
-and a load leases what it reads (a refused lease is a load error). ``kv_role``:
+and a load leases what it reads (a refused lease is a load error). With a Redis pool and the
+memory nodes' secret (``remote_secret_file``), blocks on memory nodes (``umbp-ucx-serve
+--pool``) are hits too, loaded over the remote engine, and ``pool_save_to`` (``"local"``,
+``"memory_nodes"``, ``"memory_nodes_only"``) sends saves to them; a node that dies or restarts
+costs the blocks moving through it (load errors vLLM recomputes, failed saves). ``kv_role``:
 ``kv_producer`` only saves, ``kv_consumer`` only loads. docs/VLLM.md, "Sharing the cache".
 
 SSD files: each instance's own (the data-parallel replica and the TP rank are in the default
@@ -86,7 +90,15 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import ChecksumPolicy, Engine, FailureKind, Object, Range, Registration, RegistrationError
-from .kvpool import PoolTierIndex, RankRef
+from .kvpool import (
+    REMOTE,
+    SAVE_LOCAL,
+    SAVE_MEMORY_NODES_ONLY,
+    SAVE_TO,
+    PoolTierIndex,
+    RankRef,
+    remote_ref,
+)
 from .kvtiers import DRAM, SSD, TierIndex
 
 if TYPE_CHECKING:
@@ -144,6 +156,9 @@ class UmbpConfig:
     pool_lease_s: float = 30.0
     pool_reserve_s: float = 120.0
     pool_announce_s: float = 15.0
+    pool_save_to: str = SAVE_LOCAL
+    remote_secret_file: Optional[str] = None
+    remote_transports: Optional[str] = None
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
@@ -194,7 +209,44 @@ class UmbpConfig:
         for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
             if not float(getattr(cfg, name)) > 0:
                 raise ValueError(f"UmbpConnector: {name} must be positive")
+        if cfg.pool_save_to not in SAVE_TO:
+            raise ValueError(f"UmbpConnector: pool_save_to must be one of {SAVE_TO}")
+        if cfg.pool_save_to != SAVE_LOCAL:
+            if cfg.pool is None or "://" not in cfg.pool:
+                raise ValueError(
+                    "UmbpConnector: memory nodes join a Redis pool: pool_save_to "
+                    f"{cfg.pool_save_to!r} needs \"pool\": \"redis://...\""
+                )
+            if not cfg.memory_nodes():
+                raise ValueError(
+                    f"UmbpConnector: pool_save_to {cfg.pool_save_to!r} needs the memory nodes' "
+                    "shared secret: remote_secret_file, or the UMBP_UCX_SECRET environment "
+                    "variable"
+                )
+        if cfg.remote_secret_file is not None and not os.path.isfile(cfg.remote_secret_file):
+            raise ValueError(
+                f"UmbpConnector: remote_secret_file {cfg.remote_secret_file!r} is not a file"
+            )
         return cfg
+
+    def memory_nodes(self) -> bool:
+        """Whether the connector reaches the memory nodes of its pool: a Redis pool, and the
+        nodes' shared secret (``remote_secret_file``, or ``UMBP_UCX_SECRET``). Their blocks
+        are then hits, and the workers connect to them."""
+        return (
+            self.pool is not None
+            and "://" in self.pool
+            and (self.remote_secret_file is not None or bool(os.environ.get("UMBP_UCX_SECRET")))
+        )
+
+    def remote_secret(self) -> Optional[bytes]:
+        """The memory nodes' secret from ``remote_secret_file`` (one trailing newline dropped,
+        as the node reads its own), or None: the engine reads ``UMBP_UCX_SECRET``."""
+        if self.remote_secret_file is None:
+            return None
+        with open(self.remote_secret_file, "rb") as f:
+            secret = f.read()
+        return secret[:-1] if secret.endswith(b"\n") else secret
 
     def engine_checksums(self) -> str:
         """The workers' checksum policy: a pool publishes every block with its checksum, so
@@ -354,15 +406,27 @@ def _open_pool(
         lease_s=cfg.pool_lease_s,
         reserve_s=cfg.pool_reserve_s,
         announce_s=cfg.pool_announce_s,
+        memory_nodes=cfg.memory_nodes(),
+        save_to=cfg.pool_save_to,
     )
     index.start()
     logger.info(
-        "UmbpConnector: pool %s, node %d, %s tier",
+        "UmbpConnector: pool %s, node %d, %s tier, saves to %s%s",
         cfg.pool if "://" in cfg.pool else target,
         node,
         index.tier,
+        cfg.pool_save_to,
+        ", reads memory nodes" if index.memory_nodes else "",
     )
     return index
+
+
+def _hit_source(tier: str) -> CacheHitSource:
+    """How vLLM's prefix-cache metrics name a hit in ``tier``: DRAM is host memory, SSD is
+    disk, and a pool's memory node is a remote store (vLLM has no name of its own for it)."""
+    if tier == DRAM:
+        return CacheHitSource.HOST
+    return CacheHitSource.EXTERNAL_UNSPECIFIED if tier == REMOTE else CacheHitSource.DISK
 
 
 def _dense_pages(t: torch.Tensor, num_blocks: int, page_bytes: int) -> bool:
@@ -687,7 +751,7 @@ class _SchedulerSide:
         for i in range(start, start + n):
             op, tier, slot = self.index.begin_load(request.block_hashes[i])
             items.append((op, tier, slot, block_ids[i]))
-            source = CacheHitSource.HOST if tier == DRAM else CacheHitSource.DISK
+            source = _hit_source(tier)
             sources[source] = sources.get(source, 0) + self.layout.block_size
         self._pending_loads[rid] = items
         self._hit_sources[rid] = sources
@@ -764,12 +828,13 @@ class _SchedulerSide:
             meta.loads[rid] = [(op, t, meta.pool[op][0][2], b) for op, t, _, b in items]
         for rid, items in list(meta.saves.items()):
             kept = []
-            for op, tier, _, block in items:
+            for op, _, _, block in items:
                 refs = meta.pool.get(op)
                 if refs is None:
                     self._save_block.pop(op, None)
                 else:
-                    kept.append((op, tier, refs[0][2], block))
+                    # The tier the pool reserved it in: this instance's, or a memory node's.
+                    kept.append((op, self.pool.tier_of(op), refs[0][2], block))
             if kept:
                 meta.saves[rid] = kept
             else:
@@ -929,10 +994,19 @@ class _WorkerSide:
         self._pool_saves: Set[int] = set()
         self._crcs: Dict[int, Dict[int, int]] = {}
         self._peer_files: Dict[str, Optional[Registration]] = {}
-        #: Loads the pool refused (made to fail on purpose): tags of the batch being built,
-        #: and their operations until they settle.
-        self._refused: Set[int] = set()
-        self._refused_ops: Set[int] = set()
+        #: Memory nodes (a pool with their secret): one connection per node address, with its
+        #: tiers registered as used ((tier, bytes) -> registration); nodes whose connection
+        #: failed, not tried again until then; the operations in flight through one (-> its
+        #: address): a failure of one retires the connection, so the next use connects again
+        #: (a node restarted at its address is reached anew).
+        self._nodes: Dict[str, Tuple[Any, Dict[Tuple[int, int], Registration]]] = {}
+        self._nodes_down: Dict[str, float] = {}
+        self._remote_ops: Dict[int, str] = {}
+        #: Pooled operations made to fail on purpose (a lease refused, a file or memory node
+        #: out of reach), with why: tags of the batch being built, and their operations until
+        #: they settle.
+        self._refused: Dict[int, str] = {}
+        self._refused_ops: Dict[int, str] = {}
         # A slot is paged by TIER_PAGE (or one page, for a smaller block): page k of slot s
         # starts at s * slot_bytes + k * page.
         self._page = min(layout.object_bytes, TIER_PAGE)
@@ -964,6 +1038,8 @@ class _WorkerSide:
             pin_device=(device.index or 0) if self.cuda else 0,
             workers=self.cfg.engine_workers,
             checksums=self.cfg.engine_checksums(),
+            # A pool's memory nodes are reached through the remote tier (UCX).
+            **self._remote_options(),
         )
         self._kv_caches = kv_caches
         self._register_kv()
@@ -1147,6 +1223,10 @@ class _WorkerSide:
         return self.engine
 
     def _tier(self, tier: str) -> Registration:
+        if tier == REMOTE and self._registrations:
+            # A placeholder: _pool_object puts the memory node's registration in its place.
+            placeholder: Registration = self._registrations[0]
+            return placeholder
         reg = self.dram if tier == DRAM else self.ssd
         if reg is None:
             raise ValueError(f"UmbpConnector: this worker has no {tier} tier")
@@ -1158,30 +1238,114 @@ class _WorkerSide:
     def _objects(self, items: List[Item], meta: UmbpConnectorMetadata) -> List[Object]:
         """The objects of ``items`` (tag ``k``: ``items[k]``), placed where the pool said for
         this rank when ``meta.pool`` names their operation."""
-        self._refused = set()
+        self._refused = {}
         objects = [
             self._object(k, tier, slot, block)
             if op not in meta.pool
-            else self._pool_object(k, tier, block, meta.pool[op][self.rank])
+            else self._pool_object(k, tier, block, meta.pool[op][self.rank], op)
             for k, (op, tier, slot, block) in enumerate(items)
         ]
-        self._refused_ops.update(items[k][0] for k in self._refused)
+        self._refused_ops.update((items[k][0], why) for k, why in self._refused.items())
         return objects
 
-    def _pool_object(self, tag: int, tier: str, block: int, ref: RankRef) -> Object:
-        """The object of this rank's part of a pooled operation: its slot in this rank's own
-        tier or in another instance's SSD file (opened read-only), and the checksum the pool
-        recorded. A part the scheduler could not lease (slot -1), or whose file cannot be
-        opened, is an object past the end of the tier, which the engine rejects alone: a load
-        error like any other, that vLLM recomputes."""
+    def _pool_object(
+        self, tag: int, tier: str, block: int, ref: RankRef, op: int = 0
+    ) -> Object:
+        """The object of this rank's part of a pooled operation (``op``): its slot in this
+        rank's own tier, in another instance's SSD file (opened read-only) or in a memory
+        node's tier, and the checksum the pool recorded. A part the scheduler could not lease
+        (slot -1), or whose file or memory node cannot be reached, is an object past the end
+        of the tier, which the engine rejects alone: a load error (or a failed save) like any
+        other; vLLM recomputes a block whose load failed."""
         path, size, slot, checksum = ref
-        own = SSD if self.ssd is not None else DRAM
+        remote = remote_ref(path) if path else None
+        own = SSD if self.ssd is not None else DRAM if self.dram is not None else REMOTE
         obj = self._object(tag, own, max(slot, 0), block)
-        reg = self._peer_file(path, size) if path else obj.tier
+        reg: Any
+        if remote is not None:
+            address, node_tier, slot_size = remote
+            reg = self._remote_tier(address, node_tier, size)
+            if reg is not None and slot >= 0:
+                self._remote_ops[op] = address
+                offsets = self._pages + np.uint64(slot * slot_size)
+                return replace(obj, tier=reg, page_offsets=offsets, checksum=checksum)
+        else:
+            reg = self._peer_file(path, size) if path else obj.tier
         if slot < 0 or reg is None:
-            self._refused.add(tag)
+            self._refused[tag] = (
+                "the pool refused its lease (evicted, reused or gone since the lookup)"
+                if slot < 0
+                else f"its tier cannot be reached ({path})"
+            )
             return replace(obj, page_offsets=self._pages + np.uint64(1 << 60), checksum=None)
         return replace(obj, tier=reg, checksum=checksum)
+
+    def _remote_options(self) -> Dict[str, Any]:
+        """The engine's remote tier, where the pool's memory nodes are reached."""
+        if not self.cfg.memory_nodes():
+            return {}
+        return dict(
+            remote=True,
+            remote_transports=self.cfg.remote_transports,
+            remote_secret=self.cfg.remote_secret(),
+        )
+
+    def _remote_tier(self, address: str, tier: int, size: int) -> Optional[Registration]:
+        """Tier ``tier`` (its ``size`` bytes) of the memory node at ``address``: connected on
+        first use (the handshake proves both sides hold the secret), its region registered
+        once. None when it cannot be reached (logged; not tried again for a second)."""
+        node = self._nodes.get(address)
+        if node is None:
+            if time.monotonic() < self._nodes_down.get(address, 0.0):
+                return None
+            try:
+                peer = self._eng().connect(address)
+            except Exception as e:
+                self._nodes_down[address] = time.monotonic() + 1.0
+                logger.warning(
+                    "UmbpConnector: cannot reach memory node %s: %s (its blocks fail: loads "
+                    "are recomputed, saves dropped)",
+                    address,
+                    e,
+                )
+                return None
+            node = self._nodes[address] = (peer, {})
+        peer, tiers = node
+        reg = tiers.get((tier, size))
+        if reg is None:
+            region = next((r for r in peer.regions if r.region == tier), None)
+            if region is None or not region.writable or region.length < size:
+                logger.warning(
+                    "UmbpConnector: memory node %s has no writable region %d of %d bytes",
+                    address,
+                    tier,
+                    size,
+                )
+                return None
+            try:
+                reg = self._eng().register_remote(
+                    region, 0, size, label=f"memory node {address} region {region.name}"
+                )
+            except Exception as e:
+                logger.warning("UmbpConnector: cannot register memory node %s: %s", address, e)
+                return None
+            tiers[(tier, size)] = reg
+        return reg
+
+    def _retire_node(self, address: str) -> None:
+        """Drops the connection to the memory node at ``address`` after a transfer through it
+        failed (it died, restarted, or its bytes did not verify): the next use connects
+        again."""
+        node = self._nodes.pop(address, None)
+        if node is None:
+            return
+        peer, tiers = node
+        try:
+            self._eng().disconnect(peer)
+        except Exception as e:
+            logger.debug("UmbpConnector: disconnecting memory node %s: %s", address, e)
+        for reg in tiers.values():
+            reg.close()
 
     def _peer_file(self, path: str, size: int) -> Optional[Registration]:
         """Another instance's SSD file, opened read-only (without its lock, which that
@@ -1286,6 +1450,9 @@ class _WorkerSide:
                 self._pool_saves.discard(op)
                 if o.ok and o.checksum is not None:
                     self._crcs[op] = {self.rank: int(o.checksum)}
+            node = self._remote_ops.pop(op, None)
+            if node is not None and not o.ok:
+                self._retire_node(node)  # dead, restarted or wrong: connect anew next time
             if t.kind != "load":
                 # The slot now holds this save's bytes (their checksum, or None where the
                 # engine's policy leaves the tier unhashed), or, after a failure, unknown ones.
@@ -1297,12 +1464,14 @@ class _WorkerSide:
                 self._ok[op] = self._ok.get(op, 0) + 1
             else:
                 self._failed[op] = self._failed.get(op, 0) + 1
-                if op in self._refused_ops:
-                    self._refused_ops.discard(op)
+                why = self._refused_ops.pop(op, None)
+                if why is not None:
                     logger.warning(
-                        "UmbpConnector: load of block %d failed: the pool refused its lease "
-                        "(evicted, reused or gone since the lookup); vLLM recomputes it",
+                        "UmbpConnector: %s of block %d failed: %s%s",
+                        t.kind,
                         block,
+                        why,
+                        "; vLLM recomputes it" if t.kind == "load" else "",
                     )
                 else:
                     logger.warning(
@@ -1376,6 +1545,8 @@ class _WorkerSide:
         for t in self._transfers:
             t.batch.wait()
         self._transfers = []
+        for address in list(self._nodes):
+            self._retire_node(address)
         for reg in [self.dram, self.ssd, *self._registrations, *self._peer_files.values()]:
             if reg is not None:
                 reg.close()
