@@ -20,13 +20,13 @@ use std::path::Path;
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle};
 
 use crate::{
     BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
     Reservation, Reserved, TierId, TierSpec, TierStats,
 };
-use keymap::Entry;
+use keymap::{Entry, KeyMap};
 pub use reconcile::{DropReason, Dropped, ReconcileReport, TierFile, Verify};
 use slots::{LeaseRecord, SlotState, State, TierState};
 
@@ -90,6 +90,54 @@ fn decode_spec(node: u32, tier: u16, b: &[u8]) -> Result<TierSpec, Error> {
     })
 }
 
+/// Blocks read from the log at open, put back into the state a group at a time: their
+/// places in the key map are loaded together first (see [`KeyMap`]), so a million blocks'
+/// cache misses overlap instead of coming one after another.
+#[derive(Default)]
+struct Restoring {
+    pending: Vec<(u64, Placement)>,
+    /// The last tier looked up: the log's blocks come in publish order, mostly of one tier
+    /// after another.
+    last_tier: Option<((NodeId, TierId), Option<usize>)>,
+}
+
+impl Restoring {
+    /// Restores the pending blocks; the sequence numbers of those that cannot be into
+    /// `dropped`.
+    fn flush(&mut self, state: &mut State, dropped: &mut Vec<u64>) {
+        state.keys.prefetch(self.pending.iter().map(|(_, p)| &p.key));
+        for (seq, p) in self.pending.drain(..) {
+            let t = match self.last_tier {
+                Some((id, t)) if id == (p.node, p.tier) => t,
+                _ => {
+                    let t = state.tier_index.get(&(p.node, p.tier)).copied();
+                    self.last_tier = Some(((p.node, p.tier), t));
+                    t
+                }
+            };
+            let kept = match t {
+                Some(t) if state.tiers[t].spec.durable && p.generation != 0 => {
+                    // A key logged twice (it cannot be: a key is published once until it
+                    // leaves, and leaving deletes its entry) keeps its first entry only.
+                    if let Some(first) = state.insert_key(t, &p) {
+                        state.keys.insert(first);
+                        false
+                    } else if state.tiers[t].restore(&p, seq) {
+                        true
+                    } else {
+                        state.keys.remove(&p.key);
+                        false
+                    }
+                }
+                _ => false,
+            };
+            if !kept {
+                dropped.push(seq);
+            }
+        }
+    }
+}
+
 impl EmbeddedIndex {
     /// Opens the index at `path`, creating it if absent, and reconciles it: every durable
     /// block committed before is back, every slot that was reserved but not published is free,
@@ -104,9 +152,22 @@ impl EmbeddedIndex {
             Self::create(path)?;
         }
         let db = Database::create(path)?;
+        // A file whose tables are not all there yet (made before `create` made them all):
+        // create them, so the pass below can read them in a read transaction.
+        let names: Vec<String> =
+            db.begin_read()?.list_tables()?.map(|t| t.name().to_string()).collect();
+        if [TIERS.name(), META.name(), LOG.name()].iter().any(|n| !names.iter().any(|m| m == n)) {
+            let txn = db.begin_write()?;
+            txn.open_table(TIERS)?;
+            txn.open_table(META)?;
+            txn.open_table(LOG)?;
+            txn.commit()?;
+        }
         let mut state = State::new();
-        let txn = db.begin_write()?;
-        {
+        // Everything is read in a read transaction; only what must change (blocks dropped,
+        // counters behind) is written after it, so a clean reopen commits nothing.
+        let (dropped, stored) = {
+            let txn = db.begin_read()?;
             let tiers = txn.open_table(TIERS)?;
             for entry in tiers.iter()? {
                 let (k, v) = entry?;
@@ -116,11 +177,15 @@ impl EmbeddedIndex {
                 state.tiers.push(TierState::new(spec));
             }
             let meta = txn.open_table(META)?;
-            let mut max_generation =
-                meta.get("next_generation")?.map(|v| v.value()).unwrap_or(1).saturating_sub(1);
-            let mut next_seq = meta.get("next_seq")?.map(|v| v.value()).unwrap_or(0);
-            let mut log = txn.open_table(LOG)?;
+            let stored_generation = meta.get("next_generation")?.map(|v| v.value());
+            let stored_seq = meta.get("next_seq")?.map(|v| v.value());
+            let mut max_generation = stored_generation.unwrap_or(1).saturating_sub(1);
+            let mut next_seq = stored_seq.unwrap_or(0);
+            let log = txn.open_table(LOG)?;
+            // Sized once: no rehashing while a million blocks come back.
+            state.keys = KeyMap::with_capacity(usize::try_from(log.len()?).unwrap_or(0));
             let mut dropped: Vec<u64> = Vec::new();
+            let mut restoring = Restoring::default();
             for entry in log.iter()? {
                 let (seq, v) = entry?;
                 let seq = seq.value();
@@ -135,40 +200,32 @@ impl EmbeddedIndex {
                     continue;
                 };
                 max_generation = max_generation.max(p.generation);
-                // A key logged twice (it cannot be: a key is published once until it leaves,
-                // and leaving deletes its entry) would keep its first entry only.
-                let kept = match state.tier_index.get(&(p.node, p.tier)) {
-                    Some(&t)
-                        if state.tiers[t].spec.durable
-                            && p.generation != 0
-                            && !state.keys.contains_key(&p.key) =>
-                    {
-                        let ok = state.tiers[t].restore(&p, seq);
-                        if ok {
-                            state.insert_key(t, &p);
-                        }
-                        ok
-                    }
-                    _ => false,
-                };
-                if !kept {
-                    dropped.push(seq);
+                restoring.pending.push((seq, p));
+                if restoring.pending.len() == keymap::GROUP * 4 {
+                    restoring.flush(&mut state, &mut dropped);
                 }
             }
-            for seq in &dropped {
-                log.remove(*seq)?;
+            restoring.flush(&mut state, &mut dropped);
+            state.next_generation = max_generation + 1;
+            state.next_seq = next_seq;
+            (dropped, (stored_generation, stored_seq))
+        };
+        if !dropped.is_empty() || stored != (Some(state.next_generation), Some(state.next_seq)) {
+            let txn = db.begin_write()?;
+            {
+                let mut log = txn.open_table(LOG)?;
+                for seq in &dropped {
+                    log.remove(*seq)?;
+                }
+                let mut meta = txn.open_table(META)?;
+                meta.insert("next_generation", state.next_generation)?;
+                meta.insert("next_seq", state.next_seq)?;
             }
+            txn.commit()?;
             if !dropped.is_empty() {
                 tracing::info!(dropped = dropped.len(), "embedded index: dropped blocks at open");
             }
-            state.next_generation = max_generation + 1;
-            state.next_seq = next_seq;
-            drop(meta);
-            let mut meta = txn.open_table(META)?;
-            meta.insert("next_generation", state.next_generation)?;
-            meta.insert("next_seq", state.next_seq)?;
         }
-        txn.commit()?;
         for t in &mut state.tiers {
             t.rebuild_free_list();
         }
@@ -620,5 +677,96 @@ impl EmbeddedIndex {
     pub fn durable_blocks(&self) -> Result<u64, Error> {
         let txn = self.db.begin_read()?;
         Ok(txn.open_table(LOG)?.len()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log_value(p: &Placement) -> [u8; LOG_VALUE] {
+        let mut v = [0u8; LOG_VALUE];
+        v[..16].copy_from_slice(&p.key.0);
+        v[16..].copy_from_slice(&p.encode());
+        v
+    }
+
+    /// A file without the index's tables (a bare redb file) opens, gets them, and keeps
+    /// what is published into it.
+    #[test]
+    fn opens_a_file_without_its_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bare.redb");
+        drop(Database::create(&path).unwrap());
+        let spec = TierSpec::new(NodeId(0), TierId(1), 64, 8).durable();
+        let key = BlockKey::from_u128(5);
+        {
+            let index = EmbeddedIndex::open(&path).unwrap();
+            index.register_tier(&spec).unwrap();
+            let Reserved::Slot(r) =
+                index.reserve(key, spec.node, spec.tier, 10, Duration::from_secs(60)).unwrap()
+            else {
+                panic!("a fresh index holds no key")
+            };
+            index.publish(&[(r, 7)]).unwrap();
+        }
+        let index = EmbeddedIndex::open(&path).unwrap();
+        assert_eq!(index.lookup(&[key]).unwrap()[0].map(|p| p.checksum), Some(7));
+    }
+
+    /// What open drops from the log: a key logged twice keeps its first entry, a block of a
+    /// slot already taken or past its tier's end, a generation 0 and a value of another
+    /// length are dropped (and deleted from the file); every other block is back.
+    #[test]
+    fn open_keeps_the_first_of_a_key_logged_twice_and_drops_what_cannot_be() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.redb");
+        let spec = TierSpec::new(NodeId(0), TierId(1), 64, 8).durable();
+        EmbeddedIndex::open(&path).unwrap().register_tier(&spec).unwrap();
+        let p = |key: u128, slot: u32, generation: u64| Placement {
+            key: BlockKey::from_u128(key),
+            node: spec.node,
+            tier: spec.tier,
+            slot,
+            len: 10,
+            checksum: key as u32,
+            generation,
+        };
+        let logged = [
+            log_value(&p(1, 0, 3)),
+            log_value(&p(2, 1, 4)),
+            log_value(&p(1, 2, 5)), // key 1 again: dropped
+            log_value(&p(3, 1, 6)), // slot 1 taken: dropped
+            log_value(&p(4, 8, 7)), // past the tier's 8 slots: dropped
+            log_value(&p(5, 3, 0)), // generation 0: dropped
+        ];
+        {
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut log = txn.open_table(LOG).unwrap();
+                for (seq, v) in logged.iter().enumerate() {
+                    log.insert(seq as u64, &v[..]).unwrap();
+                }
+                log.insert(99, &[1u8, 2, 3][..]).unwrap(); // not a block
+            }
+            txn.commit().unwrap();
+        }
+        for _ in 0..2 {
+            let index = EmbeddedIndex::open(&path).unwrap();
+            let keys: Vec<BlockKey> = (1..=5).map(BlockKey::from_u128).collect();
+            let found = index.lookup(&keys).unwrap();
+            assert_eq!(found, vec![Some(p(1, 0, 3)), Some(p(2, 1, 4)), None, None, None]);
+            assert_eq!(index.durable_blocks().unwrap(), 2);
+            // Generations go on above every one logged, and slots 0 and 1 stay taken.
+            let Reserved::Slot(r) = index
+                .reserve(BlockKey::from_u128(9), spec.node, spec.tier, 10, Duration::from_secs(60))
+                .unwrap()
+            else {
+                panic!("key 9 is not published")
+            };
+            assert!(r.generation > 7 && r.slot > 1, "{r:?}");
+            index.abort(&[r]).unwrap();
+        }
     }
 }
