@@ -195,6 +195,11 @@ class TierIndex:
         """Whether every rank reported operation ``op_id`` (or it never existed)."""
         return op_id not in self._ops
 
+    def op_key(self, op_id: int) -> Optional[Hashable]:
+        """The key operation ``op_id`` is about (None once it settled, or never existed)."""
+        op = self._ops.get(op_id)
+        return None if op is None else op.key
+
     # -- decisions -------------------------------------------------------------------------
 
     def _op(self, op: _Op) -> int:

@@ -55,6 +55,15 @@ memory nodes' secret (``remote_secret_file``), blocks on memory nodes (``umbp-uc
 costs the blocks moving through it (load errors vLLM recomputes, failed saves). ``kv_role``:
 ``kv_producer`` only saves, ``kv_consumer`` only loads. docs/VLLM.md, "Sharing the cache".
 
+Several KV cache groups (vLLM's hybrid allocator, ``SupportsHMA``: models with
+sliding-window layers beside full-attention ones): a block hash names one block per group,
+each its own object (keys: the hash in group 0, ``(group, hash)`` in the others). A hit is
+what every group can restore: every block of the full-attention groups, and in a
+sliding-window group the blocks of the window at the hit's end (vLLM keeps no others; only
+blocks vLLM holds are saved or loaded). Loads are async there, and a failed one fails its
+request (``failed_recving``): vLLM 0.33 maps no block id back to a request with several
+groups. Mamba (SSM) groups are refused (docs/VLLM.md says why).
+
 SSD files: each instance's own (the data-parallel replica and the TP rank are in the default
 name, ``{dp_rank}`` and ``{rank}`` place them), held under an exclusive lock while it runs, so
 a second instance given the same file stops at start.
@@ -80,7 +89,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -287,12 +298,21 @@ class UmbpConfig:
 @dataclass(frozen=True)
 class _Layout:
     """What one block is on one rank: ``layers`` pages of ``page_bytes``, in the order of the
-    KV cache group's layer names; ``slot_bytes`` is its slot in a tier (aligned)."""
+    KV cache group's layer names; ``slot_bytes`` is its slot in a tier (aligned).
+
+    With several KV cache groups (vLLM's hybrid allocator), a block hash names one block per
+    group, each an object of its own: this layout is group 0's, and ``groups`` holds every
+    group's (each with ``window``: the tokens a sliding-window group attends back, None for
+    full attention). Slots are sized for the largest group's object."""
 
     layer_names: Tuple[str, ...]
     page_bytes: int
     block_size: int
     num_blocks: int
+    window: Optional[int] = None
+    #: Tokens a sliding-window group keeps below its window (vLLM's extra_retained_tokens).
+    retained: int = 0
+    groups: Tuple["_Layout", ...] = ()
 
     @property
     def object_bytes(self) -> int:
@@ -300,15 +320,26 @@ class _Layout:
 
     @property
     def slot_bytes(self) -> int:
-        return -(-self.object_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        size = max([self.object_bytes] + [g.object_bytes for g in self.groups])
+        return -(-size // SLOT_ALIGN) * SLOT_ALIGN
+
+    @property
+    def all_groups(self) -> Tuple["_Layout", ...]:
+        return self.groups or (self,)
+
+    def first_kept(self, tokens: int) -> int:
+        """The first block this group keeps once ``tokens`` tokens are computed: vLLM frees
+        (and replaces by its null block) a sliding-window group's blocks wholly below the
+        window of the next token; a full-attention group keeps every block."""
+        if self.window is None:
+            return 0
+        return max(0, tokens - self.window + 1 - self.retained) // self.block_size
 
     @staticmethod
     def of(kv_cache_config: "KVCacheConfig") -> "_Layout":
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise NotImplementedError(
-                f"UmbpConnector stores models with one KV cache group; this one has {len(groups)}"
-            )
+            return _Layout._hybrid(kv_cache_config)
         spec = groups[0].kv_cache_spec
         page = getattr(spec, "page_size_bytes", None)
         if not page or not getattr(spec, "block_size", None):
@@ -321,6 +352,50 @@ class _Layout:
             int(spec.block_size),
             int(kv_cache_config.num_blocks),
         )
+
+    @staticmethod
+    def _hybrid(kv_cache_config: "KVCacheConfig") -> "_Layout":
+        """Several KV cache groups (vLLM's hybrid allocator): full-attention and
+        sliding-window groups of one block size. Mamba (SSM) groups and chunked local
+        attention are refused (docs/VLLM.md, "vLLM features", says why)."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        out = []
+        for i, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            window: Optional[int] = None
+            retained = 0
+            if isinstance(spec, SlidingWindowSpec):
+                window, retained = int(spec.sliding_window), int(spec.extra_retained_tokens)
+            elif not isinstance(spec, FullAttentionSpec):
+                raise NotImplementedError(
+                    f"UmbpConnector stores full-attention and sliding-window KV cache groups; "
+                    f"group {i} is a {type(spec).__name__} (its blocks are not the KV of a "
+                    "prefix's tokens: docs/VLLM.md, 'vLLM features'); run without this "
+                    "connector, or with --disable-hybrid-kv-cache-manager where the model "
+                    "allows it"
+                )
+            page = getattr(spec, "page_size_bytes", None)
+            if not page or not getattr(spec, "block_size", None):
+                raise NotImplementedError(
+                    f"UmbpConnector cannot store a {type(spec).__name__} KV cache"
+                )
+            out.append(
+                _Layout(
+                    tuple(group.layer_names),
+                    int(page),
+                    int(spec.block_size),
+                    int(kv_cache_config.num_blocks),
+                    window,
+                    retained,
+                )
+            )
+        sizes = sorted({g.block_size for g in out})
+        if len(sizes) != 1:
+            raise NotImplementedError(
+                f"UmbpConnector needs one block size in every KV cache group; these have {sizes}"
+            )
+        return replace(out[0], groups=tuple(out))
 
 
 def _dp_rank(vllm_config: "VllmConfig") -> int:
@@ -351,7 +426,7 @@ def _pool_namespace(
     that differ in any of them never meet."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    fields = {
+    fields: Dict[str, Any] = {
         "umbp.vllm": 1,
         "model": cfg.pool_namespace
         or [str(getattr(model, "model", "")), str(getattr(model, "revision", None))],
@@ -362,6 +437,9 @@ def _pool_namespace(
         "layers": list(layout.layer_names),
         "tp": ranks,
     }
+    if layout.groups:
+        # Several KV cache groups: each group's layers and window name its blocks too.
+        fields["groups"] = [[list(g.layer_names), g.window, g.retained] for g in layout.groups]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
@@ -472,6 +550,10 @@ class UmbpConnectorMetadata(KVConnectorMetadata):
     #: With a pool: operation id -> what each rank does (its file, slot and checksum; see
     #: umbp.kvpool.RankRef), for every load and save of this step.
     pool: Dict[int, List[RankRef]] = field(default_factory=dict)
+    #: With several KV cache groups: operation id -> the KV cache group whose block it moves
+    #: (absent: group 0). A load item with slot -1 (operation 0) is a block that cannot be
+    #: loaded (vLLM took less than the hit): it fails, and with it the request's load.
+    groups: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -629,9 +711,12 @@ class _SchedulerSide:
         self._next_save: Dict[str, int] = {}  # request -> first block not yet planned
         self._save_ops: Dict[str, Set[int]] = {}  # request -> its save operations
         self._save_block: Dict[int, int] = {}  # save operation -> its block's index
-        self._blocks: Dict[str, List[int]] = {}  # request -> its GPU blocks, last step it ran
+        # request -> its GPU blocks per KV cache group, last step it ran
+        self._blocks: Dict[str, List[List[int]]] = {}
         self._plans: Dict[str, Tuple[int, int]] = {}  # request -> (first block, blocks) hit
         self._pending_loads: Dict[str, List[Item]] = {}
+        #: Operations of this step on a KV cache group other than 0 (-> the group).
+        self._pending_groups: Dict[int, int] = {}
         self._hit_sources: Dict[str, Dict[CacheHitSource, int]] = {}
         self._loading: Set[str] = set()  # async loads not yet reported finished
         self._hold: List[str] = []
@@ -659,9 +744,23 @@ class _SchedulerSide:
         self._events = []
         self.index.on_residency = self._residency
 
-    def _record_store(self, request: "Request", i: int, op: int) -> None:
-        """What the event of block ``i`` of ``request`` will say once its save (``op``)
-        landed, built as vLLM's own block pool builds its ``BlockStored``."""
+    def _key(self, request: "Request", group: int, i: int) -> Any:
+        """The index key of block ``i`` of ``request`` in KV cache group ``group``: vLLM's
+        block hash in group 0 (so a model with one group keeps its keys), (group, hash) in
+        the others."""
+        h = request.block_hashes[i]
+        return h if group == 0 else (group, h)
+
+    @property
+    def _null(self) -> int:
+        """vLLM's null block: what a sliding-window group's freed blocks read as."""
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        return int(pool.null_block.block_id) if pool is not None else 0
+
+    def _record_store(self, request: "Request", i: int, op: int, group: int = 0) -> None:
+        """What the event of block ``i`` of ``request`` (in KV cache group ``group``) will
+        say once its save (``op``) landed, built as vLLM's own block pool builds its
+        ``BlockStored``."""
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
@@ -670,11 +769,11 @@ class _SchedulerSide:
         )
 
         bs = self.layout.block_size
-        key = request.block_hashes[i]
+        key = self._key(request, group, i)
         extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
         lora = request.lora_request
         self._event_meta[key] = BlockStored(
-            block_hashes=[maybe_convert_block_hash(key)],
+            block_hashes=[maybe_convert_block_hash(request.block_hashes[i])],
             parent_block_hash=maybe_convert_block_hash(request.block_hashes[i - 1]) if i else None,
             token_ids=list(request.all_token_ids[i * bs : (i + 1) * bs]),
             block_size=bs,
@@ -682,7 +781,7 @@ class _SchedulerSide:
             medium=None,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys([extra]),
-            group_idx=0,
+            group_idx=group,
             session_id=getattr(request, "session_id", None),
         )
         self._event_ops[op] = key
@@ -700,8 +799,11 @@ class _SchedulerSide:
             if meta is not None:
                 self._events.append(msgspec.structs.replace(meta, medium=medium))
             return
-        hashes = meta.block_hashes if meta is not None else [maybe_convert_block_hash(key)]
-        self._events.append(BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=0))
+        group, h = key if isinstance(key, tuple) else (0, key)
+        hashes = meta.block_hashes if meta is not None else [maybe_convert_block_hash(h)]
+        self._events.append(
+            BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group)
+        )
         if self.index.entry(key) is None:
             self._event_meta.pop(key, None)
 
@@ -729,10 +831,40 @@ class _SchedulerSide:
         if most <= 0:
             return 0, False
         n = self.index.count_hits(request.block_hashes[start : start + most])
+        if self.layout.groups:
+            n = self._hit_all_groups(request, start, n)
         if n == 0:
             return 0, False
         self._plans[rid] = (start, n)
         return n * bs, self.cfg.load_mode == "async"
+
+    def _hit_all_groups(self, request: "Request", start: int, n: int) -> int:
+        """With several KV cache groups: how many of the ``n`` blocks group 0 hits from block
+        ``start`` every group can restore. A full-attention group needs each of them; a
+        sliding-window group only those it keeps at the hit's end (the blocks of the window
+        before it; vLLM frees the others). A block missing in any group cuts the hit before
+        it."""
+        groups = self.layout.groups
+        for g, lay in enumerate(groups):
+            if g and lay.window is None:
+                keys = [self._key(request, g, i) for i in range(start, start + n)]
+                n = self.index.count_hits(keys)
+        changed = True
+        while n > 0 and changed:
+            changed = False
+            for g, lay in enumerate(groups):
+                if lay.window is None:
+                    continue
+                end = start + n
+                lo = max(start, lay.first_kept(end * lay.block_size))
+                # From the window's end backwards: its last missing block (one lookup).
+                keys = [self._key(request, g, i) for i in range(end - 1, lo - 1, -1)]
+                present = self.index.count_hits(keys)
+                if present < len(keys):
+                    n, changed = end - 1 - present - start, True
+                    if n <= 0:
+                        return 0
+        return n
 
     def after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -745,14 +877,28 @@ class _SchedulerSide:
             return
         start, n = plan
         n = min(n, num_external_tokens // self.layout.block_size)
-        block_ids = blocks.get_block_ids()[0]
-        items = []
+        items: List[Item] = []
         sources: Dict[CacheHitSource, int] = {}
-        for i in range(start, start + n):
-            op, tier, slot = self.index.begin_load(request.block_hashes[i])
-            items.append((op, tier, slot, block_ids[i]))
-            source = _hit_source(tier)
-            sources[source] = sources.get(source, 0) + self.layout.block_size
+        hybrid = bool(self.layout.groups)
+        null = self._null
+        for g, block_ids in enumerate(blocks.get_block_ids()[: len(self.layout.all_groups)]):
+            for i in range(start, min(start + n, len(block_ids))):
+                if hybrid and block_ids[i] == null:
+                    continue  # below a sliding window's end: vLLM keeps no block for it
+                # (A pool's begin_load of a block gone since the lookup is a failing load.)
+                key = self._key(request, g, i)
+                if hybrid and isinstance(self.index, TierIndex) and not self.index.is_hit(key):
+                    # vLLM took less than the hit, and this window lacks a block: it fails
+                    # alone, and vLLM recomputes from it.
+                    items.append((0, DRAM, -1, block_ids[i]))
+                    continue
+                op, tier, slot = self.index.begin_load(key)
+                items.append((op, tier, slot, block_ids[i]))
+                if g:
+                    self._pending_groups[op] = g
+                    continue
+                source = _hit_source(tier)
+                sources[source] = sources.get(source, 0) + self.layout.block_size
         self._pending_loads[rid] = items
         self._hit_sources[rid] = sources
         if self.cfg.load_mode == "async":
@@ -777,20 +923,26 @@ class _SchedulerSide:
             return []
         # Its blocks as this step uses them (a preempted request's are new): a load failure
         # reported for this step is matched against them (_poison).
-        block_ids = self.kv_cache_manager.get_block_ids(rid)[0]
-        self._blocks[rid] = list(block_ids)
+        groups = self.kv_cache_manager.get_block_ids(rid)[: len(self.layout.all_groups)]
+        self._blocks[rid] = [list(ids) for ids in groups]
         if full <= first:
             return []
         items = []
-        for i in range(first, min(full, len(block_ids))):
-            planned = self.index.begin_save(request.block_hashes[i])
-            if planned is not None:
-                op, tier, slot = planned
-                items.append((op, tier, slot, block_ids[i]))
-                self._save_ops.setdefault(rid, set()).add(op)
-                self._save_block[op] = i
-                if self._events is not None:
-                    self._record_store(request, i, op)
+        null = self._null if self.layout.groups else None
+        for g, block_ids in enumerate(groups):
+            for i in range(first, min(full, len(block_ids))):
+                if block_ids[i] == null:
+                    continue  # a sliding-window group freed it: only blocks present are saved
+                planned = self.index.begin_save(self._key(request, g, i))
+                if planned is not None:
+                    op, tier, slot = planned
+                    items.append((op, tier, slot, block_ids[i]))
+                    self._save_ops.setdefault(rid, set()).add(op)
+                    self._save_block[op] = i
+                    if g:
+                        self._pending_groups[op] = g
+                    if self._events is not None:
+                        self._record_store(request, i, op, g)
         self._next_save[rid] = full
         return items
 
@@ -813,6 +965,12 @@ class _SchedulerSide:
         if self.pool is not None:
             self._commit_pool(meta)
         meta.demotions = self.index.plan_demotions()
+        if self.layout.groups and isinstance(self.index, TierIndex):
+            for op, _, _ in meta.demotions:
+                key = self.index.op_key(op)
+                if isinstance(key, tuple):
+                    self._pending_groups[op] = key[0]
+        meta.groups, self._pending_groups = self._pending_groups, {}
         meta.hold, self._hold = self._hold, []
         meta.preempted = sorted(so.preempted_req_ids or ())
         return meta
@@ -877,11 +1035,20 @@ class _SchedulerSide:
         them there before that (the failed request aborted or preempted first, or not
         scheduled in the step after) would compute over them and save what it computed."""
         stale = set(invalid)
-        for rid, blocks in self._blocks.items():
-            first = next((i for i, b in enumerate(blocks) if b in invalid), None)
-            if first is None:
+        null = self._null if self.layout.groups else None
+        for rid, groups in self._blocks.items():
+            # Every layer reads the layers below it, whatever their group: a failed block of
+            # any group makes what was computed from its position on wrong in all of them.
+            firsts = [
+                next(i for i, b in enumerate(ids) if b in invalid)
+                for ids in groups
+                if not invalid.isdisjoint(ids)
+            ]
+            if not firsts:
                 continue
-            stale.update(blocks[first:])
+            first = min(firsts)
+            for ids in groups:
+                stale.update(b for b in ids[first:] if b != null)
             for op in self._save_ops.get(rid, ()):
                 if self._save_block.get(op, -1) >= first:
                     self.index.fail_save(op)
@@ -944,6 +1111,8 @@ class _Transfer:
     items: List[Item]
     requests: List[str]
     layerwise: bool = False
+    #: Operation id -> its KV cache group, where not 0 (UmbpConnectorMetadata.groups).
+    groups: Dict[int, int] = field(default_factory=dict)
 
 
 class _WorkerSide:
@@ -965,10 +1134,22 @@ class _WorkerSide:
         self.engine: Optional[Engine] = None
         self.cuda = False
         self._registrations: List[Any] = []
-        self._runs: List[_Run] = []
+        #: Each KV cache group's ranges of a block (one group without the hybrid allocator).
+        self._runs: List[List[_Run]] = []
         self._kv_caches: Dict[str, torch.Tensor] = {}
+        self._groups = layout.all_groups
+        # umbp's layer groups follow the forward pass: with several KV cache groups, their
+        # layers interleave (by the layer index in their names).
+        order = list(layout.layer_names)
+        if layout.groups:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            order = sorted(
+                (n for g in layout.groups for n in g.layer_names),
+                key=lambda n: (extract_layer_index(n), n),
+            )
         self._group_of: Dict[str, int] = {
-            name: i // cfg.layers_per_group for i, name in enumerate(layout.layer_names)
+            name: i // cfg.layers_per_group for i, name in enumerate(order)
         }
         self.dram: Optional[Registration] = None
         self.ssd: Optional[Registration] = None
@@ -981,6 +1162,9 @@ class _WorkerSide:
         self._req_saves: Dict[str, List[_Transfer]] = {}
         self._hold: Set[str] = set()
         self._load_errors: Set[int] = set()
+        #: With several KV cache groups: requests a load of failed (vLLM takes failures back
+        #: per request there, failed_recving), until reported.
+        self._failed_requests: Set[str] = set()
         self._ok: Dict[int, int] = {}
         self._failed: Dict[int, int] = {}
         self._stats = UmbpConnectorStats()
@@ -1011,12 +1195,21 @@ class _WorkerSide:
         # starts at s * slot_bytes + k * page.
         self._page = min(layout.object_bytes, TIER_PAGE)
         self._pages = np.arange(-(-layout.object_bytes // self._page), dtype=np.uint64) * self._page
+        #: Each KV cache group's (page, page offsets in a slot) for its objects.
+        self._paging = [self._paging_of(g.object_bytes) for g in self._groups]
+
+    def _paging_of(self, size: int) -> Tuple[int, np.ndarray]:
+        if size == self.layout.object_bytes:
+            return self._page, self._pages
+        page = min(size, TIER_PAGE)
+        return page, np.arange(-(-size // page), dtype=np.uint64) * page
 
     # -- registration ------------------------------------------------------------------------
 
     def register(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         layout = self.layout
-        missing = [n for n in layout.layer_names if n not in kv_caches]
+        names = [n for g in self._groups for n in g.layer_names]
+        missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ValueError(f"UmbpConnector: no KV cache tensor for layers {missing[:4]}")
         tensors = [kv_caches[n] for n in layout.layer_names]
@@ -1047,70 +1240,80 @@ class _WorkerSide:
 
     def _register_kv(self) -> None:
         """Registers the KV cache (``register_kv_caches``, and again after vLLM's sleep mode
-        gave its memory back) and plans each block's ranges in it."""
+        gave its memory back) and plans each block's ranges in it (per KV cache group)."""
         layout = self.layout
-        tensors = [self._kv_caches[n] for n in layout.layer_names]
-        device = tensors[0].device
-        # vLLM allocates the layers' caches as views of shared backing allocations: register
-        # each allocation once (registrations must not overlap), address layers inside it.
+        named = [(n, self._kv_caches[n]) for g in self._groups for n in g.layer_names]
+        device = named[0][1].device
+        # vLLM allocates the layers' caches as views of shared backing allocations (with the
+        # hybrid allocator, one layer of each KV cache group shares one): register each
+        # allocation once (registrations must not overlap), address layers inside it.
         by_storage: Dict[int, Any] = {}
         # Each allocation is named in errors by the layers it holds.
         storage_layers: Dict[int, List[str]] = {}
-        for name, t in zip(layout.layer_names, tensors):
+        for name, t in named:
             storage_layers.setdefault(t.untyped_storage().data_ptr(), []).append(name)
         strides = self._block_strides()
-        pb = layout.page_bytes
-        layers = []
-        for i, (name, t) in enumerate(zip(layout.layer_names, tensors)):
-            storage = t.untyped_storage()
-            base = storage.data_ptr()
-            if base not in by_storage:
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-                flat.set_(storage)
-                names = storage_layers[base]
-                held = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-                reg = self._eng().register(
-                    flat, label=f"vllm kv cache {self._who()} layer {held}"
-                )
-                self._registrations.append(reg)
-                by_storage[base] = (reg, storage.nbytes())
-            reg, nbytes = by_storage[base]
-            offset = t.data_ptr() - base
-            stride = strides.get(name)
-            if stride is None:
-                if t.dim() == 0 or t.shape[0] != layout.num_blocks:
-                    raise ValueError(f"UmbpConnector: cannot tell the block stride of layer {name}")
-                stride = t.stride(0) * t.element_size()
-            if not _dense_pages(t, layout.num_blocks, pb):
-                raise NotImplementedError(
-                    f"UmbpConnector: layer {name}'s pages are not contiguous in this KV cache "
-                    "layout; use a block-compact one (VLLM_KV_CACHE_LAYOUT=LBNHC, LBHNC, BLNHC "
-                    "or BLHNC)"
-                )
-            last = offset + (layout.num_blocks - 1) * stride + pb
-            if offset < 0 or last > nbytes:
-                raise ValueError(f"UmbpConnector: layer {name}'s blocks lie outside its allocation")
-            layers.append((reg, offset, stride, self._group_of[name]))
-        # Merge consecutive layers that lie back to back into one range per block.
-        runs: List[_Run] = []
-        for i, (reg, offset, stride, group) in enumerate(layers):
-            prev = runs[-1] if runs else None
-            if (
-                prev is not None
-                and prev.registration is reg
-                and prev.block_stride == stride
-                and prev.group == group
-                and prev.offset + prev.length == offset
-            ):
-                prev.length += pb
-            else:
-                runs.append(_Run(i * pb, pb, reg, offset, stride, group))
-        self._runs = runs
+        self._runs = []
+        count = 0
+        for lay in self._groups:
+            pb = lay.page_bytes
+            layers = []
+            for name in lay.layer_names:
+                t = self._kv_caches[name]
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
+                if base not in by_storage:
+                    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                    flat.set_(storage)
+                    names = storage_layers[base]
+                    held = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+                    reg = self._eng().register(
+                        flat, label=f"vllm kv cache {self._who()} layer {held}"
+                    )
+                    self._registrations.append(reg)
+                    by_storage[base] = (reg, storage.nbytes())
+                reg, nbytes = by_storage[base]
+                offset = t.data_ptr() - base
+                stride = strides.get(name)
+                if stride is None:
+                    if t.dim() == 0 or t.shape[0] != layout.num_blocks:
+                        raise ValueError(
+                            f"UmbpConnector: cannot tell the block stride of layer {name}"
+                        )
+                    stride = t.stride(0) * t.element_size()
+                if not _dense_pages(t, layout.num_blocks, pb):
+                    raise NotImplementedError(
+                        f"UmbpConnector: layer {name}'s pages are not contiguous in this KV cache "
+                        "layout; use a block-compact one (VLLM_KV_CACHE_LAYOUT=LBNHC, LBHNC, "
+                        "BLNHC or BLHNC)"
+                    )
+                last = offset + (layout.num_blocks - 1) * stride + pb
+                if offset < 0 or last > nbytes:
+                    raise ValueError(
+                        f"UmbpConnector: layer {name}'s blocks lie outside its allocation"
+                    )
+                layers.append((reg, offset, stride, self._group_of[name]))
+            # Merge consecutive layers that lie back to back into one range per block.
+            runs: List[_Run] = []
+            for i, (reg, offset, stride, group) in enumerate(layers):
+                prev = runs[-1] if runs else None
+                if (
+                    prev is not None
+                    and prev.registration is reg
+                    and prev.block_stride == stride
+                    and prev.group == group
+                    and prev.offset + prev.length == offset
+                ):
+                    prev.length += pb
+                else:
+                    runs.append(_Run(i * pb, pb, reg, offset, stride, group))
+            self._runs.append(runs)
+            count += len(runs)
         logger.info(
             "UmbpConnector rank %d: %d layers in %d ranges per block, %s device",
             self.rank,
-            len(layers),
-            len(runs),
+            len(named),
+            count,
             device.type,
         )
 
@@ -1187,13 +1390,15 @@ class _WorkerSide:
 
     # -- moving blocks -----------------------------------------------------------------------
 
-    def _object(self, tag: int, tier: str, slot: int, block_id: int) -> Object:
+    def _ranges(self, block_id: int, group: int = 0) -> List[Range]:
+        """Where the object of GPU block ``block_id`` of KV cache group ``group`` lies in the
+        KV cache: a range per run of its layers."""
         if not self._runs:
             raise RuntimeError(
                 "UmbpConnector: the KV cache is not registered (vLLM's sleep mode released it "
                 "and it was not restored)"
             )
-        ranges = [
+        return [
             Range(
                 r.object_offset,
                 r.length,
@@ -1201,15 +1406,19 @@ class _WorkerSide:
                 r.offset + block_id * r.block_stride,
                 r.group,
             )
-            for r in self._runs
+            for r in self._runs[group]
         ]
+
+    def _object(self, tag: int, tier: str, slot: int, block_id: int, group: int = 0) -> Object:
+        ranges = self._ranges(block_id, group)
         reg = self._tier(tier)
-        size = self.layout.object_bytes
+        size = self._groups[group].object_bytes
+        page, pages = self._paging[group]
         return Object(
             tag,
             reg,
-            self._pages + slot * self.layout.slot_bytes,
-            self._page,
+            pages + slot * self.layout.slot_bytes,
+            page,
             size,
             ranges,
             # What this rank's last save into the slot reported: a load verifies it (a save
@@ -1240,11 +1449,22 @@ class _WorkerSide:
         this rank when ``meta.pool`` names their operation."""
         self._refused = {}
         objects = [
-            self._object(k, tier, slot, block)
+            self._object(k, tier, slot, block, meta.groups.get(op, 0))
             if op not in meta.pool
             else self._pool_object(k, tier, block, meta.pool[op][self.rank], op)
             for k, (op, tier, slot, block) in enumerate(items)
         ]
+        for k, (op, _, slot, block) in enumerate(items):
+            group = meta.groups.get(op, 0)
+            if group and op in meta.pool:
+                # Several KV cache groups in a pool: every group's object has one size (checked
+                # at start), so only where the block lies differs.
+                objects[k] = replace(objects[k], ranges=self._ranges(block, group))
+            if slot < 0 and op not in meta.pool:
+                # A block the scheduler knows cannot be loaded (several KV cache groups): an
+                # object past the end of the tier, which fails alone, as a load error.
+                o = objects[k]
+                objects[k] = replace(o, page_offsets=o.page_offsets + np.uint64(1 << 60))
         self._refused_ops.update((items[k][0], why) for k, why in self._refused.items())
         return objects
 
@@ -1377,7 +1597,7 @@ class _WorkerSide:
         batch = self._eng().start_restore(
             objects, timeout=self.cfg.load_timeout_s, stream=self._stream()
         )
-        t = _Transfer(batch, "load", items, requests, layerwise=meta.layerwise)
+        t = _Transfer(batch, "load", items, requests, layerwise=meta.layerwise, groups=meta.groups)
         self._transfers.append(t)
         if meta.layerwise:
             self._step_load = t
@@ -1410,27 +1630,32 @@ class _WorkerSide:
             # On CUDA the reads of the KV cache queue on the compute stream, after this step's
             # forward pass wrote it; nothing here waits for them.
             batch = self._eng().start_offload(objects, stream=self._stream())
-            t = _Transfer(batch, "save", items, requests)
+            t = _Transfer(batch, "save", items, requests, groups=meta.groups)
             self._transfers.append(t)
             for rid in meta.saves:
                 self._req_saves.setdefault(rid, []).append(t)
         if meta.demotions:
-            size = self.layout.object_bytes
             slot_bytes = self.layout.slot_bytes
-            objects = [
-                Object(
-                    k,
-                    self._tier(SSD),
-                    self._pages + ssd_slot * slot_bytes,
-                    self._page,
-                    size,
-                    [Range(0, size, self._tier(DRAM), dram_slot * slot_bytes)],
+            objects = []
+            for k, (op, dram_slot, ssd_slot) in enumerate(meta.demotions):
+                group = meta.groups.get(op, 0)
+                size = self._groups[group].object_bytes
+                page, pages = self._paging[group]
+                objects.append(
+                    Object(
+                        k,
+                        self._tier(SSD),
+                        pages + ssd_slot * slot_bytes,
+                        page,
+                        size,
+                        [Range(0, size, self._tier(DRAM), dram_slot * slot_bytes)],
+                    )
                 )
-                for k, (_, dram_slot, ssd_slot) in enumerate(meta.demotions)
-            ]
             batch = self._eng().start_offload(objects)
             items = [(op, SSD, ssd_slot, -1) for op, _, ssd_slot in meta.demotions]
-            self._transfers.append(_Transfer(batch, "demote", items, [""] * len(items)))
+            self._transfers.append(
+                _Transfer(batch, "demote", items, [""] * len(items), groups=meta.groups)
+            )
 
     def preempted(self, meta: UmbpConnectorMetadata) -> None:
         """The blocks of preempted requests are about to be reused: their saves must have
@@ -1438,14 +1663,23 @@ class _WorkerSide:
         for rid in meta.preempted:
             for t in self._req_saves.get(rid, ()):
                 t.batch.wait()
+        if not self.cuda and self.layout.groups:
+            # A sliding-window group's blocks leave a running request as its window moves,
+            # and may be reused by this step: a save still reading one must finish first. (On
+            # CUDA a save's reads are queued on the compute stream, before this step's
+            # kernels.)
+            windowed = {g for g, lay in enumerate(self._groups) if lay.window is not None}
+            for t in self._transfers:
+                if t.kind == "save" and windowed & set(t.groups.values()):
+                    t.batch.wait()
 
     # -- completion --------------------------------------------------------------------------
 
     def _settle(self, t: _Transfer, recving: Set[str]) -> None:
         report = t.batch.wait()
-        size = self.layout.object_bytes
         for o in report.objects:
             op, tier, slot, block = t.items[o.tag]
+            size = self._groups[t.groups.get(op, 0)].object_bytes
             if t.kind == "save" and op in self._pool_saves:
                 self._pool_saves.discard(op)
                 if o.ok and o.checksum is not None:
@@ -1486,7 +1720,11 @@ class _WorkerSide:
                     self._stats.add(f"loaded_blocks.{tier}", 1)
                     self._stats.add(f"loaded_bytes.{tier}", size)
                 else:
-                    self._load_errors.add(block)
+                    if self.layout.groups:
+                        # Block ids name no block across groups for vLLM: the request fails.
+                        self._failed_requests.add(t.requests[o.tag])
+                    else:
+                        self._load_errors.add(block)
                     self._stats.add(f"load_errors.{tier}", 1)
                     if getattr(o.error, "kind", None) == FailureKind.CHECKSUM_MISMATCH:
                         self._stats.add(f"corrupt_blocks.{tier}", 1)
@@ -1528,6 +1766,10 @@ class _WorkerSide:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def failed_requests(self) -> Set[str]:
+        out, self._failed_requests = self._failed_requests, set()
+        return out
+
     def worker_meta(self) -> Optional[UmbpWorkerMetadata]:
         if not self._ok and not self._failed:
             return None
@@ -1558,8 +1800,10 @@ class _WorkerSide:
 # -- the connector --------------------------------------------------------------------------
 
 
-class UmbpConnector(KVConnectorBase_V1):
-    """vLLM's KV connector over umbp's tiers (see the module documentation)."""
+class UmbpConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector over umbp's tiers (see the module documentation). It supports
+    vLLM's hybrid allocator (``SupportsHMA``): full-attention and sliding-window KV cache
+    groups, each block of each group an object of its own."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -1575,6 +1819,23 @@ class UmbpConnector(KVConnectorBase_V1):
             raise NotImplementedError("UmbpConnector does not support decode context parallelism")
         self.config = UmbpConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         layout = _Layout.of(kv_cache_config)
+        if layout.groups and self.config.load_mode != "async":
+            # vLLM 0.33 takes a failed load back per request with several groups, and only
+            # from a request still waiting for its load (failed_recving): a load that feeds
+            # the step computing the rest of the prompt could not fail safely.
+            raise NotImplementedError(
+                "UmbpConnector: with several KV cache groups (a hybrid or sliding-window model), "
+                'load_mode must be "async": vLLM takes a failed load back only from a request '
+                "that waits for it"
+            )
+        sizes = sorted({g.object_bytes for g in layout.all_groups})
+        if len(sizes) > 1 and self.config.pool is not None:
+            # A pool's blocks have one size (its slots and lookups check it).
+            raise NotImplementedError(
+                "UmbpConnector: a pool holds blocks of one size; this model's KV cache groups "
+                f"make objects of {sizes} bytes (run without \"pool\", or with "
+                "--disable-hybrid-kv-cache-manager)"
+            )
         rank, ranks = (
             _tp(vllm_config)
             if role == KVConnectorRole.WORKER
@@ -1668,6 +1929,12 @@ class UmbpConnector(KVConnectorBase_V1):
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self._sched.finished(request)
 
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: Tuple[List[int], ...]
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        # What is held is decided per request (its saves in flight, of every group).
+        return self._sched.finished(request)
+
     def reset_cache(self) -> Optional[bool]:
         if self.scheduler_side is None:
             return None
@@ -1737,6 +2004,14 @@ class UmbpConnector(KVConnectorBase_V1):
         )
         sending, recving = self._work.finished(meta)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        # With several KV cache groups, a failed load fails its request (vLLM 0.33 maps no
+        # block id back to a request there): reported with the finished_recving that settles
+        # it, and vLLM loads what is left of the hit again (the failed block left the index).
+        results.failed_recving = self._work.failed_requests()
+        return results
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self._work.load_errors()
