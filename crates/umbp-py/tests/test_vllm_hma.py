@@ -38,6 +38,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -138,12 +139,12 @@ class Hybrid:
     """vLLM's scheduler over a full-attention and a sliding-window KV cache group, with
     UmbpConnector, one worker over CPU tensors, and a fake forward pass."""
 
-    def __init__(self, tmp_path, *, num_blocks=96, max_batched=4096, **extra):
+    def __init__(self, tmp_path, *, num_blocks=96, max_batched=4096, kv_events=False, **extra):
         extra.setdefault("dram_bytes_per_rank", 16 << 20)
         # vLLM turns its hybrid allocator off on platforms without a GPU; these tests run
         # its scheduler as a GPU platform would.
         with mock.patch.object(current_platform, "support_hybrid_kv_cache", return_value=True):
-            config = self._config(tmp_path, max_batched, extra)
+            config = self._config(tmp_path, max_batched, extra, kv_events)
         # vLLM keeps its hybrid allocator on only for a connector that supports it.
         assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
         self.config = config
@@ -184,7 +185,7 @@ class Hybrid:
         self._expected = {}
 
     @staticmethod
-    def _config(tmp_path, max_batched, extra):
+    def _config(tmp_path, max_batched, extra, kv_events):
         config = VllmConfig(
             model_config=ModelConfig(
                 model=model_dir(tmp_path),
@@ -209,6 +210,9 @@ class Hybrid:
                 kv_load_failure_policy="recompute",
             ),
             device_config=DeviceConfig("cpu"),
+            kv_events_config=(
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+            ),
         )
         config.cache_config.kv_cache_layout = "LBNHC"
         return config
@@ -652,5 +656,37 @@ def test_dram_pressure_demotes_every_groups_blocks_to_ssd_and_they_load_byte_exa
         assert h.stats.get("loaded_blocks.ssd", 0) > 0
         assert not h.failed_recving and h.prefills_checked == 3
         assert published_blocks_are_right(h, shared) == 2 * 10
+    finally:
+        h.close()
+
+
+def test_kv_events_name_each_blocks_kv_cache_group(tmp_path):
+    # A router replaying vLLM's events must tell a sliding-window group's block from the
+    # full-attention one of the same hash: BlockStored and BlockRemoved carry the group.
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    h = Hybrid(tmp_path, kv_events=True)
+    events = []
+    h.scheduler.kv_event_publisher.publish = lambda batch: events.extend(batch.events)
+    try:
+        tokens = prompt(41, 4 * BS)
+        a = h.add("a", tokens + [9])
+        h.run()
+        stored = {
+            (e.group_idx, e.block_hashes[0]): e
+            for e in events
+            if isinstance(e, BlockStored) and e.medium == "CPU"
+        }
+        for i in range(4):
+            for group in (0, 1):
+                e = stored[(group, maybe_convert_block_hash(a.block_hashes[i]))]
+                assert e.token_ids == tokens[i * BS : (i + 1) * BS]
+        assert len(stored) == 8
+        h.index._drop(h.index.entry((1, a.block_hashes[2])))
+        removed = [e for e in h.scheduler.connector.take_events() if isinstance(e, BlockRemoved)]
+        assert [(e.group_idx, e.block_hashes, e.medium) for e in removed] == [
+            (1, [maybe_convert_block_hash(a.block_hashes[2])], "CPU")
+        ]
     finally:
         h.close()
