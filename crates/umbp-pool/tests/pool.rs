@@ -310,10 +310,13 @@ fn sixteen_threads_redis() {
 type Hook = Box<dyn FnOnce(&dyn Index) + Send>;
 
 /// An index that runs a hook just before a lease: what happens between a get's lookup and its
-/// lease.
+/// lease. It also fails `reserve_many` from its `fail_reserve_from`th call on (counting from
+/// 1; 0: never), as an index that goes away in the middle of a large put.
 struct BeforeLease {
     inner: Arc<dyn Index>,
     hook: Mutex<Option<Hook>>,
+    reserve_calls: AtomicUsize,
+    fail_reserve_from: usize,
 }
 
 impl Index for BeforeLease {
@@ -340,6 +343,10 @@ impl Index for BeforeLease {
         items: &[(BlockKey, u64)],
         ttl: Duration,
     ) -> Result<Vec<Result<Reserved, umbp_pool::Error>>, umbp_pool::Error> {
+        let call = self.reserve_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_reserve_from != 0 && call >= self.fail_reserve_from {
+            return Err(umbp_pool::Error::Store("the index went away".into()));
+        }
         self.inner.reserve_many(node, tier, items, ttl)
     }
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, umbp_pool::Error> {
@@ -386,7 +393,12 @@ impl Index for BeforeLease {
 #[test]
 fn slot_reused_between_lookup_and_lease_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
-    let index = Arc::new(BeforeLease { inner: embedded(&dir), hook: Mutex::new(None) });
+    let index = Arc::new(BeforeLease {
+        inner: embedded(&dir),
+        hook: Mutex::new(None),
+        reserve_calls: AtomicUsize::new(0),
+        fail_reserve_from: 0,
+    });
     // One slot: the block that follows A lands in A's slot.
     let rig = rig(1);
     let pool = pool_on(&rig, index.clone(), PoolConfig::new(NODE));
@@ -841,4 +853,97 @@ fn leaving_withdraws_the_node_at_once_and_for_good() {
         "{put:?}"
     );
     assert!(!pool.leave().unwrap(), "already gone");
+}
+
+/// A put of more blocks than one step of its pipeline (1,024) runs in chunks whose transfers
+/// overlap the next chunk's reservation and the previous one's publish: every block lands
+/// and is published with its own bytes, a present key and a failed source are reported for
+/// their blocks alone, in whichever chunk they are; when the index goes away after the first
+/// chunk, that chunk stays stored and the rest fail per block, with nothing left reserved;
+/// when it is gone from the start, the put is an error and nothing is reserved.
+#[test]
+fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
+    const N: usize = 2_500;
+    const LEN: u64 = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let rig = rig(2 * N as u32 + 8);
+    let index = embedded(&dir);
+    let pool = pool_on(&rig, index.clone(), PoolConfig::new(NODE));
+    let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, LEN)).collect();
+    let src = rig.composite.register_memory(src).unwrap();
+    // Key 1,500 (in the second chunk) is published already.
+    let early = pool
+        .put(DRAM, &[PutBlock { key: key(1_500), src: src.id(), offset: 1_500 * LEN, len: LEN }])
+        .unwrap();
+    assert!(matches!(early[0], PutOutcome::Stored(_)), "{early:?}");
+    let gone = rig.composite.register_memory(vec![1u8; LEN as usize]).unwrap();
+    let gone_id = gone.id();
+    drop(gone);
+    let mut blocks: Vec<PutBlock> = (0..N as u64)
+        .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * LEN, len: LEN })
+        .collect();
+    // Block 2,300 (in the third chunk) comes from a source that is gone.
+    blocks[2_300].src = gone_id;
+    let put = pool.put(DRAM, &blocks).unwrap();
+    assert_eq!(put.len(), N);
+    for (i, o) in put.iter().enumerate() {
+        match i {
+            1_500 => assert!(matches!(o, PutOutcome::Present(_)), "{i}: {o:?}"),
+            2_300 => assert!(matches!(o, PutOutcome::Failed(BlockError::Transfer(_))), "{o:?}"),
+            _ => {
+                assert!(matches!(o, PutOutcome::Stored(p) if p.key == key(i as u128)), "{i}: {o:?}")
+            }
+        }
+    }
+    let dst = rig.composite.register_memory(vec![0u8; N * LEN as usize]).unwrap();
+    let gets: Vec<GetBlock> = (0..N as u64)
+        .map(|i| GetBlock { key: key(i.into()), dst: dst.id(), offset: i * LEN, capacity: LEN })
+        .collect();
+    let got = pool.get(&gets).unwrap();
+    let back = dst.deregister();
+    for (i, g) in got.iter().enumerate() {
+        if i == 2_300 {
+            assert!(matches!(g, GetOutcome::Miss), "{g:?}");
+            continue;
+        }
+        assert!(g.is_loaded(), "{i}: {g:?}");
+        let at = i * LEN as usize;
+        assert_eq!(&back[at..at + LEN as usize], &bytes_of(i as u128, LEN)[..], "block {i}");
+    }
+    let stats = index.tier_stats(NODE, DRAM).unwrap();
+    assert_eq!(stats.reserved, 0);
+    assert_eq!(stats.published as usize, N - 1);
+
+    // The index fails from the second reservation call on.
+    let dir = tempfile::tempdir().unwrap();
+    let flaky = Arc::new(BeforeLease {
+        inner: embedded(&dir),
+        hook: Mutex::new(None),
+        reserve_calls: AtomicUsize::new(0),
+        fail_reserve_from: 2,
+    });
+    let rig2 = crate::rig(2 * N as u32 + 8);
+    let pool = pool_on(&rig2, flaky.clone(), PoolConfig::new(NODE));
+    let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, LEN)).collect();
+    let src = rig2.composite.register_memory(src).unwrap();
+    let blocks: Vec<PutBlock> = (0..N as u64)
+        .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * LEN, len: LEN })
+        .collect();
+    let put = pool.put(DRAM, &blocks).unwrap();
+    for (i, o) in put.iter().enumerate() {
+        if i < 1_024 {
+            assert!(matches!(o, PutOutcome::Stored(_)), "{i}: {o:?}");
+        } else {
+            assert!(matches!(o, PutOutcome::Failed(BlockError::Index(_))), "{i}: {o:?}");
+        }
+    }
+    let found = flaky.inner.lookup(&blocks.iter().map(|b| b.key).collect::<Vec<_>>()).unwrap();
+    assert_eq!(found.iter().filter(|p| p.is_some()).count(), 1_024);
+    assert!(found[..1_024].iter().all(Option::is_some));
+    let stats = flaky.inner.tier_stats(NODE, DRAM).unwrap();
+    assert_eq!((stats.reserved, stats.published), (0, 1_024));
+    // Gone from the first call: an error, nothing reserved.
+    assert!(pool.put(DRAM, &blocks).is_err());
+    let stats = flaky.inner.tier_stats(NODE, DRAM).unwrap();
+    assert_eq!((stats.reserved, stats.published), (0, 1_024));
 }

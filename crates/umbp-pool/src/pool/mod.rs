@@ -227,6 +227,18 @@ struct Reach {
     region: TierRegion,
 }
 
+/// Blocks a put reserves, writes and publishes in one step of its pipeline: a large put is
+/// cut into chunks of this many blocks.
+const PUT_CHUNK: usize = 1024;
+
+/// One chunk of a put whose bytes are moving: its reservations, the offload batch (with the
+/// builder to recycle) or why it did not start, and when it was reserved.
+struct Writing {
+    writes: Vec<(usize, Reservation)>,
+    batch: Result<(CompositeBuilder, Batch), Arc<umbp_composite::Error>>,
+    reserved_at: Instant,
+}
+
 struct Inner {
     index: Arc<dyn Index>,
     composite: CompositeEngine,
@@ -427,8 +439,14 @@ impl Pool {
     /// [`add_tier`](Self::add_tier), or one the resolver reaches): one `reserve_many`, one
     /// offload batch, one `publish`. One outcome per block, in order.
     ///
-    /// `Err` only when the reservation call itself failed (the index is unreachable): then
-    /// nothing was reserved or written.
+    /// More than 1,024 blocks run as a pipeline of chunks of 1,024, each reserved, written
+    /// and published as above, the next chunk reserved and the previous one published while
+    /// a chunk's bytes move (at most two chunks' transfers at once).
+    ///
+    /// `Err` only when the first reservation call failed (the index is unreachable): then
+    /// nothing was reserved or written. When a later chunk's reservation call fails, the
+    /// chunks before it are stored as usual and the blocks of that chunk and every later one
+    /// fail with [`BlockError::Index`].
     pub fn put_on(
         &self,
         node: NodeId,
@@ -630,29 +648,64 @@ impl Inner {
                 .collect());
         };
         let items: Vec<(BlockKey, u64)> = blocks.iter().map(|b| (b.key, b.len)).collect();
-        let reserved = self.index.reserve_many(node, tier, &items, self.config.reservation_ttl)?;
-        if reserved.len() != blocks.len() {
-            return Err(Error::Corrupt(format!(
-                "reserve_many answered {} items for {}",
-                reserved.len(),
-                blocks.len()
-            )));
-        }
-        let mut out: Vec<Option<PutOutcome>> = Vec::with_capacity(blocks.len());
-        // (position in `blocks`, reservation) of the slots to write.
-        let mut writes: Vec<(usize, Reservation)> = Vec::new();
-        for (i, r) in reserved.into_iter().enumerate() {
-            out.push(match r {
-                Ok(Reserved::Slot(r)) => {
-                    writes.push((i, r));
-                    None
+        let mut out: Vec<Option<PutOutcome>> = vec![None; blocks.len()];
+        // A large put runs as a pipeline of chunks: while one chunk's bytes move, the next
+        // chunk is reserved and the previous one published, so the index's round trips (a
+        // third of a 4,096-block put through Redis) overlap the transfer instead of adding
+        // to it. At most two chunks' transfers are in flight.
+        let mut in_flight: Option<Writing> = None;
+        for (c, start) in (0..blocks.len()).step_by(PUT_CHUNK).enumerate() {
+            let end = (start + PUT_CHUNK).min(blocks.len());
+            let reserved_at = Instant::now();
+            let reserved = match self.index.reserve_many(
+                node,
+                tier,
+                &items[start..end],
+                self.config.reservation_ttl,
+            ) {
+                Ok(r) if r.len() == end - start => r,
+                answer => {
+                    let e = match answer {
+                        Err(e) => e,
+                        Ok(r) => Error::Corrupt(format!(
+                            "reserve_many answered {} items for {}",
+                            r.len(),
+                            end - start
+                        )),
+                    };
+                    if c == 0 {
+                        // Nothing was reserved or written.
+                        return Err(e);
+                    }
+                    // Earlier chunks went their way; this one and the rest fail.
+                    let e = Arc::new(e);
+                    for o in &mut out[start..] {
+                        *o = Some(PutOutcome::Failed(BlockError::Index(e.clone())));
+                    }
+                    break;
                 }
-                Ok(Reserved::Present(p)) => Some(PutOutcome::Present(p)),
-                Err(e) => Some(PutOutcome::Failed(BlockError::index(e))),
-            });
+            };
+            // (position in `blocks`, reservation) of the slots to write.
+            let mut writes: Vec<(usize, Reservation)> = Vec::new();
+            for (i, r) in (start..end).zip(reserved) {
+                out[i] = match r {
+                    Ok(Reserved::Slot(r)) => {
+                        writes.push((i, r));
+                        None
+                    }
+                    Ok(Reserved::Present(p)) => Some(PutOutcome::Present(p)),
+                    Err(e) => Some(PutOutcome::Failed(BlockError::index(e))),
+                };
+            }
+            let writing =
+                (!writes.is_empty()).then(|| self.start_write(&reach, blocks, writes, reserved_at));
+            if let Some(previous) = in_flight.take() {
+                self.finish_write(previous, &mut out);
+            }
+            in_flight = writing;
         }
-        if !writes.is_empty() {
-            self.write_and_publish(&reach, blocks, &writes, &mut out);
+        if let Some(last) = in_flight {
+            self.finish_write(last, &mut out);
         }
         let out: Vec<PutOutcome> =
             out.into_iter().map(|o| o.unwrap_or(PutOutcome::Failed(BlockError::Expired))).collect();
@@ -669,15 +722,14 @@ impl Inner {
         Ok(out)
     }
 
-    /// Offloads each reserved block into its slot, publishes those that landed with their
-    /// checksum, aborts the others; fills `out` at each write's position.
-    fn write_and_publish(
+    /// Starts offloading each reserved block into its slot.
+    fn start_write(
         &self,
         reach: &Reach,
         blocks: &[PutBlock],
-        writes: &[(usize, Reservation)],
-        out: &mut [Option<PutOutcome>],
-    ) {
+        writes: Vec<(usize, Reservation)>,
+        reserved_at: Instant,
+    ) -> Writing {
         let mut pages = vec![[0u64; 1]; writes.len()];
         let ranges: Vec<[ObjectRange; 1]> = writes
             .iter()
@@ -692,18 +744,27 @@ impl Inner {
                 ObjectTransfer::new(tag as u64, reach.region.object(r.slot, r.len, page), range)
             })
             .collect();
-        // The transfer must end well before the reservations do: bytes landing after the
-        // index freed the slot could overwrite the next holder's.
-        let deadline = self.config.reservation_ttl * 3 / 4;
         let mut builder = self.builder();
-        let report = match start_offload(&mut builder, &objects) {
-            Ok(batch) => {
-                let report = batch.wait_timeout(deadline).unwrap_or_else(|| batch.cancel());
-                self.recycle(builder, batch);
-                Ok(report)
-            }
+        let batch = match start_offload(&mut builder, &objects) {
+            Ok(batch) => Ok((builder, batch)),
             Err(e) => Err(Arc::new(e)),
         };
+        Writing { writes, batch, reserved_at }
+    }
+
+    /// Waits for a write started by [`start_write`](Self::start_write), publishes the blocks
+    /// that landed with their checksum, aborts the others; fills `out` at each write's
+    /// position.
+    fn finish_write(&self, writing: Writing, out: &mut [Option<PutOutcome>]) {
+        let Writing { writes, batch, reserved_at } = writing;
+        // The transfer must end well before the reservations do: bytes landing after the
+        // index freed the slot could overwrite the next holder's.
+        let deadline = (self.config.reservation_ttl * 3 / 4).saturating_sub(reserved_at.elapsed());
+        let report = batch.map(|(builder, batch)| {
+            let report = batch.wait_timeout(deadline).unwrap_or_else(|| batch.cancel());
+            self.recycle(builder, batch);
+            report
+        });
         let mut publish: Vec<(Reservation, u32)> = Vec::with_capacity(writes.len());
         let mut published_at: Vec<usize> = Vec::with_capacity(writes.len());
         let mut aborts: Vec<Reservation> = Vec::new();
