@@ -69,7 +69,6 @@ POISON = 0xA5
 FULL = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
 SWA = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
 LAYERS = [FULL[0], SWA[0], FULL[1], SWA[1]]  # the forward pass's order
-GROUP = {name: 0 for name in FULL} | {name: 1 for name in SWA}
 
 init_none_hash(sha256)
 
@@ -139,7 +138,9 @@ class Hybrid:
     """vLLM's scheduler over a full-attention and a sliding-window KV cache group, with
     UmbpConnector, one worker over CPU tensors, and a fake forward pass."""
 
-    def __init__(self, tmp_path, *, num_blocks=96, max_batched=4096, kv_events=False, **extra):
+    def __init__(
+        self, tmp_path, *, num_blocks=96, max_batched=4096, kv_events=False, sw_first=False, **extra
+    ):
         extra.setdefault("dram_bytes_per_rank", 16 << 20)
         # vLLM turns its hybrid allocator off on platforms without a GPU; these tests run
         # its scheduler as a GPU platform would.
@@ -148,7 +149,11 @@ class Hybrid:
         # vLLM keeps its hybrid allocator on only for a connector that supports it.
         assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
         self.config = config
-        groups = [KVCacheGroupSpec(FULL, _spec()), KVCacheGroupSpec(SWA, _spec(WINDOW))]
+        # vLLM orders the groups as the model's layer types come; either may be first.
+        self.groups = [SWA, FULL] if sw_first else [FULL, SWA]
+        self.group_of = {n: g for g, layers in enumerate(self.groups) for n in layers}
+        self.sw = self.groups.index(SWA)
+        groups = [KVCacheGroupSpec(ls, _spec(WINDOW if ls is SWA else None)) for ls in self.groups]
         self.kv_cache_config = get_kv_cache_config_from_groups(
             config, groups, available_memory=num_blocks * 2 * _spec().page_size_bytes
         )
@@ -243,7 +248,7 @@ class Hybrid:
     def seen_is_right(self, rid, layer, start):
         """Whether the KV of ``layer`` that tokens from ``start`` on attend to (its group's
         blocks of the prefix still present) holds what the prefix implies."""
-        ids = self.block_ids(rid)[GROUP[layer]]
+        ids = self.block_ids(rid)[self.group_of[layer]]
         pos = np.array([p for p in range(start) if ids[p // BS] != self.null], dtype=np.int64)
         if len(pos) == 0:
             return True
@@ -257,7 +262,7 @@ class Hybrid:
         if li > 0 and not self.seen_is_right(rid, LAYERS[li - 1], start):
             rows = rows ^ 0x5A  # attention over wrong KV: wrong KV in turn
             self.computed_wrong += 1
-        ids = self.block_ids(rid)[GROUP[layer]]
+        ids = self.block_ids(rid)[self.group_of[layer]]
         pos = np.arange(start, end)
         blocks = np.asarray(ids)[pos // BS]
         assert self.null not in blocks, "the forward pass writes into a block vLLM freed"
@@ -267,7 +272,7 @@ class Hybrid:
     def block_is_right(self, rid, group, index, block_id):
         tokens = self.requests[rid].all_token_ids
         pos = np.arange(index * BS, (index + 1) * BS)
-        for layer in (FULL, SWA)[group]:
+        for layer in self.groups[group]:
             want = self.expected_rows(tokens, layer, (index + 1) * BS)[pos]
             if not np.array_equal(self.rows(layer, [block_id] * (index + 1), pos), want):
                 return False
@@ -318,7 +323,7 @@ class Hybrid:
                 group = meta.groups.get(op, 0)
                 index = self.block_ids(rid)[group].index(block)
                 loads.append((rid, group, index, block))
-                for layer in (FULL, SWA)[group]:
+                for layer in self.groups[group]:
                     self.kv8[layer][block] = POISON  # only the load can make it right
         self.loads.extend(loads)
         w = self.worker
@@ -428,7 +433,7 @@ def published_blocks_are_right(h, tokens):
     probe = h.add(f"probe{len(h.requests)}", tokens)
     h.scheduler.finish_requests(probe.request_id, _finished_aborted())
     checked = 0
-    for group, layers in enumerate((FULL, SWA)):
+    for group, layers in enumerate(h.groups):
         for i in range(len(tokens) // BS):
             key = probe.block_hashes[i] if group == 0 else (group, probe.block_hashes[i])
             e = h.index.entry(key)
@@ -688,5 +693,35 @@ def test_kv_events_name_each_blocks_kv_cache_group(tmp_path):
         assert [(e.group_idx, e.block_hashes, e.medium) for e in removed] == [
             (1, [maybe_convert_block_hash(a.block_hashes[2])], "CPU")
         ]
+    finally:
+        h.close()
+
+
+def test_a_sliding_window_group_first_in_vllms_order_is_no_different(tmp_path):
+    # vLLM orders KV cache groups as the model's layer types come (a model whose layer 0
+    # slides has its sliding-window group first): the hit is still what every group can
+    # restore, and every group's blocks load byte for byte.
+    h = Hybrid(tmp_path, sw_first=True)
+    try:
+        assert h.sw == 0
+        shared = prompt(51, 10 * BS)
+        a = h.add("a", shared + [9])
+        h.run()
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", shared + prompt(52, 7))
+        so, computed = h.first_step_of("b")
+        assert computed == 10 * BS
+        h.run()
+        assert h.stats.get("loaded_blocks.dram") == 12 and h.prefills_checked == 2
+        # A sliding-window block outside the window at the hit's end is not needed; one
+        # inside it cuts the hit.
+        h.index._drop(h.index.entry(a.block_hashes[3]))
+        h.index._drop(h.index.entry(a.block_hashes[9]))
+        assert h.scheduler.reset_prefix_cache()
+        h.add("c", shared + prompt(53, 7))
+        so, computed = h.first_step_of("c")
+        assert computed == 9 * BS
+        h.run()
+        assert not h.failed_recving and h.prefills_checked == 3
     finally:
         h.close()
