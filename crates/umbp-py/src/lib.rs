@@ -343,6 +343,13 @@ impl Engine {
         py.allow_threads(|| remote.disconnect(peer)).map_err(error)
     }
 
+    /// Whether peer `peer` is connected and alive: false once its process exited or its
+    /// network went (the remote engine noticed its control connection end), or after
+    /// `disconnect`.
+    fn peer_alive(&self, peer: u32) -> PyResult<bool> {
+        Ok(self.remote()?.is_alive(peer))
+    }
+
     /// Registers bytes `offset .. offset + length` of region `region` of peer `peer`.
     fn register_remote(
         &self,

@@ -551,6 +551,12 @@ def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_
         failed = report.object(1)
         assert not failed.ok and isinstance(failed.error, umbp.TransferError)
         assert "peer" in failed.error.cause
+        # The engine tells a node that went away (so a caller connects anew once it is back),
+        # once it noticed the node's control connection end.
+        deadline = time.monotonic() + 30
+        while engine.peer_alive(peer):
+            assert time.monotonic() < deadline, "a node that went away still reads alive"
+            time.sleep(0.01)
 
 
 def test_a_disconnected_node_fails_its_objects_at_once():
@@ -562,7 +568,9 @@ def test_a_disconnected_node_fails_its_objects_at_once():
             obj = umbp.Object(1, remote, [3 * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, dst, 0)])
             engine.restore([obj]).raise_for_errors()
             assert bytes(out) == bytes(pattern(8 * PAGE, 2)[3 * PAGE:4 * PAGE])
+            assert engine.peer_alive(peer)
             engine.disconnect(peer)
+            assert not engine.peer_alive(peer)
             report = engine.restore([obj])
             assert not report.ok and "disconnected" in report.object(1).error.cause
 

@@ -553,6 +553,23 @@ def test_a_memory_node_killed_mid_get_fails_its_blocks_which_vllm_recomputes(
         computed, _ = run_prompt(h, "f", again + prompt(28, 20))
         assert computed == 5 * BS and h.checked_loads - before == 5
         assert h.stats.get("loaded_blocks.remote", 0) - loaded == 5
+        # Restarted again while the instance is idle (nothing failed through the old
+        # connection): the worker sees that connection ended and connects anew before its
+        # next saves, so none of them fails.
+        node.restart()
+        deadline = time.monotonic() + 30
+        while not any(n == node.node_id for n, _, _ in h.index.client.nodes()):
+            assert time.monotonic() < deadline, "the restarted node never joined"
+            time.sleep(0.1)
+        time.sleep(1.1)
+        remote, errors = c.saves["remote"], h.stats.get("save_errors.remote", 0)
+        third = prompt(29, 4 * BS)
+        run_prompt(h, "g", third + [9])
+        assert c.saves["remote"] - remote == 4 and h.stats.get("save_errors.remote") == errors
+        assert h.scheduler.reset_prefix_cache()
+        before = h.checked_loads
+        computed, _ = run_prompt(h, "i", third + prompt(30, 20))
+        assert computed == 4 * BS and h.checked_loads - before == 4
     finally:
         close(h)
 

@@ -709,6 +709,12 @@ class Engine:
         objects at once. :meth:`connect` again when it is back."""
         self._native.disconnect(peer.id)
 
+    def peer_alive(self, peer: "Peer") -> bool:
+        """Whether the memory node ``peer`` is still connected: false once its process
+        exited or its network went (its objects then fail at once), or after
+        :meth:`disconnect`. A node that restarted is reached again with :meth:`connect`."""
+        return self._native.peer_alive(peer.id)
+
     def register_remote(
         self,
         region: "RemoteRegion",
