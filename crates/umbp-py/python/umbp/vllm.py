@@ -752,6 +752,12 @@ class _SchedulerSide:
         return h if group == 0 else (group, h)
 
     @property
+    def _source_group(self) -> int:
+        """The group whose loads say where a hit's tokens come from (vLLM's hit-source
+        metrics): the first full-attention one, which loads a block per hit token block."""
+        return next((g for g, lay in enumerate(self.layout.all_groups) if lay.window is None), 0)
+
+    @property
     def _null(self) -> int:
         """vLLM's null block: what a sliding-window group's freed blocks read as."""
         pool = getattr(self.kv_cache_manager, "block_pool", None)
@@ -830,23 +836,24 @@ class _SchedulerSide:
         most = (request.num_tokens - 1) // bs - start
         if most <= 0:
             return 0, False
-        n = self.index.count_hits(request.block_hashes[start : start + most])
         if self.layout.groups:
-            n = self._hit_all_groups(request, start, n)
+            n = self._hit_all_groups(request, start, most)
+        else:
+            n = self.index.count_hits(request.block_hashes[start : start + most])
         if n == 0:
             return 0, False
         self._plans[rid] = (start, n)
         return n * bs, self.cfg.load_mode == "async"
 
     def _hit_all_groups(self, request: "Request", start: int, n: int) -> int:
-        """With several KV cache groups: how many of the ``n`` blocks group 0 hits from block
-        ``start`` every group can restore. A full-attention group needs each of them; a
-        sliding-window group only those it keeps at the hit's end (the blocks of the window
-        before it; vLLM frees the others). A block missing in any group cuts the hit before
-        it."""
+        """With several KV cache groups: how many of the ``n`` blocks from block ``start``
+        every group can restore. A full-attention group needs each of them; a sliding-window
+        group only those it keeps at the hit's end (the blocks of the window before it; vLLM
+        frees the others). A block missing in any group cuts the hit before it. (vLLM may
+        order a sliding-window group first: no group is special.)"""
         groups = self.layout.groups
         for g, lay in enumerate(groups):
-            if g and lay.window is None:
+            if lay.window is None:
                 keys = [self._key(request, g, i) for i in range(start, start + n)]
                 n = self.index.count_hits(keys)
         changed = True
@@ -896,6 +903,7 @@ class _SchedulerSide:
                 items.append((op, tier, slot, block_ids[i]))
                 if g:
                     self._pending_groups[op] = g
+                if g != self._source_group:
                     continue
                 source = _hit_source(tier)
                 sources[source] = sources.get(source, 0) + self.layout.block_size
