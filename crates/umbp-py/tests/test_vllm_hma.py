@@ -41,9 +41,11 @@ from vllm.config import (
     KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.platforms import current_platform
 from vllm.utils.hashing import sha256
@@ -139,13 +141,21 @@ class Hybrid:
     UmbpConnector, one worker over CPU tensors, and a fake forward pass."""
 
     def __init__(
-        self, tmp_path, *, num_blocks=96, max_batched=4096, kv_events=False, sw_first=False, **extra
+        self,
+        tmp_path,
+        *,
+        num_blocks=96,
+        max_batched=4096,
+        kv_events=False,
+        sw_first=False,
+        tp=1,
+        **extra,
     ):
         extra.setdefault("dram_bytes_per_rank", 16 << 20)
         # vLLM turns its hybrid allocator off on platforms without a GPU; these tests run
         # its scheduler as a GPU platform would.
         with mock.patch.object(current_platform, "support_hybrid_kv_cache", return_value=True):
-            config = self._config(tmp_path, max_batched, extra, kv_events)
+            config = self._config(tmp_path, max_batched, extra, kv_events, tp)
         # vLLM keeps its hybrid allocator on only for a connector that supports it.
         assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
         self.config = config
@@ -169,15 +179,21 @@ class Hybrid:
         assert isinstance(self.scheduler.kv_cache_manager.coordinator, HybridKVCacheCoordinator)
         self.sched_side = self.scheduler.connector.scheduler_side
         self.index = self.sched_side.index
-        self.kv = allocate_kv_cache(
-            self.kv_cache_config,
-            torch.device("cpu"),
-            config.cache_config.get_resolved_kv_cache_layout(),
-        )
-        with mock.patch("umbp.vllm._tp", return_value=(0, 1)):
-            self.worker = UmbpConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.kv)
-        self.kv8 = {name: t.view(torch.uint8) for name, t in self.kv.items()}
+        # One worker per tensor-parallel rank, each over its own KV cache (its heads).
+        self.tp = tp
+        self.ranks = []
+        for rank in range(tp):
+            kv = allocate_kv_cache(
+                self.kv_cache_config,
+                torch.device("cpu"),
+                config.cache_config.get_resolved_kv_cache_layout(),
+            )
+            with mock.patch("umbp.vllm._tp", return_value=(rank, tp)):
+                worker = UmbpConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
+            worker.register_kv_caches(kv)
+            self.ranks.append((worker, kv, {n: t.view(torch.uint8) for n, t in kv.items()}))
+        self.worker, self.kv, self.kv8 = self.ranks[0]
+        self.aggregator = KVOutputAggregator(tp)
         self.token_bytes = self.kv8[LAYERS[0]][0, :, 0, :].numel()
         self.null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
         self.requests = {}
@@ -190,7 +206,7 @@ class Hybrid:
         self._expected = {}
 
     @staticmethod
-    def _config(tmp_path, max_batched, extra, kv_events):
+    def _config(tmp_path, max_batched, extra, kv_events, tp):
         config = VllmConfig(
             model_config=ModelConfig(
                 model=model_dir(tmp_path),
@@ -215,6 +231,7 @@ class Hybrid:
                 kv_load_failure_policy="recompute",
             ),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
             kv_events_config=(
                 KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
             ),
@@ -224,72 +241,76 @@ class Hybrid:
 
     # -- the model -------------------------------------------------------------------------
 
-    def token_kv(self, tokens, pos, layer):
-        h = hashlib.blake2b(repr((tuple(tokens[: pos + 1]), layer)).encode(), digest_size=8)
+    def token_kv(self, tokens, pos, layer, rank=0):
+        h = hashlib.blake2b(
+            repr((tuple(tokens[: pos + 1]), layer, rank)).encode(), digest_size=8
+        )
         rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
         return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
 
-    def expected_rows(self, tokens, layer, n):
-        key = (tuple(tokens[:n]), layer)
+    def expected_rows(self, tokens, layer, n, rank=0):
+        key = (tuple(tokens[:n]), layer, rank)
         rows = self._expected.get(key)
         if rows is None:
-            rows = np.stack([self.token_kv(tokens, p, layer) for p in range(n)])
+            rows = np.stack([self.token_kv(tokens, p, layer, rank) for p in range(n)])
             self._expected[key] = rows
         return rows
 
     def block_ids(self, rid):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)
 
-    def rows(self, layer, block_ids, positions):
+    def rows(self, layer, block_ids, positions, rank=0):
         blocks = np.asarray(block_ids)[positions // BS]
-        out = self.kv8[layer].numpy()[blocks, :, positions % BS, :]
+        out = self.ranks[rank][2][layer].numpy()[blocks, :, positions % BS, :]
         return out.reshape(len(positions), -1)
 
-    def seen_is_right(self, rid, layer, start):
+    def seen_is_right(self, rid, layer, start, rank=0):
         """Whether the KV of ``layer`` that tokens from ``start`` on attend to (its group's
         blocks of the prefix still present) holds what the prefix implies."""
         ids = self.block_ids(rid)[self.group_of[layer]]
         pos = np.array([p for p in range(start) if ids[p // BS] != self.null], dtype=np.int64)
         if len(pos) == 0:
             return True
-        want = self.expected_rows(self.requests[rid].all_token_ids, layer, start)[pos]
-        return np.array_equal(self.rows(layer, ids, pos), want)
+        want = self.expected_rows(self.requests[rid].all_token_ids, layer, start, rank)[pos]
+        return np.array_equal(self.rows(layer, ids, pos, rank), want)
 
-    def forward(self, rid, layer, start, end):
+    def forward(self, rid, layer, start, end, rank=0):
         tokens = self.requests[rid].all_token_ids
-        rows = self.expected_rows(tokens, layer, end)[start:end]
+        rows = self.expected_rows(tokens, layer, end, rank)[start:end]
         li = LAYERS.index(layer)
-        if li > 0 and not self.seen_is_right(rid, LAYERS[li - 1], start):
+        if li > 0 and not self.seen_is_right(rid, LAYERS[li - 1], start, rank):
             rows = rows ^ 0x5A  # attention over wrong KV: wrong KV in turn
             self.computed_wrong += 1
         ids = self.block_ids(rid)[self.group_of[layer]]
         pos = np.arange(start, end)
         blocks = np.asarray(ids)[pos // BS]
         assert self.null not in blocks, "the forward pass writes into a block vLLM freed"
-        cache = self.kv8[layer].numpy()
+        cache = self.ranks[rank][2][layer].numpy()
         cache[blocks, :, pos % BS, :] = rows.reshape(end - start, *cache.shape[1:2], -1)
 
     def block_is_right(self, rid, group, index, block_id):
         tokens = self.requests[rid].all_token_ids
         pos = np.arange(index * BS, (index + 1) * BS)
-        for layer in self.groups[group]:
-            want = self.expected_rows(tokens, layer, (index + 1) * BS)[pos]
-            if not np.array_equal(self.rows(layer, [block_id] * (index + 1), pos), want):
-                return False
+        for rank in range(self.tp):
+            for layer in self.groups[group]:
+                want = self.expected_rows(tokens, layer, (index + 1) * BS, rank)[pos]
+                got = self.rows(layer, [block_id] * (index + 1), pos, rank)
+                if not np.array_equal(got, want):
+                    return False
         return True
 
-    def page(self, tokens, layer, index):
+    def page(self, tokens, layer, index, rank=0):
         """Block ``index``'s page of ``layer`` as the KV cache holds it when right."""
         view = self.kv8[layer][0]
-        rows = self.expected_rows(tokens, layer, (index + 1) * BS)[index * BS :]
+        rows = self.expected_rows(tokens, layer, (index + 1) * BS, rank)[index * BS :]
         page = rows.reshape(BS, view.shape[0], -1).transpose(1, 0, 2)  # the view's axes
         # In memory order (the layout's): axes by falling stride.
         order = sorted(range(view.dim()), key=lambda d: -view.stride(d))
         return np.ascontiguousarray(page.transpose(order)).reshape(-1)
 
-    def stored_object(self, entry):
-        """The bytes an index entry's slot holds (DRAM arena or SSD file)."""
-        side = self.worker.worker_side
+    def stored_object(self, entry, rank=0):
+        """The bytes an index entry's slot holds on ``rank`` (DRAM arena or SSD file)."""
+        side = self.ranks[rank][0].worker_side
         size, slot = 2 * _spec().page_size_bytes, side.layout.slot_bytes
         if entry.tier == DRAM:
             return side._arena[entry.slot * slot : entry.slot * slot + size]
@@ -317,46 +338,72 @@ class Hybrid:
     def step(self):
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
-        w = self.worker
         # First, as vLLM's model runner: nothing writes the KV cache before it (a block freed
         # this step may still be read by an earlier step's save).
-        w.handle_preemptions(meta)
+        for w, _, _ in self.ranks:
+            w.handle_preemptions(meta)
         loads = []
         for rid, items in meta.loads.items():
             for op, _, _, block in items:
                 group = meta.groups.get(op, 0)
                 index = self.block_ids(rid)[group].index(block)
                 loads.append((rid, group, index, block))
-                for layer in self.groups[group]:
-                    self.kv8[layer][block] = POISON  # only the load can make it right
+                for _, _, kv8 in self.ranks:
+                    for layer in self.groups[group]:
+                        kv8[layer][block] = POISON  # only the load can make it right
         self.loads.extend(loads)
-        w.bind_connector_metadata(meta)
-        if so.has_sync_kv_loads:
-            w.start_load_kv(None)
+        for w, _, _ in self.ranks:
+            w.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
         scheduled = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
         for layer in LAYERS:
-            w.wait_for_layer_load(layer)
-            for rid, computed in scheduled:
-                self.forward(rid, layer, computed, computed + so.num_scheduled_tokens[rid])
-            w.save_kv_layer(layer, self.kv[layer], None)
-        if not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        stats = w.get_kv_connector_stats()
-        self.failed_recving |= results.failed_recving
-        output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=invalid,
-            kv_connector_stats=stats,
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
-        w.clear_connector_metadata()
+            for rank, (w, kv, _) in enumerate(self.ranks):
+                w.wait_for_layer_load(layer)
+                for rid, computed in scheduled:
+                    end = computed + so.num_scheduled_tokens[rid]
+                    self.forward(rid, layer, computed, end, rank)
+                w.save_kv_layer(layer, kv[layer], None)
+        req_ids = [rid for rid, _ in scheduled]
+        sampled = []
+        for rid, computed in scheduled:
+            end = computed + so.num_scheduled_tokens[rid]
+            sampled.append([7] if end >= self.requests[rid].num_tokens else [])
+        outputs = []
+        for w, _, _ in self.ranks:
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            results = w.get_transfer_results(so.finished_req_ids)
+            out = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=out,
+                )
+            )
+        # What vLLM's executor hands the scheduler: the ranks' outputs aggregated.
+        merged = self.aggregator.aggregate(outputs) if self.tp > 1 else outputs[0]
+        output = merged.kv_connector_output
+        invalid = output.invalid_block_ids
+        failed = output.failed_recving or set()
+        self.failed_recving |= failed
+        stats = output.kv_connector_stats
         self.load_errors |= invalid
         if stats is not None:
             for k, v in stats.data.items():
@@ -366,14 +413,12 @@ class Hybrid:
             {x[0] for x in loads} if so.has_sync_kv_loads else set()
         )
         for rid, group, index, block in [x for x in self.loads if x[0] in settled]:
-            if rid not in results.failed_recving and block not in self.load_errors:
+            if rid not in failed and block not in self.load_errors:
                 assert self.block_is_right(rid, group, index, block), (rid, group, index)
         self.loads = [x for x in self.loads if x[0] not in settled]
-        sampled = []
         for rid, computed in scheduled:
             req = self.requests[rid]
             end = computed + so.num_scheduled_tokens[rid]
-            sampled.append([7] if end >= req.num_tokens else [])
             if end >= req.num_tokens and computed < req.num_prompt_tokens and not (
                 set(b for ids in self.block_ids(rid) for b in ids) & invalid
             ):
@@ -388,19 +433,7 @@ class Hybrid:
                                 index,
                             )
                 self.prefills_checked += 1
-        req_ids = [rid for rid, _ in scheduled]
-        self.scheduler.update_from_output(
-            so,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=None,
-                kv_connector_output=output,
-            ),
-        )
+        self.scheduler.update_from_output(so, merged)
         return so
 
     def run(self, hang=120.0):
@@ -425,7 +458,8 @@ class Hybrid:
         raise AssertionError(f"{rid} never scheduled")
 
     def close(self):
-        self.worker.shutdown()
+        for w, _, _ in self.ranks:
+            w.shutdown()
         self.scheduler.connector.shutdown()
 
 
@@ -441,8 +475,9 @@ def published_blocks_are_right(h, tokens):
             e = h.index.entry(key)
             if e is None or e.state != READY:
                 continue
-            want = np.concatenate([h.page(tokens, layer, i) for layer in layers])
-            assert np.array_equal(h.stored_object(e), want), (group, i, e)
+            for rank in range(h.tp):
+                want = np.concatenate([h.page(tokens, layer, i, rank) for layer in layers])
+                assert np.array_equal(h.stored_object(e, rank), want), (group, i, e, rank)
             checked += 1
     return checked
 
@@ -797,5 +832,40 @@ def test_a_random_hybrid_workload_settles_every_request_byte_exact(tmp_path, see
         assert h.stats.get("loaded_blocks.dram", 0) + h.stats.get("loaded_blocks.ssd", 0) > 20
         checked = sum(published_blocks_are_right(h, p) for p in prefixes)
         assert checked > 0
+    finally:
+        h.close()
+
+
+def test_two_tp_ranks_with_several_groups_and_a_failure_on_one_rank(tmp_path):
+    # Each rank keeps its shard of every group's blocks in the same slots; a load that fails
+    # on rank 1 only fails the request once vLLM's aggregator merged both ranks' outputs, and
+    # the retry loads what is left on both.
+    h = Hybrid(tmp_path, tp=2)
+    try:
+        shared = prompt(61, 8 * BS)
+        a = h.add("a", shared + [9])
+        h.run()
+        assert h.stats.get("saved_blocks.dram") == 2 * 2 * 8  # both ranks, both groups
+        assert h.scheduler.reset_prefix_cache()
+        fault = FailingLoads(h.ranks[1][0].worker_side, [])
+        orig = h.sched_side.after_alloc
+
+        def after_alloc(request, blocks, n):
+            orig(request, blocks, n)
+            ids = blocks.get_block_ids()[h.sw]
+            if request.request_id == "b" and n and not fault.failed and len(ids) == 8:
+                fault.targets = {(h.sw, ids[7])}
+
+        h.sched_side.after_alloc = after_alloc
+        b = shared + prompt(62, 2 * BS)
+        h.add("b", b + [9])
+        so, computed = h.first_step_of("b")
+        assert fault.failed == 1 and h.failed_recving == {"b"} and not h.load_errors
+        assert computed == 7 * BS  # the window at 7 blocks: 5 and 6, both still there
+        h.run()
+        assert h.prefills_checked == 2 and h.computed_wrong == 0
+        assert published_blocks_are_right(h, b) == 2 * 10
+        assert h.index.counters.failed_loads == 1
+        assert all(h.index.is_hit((h.sw, k)) for k in a.block_hashes[:8])
     finally:
         h.close()
