@@ -9,10 +9,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use umbp_pool::{
-    BlockError, BlockKey, EmbeddedIndex, GetBlock, GetOutcome, Index, NodeAnnouncement, NodeId,
-    Placement as RsPlacement, Pool as RsPool, PoolConfig, Published, PutBlock, PutOutcome,
-    RedisConfig, RedisIndex, Removed, Reservation as RsReservation, Reserved, TierId, TierRegion,
-    TierResolver, TierSpec,
+    BlockError, BlockKey, DropReason, EmbeddedIndex, GetBlock, GetOutcome, Index, NodeAnnouncement,
+    NodeId, Placement as RsPlacement, Pool as RsPool, PoolConfig, Published, PutBlock, PutOutcome,
+    RedisConfig, RedisIndex, Removed, Reservation as RsReservation, Reserved, TierFile, TierId,
+    TierRegion, TierResolver, TierSpec, Verify,
 };
 use umbp_ucx::pool::UcxResolver;
 
@@ -231,6 +231,8 @@ enum ReserveAnswer {
 #[pyclass(module = "umbp._native", frozen)]
 pub(crate) struct PoolIndex {
     index: Arc<dyn Index>,
+    /// The same index where it is embedded (what `reconcile` needs), None for Redis.
+    embedded: Option<Arc<EmbeddedIndex>>,
     /// What the index is, for `repr`.
     url: String,
 }
@@ -264,6 +266,7 @@ impl PoolIndex {
         timeout: f64,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout", timeout)?;
+        let mut embedded = None;
         let index: Arc<dyn Index> = if url.starts_with("redis://") || url.starts_with("rediss://") {
             let mut config = RedisConfig::new(url);
             config.password = password;
@@ -276,9 +279,11 @@ impl PoolIndex {
             )
         } else {
             let path = std::path::PathBuf::from(url);
-            Arc::new(
+            let e = Arc::new(
                 py.allow_threads(|| EmbeddedIndex::open(path)).map_err(|e| pool_error(py, &e))?,
-            )
+            );
+            embedded = Some(Arc::clone(&e));
+            e
         };
         // The URL without its password, for repr.
         let shown = match url.split_once('@') {
@@ -288,11 +293,107 @@ impl PoolIndex {
             }
             _ => url.to_owned(),
         };
-        Ok(Self { index, url: shown })
+        Ok(Self { index, embedded, url: shown })
     }
 
     fn __repr__(&self) -> String {
         format!("PoolIndex({:?})", self.url)
+    }
+
+    /// Whether the index is embedded (a redb file of this process) rather than Redis.
+    #[getter]
+    fn embedded(&self) -> bool {
+        self.embedded.is_some()
+    }
+
+    /// Makes an embedded index agree with its tier files, after a crash or anything done to
+    /// the files while no process held them: call it after opening, before the first lookup.
+    /// `tier_files`: `(node, tier, slot_size, slot_count, path, base)` per durable tier whose
+    /// bytes are in a file (slot `s` at byte `base + s * slot_size` of `path`), as configured
+    /// now; tiers not named are left alone.
+    ///
+    /// Drops every block of those tiers whose bytes cannot be what was published, without
+    /// reading any (`verify="none"`): all of a missing file's, those past a short file's end,
+    /// all of a tier whose slot size changed, those past a tier's fewer slots; with
+    /// `verify="sample"` it also checks the CRC32C of blocks spread over each tier, up to
+    /// `max_bytes` per tier, and a tier where one fails (a replaced or damaged file) is
+    /// checked whole; `verify="full"` checks every block. It registers each tier's shape as
+    /// given (keeping the watermarks registered where the shape is the same).
+    ///
+    /// Returns a `ReconcileReport`. Errors: `ValueError` (an unknown `verify`), `PoolError` of
+    /// kind `unsupported` for a Redis index (its blocks' files are on other nodes: each load
+    /// verifies its block instead), `invalid_config` (a bad shape, or a tier to reshape while
+    /// blocks of it are reserved or leased), `unavailable` (the deletions could not be
+    /// committed: nothing was dropped).
+    #[pyo3(signature = (tier_files, verify="sample", *, max_bytes=67_108_864))]
+    fn reconcile(
+        &self,
+        py: Python<'_>,
+        tier_files: Vec<(u32, u16, u64, u32, std::path::PathBuf, u64)>,
+        verify: &str,
+        max_bytes: u64,
+    ) -> PyResult<ReconcileReport> {
+        let verify = match verify {
+            "none" => Verify::Shape,
+            "sample" => Verify::Sample { max_bytes },
+            "full" => Verify::Full,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "verify must be \"none\", \"sample\" or \"full\", not {other:?}"
+                )))
+            }
+        };
+        let Some(index) = self.embedded.clone() else {
+            let err = PoolError::new_err(
+                "reconcile applies to an embedded index only: a Redis index's blocks are in \
+                 other nodes' files, and each load verifies its block",
+            );
+            let _ = err.value(py).setattr("kind", "unsupported");
+            return Err(err);
+        };
+        let report = py
+            .allow_threads(move || {
+                let mut files = Vec::with_capacity(tier_files.len());
+                for (node, tier, slot_size, slot_count, path, base) in tier_files {
+                    let mut spec = spec_of(node, tier, slot_size, slot_count, true, None, None);
+                    // The same shape keeps the watermarks it was registered with.
+                    if let Some(r) = index.tier_spec(NodeId(node), TierId(tier))? {
+                        if (r.slot_size, r.slot_count, r.durable) == (slot_size, slot_count, true) {
+                            spec = r;
+                        }
+                    }
+                    files.push(TierFile { spec, path, base });
+                }
+                index.reconcile(&files, verify)
+            })
+            .map_err(|e| pool_error(py, &e))?;
+        let dropped = report
+            .dropped
+            .into_iter()
+            .map(|d| {
+                let (reason, detail) = match d.reason {
+                    DropReason::FileMissing { error } => ("file_missing", error),
+                    DropReason::PastEnd { file_len } => {
+                        ("past_end", format!("the file is {file_len} bytes"))
+                    }
+                    DropReason::Reshaped => ("reshaped", String::new()),
+                    DropReason::Shrunk => ("shrunk", String::new()),
+                    DropReason::ChecksumMismatch { actual } => {
+                        ("checksum_mismatch", format!("read CRC32C {actual:#010x}"))
+                    }
+                    DropReason::Unreadable { error } => ("unreadable", error),
+                    _ => ("other", String::new()),
+                };
+                (Placement::from(d.placement), reason, detail)
+            })
+            .collect();
+        Ok(ReconcileReport {
+            kept: report.kept,
+            verified: report.verified,
+            bytes_read: report.bytes_read,
+            escalated: report.escalated,
+            dropped,
+        })
     }
 
     /// Registers tier `tier` of node `node`: `slot_count` slots of `slot_size` bytes;
@@ -465,6 +566,42 @@ impl PoolIndex {
             .into_iter()
             .map(|a| (a.node.0, a.address, a.tiers.into_iter().map(|(t, f)| (t.0, f)).collect()))
             .collect())
+    }
+}
+
+/// What `PoolIndex.reconcile` found (`umbp_pool::ReconcileReport`).
+#[pyclass(module = "umbp._native", frozen)]
+pub(crate) struct ReconcileReport {
+    /// Blocks of the tiers named still published.
+    #[pyo3(get)]
+    kept: u64,
+    /// Of those, how many were read and matched their CRC32C.
+    #[pyo3(get)]
+    verified: u64,
+    /// Bytes read to verify.
+    #[pyo3(get)]
+    bytes_read: u64,
+    /// Tiers verified whole because a sampled block failed.
+    #[pyo3(get)]
+    escalated: u32,
+    /// Every block taken out: `(placement, reason, detail)`, `reason` one of
+    /// `"file_missing"`, `"past_end"`, `"reshaped"`, `"shrunk"`, `"checksum_mismatch"`,
+    /// `"unreadable"` (`detail`: the error, the file's length or the CRC32C read, or "").
+    #[pyo3(get)]
+    dropped: Vec<(Placement, &'static str, String)>,
+}
+
+#[pymethods]
+impl ReconcileReport {
+    fn __repr__(&self) -> String {
+        format!(
+            "ReconcileReport(kept={}, verified={}, bytes_read={}, escalated={}, dropped={})",
+            self.kept,
+            self.verified,
+            self.bytes_read,
+            self.escalated,
+            self.dropped.len()
+        )
     }
 }
 
@@ -742,6 +879,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pool>()?;
     m.add_class::<Placement>()?;
     m.add_class::<Reservation>()?;
+    m.add_class::<ReconcileReport>()?;
     m.add("PoolError", py.get_type::<PoolError>())?;
     Ok(())
 }

@@ -75,6 +75,7 @@ from .pool import (  # noqa: F401  (re-exported)
     Pool,
     PoolError,
     PoolIndex,
+    ReconcileReport,
     Reservation,
 )
 
@@ -115,6 +116,7 @@ __all__ = [
     "Pool",
     "Placement",
     "Reservation",
+    "ReconcileReport",
     "PoolError",
     "BlockResult",
 ]

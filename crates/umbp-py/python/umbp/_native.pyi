@@ -23,6 +23,7 @@ __all__ = [
     "Pool",
     "Placement",
     "Reservation",
+    "ReconcileReport",
     "PoolError",
 ]
 
@@ -197,6 +198,21 @@ class Reservation:
     def __hash__(self) -> int: ...
 
 @final
+class ReconcileReport:
+    @property
+    def kept(self) -> int: ...
+    @property
+    def verified(self) -> int: ...
+    @property
+    def bytes_read(self) -> int: ...
+    @property
+    def escalated(self) -> int: ...
+    # (placement, reason, detail) per block dropped; reason: "file_missing", "past_end",
+    # "reshaped", "shrunk", "checksum_mismatch", "unreadable".
+    @property
+    def dropped(self) -> List[Tuple[Placement, str, str]]: ...
+
+@final
 class PoolIndex:
     def __new__(
         cls,
@@ -239,6 +255,17 @@ class PoolIndex:
     ) -> None: ...
     def nodes(self) -> List[Tuple[int, str, List[Tuple[int, int]]]]: ...
     def leave(self, node: int) -> bool: ...
+    @property
+    def embedded(self) -> bool: ...
+    # tier_files: (node, tier, slot_size, slot_count, path, base) each; verify: "none",
+    # "sample" or "full". A Redis index raises PoolError (kind "unsupported").
+    def reconcile(
+        self,
+        tier_files: List[Tuple[int, int, int, int, str, int]],
+        verify: str = "sample",
+        *,
+        max_bytes: int = 67108864,
+    ) -> ReconcileReport: ...
 
 _BlockRef = Tuple[bytes, Registration, int, int]
 _Outcome = Tuple[str, Optional[Placement], Optional[str]]

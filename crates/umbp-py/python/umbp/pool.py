@@ -13,6 +13,13 @@ Two layers:
   publish), ``get`` them into registered memory (one lookup, one lease, one transfer batch
   verifying each block's checksum, one release), with one :class:`BlockResult` per key.
 
+An embedded index outlives its process, and so do its durable tiers' files; after a crash they
+may disagree (a truncated or replaced file). :meth:`PoolIndex.reconcile` (embedded only) takes
+each durable tier's file as configured now, drops the blocks whose bytes cannot be what was
+published (a missing or short file, a changed shape; with ``verify="sample"``/``"full"`` a
+CRC32C that does not match) and returns a :class:`ReconcileReport` saying which and why. Call it
+after opening, before the first lookup.
+
 Example::
 
     import numpy as np, umbp
@@ -36,12 +43,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from . import _native
-from ._native import Placement, PoolError, PoolIndex, Reservation
+from ._native import Placement, PoolError, PoolIndex, ReconcileReport, Reservation
 
 if TYPE_CHECKING:
     from . import Engine, Registration
 
-__all__ = ["PoolIndex", "Pool", "Placement", "Reservation", "PoolError", "BlockResult"]
+__all__ = [
+    "PoolIndex",
+    "Pool",
+    "Placement",
+    "Reservation",
+    "ReconcileReport",
+    "PoolError",
+    "BlockResult",
+]
 
 
 @dataclass(frozen=True)
