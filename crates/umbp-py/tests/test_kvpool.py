@@ -1,6 +1,8 @@
 """umbp.kvpool: the pool as the index of umbp.vllm's scheduler side, over a real
 umbp.PoolIndex (an embedded redb file, or a redis-server started here). No vLLM needed."""
 
+import gc
+import os
 import time
 
 import pytest
@@ -270,3 +272,168 @@ def test_an_index_refuses_memory_node_saves_it_cannot_make(embedded):
             embedded, node=6, ranks=1, slot_bytes=SLOT, object_bytes=OBJECT, dram_slots=0,
             ssd_slots=0, namespace=b"m", memory_nodes=True, save_to=SAVE_MEMORY_NODES,
         )
+
+
+# -- the reconcile at start: the embedded index against this node's SSD files ---------------
+
+
+def crc32c(data):
+    """CRC32C (Castagnoli), what the pool verifies blocks with (bitwise: the tests' blocks
+    are few and small)."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 & -(c & 1))
+    return c ^ 0xFFFFFFFF
+
+
+def block_bytes(key, rank):
+    return (key + b"/%d/" % rank) * (OBJECT // (len(key) + 3)) + b"\0" * (
+        OBJECT % (len(key) + 3)
+    )
+
+
+def files_of(tmp_path, ranks=2):
+    return [str(tmp_path / f"kv.rank{r}") for r in range(ranks)]
+
+
+def ssd_index(client, files, **kw):
+    return PoolTierIndex(
+        client,
+        node=7,
+        ranks=len(files),
+        slot_bytes=SLOT,
+        object_bytes=OBJECT,
+        dram_slots=0,
+        ssd_slots=8,
+        ssd_files=files,
+        namespace=b"model-a",
+        **kw,
+    )
+
+
+def save_written(ix, files, keys):
+    """Saves ``keys`` as the workers would: each rank writes its block's bytes into its slot
+    of its SSD file and reports their CRC32C. Returns {key: slot of each rank}."""
+    for f in files:
+        with open(f, "ab") as fh:
+            fh.truncate(8 * SLOT)
+    ops = {k: ix.begin_save(k)[0] for k in keys}
+    refs = ix.commit()
+    slots = {}
+    for k, op in ops.items():
+        slots[k] = [ref[2] for ref in refs[op]]
+        for r, slot in enumerate(slots[k]):
+            data = block_bytes(k, r)
+            with open(files[r], "r+b") as fh:
+                fh.seek(slot * SLOT)
+                fh.write(data)
+            ix.report(op, ok=1, checksums={r: crc32c(data)})
+    ix.flush()
+    assert ix.counters.published == len(keys)
+    return slots
+
+
+def reopen(tmp_path, files, **kw):
+    """Opens the embedded index and the connector's index over it again, as the connector
+    does at start (the caller closed and dropped both, as a stopped process would)."""
+    gc.collect()
+    client = _native.PoolIndex(str(tmp_path / "pool.redb"))
+    return client, ssd_index(client, files, **kw)
+
+
+KEYS = [b"blk%d" % i for i in range(6)]
+
+
+def test_reopened_over_a_truncated_ssd_file_the_blocks_past_its_end_are_misses(tmp_path):
+    files = files_of(tmp_path)
+    client = _native.PoolIndex(str(tmp_path / "pool.redb"))
+    ix = ssd_index(client, files)
+    slots = save_written(ix, files, KEYS)
+    del client
+    # The crash: rank 0's file keeps its first 3 slots only.
+    with open(files[0], "r+b") as fh:
+        fh.truncate(3 * SLOT)
+    ix.close()
+    del ix
+    client, ix = reopen(tmp_path, files)
+    gone = {k for k in KEYS if slots[k][0] >= 3}
+    assert gone and len(gone) < len(KEYS)
+    for k in KEYS:
+        assert ix.is_hit(k) == (k not in gone), k
+    # Rank 0's part of each block gone is dropped, as past the file's end; the rest is kept.
+    report = ix.reconciled
+    assert report is not None
+    dropped = {(p.key, reason) for p, reason, _ in report.dropped}
+    assert dropped == {(ix.keys_of(k)[0], "past_end") for k in gone}
+    assert all(d == f"the file is {3 * SLOT} bytes" for _, _, d in report.dropped)
+    assert report.kept == 2 * len(KEYS) - len(gone)
+    # The blocks left load, and a lost one can be saved again.
+    got = load(ix, [k for k in KEYS if k not in gone])
+    assert all(ref[2] >= 0 for refs in got.values() for ref in refs)
+    assert ix.counters.failed_loads == 0
+    lost = sorted(gone)[0]
+    assert ix.begin_save(lost) is not None
+
+
+def test_reopened_over_a_replaced_ssd_file_the_blocks_whose_bytes_changed_are_misses(tmp_path):
+    files = files_of(tmp_path)
+    client = _native.PoolIndex(str(tmp_path / "pool.redb"))
+    ix = ssd_index(client, files)
+    slots = save_written(ix, files, KEYS)
+    del client
+    # The crash: rank 1's file replaced by another of the same length, in which the slots of
+    # two blocks hold other bytes.
+    changed = set(KEYS[1:3])
+    with open(files[1], "rb") as fh:
+        content = bytearray(fh.read())
+    for k in changed:
+        at = slots[k][1] * SLOT
+        content[at : at + OBJECT] = block_bytes(b"other", 1)
+    with open(files[1] + ".new", "wb") as fh:
+        fh.write(content)
+    os.replace(files[1] + ".new", files[1])
+    ix.close()
+    del ix
+    client, ix = reopen(tmp_path, files)
+    for k in KEYS:
+        assert ix.is_hit(k) == (k not in changed), k
+    report = ix.reconciled
+    assert {(p.key, reason) for p, reason, _ in report.dropped} == {
+        (ix.keys_of(k)[1], "checksum_mismatch") for k in changed
+    }
+    assert report.kept == 2 * len(KEYS) - len(changed)
+    assert report.verified == report.kept and report.bytes_read > 0
+    # verify="none" reads nothing: a file of the right length is trusted until a load.
+    with open(files[1], "r+b") as fh:
+        fh.seek(slots[KEYS[0]][1] * SLOT)
+        fh.write(b"x" * 16)
+    ix.close()
+    del ix, client
+    client, ix = reopen(tmp_path, files, verify="none")
+    assert ix.is_hit(KEYS[0]) and ix.reconciled.bytes_read == 0
+
+
+def test_reconcile_of_the_index_itself_and_its_refusals(tmp_path, redis):
+    files = files_of(tmp_path, ranks=1)
+    client = _native.PoolIndex(str(tmp_path / "pool.redb"))
+    assert client.embedded
+    ix = ssd_index(client, files)
+    save_written(ix, files, KEYS[:2])
+    with pytest.raises(ValueError, match="verify must be"):
+        client.reconcile([(7, tier_id(0, SSD), SLOT, 8, files[0], 0)], "some")
+    # A missing file: every block of its tier goes, with the open's error.
+    os_path = tmp_path / "kv.rank0"
+    os_path.unlink()
+    report = client.reconcile([(7, tier_id(0, SSD), SLOT, 8, files[0], 0)], "full")
+    assert [r for _, r, _ in report.dropped] == ["file_missing"] * 2 and report.kept == 0
+    assert "ReconcileReport(kept=0" in repr(report)
+    assert client.lookup(ix.keys_of(KEYS[0])) == [None]
+    # A Redis index's blocks are in other nodes' files: refused, with a kind.
+    shared = _native.PoolIndex(redis.url, timeout=1.0)
+    assert not shared.embedded
+    with pytest.raises(_native.PoolError) as e:
+        shared.reconcile([(7, tier_id(0, SSD), SLOT, 8, files[0], 0)])
+    assert e.value.kind == "unsupported"
+    ix.close()

@@ -176,7 +176,13 @@ class PoolTierIndex:
     ``dram_slots``/``ssd_slots``: each rank's tier sizes; ``ssd_files``: each rank's SSD file
     (for other instances to find); ``namespace``: bytes naming the KV shape (see the module).
     ``memory_nodes``: the workers reach memory nodes (their blocks are hits); ``save_to``: one
-    of :data:`SAVE_TO` (memory nodes need ``memory_nodes``)."""
+    of :data:`SAVE_TO` (memory nodes need ``memory_nodes``).
+
+    An embedded ``client`` (``client.embedded``) outlives no process but its file does, and so
+    do this node's SSD files: before anything else the index is reconciled with them
+    (:meth:`umbp.PoolIndex.reconcile`, ``verify``: ``"none"``, ``"sample"`` or ``"full"``), so
+    blocks of a file truncated, replaced or gone since are misses rather than load errors;
+    what it dropped is logged and kept in :attr:`reconciled`."""
 
     def __init__(
         self,
@@ -196,6 +202,7 @@ class PoolTierIndex:
         host: Optional[str] = None,
         memory_nodes: bool = False,
         save_to: str = SAVE_LOCAL,
+        verify: str = "sample",
     ):
         if ranks < 1:
             raise ValueError("ranks must be at least 1")
@@ -250,10 +257,60 @@ class PoolTierIndex:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._warned_at = 0.0
+        #: What the reconcile at start found (an embedded index with SSD files), else None.
+        self.reconciled: Optional[Any] = None
+        if self.ssd_files and getattr(client, "embedded", False):
+            self._reconcile(verify)
         try:
             self._join()
         except Exception as e:  # the index unreachable at start: the thread keeps trying
             self._error("joining the pool", e)
+
+    def _reconcile(self, verify: str) -> None:
+        """Makes the embedded index agree with this node's SSD files (before the first
+        lookup, and before :meth:`_join` registers the tiers: a tier resized since is
+        reshaped here rather than refused). A failure is logged: the loads still verify
+        every block's checksum."""
+        files = [
+            (self.node, tier_id(r, SSD), self.slot_bytes, self.slots, path, 0)
+            for r, path in enumerate(self.ssd_files)
+            if path
+        ]
+        try:
+            report = self.client.reconcile(files, verify)
+        except ValueError:
+            raise
+        except Exception as e:
+            logger.warning(
+                "umbp pool: reconciling the index with the SSD files failed (loads still "
+                "verify each block): %s",
+                e,
+            )
+            return
+        self.reconciled = report
+        if report.dropped:
+            reasons: Dict[str, int] = {}
+            for _, reason, _ in report.dropped:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            first = report.dropped[0]
+            logger.warning(
+                "umbp pool: the SSD files disagree with the index: dropped %d block(s) (%s), "
+                "kept %d; first: tier %d slot %d, %s %s",
+                len(report.dropped),
+                ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())),
+                report.kept,
+                first[0].tier,
+                first[0].slot,
+                first[1],
+                first[2],
+            )
+        else:
+            logger.info(
+                "umbp pool: index and SSD files agree: %d block(s) kept, %d verified (%d bytes)",
+                report.kept,
+                report.verified,
+                report.bytes_read,
+            )
 
     # -- the node's presence ---------------------------------------------------------------
 
