@@ -318,6 +318,10 @@ class Harness:
     def step(self, check_loads=True):
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
+        # First, as vLLM's model runner: nothing writes the KV cache before it (a preempted
+        # request's blocks, about to be reused, may still be read by an earlier step's save).
+        for r in self.ranks:
+            r.worker.handle_preemptions(meta)
         # Blocks about to be loaded hold poison, so only the load can make them right.
         loads = [
             (rid, op, tier, slot, block)
@@ -327,7 +331,6 @@ class Harness:
         for rid, _, _, _, block in loads:
             self.poison(block)
         for r in self.ranks:
-            r.worker.handle_preemptions(meta)
             r.worker.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
                 r.worker.start_load_kv(None)
