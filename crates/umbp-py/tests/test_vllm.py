@@ -11,104 +11,39 @@ function of its prefix: every restored byte is checked against what the prefix i
 a real model, layer L of a computed token depends on layer L-1's KV of its prefix as it lies
 in the cache: where that holds anything but what the prefix implies (a block whose load
 failed), layer L is computed wrong too, so a block computed over a failed load is wrong bytes
-that a later load would serve.
+that a later load would serve. The engine loop is vllm_harness.py's, which test_vllm_hma.py
+and test_vllm_pool.py share; this file's ``Harness`` adds one KV cache group's model and checks.
 
 Needs vLLM (`bash .ci/vllm-venv` installs it into a cached virtual environment); skipped
 with the reason printed where it is absent, and a failure where UMBP_REQUIRE_VLLM=1.
 """
 
-import hashlib
-import json
 import os
 import time
-from dataclasses import dataclass
 from unittest import mock
 
 import numpy as np
 import pytest
 
-try:
-    import torch
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("UMBP_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
+# First: it skips this module (or fails, with UMBP_REQUIRE_VLLM=1) where vLLM is absent.
+from vllm_harness import BS, HEAD, KV_HEADS, POISON, EngineHarness, first_step_of, prompt
+from vllm_harness import vllm_config
 
-from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from umbp.kvtiers import DRAM, SSD
 from umbp.vllm import UmbpConnector
 
-BS = 16  # tokens per block
 LAYERS = 4
-KV_HEADS = 2
-HEAD = 16
-EOS = 2
-POISON = 0xA5
-
-init_none_hash(sha256)
 
 
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": KV_HEADS * 2 * HEAD,
-                "intermediate_size": 128,
-                "num_attention_heads": KV_HEADS * 2,
-                "num_key_value_heads": KV_HEADS,
-                "head_dim": HEAD,
-                "num_hidden_layers": LAYERS,
-                "vocab_size": 1024,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-                "torch_dtype": "float16",
-                "eos_token_id": EOS,
-            }
-        )
-    )
-    return str(d)
-
-
-@dataclass
-class Rank:
-    """One tensor-parallel worker: its connector and its KV cache (views, and as bytes)."""
-
-    rank: int
-    worker: UmbpConnector
-    kv: dict
-    kv8: dict
-
-
-class Harness:
-    """vLLM's scheduler with UmbpConnector, one worker-side connector over CPU tensors, and
-    a fake forward pass."""
+class Harness(EngineHarness):
+    """vLLM's scheduler with UmbpConnector, one KV cache group of ``LAYERS`` full-attention
+    layers, one worker-side connector per rank over CPU tensors, and a fake forward pass."""
 
     def __init__(
         self,
@@ -121,105 +56,37 @@ class Harness:
         head=HEAD,
         tp=1,
         kv_events=False,
+        kv_role="kv_both",
         **extra,
     ):
         extra.setdefault("dram_bytes_per_rank", 64 << 20)
         self.extra = extra
-        model_config = ModelConfig(
-            model=model_dir(tmp_path),
-            skip_tokenizer_init=True,
-            dtype="float16",
-            seed=0,
-            max_model_len=4096,
+        config = vllm_config(
+            tmp_path,
+            layers=LAYERS,
+            extra=extra,
+            max_batched=max_batched,
+            layout=layout,
+            tp=tp,
+            kv_events=kv_events,
+            kv_role=kv_role,
         )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=64,
-            max_num_batched_tokens=max_batched,
-            max_model_len=4096,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        )
-        cache_config = CacheConfig(block_size=BS, enable_prefix_caching=True)
-        cache_config.kv_cache_layout = layout
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="UmbpConnector",
-            kv_connector_module_path="umbp.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy="recompute",
-        )
-        self.config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=scheduler_config,
-            cache_config=cache_config,
-            kv_transfer_config=kv_transfer_config,
-            device_config=DeviceConfig("cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            kv_events_config=(
-                KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
-            ),
-        )
-        self.tp = tp
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        self.groups = [self.layers]
         spec = FullAttentionSpec(
             block_size=BS, num_kv_heads=kv_heads, head_size=head, dtype=torch.float16
         )
         self.kv_heads = kv_heads
         groups = [KVCacheGroupSpec(self.layers, spec)]
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.config, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes
+        kv_cache_config = get_kv_cache_config_from_groups(
+            config, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes
         )
-        assert self.kv_cache_config.num_blocks == num_blocks
-        self.config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BS,
-            log_stats=True,
-        )
-        assert type(self.scheduler.connector).__name__ == "UmbpConnector"
-        self.sched_side = self.scheduler.connector.scheduler_side
-        self.index = self.sched_side.index
-        # One worker per tensor-parallel rank, each with its KV cache exactly as vLLM's model
-        # runner allocates it for this layout (its shard of the heads).
-        self.ranks = []
-        for rank in range(tp):
-            kv = allocate_kv_cache(
-                self.kv_cache_config,
-                torch.device("cpu"),
-                self.config.cache_config.get_resolved_kv_cache_layout(),
-            )
-            with mock.patch("umbp.vllm._tp", return_value=(rank, tp)):
-                worker = UmbpConnector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-            worker.register_kv_caches(kv)
-            kv8 = {name: t.view(torch.uint8) for name, t in kv.items()}
-            self.ranks.append(Rank(rank, worker, kv, kv8))
-        self.worker, self.kv, self.kv8 = self.ranks[0].worker, self.ranks[0].kv, self.ranks[0].kv8
-        self.token_bytes = self.kv8[self.layers[0]][0, :, 0, :].numel()
-        self.aggregator = KVOutputAggregator(tp)
-        self.requests = {}
-        self.steps = 0
-        self.load_errors = set()
+        self._start(config, kv_cache_config, num_blocks, tp)
         self.loaded = []  # [request id, GPU block id, failed] of every load not yet settled
-        self.stats = {}
         self.checked_loads = 0
-        self.prefills_checked = 0
-        self.step_stats = []
-        self.first_computed = {}
-        self.computed_wrong = 0  # (request, layer) forward passes over a wrong prefix
         self._expected = {}  # (request, rank, layer) -> expected rows of its tokens so far
 
     # -- the model -------------------------------------------------------------------------
-
-    def token_kv(self, tokens, pos, layer, rank=0):
-        """The bytes of token ``pos``'s KV in ``layer`` on ``rank``: a function of its whole
-        prefix (and of the rank, whose shard of the heads it is)."""
-        h = hashlib.blake2b(
-            repr((tuple(tokens[: pos + 1]), layer, rank)).encode(), digest_size=8
-        ).digest()
-        rng = np.random.default_rng(int.from_bytes(h, "little"))
-        return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
 
     def expected_rows(self, rid, rank, layer, n):
         """The rows tokens 0..n-1 of ``rid`` hold in ``layer`` on ``rank`` when right, as a
@@ -296,110 +163,23 @@ class Harness:
             for name in self.layers:
                 r.kv8[name][block_id] = POISON
 
-    # -- requests --------------------------------------------------------------------------
+    # -- the checks of one step (EngineHarness.step calls them) ------------------------------
 
-    def add(self, rid, tokens, max_tokens=1):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, EOS)
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=list(tokens),
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=get_request_block_hasher(BS, sha256),
-        )
-        self.requests[rid] = req
-        self.scheduler.add_request(req)
-        return req
-
-    # -- one engine step, in the model runner's order ----------------------------------------
-
-    def step(self, check_loads=True):
-        so = self.scheduler.schedule()
-        meta = so.kv_connector_metadata
-        # First, as vLLM's model runner: nothing writes the KV cache before it (a preempted
-        # request's blocks, about to be reused, may still be read by an earlier step's save).
-        for r in self.ranks:
-            r.worker.handle_preemptions(meta)
-        # Blocks about to be loaded hold poison, so only the load can make them right.
-        loads = [
-            (rid, op, tier, slot, block)
-            for rid, items in meta.loads.items()
-            for op, tier, slot, block in items
-        ]
-        for rid, _, _, _, block in loads:
-            self.poison(block)
-        for r in self.ranks:
-            r.worker.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
-                r.worker.start_load_kv(None)
-        scheduled = []
-        for req in so.scheduled_new_reqs:
-            scheduled.append((req.req_id, req.num_computed_tokens))
-            self.first_computed.setdefault(req.req_id, req.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            scheduled.append((rid, cached.num_computed_tokens[i]))
-        for layer, name in enumerate(self.layers):
-            for r in self.ranks:
-                r.worker.wait_for_layer_load(name)
-                if so.has_sync_kv_loads and check_loads:
-                    # Attention of this layer reads the loaded prefix now: its pages must
-                    # have landed (a failed block is reported at the end of the step).
-                    for rid, _, _, _, block in loads:
-                        index = self.block_ids(rid).index(block)
-                        assert self.block_is_right(
-                            rid, index, layers={layer}, ranks=[r.rank]
-                        ) or self.failing(rid, block, r.rank), (
-                            f"{rid}: layer {layer} of block {index} not loaded on rank "
-                            f"{r.rank} when its wait returned"
-                        )
-                for rid, computed in scheduled:
-                    self.forward(r.rank, layer, rid, computed, computed + so.num_scheduled_tokens[rid])
-                r.worker.save_kv_layer(name, r.kv[name], None)
-        req_ids = [rid for rid, _ in scheduled]
-        sampled = []
-        for rid, computed in scheduled:
-            done = computed + so.num_scheduled_tokens[rid] >= self.requests[rid].num_tokens
-            sampled.append([7] if done else [])
-        outputs = []
-        for r in self.ranks:
-            w = r.worker
-            if not so.has_sync_kv_loads:
-                w.start_load_kv(None)
-            w.wait_for_save()
-            results = w.get_transfer_results(so.finished_req_ids)
-            output = KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
-                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_stats=w.get_kv_connector_stats(),
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
-            w.clear_connector_metadata()
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=output,
+    def layer_loaded(self, r, layer, so, loads, check_loads):
+        if so.has_sync_kv_loads and check_loads:
+            # Attention of this layer reads the loaded prefix now: its pages must have
+            # landed (a failed block is reported at the end of the step).
+            for rid, _, index, block in loads:
+                assert self.block_is_right(
+                    rid, index, layers={layer}, ranks=[r.rank]
+                ) or self.failing(rid, block, r.rank), (
+                    f"{rid}: layer {layer} of block {index} not loaded on rank "
+                    f"{r.rank} when its wait returned"
                 )
-            )
-        # What vLLM's executor hands the scheduler: the ranks' outputs aggregated.
-        merged = self.aggregator.aggregate(outputs) if self.tp > 1 else outputs[0]
-        output = merged.kv_connector_output
+
+    def check_loads(self, so, output, loads, check_loads):
         invalid = output.invalid_block_ids
-        self.load_errors |= invalid
-        stats = output.kv_connector_stats
-        if stats is not None:
-            self.step_stats.append(stats)
-            for k, v in stats.data.items():
-                self.stats[k] = self.stats.get(k, 0) + v
-        for rid, _, _, _, block in loads:
+        for rid, _, _, block in loads:
             self.loaded.append([rid, block, False])
         for x in self.loaded:  # a rank may report a failure before the others settle
             x[2] = x[2] or x[1] in invalid
@@ -418,40 +198,12 @@ class Harness:
                 ), f"{rid}: block {index} (GPU block {block}) restored wrong"
                 self.checked_loads += 1
             self.loaded = [x for x in self.loaded if x[0] not in settled]
-        for rid, computed in scheduled:
-            req = self.requests[rid]
-            done = computed + so.num_scheduled_tokens[rid] >= req.num_tokens
-            if done and computed < req.num_prompt_tokens and not set(self.block_ids(rid)) & invalid:
-                # The prefill is complete: loaded and computed blocks together hold
-                # exactly what the prompt implies, on every rank.
-                for index in range(req.num_prompt_tokens // BS):
-                    assert self.block_is_right(
-                        rid, index
-                    ), f"{rid}: block {index} wrong after prefill"
-                self.prefills_checked += 1
-        self.scheduler.update_from_output(so, merged)
-        self.steps += 1
-        return so
 
-    def idle_step(self):
-        """One step; a step that computed nothing (loads and saves still moving) waits a
-        millisecond, as an engine with nothing to run does not spin this hard."""
-        so = self.step()
-        if so.total_num_scheduled_tokens == 0:
-            time.sleep(0.001)
-        return so
-
-    def run(self, hang=120.0):
-        """Steps until every request finished and every block went back; ``hang`` seconds
-        only tell a hang (a lost completion) from slow I/O."""
-        deadline = time.monotonic() + hang
-        while self.scheduler.requests or self.index.pending_ops():
-            assert time.monotonic() < deadline, f"hung: {list(self.scheduler.requests)}"
-            self.idle_step()
-
-    def close(self):
-        for r in self.ranks:
-            r.worker.shutdown()
+    def check_prefill(self, rid, req):
+        # The prefill is complete: loaded and computed blocks together hold exactly what
+        # the prompt implies, on every rank.
+        for index in range(req.num_prompt_tokens // BS):
+            assert self.block_is_right(rid, index), f"{rid}: block {index} wrong after prefill"
 
 
 def slot_bytes():
@@ -460,24 +212,6 @@ def slot_bytes():
         block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
     ).page_size_bytes
     return -(-LAYERS * page // 4096) * 4096
-
-
-def prompt(seed, n):
-    return [int(x) for x in np.random.default_rng(seed).integers(3, 1000, n)]
-
-
-def first_step_of(h, rid):
-    """Steps until ``rid`` is scheduled; returns (scheduler output, its computed tokens)."""
-    deadline = time.monotonic() + 120.0
-    while time.monotonic() < deadline:
-        so = h.idle_step()
-        for req in so.scheduled_new_reqs:
-            if req.req_id == rid:
-                return so, req.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        if rid in cached.req_ids:
-            return so, cached.num_computed_tokens[cached.req_ids.index(rid)]
-    raise AssertionError(f"{rid} never scheduled")
 
 
 @pytest.mark.parametrize("load_mode", ["async", "layerwise"])

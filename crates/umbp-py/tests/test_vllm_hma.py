@@ -9,15 +9,14 @@ side runs in the model runner's order over CPU tensors vLLM's ``allocate_kv_cach
 (one layer of each group shares one tensor). The "forward pass" writes, for every computed
 token, bytes derived from the token's whole prefix into each layer; layer L is computed wrong
 where layer L-1's KV of the prefix it sees (its group's blocks still present) is wrong, so a
-block computed over a failed load holds wrong bytes.
+block computed over a failed load holds wrong bytes. The engine loop is vllm_harness.py's,
+shared with test_vllm.py; ``Hybrid`` adds the groups' model and checks.
 
 Needs vLLM (`bash .ci/vllm-venv`); skipped with the reason printed where it is absent, and a
 failure where UMBP_REQUIRE_VLLM=1.
 """
 
 import gc
-import hashlib
-import json
 import os
 import time
 from dataclasses import replace
@@ -26,53 +25,23 @@ from unittest import mock
 import numpy as np
 import pytest
 
-try:
-    import torch
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("UMBP_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
+# First: it skips this module (or fails, with UMBP_REQUIRE_VLLM=1) where vLLM is absent.
+from vllm_harness import BS, HEAD, KV_HEADS, EngineHarness, prompt, vllm_config
 
-from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 from vllm.platforms import current_platform
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from umbp.kvtiers import DRAM, READY, SAVING, SSD
 from umbp.vllm import UmbpConnector
 
-BS = 16
-KV_HEADS = 2
-HEAD = 16
-EOS = 2
 WINDOW = 2 * BS  # the sliding window: a hit's end needs its last 2 blocks in group 1
-POISON = 0xA5
 FULL = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
 SWA = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
 LAYERS = [FULL[0], SWA[0], FULL[1], SWA[1]]  # the forward pass's order
-
-init_none_hash(sha256)
 
 
 def _spec(window=None):
@@ -82,35 +51,6 @@ def _spec(window=None):
 
 def slot_bytes():
     return -(-2 * _spec().page_size_bytes // 4096) * 4096
-
-
-def prompt(seed, n):
-    return [int(x) for x in np.random.default_rng(seed).integers(3, 1000, n)]
-
-
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": KV_HEADS * 2 * HEAD,
-                "intermediate_size": 128,
-                "num_attention_heads": KV_HEADS * 2,
-                "num_key_value_heads": KV_HEADS,
-                "head_dim": HEAD,
-                "num_hidden_layers": len(LAYERS),
-                "vocab_size": 1024,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-                "torch_dtype": "float16",
-                "eos_token_id": EOS,
-            }
-        )
-    )
-    return str(d)
 
 
 class FailingLoads:
@@ -136,9 +76,14 @@ class FailingLoads:
         return out
 
 
-class Hybrid:
+class Hybrid(EngineHarness):
     """vLLM's scheduler over a full-attention and a sliding-window KV cache group, with
-    UmbpConnector, one worker over CPU tensors, and a fake forward pass."""
+    UmbpConnector, one worker per rank over CPU tensors, and a fake forward pass."""
+
+    # A load that failed is reported as vLLM's model runner reports it: the request's
+    # failed receive.
+    report_failed_recving = True
+    close_scheduler_side = True
 
     def __init__(
         self,
@@ -155,98 +100,32 @@ class Hybrid:
         # vLLM turns its hybrid allocator off on platforms without a GPU; these tests run
         # its scheduler as a GPU platform would.
         with mock.patch.object(current_platform, "support_hybrid_kv_cache", return_value=True):
-            config = self._config(tmp_path, max_batched, extra, kv_events, tp)
+            config = vllm_config(
+                tmp_path,
+                layers=len(LAYERS),
+                extra=extra,
+                max_batched=max_batched,
+                tp=tp,
+                kv_events=kv_events,
+            )
         # vLLM keeps its hybrid allocator on only for a connector that supports it.
         assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
-        self.config = config
+        self.layers = LAYERS
         # vLLM orders the groups as the model's layer types come; either may be first.
         self.groups = [SWA, FULL] if sw_first else [FULL, SWA]
         self.group_of = {n: g for g, layers in enumerate(self.groups) for n in layers}
         self.sw = self.groups.index(SWA)
         groups = [KVCacheGroupSpec(ls, _spec(WINDOW if ls is SWA else None)) for ls in self.groups]
-        self.kv_cache_config = get_kv_cache_config_from_groups(
+        kv_cache_config = get_kv_cache_config_from_groups(
             config, groups, available_memory=num_blocks * 2 * _spec().page_size_bytes
         )
-        assert self.kv_cache_config.num_blocks == num_blocks
-        config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BS,
-            log_stats=True,
-        )
+        self._start(config, kv_cache_config, num_blocks, tp)
         assert isinstance(self.scheduler.kv_cache_manager.coordinator, HybridKVCacheCoordinator)
-        self.sched_side = self.scheduler.connector.scheduler_side
-        self.index = self.sched_side.index
-        # One worker per tensor-parallel rank, each over its own KV cache (its heads).
-        self.tp = tp
-        self.ranks = []
-        for rank in range(tp):
-            kv = allocate_kv_cache(
-                self.kv_cache_config,
-                torch.device("cpu"),
-                config.cache_config.get_resolved_kv_cache_layout(),
-            )
-            with mock.patch("umbp.vllm._tp", return_value=(rank, tp)):
-                worker = UmbpConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
-            worker.register_kv_caches(kv)
-            self.ranks.append((worker, kv, {n: t.view(torch.uint8) for n, t in kv.items()}))
-        self.worker, self.kv, self.kv8 = self.ranks[0]
-        self.aggregator = KVOutputAggregator(tp)
-        self.token_bytes = self.kv8[LAYERS[0]][0, :, 0, :].numel()
         self.null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
-        self.requests = {}
-        self.load_errors = set()
         self.failed_recving = set()
         self.loads = []  # (request, group, block index, GPU block) of every load, in order
-        self.stats = {}
-        self.computed_wrong = 0
-        self.prefills_checked = 0
-        self._expected = {}
-
-    @staticmethod
-    def _config(tmp_path, max_batched, extra, kv_events, tp):
-        config = VllmConfig(
-            model_config=ModelConfig(
-                model=model_dir(tmp_path),
-                skip_tokenizer_init=True,
-                dtype="float16",
-                seed=0,
-                max_model_len=4096,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=64,
-                max_num_batched_tokens=max_batched,
-                max_model_len=4096,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="UmbpConnector",
-                kv_connector_module_path="umbp.vllm",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-                kv_load_failure_policy="recompute",
-            ),
-            device_config=DeviceConfig("cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp),
-            kv_events_config=(
-                KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
-            ),
-        )
-        config.cache_config.kv_cache_layout = "LBNHC"
-        return config
 
     # -- the model -------------------------------------------------------------------------
-
-    def token_kv(self, tokens, pos, layer, rank=0):
-        h = hashlib.blake2b(
-            repr((tuple(tokens[: pos + 1]), layer, rank)).encode(), digest_size=8
-        )
-        rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
-        return rng.integers(0, 256, self.token_bytes, dtype=np.uint8)
 
     def expected_rows(self, tokens, layer, n, rank=0):
         key = (tuple(tokens[:n]), layer, rank)
@@ -261,7 +140,7 @@ class Hybrid:
 
     def rows(self, layer, block_ids, positions, rank=0):
         blocks = np.asarray(block_ids)[positions // BS]
-        out = self.ranks[rank][2][layer].numpy()[blocks, :, positions % BS, :]
+        out = self.ranks[rank].kv8[layer].numpy()[blocks, :, positions % BS, :]
         return out.reshape(len(positions), -1)
 
     def seen_is_right(self, rid, layer, start, rank=0):
@@ -274,10 +153,10 @@ class Hybrid:
         want = self.expected_rows(self.requests[rid].all_token_ids, layer, start, rank)[pos]
         return np.array_equal(self.rows(layer, ids, pos, rank), want)
 
-    def forward(self, rid, layer, start, end, rank=0):
+    def forward(self, rank, li, rid, start, end):
+        layer = LAYERS[li]
         tokens = self.requests[rid].all_token_ids
         rows = self.expected_rows(tokens, layer, end, rank)[start:end]
-        li = LAYERS.index(layer)
         if li > 0 and not self.seen_is_right(rid, LAYERS[li - 1], start, rank):
             rows = rows ^ 0x5A  # attention over wrong KV: wrong KV in turn
             self.computed_wrong += 1
@@ -285,7 +164,7 @@ class Hybrid:
         pos = np.arange(start, end)
         blocks = np.asarray(ids)[pos // BS]
         assert self.null not in blocks, "the forward pass writes into a block vLLM freed"
-        cache = self.ranks[rank][2][layer].numpy()
+        cache = self.ranks[rank].kv8[layer].numpy()
         cache[blocks, :, pos % BS, :] = rows.reshape(end - start, *cache.shape[1:2], -1)
 
     def block_is_right(self, rid, group, index, block_id):
@@ -310,7 +189,7 @@ class Hybrid:
 
     def stored_object(self, entry, rank=0):
         """The bytes an index entry's slot holds on ``rank`` (DRAM arena or SSD file)."""
-        side = self.ranks[rank][0].worker_side
+        side = self.ranks[rank].worker.worker_side
         size, slot = 2 * _spec().page_size_bytes, side.layout.slot_bytes
         if entry.tier == DRAM:
             return side._arena[entry.slot * slot : entry.slot * slot + size]
@@ -318,96 +197,12 @@ class Hybrid:
             f.seek(entry.slot * slot)
             return np.frombuffer(f.read(size), dtype=np.uint8)
 
-    # -- requests and steps -----------------------------------------------------------------
+    # -- the checks of one step (EngineHarness.step calls them) ------------------------------
 
-    def add(self, rid, tokens, max_tokens=1):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, EOS)
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=list(tokens),
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=get_request_block_hasher(BS, sha256),
-        )
-        self.requests[rid] = req
-        self.scheduler.add_request(req)
-        return req
-
-    def step(self):
-        so = self.scheduler.schedule()
-        meta = so.kv_connector_metadata
-        # First, as vLLM's model runner: nothing writes the KV cache before it (a block freed
-        # this step may still be read by an earlier step's save).
-        for w, _, _ in self.ranks:
-            w.handle_preemptions(meta)
-        loads = []
-        for rid, items in meta.loads.items():
-            for op, _, _, block in items:
-                group = meta.groups.get(op, 0)
-                index = self.block_ids(rid)[group].index(block)
-                loads.append((rid, group, index, block))
-                for _, _, kv8 in self.ranks:
-                    for layer in self.groups[group]:
-                        kv8[layer][block] = POISON  # only the load can make it right
+    def check_loads(self, so, output, loads, check_loads):
         self.loads.extend(loads)
-        for w, _, _ in self.ranks:
-            w.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
-                w.start_load_kv(None)
-        scheduled = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
-        cached = so.scheduled_cached_reqs
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
-        for layer in LAYERS:
-            for rank, (w, kv, _) in enumerate(self.ranks):
-                w.wait_for_layer_load(layer)
-                for rid, computed in scheduled:
-                    end = computed + so.num_scheduled_tokens[rid]
-                    self.forward(rid, layer, computed, end, rank)
-                w.save_kv_layer(layer, kv[layer], None)
-        req_ids = [rid for rid, _ in scheduled]
-        sampled = []
-        for rid, computed in scheduled:
-            end = computed + so.num_scheduled_tokens[rid]
-            sampled.append([7] if end >= self.requests[rid].num_tokens else [])
-        outputs = []
-        for w, _, _ in self.ranks:
-            if not so.has_sync_kv_loads:
-                w.start_load_kv(None)
-            w.wait_for_save()
-            results = w.get_transfer_results(so.finished_req_ids)
-            out = KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
-                failed_recving=results.failed_recving,
-                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_stats=w.get_kv_connector_stats(),
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
-            w.clear_connector_metadata()
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                    sampled_token_ids=sampled,
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=out,
-                )
-            )
-        # What vLLM's executor hands the scheduler: the ranks' outputs aggregated.
-        merged = self.aggregator.aggregate(outputs) if self.tp > 1 else outputs[0]
-        output = merged.kv_connector_output
-        invalid = output.invalid_block_ids
         failed = output.failed_recving or set()
         self.failed_recving |= failed
-        stats = output.kv_connector_stats
-        self.load_errors |= invalid
-        if stats is not None:
-            for k, v in stats.data.items():
-                self.stats[k] = self.stats.get(k, 0) + v
         # A load that settled is right, byte for byte, unless reported failed.
         settled = (output.finished_recving or set()) | (
             {x[0] for x in loads} if so.has_sync_kv_loads else set()
@@ -416,51 +211,18 @@ class Hybrid:
             if rid not in failed and block not in self.load_errors:
                 assert self.block_is_right(rid, group, index, block), (rid, group, index)
         self.loads = [x for x in self.loads if x[0] not in settled]
-        for rid, computed in scheduled:
-            req = self.requests[rid]
-            end = computed + so.num_scheduled_tokens[rid]
-            if end >= req.num_tokens and computed < req.num_prompt_tokens and not (
-                set(b for ids in self.block_ids(rid) for b in ids) & invalid
-            ):
-                # The prefill is complete: every block vLLM still holds, in each group,
-                # holds what the prompt implies.
-                for group, ids in enumerate(self.block_ids(rid)):
-                    for index in range(req.num_prompt_tokens // BS):
-                        if ids[index] != self.null:
-                            assert self.block_is_right(rid, group, index, ids[index]), (
-                                rid,
-                                group,
-                                index,
-                            )
-                self.prefills_checked += 1
-        self.scheduler.update_from_output(so, merged)
-        return so
 
-    def run(self, hang=120.0):
-        deadline = time.monotonic() + hang
-        while self.scheduler.requests or self.index.pending_ops():
-            assert time.monotonic() < deadline, f"hung: {list(self.scheduler.requests)}"
-            if self.step().total_num_scheduled_tokens == 0:
-                time.sleep(0.001)
-
-    def first_step_of(self, rid):
-        deadline = time.monotonic() + 120.0
-        while time.monotonic() < deadline:
-            so = self.step()
-            for req in so.scheduled_new_reqs:
-                if req.req_id == rid:
-                    return so, req.num_computed_tokens
-            if rid in so.scheduled_cached_reqs.req_ids:
-                cached = so.scheduled_cached_reqs
-                return so, cached.num_computed_tokens[cached.req_ids.index(rid)]
-            if so.total_num_scheduled_tokens == 0:
-                time.sleep(0.001)
-        raise AssertionError(f"{rid} never scheduled")
-
-    def close(self):
-        for w, _, _ in self.ranks:
-            w.shutdown()
-        self.scheduler.connector.shutdown()
+    def check_prefill(self, rid, req):
+        # The prefill is complete: every block vLLM still holds, in each group, holds what
+        # the prompt implies.
+        for group, ids in enumerate(self.block_ids(rid)):
+            for index in range(req.num_prompt_tokens // BS):
+                if ids[index] != self.null:
+                    assert self.block_is_right(rid, group, index, ids[index]), (
+                        rid,
+                        group,
+                        index,
+                    )
 
 
 def published_blocks_are_right(h, tokens):
@@ -847,7 +609,7 @@ def test_two_tp_ranks_with_several_groups_and_a_failure_on_one_rank(tmp_path):
         h.run()
         assert h.stats.get("saved_blocks.dram") == 2 * 2 * 8  # both ranks, both groups
         assert h.scheduler.reset_prefix_cache()
-        fault = FailingLoads(h.ranks[1][0].worker_side, [])
+        fault = FailingLoads(h.ranks[1].worker.worker_side, [])
         orig = h.sched_side.after_alloc
 
         def after_alloc(request, blocks, n):

@@ -17,30 +17,21 @@ for the memory-node tests umbp-ucx-serve and UCX (likewise, UMBP_REQUIRE_UCX=1).
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
-try:
-    import torch  # noqa: F401
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    if os.environ.get("UMBP_REQUIRE_VLLM") == "1":
-        raise
-    pytest.skip(f"vLLM is not installed ({e}); run: bash .ci/vllm-venv", allow_module_level=True)
+# First: it skips this module (or fails, with UMBP_REQUIRE_VLLM=1) where vLLM is absent.
+from vllm_harness import BS, first_step_of, prompt
 
-import test_vllm as tv
 from memory_node import memory_node  # noqa: F401  (the fixture)
 from redis_server import redis  # noqa: F401  (the fixture)
-from test_vllm import BS, first_step_of, prompt, slot_bytes
-from vllm.config import KVTransferConfig
+from test_vllm import Harness, slot_bytes
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,14 +43,8 @@ def harness(tmp, *, kv_role="kv_both", **extra):
     """test_vllm's harness (vLLM's scheduler, the workers, the fake forward pass) as a
     ``kv_role`` instance, its model's config in ``tmp`` (instances that share a pool serve one
     model: the same ``tmp``)."""
-    real = KVTransferConfig
-
-    def config(**kw):
-        return real(**{**kw, "kv_role": kv_role})
-
     tmp.mkdir(parents=True, exist_ok=True)
-    with mock.patch.object(tv, "KVTransferConfig", config):
-        return tv.Harness(tmp, **extra)
+    return Harness(tmp, kv_role=kv_role, **extra)
 
 
 def close(h):
