@@ -16,7 +16,7 @@ use support::{config, engine, fill_byte, ucx_or_skip, Served, POISON, SECRET};
 
 // The wire format as an attacker reads it in the crate's docs.
 const MAGIC: &[u8; 8] = b"UMBPUCX\0";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 /// Bytes of the hello, the challenge and the client's proof.
 const HELLO_LEN: usize = 45;
 const CHALLENGE_LEN: usize = 78;
