@@ -635,7 +635,7 @@ def test_a_second_instance_on_one_ssd_file_is_refused_at_start_naming_the_file(t
     assert _dp_rank(h.config) == 0
 
     def worker(dp):
-        with mock.patch("umbp.vllm._dp_rank", return_value=dp):
+        with mock.patch("umbp.vllm.connector._dp_rank", return_value=dp):
             w = UmbpConnector(h.config, KVConnectorRole.WORKER, h.kv_cache_config)
         layout = h.config.cache_config.get_resolved_kv_cache_layout()
         w.register_kv_caches(allocate_kv_cache(h.kv_cache_config, torch.device("cpu"), layout))

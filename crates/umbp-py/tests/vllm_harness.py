@@ -205,7 +205,7 @@ class EngineHarness:
                 torch.device("cpu"),
                 config.cache_config.get_resolved_kv_cache_layout(),
             )
-            with mock.patch("umbp.vllm._tp", return_value=(rank, tp)):
+            with mock.patch("umbp.vllm.connector._tp", return_value=(rank, tp)):
                 worker = UmbpConnector(config, KVConnectorRole.WORKER, kv_cache_config)
             worker.register_kv_caches(kv)
             kv8 = {name: t.view(torch.uint8) for name, t in kv.items()}
