@@ -16,6 +16,9 @@ use crate::overlap::BatchOverlap;
 use crate::route::{route, Route};
 use crate::CompositeEngine;
 
+/// The engine label of a rejection no engine gave (`umbp_rejected_objects_total`).
+const UNROUTED: &str = "unrouted";
+
 /// A fragment that takes the staged route: two hops through the bounce region.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct StagedFragment {
@@ -453,6 +456,14 @@ impl CompositeBuilder {
             Scope::Open(tag) => {
                 let _ = self.rollback_subs();
                 self.staged.truncate(self.staged_at_begin);
+                if self.metered {
+                    // No engine refused it: the caller did, before or between its fragments.
+                    let kind = match &reason {
+                        Error::Rejected { reason, .. } => reason.kind_name(),
+                        _ => "other",
+                    };
+                    self.composite.metrics().record_rejected(UNROUTED, "unknown", kind);
+                }
                 self.rejected.push((tag, reason));
             }
         }
@@ -482,6 +493,7 @@ impl CompositeBuilder {
         if let Scope::Open(open) | Scope::Poisoned(open) = self.scope {
             return Err(Error::ObjectOpen { open });
         }
+        let metered = self.metered;
         let mut out = RoutedPlans {
             composite: self.composite.id(),
             parts: Vec::new(),
@@ -501,11 +513,21 @@ impl CompositeBuilder {
         // The first error an engine's builder gave that `finish` may not give (anything but a
         // rejection): the batch is refused with it, once the builder is left clean below.
         let mut broken = None;
+        // A rejection found here is counted under the engine whose builder gave it; which
+        // pair the object's refused fragment had is not known any more (`unknown` direction).
+        let composite = &self.composite;
+        let count = |engine: usize, reason: &RejectReason| {
+            if metered {
+                let name = composite.engine_name(engine);
+                composite.metrics().record_rejected(&name, "unknown", reason.kind_name());
+            }
+        };
         for sub in &mut self.subs {
             match guarded(sub, |b| b.finish()) {
                 Ok(plans) => {
                     for (tag, reason) in plans.rejections() {
                         if late.insert(tag) {
+                            count(sub.engine, &reason);
                             out.rejected.push((tag, Error::Rejected { tag, reason }));
                         }
                     }
@@ -528,6 +550,7 @@ impl CompositeBuilder {
             for tag in sub.lost.drain(..) {
                 if late.insert(tag) {
                     let reason = RejectReason::BuilderPanicked;
+                    count(sub.engine, &reason);
                     out.rejected.push((tag, Error::Rejected { tag, reason }));
                 }
             }
@@ -729,13 +752,13 @@ impl CompositeBuilder {
         self.rejected.push((tag, error));
         self.scope = Scope::Poisoned(tag);
         // Asking the engine its name may panic; the composite's answer does not.
-        let name = engine.map_or_else(|| "unrouted".to_string(), |i| self.composite.engine_name(i));
+        let name = engine.map_or_else(|| UNROUTED.to_string(), |i| self.composite.engine_name(i));
         let dir = match (self.table.get(f.src), self.table.get(f.dst)) {
             (Some(s), Some(d)) => direction(s, d),
             _ => "unknown",
         };
         if self.metered {
-            self.composite.metrics().record_rejected(&name, dir, &reason);
+            self.composite.metrics().record_rejected(&name, dir, reason.kind_name());
         }
         tracing::debug!(tag = self.caller_tag(tag), %reason, "object rejected");
         error

@@ -17,7 +17,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
-use umbp_plan::{Endpoint, EndpointKind, FailureCause, ObjectState, PlanSet, RejectReason};
+use umbp_plan::{Endpoint, EndpointKind, FailureCause, ObjectState, PlanSet};
 
 /// The kinds of a transfer's two sides, for example `host->device`.
 pub fn direction(src: &Endpoint, dst: &Endpoint) -> &'static str {
@@ -415,16 +415,17 @@ impl Metrics {
         self.checksum_bytes.get()
     }
 
-    /// An object was rejected while planning.
+    /// An object was rejected while planning, for a reason of kind `reason` (a
+    /// [`RejectReason::kind_name`](umbp_plan::RejectReason::kind_name), or `other` for what is
+    /// not one).
     pub(crate) fn record_rejected(
         &self,
         engine: &str,
         direction: &'static str,
-        reason: &RejectReason,
+        reason: &'static str,
     ) {
         let _ = self.saw(engine, direction);
-        let labels =
-            RejectLabels { engine: engine.to_string(), direction, reason: reason.kind_name() };
+        let labels = RejectLabels { engine: engine.to_string(), direction, reason };
         self.rejected.get_or_create(&labels).inc();
     }
 

@@ -4,6 +4,7 @@ mod support;
 
 use std::sync::Arc;
 
+use support::wrapped::Wrapped;
 use support::*;
 use umbp_composite::{restore, CompositeEngine, ObjectRange, ObjectTransfer, PagedObject};
 use umbp_plan::{
@@ -170,4 +171,71 @@ fn an_unmetered_batch_moves_its_bytes_and_counts_nowhere() {
     assert_eq!(sample(&text, "umbp_batch_duration_seconds_count", &[]), Some(1.0));
     drop(batch);
     assert_eq!(dst.deregister(), vec![3u8; 4096]);
+}
+
+/// Rejections no push gave are counted too: an object the caller rejects itself (its ranges
+/// refused before any fragment: `unrouted`, reason `other`), objects a buffered builder
+/// refuses only at `finish`, and objects lost with a builder that panicked (both under their
+/// engine). Before, only a refused push counted, so these rejected objects were in
+/// `umbp_objects_total{outcome="rejected"}` but in no engine's `umbp_rejected_objects_total`.
+#[test]
+fn rejections_the_caller_or_an_engine_gives_after_a_push_are_counted() {
+    let registry = EndpointRegistry::new();
+    let host: Arc<dyn TransferEngine> =
+        Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
+    let composite_of =
+        |engine: Wrapped| CompositeEngine::new(registry.clone(), vec![Arc::new(engine)]);
+    let wrap = |name| Wrapped::new(host.clone(), registry.clone(), name);
+    // Summed over directions: a push's rejection has its pair's, a late one `unknown`.
+    let rejected = |text: &str, engine: &str, reason: &str| -> f64 {
+        let labels = [format!("engine=\"{engine}\""), format!("reason=\"{reason}\"")];
+        text.lines()
+            .filter(|l| l.starts_with("umbp_rejected_objects_total{"))
+            .filter(|l| labels.iter().all(|label| l.contains(label.as_str())))
+            .map(|l| l.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap())
+            .sum()
+    };
+    let plan = |composite: &CompositeEngine, lens: &[u64], metered: bool| {
+        let src = composite.register_memory(vec![5u8; 4 * 8192]).unwrap();
+        let dst = composite.register_memory(vec![0u8; 4 * 8192]).unwrap();
+        let mut b = composite.builder();
+        b.set_metered(metered);
+        for (o, &len) in lens.iter().enumerate() {
+            let (tag, at) = (Tag::new(o as u32), o as u64 * 8192);
+            b.begin_object(tag).unwrap();
+            match b.push(Fragment::new(src.id(), at, dst.id(), at, len, tag)) {
+                Ok(()) => b.commit_object().unwrap(),
+                Err(e) => b.reject_object(e).unwrap(),
+            }
+        }
+        // The caller's own refusal of one more object, before any of its fragments.
+        let tag = Tag::new(lens.len() as u32);
+        b.begin_object(tag).unwrap();
+        b.reject_object(umbp_plan::WalkError::ZeroLength.into()).unwrap();
+        let report = composite.submit(b.finish().unwrap()).unwrap().wait();
+        report.objects.iter().filter(|o| o.state == ObjectState::Rejected).count()
+    };
+
+    // A buffered builder refusing lengths that are multiples of 8 KiB, at finish.
+    let refusing = composite_of(wrap("refusing").buffered_refusing(8192));
+    assert_eq!(plan(&refusing, &[4096, 8192, 4096, 8192], true), 3);
+    let text = refusing.metrics_text();
+    assert_eq!(rejected(&text, "refusing", "misaligned"), 2.0, "{text}");
+    assert_eq!(rejected(&text, "unrouted", "other"), 1.0, "{text}");
+    let snapshot = refusing.metrics_snapshot();
+    assert_eq!(snapshot[&("refusing".to_string(), "unknown".to_string())].rejected_objects, 2);
+    assert_eq!(sample(&text, "umbp_objects_total", &[("outcome", "rejected")]), Some(3.0));
+
+    // A builder that panics on object 2's push loses objects 0 and 1 with it.
+    let panicky = composite_of(wrap("panicky").builder_panicking_on(2));
+    assert_eq!(plan(&panicky, &[4096; 4], true), 4);
+    let text = panicky.metrics_text();
+    assert_eq!(rejected(&text, "panicky", "builder_panicked"), 3.0, "{text}");
+    assert_eq!(rejected(&text, "unrouted", "other"), 1.0, "{text}");
+
+    // An unmetered batch counts none of them.
+    let quiet = composite_of(wrap("quiet").buffered_refusing(8192));
+    let before = quiet.metrics_text();
+    assert_eq!(plan(&quiet, &[8192, 4096], false), 2);
+    assert_eq!(quiet.metrics_text(), before);
 }
