@@ -45,6 +45,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use socket2::TcpKeepalive;
+
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
 use crate::progress::Command;
 use crate::server::Counters;
@@ -425,37 +427,20 @@ fn send_all(fd: i32, parts: &[&[u8]], deadline: Option<Instant>) -> io::Result<(
 
 /// Turns on TCP keepalive (first probe after `idle`, then every second, three unanswered
 /// ending the connection) and bounds how long sent data may stay unacknowledged
-/// (`TCP_USER_TIMEOUT`, `unacknowledged`): a peer whose network vanished is noticed.
+/// (`TCP_USER_TIMEOUT`, `unacknowledged`): a peer whose network vanished is noticed. The
+/// kernel takes whole seconds and milliseconds: both are cut to them, and made at least one.
 pub(crate) fn keepalive(
     stream: &TcpStream,
     idle: Duration,
     unacknowledged: Duration,
 ) -> io::Result<()> {
-    let fd = stream.as_raw_fd();
-    let set = |level: i32, name: i32, value: i32| -> io::Result<()> {
-        // SAFETY: `value` is a live c_int, and its size is what the option takes.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const i32).cast(),
-                size_of::<i32>() as libc::socklen_t,
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    };
-    let secs = |d: Duration| d.as_secs().clamp(1, i32::MAX as u64) as i32;
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, secs(idle))?;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1)?;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)?;
-    let ms = unacknowledged.as_millis().clamp(1, i32::MAX as u128) as i32;
-    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
+    let socket = socket2::SockRef::from(stream);
+    let idle = Duration::from_secs(idle.as_secs().max(1));
+    let probes =
+        TcpKeepalive::new().with_time(idle).with_interval(Duration::from_secs(1)).with_retries(3);
+    socket.set_tcp_keepalive(&probes)?;
+    let ms = u64::try_from(unacknowledged.as_millis()).unwrap_or(u64::MAX).max(1);
+    socket.set_tcp_user_timeout(Some(Duration::from_millis(ms)))
 }
 
 /// One request the progress thread hands a checked link.
@@ -717,6 +702,33 @@ fn read_answers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `keepalive` sets is what the kernel then holds for the socket, read back: the
+    /// probes' start (whole seconds), interval and count, and the unacknowledged-data bound
+    /// (whole milliseconds); durations under the kernel's unit become one of it.
+    #[test]
+    fn keepalive_sets_the_probes_and_the_unacknowledged_bound() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (served, _) = listener.accept().unwrap();
+        let cases = [
+            (Duration::from_millis(7_300), Duration::from_micros(2_500_900), 7, 2_500),
+            (Duration::ZERO, Duration::ZERO, 1, 1),
+        ];
+        for stream in [&client, &served] {
+            let socket = socket2::SockRef::from(stream);
+            assert!(!socket.keepalive().unwrap(), "off until asked");
+            for (idle, unacknowledged, secs, ms) in cases {
+                keepalive(stream, idle, unacknowledged).unwrap();
+                assert!(socket.keepalive().unwrap());
+                assert_eq!(socket.tcp_keepalive_time().unwrap(), Duration::from_secs(secs));
+                assert_eq!(socket.tcp_keepalive_interval().unwrap(), Duration::from_secs(1));
+                assert_eq!(socket.tcp_keepalive_retries().unwrap(), 3);
+                let bound = socket.tcp_user_timeout().unwrap();
+                assert_eq!(bound, Some(Duration::from_millis(ms)));
+            }
+        }
+    }
 
     #[test]
     fn requests_round_trip_and_are_checked_against_the_exports() {
