@@ -106,6 +106,9 @@ pub struct PoolRow {
     pub items: u64,
     /// Bytes per block (put, get, restart); `null` otherwise.
     pub block_size: Option<u64>,
+    /// umbp's put and get rows: the protection of the channel to the memory node
+    /// (`encrypted` or `authenticated`); `null` otherwise.
+    pub protection: Option<&'static str>,
     /// The median of the rounds, in `unit`.
     pub median: f64,
     /// The 10th..90th percentile of the rounds, in `unit`.
@@ -162,6 +165,7 @@ impl PoolRow {
             system: system.into(),
             items,
             block_size: None,
+            protection: None,
             median: quantile(samples, 0.5),
             interval: [quantile(samples, 0.1), quantile(samples, 0.9)],
             unit,
@@ -537,37 +541,146 @@ fn is_pattern(got: &[u8], round: u64, i: u64) -> bool {
     })
 }
 
-/// The umbp side of put/get: a [`Pool`] over the Redis index whose composite reaches a memory
-/// node (an `umbp-bench serve` child) through the remote engine.
+/// The umbp side of put/get: one memory node (an `umbp-bench serve` child) and one Redis
+/// index, reached by a [`Pool`](umbp_pool::Pool) per channel protection, each over a
+/// composite with a remote engine of its own (as two instances configured differently would
+/// reach one node).
 struct UmbpTransfer {
-    // Dropped first: the registrations, then the pool and engines, then the child.
-    buffer_reg: umbp_plan::Registration,
-    remote: umbp_plan::Registration,
-    pool: umbp_pool::Pool,
+    // Dropped first: the channels (registrations, pools, engines), then the buffer they lent,
+    // Redis and the child.
+    channels: Vec<Channel>,
     buffer: crate::host_buffer::HostBuffer,
-    _ucx: std::sync::Arc<umbp_ucx::UcxEngine>,
     _server: RedisServer,
     _node: crate::remote_bench::ChildServer,
     arena_len: u64,
 }
 
-/// The memory node's id in the pool, and this process's.
+/// One client of the memory node: its pool over a composite whose remote engine asked for
+/// `protection`.
+struct Channel {
+    protection: umbp_ucx::Protection,
+    // Dropped first: the registrations, then the pool and engine.
+    buffer_reg: umbp_plan::Registration,
+    remote: umbp_plan::Registration,
+    pool: umbp_pool::Pool,
+    _ucx: std::sync::Arc<umbp_ucx::UcxEngine>,
+}
+
+/// The memory node's id in the pool.
 const MEMORY_NODE: NodeId = NodeId(2);
-const CLIENT_NODE: NodeId = NodeId(1);
 
 impl UmbpTransfer {
     fn start(program: &Path, arena: u64, buffer: u64) -> anyhow::Result<Self> {
+        let node = crate::remote_bench::ChildServer::start(program, "tcp", arena, None)?;
+        let server = RedisServer::try_start()?;
+        let buffer = crate::host_buffer::HostBuffer::zeroed(buffer as usize);
+        let mut channels = Vec::new();
+        // Client node ids 1, 3, ...: every one but the memory node's.
+        for (k, &protection) in crate::remote_bench::PROTECTIONS.iter().enumerate() {
+            let id = NodeId(1 + 2 * k as u32);
+            channels.push(Channel::connect(&node, &server, &buffer, protection, id)?);
+        }
+        let arena_len = channels.first().map_or(0, |c| c.remote.endpoint().len());
+        Ok(Self { channels, buffer, _server: server, _node: node, arena_len })
+    }
+
+    /// Adds the memory node's tier of `n` slots of `size` bytes (its id: `tier`) to every
+    /// channel's pool.
+    fn add_tier(&self, tier: TierId, size: u64, n: usize) -> anyhow::Result<TierSpec> {
+        ensure!(size * n as u64 <= self.arena_len, "the memory node's arena is too small");
+        let spec = TierSpec::new(MEMORY_NODE, tier, size, n as u32).watermarks(0, 0);
+        for c in &self.channels {
+            let region = umbp_pool::TierRegion::new(c.remote.id(), 0, &spec);
+            c.pool.add_tier(spec, region)?;
+        }
+        Ok(spec)
+    }
+
+    /// Puts `n` blocks of `size` bytes of round `round` into the tier through channel `c`:
+    /// seconds, blocks stored.
+    fn put(
+        &mut self,
+        c: usize,
+        spec: &TierSpec,
+        round: u64,
+        n: usize,
+    ) -> anyhow::Result<(f64, usize)> {
+        let size = spec.slot_size;
+        let bytes = self.buffer.bytes_mut();
+        for i in 0..n {
+            fill_pattern(&mut bytes[i * size as usize..][..size as usize], round, i as u64);
+        }
+        let channel = &self.channels[c];
+        let blocks: Vec<umbp_pool::PutBlock> = (0..n)
+            .map(|i| umbp_pool::PutBlock {
+                key: key((round << 32) + i as u64),
+                src: channel.buffer_reg.id(),
+                offset: i as u64 * size,
+                len: size,
+            })
+            .collect();
+        let t = Instant::now();
+        let out = channel.pool.put_on(spec.node, spec.tier, &blocks)?;
+        let seconds = t.elapsed().as_secs_f64();
+        Ok((seconds, out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count()))
+    }
+
+    /// Gets round `round`'s blocks through channel `c` into the poisoned buffer: seconds,
+    /// blocks loaded and verified by the pool, and whether every byte matched; then removes
+    /// them (untimed).
+    fn get(
+        &mut self,
+        c: usize,
+        spec: &TierSpec,
+        round: u64,
+        n: usize,
+    ) -> anyhow::Result<(f64, usize, bool)> {
+        let size = spec.slot_size;
+        self.buffer.bytes_mut()[..n * size as usize].fill(0xa5);
+        let channel = &self.channels[c];
+        let keys: Vec<BlockKey> = (0..n).map(|i| key((round << 32) + i as u64)).collect();
+        let blocks: Vec<umbp_pool::GetBlock> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, &key)| umbp_pool::GetBlock {
+                key,
+                dst: channel.buffer_reg.id(),
+                offset: i as u64 * size,
+                capacity: size,
+            })
+            .collect();
+        let t = Instant::now();
+        let out = channel.pool.get(&blocks)?;
+        let seconds = t.elapsed().as_secs_f64();
+        let loaded = out.iter().filter(|o| o.is_loaded()).count();
+        let bytes = self.buffer.bytes();
+        let verified = (0..n)
+            .all(|i| is_pattern(&bytes[i * size as usize..][..size as usize], round, i as u64));
+        channel.pool.remove(&keys)?;
+        Ok((seconds, loaded, verified))
+    }
+}
+
+impl Channel {
+    /// Connects a remote engine asking for `protection` to the memory node, registers its
+    /// arena and `buffer` with a composite, and opens a pool of node `id` over it.
+    fn connect(
+        node: &crate::remote_bench::ChildServer,
+        server: &RedisServer,
+        buffer: &crate::host_buffer::HostBuffer,
+        protection: umbp_ucx::Protection,
+        id: NodeId,
+    ) -> anyhow::Result<Self> {
         use std::sync::Arc;
         use umbp_composite::{CompositeConfig, CompositeEngine};
         use umbp_plan::{EndpointRegistry, Register};
-        let node = crate::remote_bench::ChildServer::start(program, "tcp", arena, None)?;
-        let server = RedisServer::try_start()?;
         let registry = EndpointRegistry::new();
         let ucx = Arc::new(umbp_ucx::UcxEngine::new(
             registry.clone(),
             umbp_ucx::UcxConfig {
                 transports: Some("tcp".into()),
                 secret: Some(crate::remote_bench::secret().into()),
+                protection,
                 // A batch of 4,096 blocks of 1 MiB into a memory node that first touches its
                 // arena's pages, on a loaded 2-core machine, left the default 5 s without an
                 // answer (the peer was declared dead and the rows failed): room for that.
@@ -591,94 +704,19 @@ impl UmbpTransfer {
         let index = Arc::new(RedisIndex::connect(&server.config("bench"))?);
         // The memory node announces itself as umbp-ucx-serve would.
         announce(index.as_ref(), MEMORY_NODE)?;
-        let pool = umbp_pool::Pool::new(
-            index,
-            composite.clone(),
-            umbp_pool::PoolConfig::new(CLIENT_NODE),
-        )?;
-        let buffer = crate::host_buffer::HostBuffer::zeroed(buffer as usize);
-        // SAFETY: the buffer outlives its registration (the field order), and the bench reads
-        // or writes it only between puts and gets, each of which returns once its transfers
-        // ended.
+        let pool = umbp_pool::Pool::new(index, composite.clone(), umbp_pool::PoolConfig::new(id))?;
+        // SAFETY: the buffer outlives its registration (`UmbpTransfer`'s field order), and the
+        // bench reads or writes it only between puts and gets, each of which returns once its
+        // transfers ended; the channels take turns, so no two transfers touch it at once.
         let buffer_reg = unsafe { buffer.lend(&composite) }?;
-        Ok(Self {
-            buffer_reg,
-            remote,
-            pool,
-            buffer,
-            _ucx: ucx,
-            _server: server,
-            _node: node,
-            arena_len: exported.len,
-        })
-    }
-
-    /// Adds the memory node's tier of `n` slots of `size` bytes (its id: `tier`).
-    fn add_tier(
-        &self,
-        tier: TierId,
-        size: u64,
-        n: usize,
-        remote: umbp_plan::EndpointId,
-    ) -> anyhow::Result<TierSpec> {
-        ensure!(size * n as u64 <= self.arena_len, "the memory node's arena is too small");
-        let spec = TierSpec::new(MEMORY_NODE, tier, size, n as u32).watermarks(0, 0);
-        self.pool.add_tier(spec, umbp_pool::TierRegion::new(remote, 0, &spec))?;
-        Ok(spec)
-    }
-
-    /// Puts `n` blocks of `size` bytes of round `round` into the tier: seconds, blocks stored.
-    fn put(&mut self, spec: &TierSpec, round: u64, n: usize) -> anyhow::Result<(f64, usize)> {
-        let size = spec.slot_size;
-        let bytes = self.buffer.bytes_mut();
-        for i in 0..n {
-            fill_pattern(&mut bytes[i * size as usize..][..size as usize], round, i as u64);
-        }
-        let blocks: Vec<umbp_pool::PutBlock> = (0..n)
-            .map(|i| umbp_pool::PutBlock {
-                key: key((round << 32) + i as u64),
-                src: self.buffer_reg.id(),
-                offset: i as u64 * size,
-                len: size,
-            })
-            .collect();
-        let t = Instant::now();
-        let out = self.pool.put_on(spec.node, spec.tier, &blocks)?;
-        let seconds = t.elapsed().as_secs_f64();
-        Ok((seconds, out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count()))
-    }
-
-    /// Gets round `round`'s blocks into the poisoned buffer: seconds, blocks loaded and
-    /// verified by the pool, and whether every byte matched; then removes them (untimed).
-    fn get(&mut self, spec: &TierSpec, round: u64, n: usize) -> anyhow::Result<(f64, usize, bool)> {
-        let size = spec.slot_size;
-        self.buffer.bytes_mut()[..n * size as usize].fill(0xa5);
-        let keys: Vec<BlockKey> = (0..n).map(|i| key((round << 32) + i as u64)).collect();
-        let blocks: Vec<umbp_pool::GetBlock> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, &key)| umbp_pool::GetBlock {
-                key,
-                dst: self.buffer_reg.id(),
-                offset: i as u64 * size,
-                capacity: size,
-            })
-            .collect();
-        let t = Instant::now();
-        let out = self.pool.get(&blocks)?;
-        let seconds = t.elapsed().as_secs_f64();
-        let loaded = out.iter().filter(|o| o.is_loaded()).count();
-        let bytes = self.buffer.bytes();
-        let verified = (0..n)
-            .all(|i| is_pattern(&bytes[i * size as usize..][..size as usize], round, i as u64));
-        self.pool.remove(&keys)?;
-        Ok((seconds, loaded, verified))
+        Ok(Self { protection, buffer_reg, remote, pool, _ucx: ucx })
     }
 }
 
 /// Put and get of `transfer_blocks` blocks per size between this process and a memory node:
-/// umbp's Pool into an `umbp-bench serve` region, Mooncake's batch put/get through its store
-/// into a holder process's memory, alternating round by round.
+/// umbp's Pool into an `umbp-bench serve` region once per channel protection (encrypted and
+/// authenticated, as `remote` measures), Mooncake's batch put/get through its store into a
+/// holder process's memory, taking turns round by round (each side first in turn).
 pub fn transfer(
     config: &PoolBenchConfig,
     progress: &Progress,
@@ -689,9 +727,9 @@ pub fn transfer(
     let n = config.transfer_blocks;
     let bytes = largest * n as u64;
     let program = std::env::current_exe().context("finding the umbp-bench binary")?;
-    progress.step("starting the memory node, Redis and the pool");
+    progress.step("starting the memory node, Redis and the pools");
     let mut umbp = UmbpTransfer::start(&program, bytes, bytes)?;
-    let remote_id = umbp.remote.id();
+    let channels = umbp.channels.len();
     let mut mooncake = match python {
         // The holder's segment with room to spare: Mooncake evicts above 95 % full.
         Some(python) => match MooncakeStore::start(python, bytes + bytes / 4 + (64 << 20), bytes) {
@@ -705,66 +743,71 @@ pub fn transfer(
     };
     let mut rows = Vec::new();
     for (t, &size) in config.transfer_sizes.iter().enumerate() {
-        let spec = umbp.add_tier(TierId(10 + t as u16), size, n, remote_id)?;
+        let spec = umbp.add_tier(TierId(10 + t as u16), size, n)?;
         let gib = |s: f64| (size * n as u64) as f64 / s / f64::from(1u32 << 30);
-        let (mut up, mut ug, mut mp, mut mg) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut u_ok, mut m_ok) = (true, true);
+        // Per channel: put and get rounds in GiB/s, and whether every round was right.
+        let mut ours = vec![(Vec::new(), Vec::new(), true); channels];
+        let (mut mp, mut mg, mut m_ok) = (Vec::new(), Vec::new(), true);
         for round in 0..=config.transfer_rounds {
             progress.step(format!(
                 "put/get of {n} blocks of {size} bytes, round {round} of {}",
                 config.transfer_rounds
             ));
             let tag = (t as u64) * 1000 + round as u64 + 1;
-            let run_umbp = |umbp: &mut UmbpTransfer| -> anyhow::Result<(f64, f64, bool)> {
-                let (ps, stored) = umbp.put(&spec, tag, n)?;
-                let (gs, loaded, verified) = umbp.get(&spec, tag, n)?;
-                Ok((ps, gs, stored == n && loaded == n && verified))
-            };
-            let run_mooncake = |m: &mut MooncakeStore| -> anyhow::Result<(f64, f64, bool)> {
-                let (ps, stored) = m.put(tag, size, n)?;
-                let (gs, loaded, verified) = m.get(tag, size, n)?;
-                m.remove(tag, n)?;
-                Ok((ps, gs, stored == n as u64 && loaded == n as u64 && verified))
-            };
-            // The order alternates round by round; round 0 warms up and is not counted. A
-            // Mooncake failure ends its rows (said in `skipped`), not umbp's.
-            let mut theirs = |mooncake: &mut Option<MooncakeStore>| {
-                let result = mooncake.as_mut().map(run_mooncake).transpose();
-                result.unwrap_or_else(|e| {
-                    skipped.push(format!("Mooncake Store put/get of {size}-byte blocks: {e:#}"));
-                    *mooncake = None;
-                    None
-                })
-            };
-            let (u, m) = if round % 2 == 0 {
-                let u = run_umbp(&mut umbp)?;
-                (u, theirs(&mut mooncake))
-            } else {
-                let m = theirs(&mut mooncake);
-                (run_umbp(&mut umbp)?, m)
-            };
-            u_ok &= u.2;
-            if round > 0 {
-                up.push(gib(u.0));
-                ug.push(gib(u.1));
-            }
-            if let Some(m) = m {
-                m_ok &= m.2;
-                if round > 0 {
-                    mp.push(gib(m.0));
-                    mg.push(gib(m.1));
+            // Sides 0..channels are umbp's channels, the last Mooncake; the first side
+            // rotates round by round. Round 0 warms up and is not counted. A Mooncake
+            // failure ends its rows (said in `skipped`), not umbp's.
+            for side in (0..=channels).map(|k| (k + round) % (channels + 1)) {
+                if side < channels {
+                    // Each channel its own keys, so no get meets another channel's blocks.
+                    let utag = tag * channels as u64 + side as u64;
+                    let (ps, stored) = umbp.put(side, &spec, utag, n)?;
+                    let (gs, loaded, verified) = umbp.get(side, &spec, utag, n)?;
+                    let (up, ug, ok) = &mut ours[side];
+                    *ok &= stored == n && loaded == n && verified;
+                    if round > 0 {
+                        up.push(gib(ps));
+                        ug.push(gib(gs));
+                    }
+                    continue;
+                }
+                let Some(m) = mooncake.as_mut() else { continue };
+                let run = |m: &mut MooncakeStore| -> anyhow::Result<(f64, f64, bool)> {
+                    let (ps, stored) = m.put(tag, size, n)?;
+                    let (gs, loaded, verified) = m.get(tag, size, n)?;
+                    m.remove(tag, n)?;
+                    Ok((ps, gs, stored == n as u64 && loaded == n as u64 && verified))
+                };
+                match run(m) {
+                    Ok((ps, gs, ok)) => {
+                        m_ok &= ok;
+                        if round > 0 {
+                            mp.push(gib(ps));
+                            mg.push(gib(gs));
+                        }
+                    }
+                    Err(e) => {
+                        skipped
+                            .push(format!("Mooncake Store put/get of {size}-byte blocks: {e:#}"));
+                        mooncake = None;
+                    }
                 }
             }
         }
-        for (figure, ours, theirs) in [("put", &up, &mp), ("get", &ug, &mg)] {
-            let mut row = PoolRow::of(figure, "umbp pool, memory node", n as u64, ours, "GiB/s");
-            row.block_size = Some(size);
-            row.verified = u_ok;
-            if !theirs.is_empty() {
-                row = row.against_mooncake(ours, theirs);
+        for (figure, theirs) in [("put", &mp), ("get", &mg)] {
+            for (c, (up, ug, ok)) in ours.iter().enumerate() {
+                let samples = if figure == "put" { up } else { ug };
+                let name = crate::remote_bench::protection_name(umbp.channels[c].protection);
+                let system = format!("umbp pool, {name}");
+                let mut row = PoolRow::of(figure, system, n as u64, samples, "GiB/s");
+                row.block_size = Some(size);
+                row.protection = Some(name);
+                row.verified = *ok;
+                if !theirs.is_empty() {
+                    row = row.against_mooncake(samples, theirs);
+                }
+                rows.push(row);
             }
-
-            rows.push(row);
             if !theirs.is_empty() {
                 let mut row = PoolRow::of(figure, "mooncake store", n as u64, theirs, "GiB/s");
                 row.block_size = Some(size);

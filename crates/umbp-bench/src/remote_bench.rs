@@ -140,7 +140,7 @@ const LATENCY_BLOCKS: usize = 5;
 
 /// The channel protections measured, each by an engine of its own against the same server:
 /// encrypted (umbp-ucx's default) and authenticated only.
-const PROTECTIONS: [Protection; 2] = [Protection::Encrypted, Protection::Authenticated];
+pub(crate) const PROTECTIONS: [Protection; 2] = [Protection::Encrypted, Protection::Authenticated];
 
 /// A protection's name in the rows: `encrypted` or `authenticated`.
 pub fn protection_name(protection: Protection) -> &'static str {

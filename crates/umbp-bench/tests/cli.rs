@@ -929,11 +929,12 @@ fn serve_listens_until_stdin_closes() {
 }
 
 /// The fields of every `pool` line.
-const POOL_FIELDS: [&str; 15] = [
+const POOL_FIELDS: [&str; 16] = [
     "figure",
     "system",
     "items",
     "block_size",
+    "protection",
     "median",
     "interval",
     "unit",
@@ -990,10 +991,23 @@ fn pool_json_fields_and_verified_rows() {
     assert!(redis["server_cpu_ms"].as_f64().unwrap() >= 0.0, "{redis:?}");
     assert_eq!(pool_row(&lines, "restart", "umbp embedded").unwrap()["items"], 5000);
     if ucx_or_skip() {
+        // One row of each figure per channel protection, each named by it.
         for figure in ["put", "get"] {
-            let l = pool_row(&lines, figure, "umbp pool").unwrap_or_else(|| panic!("{figure}"));
-            assert_eq!((l["items"].as_u64(), l["block_size"].as_u64()), (Some(64), Some(64 << 10)));
+            for protection in ["encrypted", "authenticated"] {
+                let system = format!("umbp pool, {protection}");
+                let l = pool_row(&lines, figure, &system)
+                    .unwrap_or_else(|| panic!("{figure} {protection}"));
+                assert_eq!(l["protection"], protection, "{l:?}");
+                let (items, size) = (l["items"].as_u64(), l["block_size"].as_u64());
+                assert_eq!((items, size), (Some(64), Some(64 << 10)), "{l:?}");
+            }
         }
+    }
+    let index_rows =
+        lines.iter().filter(|l| !["put", "get"].contains(&l["figure"].as_str().unwrap()));
+    assert!(index_rows.clone().count() >= 7);
+    for l in index_rows {
+        assert_eq!(l["protection"], Value::Null, "only the memory node's rows have one: {l:?}");
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the index files are removed");
 }
@@ -1029,8 +1043,10 @@ fn pool_measures_mooncake_store_beside_umbp() {
             let l =
                 pool_row(&lines, figure, "mooncake store").unwrap_or_else(|| panic!("{stderr}"));
             assert_eq!(l["verified"], true, "Mooncake moved every byte right: {l:?}");
-            let ours = pool_row(&lines, figure, "umbp pool").unwrap();
-            assert!(ours["vs_mooncake"].as_f64().unwrap() > 0.0, "{ours:?}");
+            for protection in ["encrypted", "authenticated"] {
+                let ours = pool_row(&lines, figure, &format!("umbp pool, {protection}")).unwrap();
+                assert!(ours["vs_mooncake"].as_f64().unwrap() > 0.0, "{ours:?}");
+            }
         }
     }
 }
