@@ -777,8 +777,8 @@ def test_a_random_workload_for_thousands_of_steps_settles_every_request_byte_exa
     # Every loaded byte is compared (the harness), every request must finish and every
     # operation settle; a batch whose objects all settled must be done (a lost completion
     # fails here), and no progress for two minutes is a hang. UMBP_KV_STEPS sets the steps of
-    # arrivals per case (default 1000; 88000 per case took 35 minutes for the four cases on a
-    # 2-core machine beside a CI run, so an hour is about 150000).
+    # arrivals per case (default 1000; 150000 per case, the four cases, took 61 minutes on a
+    # 2-core machine: the hour).
     from vllm.v1.request import RequestStatus
 
     steps = int(os.environ.get("UMBP_KV_STEPS", "1000"))
