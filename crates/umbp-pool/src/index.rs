@@ -30,7 +30,9 @@ use crate::{
 /// nothing or all of each script's effect happened, never half of it.
 pub trait Index: Send + Sync {
     /// Registers a tier of `spec.slot_count` slots of `spec.slot_size` bytes. Registering the
-    /// same shape again is a no-op (a restart); another shape is [`Error::TierConflict`].
+    /// same shape again is a no-op (a restart). Another shape is [`Error::TierConflict`] while
+    /// the node is alive; in Redis, a node that is not alive (it left, or its announcement
+    /// expired) gets the new shape, its old blocks on that tier dropped.
     fn register_tier(&self, spec: &TierSpec) -> Result<(), Error>;
 
     /// The shape a tier was registered with (by any client of the index); `None` for a tier

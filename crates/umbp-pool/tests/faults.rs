@@ -1109,8 +1109,8 @@ fn pool_resumes_by_itself_after_a_redis_restart() {
 }
 
 /// The child of [`restarted_instance_serves_none_of_its_old_dram_blocks`]: a [`DramPool`] over
-/// the shared Redis as node `UMBP_FAULTS_NODE`, announced for a minute (so a killed instance
-/// is still alive in the index when it restarts). Commands: `put FROM TO` (answers `stored N`),
+/// the shared Redis as node `UMBP_FAULTS_NODE`, announced for `UMBP_FAULTS_ANNOUNCE_MS` (a
+/// minute when unset, so a killed instance is still alive in the index when it restarts). Commands: `put FROM TO` (answers `stored N`),
 /// `get FROM TO` (answers [`DramPool::get`]'s letters).
 #[test]
 fn child_pool_instance() {
@@ -1118,7 +1118,9 @@ fn child_pool_instance() {
         return;
     }
     let index = Arc::new(RedisIndex::connect(&redis_config(env("UMBP_FAULTS_PORT"))).unwrap());
-    let pool = DramPool::new(index, NodeId(env("UMBP_FAULTS_NODE")), Duration::from_secs(60));
+    let announce = std::env::var("UMBP_FAULTS_ANNOUNCE_MS").map_or(60_000, |v| v.parse().unwrap());
+    let pool =
+        DramPool::new(index, NodeId(env("UMBP_FAULTS_NODE")), Duration::from_millis(announce));
     reply("ready");
     for line in commands() {
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -1217,4 +1219,167 @@ fn embedded_killed_while_creating_its_index() {
         index.register_tier(&embedded_tier()).unwrap();
     }
     eprintln!("{created_before_kill} of 25 children finished creating before the kill");
+}
+
+/// Polls `done` until it holds, for at most a minute (a check of an outcome, never a time
+/// budget: a loaded machine only makes it slower).
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(60), "{what}: not after a minute");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An admin connection to the test's Redis: what an operator (or an attacker with the
+/// password) sees and does.
+fn admin(server: &RedisServer) -> redis::Connection {
+    redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", server.password(), server.port()))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// Issue 42, case 1: node 11 (a child process) stores 32 blocks and is SIGKILLed. Once its
+/// announcement lapsed, node 12 stores the same keys (before the fix: "stored 0 present 32",
+/// every get a miss, for as long as nobody called `reap_dead_nodes`), loads every byte back,
+/// and node 12's own renewals reap node 11's state from Redis with nobody asking.
+#[test]
+fn a_dead_nodes_keys_are_stored_again_and_it_is_reaped_by_the_living() {
+    let Some(server) = RedisServer::start() else { return };
+    let mut eleven = Process::spawn(
+        "child_pool_instance",
+        "pool-instance",
+        &[
+            ("UMBP_FAULTS_PORT", server.port().to_string()),
+            ("UMBP_FAULTS_NODE", "11".into()),
+            ("UMBP_FAULTS_ANNOUNCE_MS", "600".into()),
+        ],
+    );
+    assert_eq!(eleven.answer(), "ready");
+    assert_eq!(eleven.ask("put 0 32"), "stored 32");
+    assert_eq!(eleven.ask("get 0 32"), "L".repeat(32));
+    eleven.kill();
+    let index = Arc::new(RedisIndex::connect(&support::config(&server, PREFIX)).unwrap());
+    eventually("node 11's announcement lapses", || {
+        index.nodes().unwrap().iter().all(|n| n.node != NodeId(11))
+    });
+
+    let twelve = DramPool::new(index.clone(), NodeId(12), Duration::from_millis(300));
+    let put = |from: u64, to: u64| {
+        use umbp_plan::Register;
+        let bytes: Vec<u8> = (from..to).flat_map(|id| block_bytes(id, 0, DRAM_LEN)).collect();
+        let src = twelve.composite.register_memory(bytes).unwrap();
+        let blocks: Vec<umbp_pool::PutBlock> = (from..to)
+            .map(|id| umbp_pool::PutBlock {
+                key: key(id),
+                src: src.id(),
+                offset: (id - from) * DRAM_LEN,
+                len: DRAM_LEN,
+            })
+            .collect();
+        twelve.pool.put(twelve.spec.tier, &blocks).unwrap()
+    };
+    let out = put(0, 32);
+    let stored = out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count();
+    assert_eq!(stored, 32, "node 12 must store the dead node's keys: {:?}", &out[..2]);
+    assert_eq!(twelve.get(0, 32).unwrap(), "L".repeat(32));
+    for p in index.lookup(&(0..32).map(key).collect::<Vec<_>>()).unwrap() {
+        assert_eq!(p.unwrap().node, NodeId(12));
+    }
+
+    // Nobody calls reap_dead_nodes: node 12's renewals (every 100 ms) reap node 11 whole.
+    let mut admin = admin(&server);
+    eventually("node 11 is reaped by the living", || {
+        let member: bool = redis::cmd("SISMEMBER")
+            .arg(format!("{{{PREFIX}}}:nodes"))
+            .arg(11)
+            .query(&mut admin)
+            .unwrap();
+        let left: u32 = redis::cmd("EXISTS")
+            .arg(format!("{{{PREFIX}}}:owner:11:0"))
+            .arg(format!("{{{PREFIX}}}:tier:11:0"))
+            .arg(format!("{{{PREFIX}}}:gen:11:0"))
+            .query(&mut admin)
+            .unwrap();
+        !member && left == 0
+    });
+    // Reaping took only node 11's entries: node 12's blocks are all still there.
+    assert_eq!(twelve.get(0, 32).unwrap(), "L".repeat(32));
+}
+
+/// Issue 42, case 2: a node whose tier comes back with another shape (a memory node restarted
+/// with `kv=8MiB` instead of 4 MiB) rejoins after it left, after its announcement expired,
+/// and after a reap, its old placements misses; while it is alive another shape is still a
+/// conflict (its blocks live in the registered shape). Before the fix every one of the
+/// three rejoins was `TierConflict`.
+#[test]
+fn a_node_rejoins_with_another_shape() {
+    let Some(server) = RedisServer::start() else { return };
+    let index = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
+    let node = NodeId(77);
+    let announce = |ttl: Duration| {
+        index
+            .announce(&NodeAnnouncement { node, address: "node-77".into(), tiers: vec![] }, ttl)
+            .unwrap()
+    };
+    let mut slots = 4u32;
+    let mut shape = || {
+        slots *= 2;
+        TierSpec::new(node, TierId(0), 4096, slots)
+    };
+    let first = shape();
+    setup(&index, &first);
+    let old: Vec<Placement> = (0..3).map(|i| put(&index, key(i), &first)).collect();
+    assert!(matches!(index.register_tier(&shape()), Err(Error::TierConflict { .. })));
+
+    // 1. After a planned leave.
+    assert!(index.leave(node).unwrap());
+    let second = shape();
+    index.register_tier(&second).unwrap();
+    announce(TTL);
+    assert_eq!(index.tier_spec(node, TierId(0)).unwrap(), Some(second));
+    assert_eq!(index.lookup(&[key(0), key(1), key(2)]).unwrap(), vec![None; 3]);
+    assert_eq!(index.lease(&old, TTL).unwrap().granted, vec![false; 3]);
+    let p = put(&index, key(10), &second);
+    let s = index.tier_stats(node, TierId(0)).unwrap();
+    assert_eq!((s.free, s.published), (second.slot_count - 1, 1));
+
+    // 2. After its announcement expired (a crash), with 2,500 blocks to drop: more than one
+    // bounded step of deletion.
+    let many: Vec<_> = (100..2_600u64).map(|i| (key(i), 16)).collect();
+    let third = TierSpec::new(node, TierId(0), 4096, 4096);
+    assert!(index.leave(node).unwrap());
+    index.register_tier(&third).unwrap();
+    announce(TTL);
+    for r in index.reserve_many(node, TierId(0), &many, TTL).unwrap() {
+        let Reserved::Slot(r) = r.unwrap() else { panic!("present") };
+        assert!(matches!(index.publish(&[(r, 1)]).unwrap()[..], [Published::Won(_)]));
+    }
+    announce(Duration::from_millis(200));
+    eventually("node 77's announcement lapses", || index.nodes().unwrap().is_empty());
+    let fourth = TierSpec::new(node, TierId(0), 8192, 100);
+    index.register_tier(&fourth).unwrap();
+    announce(TTL);
+    assert_eq!(index.tier_spec(node, TierId(0)).unwrap(), Some(fourth));
+    let found = index.lookup(&many.iter().map(|m| m.0).chain([key(10)]).collect::<Vec<_>>());
+    assert!(found.unwrap().iter().all(Option::is_none));
+    assert_eq!(index.lease(&[p], TTL).unwrap().granted, vec![false]);
+    assert_eq!(index.tier_stats(node, TierId(0)).unwrap().free, 100);
+
+    // 3. After a reap: nothing of it is left, and it registers afresh (a new process, as a
+    // restarted memory node: registers, then announces).
+    announce(Duration::from_millis(200));
+    eventually("node 77's announcement lapses", || index.nodes().unwrap().is_empty());
+    assert_eq!(index.reap_dead_nodes().unwrap(), 1);
+    assert_eq!(index.tier_spec(node, TierId(0)).unwrap(), None);
+    let restarted = RedisIndex::connect(&support::config(&server, PREFIX)).unwrap();
+    let fifth = TierSpec::new(node, TierId(0), 1 << 20, 3);
+    restarted.register_tier(&fifth).unwrap();
+    restarted
+        .announce(&NodeAnnouncement { node, address: "node-77".into(), tiers: vec![] }, TTL)
+        .unwrap();
+    let q = put(&restarted, key(11), &fifth);
+    assert!(q.generation > p.generation, "a reaped node's slots never repeat a generation");
+    assert_eq!(index.lookup(&[key(11)]).unwrap(), vec![Some(q)]);
 }

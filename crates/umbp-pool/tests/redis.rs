@@ -164,8 +164,10 @@ fn node_expiry_drops_its_placements() {
         Err(Error::NodeNotAlive(NodeId(2)))
     ));
     assert_eq!(index.reap_dead_nodes().unwrap(), 1);
-    assert_eq!(index.tier_stats(NodeId(2), TierId(0)).unwrap().published, 0);
-    // It comes back: empty, and its old placement never matches again.
+    // Reaped whole: its tier is gone with its entries.
+    assert!(matches!(index.tier_stats(NodeId(2), TierId(0)), Err(Error::UnknownTier { .. })));
+    // It comes back: empty (the client registers its tier again), and its old placement
+    // never matches again.
     announce(NodeId(2), TTL);
     assert_eq!(index.tier_stats(NodeId(2), TierId(0)).unwrap().free, 4);
     let again = put(&index, key(4), &dying);

@@ -108,8 +108,10 @@ impl Scripts {
 
 /// The Redis [`Index`]: every instance and node of a cluster shares one, through a Redis 7
 /// server (standalone). Nodes [announce](Index::announce) themselves with a TTL and renew it; a
-/// node that stops is dead: its placements drop out of lookups and leases, and its slots are
-/// wiped when it joins again (or at [`reap_dead_nodes`](Self::reap_dead_nodes)).
+/// node that stops is dead: its entries are absent at once to lookups, leases, reservations
+/// and publishes (its keys can be stored again on live nodes), and its state is deleted in
+/// bounded steps by live nodes' renewals, by itself when it joins again (empty, possibly with
+/// other tier shapes), or all at once by [`reap_dead_nodes`](Self::reap_dead_nodes).
 ///
 /// Tiers registered through this client are remembered, and registered again when a node this
 /// client announces rejoins (after it expired, or after the server restarted without its data),
@@ -307,43 +309,60 @@ impl RedisIndex {
         Ok(c)
     }
 
-    /// Deletes the placements of every node whose announcement expired (they are already out
-    /// of lookups; this frees their index entries without waiting for them to rejoin). Returns
-    /// how many nodes were reaped.
+    /// Deletes the state of every node whose announcement expired (their entries are already
+    /// absent to lookups and writers; this frees them without waiting for the nodes to rejoin
+    /// or for live nodes' renewals to reap them, a few at a time). Returns how many nodes were
+    /// reaped. Runs as many bounded script calls as the dead nodes need.
     pub fn reap_dead_nodes(&self) -> Result<u32, Error> {
-        let n: i64 = self.with(|c| self.scripts.reap.arg(&self.prefix).invoke(c))?;
-        Ok(n as u32)
+        let mut reaped = 0;
+        for _ in 0..MAX_STEPS {
+            let v: Value = self.with(|c| self.scripts.reap.arg(&self.prefix).invoke(c))?;
+            let [done, left] = array("reap", &v)? else { return Err(corrupt("reap", &v)) };
+            reaped += int("reap", done)? as u32;
+            if int("reap", left)? == 0 {
+                break;
+            }
+        }
+        Ok(reaped)
     }
 
     fn register_remote(&self, spec: &TierSpec) -> Result<(), Error> {
-        let v: Value = self.with(|c| {
-            self.scripts
-                .register_tier
-                .arg(&self.prefix)
-                .arg(spec.node.0)
-                .arg(spec.tier.0)
-                .arg(spec.slot_size)
-                .arg(spec.slot_count)
-                .arg(u8::from(spec.durable))
-                .arg(spec.low_watermark)
-                .arg(spec.high_watermark)
-                .invoke(c)
-        })?;
-        let a = array("register_tier", &v)?;
-        match a.first().map(|s| bytes("register_tier", s)).transpose()? {
-            Some(b"ok") => Ok(()),
-            Some(b"conflict") => Err(Error::TierConflict {
-                node: spec.node,
-                tier: spec.tier,
-                reason: format!(
-                    "registered in redis: slot size {}, slot count {}, durable {}",
-                    String::from_utf8_lossy(bytes("register_tier", &a[1])?),
-                    String::from_utf8_lossy(bytes("register_tier", &a[2])?),
-                    String::from_utf8_lossy(bytes("register_tier", &a[3])?),
-                ),
-            }),
-            _ => Err(corrupt("register_tier", &v)),
+        for _ in 0..MAX_STEPS {
+            let v: Value = self.with(|c| {
+                self.scripts
+                    .register_tier
+                    .arg(&self.prefix)
+                    .arg(spec.node.0)
+                    .arg(spec.tier.0)
+                    .arg(spec.slot_size)
+                    .arg(spec.slot_count)
+                    .arg(u8::from(spec.durable))
+                    .arg(spec.low_watermark)
+                    .arg(spec.high_watermark)
+                    .invoke(c)
+            })?;
+            let a = array("register_tier", &v)?;
+            match a.first().map(|s| bytes("register_tier", s)).transpose()? {
+                Some(b"ok") => return Ok(()),
+                // A dead node's tier with another shape, being emptied step by step.
+                Some(b"more") => continue,
+                Some(b"conflict") if a.len() == 4 => {
+                    return Err(Error::TierConflict {
+                        node: spec.node,
+                        tier: spec.tier,
+                        reason: format!(
+                            "registered in redis: slot size {}, slot count {}, durable {}, and \
+                             the node is alive",
+                            String::from_utf8_lossy(bytes("register_tier", &a[1])?),
+                            String::from_utf8_lossy(bytes("register_tier", &a[2])?),
+                            String::from_utf8_lossy(bytes("register_tier", &a[3])?),
+                        ),
+                    })
+                }
+                _ => return Err(corrupt("register_tier", &v)),
+            }
         }
+        Err(steps_exhausted("register_tier"))
     }
 
     fn reserve_once(
@@ -470,6 +489,17 @@ fn reserved(
 
 /// Keys per `HMGET` of a batched lookup.
 const LOOKUP_CHUNK: usize = 4096;
+
+/// Bounded script calls one operation makes at most while a dead node's state is deleted
+/// ([`scripts::WIPE_BUDGET`] entries each): room for 64 million entries.
+const MAX_STEPS: u32 = 65_536;
+
+fn steps_exhausted(what: &str) -> Error {
+    Error::Corrupt(format!(
+        "{what}: still deleting a dead node's entries after {MAX_STEPS} steps of {}",
+        scripts::WIPE_BUDGET
+    ))
+}
 
 fn ttl_ms(ttl: Duration) -> u64 {
     (ttl.as_millis() as u64).max(1)
@@ -716,24 +746,37 @@ impl Index for RedisIndex {
     }
 
     fn announce(&self, node: &NodeAnnouncement, ttl: Duration) -> Result<(), Error> {
-        let joined: i64 = self.with(|c| {
-            self.scripts
-                .announce
-                .arg(&self.prefix)
-                .arg(node.node.0)
-                .arg(ttl_ms(ttl))
-                .arg(node.encode())
-                .invoke(c)
-        })?;
-        if joined == 1 {
-            tracing::info!(node = node.node.0, "pool: node joined (empty)");
-            let specs: Vec<TierSpec> =
-                lock(&self.registered).values().filter(|s| s.node == node.node).copied().collect();
-            for spec in specs {
-                self.register_remote(&spec)?;
+        let blob = node.encode();
+        for _ in 0..MAX_STEPS {
+            let answer: i64 = self.with(|c| {
+                self.scripts
+                    .announce
+                    .arg(&self.prefix)
+                    .arg(node.node.0)
+                    .arg(ttl_ms(ttl))
+                    .arg(&blob)
+                    .invoke(c)
+            })?;
+            match answer {
+                0 => return Ok(()),
+                1 => {
+                    tracing::info!(node = node.node.0, "pool: node joined (empty)");
+                    let specs: Vec<TierSpec> = lock(&self.registered)
+                        .values()
+                        .filter(|s| s.node == node.node)
+                        .copied()
+                        .collect();
+                    for spec in specs {
+                        self.register_remote(&spec)?;
+                    }
+                    return Ok(());
+                }
+                // Its earlier life's entries are being deleted, a bounded step a call.
+                2 => continue,
+                other => return Err(corrupt("announce", &Value::Int(other))),
             }
         }
-        Ok(())
+        Err(steps_exhausted("announce"))
     }
 
     fn nodes(&self) -> Result<Vec<NodeAnnouncement>, Error> {
@@ -755,8 +798,18 @@ impl Index for RedisIndex {
     }
 
     fn leave(&self, node: NodeId) -> Result<bool, Error> {
-        let was: i64 = self.with(|c| self.scripts.leave.arg(&self.prefix).arg(node.0).invoke(c))?;
-        tracing::debug!(node = node.0, was_alive = was == 1, "pool: node left");
-        Ok(was == 1)
+        let mut was = None;
+        for _ in 0..MAX_STEPS {
+            let v: Value =
+                self.with(|c| self.scripts.leave.arg(&self.prefix).arg(node.0).invoke(c))?;
+            let [alive, emptied] = array("leave", &v)? else { return Err(corrupt("leave", &v)) };
+            // Only the first call can find it alive: it is dead from then on.
+            let was = *was.get_or_insert(int("leave", alive)? == 1);
+            if int("leave", emptied)? == 1 {
+                tracing::debug!(node = node.0, was_alive = was, "pool: node left");
+                return Ok(was);
+            }
+        }
+        Err(steps_exhausted("leave"))
     }
 }

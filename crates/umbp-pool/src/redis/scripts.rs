@@ -21,6 +21,15 @@
 //! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
 //! | `P:leaseseq` | counter | the last lease id |
 //!
+//! A published entry is *live* only while its node is alive (its announcement has not
+//! expired) and its slot's `owner` still names its key. Every script that asks whether a key
+//! is present (reserve, publish) asks whether it is live: a dead node's entries are absent to
+//! writers at once, not only hidden from lookups, so its keys can be stored again elsewhere.
+//! Dead nodes' state is deleted in bounded steps ([`WIPE_BUDGET`] entries a call): by the
+//! node itself when it rejoins (it is alive again only once its old entries are gone), by
+//! [`LEAVE`], and by every renewal of a live node, which reaps a few dead nodes as it goes
+//! ([`ANNOUNCE`]).
+//!
 //! `ARGV[1]` of every script is `P`. Time is the server's (`TIME`), so clients' clocks never
 //! matter. Scripts touch keys they compute rather than declare, which standalone Redis allows;
 //! every key shares the `{prefix}` hash tag, so a Cluster would route them to one shard.
@@ -33,6 +42,41 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+local alive_now = {}
+local function alive(n)
+  local a = alive_now[n]
+  if a == nil then
+    a = redis.call('EXISTS', P .. ':node:' .. n) == 1
+    alive_now[n] = a
+  end
+  return a
+end
+-- The node, tier and slot a published value names, as the strings keys are made of; nil for
+-- a value too short to be one.
+local function where(blob)
+  if #blob < 10 then return nil end
+  local n, t, slot = struct.unpack('>I4I2I4', blob)
+  return string.format('%d', n), string.format('%d', t), string.format('%d', slot)
+end
+-- The published value of `key` if it is live: its node is alive and its slot still holds it.
+local function live(key)
+  local blob = redis.call('HGET', P .. ':blocks', key)
+  if not blob then return nil end
+  local n, t, slot = where(blob)
+  if n and alive(n) and redis.call('HGET', k('owner', n, t), slot) == key then return blob end
+  return nil
+end
+-- Forgets that `slot` of node n's tier t holds `key`; the key's entry goes too if it names
+-- this slot (another writer may have stored the key elsewhere since this slot's node died).
+local function drop_owner(n, t, slot, key)
+  local blob = redis.call('HGET', P .. ':blocks', key)
+  if blob then
+    local bn, bt, bs = where(blob)
+    if bn == n and bt == t and bs == slot then redis.call('HDEL', P .. ':blocks', key) end
+  end
+  redis.call('HDEL', k('owner', n, t), slot)
+  redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot)
+end
 local function leased(n, t, slot)
   local lsk = P .. ':ls:' .. n .. ':' .. t .. ':' .. slot
   local live = false
@@ -44,12 +88,9 @@ local function leased(n, t, slot)
 end
 local function drop_published(n, t, slot)
   local key = redis.call('HGET', k('owner', n, t), slot)
-  if key then
-    redis.call('HDEL', P .. ':blocks', key)
-    redis.call('HDEL', k('owner', n, t), slot)
-  end
+  if key then drop_owner(n, t, slot, key)
+  else redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot) end
   redis.call('ZREM', k('lru', n, t), slot)
-  redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot)
   redis.call('RPUSH', k('free', n, t), slot)
 end
 local function evict(n, t, want)
@@ -82,9 +123,9 @@ local function reclaim(n, t, now)
 end
 local function reserve_one(key, n, t, len_arg, ttl, now)
   local len = tonumber(len_arg)
-  local blob = redis.call('HGET', P .. ':blocks', key)
+  local blob = live(key)
   if blob then return {'present', blob} end
-  if redis.call('EXISTS', P .. ':node:' .. n) == 0 then return {'dead'} end
+  if not alive(n) then return {'dead'} end
   local tk = k('tier', n, t)
   local meta = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'low', 'high', 'next')
   if not meta[1] then return {'unknown'} end
@@ -103,10 +144,10 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
   if gen == 1 then
     -- No generation for this slot on this server: its first reservation, or the server lost
-    -- its data (a restart). Start from the server's clock (ms * 1000), above every generation
-    -- an earlier life of the server handed out for the slot (that would take 1,000
-    -- reservations of one slot per millisecond), so a placement or reservation from before
-    -- never matches again. Exact in Lua's doubles until the year 2255.
+    -- its data (a restart), or the node was reaped. Start from the server's clock (ms *
+    -- 1000), above every generation an earlier life handed out for the slot (that would take
+    -- 1,000 reservations of one slot per millisecond), so a placement or reservation from
+    -- before never matches again. Exact in Lua's doubles until the year 2255.
     gen = now * 1000
     redis.call('HSET', k('gen', n, t), slot, string.format('%.0f', gen))
   end
@@ -114,31 +155,71 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
   return {'ok', tonumber(slot), gen}
 end
-local function wipe(n)
-  for _, t in ipairs(redis.call('SMEMBERS', P .. ':ntiers:' .. n)) do
-    local all = redis.call('HGETALL', k('owner', n, t))
-    for j = 1, #all, 2 do
-      redis.call('HDEL', P .. ':blocks', all[j + 1])
-      redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. all[j])
-    end
-    redis.call('DEL', k('owner', n, t), k('lru', n, t), k('resv', n, t), k('rkey', n, t), k('free', n, t))
-    redis.call('HSET', k('tier', n, t), 'next', 0)
+-- Deletes up to `budget` of tier t's published entries of node n, then (once none is left)
+-- its reservations and free list, so the tier is empty with its shape kept. Returns whether
+-- the tier is empty and the budget left.
+local function wipe_tier(n, t, budget)
+  local ok = k('owner', n, t)
+  while budget > 0 do
+    local batch = redis.call('HRANDFIELD', ok, math.min(budget, 256), 'WITHVALUES')
+    if #batch == 0 then break end
+    for j = 1, #batch, 2 do drop_owner(n, t, batch[j], batch[j + 1]) end
+    budget = budget - #batch / 2
   end
+  if redis.call('EXISTS', ok) == 1 then return false, 0 end
+  redis.call('UNLINK', k('lru', n, t), k('resv', n, t), k('rkey', n, t), k('free', n, t))
+  redis.call('HSET', k('tier', n, t), 'next', 0)
+  return true, budget - 1
+end
+-- wipe_tier over every tier of node n: whether all are empty, and the budget left.
+local function wipe(n, budget)
+  for _, t in ipairs(redis.call('SMEMBERS', P .. ':ntiers:' .. n)) do
+    local done
+    done, budget = wipe_tier(n, t, budget)
+    if not done then return false, 0 end
+  end
+  return true, budget
+end
+-- Deletes, in steps of at most `budget` entries, everything of up to `sample` dead nodes
+-- (chosen at random): entries, tiers, generations (a node that returns starts its slots'
+-- generations from the clock, as after a server restart). Returns the nodes reaped whole.
+local function reap(budget, sample)
+  local reaped = 0
+  for _, n in ipairs(redis.call('SRANDMEMBER', P .. ':nodes', sample)) do
+    if budget <= 0 then break end
+    if redis.call('EXISTS', P .. ':node:' .. n) == 0 then
+      local done
+      done, budget = wipe(n, budget)
+      if not done then break end
+      for _, t in ipairs(redis.call('SMEMBERS', P .. ':ntiers:' .. n)) do
+        redis.call('UNLINK', k('tier', n, t), k('gen', n, t))
+      end
+      redis.call('DEL', P .. ':ntiers:' .. n)
+      redis.call('SREM', P .. ':nodes', n)
+      reaped = reaped + 1
+    end
+  end
+  return reaped
 end
 "#;
 
 /// ARGV: P, node, tier, slot_size, slot_count, durable, low, high.
-/// Returns `{'ok'}` or `{'conflict', slot_size, slot_count, durable}`.
+/// Returns `{'ok'}`, `{'more'}` (call again: a dead node's tier with another shape is being
+/// emptied, [`WIPE_BUDGET`] entries a call) or `{'conflict', slot_size, slot_count, durable}`
+/// (another shape, and the node is alive: its blocks live in the registered shape).
 pub(super) const REGISTER_TIER: &str = r#"
 local n, t = ARGV[2], ARGV[3]
 local tk = k('tier', n, t)
 local have = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'durable')
 if have[1] then
-  if have[1] ~= ARGV[4] or have[2] ~= ARGV[5] or have[3] ~= ARGV[6] then
-    return {'conflict', have[1], have[2], have[3]}
+  if have[1] == ARGV[4] and have[2] == ARGV[5] and have[3] == ARGV[6] then
+    redis.call('HSET', tk, 'low', ARGV[7], 'high', ARGV[8])
+    return {'ok'}
   end
-  redis.call('HSET', tk, 'low', ARGV[7], 'high', ARGV[8])
-  return {'ok'}
+  if alive(n) then return {'conflict', have[1], have[2], have[3]} end
+  -- A node that is not alive comes back with another shape: its old slots are emptied, then
+  -- the tier takes the new shape.
+  if not wipe_tier(n, t, WIPE_BUDGET) then return {'more'} end
 end
 redis.call('HSET', tk, 'slot_size', ARGV[4], 'slot_count', ARGV[5], 'durable', ARGV[6],
   'low', ARGV[7], 'high', ARGV[8], 'next', 0)
@@ -166,7 +247,7 @@ return out
 
 /// ARGV: P, then per item: key, node, tier, slot, generation, len, placement value.
 /// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
-/// placement value.
+/// placement value. An entry of the key that is not live (its node died) is replaced.
 pub(super) const PUBLISH: &str = r#"
 local now = now_ms()
 local out = {}
@@ -177,9 +258,9 @@ while i + 6 <= #ARGV do
   local dl = redis.call('ZSCORE', k('resv', n, t), slot)
   local ours = dl and redis.call('HGET', k('gen', n, t), slot) == gen
     and redis.call('HGET', k('rkey', n, t), slot) == key .. len
-  if ours and tonumber(dl) > now and redis.call('EXISTS', P .. ':node:' .. n) == 1 then
+  if ours and tonumber(dl) > now and alive(n) then
     unreserve(n, t, slot)
-    local winner = redis.call('HGET', P .. ':blocks', key)
+    local winner = live(key)
     if winner then
       redis.call('RPUSH', k('free', n, t), slot)
       out[#out + 1] = 'L' .. winner
@@ -233,18 +314,12 @@ local id = redis.call('INCR', P .. ':leaseseq')
 local lk = P .. ':lease:' .. id
 local now = now_ms()
 local out = {id}
-local alive = {}
 redis.call('RPUSH', lk, '-')
 local i = 3
 while i + 4 <= #ARGV do
   local key, n, t, slot, gen = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
   i = i + 5
-  local a = alive[n]
-  if a == nil then
-    a = redis.call('EXISTS', P .. ':node:' .. n) == 1
-    alive[n] = a
-  end
-  if a and redis.call('HGET', k('owner', n, t), slot) == key
+  if alive(n) and redis.call('HGET', k('owner', n, t), slot) == key
       and redis.call('HGET', k('gen', n, t), slot) == gen then
     redis.call('SADD', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot, id)
     redis.call('ZADD', k('lru', n, t), 'XX', now, slot)
@@ -278,9 +353,11 @@ for i = 2, #ARGV do
   if not blob then
     out[#out + 1] = 'A'
   else
-    local n, t, slot = struct.unpack('>I4I2I4', blob)
-    n, t, slot = string.format('%d', n), string.format('%d', t), string.format('%d', slot)
-    if leased(n, t, slot) then
+    local n, t, slot = where(blob)
+    if not n then
+      redis.call('HDEL', P .. ':blocks', key)
+      out[#out + 1] = 'R'
+    elseif leased(n, t, slot) then
       out[#out + 1] = 'L'
     elseif redis.call('HGET', k('owner', n, t), slot) == key then
       drop_published(n, t, slot)
@@ -310,48 +387,54 @@ local free = redis.call('LLEN', k('free', n, t)) + tonumber(meta[1]) - tonumber(
 return {free, redis.call('ZCARD', k('resv', n, t)), redis.call('HLEN', k('owner', n, t))}
 "#;
 
-/// ARGV: P, node, ttl_ms, announcement. A node that was not alive joins empty (its old
-/// placements and reservations are deleted; generations are kept so old placements never
-/// match again). Returns 1 when the node joined, 0 when it renewed.
+/// ARGV: P, node, ttl_ms, announcement. A node that was not alive joins empty: its old
+/// placements and reservations are deleted first ([`WIPE_BUDGET`] entries a call; generations
+/// are kept so old placements never match again), and it is alive only once they are gone. A
+/// node that renews reaps up to [`WIPE_BUDGET`] entries of a few dead nodes (picked at random)
+/// on its way. Returns 1 when the node joined, 0 when it renewed, 2 when it is still being
+/// emptied (call again).
 pub(super) const ANNOUNCE: &str = r#"
 local n = ARGV[2]
 local nk = P .. ':node:' .. n
-local joined = 0
-if redis.call('EXISTS', nk) == 0 then
-  joined = 1
-  wipe(n)
-end
-redis.call('SET', nk, ARGV[4], 'PX', ARGV[3])
 redis.call('SADD', P .. ':nodes', n)
-return joined
+if redis.call('EXISTS', nk) == 1 then
+  redis.call('SET', nk, ARGV[4], 'PX', ARGV[3])
+  reap(WIPE_BUDGET, 4)
+  return 0
+end
+if not wipe(n, WIPE_BUDGET) then return 2 end
+redis.call('SET', nk, ARGV[4], 'PX', ARGV[3])
+return 1
 "#;
 
-/// ARGV: P. Deletes the placements of every node that stopped renewing. Returns the number of
-/// nodes reaped.
+/// ARGV: P. Deletes, in one bounded step ([`WIPE_BUDGET`] entries), the state of dead nodes
+/// (those that stopped renewing). Returns `{nodes reaped whole, dead nodes left}`.
 pub(super) const REAP: &str = r#"
-local reaped = 0
+local reaped = reap(WIPE_BUDGET, redis.call('SCARD', P .. ':nodes'))
+local left = 0
 for _, n in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
-  if redis.call('EXISTS', P .. ':node:' .. n) == 0 then
-    wipe(n)
-    redis.call('SREM', P .. ':nodes', n)
-    reaped = reaped + 1
-  end
+  if redis.call('EXISTS', P .. ':node:' .. n) == 0 then left = left + 1 end
 end
-return reaped
+return {reaped, left}
 "#;
 
 /// ARGV: P, node. The node leaves now, as if its announcement had expired, and its
-/// placements and reservations are deleted (as [`REAP`] does for a dead node). Returns 1 when
-/// it was alive, 0 otherwise.
+/// placements and reservations are deleted ([`WIPE_BUDGET`] entries a call). Returns
+/// `{was alive (1/0), emptied (1/0)}`: call again until emptied (the node stays dead
+/// meanwhile, and reapers finish the work if the caller stops).
 pub(super) const LEAVE: &str = r#"
 local n = ARGV[2]
 local was = redis.call('DEL', P .. ':node:' .. n)
-wipe(n)
-redis.call('SREM', P .. ':nodes', n)
-return was
+local done = wipe(n, WIPE_BUDGET)
+return {was, done and 1 or 0}
 "#;
+
+/// Entries of dead nodes one script call deletes at most (`WIPE_BUDGET` in the scripts): the
+/// bound on the work a join, a leave, a renewal or a reap does in one call, so no call holds
+/// Redis for long whatever a dead node left behind.
+pub(super) const WIPE_BUDGET: u32 = 1024;
 
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
-    format!("{PRELUDE}{body}")
+    format!("local WIPE_BUDGET = {WIPE_BUDGET}\n{PRELUDE}{body}")
 }
