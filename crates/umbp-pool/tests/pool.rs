@@ -947,3 +947,57 @@ fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
     let stats = flaky.inner.tier_stats(NODE, DRAM).unwrap();
     assert_eq!((stats.reserved, stats.published), (0, 1_024));
 }
+
+/// Issue 42, case 4: a get whose destination is the pool's own DRAM tier (loading B into A's
+/// slot) was done and reported loaded, and A was lost. It is refused for that block alone
+/// (`BlockError::IntoTier`), nothing is written, and A still loads its own bytes; a
+/// destination beside the tier in the same endpoint is fine.
+#[test]
+fn a_get_into_the_pools_own_tier_is_refused() {
+    let registry = EndpointRegistry::new();
+    let copy = Arc::new(LocalCopyEngine::new(registry.clone()));
+    let config =
+        CompositeConfig { checksums: ChecksumPolicy::AllTiers, ..CompositeConfig::default() };
+    let composite = CompositeEngine::with_config(registry, vec![copy], config);
+    // One endpoint: a spare slot's room, then the tier's 4 slots.
+    let arena = composite.register_memory(vec![0u8; 5 * SLOT as usize]).unwrap();
+    let spec = TierSpec::new(NODE, DRAM, SLOT, 4);
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Pool::new(embedded(&dir), composite.clone(), PoolConfig::new(NODE)).unwrap();
+    pool.add_tier(spec, TierRegion::new(arena.id(), SLOT, &spec)).unwrap();
+    let src = composite.register_memory([bytes_of(1, SLOT), bytes_of(2, SLOT)].concat()).unwrap();
+    let put = pool
+        .put(
+            DRAM,
+            &[
+                PutBlock { key: key(1), src: src.id(), offset: 0, len: SLOT },
+                PutBlock { key: key(2), src: src.id(), offset: SLOT, len: SLOT },
+            ],
+        )
+        .unwrap();
+    let [PutOutcome::Stored(a), PutOutcome::Stored(_)] = put[..] else { panic!("{put:?}") };
+    let slot_of_a = SLOT + u64::from(a.slot) * SLOT;
+    let got = pool
+        .get(&[
+            // B into A's slot; B over the tier's last byte only; B into the spare room.
+            GetBlock { key: key(2), dst: arena.id(), offset: slot_of_a, capacity: SLOT },
+            GetBlock { key: key(2), dst: arena.id(), offset: 5 * SLOT - 1, capacity: SLOT },
+            GetBlock { key: key(2), dst: arena.id(), offset: 0, capacity: SLOT },
+        ])
+        .unwrap();
+    for o in &got[..2] {
+        assert!(
+            matches!(o, GetOutcome::Failed(BlockError::IntoTier { node: NODE, tier: DRAM })),
+            "{got:?}"
+        );
+    }
+    assert!(got[2].is_loaded(), "{got:?}");
+    let dst = composite.register_memory(vec![0u8; SLOT as usize]).unwrap();
+    let a_again = pool.get(&[GetBlock { key: key(1), dst: dst.id(), offset: 0, capacity: SLOT }]);
+    assert!(a_again.unwrap()[0].is_loaded(), "A must survive");
+    assert_eq!(dst.deregister(), bytes_of(1, SLOT));
+    drop(pool);
+    let arena = arena.deregister();
+    assert_eq!(&arena[..SLOT as usize], &bytes_of(2, SLOT)[..]);
+    assert_eq!(&arena[slot_of_a as usize..][..SLOT as usize], &bytes_of(1, SLOT)[..]);
+}

@@ -142,6 +142,16 @@ pub enum BlockError {
     /// reused under it, so the bytes are not reported as a hit.
     #[error("the lease on the block's slot ended while it was loading")]
     LeaseLost,
+    /// The get's destination range overlaps the slots of a tier this pool reaches (its own
+    /// DRAM arena, say): loading there would overwrite other blocks of the pool, so nothing
+    /// is written.
+    #[error("the destination overlaps the slots of tier {tier} of node {node}")]
+    IntoTier {
+        /// The node of the tier.
+        node: NodeId,
+        /// The tier.
+        tier: TierId,
+    },
 }
 
 impl BlockError {
@@ -615,6 +625,20 @@ impl Inner {
         Ok(Some(kept))
     }
 
+    /// The tier (added or resolved) whose slots `b`'s destination range overlaps, if any.
+    fn tier_under(&self, b: &GetBlock) -> Option<(NodeId, TierId)> {
+        let end = b.offset.saturating_add(b.capacity);
+        let overlaps = |r: &Reach| {
+            let size = r.spec.slot_size.saturating_mul(u64::from(r.spec.slot_count));
+            r.region.endpoint == b.dst
+                && b.offset < r.region.base.saturating_add(size)
+                && r.region.base < end
+        };
+        [&self.local, &self.resolved].into_iter().find_map(|m| {
+            read(m).values().find(|r| overlaps(r)).map(|r| (r.spec.node, r.spec.tier))
+        })
+    }
+
     /// Drops a resolved region after a transfer through it failed: the next get resolves
     /// again (a restarted node, a new connection).
     fn forget(&self, node: NodeId, tier: TierId, region: &TierRegion) {
@@ -840,6 +864,10 @@ impl Inner {
         let mut loads: Vec<(usize, Placement, Reach)> = Vec::new();
         let mut nodes = None;
         for (i, (b, p)) in blocks.iter().zip(found).enumerate() {
+            if let Some((node, tier)) = self.tier_under(b) {
+                out.push(Some(GetOutcome::Failed(BlockError::IntoTier { node, tier })));
+                continue;
+            }
             let Some(p) = p else {
                 out.push(Some(GetOutcome::Miss));
                 continue;
