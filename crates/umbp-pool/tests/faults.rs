@@ -1383,3 +1383,66 @@ fn a_node_rejoins_with_another_shape() {
     assert!(q.generation > p.generation, "a reaped node's slots never repeat a generation");
     assert_eq!(index.lookup(&[key(11)]).unwrap(), vec![Some(q)]);
 }
+
+/// Issue 42, case 3: the index is not trusted with the bytes. With only the Redis password,
+/// copying K2's entry under K1 (two HSETs: the entry, and K1 as its slot's owner) made a get
+/// of K1 load K2's bytes as a verified hit (`checksum_failures 0`): the checksum lived in the
+/// entry it protected. Entries are sealed to their key now: the copy is a miss, counted, and
+/// K2 still loads. With a cluster secret, a writer that has the Redis password but not the
+/// secret (here: umbp's own client configured without it) cannot make an entry that a client
+/// with the secret takes for a hit; the client replaces such entries when it stores the keys.
+#[test]
+fn a_copied_or_forged_entry_is_never_a_hit() {
+    let Some(server) = RedisServer::start() else { return };
+    let mut with_secret = support::config(&server, PREFIX);
+    with_secret.secret = Some(b"the cluster's secret".to_vec());
+    for config in [support::config(&server, PREFIX), with_secret.clone()] {
+        let mut admin = admin(&server);
+        redis::cmd("FLUSHALL").query::<()>(&mut admin).unwrap();
+        let index = Arc::new(RedisIndex::connect(&config).unwrap());
+        let pool = DramPool::new(index.clone(), NodeId(1), TTL);
+        assert_eq!(pool.put(1, 3).unwrap(), 2);
+        assert_eq!(pool.get(1, 3).unwrap(), "LL");
+        let k1: [u8; 16] = key(1).0;
+        let k2: [u8; 16] = key(2).0;
+        let blocks = format!("{{{PREFIX}}}:blocks");
+        let entry: Vec<u8> =
+            redis::cmd("HGET").arg(&blocks).arg(&k2[..]).query(&mut admin).unwrap();
+        let p2 = index.lookup(&[key(2)]).unwrap()[0].unwrap();
+        redis::cmd("HSET").arg(&blocks).arg(&k1[..]).arg(&entry).query::<()>(&mut admin).unwrap();
+        redis::cmd("HSET")
+            .arg(format!("{{{PREFIX}}}:owner:1:0"))
+            .arg(p2.slot)
+            .arg(&k1[..])
+            .query::<()>(&mut admin)
+            .unwrap();
+        let forged_before = index.forged_entries();
+        assert_eq!(pool.get(1, 2).unwrap(), "M", "K1 must not load K2's bytes");
+        assert_eq!(pool.pool.metrics().checksum_failures.load(Ordering::Relaxed), 0);
+        assert!(index.forged_entries() > forged_before);
+        // Storing K1 again replaces the copy; K2 was never touched... but its slot's owner was
+        // edited, so K2's lease is refused: a miss, never wrong bytes.
+        assert_eq!(pool.put(1, 2).unwrap(), 1);
+        assert_eq!(pool.get(1, 2).unwrap(), "L");
+        assert!(matches!(pool.get(2, 3).unwrap().as_str(), "L" | "M"));
+    }
+
+    // A writer with the Redis password and umbp's own client, but without the secret, stores
+    // keys 10..14: a client with the secret misses every one of them, and stores them anew.
+    let mut admin = admin(&server);
+    redis::cmd("FLUSHALL").query::<()>(&mut admin).unwrap();
+    let outsider = Arc::new(RedisIndex::connect(&support::config(&server, PREFIX)).unwrap());
+    let forger = DramPool::new(outsider, NodeId(5), TTL);
+    assert_eq!(forger.put(10, 14).unwrap(), 4);
+    assert_eq!(forger.get(10, 14).unwrap(), "LLLL");
+    let index = Arc::new(RedisIndex::connect(&with_secret).unwrap());
+    assert_eq!(index.lookup(&(10..14).map(key).collect::<Vec<_>>()).unwrap(), vec![None; 4]);
+    assert_eq!(index.forged_entries(), 4);
+    let honest = DramPool::new(index.clone(), NodeId(6), TTL);
+    assert_eq!(honest.get(10, 14).unwrap(), "MMMM");
+    assert_eq!(honest.put(10, 14).unwrap(), 4, "the forged entries are replaced");
+    assert_eq!(honest.get(10, 14).unwrap(), "LLLL");
+    for p in index.lookup(&(10..14).map(key).collect::<Vec<_>>()).unwrap() {
+        assert_eq!(p.unwrap().node, NodeId(6));
+    }
+}

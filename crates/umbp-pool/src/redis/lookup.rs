@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use redis::{ErrorKind, RedisError};
 
-use crate::placement::PLACEMENT_BYTES;
+use super::seal::{Sealer, SEALED_BYTES};
 use crate::{BlockKey, Error, Placement};
 
 /// Where and how to connect for the direct path.
@@ -286,8 +286,14 @@ fn parse_int(digits: &[u8]) -> Result<i64, Error> {
 
 /// What one pipelined lookup found.
 pub(super) enum Found {
-    /// The placement of each key (`None`: not published, or its node is not alive).
-    Placements(Vec<Option<Placement>>),
+    /// The placement of each key (`None`: not published, its node is not alive, or its
+    /// entry fails its seal), and how many entries failed their seal.
+    Placements {
+        /// Per key.
+        found: Vec<Option<Placement>>,
+        /// Entries that failed their seal.
+        forged: u64,
+    },
     /// The server did not know the alive-nodes script (`NOSCRIPT`): load it and ask again.
     NoScript,
 }
@@ -315,13 +321,14 @@ impl Direct {
         prefix: &str,
         keys: &[BlockKey],
         chunk: usize,
+        sealer: &Sealer,
     ) -> Result<Found, Error> {
         let pooled = super::lock(&self.idle).pop();
         let mut conn = match pooled {
             Some(c) => c,
             None => Conn::open(self)?,
         };
-        let found = Self::lookup_on(&mut conn, alive_sha, prefix, keys, chunk)?;
+        let found = Self::lookup_on(&mut conn, alive_sha, prefix, keys, chunk, sealer)?;
         // Only a connection whose replies were read to the end goes back to the pool.
         super::lock(&self.idle).push(conn);
         Ok(found)
@@ -333,6 +340,7 @@ impl Direct {
         prefix: &str,
         keys: &[BlockKey],
         chunk: usize,
+        sealer: &Sealer,
     ) -> Result<Found, Error> {
         let blocks = format!("{prefix}:blocks");
         let out = &mut conn.out;
@@ -386,6 +394,7 @@ impl Direct {
         alive.sort_unstable();
 
         let mut found = Vec::with_capacity(keys.len());
+        let mut forged = 0;
         for c in keys.chunks(chunk) {
             match conn.header()? {
                 Header::Number(b'*', n) if n == c.len() as i64 => {}
@@ -403,21 +412,27 @@ impl Direct {
             for &key in c {
                 let p = match conn.header()? {
                     Header::Number(b'$', -1) | Header::Nil => None,
-                    Header::Number(b'$', n) if n == PLACEMENT_BYTES as i64 => {
-                        let p = Placement::decode(key, conn.bulk_body(PLACEMENT_BYTES)?)?;
-                        alive.binary_search(&p.node.0).is_ok().then_some(p)
+                    Header::Number(b'$', n) if n == SEALED_BYTES as i64 => {
+                        match sealer.open(key, conn.bulk_body(SEALED_BYTES)?) {
+                            Some(p) => alive.binary_search(&p.node.0).is_ok().then_some(p),
+                            None => {
+                                forged += 1;
+                                None
+                            }
+                        }
                     }
-                    Header::Number(b'$', n) => {
-                        return Err(Error::Corrupt(format!(
-                            "placement of {key} has {n} bytes, expected {PLACEMENT_BYTES}"
-                        )))
+                    // Not a sealed entry at all (made up, or from an older version): a miss.
+                    Header::Number(b'$', n) if n >= 0 => {
+                        conn.bulk_body(n as usize)?;
+                        forged += 1;
+                        None
                     }
                     _ => return Err(protocol("HMGET answered a value of another type".into())),
                 };
                 found.push(p);
             }
         }
-        Ok(if no_script { Found::NoScript } else { Found::Placements(found) })
+        Ok(if no_script { Found::NoScript } else { Found::Placements { found, forged } })
     }
 }
 

@@ -11,8 +11,10 @@
 
 mod lookup;
 mod scripts;
+mod seal;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -24,7 +26,7 @@ use crate::{
 };
 
 /// How to reach the Redis server and where in it the pool lives.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RedisConfig {
     /// `redis://host:port/db`, or `rediss://host:port/db` for TLS (needs the `tls` feature). A
     /// password or user in the URL is used unless [`username`](Self::username) /
@@ -48,6 +50,29 @@ pub struct RedisConfig {
     /// value per key. `false`, and any TLS server, takes the redis-rs path. Both send the same
     /// commands and give the same answers.
     pub direct_lookup: bool,
+    /// The cluster's secret (the memory nodes' shared secret, say): every entry is sealed
+    /// under a key derived from it, so a Redis writer without it cannot make, copy or edit
+    /// an entry that any client takes for a hit (see the crate README's threat model).
+    /// Every client of one pool must use the same secret: an entry sealed under another (or
+    /// none) is a miss. Default `None`: entries are sealed under a public key, which binds
+    /// each entry to its key but does not stop a writer who computes seals on purpose.
+    pub secret: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password or the secret: configurations end up in logs.
+        f.debug_struct("RedisConfig")
+            .field("url", &self.url)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("direct_lookup", &self.direct_lookup)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl RedisConfig {
@@ -61,6 +86,7 @@ impl RedisConfig {
             timeout: Duration::from_secs(5),
             tls_ca_file: None,
             direct_lookup: true,
+            secret: None,
         }
     }
 }
@@ -125,6 +151,10 @@ pub struct RedisIndex {
     registered: Mutex<HashMap<(NodeId, TierId), TierSpec>>,
     /// The batched lookup's direct path (plain TCP servers; `None`: the redis-rs path).
     direct: Option<lookup::Direct>,
+    /// Seals and opens entries (see [`seal`]).
+    sealer: seal::Sealer,
+    /// Entries found whose seal did not match: misses, counted.
+    forged: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisIndex {
@@ -226,6 +256,8 @@ impl RedisIndex {
             scripts: Scripts::new(),
             registered: Mutex::new(HashMap::new()),
             direct,
+            sealer: seal::Sealer::new(config.secret.as_deref()),
+            forged: AtomicU64::new(0),
         };
         index.with(|c| redis::cmd("PING").query::<()>(c))?;
         Ok(index)
@@ -307,6 +339,23 @@ impl RedisIndex {
         c.set_read_timeout(Some(self.timeout))?;
         c.set_write_timeout(Some(self.timeout))?;
         Ok(c)
+    }
+
+    /// Entries this client found whose seal did not match their key (copied, edited or made
+    /// up in Redis, or sealed under another secret): each was taken for a miss.
+    pub fn forged_entries(&self) -> u64 {
+        self.forged.load(Ordering::Relaxed)
+    }
+
+    /// The placement stored for `key` as `value` if its seal holds; a forged one is counted
+    /// and is `None`.
+    fn open(&self, key: BlockKey, value: &[u8]) -> Option<Placement> {
+        let p = self.sealer.open(key, value);
+        if p.is_none() {
+            self.forged.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%key, "pool: an entry in redis fails its seal; taken for a miss");
+        }
+        p
     }
 
     /// Deletes the state of every node whose announcement expired (their entries are already
@@ -422,10 +471,9 @@ impl RedisIndex {
             for (v, &key) in reply.iter().zip(chunk) {
                 out.push(match v {
                     Value::Nil => None,
-                    v => {
-                        let p = Placement::decode(key, bytes("lookup", v)?)?;
-                        alive.contains(&p.node.0).then_some(p)
-                    }
+                    v => self
+                        .open(key, bytes("lookup", v)?)
+                        .and_then(|p| alive.contains(&p.node.0).then_some(p)),
                 });
             }
         }
@@ -444,8 +492,17 @@ impl RedisIndex {
     ) -> Result<Vec<Option<Placement>>, Error> {
         let hash = self.scripts.alive.get_hash();
         for _ in 0..2 {
-            match direct.lookup(hash, &self.prefix, keys, LOOKUP_CHUNK)? {
-                lookup::Found::Placements(found) => return Ok(found),
+            match direct.lookup(hash, &self.prefix, keys, LOOKUP_CHUNK, &self.sealer)? {
+                lookup::Found::Placements { found, forged } => {
+                    if forged > 0 {
+                        self.forged.fetch_add(forged, Ordering::Relaxed);
+                        tracing::warn!(
+                            entries = forged,
+                            "pool: entries in redis fail their seal; taken for misses"
+                        );
+                    }
+                    return Ok(found);
+                }
                 lookup::Found::NoScript => self.with(|c| {
                     redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)
                 })?,
@@ -455,14 +512,16 @@ impl RedisIndex {
     }
 }
 
-/// One answer of the reserve script.
+/// One answer of the reserve script; `Err(None)`: the key's entry fails its seal (remove it
+/// and reserve again).
 fn reserved(
+    index: &RedisIndex,
     v: &Value,
     key: BlockKey,
     node: NodeId,
     tier: TierId,
     len: u64,
-) -> Result<Reserved, Error> {
+) -> Result<Reserved, Option<Error>> {
     let a = array("reserve", v)?;
     let code = a.first().ok_or_else(|| corrupt("reserve", v))?;
     match bytes("reserve", code)? {
@@ -475,16 +534,22 @@ fn reserved(
             generation: int("reserve", &a[2])? as u64,
         })),
         b"present" if a.len() == 2 => {
-            Ok(Reserved::Present(Placement::decode(key, bytes("reserve", &a[1])?)?))
+            index.open(key, bytes("reserve", &a[1])?).map(Reserved::Present).ok_or(None)
         }
-        b"dead" => Err(Error::NodeNotAlive(node)),
-        b"unknown" => Err(Error::UnknownTier { node, tier }),
+        b"dead" => Err(Some(Error::NodeNotAlive(node))),
+        b"unknown" => Err(Some(Error::UnknownTier { node, tier })),
         b"toolarge" if a.len() == 2 => {
-            Err(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 })
+            Err(Some(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 }))
         }
-        b"full" => Err(Error::TierFull { node, tier }),
-        _ => Err(corrupt("reserve", v)),
+        b"full" => Err(Some(Error::TierFull { node, tier })),
+        _ => Err(Some(corrupt("reserve", v))),
     }
+}
+
+/// A key whose entry failed its seal again right after the forged one was removed (its slot
+/// is leased, or a writer keeps forging it).
+fn forged(key: BlockKey) -> Error {
+    Error::Corrupt(format!("the entry of {key} in redis fails its seal and could not be removed"))
 }
 
 /// Keys per `HMGET` of a batched lookup.
@@ -531,7 +596,17 @@ impl Index for RedisIndex {
                 v = self.reserve_once(key, node, tier, len, ttl)?;
             }
         }
-        reserved(&v, key, node, tier, len)
+        match reserved(self, &v, key, node, tier, len) {
+            Ok(r) => Ok(r),
+            Err(Some(e)) => Err(e),
+            // A forged entry stands where the key would be published: it goes, and the key
+            // is reserved again (once).
+            Err(None) => {
+                self.remove(&[key])?;
+                let v = self.reserve_once(key, node, tier, len, ttl)?;
+                reserved(self, &v, key, node, tier, len).map_err(|e| e.unwrap_or(forged(key)))
+            }
+        }
     }
 
     fn reserve_many(
@@ -572,7 +647,37 @@ impl Index for RedisIndex {
         if a.len() != items.len() {
             return Err(corrupt("reserve_many", &v));
         }
-        Ok(a.iter().zip(items).map(|(o, &(key, len))| reserved(o, key, node, tier, len)).collect())
+        let mut out: Vec<Result<Reserved, Option<Error>>> = a
+            .iter()
+            .zip(items)
+            .map(|(o, &(key, len))| reserved(self, o, key, node, tier, len))
+            .collect();
+        // Forged entries stand where some keys would be published: they go, and those keys
+        // are reserved again (once).
+        let again: Vec<usize> = (0..out.len()).filter(|&i| matches!(out[i], Err(None))).collect();
+        if !again.is_empty() {
+            let keys: Vec<BlockKey> = again.iter().map(|&i| items[i].0).collect();
+            self.remove(&keys)?;
+            let retry: Vec<(BlockKey, u64)> = again.iter().map(|&i| items[i]).collect();
+            let mut inv = self.scripts.reserve_many.prepare_invoke();
+            inv.arg(&self.prefix).arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
+            for (key, len) in &retry {
+                inv.arg(&key.0[..]).arg(*len);
+            }
+            let v: Value = self.with(|c| inv.invoke(c))?;
+            let a = array("reserve_many", &v)?;
+            if a.len() != retry.len() {
+                return Err(corrupt("reserve_many", &v));
+            }
+            for ((&i, o), &(key, len)) in again.iter().zip(a).zip(&retry) {
+                out[i] = reserved(self, o, key, node, tier, len);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .zip(items)
+            .map(|(r, &(key, _))| r.map_err(|e| e.unwrap_or(forged(key))))
+            .collect())
     }
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
@@ -588,7 +693,7 @@ impl Index for RedisIndex {
                 .arg(r.slot)
                 .arg(r.generation)
                 .arg(r.len)
-                .arg(&r.placement(*checksum).encode()[..]);
+                .arg(&self.sealer.encode(&r.placement(*checksum))[..]);
         }
         let v: Value = self.with(|c| inv.invoke(c))?;
         let a = array("publish", &v)?;
@@ -600,9 +705,11 @@ impl Index for RedisIndex {
             .map(|(o, (r, checksum))| match bytes("publish", o)? {
                 b"W" => Ok(Published::Won(r.placement(*checksum))),
                 b"E" => Ok(Published::Expired),
-                [b'L', winner @ ..] => {
-                    Ok(Published::Lost { winner: Placement::decode(r.key, winner)? })
-                }
+                // A winner whose entry fails its seal is no placement to load from: nothing of
+                // this publish is visible.
+                [b'L', winner @ ..] => Ok(self
+                    .open(r.key, winner)
+                    .map_or(Published::Expired, |winner| Published::Lost { winner })),
                 _ => Err(corrupt("publish", o)),
             })
             .collect()
