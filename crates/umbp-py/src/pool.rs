@@ -254,9 +254,12 @@ impl PoolIndex {
     /// `url`: a path (an embedded index in that redb file, created if missing) or
     /// `redis://[user:password@]host:port/db` (`rediss://` for TLS where the build has it).
     /// `password` and `username` override the URL's; `prefix` names the pool inside the
-    /// server; `timeout`: seconds each Redis call may take.
+    /// server; `timeout`: seconds each Redis call may take; `secret`: the cluster's secret
+    /// (bytes, the memory nodes' one): Redis entries are sealed under it, so a Redis writer
+    /// without it cannot make an entry any client takes for a hit (every client of one pool
+    /// must give the same one; an embedded index refuses it: its file has no such writer).
     #[new]
-    #[pyo3(signature = (url, *, password=None, username=None, prefix="umbp", timeout=5.0))]
+    #[pyo3(signature = (url, *, password=None, username=None, prefix="umbp", timeout=5.0, secret=None))]
     fn new(
         py: Python<'_>,
         url: &str,
@@ -264,6 +267,7 @@ impl PoolIndex {
         username: Option<String>,
         prefix: &str,
         timeout: f64,
+        secret: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout", timeout)?;
         let mut embedded = None;
@@ -273,11 +277,17 @@ impl PoolIndex {
             config.username = username;
             config.prefix = prefix.to_owned();
             config.timeout = timeout;
+            config.secret = secret;
             Arc::new(
                 py.allow_threads(|| RedisIndex::connect(&config))
                     .map_err(|e| pool_error(py, &e))?,
             )
         } else {
+            if secret.is_some() {
+                return Err(PyValueError::new_err(
+                    "PoolIndex: a secret seals Redis entries; an embedded index takes none",
+                ));
+            }
             let path = std::path::PathBuf::from(url);
             let e = Arc::new(
                 py.allow_threads(|| EmbeddedIndex::open(path)).map_err(|e| pool_error(py, &e))?,

@@ -114,6 +114,31 @@ def test_redis_wrong_password_is_a_pool_error(redis):  # noqa: F811
     assert PASSWORD not in repr(umbp.PoolIndex(redis.url, timeout=2.0))
 
 
+def test_redis_entries_are_sealed_under_the_clusters_secret(redis, tmp_path):  # noqa: F811
+    """A client with the cluster's secret takes only entries sealed under it for hits: those
+    published by a client without it (a Redis writer with the password alone) are misses,
+    and are stored anew by the client with the secret."""
+    sealed = umbp.PoolIndex(redis.url, prefix="sealed", timeout=2.0, secret=b"s3cret")
+    outsider = umbp.PoolIndex(redis.url, prefix="sealed", timeout=2.0)
+    sealed.announce(1, "10.0.0.1:7000", [(0, SLOTS * SLOT)], 30.0)
+    sealed.register_tier(1, 0, SLOT, SLOTS)
+    [r] = outsider.reserve_many(1, 0, [(key(1), 100)], 30.0)
+    [(won, p)] = outsider.publish([(r, 7)])
+    assert won == "won" and outsider.lookup([key(1)]) == [p]
+    assert sealed.lookup([key(1)]) == [None]
+    assert sealed.prefix_hits([key(1)]) == 0
+    [r] = sealed.reserve_many(1, 0, [(key(1), 100)], 30.0)
+    assert isinstance(r, umbp.Reservation), r
+    [(won, mine)] = sealed.publish([(r, 8)])
+    assert won == "won" and sealed.lookup([key(1)]) == [mine]
+    assert outsider.lookup([key(1)]) == [None]
+    assert umbp.PoolIndex(redis.url, prefix="sealed", timeout=2.0, secret=b"s3cret").lookup(
+        [key(1)]
+    ) == [mine]
+    with pytest.raises(ValueError, match="embedded"):
+        umbp.PoolIndex(str(tmp_path / "pool.redb"), secret=b"s3cret")
+
+
 # -- the pool -----------------------------------------------------------------------------------
 
 

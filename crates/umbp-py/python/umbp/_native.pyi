@@ -222,6 +222,7 @@ class PoolIndex:
         username: Optional[str] = None,
         prefix: str = "umbp",
         timeout: float = 5.0,
+        secret: Optional[bytes] = None,
     ) -> "PoolIndex": ...
     def register_tier(
         self,

@@ -58,6 +58,19 @@ def _pool_namespace(
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
+def _seal_secret(cfg: UmbpConfig) -> Optional[bytes]:
+    """The secret the pool's Redis entries are sealed under: the memory nodes' one, where the
+    connector reaches them (a Redis writer without it cannot then make an entry that is taken
+    for a hit); None otherwise (entries are still bound to their keys). Every instance of one
+    pool must agree, as they must to reach the memory nodes at all."""
+    if not cfg.memory_nodes():
+        return None
+    secret = cfg.remote_secret()
+    if secret is None:
+        secret = os.environ.get("UMBP_UCX_SECRET", "").encode() or None
+    return secret
+
+
 def _open_pool(
     cfg: UmbpConfig, vllm_config: "VllmConfig", layout: _Layout, ranks: int
 ) -> Optional[PoolTierIndex]:
@@ -85,7 +98,9 @@ def _open_pool(
         node = int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=4).digest(), "big")
     slot = layout.slot_bytes
     # A password in UMBP_POOL_PASSWORD keeps it off the command line (it overrides the URL's).
-    client = PoolIndex(target, password=os.environ.get("UMBP_POOL_PASSWORD") or None)
+    client = PoolIndex(
+        target, password=os.environ.get("UMBP_POOL_PASSWORD") or None, secret=_seal_secret(cfg)
+    )
     index = PoolTierIndex(
         client,
         node=node,
