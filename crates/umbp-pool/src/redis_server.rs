@@ -7,6 +7,10 @@
 //! Tests call [`available`] first: without `redis-server` it prints why the test skips and
 //! returns false, or panics when `UMBP_REQUIRE_REDIS=1` (CI installs it).
 //!
+//! [`RedisCluster`] starts a real Redis Cluster the same way: masters with a replica each,
+//! joined by `redis-cli --cluster create`, whose nodes a test can kill (a failover) or whose
+//! slots it can move (`redis-cli --cluster reshard`) under load.
+//!
 //! ```no_run
 //! use umbp_pool::redis_server::RedisServer;
 //! use umbp_pool::Index;
@@ -58,6 +62,8 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     /// Serving TLS only (on `port`), with the certificates in `dir`.
     tls: bool,
+    /// A node of a Redis Cluster (`--cluster-enabled yes`).
+    cluster: bool,
 }
 
 impl RedisServer {
@@ -78,7 +84,7 @@ impl RedisServer {
     /// Starts a server on a fresh loopback port (a few ports are tried: one may be taken
     /// meanwhile); `Err` says why not: `redis-server` does not run, or it did not answer.
     pub fn try_start() -> io::Result<Self> {
-        Self::start_in(tempfile::tempdir()?, false)
+        Self::start_in(tempfile::tempdir()?, false, false)
     }
 
     /// Starts a server that speaks TLS only, with a certificate for `127.0.0.1` signed by a
@@ -114,11 +120,11 @@ impl RedisServer {
             );
             return None;
         }
-        Some(Self::start_in(dir, true).unwrap_or_else(|e| panic!("{e}")))
+        Some(Self::start_in(dir, true, false).unwrap_or_else(|e| panic!("{e}")))
     }
 
-    fn start_in(dir: tempfile::TempDir, tls: bool) -> io::Result<Self> {
-        let mut server = Self { child: None, port: 0, dir, tls };
+    fn start_in(dir: tempfile::TempDir, tls: bool, cluster: bool) -> io::Result<Self> {
+        let mut server = Self { child: None, port: 0, dir, tls, cluster };
         for _ in 0..5 {
             server.port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             if server.launch()? {
@@ -148,6 +154,18 @@ impl RedisServer {
                 .arg(d("ca.pem"));
         } else {
             cmd.args(["--port", &port]);
+        }
+        if self.cluster {
+            // A node that misses its peers for a second is failed over; replicas follow their
+            // master with the same password.
+            // The bus port on a free port of its own (the default, port + 10,000, may be taken
+            // or past 65,535).
+            let bus = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
+            cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--cluster-port", &bus])
+                .arg("--cluster-config-file")
+                .arg(d("nodes.conf"))
+                .args(["--masterauth", PASSWORD, "--repl-diskless-sync-delay", "0"]);
         }
         let mut child = cmd
             .args(["--requirepass", PASSWORD])
@@ -270,5 +288,238 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A real Redis Cluster on loopback: `masters` masters with a replica each (so a killed
+/// master fails over), every node a [`RedisServer`] of its own, joined by `redis-cli
+/// --cluster create`, with a one-second node timeout. Dropped, every node is killed.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+/// One node as `CLUSTER NODES` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterNode {
+    /// The node's id.
+    pub id: String,
+    /// Its loopback port.
+    pub port: u16,
+    /// Whether it serves slots as a master now.
+    pub master: bool,
+    /// Whether the others take it for failed.
+    pub failed: bool,
+    /// How many hash slots it serves.
+    pub slots: u32,
+}
+
+impl RedisCluster {
+    /// Starts `masters` masters and as many replicas and joins them, or `None` (the reason
+    /// printed) when `redis-server` or `redis-cli` is missing.
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisServer::start`]; or when the cluster does not form.
+    pub fn start(masters: usize) -> Option<Self> {
+        if !available() {
+            return None;
+        }
+        if !Command::new("redis-cli").arg("--version").output().is_ok_and(|o| o.status.success()) {
+            assert!(
+                std::env::var_os("UMBP_REQUIRE_REDIS").is_none_or(|v| v != "1"),
+                "redis-cli is not installed, and UMBP_REQUIRE_REDIS=1"
+            );
+            eprintln!("skipped: redis-cli is not installed (apt-get install redis-tools)");
+            return None;
+        }
+        let nodes: Vec<RedisServer> = (0..2 * masters)
+            .map(|_| {
+                let dir = tempfile::tempdir().expect("a temp dir for redis-server");
+                RedisServer::start_in(dir, false, true).unwrap_or_else(|e| panic!("{e}"))
+            })
+            .collect();
+        let cluster = Self { nodes };
+        let mut create = Command::new("redis-cli");
+        create.args(["-a", PASSWORD, "--no-auth-warning", "--cluster", "create"]);
+        for n in &cluster.nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster.wait_until_ok();
+        // A replica that never synced cannot take over: wait until every one has.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for n in &cluster.nodes {
+            loop {
+                let info = Self::cli(n.port, &["info", "replication"]).unwrap_or_default();
+                if info.contains("role:master") || info.contains("master_link_status:up") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "replica {} never synced: {info}", n.port);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(cluster)
+    }
+
+    /// Its nodes' servers (masters and replicas, in start order).
+    pub fn servers(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// Settings for a client of the pool `prefix` on this Cluster, reaching it through the
+    /// node on `seed` (any one: the client learns the others).
+    pub fn config(&self, prefix: &str, seed: u16) -> RedisConfig {
+        let mut c = RedisConfig::cluster(format!("redis://127.0.0.1:{seed}/"));
+        c.password = Some(PASSWORD.into());
+        c.prefix = prefix.into();
+        c.timeout = Duration::from_secs(2);
+        c
+    }
+
+    /// `redis-cli` against the node on `port` with `args`: its standard output, or `None` if
+    /// it failed.
+    pub fn cli(port: u16, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-a", PASSWORD, "--no-auth-warning", "-p", &port.to_string()])
+            .args(args)
+            .output()
+            .ok()?;
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The nodes as the node on `port` sees them (`CLUSTER NODES`).
+    pub fn nodes_seen_by(port: u16) -> Vec<ClusterNode> {
+        let Some(text) = Self::cli(port, &["cluster", "nodes"]) else { return Vec::new() };
+        text.lines()
+            .filter_map(|line| {
+                let w: Vec<&str> = line.split_whitespace().collect();
+                if w.len() < 8 {
+                    return None;
+                }
+                let port = w[1].split(['@', ':']).nth(1)?.parse().ok()?;
+                let slots = w[8..]
+                    .iter()
+                    .filter(|r| !r.starts_with('['))
+                    .map(|r| match r.split_once('-') {
+                        Some((a, b)) => {
+                            b.parse::<u32>().unwrap_or(0) + 1 - a.parse::<u32>().unwrap_or(0)
+                        }
+                        None => 1,
+                    })
+                    .sum();
+                Some(ClusterNode {
+                    id: w[0].to_owned(),
+                    port,
+                    master: w[2].contains("master"),
+                    failed: w[2].contains("fail") && !w[2].contains("fail?"),
+                    slots,
+                })
+            })
+            .collect()
+    }
+
+    /// Waits (up to 60 s) until every running node says `cluster_state:ok` and agrees that
+    /// every one of the 16,384 slots is served by a master that is not failed.
+    ///
+    /// # Panics
+    ///
+    /// When that does not happen in 60 s.
+    pub fn wait_until_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let running: Vec<u16> =
+                self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.port).collect();
+            let ok = running.iter().all(|&p| {
+                Self::cli(p, &["cluster", "info"]).is_some_and(|i| i.contains("cluster_state:ok"))
+                    && Self::nodes_seen_by(p)
+                        .iter()
+                        .filter(|n| n.master && !n.failed && running.contains(&n.port))
+                        .map(|n| n.slots)
+                        .sum::<u32>()
+                        == 16_384
+            });
+            if ok {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let views: Vec<String> = running
+                    .iter()
+                    .map(|&p| {
+                        format!(
+                            "node {p}: {}\n{}",
+                            Self::cli(p, &["cluster", "info"])
+                                .unwrap_or_default()
+                                .lines()
+                                .next()
+                                .unwrap_or(""),
+                            Self::cli(p, &["cluster", "nodes"]).unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                let logs: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|n| n.child.is_some())
+                    .map(|n| {
+                        let log = n.log();
+                        let tail: Vec<&str> = log.lines().rev().take(12).collect();
+                        format!(
+                            "log of node {}:\n{}",
+                            n.port,
+                            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "the cluster is not ok after 60 s:\n{}\n{}",
+                    views.join("\n"),
+                    logs.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills the node on `port` (SIGKILL); a master's replica is promoted in about the node
+    /// timeout (see [`wait_until_ok`](Self::wait_until_ok)).
+    pub fn kill(&mut self, port: u16) {
+        for n in &mut self.nodes {
+            if n.port == port {
+                n.kill();
+            }
+        }
+    }
+
+    /// Moves `slots` hash slots from the master `from` to the master `to` (node ids) with
+    /// `redis-cli --cluster reshard`, keys and all, while clients run.
+    ///
+    /// # Panics
+    ///
+    /// When `redis-cli` fails (its output in the panic).
+    pub fn reshard(&self, from: &str, to: &str, slots: u32) {
+        let seed = self.nodes.iter().find(|n| n.child.is_some()).expect("a running node").port;
+        let out = Command::new("redis-cli")
+            .args(["-a", PASSWORD, "--no-auth-warning", "--cluster", "reshard"])
+            .arg(format!("127.0.0.1:{seed}"))
+            .args(["--cluster-from", from, "--cluster-to", to])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use support::dram::{DramPool, DRAM_LEN};
 use support::faults::{block_bytes, commands, reply, save, FileTier, Process, Rng, Saved, ROLE};
 use support::suite::{key, put, reserve, setup, TTL};
 use support::RedisServer;
@@ -451,7 +452,10 @@ fn stale_lookup_while_another_process_reuses_the_slot() {
     assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![Some(seen)]);
     // The other process evicts it and saves block 2 into the same slot.
     assert_eq!(other.ask("evict 256"), "evicted 1");
-    assert_eq!(other.ask("put 2 1 3000"), format!("won {} {}", seen.slot, seen.generation + 1));
+    let answer = other.ask("put 2 1 3000");
+    let won: Vec<u64> = answer.split_whitespace().skip(1).map(|w| w.parse().unwrap()).collect();
+    assert_eq!(won[0], u64::from(seen.slot), "{answer}");
+    assert!(won[1] > seen.generation, "{answer}: a reused slot's generation grows");
     // The stale result: not leased, not a hit; its bytes are block 2's and fail verification.
     assert_eq!(index.lease(&[seen], TTL).unwrap().granted, vec![false]);
     assert_eq!(index.lookup(&[key(1)]).unwrap(), vec![None]);
@@ -990,88 +994,6 @@ fn pool_drops_a_block_that_fails_verification() {
     // Its slot is free again: the tier holds the two good blocks only.
     let s = index.tier_stats(spec.node, spec.tier).unwrap();
     assert_eq!((s.published, s.free), (2, 6));
-}
-
-/// A [`Pool`](umbp_pool::Pool) with one DRAM tier (a fresh, zeroed arena) of 64 slots of 4 KiB,
-/// saving and loading blocks of [`DRAM_LEN`] bytes (writer 0's bytes of each id).
-struct DramPool {
-    pool: umbp_pool::Pool,
-    composite: umbp_composite::CompositeEngine,
-    spec: TierSpec,
-    _arena: umbp_plan::Registration<Vec<u8>>,
-}
-
-const DRAM_LEN: u64 = 3000;
-
-impl DramPool {
-    fn new(index: Arc<dyn Index>, node: NodeId, announce_ttl: Duration) -> Self {
-        use umbp_composite::{ChecksumPolicy, CompositeConfig, CompositeEngine};
-        use umbp_plan::{EndpointRegistry, Register};
-        let registry = EndpointRegistry::new();
-        let copy = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));
-        let config =
-            CompositeConfig { checksums: ChecksumPolicy::AllTiers, ..CompositeConfig::default() };
-        let composite = CompositeEngine::with_config(registry, vec![copy], config);
-        let spec = TierSpec::new(node, TierId(0), 4096, 64).watermarks(0, 0);
-        let arena = composite.register_memory(vec![0u8; 4096 * 64]).unwrap();
-        let mut pool_config = umbp_pool::PoolConfig::new(node);
-        pool_config.announce_ttl = announce_ttl;
-        let pool = umbp_pool::Pool::new(index, composite.clone(), pool_config).unwrap();
-        pool.add_tier(spec, umbp_pool::TierRegion::new(arena.id(), 0, &spec)).unwrap();
-        Self { pool, composite, spec, _arena: arena }
-    }
-
-    /// Puts blocks `from..to`: how many are in the pool after, or the call's error.
-    fn put(&self, from: u64, to: u64) -> Result<usize, Error> {
-        use umbp_plan::Register;
-        let bytes: Vec<u8> = (from..to).flat_map(|id| block_bytes(id, 0, DRAM_LEN)).collect();
-        let src = self.composite.register_memory(bytes).unwrap();
-        let blocks: Vec<umbp_pool::PutBlock> = (from..to)
-            .map(|id| umbp_pool::PutBlock {
-                key: key(id),
-                src: src.id(),
-                offset: (id - from) * DRAM_LEN,
-                len: DRAM_LEN,
-            })
-            .collect();
-        let out = self.pool.put(self.spec.tier, &blocks)?;
-        Ok(out.iter().filter(|o| o.is_in_pool()).count())
-    }
-
-    /// Gets blocks `from..to`: one letter per block, `L` loaded with the right bytes, `X`
-    /// loaded with wrong ones, `M` miss, `F` failed; or the call's error.
-    fn get(&self, from: u64, to: u64) -> Result<String, Error> {
-        use umbp_plan::Register;
-        use umbp_pool::GetOutcome;
-        let n = to - from;
-        let dst = self.composite.register_memory(vec![0u8; (n * DRAM_LEN) as usize]).unwrap();
-        let blocks: Vec<umbp_pool::GetBlock> = (from..to)
-            .map(|id| umbp_pool::GetBlock {
-                key: key(id),
-                dst: dst.id(),
-                offset: (id - from) * DRAM_LEN,
-                capacity: DRAM_LEN,
-            })
-            .collect();
-        let out = self.pool.get(&blocks)?;
-        let bytes = dst.deregister();
-        Ok(out
-            .iter()
-            .zip(from..)
-            .map(|(o, id)| match o {
-                GetOutcome::Loaded(_) => {
-                    let at = ((id - from) * DRAM_LEN) as usize;
-                    if bytes[at..at + DRAM_LEN as usize] == block_bytes(id, 0, DRAM_LEN)[..] {
-                        'L'
-                    } else {
-                        'X'
-                    }
-                }
-                GetOutcome::Miss => 'M',
-                GetOutcome::Failed(_) => 'F',
-            })
-            .collect())
-    }
 }
 
 /// The pool's data path across a Redis restart: while the server is down a put and a get fail

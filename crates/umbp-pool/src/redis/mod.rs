@@ -1,43 +1,50 @@
-//! The Redis index: one pool shared by every instance and node of a cluster.
+//! The Redis index: one pool shared by every instance and node of a cluster, on a standalone
+//! Redis server or on a Redis Cluster.
 //!
-//! Strategy: every operation that changes state is one Lua script (sent as `EVALSHA`; the
-//! client loads it once and again after `NOSCRIPT`, for example after a Redis restart), so the
-//! rules hold atomically whatever number of clients race. A batched lookup is one pipeline:
-//! the alive-nodes script, then one `HMGET` per 4,096 keys: one round trip for any number of
-//! keys. Leases and node announcements are keys with Redis's own TTL: a holder that stops
-//! renewing simply lets them expire. Connections are pooled (one per concurrent caller), with
-//! read, write and connect timeouts, and a connection that failed is dropped, so a restarted
-//! server is reconnected to on the next call. See [`scripts`] for the key layout.
+//! Strategy: every operation that changes state is one Lua script per shard (sent as
+//! `EVALSHA`; the client loads it once and again after `NOSCRIPT`, for example after a Redis
+//! restart), so the rules hold atomically whatever number of clients race. The pool is cut
+//! into shards (see [`shard`]), each a complete pool of its keys and its share of every
+//! tier's slots under one hash tag, so a script never spans shards and a Cluster spreads the
+//! shards over its masters. A batched lookup is one pipeline per shard: the alive-nodes
+//! script, then one `HMGET` per 4,096 keys. Leases and node announcements are keys with
+//! Redis's own TTL: a holder that stops renewing simply lets them expire. See [`scripts`] for
+//! the key layout and [`conn`] for the connections.
 
+mod conn;
 mod lookup;
 mod scripts;
 mod seal;
+mod shard;
 
 use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use redis::{Connection, IntoConnectionInfo, Script, Value};
+use redis::{ConnectionLike, IntoConnectionInfo, Script, Value};
 
 use crate::{
     BlockKey, Error, Index, Lease, NodeAnnouncement, NodeId, Placement, Published, Removed,
     Reservation, Reserved, TierId, TierSpec, TierStats,
 };
 
-/// How to reach the Redis server and where in it the pool lives.
+/// How to reach the Redis server (or Cluster) and where in it the pool lives.
 #[derive(Clone)]
 pub struct RedisConfig {
     /// `redis://host:port/db`, or `rediss://host:port/db` for TLS (needs the `tls` feature). A
     /// password or user in the URL is used unless [`username`](Self::username) /
-    /// [`password`](Self::password) are set.
+    /// [`password`](Self::password) are set. With [`cluster`](Self::cluster), any one node of
+    /// the Cluster (a seed: the client learns the others from it).
     pub url: String,
     /// The ACL user (Redis 6+), if not `default`.
     pub username: Option<String>,
     /// The password (`requirepass`, or the ACL user's).
     pub password: Option<String>,
-    /// The pool's name: every key is under the hash tag `{prefix}`, so several pools share one
-    /// server apart. Letters, digits, `-`, `_`, `.`; default `umbp`.
+    /// The pool's name: every key is under the hash tag `{prefix}` (or `{prefix.s}` for shard
+    /// `s`), so several pools share one server apart. Letters, digits, `-`, `_`, `.`; default
+    /// `umbp`.
     pub prefix: String,
     /// Connect, read and write timeout of each call; a server that does not answer in time is
     /// [`Error::Redis`]. Default 5 s.
@@ -47,8 +54,8 @@ pub struct RedisConfig {
     pub tls_ca_file: Option<std::path::PathBuf>,
     /// Batched lookups write their pipeline and decode its reply directly over their own TCP
     /// connections (default `true`), instead of through redis-rs's parser, which allocates a
-    /// value per key. `false`, and any TLS server, takes the redis-rs path. Both send the same
-    /// commands and give the same answers.
+    /// value per key. `false`, any TLS server and any Cluster take the redis-rs path. Both send
+    /// the same commands and give the same answers.
     pub direct_lookup: bool,
     /// The cluster's secret (the memory nodes' shared secret, say): every entry is sealed
     /// under a key derived from it, so a Redis writer without it cannot make, copy or edit
@@ -57,6 +64,14 @@ pub struct RedisConfig {
     /// none) is a miss. Default `None`: entries are sealed under a public key, which binds
     /// each entry to its key but does not stop a writer who computes seals on purpose.
     pub secret: Option<Vec<u8>>,
+    /// `url` is a node of a Redis Cluster (`cluster-enabled yes`): the client learns the
+    /// Cluster's other nodes and slot map from it, follows redirections, and survives
+    /// failovers and reshardings. Default `false` (a standalone server).
+    pub cluster: bool,
+    /// How many shards the pool is cut into; `None`: 1 on a standalone server, 16 on a
+    /// Cluster (spread over its masters by the hash tags' slots). Fixed for the life of the
+    /// pool: a client with another count is refused at connect ([`Error::InvalidConfig`]).
+    pub shards: Option<u16>,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -71,6 +86,8 @@ impl std::fmt::Debug for RedisConfig {
             .field("tls_ca_file", &self.tls_ca_file)
             .field("direct_lookup", &self.direct_lookup)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("cluster", &self.cluster)
+            .field("shards", &self.shards)
             .finish()
     }
 }
@@ -87,13 +104,20 @@ impl RedisConfig {
             tls_ca_file: None,
             direct_lookup: true,
             secret: None,
+            cluster: false,
+            shards: None,
         }
+    }
+
+    /// The settings for a Redis Cluster reached through `seed` (any one of its nodes), with
+    /// the defaults otherwise.
+    pub fn cluster(seed: impl Into<String>) -> Self {
+        Self { cluster: true, ..Self::new(seed) }
     }
 }
 
 struct Scripts {
     register_tier: Script,
-    reserve: Script,
     reserve_many: Script,
     publish: Script,
     abort: Script,
@@ -114,7 +138,6 @@ impl Scripts {
         let s = |body: &str| Script::new(&scripts::source(body));
         Self {
             register_tier: s(scripts::REGISTER_TIER),
-            reserve: s(scripts::RESERVE),
             reserve_many: s(scripts::RESERVE_MANY),
             publish: s(scripts::PUBLISH),
             abort: s(scripts::ABORT),
@@ -133,33 +156,44 @@ impl Scripts {
 }
 
 /// The Redis [`Index`]: every instance and node of a cluster shares one, through a Redis 7
-/// server (standalone). Nodes [announce](Index::announce) themselves with a TTL and renew it; a
-/// node that stops is dead: its entries are absent at once to lookups, leases, reservations
-/// and publishes (its keys can be stored again on live nodes), and its state is deleted in
-/// bounded steps by live nodes' renewals, by itself when it joins again (empty, possibly with
-/// other tier shapes), or all at once by [`reap_dead_nodes`](Self::reap_dead_nodes).
+/// server (standalone) or a Redis Cluster. Nodes [announce](Index::announce) themselves with a
+/// TTL and renew it; a node that stops is dead: its entries are absent at once to lookups,
+/// leases, reservations and publishes (its keys can be stored again on live nodes), and its
+/// state is deleted in bounded steps by live nodes' renewals, by itself when it joins again
+/// (empty, possibly with other tier shapes), or all at once by
+/// [`reap_dead_nodes`](Self::reap_dead_nodes).
 ///
 /// Tiers registered through this client are remembered, and registered again when a node this
 /// client announces rejoins (after it expired, or after the server restarted without its data),
 /// so a client resumes by itself once the server is back.
 pub struct RedisIndex {
-    client: redis::Client,
-    idle: Mutex<Vec<Connection>>,
+    conns: conn::Conns,
     timeout: Duration,
-    prefix: String,
+    shards: shard::Shards,
     scripts: Scripts,
     registered: Mutex<HashMap<(NodeId, TierId), TierSpec>>,
-    /// The batched lookup's direct path (plain TCP servers; `None`: the redis-rs path).
+    /// The batched lookup's direct path (plain TCP standalone servers with one shard; `None`:
+    /// the redis-rs path).
     direct: Option<lookup::Direct>,
     /// Seals and opens entries (see [`seal`]).
     sealer: seal::Sealer,
     /// Entries found whose seal did not match: misses, counted.
     forged: AtomicU64,
+    /// The shards each lease of this client holds slots in (a lease spans shards under one
+    /// id), for renew and release.
+    leases: Mutex<HashMap<u64, Vec<u16>>>,
+    /// Makes lease ids: random per client, so ids of different clients never meet.
+    lease_ids: std::hash::RandomState,
+    lease_seq: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisIndex").field("prefix", &self.prefix).finish_non_exhaustive()
+        f.debug_struct("RedisIndex")
+            .field("pool", &self.shards.tag(0))
+            .field("shards", &self.shards.count())
+            .field("cluster", &self.conns.is_cluster())
+            .finish_non_exhaustive()
     }
 }
 
@@ -177,20 +211,6 @@ fn bytes<'v>(what: &str, v: &'v Value) -> Result<&'v [u8], Error> {
         Value::SimpleString(s) => Ok(s.as_bytes()),
         _ => Err(corrupt(what, v)),
     }
-}
-
-/// Whether `e` is, or was caused by, an interrupted system call (`EINTR`).
-fn interrupted(e: &redis::RedisError) -> bool {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(c) = cause {
-        if c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::Interrupted)
-        {
-            return true;
-        }
-        cause = c.source();
-    }
-    false
 }
 
 fn int(what: &str, v: &Value) -> Result<i64, Error> {
@@ -211,11 +231,13 @@ fn array<'v>(what: &str, v: &'v Value) -> Result<&'v [Value], Error> {
 }
 
 impl RedisIndex {
-    /// Connects to the server of `config` (one connection now, to fail early; more as callers
-    /// need them) and checks that it answers.
+    /// Connects to the server (or the Cluster) of `config` (one connection now, to fail
+    /// early; more as callers need them), checks that it answers, and that the pool's shard
+    /// count is this client's.
     ///
-    /// Errors: [`Error::InvalidConfig`] (a bad URL or prefix), [`Error::TlsUnavailable`]
-    /// (`rediss://` without the `tls` feature), [`Error::Redis`] (unreachable, wrong password).
+    /// Errors: [`Error::InvalidConfig`] (a bad URL or prefix, another shard count than the
+    /// pool's), [`Error::TlsUnavailable`] (`rediss://` without the `tls` feature),
+    /// [`Error::Redis`] (unreachable, wrong password).
     pub fn connect(config: &RedisConfig) -> Result<Self, Error> {
         if config.prefix.is_empty()
             || !config.prefix.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
@@ -227,6 +249,10 @@ impl RedisIndex {
         }
         if config.timeout.is_zero() {
             return Err(Error::InvalidConfig("redis timeout must be positive".into()));
+        }
+        let shard_count = config.shards.unwrap_or(if config.cluster { 16 } else { 1 });
+        if shard_count == 0 {
+            return Err(Error::InvalidConfig("a pool has at least one shard".into()));
         }
         let tls = config.url.starts_with("rediss://");
         if tls && !cfg!(feature = "tls") {
@@ -243,108 +269,148 @@ impl RedisIndex {
         if config.password.is_some() {
             info.redis.password = config.password.clone();
         }
-        let direct = config
-            .direct_lookup
+        let direct = (config.direct_lookup && !config.cluster && shard_count == 1)
             .then(|| lookup::Direct::for_connection(&info, config.timeout))
             .flatten();
-        let client = Self::client(info, config)?;
+        let conns = if config.cluster {
+            conn::Conns::Cluster {
+                client: Self::cluster_client(info, config)?,
+                idle: Mutex::new(Vec::new()),
+            }
+        } else {
+            conn::Conns::Single {
+                client: Self::client(info, config)?,
+                idle: Mutex::new(Vec::new()),
+            }
+        };
         let index = Self {
-            client,
-            idle: Mutex::new(Vec::new()),
+            conns,
             timeout: config.timeout,
-            prefix: format!("{{{}}}", config.prefix),
+            shards: shard::Shards::new(&config.prefix, shard_count),
             scripts: Scripts::new(),
             registered: Mutex::new(HashMap::new()),
             direct,
             sealer: seal::Sealer::new(config.secret.as_deref()),
             forged: AtomicU64::new(0),
+            leases: Mutex::new(HashMap::new()),
+            lease_ids: std::hash::RandomState::new(),
+            lease_seq: AtomicU64::new(0),
         };
-        index.with(|c| redis::cmd("PING").query::<()>(c))?;
+        // The pool's shard count, recorded by its first client: every client must agree, or
+        // keys and slots would be looked for in the wrong shards.
+        let key = format!("{}:shards", index.shards.tag(0));
+        let recorded: Option<u16> = index
+            .with(|c| redis::cmd("SET").arg(&key).arg(shard_count).arg("NX").arg("GET").query(c))?;
+        if let Some(recorded) = recorded.filter(|&r| r != shard_count) {
+            return Err(Error::InvalidConfig(format!(
+                "pool {:?} has {recorded} shards, this client was configured with {shard_count}",
+                config.prefix
+            )));
+        }
         Ok(index)
     }
 
     #[cfg(feature = "tls")]
     fn client(info: redis::ConnectionInfo, config: &RedisConfig) -> Result<redis::Client, Error> {
-        // rustls needs a process-wide crypto provider; ring's, unless the program chose one.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        match &config.tls_ca_file {
-            Some(path) => {
-                let root_cert = std::fs::read(path).map_err(|e| {
-                    Error::InvalidConfig(format!("redis CA file {}: {e}", path.display()))
-                })?;
-                Ok(redis::Client::build_with_tls(
-                    info,
-                    redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) },
-                )?)
-            }
+        match Self::root_cert(config)? {
+            Some(root_cert) => Ok(redis::Client::build_with_tls(
+                info,
+                redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) },
+            )?),
             None => Ok(redis::Client::open(info)?),
         }
     }
 
     #[cfg(not(feature = "tls"))]
     fn client(info: redis::ConnectionInfo, config: &RedisConfig) -> Result<redis::Client, Error> {
-        if config.tls_ca_file.is_some() {
-            return Err(Error::TlsUnavailable);
-        }
+        Self::root_cert(config)?;
         Ok(redis::Client::open(info)?)
     }
 
-    /// Runs `f` on a pooled connection; a connection whose call failed is dropped rather than
-    /// pooled (it may hold half a reply, or the server may be gone).
-    ///
-    /// A pooled connection to a server that went away since it was pooled (the server was
-    /// restarted) fails at once, closed; the call is then made once more on a fresh
-    /// connection, so the first calls after a restart succeed. Making it again is safe: the
-    /// server that closed the connection is gone, and with it whatever the call did there
-    /// (unless it persisted it: then a reservation or lease is taken twice and ends by its TTL,
-    /// or a publish that won answers `Expired`, which the caller treats as a failed save).
-    fn with<T>(
-        &self,
-        mut f: impl FnMut(&mut Connection) -> redis::RedisResult<T>,
-    ) -> Result<T, Error> {
-        let pooled = lock(&self.idle).pop();
-        let was_pooled = pooled.is_some();
-        let mut conn = match pooled {
-            Some(c) => c,
-            None => self.open_connection()?,
-        };
-        let mut result = f(&mut conn);
-        if was_pooled && result.as_ref().is_err_and(|e| e.is_connection_dropped()) {
-            conn = self.open_connection()?;
-            result = f(&mut conn);
+    fn cluster_client(
+        info: redis::ConnectionInfo,
+        config: &RedisConfig,
+    ) -> Result<redis::cluster::ClusterClient, Error> {
+        let mut builder = redis::cluster::ClusterClientBuilder::new(vec![info])
+            .connection_timeout(config.timeout)
+            .response_timeout(config.timeout)
+            // A master that died answers nothing until its replica is promoted (the
+            // Cluster's node timeout and an election): a few quick retries, then the call
+            // fails and its caller's blocks with it, rather than hang.
+            .retries(4)
+            .min_retry_wait(50)
+            .max_retry_wait(500);
+        if let Some(user) = &config.username {
+            builder = builder.username(user.clone());
         }
-        // A signal handled by this process interrupts a socket read that has a timeout (the
-        // kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands the
-        // EINTR up. The connection's state is unknown then: the call is made again on a
-        // fresh one. (Seen in Python processes.) Every script is safe to run twice: a
-        // repeated reservation or lease holds its slot until its TTL; a repeated publish
-        // answers `Expired` for a block that is published (its caller reports a failed put of
-        // a block that is in the pool, with right bytes); a repeated removal or leave answers
-        // as for one that already happened.
-        for _ in 0..3 {
-            if !result.as_ref().is_err_and(interrupted) {
-                break;
-            }
-            conn = self.open_connection()?;
-            result = f(&mut conn);
+        if let Some(password) = &config.password {
+            builder = builder.password(password.clone());
         }
-        if result.is_ok() {
-            lock(&self.idle).push(conn);
+        #[cfg(feature = "tls")]
+        if let Some(root_cert) = Self::root_cert(config)? {
+            builder = builder
+                .certs(redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) });
         }
-        Ok(result?)
+        #[cfg(not(feature = "tls"))]
+        Self::root_cert(config)?;
+        Ok(builder.build()?)
     }
 
-    fn open_connection(&self) -> Result<Connection, Error> {
-        let c = self.client.get_connection_with_timeout(self.timeout)?;
-        c.set_read_timeout(Some(self.timeout))?;
-        c.set_write_timeout(Some(self.timeout))?;
-        Ok(c)
+    /// The private CA's certificate, if one is configured.
+    fn root_cert(config: &RedisConfig) -> Result<Option<Vec<u8>>, Error> {
+        let Some(path) = &config.tls_ca_file else { return Ok(None) };
+        if !cfg!(feature = "tls") {
+            return Err(Error::TlsUnavailable);
+        }
+        #[cfg(feature = "tls")]
+        {
+            // rustls needs a process-wide crypto provider; ring's, unless the program chose one.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        std::fs::read(path)
+            .map(Some)
+            .map_err(|e| Error::InvalidConfig(format!("redis CA file {}: {e}", path.display())))
+    }
+
+    /// Runs `f` on a pooled connection (see [`conn::Conns::with`]).
+    fn with<T>(
+        &self,
+        mut f: impl FnMut(&mut dyn ConnectionLike) -> redis::RedisResult<T>,
+    ) -> Result<T, Error> {
+        self.conns.with(self.timeout, |c| f(c.like()))
+    }
+
+    /// Runs `script` on shard `s` with `args` after its tag.
+    fn run<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        s: usize,
+        args: impl Fn(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<T, Error> {
+        let mut inv = script.key(self.shards.route(s));
+        inv.arg(self.shards.tag(s));
+        args(&mut inv);
+        self.with(|c| inv.invoke(c))
+    }
+
+    /// Runs `script` on every shard, with the same `args`; the answers in shard order.
+    fn run_all<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        args: impl Fn(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<Vec<T>, Error> {
+        (0..self.shards.count()).map(|s| self.run(script, s, &args)).collect()
     }
 
     /// Entries this client found whose seal did not match their key (copied, edited or made
     /// up in Redis, or sealed under another secret): each was taken for a miss.
     pub fn forged_entries(&self) -> u64 {
         self.forged.load(Ordering::Relaxed)
+    }
+
+    /// How many shards the pool is cut into.
+    pub fn shard_count(&self) -> usize {
+        self.shards.count()
     }
 
     /// The placement stored for `key` as `value` if its seal holds; a forged one is counted
@@ -361,98 +427,181 @@ impl RedisIndex {
     /// Deletes the state of every node whose announcement expired (their entries are already
     /// absent to lookups and writers; this frees them without waiting for the nodes to rejoin
     /// or for live nodes' renewals to reap them, a few at a time). Returns how many nodes were
-    /// reaped. Runs as many bounded script calls as the dead nodes need.
+    /// reaped (in shard 0: every shard reaps the same nodes). Runs as many bounded script
+    /// calls as the dead nodes need.
     pub fn reap_dead_nodes(&self) -> Result<u32, Error> {
         let mut reaped = 0;
-        for _ in 0..MAX_STEPS {
-            let v: Value = self.with(|c| self.scripts.reap.arg(&self.prefix).invoke(c))?;
-            let [done, left] = array("reap", &v)? else { return Err(corrupt("reap", &v)) };
-            reaped += int("reap", done)? as u32;
-            if int("reap", left)? == 0 {
-                break;
+        for s in 0..self.shards.count() {
+            let mut here = 0;
+            let mut done = false;
+            for _ in 0..MAX_STEPS {
+                let v: Value = self.run(&self.scripts.reap, s, |_| {})?;
+                let [n, left] = array("reap", &v)? else { return Err(corrupt("reap", &v)) };
+                here += int("reap", n)? as u32;
+                if int("reap", left)? == 0 {
+                    done = true;
+                    break;
+                }
+            }
+            if !done {
+                return Err(steps_exhausted("reap"));
+            }
+            if s == 0 {
+                reaped = here;
             }
         }
         Ok(reaped)
     }
 
     fn register_remote(&self, spec: &TierSpec) -> Result<(), Error> {
-        for _ in 0..MAX_STEPS {
-            let v: Value = self.with(|c| {
-                self.scripts
-                    .register_tier
-                    .arg(&self.prefix)
-                    .arg(spec.node.0)
-                    .arg(spec.tier.0)
-                    .arg(spec.slot_size)
-                    .arg(spec.slot_count)
-                    .arg(u8::from(spec.durable))
-                    .arg(spec.low_watermark)
-                    .arg(spec.high_watermark)
-                    .invoke(c)
-            })?;
-            let a = array("register_tier", &v)?;
-            match a.first().map(|s| bytes("register_tier", s)).transpose()? {
-                Some(b"ok") => return Ok(()),
-                // A dead node's tier with another shape, being emptied step by step.
-                Some(b"more") => continue,
-                Some(b"conflict") if a.len() == 4 => {
-                    return Err(Error::TierConflict {
-                        node: spec.node,
-                        tier: spec.tier,
-                        reason: format!(
-                            "registered in redis: slot size {}, slot count {}, durable {}, and \
-                             the node is alive",
-                            String::from_utf8_lossy(bytes("register_tier", &a[1])?),
-                            String::from_utf8_lossy(bytes("register_tier", &a[2])?),
-                            String::from_utf8_lossy(bytes("register_tier", &a[3])?),
-                        ),
-                    })
+        for s in 0..self.shards.count() {
+            let share = self.shards.share(spec, s);
+            let mut done = false;
+            for _ in 0..MAX_STEPS {
+                let v: Value = self.run(&self.scripts.register_tier, s, |inv| {
+                    inv.arg(spec.node.0)
+                        .arg(spec.tier.0)
+                        .arg(spec.slot_size)
+                        .arg(spec.slot_count)
+                        .arg(u8::from(spec.durable))
+                        .arg(spec.low_watermark)
+                        .arg(spec.high_watermark)
+                        .arg(share.count)
+                        .arg(share.low)
+                        .arg(share.high)
+                        .arg(share.stride)
+                        .arg(share.first);
+                })?;
+                let a = array("register_tier", &v)?;
+                match a.first().map(|s| bytes("register_tier", s)).transpose()? {
+                    Some(b"ok") => {
+                        done = true;
+                        break;
+                    }
+                    // A dead node's tier with another shape, being emptied step by step.
+                    Some(b"more") => continue,
+                    Some(b"conflict") if a.len() == 4 => {
+                        return Err(Error::TierConflict {
+                            node: spec.node,
+                            tier: spec.tier,
+                            reason: format!(
+                                "registered in redis: slot size {}, slot count {}, durable {}, \
+                                 and the node is alive",
+                                String::from_utf8_lossy(bytes("register_tier", &a[1])?),
+                                String::from_utf8_lossy(bytes("register_tier", &a[2])?),
+                                String::from_utf8_lossy(bytes("register_tier", &a[3])?),
+                            ),
+                        })
+                    }
+                    _ => return Err(corrupt("register_tier", &v)),
                 }
-                _ => return Err(corrupt("register_tier", &v)),
+            }
+            if !done {
+                return Err(steps_exhausted("register_tier"));
             }
         }
-        Err(steps_exhausted("register_tier"))
+        Ok(())
     }
 
-    fn reserve_once(
+    /// One call of the reserve-many script on shard `s` for `items`: one raw answer each.
+    fn reserve_call(
         &self,
-        key: BlockKey,
+        s: usize,
         node: NodeId,
         tier: TierId,
-        len: u64,
+        items: &[(BlockKey, u64)],
         ttl: Duration,
-    ) -> Result<Value, Error> {
-        self.with(|c| {
-            self.scripts
-                .reserve
-                .arg(&self.prefix)
-                .arg(&key.0[..])
-                .arg(node.0)
-                .arg(tier.0)
-                .arg(len)
-                .arg(ttl_ms(ttl))
-                .invoke(c)
-        })
+    ) -> Result<Vec<Value>, Error> {
+        let v: Value = self.run(&self.scripts.reserve_many, s, |inv| {
+            inv.arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
+            for (key, len) in items {
+                inv.arg(&key.0[..]).arg(*len);
+            }
+        })?;
+        match v {
+            Value::Array(a) if a.len() == items.len() => Ok(a),
+            v => Err(corrupt("reserve_many", &v)),
+        }
     }
 
-    /// The batched lookup through redis-rs (TLS and Unix-socket servers): the same pipeline as
-    /// the direct path, each reply parsed into `Value`s.
-    fn lookup_values(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
-        // The alive-nodes script first, then the keys in chunks: one pipeline, one round trip,
-        // and the server answers the first chunks while the client still parses.
-        let blocks = format!("{}:blocks", self.prefix);
-        let mut pipe = redis::pipe();
-        pipe.cmd("EVALSHA").arg(self.scripts.alive.get_hash()).arg(0).arg(&self.prefix);
-        for chunk in keys.chunks(LOOKUP_CHUNK) {
-            let hmget = pipe.cmd("HMGET").arg(&blocks);
-            for k in chunk {
-                hmget.arg(&k.0[..]);
+    /// [`reserve_call`](Self::reserve_call), registering the tier again once if the shard
+    /// forgot it (it restarted without its data while the node stayed announced), and
+    /// replacing forged entries that stand where keys would be published.
+    fn reserve_shard(
+        &self,
+        s: usize,
+        node: NodeId,
+        tier: TierId,
+        items: &[(BlockKey, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<Reserved, Error>>, Error> {
+        let mut raw = self.reserve_call(s, node, tier, items, ttl)?;
+        let forgotten = raw.iter().any(|o| {
+            matches!(array("reserve_many", o).ok().and_then(|o| o.first()),
+                Some(Value::BulkString(b)) if b == b"unknown")
+        });
+        if forgotten {
+            let spec = lock(&self.registered).get(&(node, tier)).copied();
+            if let Some(spec) = spec {
+                self.register_remote(&spec)?;
+                raw = self.reserve_call(s, node, tier, items, ttl)?;
             }
         }
-        let replies: Vec<Value> = self.with(|c| match pipe.query(c) {
+        let mut out: Vec<Result<Reserved, Option<Error>>> = raw
+            .iter()
+            .zip(items)
+            .map(|(o, &(key, len))| reserved(self, o, key, node, tier, len))
+            .collect();
+        // Forged entries stand where some keys would be published: they go, and those keys
+        // are reserved again (once).
+        let again: Vec<usize> = (0..out.len()).filter(|&i| matches!(out[i], Err(None))).collect();
+        if !again.is_empty() {
+            let retry: Vec<(BlockKey, u64)> = again.iter().map(|&i| items[i]).collect();
+            self.remove(&retry.iter().map(|r| r.0).collect::<Vec<_>>())?;
+            let raw = self.reserve_call(s, node, tier, &retry, ttl)?;
+            for ((&i, o), &(key, len)) in again.iter().zip(&raw).zip(&retry) {
+                out[i] = reserved(self, o, key, node, tier, len);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .zip(items)
+            .map(|(r, &(key, _))| r.map_err(|e| e.unwrap_or(forged(key))))
+            .collect())
+    }
+
+    /// Shard `s`'s part of a batched lookup through redis-rs (a Cluster, TLS and Unix-socket
+    /// servers, more than one shard): the alive-nodes script, then the keys in chunks, in one
+    /// pipeline (one round trip; the server answers the first chunks while the client still
+    /// parses). Fills `out` at the keys' positions.
+    fn lookup_values(
+        &self,
+        s: usize,
+        keys: &[BlockKey],
+        at: &[usize],
+        out: &mut [Option<Placement>],
+    ) -> Result<(), Error> {
+        let blocks = format!("{}:blocks", self.shards.tag(s));
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA")
+            .arg(self.scripts.alive.get_hash())
+            .arg(1)
+            .arg(self.shards.route(s))
+            .arg(self.shards.tag(s));
+        for chunk in at.chunks(LOOKUP_CHUNK) {
+            let hmget = pipe.cmd("HMGET").arg(&blocks);
+            for &i in chunk {
+                hmget.arg(&keys[i].0[..]);
+            }
+        }
+        let replies: Vec<Value> = self.conns.with(self.timeout, |c| match c.pipeline(&pipe) {
             Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)?;
-                pipe.query(c)
+                // On a Cluster, redis-rs loads it on every master.
+                redis::cmd("SCRIPT")
+                    .arg("LOAD")
+                    .arg(&self.scripts.alive_source)
+                    .query::<Value>(c.like())?;
+                c.pipeline(&pipe)
             }
             other => other,
         })?;
@@ -462,25 +611,24 @@ impl RedisIndex {
             .iter()
             .map(|v| int("alive nodes", v).map(|n| n as u32))
             .collect::<Result<_, _>>()?;
-        let mut out = Vec::with_capacity(keys.len());
-        for (reply, chunk) in found.iter().zip(keys.chunks(LOOKUP_CHUNK)) {
+        if found.len() != at.len().div_ceil(LOOKUP_CHUNK) {
+            return Err(corrupt("lookup", &Value::Int(found.len() as i64)));
+        }
+        for (reply, chunk) in found.iter().zip(at.chunks(LOOKUP_CHUNK)) {
             let reply = array("lookup", reply)?;
             if reply.len() != chunk.len() {
                 return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
             }
-            for (v, &key) in reply.iter().zip(chunk) {
-                out.push(match v {
+            for (v, &i) in reply.iter().zip(chunk) {
+                out[i] = match v {
                     Value::Nil => None,
                     v => self
-                        .open(key, bytes("lookup", v)?)
+                        .open(keys[i], bytes("lookup", v)?)
                         .and_then(|p| alive.contains(&p.node.0).then_some(p)),
-                });
+                };
             }
         }
-        if out.len() != keys.len() {
-            return Err(corrupt("lookup", &Value::Int(out.len() as i64)));
-        }
-        Ok(out)
+        Ok(())
     }
 
     /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
@@ -492,7 +640,7 @@ impl RedisIndex {
     ) -> Result<Vec<Option<Placement>>, Error> {
         let hash = self.scripts.alive.get_hash();
         for _ in 0..2 {
-            match direct.lookup(hash, &self.prefix, keys, LOOKUP_CHUNK, &self.sealer)? {
+            match direct.lookup(hash, self.shards.tag(0), keys, LOOKUP_CHUNK, &self.sealer)? {
                 lookup::Found::Placements { found, forged } => {
                     if forged > 0 {
                         self.forged.fetch_add(forged, Ordering::Relaxed);
@@ -509,6 +657,24 @@ impl RedisIndex {
             }
         }
         Err(Error::Corrupt("the server forgot the alive-nodes script twice in a row".into()))
+    }
+
+    /// A new lease id: unique to this client (a random key hashes a counter), so leases of
+    /// different clients never share one.
+    fn new_lease_id(&self) -> u64 {
+        let mut h = self.lease_ids.build_hasher();
+        h.write_u64(self.lease_seq.fetch_add(1, Ordering::Relaxed));
+        // Positive in Lua's doubles and Redis's integers alike.
+        h.finish() >> 11
+    }
+
+    /// The shards lease `id` holds slots in: the ones this client leased in, or every shard
+    /// for a lease of another client.
+    fn lease_shards(&self, id: u64) -> Vec<u16> {
+        lock(&self.leases)
+            .get(&id)
+            .cloned()
+            .unwrap_or_else(|| (0..self.shards.count() as u16).collect())
     }
 }
 
@@ -586,27 +752,9 @@ impl Index for RedisIndex {
         len: u64,
         ttl: Duration,
     ) -> Result<Reserved, Error> {
-        let mut v = self.reserve_once(key, node, tier, len, ttl)?;
-        // A tier this client registered but the server forgot (it restarted without its data
-        // while the node stayed announced): register it again, once.
-        if matches!(array("reserve", &v)?.first(), Some(Value::BulkString(b)) if b == b"unknown") {
-            let spec = lock(&self.registered).get(&(node, tier)).copied();
-            if let Some(spec) = spec {
-                self.register_remote(&spec)?;
-                v = self.reserve_once(key, node, tier, len, ttl)?;
-            }
-        }
-        match reserved(self, &v, key, node, tier, len) {
-            Ok(r) => Ok(r),
-            Err(Some(e)) => Err(e),
-            // A forged entry stands where the key would be published: it goes, and the key
-            // is reserved again (once).
-            Err(None) => {
-                self.remove(&[key])?;
-                let v = self.reserve_once(key, node, tier, len, ttl)?;
-                reserved(self, &v, key, node, tier, len).map_err(|e| e.unwrap_or(forged(key)))
-            }
-        }
+        let s = self.shards.of(&key);
+        let mut out = self.reserve_shard(s, node, tier, &[(key, len)], ttl)?;
+        out.pop().unwrap_or_else(|| Err(corrupt("reserve", &Value::Nil)))
     }
 
     fn reserve_many(
@@ -619,117 +767,82 @@ impl Index for RedisIndex {
         if items.is_empty() {
             return Ok(Vec::new());
         }
-        let call = || -> Result<Value, Error> {
-            let mut inv = self.scripts.reserve_many.prepare_invoke();
-            inv.arg(&self.prefix).arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
-            for (key, len) in items {
-                inv.arg(&key.0[..]).arg(*len);
-            }
-            self.with(|c| inv.invoke(c))
-        };
-        let mut v = call()?;
-        let forgotten = |v: &Value| {
-            array("reserve_many", v).is_ok_and(|a| {
-                a.iter().any(|o| {
-                    matches!(array("reserve_many", o).ok().and_then(|o| o.first()),
-                        Some(Value::BulkString(b)) if b == b"unknown")
-                })
-            })
-        };
-        if forgotten(&v) {
-            let spec = lock(&self.registered).get(&(node, tier)).copied();
-            if let Some(spec) = spec {
-                self.register_remote(&spec)?;
-                v = call()?;
-            }
+        if self.shards.count() == 1 {
+            return self.reserve_shard(0, node, tier, items, ttl);
         }
-        let a = array("reserve_many", &v)?;
-        if a.len() != items.len() {
-            return Err(corrupt("reserve_many", &v));
-        }
-        let mut out: Vec<Result<Reserved, Option<Error>>> = a
-            .iter()
-            .zip(items)
-            .map(|(o, &(key, len))| reserved(self, o, key, node, tier, len))
-            .collect();
-        // Forged entries stand where some keys would be published: they go, and those keys
-        // are reserved again (once).
-        let again: Vec<usize> = (0..out.len()).filter(|&i| matches!(out[i], Err(None))).collect();
-        if !again.is_empty() {
-            let keys: Vec<BlockKey> = again.iter().map(|&i| items[i].0).collect();
-            self.remove(&keys)?;
-            let retry: Vec<(BlockKey, u64)> = again.iter().map(|&i| items[i]).collect();
-            let mut inv = self.scripts.reserve_many.prepare_invoke();
-            inv.arg(&self.prefix).arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
-            for (key, len) in &retry {
-                inv.arg(&key.0[..]).arg(*len);
+        let mut out: Vec<Option<Result<Reserved, Error>>> =
+            (0..items.len()).map(|_| None).collect();
+        for (s, at) in self.shards.group(items.iter().map(|i| &i.0)).iter().enumerate() {
+            if at.is_empty() {
+                continue;
             }
-            let v: Value = self.with(|c| inv.invoke(c))?;
-            let a = array("reserve_many", &v)?;
-            if a.len() != retry.len() {
-                return Err(corrupt("reserve_many", &v));
-            }
-            for ((&i, o), &(key, len)) in again.iter().zip(a).zip(&retry) {
-                out[i] = reserved(self, o, key, node, tier, len);
+            let part: Vec<(BlockKey, u64)> = at.iter().map(|&i| items[i]).collect();
+            for (&i, r) in at.iter().zip(self.reserve_shard(s, node, tier, &part, ttl)?) {
+                out[i] = Some(r);
             }
         }
         Ok(out
             .into_iter()
-            .zip(items)
-            .map(|(r, &(key, _))| r.map_err(|e| e.unwrap_or(forged(key))))
+            .map(|r| r.unwrap_or_else(|| Err(corrupt("reserve_many", &Value::Nil))))
             .collect())
     }
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
-        if items.is_empty() {
-            return Ok(Vec::new());
+        let mut out = vec![Published::Expired; items.len()];
+        for (s, at) in self.shards.group(items.iter().map(|i| &i.0.key)).iter().enumerate() {
+            if at.is_empty() {
+                continue;
+            }
+            let v: Value = self.run(&self.scripts.publish, s, |inv| {
+                for &i in at {
+                    let (r, checksum) = &items[i];
+                    inv.arg(&r.key.0[..])
+                        .arg(r.node.0)
+                        .arg(r.tier.0)
+                        .arg(r.slot)
+                        .arg(r.generation)
+                        .arg(r.len)
+                        .arg(&self.sealer.encode(&r.placement(*checksum))[..]);
+                }
+            })?;
+            let a = array("publish", &v)?;
+            if a.len() != at.len() {
+                return Err(corrupt("publish", &v));
+            }
+            for (o, &i) in a.iter().zip(at) {
+                let (r, checksum) = &items[i];
+                out[i] = match bytes("publish", o)? {
+                    b"W" => Published::Won(r.placement(*checksum)),
+                    b"E" => Published::Expired,
+                    // A winner whose entry fails its seal is no placement to load from:
+                    // nothing of this publish is visible.
+                    [b'L', winner @ ..] => self
+                        .open(r.key, winner)
+                        .map_or(Published::Expired, |winner| Published::Lost { winner }),
+                    _ => return Err(corrupt("publish", o)),
+                };
+            }
         }
-        let mut inv = self.scripts.publish.prepare_invoke();
-        inv.arg(&self.prefix);
-        for (r, checksum) in items {
-            inv.arg(&r.key.0[..])
-                .arg(r.node.0)
-                .arg(r.tier.0)
-                .arg(r.slot)
-                .arg(r.generation)
-                .arg(r.len)
-                .arg(&self.sealer.encode(&r.placement(*checksum))[..]);
-        }
-        let v: Value = self.with(|c| inv.invoke(c))?;
-        let a = array("publish", &v)?;
-        if a.len() != items.len() {
-            return Err(corrupt("publish", &v));
-        }
-        a.iter()
-            .zip(items)
-            .map(|(o, (r, checksum))| match bytes("publish", o)? {
-                b"W" => Ok(Published::Won(r.placement(*checksum))),
-                b"E" => Ok(Published::Expired),
-                // A winner whose entry fails its seal is no placement to load from: nothing of
-                // this publish is visible.
-                [b'L', winner @ ..] => Ok(self
-                    .open(r.key, winner)
-                    .map_or(Published::Expired, |winner| Published::Lost { winner })),
-                _ => Err(corrupt("publish", o)),
-            })
-            .collect()
+        Ok(out)
     }
 
     fn abort(&self, reservations: &[Reservation]) -> Result<(), Error> {
-        if reservations.is_empty() {
-            return Ok(());
+        for (s, at) in self.shards.group(reservations.iter().map(|r| &r.key)).iter().enumerate() {
+            if at.is_empty() {
+                continue;
+            }
+            self.run::<i64>(&self.scripts.abort, s, |inv| {
+                for &i in at {
+                    let r = &reservations[i];
+                    inv.arg(&r.key.0[..])
+                        .arg(r.node.0)
+                        .arg(r.tier.0)
+                        .arg(r.slot)
+                        .arg(r.generation)
+                        .arg(r.len);
+                }
+            })?;
         }
-        let mut inv = self.scripts.abort.prepare_invoke();
-        inv.arg(&self.prefix);
-        for r in reservations {
-            inv.arg(&r.key.0[..])
-                .arg(r.node.0)
-                .arg(r.tier.0)
-                .arg(r.slot)
-                .arg(r.generation)
-                .arg(r.len);
-        }
-        self.with(|c| inv.invoke::<i64>(c))?;
         Ok(())
     }
 
@@ -737,34 +850,65 @@ impl Index for RedisIndex {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        match &self.direct {
-            Some(direct) => self.lookup_direct(direct, keys),
-            None => self.lookup_values(keys),
+        if let Some(direct) = &self.direct {
+            return self.lookup_direct(direct, keys);
         }
+        let mut out = vec![None; keys.len()];
+        for (s, at) in self.shards.group(keys.iter()).iter().enumerate() {
+            if !at.is_empty() {
+                self.lookup_values(s, keys, at, &mut out)?;
+            }
+        }
+        Ok(out)
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
-        let mut inv = self.scripts.lease.prepare_invoke();
-        inv.arg(&self.prefix).arg(ttl_ms(ttl));
-        for p in placements {
-            inv.arg(&p.key.0[..]).arg(p.node.0).arg(p.tier.0).arg(p.slot).arg(p.generation);
+        let id = self.new_lease_id();
+        let groups = self.shards.group(placements.iter().map(|p| &p.key));
+        let mut granted = vec![false; placements.len()];
+        let mut held = Vec::new();
+        for (s, at) in groups.iter().enumerate() {
+            // An empty lease still exists (in shard 0), as a renewable id.
+            if at.is_empty() && !(placements.is_empty() && s == 0) {
+                continue;
+            }
+            // Recorded before the call: a lease whose answer is lost is still released. The
+            // record only saves calls (without it renew and release go to every shard), so
+            // it is bounded: leases never released do not pile up.
+            held.push(s as u16);
+            let mut leases = lock(&self.leases);
+            if leases.len() >= 4096 {
+                leases.clear();
+            }
+            leases.insert(id, held.clone());
+            drop(leases);
+            let v: Value = self.run(&self.scripts.lease, s, |inv| {
+                inv.arg(ttl_ms(ttl)).arg(id);
+                for &i in at {
+                    let p = &placements[i];
+                    inv.arg(&p.key.0[..]).arg(p.node.0).arg(p.tier.0).arg(p.slot).arg(p.generation);
+                }
+            })?;
+            let a = array("lease", &v)?;
+            if a.len() != at.len() {
+                return Err(corrupt("lease", &v));
+            }
+            for (g, &i) in a.iter().zip(at) {
+                granted[i] = int("lease", g)? == 1;
+            }
         }
-        let v: Value = self.with(|c| inv.invoke(c))?;
-        let a = array("lease", &v)?;
-        if a.len() != placements.len() + 1 {
-            return Err(corrupt("lease", &v));
-        }
-        let id = int("lease", &a[0])? as u64;
-        let granted =
-            a[1..].iter().map(|g| int("lease", g).map(|g| g == 1)).collect::<Result<_, _>>()?;
         Ok(Lease { id, granted, ttl })
     }
 
     fn renew(&self, id: u64, ttl: Duration) -> Result<(), Error> {
-        let key = format!("{}:lease:{id}", self.prefix);
-        let renewed: i64 =
-            self.with(|c| redis::cmd("PEXPIRE").arg(&key).arg(ttl_ms(ttl)).query(c))?;
-        if renewed == 1 {
+        let mut renewed = false;
+        for s in self.lease_shards(id) {
+            let key = format!("{}:lease:{id}", self.shards.tag(usize::from(s)));
+            let here: i64 =
+                self.with(|c| redis::cmd("PEXPIRE").arg(&key).arg(ttl_ms(ttl)).query(c))?;
+            renewed |= here == 1;
+        }
+        if renewed {
             Ok(())
         } else {
             Err(Error::LeaseExpired(id))
@@ -772,46 +916,61 @@ impl Index for RedisIndex {
     }
 
     fn release(&self, id: u64) -> Result<(), Error> {
-        self.with(|c| self.scripts.release.arg(&self.prefix).arg(id).invoke::<i64>(c))?;
+        for s in self.lease_shards(id) {
+            self.run::<i64>(&self.scripts.release, usize::from(s), |inv| {
+                inv.arg(id);
+            })?;
+        }
+        lock(&self.leases).remove(&id);
         Ok(())
     }
 
     fn remove(&self, keys: &[BlockKey]) -> Result<Vec<Removed>, Error> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
+        let mut out = vec![Removed::Absent; keys.len()];
+        for (s, at) in self.shards.group(keys.iter()).iter().enumerate() {
+            if at.is_empty() {
+                continue;
+            }
+            let v: Value = self.run(&self.scripts.remove, s, |inv| {
+                for &i in at {
+                    inv.arg(&keys[i].0[..]);
+                }
+            })?;
+            let a = array("remove", &v)?;
+            if a.len() != at.len() {
+                return Err(corrupt("remove", &v));
+            }
+            for (o, &i) in a.iter().zip(at) {
+                out[i] = match bytes("remove", o)? {
+                    b"R" => Removed::Removed,
+                    b"A" => Removed::Absent,
+                    b"L" => Removed::Leased,
+                    _ => return Err(corrupt("remove", o)),
+                };
+            }
         }
-        let mut inv = self.scripts.remove.prepare_invoke();
-        inv.arg(&self.prefix);
-        for k in keys {
-            inv.arg(&k.0[..]);
-        }
-        let v: Value = self.with(|c| inv.invoke(c))?;
-        let a = array("remove", &v)?;
-        if a.len() != keys.len() {
-            return Err(corrupt("remove", &v));
-        }
-        a.iter()
-            .map(|o| match bytes("remove", o)? {
-                b"R" => Ok(Removed::Removed),
-                b"A" => Ok(Removed::Absent),
-                b"L" => Ok(Removed::Leased),
-                _ => Err(corrupt("remove", o)),
-            })
-            .collect()
+        Ok(out)
     }
 
     fn evict(&self, node: NodeId, tier: TierId, count: u32) -> Result<u32, Error> {
-        let n: i64 = self.with(|c| {
-            self.scripts.evict.arg(&self.prefix).arg(node.0).arg(tier.0).arg(count).invoke(c)
-        })?;
-        if n < 0 {
-            return Err(Error::UnknownTier { node, tier });
+        let n = self.shards.count() as u32;
+        let mut evicted = 0;
+        for s in 0..self.shards.count() {
+            // The count spread over the shards, the first ones taking the remainder.
+            let want = count / n + u32::from((s as u32) < count % n);
+            let done: i64 = self.run(&self.scripts.evict, s, |inv| {
+                inv.arg(node.0).arg(tier.0).arg(want);
+            })?;
+            if done < 0 {
+                return Err(Error::UnknownTier { node, tier });
+            }
+            evicted += done as u32;
         }
-        Ok(n as u32)
+        Ok(evicted)
     }
 
     fn tier_spec(&self, node: NodeId, tier: TierId) -> Result<Option<TierSpec>, Error> {
-        let key = format!("{}:tier:{}:{}", self.prefix, node.0, tier.0);
+        let key = format!("{}:tier:{}:{}", self.shards.tag(0), node.0, tier.0);
         let v: Vec<Option<u64>> = self.with(|c| {
             redis::cmd("HMGET")
                 .arg(&key)
@@ -839,61 +998,66 @@ impl Index for RedisIndex {
     }
 
     fn tier_stats(&self, node: NodeId, tier: TierId) -> Result<TierStats, Error> {
-        let v: Value =
-            self.with(|c| self.scripts.stats.arg(&self.prefix).arg(node.0).arg(tier.0).invoke(c))?;
-        let a = array("tier_stats", &v)?;
-        match a {
-            [free, reserved, published] => Ok(TierStats {
-                free: int("tier_stats", free)? as u32,
-                reserved: int("tier_stats", reserved)? as u32,
-                published: int("tier_stats", published)? as u32,
-            }),
-            _ => Err(Error::UnknownTier { node, tier }),
+        let mut total = TierStats { free: 0, reserved: 0, published: 0 };
+        let answers: Vec<Value> = self.run_all(&self.scripts.stats, |inv| {
+            inv.arg(node.0).arg(tier.0);
+        })?;
+        for v in answers {
+            match array("tier_stats", &v)? {
+                [free, reserved, published] => {
+                    total.free += int("tier_stats", free)? as u32;
+                    total.reserved += int("tier_stats", reserved)? as u32;
+                    total.published += int("tier_stats", published)? as u32;
+                }
+                _ => return Err(Error::UnknownTier { node, tier }),
+            }
         }
+        Ok(total)
     }
 
     fn announce(&self, node: &NodeAnnouncement, ttl: Duration) -> Result<(), Error> {
         let blob = node.encode();
-        for _ in 0..MAX_STEPS {
-            let answer: i64 = self.with(|c| {
-                self.scripts
-                    .announce
-                    .arg(&self.prefix)
-                    .arg(node.node.0)
-                    .arg(ttl_ms(ttl))
-                    .arg(&blob)
-                    .invoke(c)
-            })?;
-            match answer {
-                0 => return Ok(()),
-                1 => {
-                    tracing::info!(node = node.node.0, "pool: node joined (empty)");
-                    let specs: Vec<TierSpec> = lock(&self.registered)
-                        .values()
-                        .filter(|s| s.node == node.node)
-                        .copied()
-                        .collect();
-                    for spec in specs {
-                        self.register_remote(&spec)?;
-                    }
-                    return Ok(());
+        let mut joined = false;
+        for s in 0..self.shards.count() {
+            let mut done = false;
+            for _ in 0..MAX_STEPS {
+                let answer: i64 = self.run(&self.scripts.announce, s, |inv| {
+                    inv.arg(node.node.0).arg(ttl_ms(ttl)).arg(&blob);
+                })?;
+                match answer {
+                    0 => {}
+                    1 => joined = true,
+                    // Its earlier life's entries are being deleted, a bounded step a call.
+                    2 => continue,
+                    other => return Err(corrupt("announce", &Value::Int(other))),
                 }
-                // Its earlier life's entries are being deleted, a bounded step a call.
-                2 => continue,
-                other => return Err(corrupt("announce", &Value::Int(other))),
+                done = true;
+                break;
+            }
+            if !done {
+                return Err(steps_exhausted("announce"));
             }
         }
-        Err(steps_exhausted("announce"))
+        if joined {
+            tracing::info!(node = node.node.0, "pool: node joined (empty)");
+            let specs: Vec<TierSpec> =
+                lock(&self.registered).values().filter(|s| s.node == node.node).copied().collect();
+            for spec in specs {
+                self.register_remote(&spec)?;
+            }
+        }
+        Ok(())
     }
 
     fn nodes(&self) -> Result<Vec<NodeAnnouncement>, Error> {
-        let alive: Value = self.with(|c| self.scripts.alive.arg(&self.prefix).invoke(c))?;
+        let alive: Value = self.run(&self.scripts.alive, 0, |_| {})?;
         let ids: Vec<i64> =
             array("nodes", &alive)?.iter().map(|v| int("nodes", v)).collect::<Result<_, _>>()?;
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = ids.iter().map(|n| format!("{}:node:{n}", self.prefix)).collect();
+        let keys: Vec<String> =
+            ids.iter().map(|n| format!("{}:node:{n}", self.shards.tag(0))).collect();
         let blobs: Vec<Option<Vec<u8>>> = self.with(|c| redis::cmd("MGET").arg(&keys).query(c))?;
         let mut nodes: Vec<NodeAnnouncement> = blobs
             .iter()
@@ -906,17 +1070,30 @@ impl Index for RedisIndex {
 
     fn leave(&self, node: NodeId) -> Result<bool, Error> {
         let mut was = None;
-        for _ in 0..MAX_STEPS {
-            let v: Value =
-                self.with(|c| self.scripts.leave.arg(&self.prefix).arg(node.0).invoke(c))?;
-            let [alive, emptied] = array("leave", &v)? else { return Err(corrupt("leave", &v)) };
-            // Only the first call can find it alive: it is dead from then on.
-            let was = *was.get_or_insert(int("leave", alive)? == 1);
-            if int("leave", emptied)? == 1 {
-                tracing::debug!(node = node.0, was_alive = was, "pool: node left");
-                return Ok(was);
+        for s in 0..self.shards.count() {
+            let mut done = false;
+            for _ in 0..MAX_STEPS {
+                let v: Value = self.run(&self.scripts.leave, s, |inv| {
+                    inv.arg(node.0);
+                })?;
+                let [alive, emptied] = array("leave", &v)? else {
+                    return Err(corrupt("leave", &v));
+                };
+                // Only shard 0's first call tells: the node is dead from then on.
+                if s == 0 {
+                    was.get_or_insert(int("leave", alive)? == 1);
+                }
+                if int("leave", emptied)? == 1 {
+                    done = true;
+                    break;
+                }
+            }
+            if !done {
+                return Err(steps_exhausted("leave"));
             }
         }
-        Err(steps_exhausted("leave"))
+        let was = was.unwrap_or(false);
+        tracing::debug!(node = node.0, was_alive = was, "pool: node left");
+        Ok(was)
     }
 }

@@ -2,24 +2,28 @@
 //! every rule (one winner per key, no reuse of a leased slot, a new generation per
 //! reservation) holds whatever number of clients call at once.
 //!
-//! Keys, all under the hash tag `{prefix}` (one Redis Cluster slot per pool):
+//! The pool is cut into shards (one on a standalone server by default, 16 on a Cluster): a
+//! shard is a complete pool of its own keys and of its own share of every tier's slots (slot
+//! `g` of a tier belongs to shard `g % shards`), so every script touches one shard only, and
+//! every key of a shard shares its hash tag `{prefix}` (one shard) or `{prefix.s}`: one
+//! Cluster slot. `P` below is that tag.
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `P:blocks` | hash | block key (16 bytes) -> placement value (published blocks only) |
+//! | `P:blocks` | hash | block key (16 bytes) -> sealed placement value (published blocks only) |
+//! | `P:shards` | string | the pool's shard count (shard 0 only: clients must agree) |
 //! | `P:nodes` | set | node ids ever announced |
 //! | `P:node:N` | string, TTL | node N's announcement; absent = dead |
 //! | `P:ntiers:N` | set | node N's tier ids |
-//! | `P:tier:N:T` | hash | `slot_size`, `slot_count`, `durable`, `low`, `high`, `next` (never-used cursor) |
+//! | `P:tier:N:T` | hash | the tier's `slot_size`, `slot_count`, `durable`, `low`, `high` (the whole tier's), and this shard's share: `lcount` slots `first`, `first + stride`, ..., watermarks `llow`, `lhigh`, `next` (never-used cursor, in shares) |
 //! | `P:free:N:T` | list | used slots free again |
-//! | `P:gen:N:T` | hash | slot -> generation (incremented at each reservation; a slot's first starts from the server's clock in ms × 1000, so a restarted server never hands one out again) |
+//! | `P:gen:N:T` | hash | slot -> generation (new at each reservation: at least the server's clock in ms × 1000, so a restarted server or a promoted replica that lost writes never hands one out again) |
 //! | `P:owner:N:T` | hash | slot -> key of the block published there |
 //! | `P:lru:N:T` | sorted set | published slot -> last use (ms, server clock) |
 //! | `P:resv:N:T` | sorted set | reserved slot -> deadline (ms) |
 //! | `P:rkey:N:T` | hash | reserved slot -> key and length |
 //! | `P:ls:N:T:S` | set | lease ids on slot S |
 //! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
-//! | `P:leaseseq` | counter | the last lease id |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
 //! expired) and its slot's `owner` still names its key. Every script that asks whether a key
@@ -30,9 +34,10 @@
 //! [`LEAVE`], and by every renewal of a live node, which reaps a few dead nodes as it goes
 //! ([`ANNOUNCE`]).
 //!
-//! `ARGV[1]` of every script is `P`. Time is the server's (`TIME`), so clients' clocks never
-//! matter. Scripts touch keys they compute rather than declare, which standalone Redis allows;
-//! every key shares the `{prefix}` hash tag, so a Cluster would route them to one shard.
+//! `ARGV[1]` of every script is `P`, and `KEYS[1]` is `P:nodes`, for a Cluster to route the
+//! call to the shard's node. Time is the server's (`TIME`), so clients' clocks never matter.
+//! Scripts touch keys they compute rather than declare; every key shares the shard's hash
+//! tag, so they are in the declared key's Cluster slot.
 
 /// Helpers every script starts with.
 const PRELUDE: &str = r#"
@@ -127,7 +132,7 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   if blob then return {'present', blob} end
   if not alive(n) then return {'dead'} end
   local tk = k('tier', n, t)
-  local meta = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'low', 'high', 'next')
+  local meta = redis.call('HMGET', tk, 'slot_size', 'lcount', 'llow', 'lhigh', 'next', 'stride', 'first')
   if not meta[1] then return {'unknown'} end
   local slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
   local high, nxt = tonumber(meta[4]), tonumber(meta[5])
@@ -138,19 +143,16 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   local slot = redis.call('LPOP', k('free', n, t))
   if not slot then
     if nxt >= count then return {'full'} end
-    slot = nxt
+    slot = string.format('%d', nxt * tonumber(meta[6]) + tonumber(meta[7]))
     redis.call('HSET', tk, 'next', nxt + 1)
   end
-  local gen = redis.call('HINCRBY', k('gen', n, t), slot, 1)
-  if gen == 1 then
-    -- No generation for this slot on this server: its first reservation, or the server lost
-    -- its data (a restart), or the node was reaped. Start from the server's clock (ms *
-    -- 1000), above every generation an earlier life handed out for the slot (that would take
-    -- 1,000 reservations of one slot per millisecond), so a placement or reservation from
-    -- before never matches again. Exact in Lua's doubles until the year 2255.
-    gen = now * 1000
-    redis.call('HSET', k('gen', n, t), slot, string.format('%.0f', gen))
-  end
+  -- The next generation, and never below the server's clock (ms * 1000): a server that lost
+  -- its data (a restart, a replica promoted before it had the latest writes, a reaped node)
+  -- hands out generations above every one an earlier life handed out for the slot (unless
+  -- it made 1,000 reservations of one slot per millisecond), so a placement or reservation
+  -- from before never matches again. Exact in Lua's doubles until the year 2255.
+  local gen = math.max((tonumber(redis.call('HGET', k('gen', n, t), slot)) or 0) + 1, now * 1000)
+  redis.call('HSET', k('gen', n, t), slot, string.format('%.0f', gen))
   redis.call('ZADD', k('resv', n, t), now + ttl, slot)
   redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
   return {'ok', tonumber(slot), gen}
@@ -203,17 +205,19 @@ local function reap(budget, sample)
 end
 "#;
 
-/// ARGV: P, node, tier, slot_size, slot_count, durable, low, high.
+/// ARGV: P, node, tier, slot_size, slot_count, durable, low, high (the whole tier's), then
+/// this shard's share: lcount, llow, lhigh, stride, first.
 /// Returns `{'ok'}`, `{'more'}` (call again: a dead node's tier with another shape is being
 /// emptied, [`WIPE_BUDGET`] entries a call) or `{'conflict', slot_size, slot_count, durable}`
 /// (another shape, and the node is alive: its blocks live in the registered shape).
 pub(super) const REGISTER_TIER: &str = r#"
 local n, t = ARGV[2], ARGV[3]
 local tk = k('tier', n, t)
-local have = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'durable')
+local have = redis.call('HMGET', tk, 'slot_size', 'slot_count', 'durable', 'stride', 'first')
 if have[1] then
-  if have[1] == ARGV[4] and have[2] == ARGV[5] and have[3] == ARGV[6] then
-    redis.call('HSET', tk, 'low', ARGV[7], 'high', ARGV[8])
+  if have[1] == ARGV[4] and have[2] == ARGV[5] and have[3] == ARGV[6]
+      and have[4] == ARGV[12] and have[5] == ARGV[13] then
+    redis.call('HSET', tk, 'low', ARGV[7], 'high', ARGV[8], 'llow', ARGV[10], 'lhigh', ARGV[11])
     return {'ok'}
   end
   if alive(n) then return {'conflict', have[1], have[2], have[3]} end
@@ -222,20 +226,15 @@ if have[1] then
   if not wipe_tier(n, t, WIPE_BUDGET) then return {'more'} end
 end
 redis.call('HSET', tk, 'slot_size', ARGV[4], 'slot_count', ARGV[5], 'durable', ARGV[6],
-  'low', ARGV[7], 'high', ARGV[8], 'next', 0)
+  'low', ARGV[7], 'high', ARGV[8], 'lcount', ARGV[9], 'llow', ARGV[10], 'lhigh', ARGV[11],
+  'stride', ARGV[12], 'first', ARGV[13], 'next', 0)
 redis.call('SADD', P .. ':ntiers:' .. n, t)
 return {'ok'}
 "#;
 
-/// ARGV: P, key, node, tier, len, ttl_ms.
-/// Returns `{'ok', slot, generation}`, `{'present', placement}`, `{'dead'}`, `{'unknown'}`,
+/// ARGV: P, node, tier, ttl_ms, then per item: key, len. Returns one answer per item:
+/// `{'ok', slot, generation}`, `{'present', placement}`, `{'dead'}`, `{'unknown'}`,
 /// `{'toolarge', slot_size}` or `{'full'}`.
-pub(super) const RESERVE: &str = r#"
-return reserve_one(ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), now_ms())
-"#;
-
-/// ARGV: P, node, tier, ttl_ms, then per item: key, len. Returns one answer per item, as
-/// [`RESERVE`]'s.
 pub(super) const RESERVE_MANY: &str = r#"
 local now = now_ms()
 local out = {}
@@ -307,15 +306,15 @@ end
 return out
 "#;
 
-/// ARGV: P, ttl_ms, then per placement: key, node, tier, slot, generation.
-/// Returns `{lease id, granted (1/0) per placement...}`.
+/// ARGV: P, ttl_ms, lease id (the client's: one lease spans shards), then per placement: key,
+/// node, tier, slot, generation. Returns `{granted (1/0) per placement...}`.
 pub(super) const LEASE: &str = r#"
-local id = redis.call('INCR', P .. ':leaseseq')
+local id = ARGV[3]
 local lk = P .. ':lease:' .. id
 local now = now_ms()
-local out = {id}
+local out = {}
 redis.call('RPUSH', lk, '-')
-local i = 3
+local i = 4
 while i + 4 <= #ARGV do
   local key, n, t, slot, gen = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
   i = i + 5
@@ -380,7 +379,7 @@ return evict(ARGV[2], ARGV[3], tonumber(ARGV[4]))
 /// ARGV: P, node, tier. Returns `{free, reserved, published}`, or `{-1}` for an unknown tier.
 pub(super) const STATS: &str = r#"
 local n, t = ARGV[2], ARGV[3]
-local meta = redis.call('HMGET', k('tier', n, t), 'slot_count', 'next')
+local meta = redis.call('HMGET', k('tier', n, t), 'lcount', 'next')
 if not meta[1] then return {-1} end
 reclaim(n, t, now_ms())
 local free = redis.call('LLEN', k('free', n, t)) + tonumber(meta[1]) - tonumber(meta[2])

@@ -4,6 +4,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod dram;
 pub mod faults;
 pub mod suite;
 
