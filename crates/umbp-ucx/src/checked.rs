@@ -198,6 +198,43 @@ fn chunks(len: u64) -> impl Iterator<Item = (u64, usize)> {
 pub(crate) unsafe fn serve(
     mut stream: TcpStream,
     regions: &[Served],
+    keys: Keys,
+    timing: Timing,
+    drain: BorrowedFd<'_>,
+    counters: &Counters,
+) -> io::Result<Ended> {
+    // SAFETY: passed on from this function's own contract.
+    let ended = unsafe { session(&mut stream, regions, keys, timing, drain, counters) };
+    end(&stream, &ended);
+    ended
+}
+
+/// Ends a session's connection so that the client notices whatever it does. A client that
+/// left an answer unread past its deadline has a full receive window: a FIN would wait
+/// behind the unsent bytes for ever, so the connection is reset (`SO_LINGER` 0: the close
+/// sends an RST and drops what was unsent). Any other end the server chose is shut down
+/// both ways, a FIN after what was sent (a refusal's answer), so even while the server's
+/// other handle on the socket is still open the client reads its end at once.
+fn end(stream: &TcpStream, ended: &io::Result<Ended>) {
+    match ended {
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+            let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
+        }
+        Ok(Ended::Left) | Err(_) => {}
+        Ok(_) => {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// [`serve`]'s loop.
+///
+/// # Safety
+///
+/// As [`serve`].
+unsafe fn session(
+    stream: &mut TcpStream,
+    regions: &[Served],
     mut keys: Keys,
     timing: Timing,
     drain: BorrowedFd<'_>,
@@ -407,17 +444,26 @@ fn send_all(fd: i32, parts: &[&[u8]], deadline: Option<Instant>) -> io::Result<(
             io::ErrorKind::Interrupted => {}
             io::ErrorKind::WouldBlock => {
                 let Some(deadline) = deadline else { return Err(e) };
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(io::Error::new(
+                let unread = || {
+                    io::Error::new(
                         io::ErrorKind::TimedOut,
                         "the peer left an answer unread past the deadline",
-                    ));
+                    )
+                };
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(unread());
                 }
                 let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
                 let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
                 // SAFETY: one live pollfd.
                 unsafe { libc::poll(&mut pfd, 1, ms) };
+                // The deadline is the answer's, whatever the socket takes after it: past a
+                // full window the kernel may take a few more bytes without a wake-up, and an
+                // answer finished that way would start the next one's deadline afresh.
+                if Instant::now() >= deadline {
+                    return Err(unread());
+                }
             }
             _ => return Err(e),
         }

@@ -54,8 +54,9 @@ pub struct UcxConfig {
     pub connect_timeout: Duration,
     /// How long a peer may leave requests unanswered before it is declared dead and every
     /// object in flight to it fails; on a server, the deadline for sending one whole answer:
-    /// a client that leaves its answers unread is disconnected within about this long (it
-    /// also bounds, as `TCP_USER_TIMEOUT`, how long sent bytes may stay unacknowledged).
+    /// a client that leaves its answers unread is reset within about twice this long (it also
+    /// bounds, as `TCP_USER_TIMEOUT`, how long sent bytes may stay unacknowledged: this long
+    /// on a client, twice it on a server, whose own deadline must pass first).
     /// Default: 5 s.
     pub peer_timeout: Duration,
     /// What protects the checked connection after the handshake (see
@@ -89,11 +90,12 @@ pub struct ServerLimits {
     pub max_clients: usize,
     /// Authenticated clients from one IP address at once. Default: 16.
     pub max_clients_per_ip: usize,
-    /// Connections in their handshake at once; a new one past this closes the oldest.
-    /// Default: 1024.
+    /// Connections in their handshake at once; a new one past this closes one polled at least
+    /// once, of the address with the most (see the README's threat model). The listening
+    /// socket's backlog is at least this. Default: 1024.
     pub max_handshakes: usize,
     /// Connections in their handshake at once from one IP address; a new one past this
-    /// closes that address's oldest. Default: 64.
+    /// closes one of that address's (the least far, then the longest waiting). Default: 64.
     pub max_handshakes_per_ip: usize,
 }
 

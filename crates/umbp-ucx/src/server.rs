@@ -2,12 +2,15 @@
 //!
 //! One thread (an event loop over non-blocking sockets) accepts connections and runs every
 //! handshake, each under one deadline for the whole of it; a connection that has not proved
-//! the secret costs a socket and no thread, and past [`ServerLimits`]' bounds the oldest such
-//! connection is closed. An authenticated client gets one thread, which serves its checked
+//! the secret costs a socket and no thread, and past [`ServerLimits`]' bounds one such
+//! connection is closed, chosen fairly ([`Table::victim`]); refusals are counted, and a log
+//! thread summarizes them at most once a second. An authenticated client gets one thread, which serves its checked
 //! requests (or, in one-sided mode, watches its connection), up to
 //! [`ServerLimits::max_clients`].
 
 use std::any::Any;
+use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -36,6 +39,12 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// Connections accepted at most before the handshakes in progress are stepped again.
 const ACCEPTS_PER_TURN: usize = 32;
+/// The least backlog the listening socket asks the kernel for (which caps it at
+/// `net.core.somaxconn`): a flood that fills a short queue has honest clients' connection
+/// requests dropped before the server sees them.
+const MIN_BACKLOG: usize = 1024;
+/// The refusals' log writes at most one line per this long.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
 
 /// RDMA transports, on which the NIC enforces a remote key's bounds and rights.
 const HARDWARE_RMA: &[&str] =
@@ -85,6 +94,25 @@ pub(crate) struct Counters {
     pub(crate) closed_refused: AtomicU64,
     pub(crate) closed_failed: AtomicU64,
     pub(crate) closed_shutdown: AtomicU64,
+    /// The last connection whose handshake was refused, for the refusals' summary line. The
+    /// handshake thread only ever `try_lock`s it: it never waits on the log.
+    last_refused: Mutex<Option<SocketAddr>>,
+}
+
+impl Counters {
+    /// The handshake refusals so far, by reason, in [`StatsSnapshot::handshakes_refused`]'s
+    /// order.
+    fn refusals(&self) -> [(&'static str, u64); 6] {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("wrong_secret", get(&self.refused_secret)),
+            ("full", get(&self.refused_full)),
+            ("malformed", get(&self.refused_malformed)),
+            ("deadline", get(&self.refused_deadline)),
+            ("displaced", get(&self.refused_displaced)),
+            ("failed", get(&self.refused_failed)),
+        ]
+    }
 }
 
 /// Reads a server's counters, from any thread, while it serves and after
@@ -127,14 +155,7 @@ impl ServerStats {
         StatsSnapshot {
             clients_connected: get(&c.connected),
             clients_admitted: get(&c.admitted),
-            handshakes_refused: vec![
-                ("wrong_secret", get(&c.refused_secret)),
-                ("full", get(&c.refused_full)),
-                ("malformed", get(&c.refused_malformed)),
-                ("deadline", get(&c.refused_deadline)),
-                ("displaced", get(&c.refused_displaced)),
-                ("failed", get(&c.refused_failed)),
-            ],
+            handshakes_refused: c.refusals().to_vec(),
             bytes_received: get(&c.received),
             bytes_sent: get(&c.sent),
             requests: get(&c.requests),
@@ -244,7 +265,8 @@ impl ServerBuilder {
                 reason: "a server must take at least one client and one handshake".into(),
             });
         }
-        let listener = TcpListener::bind(listen)
+        let backlog = limits.max_handshakes.max(MIN_BACKLOG);
+        let listener = listen_on(listen, backlog)
             .map_err(|source| Error::Connect { addr: "listen address".into(), source })?;
         let local_addr = listener
             .local_addr()
@@ -266,6 +288,7 @@ impl ServerBuilder {
             counters: Arc::new(Counters::default()),
             progress: None,
             accept: None,
+            log: None,
             clients: Arc::new(Mutex::new(HashMap::new())),
             regions: self.exports.iter().map(|e| (e.name.clone(), e.len, e.writable)).collect(),
             exports: Mutex::new(Vec::new()),
@@ -310,6 +333,16 @@ impl ServerBuilder {
             .collect();
         server.exports = Mutex::new(self.exports.into_iter().map(|e| (e.name, e.keep)).collect());
         let welcome = handshake::welcome_bytes(&Welcome { address, regions });
+        // The refusals' log: the handshake thread wakes it (never waiting) and it writes at most
+        // a line a second; it ends once the handshake thread has (its sender dropped).
+        let (wake_log, woken) = mpsc::sync_channel(1);
+        server.log = Some({
+            let counters = Arc::clone(&server.counters);
+            std::thread::Builder::new()
+                .name("umbp-ucx-log".into())
+                .spawn(move || log_refusals(&counters, &woken))
+                .map_err(|source| Error::Connect { addr: "log thread".into(), source })?
+        });
         let accept = {
             let ctx = Handshakes {
                 listener,
@@ -329,6 +362,7 @@ impl ServerBuilder {
                 counters: Arc::clone(&server.counters),
                 clients: Arc::clone(&server.clients),
                 next: 0,
+                log: wake_log,
             };
             std::thread::Builder::new()
                 .name("umbp-ucx-accept".into())
@@ -353,6 +387,8 @@ pub struct UcxServer {
     counters: Arc<Counters>,
     progress: Option<JoinHandle<()>>,
     accept: Option<JoinHandle<()>>,
+    /// The refusals' log; ends after the accept thread.
+    log: Option<JoinHandle<()>>,
     /// Authenticated clients: their connection and their thread, ended when the server stops.
     clients: Clients,
     regions: Vec<(String, u64, bool)>,
@@ -427,6 +463,9 @@ impl UcxServer {
         self.accepting.store(false, Ordering::Release);
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
+        }
+        if let Some(log) = self.log.take() {
+            let _ = log.join();
         }
     }
 
@@ -549,10 +588,11 @@ enum Step {
 }
 
 impl Step {
-    /// How far the handshake got, in steps: of the connections past a bound, one that got
-    /// least far is closed first (the oldest of them), so a flood of connections that never
-    /// finish a hello (silent, or trickling it) cannot push out one that is answering (an
-    /// honest client's takes two round trips).
+    /// How far the handshake got, in steps. Of one address's connections, one that got least
+    /// far goes first: connections that never finish a hello (silent, or trickling it) never
+    /// push out one that is answering. Only after the address and the wait (see
+    /// [`Table::victim`]): a flood that says its hello and stops gets as far as an honest
+    /// client waiting for its proof.
     fn progress(&self) -> u8 {
         match self {
             Self::Hello { .. } => 0,
@@ -570,6 +610,83 @@ struct Pending {
     peer: SocketAddr,
     deadline: Instant,
     step: Step,
+    /// When its handshake last moved on a step (accepted, hello read, challenge sent, proof
+    /// read): an honest client answers the challenge within its round trip, while a
+    /// connection that stops after its hello waits here until it is closed. Of the
+    /// connections that may make room, the one waiting longest goes first.
+    moved: Instant,
+    /// Whether it was in a `poll` of the handshake loop since it was accepted (and was read
+    /// and answered as far as its bytes allowed, at its accept and then when ready). Only such
+    /// a connection is closed to make room: a new one always has its turn first.
+    polled: bool,
+}
+
+/// The connections in their handshake, and how many each address has.
+#[derive(Default)]
+struct Table {
+    list: Vec<Pending>,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+impl Table {
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Connections of `ip` in their handshake.
+    fn count(&self, ip: IpAddr) -> usize {
+        self.per_ip.get(&ip).copied().unwrap_or(0)
+    }
+
+    fn push(&mut self, p: Pending) {
+        *self.per_ip.entry(p.ip).or_default() += 1;
+        self.list.push(p);
+    }
+
+    /// Takes connection `at` out (the last one takes its place).
+    fn remove(&mut self, at: usize) -> Pending {
+        let p = self.list.swap_remove(at);
+        if let Entry::Occupied(mut n) = self.per_ip.entry(p.ip) {
+            *n.get_mut() -= 1;
+            if *n.get() == 0 {
+                n.remove();
+            }
+        }
+        p
+    }
+
+    /// Closes the connections `keep` says no to; returns how many.
+    fn retain(&mut self, mut keep: impl FnMut(&Pending) -> bool) -> u64 {
+        let (mut at, mut closed) = (0, 0);
+        while at < self.list.len() {
+            if keep(&self.list[at]) {
+                at += 1;
+            } else {
+                self.remove(at);
+                closed += 1;
+            }
+        }
+        closed
+    }
+
+    /// The connection to close to make room (one of `ip`'s, when given), if any may be: of
+    /// those polled at least once, one of the address with the most connections in their
+    /// handshake; of its, one that got least far ([`Step::progress`]), and of those the one
+    /// that waited longest since its handshake last moved on.
+    ///
+    /// So a flood from some addresses is paid for by those addresses (an address that holds
+    /// one connection loses it only once no address holds more), a connection that was never
+    /// read is never closed for room, and of one address's connections those that stopped
+    /// answering go before one that is answering (an honest client sends its proof as soon
+    /// as it read the challenge; a flood that only says hello never does).
+    fn victim(&self, ip: Option<IpAddr>) -> Option<usize> {
+        self.list
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.polled && ip.is_none_or(|ip| p.ip == ip))
+            .max_by_key(|(_, p)| (self.count(p.ip), Reverse(p.step.progress()), Reverse(p.moved)))
+            .map(|(at, _)| at)
+    }
 }
 
 /// The accept thread's state.
@@ -595,6 +712,8 @@ struct Handshakes {
     counters: Arc<Counters>,
     clients: Clients,
     next: u64,
+    /// Wakes the refusals' log ([`log_refusals`]); sent to with `try_send` only.
+    log: mpsc::SyncSender<()>,
 }
 
 /// What one step of a handshake came to.
@@ -604,27 +723,23 @@ enum Outcome {
     /// Handshake done: serve the client with the session's keys.
     Admit(Box<Keys>),
     /// Over (refused, failed, or finished telling a refusal).
-    Close(&'static str),
+    Close,
 }
 
 impl Handshakes {
     fn run(mut self) {
-        let mut pending: Vec<Pending> = Vec::new();
+        let mut pending = Table::default();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut backoff = ACCEPT_BACKOFF;
         let mut accept_after = Instant::now();
-        // Clients by IP, counted here: only this thread admits, client threads remove.
         while self.accepting.load(Ordering::Acquire) {
             let now = Instant::now();
             // Close what passed its deadline.
-            pending.retain(|p| {
-                let alive = p.deadline > now;
-                if !alive {
-                    tracing::debug!(peer = %p.peer, "handshake deadline passed; closed");
-                    self.counters.refused_deadline.fetch_add(1, Ordering::Relaxed);
-                }
-                alive
-            });
+            let late = pending.retain(|p| p.deadline > now);
+            if late > 0 {
+                self.counters.refused_deadline.fetch_add(late, Ordering::Relaxed);
+                let _ = self.log.try_send(());
+            }
             fds.clear();
             let listening = now >= accept_after;
             fds.push(libc::pollfd {
@@ -632,7 +747,7 @@ impl Handshakes {
                 events: if listening { libc::POLLIN } else { 0 },
                 revents: 0,
             });
-            for p in &pending {
+            for p in &pending.list {
                 let events = match p.step {
                     Step::Hello { .. } | Step::Proof { .. } => libc::POLLIN,
                     Step::Challenge { .. } | Step::Verdict { .. } => libc::POLLOUT,
@@ -640,7 +755,7 @@ impl Handshakes {
                 fds.push(libc::pollfd { fd: p.stream.as_raw_fd(), events, revents: 0 });
             }
             let mut wait = IDLE_TICK;
-            if let Some(first) = pending.iter().map(|p| p.deadline).min() {
+            if let Some(first) = pending.list.iter().map(|p| p.deadline).min() {
                 wait = wait.min(first.saturating_duration_since(now));
             }
             if !listening {
@@ -651,6 +766,10 @@ impl Handshakes {
             let ready = unsafe {
                 libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as i32)
             };
+            // Every connection here had its turn: what it had sent is read below.
+            for p in &mut pending.list {
+                p.polled = true;
+            }
             if ready <= 0 {
                 continue;
             }
@@ -664,33 +783,31 @@ impl Handshakes {
                     i += 1;
                     continue;
                 }
-                match self.step(&mut pending[i]) {
+                match self.step(&mut pending.list[i]) {
                     Outcome::Wait => i += 1,
                     Outcome::Admit(keys) => {
-                        let p = pending.swap_remove(i);
+                        let p = pending.remove(i);
                         fds.swap_remove(k - 1);
                         k -= 1;
-                        self.admit(p, *keys);
+                        self.admit(p, *keys, &mut pending);
                     }
-                    Outcome::Close(why) => {
-                        let p = pending.swap_remove(i);
+                    Outcome::Close => {
+                        pending.remove(i);
                         fds.swap_remove(k - 1);
                         k -= 1;
-                        tracing::debug!(peer = %p.peer, why, "handshake ended");
                     }
                 }
             }
             if listening && fds[0].revents != 0 {
                 match self.accept(&mut pending) {
                     Ok(()) => backoff = ACCEPT_BACKOFF,
-                    // Out of descriptors with handshakes pending: the oldest makes room, so
-                    // new connections (an honest client among them) still get in.
-                    Err(e) if out_of_descriptors(&e) && !pending.is_empty() => {
-                        if let Some(at) = oldest(&pending, None) {
-                            pending.swap_remove(at);
-                            self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
+                    // Out of descriptors with handshakes pending: one makes room (as past a
+                    // bound), so new connections (an honest client among them) still get in.
+                    Err(e) if out_of_descriptors(&e) && pending.len() > 0 => {
+                        if let Some(at) = pending.victim(None) {
+                            let p = pending.remove(at);
+                            self.refused(&self.counters.refused_displaced, p.peer);
                         }
-                        tracing::debug!(error = %e, "out of descriptors; closed the oldest handshake");
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, pause = ?backoff, "accept failed; pausing");
@@ -704,9 +821,25 @@ impl Handshakes {
 
     /// Accepts waiting connections, at most [`ACCEPTS_PER_TURN`] before the handshakes in
     /// progress are stepped again (a flood queue is never drained first); each starts its
-    /// handshake under its deadline.
-    fn accept(&mut self, pending: &mut Vec<Pending>) -> io::Result<()> {
+    /// handshake under its deadline and is stepped at once (an honest client's hello is
+    /// usually there already, and its challenge goes out now).
+    ///
+    /// Past a bound a connection polled at least once makes room ([`Table::victim`]): past
+    /// the address's bound one of that address (or, when all of its were accepted in this
+    /// turn, the new one is closed); past the bound of all, one of the address with the most.
+    /// When only connections accepted in this turn could make room, accepting stops until
+    /// they were polled: the rest wait in the kernel's queue meanwhile.
+    fn accept(&mut self, pending: &mut Table) -> io::Result<()> {
         for _ in 0..ACCEPTS_PER_TURN {
+            let full = pending.len() >= self.limits.max_handshakes;
+            let room = if full {
+                match pending.victim(None) {
+                    Some(at) => Some(at),
+                    None => return Ok(()),
+                }
+            } else {
+                None
+            };
             let (stream, peer) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -719,44 +852,68 @@ impl Handshakes {
             }
             let _ = stream.set_nodelay(true);
             let ip = peer.ip();
-            // Past a bound, the oldest connection (of this address, else of all) makes room.
-            let of_ip = pending.iter().filter(|p| p.ip == ip).count();
-            if of_ip >= self.limits.max_handshakes_per_ip.max(1) {
-                if let Some(at) = oldest(pending, Some(ip)) {
-                    pending.swap_remove(at);
-                    self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
+            if pending.count(ip) >= self.limits.max_handshakes_per_ip.max(1) {
+                match pending.victim(Some(ip)) {
+                    Some(at) => {
+                        let p = pending.remove(at);
+                        self.refused(&self.counters.refused_displaced, p.peer);
+                    }
+                    None => {
+                        // Every connection of this address came in this turn: this one waits
+                        // for none of them.
+                        self.refused(&self.counters.refused_displaced, peer);
+                        continue;
+                    }
                 }
-            } else if pending.len() >= self.limits.max_handshakes {
-                if let Some(at) = oldest(pending, None) {
-                    pending.swap_remove(at);
-                    self.counters.refused_displaced.fetch_add(1, Ordering::Relaxed);
-                }
+            } else if let Some(at) = room {
+                let p = pending.remove(at);
+                self.refused(&self.counters.refused_displaced, p.peer);
             }
-            pending.push(Pending {
+            let now = Instant::now();
+            let mut p = Pending {
                 stream,
                 ip,
                 peer,
-                deadline: Instant::now() + self.deadline,
+                deadline: now + self.deadline,
                 step: Step::Hello { buf: [0; handshake::HELLO_LEN], have: 0 },
-            });
+                moved: now,
+                polled: false,
+            };
+            match self.step(&mut p) {
+                Outcome::Wait => pending.push(p),
+                Outcome::Admit(keys) => self.admit(p, *keys, pending),
+                Outcome::Close => {}
+            }
         }
         Ok(())
     }
 
-    /// Moves one handshake on as far as its socket allows.
+    /// Counts a refused (or closed) handshake of `peer` under `counter`, and wakes the
+    /// refusals' log, which writes at most a line a second: this thread never waits on it.
+    fn refused(&self, counter: &AtomicU64, peer: SocketAddr) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut last) = self.counters.last_refused.try_lock() {
+            *last = Some(peer);
+        }
+        let _ = self.log.try_send(());
+    }
+
+    /// Moves one handshake on as far as its socket allows. Refusals are counted, never
+    /// logged here (see [`refused`](Self::refused)).
     fn step(&self, p: &mut Pending) -> Outcome {
+        let peer = p.peer;
         loop {
             let next = match &mut p.step {
                 Step::Hello { buf, have } => match fill(&mut p.stream, &mut buf[..], have) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return self.failed(),
+                    Err(_) => return self.failed(peer),
                     Ok(true) => {
                         let Ok((client, asked)) = handshake::parse_hello(buf) else {
-                            self.counters.refused_malformed.fetch_add(1, Ordering::Relaxed);
-                            return Outcome::Close("not an umbp-ucx hello");
+                            self.refused(&self.counters.refused_malformed, peer);
+                            return Outcome::Close;
                         };
                         let Ok(server) = handshake::nonce() else {
-                            return Outcome::Close("no randomness");
+                            return self.failed(peer);
                         };
                         let out = handshake::challenge(
                             self.auth(),
@@ -769,7 +926,7 @@ impl Handshakes {
                 },
                 Step::Challenge { out, sent, hello } => match drain(&mut p.stream, out, sent) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return self.failed(),
+                    Err(_) => return self.failed(peer),
                     Ok(true) => Step::Proof {
                         buf: [0; handshake::PROOF],
                         have: 0,
@@ -783,15 +940,10 @@ impl Handshakes {
                         // A client checks the server's proof before it sends its own, and
                         // hangs up when it does not verify: its secret differs.
                         Err(e) if *have == 0 && e.kind() == io::ErrorKind::UnexpectedEof => {
-                            tracing::warn!(
-                                peer = %p.peer,
-                                "authentication failed: the client hung up on the server's \
-                                 proof (its secret differs, or it has none)"
-                            );
-                            self.counters.refused_secret.fetch_add(1, Ordering::Relaxed);
-                            return Outcome::Close("the client refused the server's proof");
+                            self.refused(&self.counters.refused_secret, peer);
+                            return Outcome::Close;
                         }
-                        Err(_) => return self.failed(),
+                        Err(_) => return self.failed(peer),
                         Ok(true) => {
                             let client = &hello[12..12 + handshake::NONCE];
                             let server = &challenge[13..13 + handshake::NONCE];
@@ -805,19 +957,14 @@ impl Handshakes {
                                 )
                             });
                             if !proven {
-                                tracing::warn!(
-                                    peer = %p.peer,
-                                    "authentication failed: refused a client without the secret"
-                                );
-                                self.counters.refused_secret.fetch_add(1, Ordering::Relaxed);
+                                self.refused(&self.counters.refused_secret, peer);
                                 let out = handshake::verdict(
                                     Verdict::WrongProof,
                                     &Welcome { address: None, regions: Vec::new() },
                                 );
                                 Step::Verdict { out, sent: 0, admit: None }
                             } else if !self.room_for(p.ip) {
-                                tracing::warn!(peer = %p.peer, "refused a client: serving as many as allowed");
-                                self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
+                                self.refused(&self.counters.refused_full, peer);
                                 let out = handshake::verdict(
                                     Verdict::Full,
                                     &Welcome { address: None, regions: Vec::new() },
@@ -839,21 +986,22 @@ impl Handshakes {
                 }
                 Step::Verdict { out, sent, admit } => match drain(&mut p.stream, out, sent) {
                     Ok(false) => return Outcome::Wait,
-                    Err(_) => return self.failed(),
+                    Err(_) => return self.failed(peer),
                     Ok(true) => match admit.take() {
                         Some(keys) => return Outcome::Admit(keys),
-                        None => return Outcome::Close("refused"),
+                        None => return Outcome::Close,
                     },
                 },
             };
             p.step = next;
+            p.moved = Instant::now();
         }
     }
 
     /// A handshake whose connection failed: counted, and closed.
-    fn failed(&self) -> Outcome {
-        self.counters.refused_failed.fetch_add(1, Ordering::Relaxed);
-        Outcome::Close("the connection failed")
+    fn failed(&self, peer: SocketAddr) -> Outcome {
+        self.refused(&self.counters.refused_failed, peer);
+        Outcome::Close
     }
 
     /// How this server authenticates.
@@ -870,7 +1018,8 @@ impl Handshakes {
     }
 
     /// Serves an authenticated client on a thread of its own.
-    fn admit(&mut self, p: Pending, keys: Keys) {
+    /// Out of descriptors for it, a handshake in progress makes room (as for `accept`).
+    fn admit(&mut self, p: Pending, keys: Keys, pending: &mut Table) {
         let number = self.next;
         self.next += 1;
         let stream = p.stream;
@@ -878,12 +1027,29 @@ impl Handshakes {
         // vanished, frees its thread: each answer has a deadline, a checked client that sends
         // nothing (not even its heartbeat) for the idle timeout is closed, and TCP keepalive
         // and the user timeout notice a peer that stopped acknowledging.
+        //
+        // The kernel's bound on unacknowledged data (`TCP_USER_TIMEOUT`) is twice the answer's
+        // deadline: it also runs while a live client that reads nothing keeps its window shut,
+        // and when it ends a connection it tells the client nothing. The answer's deadline
+        // passes first, and the server resets the connection itself, which the client sees.
+        let unacknowledged = self.timing.stalled.saturating_mul(2);
         if stream.set_nonblocking(false).is_err()
-            || checked::keepalive(&stream, self.timing.idle, self.timing.stalled).is_err()
+            || checked::keepalive(&stream, self.timing.idle, unacknowledged).is_err()
         {
             return;
         }
-        let Ok(kept) = stream.try_clone() else { return };
+        let kept = match stream.try_clone() {
+            Ok(kept) => kept,
+            Err(e) if out_of_descriptors(&e) => {
+                let Some(at) = pending.victim(None) else { return };
+                let room = pending.remove(at);
+                self.refused(&self.counters.refused_displaced, room.peer);
+                drop(room);
+                let Ok(kept) = stream.try_clone() else { return };
+                kept
+            }
+            Err(_) => return,
+        };
         let (served, clients, one_sided) =
             (Arc::clone(&self.served), Arc::clone(&self.clients), self.one_sided);
         let (drain, counters, stop) =
@@ -938,20 +1104,95 @@ impl Handshakes {
     }
 }
 
+/// A listening socket on the first of `listen`'s addresses that takes one, asking the kernel
+/// for a queue of `backlog` connections not yet accepted (`TcpListener::bind` asks for 128).
+fn listen_on(listen: impl ToSocketAddrs, backlog: usize) -> io::Result<TcpListener> {
+    let backlog = i32::try_from(backlog).unwrap_or(i32::MAX);
+    let mut last = None;
+    for addr in listen.to_socket_addrs()? {
+        let bound = (|| {
+            let socket = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            // As `TcpListener::bind` does: a restarted node takes its port back at once.
+            socket.set_reuse_address(true)?;
+            socket.bind(&addr.into())?;
+            socket.listen(backlog)?;
+            Ok::<_, io::Error>(TcpListener::from(socket))
+        })();
+        match bound {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last
+        .unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address to listen on")))
+}
+
+/// The refusals' log, on a thread of its own: woken by the handshake thread at each refused
+/// handshake (which never waits for it), it writes one line for the refusals since its last,
+/// at once after a quiet second and at most one a second ([`REFUSAL_LOG_EVERY`]) under a
+/// flood, so an unauthenticated connection costs at most a share of a line. Ends when the
+/// handshake thread has (its sender dropped), after a last line for what is left.
+fn log_refusals(counters: &Counters, woken: &mpsc::Receiver<()>) {
+    let mut logged = counters.refusals();
+    let mut last_line: Option<Instant> = None;
+    loop {
+        let mut over = woken.recv().is_err();
+        if let Some(at) = last_line {
+            let next = at + REFUSAL_LOG_EVERY;
+            while !over {
+                match woken.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                    Ok(()) => {}
+                    Err(mpsc::RecvTimeoutError::Timeout) => break,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => over = true,
+                }
+            }
+        }
+        let now = counters.refusals();
+        let words = [
+            "authentication failed (wrong or no secret)",
+            "serving as many clients as allowed",
+            "not an umbp-ucx hello",
+            "past the handshake deadline",
+            "closed to make room",
+            "the connection failed",
+        ];
+        let mut parts = Vec::new();
+        let mut total = 0;
+        for ((_, was), ((_, is), what)) in logged.iter().zip(now.iter().zip(words)) {
+            let n = is.saturating_sub(*was);
+            if n > 0 {
+                total += n;
+                parts.push(format!("{what}: {n}"));
+            }
+        }
+        logged = now;
+        if total > 0 {
+            let peer = counters
+                .last_refused
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .map_or_else(|| "unknown".to_owned(), |p| p.to_string());
+            tracing::warn!(
+                refused = total,
+                %peer,
+                "handshakes refused since the last such line: {} (`peer`: the last one's)",
+                parts.join(", ")
+            );
+            last_line = Some(Instant::now());
+        }
+        if over {
+            return;
+        }
+    }
+}
+
 /// Whether `accept` failed for want of a file descriptor (the process's or the system's).
 fn out_of_descriptors(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
-}
-
-/// The pending connection (of `ip`, when given) to close for room: of those whose handshake
-/// got least far, the oldest.
-fn oldest(pending: &[Pending], ip: Option<IpAddr>) -> Option<usize> {
-    pending
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| ip.is_none_or(|ip| p.ip == ip))
-        .min_by_key(|(_, p)| (p.step.progress(), p.deadline))
-        .map(|(i, _)| i)
 }
 
 /// Reads into `buf` from `*have`; `Ok(true)` once full. End of file is an error.

@@ -746,8 +746,10 @@ fn neither_side_listens_anywhere_but_the_control_port() {
     assert_eq!(client, [] as [u16; 0], "the client listens for connections");
 }
 
-/// A client that leaves its answers unread is disconnected within `peer_timeout` (a
-/// deadline for each whole answer, however its bytes trickle out) and a second.
+/// A client that leaves its answers unread is disconnected within two `peer_timeout`s and a
+/// second: a deadline for each whole answer, however its bytes trickle out (the first answer
+/// may still squeeze into the socket's buffers before its deadline; the next one cannot),
+/// and the kernel's bound on unacknowledged data at twice that, after the server's own.
 #[test]
 fn a_client_that_stops_reading_its_answers_loses_its_connection_within_the_peer_timeout() {
     if !ucx_or_skip() {
@@ -775,11 +777,167 @@ fn a_client_that_stops_reading_its_answers_loses_its_connection_within_the_peer_
     assert_eq!(server.clients(), 1, "closed before it stalled");
     while server.clients() > 0 {
         assert!(
-            asked.elapsed() < peer_timeout + Duration::from_secs(1),
+            asked.elapsed() < 2 * peer_timeout + Duration::from_secs(1),
             "a client that reads nothing was still served {:?} after its requests",
             asked.elapsed()
         );
         std::thread::sleep(Duration::from_millis(10));
     }
     eprintln!("closed {:?} after the requests (peer_timeout {peer_timeout:?})", asked.elapsed());
+}
+
+/// Hello-only connections from 40 loopback addresses (127.0.0.2 to 127.0.0.41: Linux routes
+/// all of 127/8 to the loopback device), each as fast as its thread can make them, each held
+/// open (a ring of 64 per address) so the server's handshake table stays full of connections
+/// that reach the proof wait at once and never answer. Meanwhile 8 honest clients connect one
+/// after the other, each with the normal connect timeout: every one gets in. The flood is
+/// bounded in count (`PER_ADDRESS` connections per address) and ends when the honest clients
+/// are done; the assertions are on outcomes only.
+#[test]
+fn a_hello_flood_from_many_addresses_keeps_no_honest_client_out() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    if !ucx_or_skip() {
+        return;
+    }
+    const ADDRESSES: u8 = 40;
+    const PER_ADDRESS: u64 = 2_000;
+    const HELD: usize = 64;
+    let server = Served::start("tcp", 1 << 20, 9, &[]);
+    let addr = server.addr;
+    let stop = Arc::new(AtomicBool::new(false));
+    let made = Arc::new(AtomicU64::new(0));
+    let flood: Vec<_> = (0..ADDRESSES)
+        .map(|a| {
+            let (stop, made) = (Arc::clone(&stop), Arc::clone(&made));
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                for i in 0..PER_ADDRESS {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let s =
+                        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                            .unwrap();
+                    // A port of its own for each connection (below the ephemeral range): a
+                    // port the system picked could meet the server's TIME_WAIT of an earlier
+                    // connection from the same port, and the flood would stall on it.
+                    let from = SocketAddr::from(([127, 0, 0, 2 + a], 20_000 + i as u16));
+                    if s.bind(&from.into()).is_err() {
+                        continue;
+                    }
+                    if s.connect_timeout(&addr.into(), Duration::from_secs(1)).is_err() {
+                        continue;
+                    }
+                    let mut s = TcpStream::from(s);
+                    // The hello, then the challenge read (or the server's close): the next
+                    // connection as soon as the server answered this one. Never a proof.
+                    let _ = s.write_all(&hello(&[i as u8; 32]));
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = s.read_exact(&mut [0u8; CHALLENGE_LEN]);
+                    made.fetch_add(1, Ordering::Relaxed);
+                    held.push_back(s);
+                    if held.len() > HELD {
+                        held.pop_front();
+                    }
+                }
+            })
+        })
+        .collect();
+    // The handshake table is full (1,024 by default) long before this.
+    let flooding = Instant::now();
+    while made.load(Ordering::Relaxed) < 3_000 {
+        assert!(!flood.iter().all(|t| t.is_finished()), "the flood ended early");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let before = made.load(Ordering::Relaxed);
+    eprintln!("{before} flood connections in {:?}", flooding.elapsed());
+    let honest = Instant::now();
+    let mut refused = Vec::new();
+    for i in 0..8 {
+        let engine = engine("tcp");
+        let started = Instant::now();
+        match engine.connect(addr) {
+            Ok(peer) => {
+                eprintln!("honest client {i} connected in {:?}", started.elapsed());
+                engine.disconnect(peer.id).unwrap();
+            }
+            Err(e) => {
+                eprintln!("honest client {i} refused after {:?}: {e:?}", started.elapsed());
+                refused.push(i);
+            }
+        }
+    }
+    let during = made.load(Ordering::Relaxed) - before;
+    stop.store(true, Ordering::Relaxed);
+    for t in flood {
+        t.join().unwrap();
+    }
+    eprintln!("{during} flood connections in the {:?} the honest clients took", honest.elapsed());
+    assert!(during > 0, "the flood was not running while the honest clients connected");
+    assert_eq!(refused, [] as [i32; 0], "honest clients kept out by the flood");
+    let mut server = server;
+    assert!(server.child.try_wait().is_ok_and(|s| s.is_none()), "the server died");
+    server.kill();
+}
+
+/// A client that never reads its answers, closed by the server past the peer timeout, sees its
+/// connection end without reading a byte: the server resets it (a FIN would queue behind the
+/// unread answers for ever, and the client would wait on a connection nobody serves). Its
+/// `poll` reports the hang-up, and reading drains what was buffered, then ends in an error or
+/// end of file rather than waiting. (The 20 s bounds only keep a failure from hanging.)
+#[test]
+fn a_client_that_never_reads_sees_its_connection_end() {
+    use std::os::fd::AsRawFd;
+    if !ucx_or_skip() {
+        return;
+    }
+    let peer_timeout = Duration::from_secs(1);
+    let server = ServerBuilder::new(UcxConfig { peer_timeout, ..config("tcp") })
+        .export("arena", vec![1u8; 4 << 20], true)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    let (mut r, _) = rogue_session(server.local_addr());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.clients() == 0 {
+        assert!(Instant::now() < deadline, "the server never counted the client");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for id in 0..64 {
+        r.record(&request(GET, 0, id, 0, 4 << 20)).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.clients() > 0 {
+        assert!(Instant::now() < deadline, "a client that reads nothing was never closed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stats = server.stats().read();
+    assert!(stats.sessions_closed.contains(&("timeout", 1)), "{stats:?}");
+    // Not a byte read yet: the hang-up is there to see.
+    let mut pfd = libc::pollfd { fd: r.s.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one live pollfd.
+    #[allow(unsafe_code)]
+    let ready = unsafe { libc::poll(&mut pfd, 1, 20_000) };
+    assert_eq!(ready, 1, "the client's side never saw its connection end");
+    assert_ne!(pfd.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP), 0);
+    // Reading: what was buffered, then the end (no wait for bytes that never come).
+    r.s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut read = 0usize;
+    let end = loop {
+        match r.s.read(&mut buf) {
+            Ok(0) => break "end of file".to_owned(),
+            Ok(n) => read += n,
+            Err(e) => {
+                assert!(
+                    !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                    "the client waited on a connection the server closed ({read} bytes read)"
+                );
+                break e.to_string();
+            }
+        }
+    };
+    eprintln!("the client read {read} buffered bytes, then: {end}");
 }
