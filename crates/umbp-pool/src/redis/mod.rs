@@ -573,14 +573,13 @@ impl RedisIndex {
     /// Shard `s`'s part of a batched lookup through redis-rs (a Cluster, TLS and Unix-socket
     /// servers, more than one shard): the alive-nodes script, then the keys in chunks, in one
     /// pipeline (one round trip; the server answers the first chunks while the client still
-    /// parses). Fills `out` at the keys' positions.
+    /// parses). Answers for the keys at positions `at`, in that order.
     fn lookup_values(
         &self,
         s: usize,
         keys: &[BlockKey],
         at: &[usize],
-        out: &mut [Option<Placement>],
-    ) -> Result<(), Error> {
+    ) -> Result<Vec<Option<Placement>>, Error> {
         let blocks = format!("{}:blocks", self.shards.tag(s));
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
@@ -614,21 +613,22 @@ impl RedisIndex {
         if found.len() != at.len().div_ceil(LOOKUP_CHUNK) {
             return Err(corrupt("lookup", &Value::Int(found.len() as i64)));
         }
+        let mut out = Vec::with_capacity(at.len());
         for (reply, chunk) in found.iter().zip(at.chunks(LOOKUP_CHUNK)) {
             let reply = array("lookup", reply)?;
             if reply.len() != chunk.len() {
                 return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
             }
             for (v, &i) in reply.iter().zip(chunk) {
-                out[i] = match v {
+                out.push(match v {
                     Value::Nil => None,
                     v => self
                         .open(keys[i], bytes("lookup", v)?)
                         .and_then(|p| alive.contains(&p.node.0).then_some(p)),
-                };
+                });
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
@@ -720,6 +720,12 @@ fn forged(key: BlockKey) -> Error {
 
 /// Keys per `HMGET` of a batched lookup.
 const LOOKUP_CHUNK: usize = 4096;
+
+/// One shard's part of a batched lookup: the shard, and its keys' answers in order.
+type ShardAnswer = (usize, Vec<Option<Placement>>);
+
+/// Threads a batched lookup over several shards uses at most.
+const LOOKUP_THREADS: usize = 8;
 
 /// Bounded script calls one operation makes at most while a dead node's state is deleted
 /// ([`scripts::WIPE_BUDGET`] entries each): room for 64 million entries.
@@ -853,10 +859,40 @@ impl Index for RedisIndex {
         if let Some(direct) = &self.direct {
             return self.lookup_direct(direct, keys);
         }
+        let groups = self.shards.group(keys.iter());
+        let busy: Vec<usize> = (0..groups.len()).filter(|&s| !groups[s].is_empty()).collect();
+        // Scatter-gather: the shards' pipelines at once, from up to LOOKUP_THREADS threads
+        // (each on its own connection), so the shards' servers work in parallel and the
+        // lookup takes about its slowest shard's time, not the sum.
+        let threads = busy.len().min(LOOKUP_THREADS);
+        let run = |t: usize| -> Result<Vec<ShardAnswer>, Error> {
+            busy.iter()
+                .skip(t)
+                .step_by(threads.max(1))
+                .map(|&s| Ok((s, self.lookup_values(s, keys, &groups[s])?)))
+                .collect()
+        };
+        let parts: Vec<Result<Vec<ShardAnswer>, Error>> = if threads <= 1 {
+            vec![run(0)]
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..threads).map(|t| scope.spawn(move || run(t))).collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::Corrupt("a lookup thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            })
+        };
         let mut out = vec![None; keys.len()];
-        for (s, at) in self.shards.group(keys.iter()).iter().enumerate() {
-            if !at.is_empty() {
-                self.lookup_values(s, keys, at, &mut out)?;
+        for part in parts {
+            for (s, found) in part? {
+                for (&i, p) in groups[s].iter().zip(found) {
+                    out[i] = p;
+                }
             }
         }
         Ok(out)
