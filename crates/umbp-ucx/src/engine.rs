@@ -48,6 +48,10 @@ pub struct PeerInfo {
     pub id: u32,
     /// The server's control address.
     pub addr: SocketAddr,
+    /// The node the server names itself in its welcome ([`ServerBuilder::node`]), if any.
+    ///
+    /// [`ServerBuilder::node`]: crate::ServerBuilder::node
+    pub node: Option<u32>,
     /// What it exported, in its order.
     pub regions: Vec<ExportedRegion>,
 }
@@ -262,7 +266,26 @@ impl UcxEngine {
     /// [`UcxConfig::connect_timeout`] bounds all of it after the address resolved: a server
     /// that answers slowly, or not at all, is a [`HandshakeError::DeadlinePassed`] then.
     /// Nothing the server sends reaches UCX before it proved that it holds the secret.
+    ///
+    /// The handshake proves that the server holds the secret, not which node it is: to reach
+    /// a node found by its id (in a pool's index, say), use
+    /// [`connect_node`](Self::connect_node).
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerInfo, Error> {
+        self.connect_to(addr, None)
+    }
+
+    /// Connects as [`connect`](Self::connect) does to the server at `addr`, which must be
+    /// node `node`: its welcome (bound to the session, so no relay changes it) names that node
+    /// ([`ServerBuilder::node`](crate::ServerBuilder::node)). A server that names another node,
+    /// or none, is refused with [`HandshakeError::WrongNode`] before anything it offers is
+    /// used, and its connection closed: an address that points at another node (an index
+    /// entry a stranger with write access to the index changed, a node that moved) reaches
+    /// no memory of that node.
+    pub fn connect_node(&self, addr: impl ToSocketAddrs, node: u32) -> Result<PeerInfo, Error> {
+        self.connect_to(addr, Some(node))
+    }
+
+    fn connect_to(&self, addr: impl ToSocketAddrs, node: Option<u32>) -> Result<PeerInfo, Error> {
         let auth = self.shared.config.auth()?;
         let timeout = self.shared.config.connect_timeout;
         let addrs: Vec<SocketAddr> = addr
@@ -302,6 +325,15 @@ impl UcxEngine {
                     other => other,
                 })
                 .map_err(handshake_error)?;
+        if let Some(expected) = node {
+            if welcome.node != Some(expected) {
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(handshake_error(HandshakeError::WrongNode {
+                    expected,
+                    named: welcome.node,
+                }));
+            }
+        }
         stream.set_read_timeout(None).map_err(io)?;
         stream.set_write_timeout(None).map_err(io)?;
         // A server whose network vanished is noticed even while nothing is in flight.
@@ -355,6 +387,7 @@ impl UcxEngine {
         let info = PeerInfo {
             id,
             addr,
+            node: welcome.node,
             regions: welcome
                 .regions
                 .iter()

@@ -159,6 +159,20 @@ pub enum HandshakeError {
     /// ([`UcxConfig::insecure_no_auth`](crate::UcxConfig::insecure_no_auth)).
     #[error("the server runs without authentication (insecure) and this side requires it")]
     ServerInsecure,
+    /// The server is not the node this side meant to reach
+    /// ([`UcxEngine::connect_node`](crate::UcxEngine::connect_node)): its welcome names another
+    /// node, or none. Its address points at another memory node (an index entry changed by
+    /// whoever can write the index, or a node that moved); nothing of it is used.
+    #[error("the server is {}, not node {expected}", match named {
+        Some(n) => format!("node {n}"),
+        None => "no named node".to_owned(),
+    })]
+    WrongNode {
+        /// The node this side meant to reach.
+        expected: u32,
+        /// The node the server named, if any.
+        named: Option<u32>,
+    },
     /// The whole handshake (connecting included) took longer than
     /// [`UcxConfig::connect_timeout`](crate::UcxConfig::connect_timeout).
     #[error("the handshake did not finish within the connect timeout")]

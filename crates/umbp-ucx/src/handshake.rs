@@ -14,6 +14,7 @@
 //!                               accepted, as two sealed records (see [`crate::channel`]):
 //!                               welcome_len u32 (<= 16 MiB), then the welcome:
 //!                               mode u8 (0 checked, 1 one-sided),
+//!                               node u8 (0 none, 1 named), [named: node id u32],
 //!                               [one-sided: address_len u32 (16 ..= 64 KiB), worker address],
 //!                               region_count u32 (<= 4096), and per region: name_len u8,
 //!                               name (UTF-8), writable u8, len u64,
@@ -40,6 +41,18 @@
 //! A client refuses a session weaker than it asked for (the challenge's protection byte is
 //! bound into the keys too, so a relay cannot change it unnoticed).
 //!
+//! # The node's identity
+//!
+//! A server that serves as a pool's memory node names its node id in the welcome. The welcome
+//! is a sealed record under keys derived from the whole handshake, so the name is bound to
+//! this session: a relay cannot change it, and no other session's welcome opens here. A
+//! client that dials a node it found in an index ([`UcxEngine::connect_node`]) refuses a
+//! server that names another node, or none, before it uses anything the server offers: an
+//! index entry that points one node's id at another node's address (whoever can write the
+//! index can do that) reaches a refusal, never the other node's memory.
+//!
+//! [`UcxEngine::connect_node`]: crate::UcxEngine::connect_node
+//!
 //! After the verdict, in checked mode, the same connection carries the data requests
 //! ([`crate::checked`]); in one-sided mode it stays silent and tells each side, by closing,
 //! that the other went away.
@@ -53,10 +66,11 @@ use crate::channel::{Keys, Protection, Side, TAG};
 use crate::HandshakeError;
 
 const MAGIC: [u8; 8] = *b"UMBPUCX\0";
-/// The protocol version: 4 since an authenticated-only record's tag hashes its sequence number
-/// after its bytes (3 hashed it before them), so a node and a client of the two versions refuse
-/// each other at the handshake rather than every record after it.
-pub(crate) const VERSION: u32 = 4;
+/// The protocol version: 5 since the welcome names the server's node (4 had no such field, and
+/// a client of 5 must not mistake a server of 4 for one that names none on purpose); 4 since an
+/// authenticated-only record's tag hashes its sequence number after its bytes (3 hashed it
+/// before them). A node and a client of two versions refuse each other at the handshake.
+pub(crate) const VERSION: u32 = 5;
 /// Bytes of each nonce.
 pub(crate) const NONCE: usize = 32;
 /// Bytes of each proof (an HMAC-SHA256).
@@ -105,6 +119,8 @@ pub(crate) struct WireRegion {
 pub(crate) struct Welcome {
     /// One-sided mode: the server's UCX worker address.
     pub(crate) address: Option<Vec<u8>>,
+    /// The node the server serves as (its node id in a pool), when it names one.
+    pub(crate) node: Option<u32>,
     pub(crate) regions: Vec<WireRegion>,
 }
 
@@ -356,6 +372,11 @@ fn parse_welcome(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
         1 => true,
         _ => return Err(HandshakeError::Malformed("unknown mode")),
     };
+    let node = match read_u8(r)? {
+        0 => None,
+        1 => Some(read_u32(r)?),
+        _ => return Err(HandshakeError::Malformed("unknown node field")),
+    };
     let address = if one_sided {
         let address = read_bytes(r, "worker address", MAX_ADDRESS)?;
         if (address.len() as u64) < MIN_ADDRESS {
@@ -396,7 +417,7 @@ fn parse_welcome(r: &mut impl Read) -> Result<Welcome, HandshakeError> {
         };
         regions.push(WireRegion { name, writable, len, one_sided });
     }
-    Ok(Welcome { address, regions })
+    Ok(Welcome { address, node, regions })
 }
 
 /// The server's verdict, and the welcome in the clear when accepted (the wire seals it:
@@ -417,6 +438,13 @@ pub(crate) fn verdict(verdict: Verdict, welcome: &Welcome) -> Vec<u8> {
 pub(crate) fn welcome_bytes(welcome: &Welcome) -> Vec<u8> {
     let mut out = Vec::new();
     out.push(u8::from(welcome.address.is_some()));
+    match welcome.node {
+        None => out.push(0),
+        Some(node) => {
+            out.push(1);
+            out.extend_from_slice(&node.to_le_bytes());
+        }
+    }
     if let Some(address) = &welcome.address {
         put_bytes(&mut out, address);
     }
@@ -488,6 +516,7 @@ mod tests {
         let key = |k: Vec<u8>, base| one_sided.then_some((base, k));
         Welcome {
             address: one_sided.then(|| vec![7; 300]),
+            node: one_sided.then_some(7),
             regions: vec![
                 WireRegion {
                     name: "arena".into(),
@@ -629,15 +658,16 @@ mod tests {
             }
         }
         let wire = verdict(Verdict::Accepted, &welcome(true));
-        // A huge address length is refused before anything is allocated for it.
-        let mut bad = wire[..2].to_vec();
+        // A huge address length is refused before anything is allocated for it (after the
+        // verdict, the mode and the node field: 1 + 1 + 5 bytes).
+        let mut bad = wire[..7].to_vec();
         bad.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             read_verdict(&mut bad.as_slice()),
             Err(HandshakeError::TooLong { field: "worker address", .. })
         ));
         // So is a worker address too short to be one.
-        let mut bad = wire[..2].to_vec();
+        let mut bad = wire[..7].to_vec();
         bad.extend_from_slice(&3u32.to_le_bytes());
         bad.extend_from_slice(&[1, 2, 3, 0, 0, 0, 0]);
         assert!(matches!(read_verdict(&mut bad.as_slice()), Err(HandshakeError::Malformed(_))));

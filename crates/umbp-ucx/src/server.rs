@@ -199,12 +199,25 @@ struct Export {
 pub struct ServerBuilder {
     config: UcxConfig,
     exports: Vec<Export>,
+    node: Option<u32>,
 }
 
 impl ServerBuilder {
     /// A server with `config` (its transports, secret and limits) and no region yet.
     pub fn new(config: UcxConfig) -> Self {
-        Self { config, exports: Vec::new() }
+        Self { config, exports: Vec::new(), node: None }
+    }
+
+    /// Names the node this server serves as (its node id in a pool, as its
+    /// `pool::Membership` announces it) in every client's welcome, bound to the session like
+    /// the rest of it. A client that dials a node it looked up
+    /// ([`UcxEngine::connect_node`](crate::UcxEngine::connect_node), as the pool's resolver
+    /// does) refuses a server that names another node or none: a memory node that joins a
+    /// pool must be named with the id it joins under, or the pool's clients refuse it.
+    /// `umbp-ucx-serve --pool` names it with `--node-id`.
+    pub fn node(mut self, node: u32) -> Self {
+        self.node = Some(node);
+        self
     }
 
     /// Exports `memory` as region `name` (regions are numbered in the order they are
@@ -293,6 +306,7 @@ impl ServerBuilder {
             regions: self.exports.iter().map(|e| (e.name.clone(), e.len, e.writable)).collect(),
             exports: Mutex::new(Vec::new()),
             one_sided,
+            node: self.node,
         };
         let keys = if one_sided {
             let ranges: Vec<(u64, u64, bool)> =
@@ -332,7 +346,7 @@ impl ServerBuilder {
             })
             .collect();
         server.exports = Mutex::new(self.exports.into_iter().map(|e| (e.name, e.keep)).collect());
-        let welcome = handshake::welcome_bytes(&Welcome { address, regions });
+        let welcome = handshake::welcome_bytes(&Welcome { address, node: self.node, regions });
         // The refusals' log: the handshake thread wakes it (never waiting) and it writes at most
         // a line a second; it ends once the handshake thread has (its sender dropped).
         let (wake_log, woken) = mpsc::sync_channel(1);
@@ -396,6 +410,8 @@ pub struct UcxServer {
     /// (Behind a lock only so that the server is `Sync`: nothing reads them while serving.)
     exports: Mutex<Vec<(String, Box<dyn Any + Send>)>>,
     one_sided: bool,
+    /// The node named in every welcome ([`ServerBuilder::node`]).
+    node: Option<u32>,
 }
 
 impl std::fmt::Debug for UcxServer {
@@ -404,6 +420,7 @@ impl std::fmt::Debug for UcxServer {
             .field("local_addr", &self.local_addr)
             .field("regions", &self.regions)
             .field("one_sided", &self.one_sided)
+            .field("node", &self.node)
             .finish()
     }
 }
@@ -417,6 +434,11 @@ impl UcxServer {
     /// The exported regions in order: name, length, writable.
     pub fn regions(&self) -> &[(String, u64, bool)] {
         &self.regions
+    }
+
+    /// The node this server names in its welcome ([`ServerBuilder::node`]), if any.
+    pub fn node(&self) -> Option<u32> {
+        self.node
     }
 
     /// Authenticated clients whose connection is open now.
@@ -960,14 +982,14 @@ impl Handshakes {
                                 self.refused(&self.counters.refused_secret, peer);
                                 let out = handshake::verdict(
                                     Verdict::WrongProof,
-                                    &Welcome { address: None, regions: Vec::new() },
+                                    &Welcome { address: None, node: None, regions: Vec::new() },
                                 );
                                 Step::Verdict { out, sent: 0, admit: None }
                             } else if !self.room_for(p.ip) {
                                 self.refused(&self.counters.refused_full, peer);
                                 let out = handshake::verdict(
                                     Verdict::Full,
-                                    &Welcome { address: None, regions: Vec::new() },
+                                    &Welcome { address: None, node: None, regions: Vec::new() },
                                 );
                                 Step::Verdict { out, sent: 0, admit: None }
                             } else {

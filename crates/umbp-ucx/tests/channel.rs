@@ -21,9 +21,9 @@ use support::{config, fill_byte, ucx_or_skip, POISON, SECRET};
 const ARENA: usize = 1 << 20;
 const PIECE: usize = 64 << 10;
 /// The handshake's bytes up (hello, proof) and down (challenge, verdict, the sealed welcome's
-/// length and the sealed welcome of one region named `arena`).
+/// length and the sealed welcome of one region named `arena`, naming no node).
 const UP_HANDSHAKE: usize = 45 + 32;
-const DOWN_HANDSHAKE: usize = 78 + 1 + (4 + 16) + (20 + 16);
+const DOWN_HANDSHAKE: usize = 78 + 1 + (4 + 16) + (21 + 16);
 /// A sealed request, a sealed answer, and a piece's bytes sealed as one record.
 const REQ: usize = 32 + 16;
 const ANS: usize = 24 + 16;

@@ -448,3 +448,176 @@ fn clients_follow_a_memory_node_restarted_at_its_address() {
         assert_eq!(c.resolver.connected(), [(NodeId(40), listen.clone())]);
     }
 }
+
+/// A client of a Redis server speaking its protocol (RESP), as a stranger with the pool's
+/// password (and not the memory nodes' secret) would: one command, its reply.
+struct Resp(std::io::BufReader<std::net::TcpStream>);
+
+/// A reply: a bulk string (or a simple one, or an integer as its digits), or an array of them.
+#[derive(Debug)]
+enum Reply {
+    Bytes(Option<Vec<u8>>),
+    Array(Vec<Reply>),
+}
+
+impl Resp {
+    fn connect(redis: &RedisServer) -> Self {
+        let s = std::net::TcpStream::connect(("127.0.0.1", redis.port())).unwrap();
+        let mut r = Self(std::io::BufReader::new(s));
+        r.call(&[b"AUTH", redis.password().as_bytes()]);
+        r
+    }
+
+    fn call(&mut self, args: &[&[u8]]) -> Reply {
+        use std::io::Write;
+        let mut out = format!("*{}\r\n", args.len()).into_bytes();
+        for a in args {
+            out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+            out.extend_from_slice(a);
+            out.extend_from_slice(b"\r\n");
+        }
+        self.0.get_mut().write_all(&out).unwrap();
+        self.reply()
+    }
+
+    fn reply(&mut self) -> Reply {
+        use std::io::{BufRead, Read};
+        let mut line = String::new();
+        self.0.read_line(&mut line).unwrap();
+        let (kind, rest) = line.trim_end().split_at(1);
+        match kind {
+            "+" | ":" => Reply::Bytes(Some(rest.as_bytes().to_vec())),
+            "-" => panic!("redis: {rest}"),
+            "$" => {
+                let Ok(len) = usize::try_from(rest.parse::<i64>().unwrap()) else {
+                    return Reply::Bytes(None);
+                };
+                let mut b = vec![0u8; len + 2];
+                self.0.read_exact(&mut b).unwrap();
+                b.truncate(len);
+                Reply::Bytes(Some(b))
+            }
+            "*" => {
+                Reply::Array((0..rest.parse::<usize>().unwrap()).map(|_| self.reply()).collect())
+            }
+            other => panic!("redis said {other}{rest}"),
+        }
+    }
+}
+
+impl Reply {
+    fn bytes(self) -> Vec<u8> {
+        match self {
+            Reply::Bytes(Some(b)) => b,
+            other => panic!("not bytes: {other:?}"),
+        }
+    }
+}
+
+/// A node announcement's value as umbp-pool stores it: node id, address, tiers' free bytes.
+fn decode_announcement(b: &[u8]) -> (u32, String, Vec<u8>) {
+    let node = u32::from_be_bytes(b[0..4].try_into().unwrap());
+    let len = u32::from_be_bytes(b[4..8].try_into().unwrap()) as usize;
+    (node, String::from_utf8(b[8..8 + len].to_vec()).unwrap(), b[8 + len..].to_vec())
+}
+
+fn encode_announcement(node: u32, address: &str, tiers: &[u8]) -> Vec<u8> {
+    let mut b = node.to_be_bytes().to_vec();
+    b.extend_from_slice(&(address.len() as u32).to_be_bytes());
+    b.extend_from_slice(address.as_bytes());
+    b.extend_from_slice(tiers);
+    b
+}
+
+/// Whoever can write the pool's Redis (its password, not the memory nodes' secret) points node
+/// 1's announcement at node 2's address, keeping its TTL. Node 2 holds the secret, so the
+/// handshake alone would take it for node 1: puts meant for node 1 would land in node 2's
+/// slots. Its welcome names node 2, so a client refuses it as node 1 (a typed
+/// `HandshakeError::WrongNode`): node 1's blocks fail as put and load errors, and every byte
+/// of node 2's stored blocks is what was put there.
+#[test]
+fn an_announcement_pointed_at_another_node_reaches_a_refusal_never_its_slots() {
+    if !available() {
+        return;
+    }
+    let redis = RedisServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    const LEN: usize = 64 << 10;
+    // A two-minute TTL: the nodes renew every 40 s, not while the test runs (checked below).
+    let args = |node| node_args(&redis, dir.path(), "moved", node, 120_000, ("1MiB", "64KiB"), &[]);
+    let one = Node::start(&args(1)).unwrap();
+    let two = Node::start(&args(2)).unwrap();
+    let writer = client(&redis, "moved", 300);
+    // Node 1's slots 0 to 3, node 2's 0 to 7: a put to node 1 reserves its slots 4 to 7.
+    let ones = put_blocks(&writer, 1, 4, LEN);
+    let twos = put_blocks(&writer, 2, 8, LEN);
+
+    // The stranger: node 1's announcement, with node 2's address.
+    let mut resp = Resp::connect(&redis);
+    let keys = match resp.call(&[b"KEYS", b"*:node:1"]) {
+        Reply::Array(keys) => keys.into_iter().map(Reply::bytes).collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let announcement = resp.call(&[b"GET", &keys[0]]).bytes();
+    let ttl = resp.call(&[b"PTTL", &keys[0]]).bytes();
+    let (node, address, tiers) = decode_announcement(&announcement);
+    assert_eq!((node, address.as_str()), (1, one.addr.to_string().as_str()));
+    let forged = encode_announcement(1, &two.addr.to_string(), &tiers);
+    resp.call(&[b"SET", &keys[0], &forged, b"PX", &ttl]);
+    let index = redis.index("moved").unwrap();
+    let moved = |index: &umbp_pool::RedisIndex| {
+        use umbp_pool::Index;
+        index
+            .nodes()
+            .unwrap()
+            .iter()
+            .any(|a| a.node == NodeId(1) && a.address == two.addr.to_string())
+    };
+    assert!(moved(&index), "the forged announcement did not take");
+
+    // A client that meets node 1 now: its puts and loads fail, typed.
+    let victim = client(&redis, "moved", 301);
+    let src = victim.composite.register_memory(vec![0x5Au8; 4 * LEN]).unwrap();
+    let puts: Vec<PutBlock> = (0..4)
+        .map(|i| PutBlock {
+            key: key(1, 100 + i),
+            src: src.id(),
+            offset: (i * LEN) as u64,
+            len: LEN as u64,
+        })
+        .collect();
+    let out = victim.pool.put_on(NodeId(1), KV, &puts).unwrap();
+    assert!(out.iter().all(|o| matches!(o, PutOutcome::Failed(_))), "{out:?}");
+    let refusal = victim.resolver.refusal(NodeId(1)).expect("node 1 was refused");
+    assert!(
+        matches!(
+            *refusal,
+            umbp_ucx::Error::Handshake {
+                source: umbp_ucx::HandshakeError::WrongNode { expected: 1, named: Some(2) },
+                ..
+            }
+        ),
+        "{refusal:?}"
+    );
+    let (out, bytes) = get_blocks(&victim, &(0..4).map(|i| key(1, i)).collect::<Vec<_>>(), LEN);
+    assert!(out.iter().all(|o| matches!(o, GetOutcome::Failed(_))), "{out:?}");
+    assert!(bytes.iter().all(|&b| b == POISON), "a refused node's load wrote bytes");
+    assert_eq!(victim.resolver.connected(), []);
+
+    // Node 2's blocks: every byte as put, read by the writer (connected to both all along).
+    let (out, bytes) = get_blocks(&writer, &(0..8).map(|i| key(2, i)).collect::<Vec<_>>(), LEN);
+    for (i, (o, b)) in out.iter().zip(&twos).enumerate() {
+        assert!(o.is_loaded(), "node 2's block {i}: {o:?}");
+        assert!(bytes[i * LEN..i * LEN + b.len()] == b[..], "node 2's block {i}: other bytes");
+    }
+    // And node 1's, through the writer's connection made before the forgery: still there.
+    let (out, bytes) = get_blocks(&writer, &(0..4).map(|i| key(1, i)).collect::<Vec<_>>(), LEN);
+    for (i, (o, b)) in out.iter().zip(&ones).enumerate() {
+        assert!(o.is_loaded(), "node 1's block {i}: {o:?}");
+        assert!(bytes[i * LEN..i * LEN + b.len()] == b[..], "node 1's block {i}: other bytes");
+    }
+    // The forgery held all along (no renewal put node 1's address back meanwhile).
+    assert!(moved(&index), "node 1 renewed during the test: the check proved nothing");
+    drop((one, two));
+}

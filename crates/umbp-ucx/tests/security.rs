@@ -16,7 +16,7 @@ use support::{config, engine, fill_byte, ucx_or_skip, Served, POISON, SECRET};
 
 // The wire format as an attacker reads it in the crate's docs.
 const MAGIC: &[u8; 8] = b"UMBPUCX\0";
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
 /// Bytes of the hello, the challenge and the client's proof.
 const HELLO_LEN: usize = 45;
 const CHALLENGE_LEN: usize = 78;
@@ -570,7 +570,7 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
         (
             "a malformed worker address (from a server with the secret)",
             fake_server(|mut s| {
-                let mut w = vec![1u8];
+                let mut w = vec![1u8, 0]; // One-sided, no node named.
                 w.extend_from_slice(&20u32.to_le_bytes());
                 w.extend_from_slice(&[0xff; 20]);
                 w.extend_from_slice(&0u32.to_le_bytes());
@@ -582,7 +582,7 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
         (
             "an oversized region list",
             fake_server(|mut s| {
-                let mut w = vec![0u8];
+                let mut w = vec![0u8, 0];
                 w.extend_from_slice(&u32::MAX.to_le_bytes());
                 authenticate(&mut s, &w);
                 std::thread::sleep(Duration::from_secs(2));
@@ -592,7 +592,7 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
         (
             "a truncated welcome",
             fake_server(|mut s| {
-                let mut w = vec![0u8];
+                let mut w = vec![0u8, 0];
                 w.extend_from_slice(&1u32.to_le_bytes());
                 w.extend_from_slice(&[5, b'a', b'r']);
                 authenticate(&mut s, &w);
@@ -940,4 +940,48 @@ fn a_client_that_never_reads_sees_its_connection_end() {
         }
     };
     eprintln!("the client read {read} buffered bytes, then: {end}");
+}
+
+/// A server names its node in the welcome; a client that dials node `n` takes only a server
+/// that names `n`: another node, or none, is a typed refusal, and the connection is closed.
+/// `connect` (no node meant) takes either.
+#[test]
+fn a_client_that_means_a_node_refuses_a_server_that_names_another() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let named = ServerBuilder::new(config("tcp"))
+        .node(2)
+        .export("arena", vec![2u8; 4096], true)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    let unnamed = ServerBuilder::new(config("tcp"))
+        .export("arena", vec![0u8; 4096], true)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    assert_eq!((named.node(), unnamed.node()), (Some(2), None));
+    let engine = engine("tcp");
+    let peer = engine.connect_node(named.local_addr(), 2).unwrap();
+    assert_eq!(peer.node, Some(2));
+    for (addr, meant, named_as) in
+        [(named.local_addr(), 1, Some(2)), (unnamed.local_addr(), 2, None)]
+    {
+        let e = engine.connect_node(addr, meant).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Handshake { source: HandshakeError::WrongNode { expected, named }, .. }
+                    if expected == meant && named == named_as
+            ),
+            "{e:?}"
+        );
+    }
+    assert_eq!(engine.connect(unnamed.local_addr()).unwrap().node, None);
+    assert_eq!(engine.connect(named.local_addr()).unwrap().node, Some(2));
+    // The refused sessions end: the server counts only the two accepted ones (and the first).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while named.clients() + unnamed.clients() != 3 {
+        assert!(Instant::now() < deadline, "{} and {}", named.clients(), unnamed.clients());
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

@@ -204,6 +204,11 @@ impl Membership {
     /// (see [`MembershipConfig::tiers`]): drops what the index still holds for this node,
     /// registers the tiers, announces the node, and starts renewing.
     ///
+    /// The server must name the same node in its welcome
+    /// ([`ServerBuilder::node`](crate::ServerBuilder::node)): the pool's clients
+    /// ([`UcxResolver`](crate::pool::UcxResolver)) refuse a server that names another node or
+    /// none, so that an announcement pointed at another node's address reaches no memory.
+    ///
     /// Errors: [`Error::InvalidConfig`] for the tiers (above), a TTL under 3 ms, or a node id
     /// that is alive in the pool at another address (another node uses this id, or this node
     /// restarted at another address before its old announcement expired: wait for the TTL or

@@ -31,8 +31,13 @@ struct Retired {
 /// remote engine.
 ///
 /// For a tier of a node the pool meets, it connects this process's [`UcxEngine`] to the
-/// address the node announced (the handshake proves both hold the shared secret, so an
-/// address planted in the index reaches no impostor), once per node, and registers the node's
+/// address the node announced, as that node ([`UcxEngine::connect_node`]): the handshake
+/// proves both hold the shared secret, so an address planted in the index reaches no
+/// impostor, and the node's welcome names its node id, bound to the session, so an
+/// announcement that points one node's id at another node's address (whoever can write the
+/// index can do that) is refused with [`HandshakeError::WrongNode`](crate::HandshakeError)
+/// ([`refusal`](Self::refusal) tells it): that node's blocks fail as load and put errors and
+/// never reach the other node's slots. Once per node, it registers the node's
 /// exported region for that tier (tier `i` is the node's `i`-th region, as
 /// [`Membership`](crate::pool::Membership) registers them) with the pool's composite, over
 /// exactly the tier's `slot_size * slot_count` bytes.
@@ -49,13 +54,20 @@ pub struct UcxResolver {
     engine: Arc<UcxEngine>,
     composite: CompositeEngine,
     peers: Mutex<HashMap<NodeId, Peer>>,
-    /// Nodes whose last connection attempt failed: the address tried and until when it is not
-    /// tried again, so that the gets meeting a dead node before its announcement expires do
-    /// not each wait for a connect timeout.
-    refused: Mutex<HashMap<NodeId, (String, Instant)>>,
+    /// Nodes whose last connection attempt failed: the address tried, until when it is not
+    /// tried again (so that the gets meeting a dead node before its announcement expires do
+    /// not each wait for a connect timeout), and why it failed.
+    refused: Mutex<HashMap<NodeId, Refused>>,
     /// One lock per node, held while connecting to it: the gets that meet a node at once wait
     /// for one connection instead of each making its own.
     connecting: Mutex<HashMap<NodeId, Arc<Mutex<()>>>>,
+}
+
+/// A node's failed connection attempt.
+struct Refused {
+    address: String,
+    until: Instant,
+    why: Arc<Error>,
 }
 
 /// How long a node whose connection failed is not tried again at the same address.
@@ -103,6 +115,17 @@ impl UcxResolver {
         v
     }
 
+    /// Why the last attempt to connect to `node` failed, until one succeeds: for a node whose
+    /// announced address reaches another node, [`Error::Handshake`] with
+    /// [`HandshakeError::WrongNode`](crate::HandshakeError::WrongNode).
+    pub fn refusal(&self, node: NodeId) -> Option<Arc<Error>> {
+        self.refused
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&node)
+            .map(|r| Arc::clone(&r.why))
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<NodeId, Peer>> {
         self.peers.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -143,25 +166,31 @@ impl UcxResolver {
         if !connected {
             {
                 let refused = self.refused.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some((address, until)) = refused.get(&node.node) {
-                    if *address == node.address && Instant::now() < *until {
+                if let Some(r) = refused.get(&node.node) {
+                    if r.address == node.address && Instant::now() < r.until {
                         return Err(format!(
                             "its last connection failed; not tried again for {RETRY_AFTER:?}"
                         ));
                     }
                 }
             }
-            let info = match self.engine.connect(node.address.as_str()) {
+            // As that node: a server that names another node (or none) is refused.
+            let info = match self.engine.connect_node(node.address.as_str(), node.node.0) {
                 Ok(info) => {
                     self.refused.lock().unwrap_or_else(PoisonError::into_inner).remove(&node.node);
                     info
                 }
                 Err(e) => {
-                    self.refused
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .insert(node.node, (node.address.clone(), Instant::now() + RETRY_AFTER));
-                    return Err(format!("connecting to {}: {}", node.address, chain(&e)));
+                    let why = format!("connecting to {}: {}", node.address, chain(&e));
+                    self.refused.lock().unwrap_or_else(PoisonError::into_inner).insert(
+                        node.node,
+                        Refused {
+                            address: node.address.clone(),
+                            until: Instant::now() + RETRY_AFTER,
+                            why: Arc::new(e),
+                        },
+                    );
+                    return Err(why);
                 }
             };
             tracing::info!(node = node.node.0, address = %node.address, peer = info.id, "pool: memory node connected");

@@ -127,6 +127,10 @@ fn run(settings: Settings) -> Result<ExitCode, String> {
         );
     }
     let mut builder = ServerBuilder::new(settings.ucx.clone());
+    // A pool's clients reach this node as its node id: its welcome must name it.
+    if let Some(pool) = &settings.pool {
+        builder = builder.node(pool.node.0);
+    }
     for r in &settings.regions {
         builder = builder.export(&r.name, memory(r)?, !r.read_only);
     }
