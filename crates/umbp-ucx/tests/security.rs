@@ -787,9 +787,10 @@ fn a_client_that_stops_reading_its_answers_loses_its_connection_within_the_peer_
 }
 
 /// Hello-only connections from 40 loopback addresses (127.0.0.2 to 127.0.0.41: Linux routes
-/// all of 127/8 to the loopback device), each as fast as its thread can make them, each held
-/// open (a ring of 64 per address) so the server's handshake table stays full of connections
-/// that reach the proof wait at once and never answer. Meanwhile 8 honest clients connect one
+/// all of 127/8 to the loopback device), one thread per address making them as fast as it can
+/// (the next as soon as the server answered the last with its challenge, or closed it), each
+/// held open (a ring of 64 per address, 2,560 in all) so the server's handshake table (1,024)
+/// stays full of connections that reach the proof wait at once and never answer. Meanwhile 8 honest clients connect one
 /// after the other, each with the normal connect timeout: every one gets in. The flood is
 /// bounded in count (`PER_ADDRESS` connections per address) and ends when the honest clients
 /// are done; the assertions are on outcomes only.
