@@ -1071,11 +1071,11 @@ fn pool(args: &PoolArgs, out: &Output<'_>) -> anyhow::Result<()> {
         config.restarts = config.restarts.min(2);
     }
     // The put/get rows hold the largest size's blocks four times over: the memory node's
-    // arena and this process's buffer, Mooncake's segment (with a quarter to spare) and its
-    // client's buffer.
+    // arena and Mooncake's segment (each with a quarter to spare), this process's buffer and
+    // Mooncake's client's buffer.
     let largest = config.transfer_sizes.iter().copied().max().unwrap_or(0);
     check_memory(
-        (config.transfer_blocks as u64).saturating_mul(largest).saturating_mul(17) / 4,
+        (config.transfer_blocks as u64).saturating_mul(largest).saturating_mul(18) / 4,
         "--transfer-blocks x --block-size",
     );
     let (rows, skipped) = pool_bench::run(&config, out.progress)?;

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use serde::Serialize;
-use umbp_pool::redis_server::RedisServer;
+use umbp_pool::redis_server::{RedisCluster, RedisServer};
 use umbp_pool::{
     checksum, BlockKey, EmbeddedIndex, Index, NodeAnnouncement, NodeId, Published, RedisIndex,
     Reserved, TierId, TierSpec,
@@ -287,6 +287,18 @@ fn announce(index: &dyn Index, node: NodeId) -> anyhow::Result<()> {
     Ok(index.announce(&a, Duration::from_secs(3600))?)
 }
 
+/// The lookup row of the Redis Cluster.
+const CLUSTER_LOOKUP: &str = "umbp redis cluster (3 shards, 3 masters)";
+
+/// A client of the bench's pool on `cluster`: 3 shards, each on a master of its own (a
+/// prefix chosen so that their hash tags land on three masters).
+fn cluster_config(cluster: &RedisCluster) -> umbp_pool::RedisConfig {
+    let mut config =
+        cluster.config(&cluster.spread_prefix("bench", 3), cluster.servers()[0].port());
+    config.shards = Some(3);
+    config
+}
+
 /// One system of the lookup comparison.
 enum Looker<'a> {
     Index(&'a dyn Index, Option<&'a RedisServer>),
@@ -327,12 +339,35 @@ pub fn lookup(
         }
         None => (None, None),
     };
+    // A Redis Cluster of 3 masters (each with a replica), the pool in 16 shards over them.
+    let cluster = if server.is_some() { RedisCluster::start(3) } else { None };
+    if server.is_some() && cluster.is_none() {
+        skipped.push("the Redis Cluster rows: redis-cli is missing".into());
+    }
+    let sharded = match &cluster {
+        Some(cluster) => {
+            progress.step(format!("publishing {n} keys into the Redis Cluster"));
+            let index = RedisIndex::connect(&cluster_config(cluster))?;
+            // Twice the slots: each shard holds its share of them, and the keys do not split
+            // exactly evenly over the shards.
+            let spec = lookup_tier(2 * n);
+            announce(&index, spec.node)?;
+            index.register_tier(&spec)?;
+            publish_keys(&index, &spec, n, 4096)?;
+            Some(index)
+        }
+        None => None,
+    };
     let mut names = vec!["umbp embedded"];
     let mut lookers = vec![Looker::Index(&embedded, None)];
     if let (Some(d), Some(v)) = (&direct, &values) {
         names.extend(["umbp redis", "umbp redis (redis-rs)"]);
         lookers.push(Looker::Index(d, server.as_ref()));
         lookers.push(Looker::Index(v, server.as_ref()));
+    }
+    if let Some(c) = &sharded {
+        names.push(CLUSTER_LOOKUP);
+        lookers.push(Looker::Index(c, None));
     }
     if let Some(m) = mooncake {
         progress.step(format!("storing {n} keys in Mooncake Store"));
@@ -379,10 +414,10 @@ pub fn lookup(
         row.verified = verified[s];
         row = match *name {
             "umbp embedded" => row.with_target("<=", 2.0),
-            "umbp redis" => row.with_target("<=", 5.0),
+            "umbp redis" | CLUSTER_LOOKUP => row.with_target("<=", 5.0),
             _ => row,
         };
-        if name.starts_with("umbp redis") {
+        if name.starts_with("umbp redis") && *name != CLUSTER_LOOKUP {
             row.server_cpu_ms = Some(cpu[s] / times[s].len().max(1) as f64 * 1e3);
         }
         if let (Some(m), true) = (mc, *name == "umbp redis") {
@@ -551,13 +586,16 @@ struct UmbpTransfer {
     channels: Vec<Channel>,
     buffer: crate::host_buffer::HostBuffer,
     _server: RedisServer,
+    _cluster: Option<RedisCluster>,
     _node: crate::remote_bench::ChildServer,
     arena_len: u64,
 }
 
 /// One client of the memory node: its pool over a composite whose remote engine asked for
-/// `protection`.
+/// `protection`, its index on the standalone Redis or on the Redis Cluster.
 struct Channel {
+    /// The rows' system: `umbp pool, PROTECTION` or `umbp pool on redis cluster, ...`.
+    system: String,
     protection: umbp_ucx::Protection,
     // Dropped first: the registrations, then the pool and engine.
     buffer_reg: umbp_plan::Registration,
@@ -570,7 +608,12 @@ struct Channel {
 const MEMORY_NODE: NodeId = NodeId(2);
 
 impl UmbpTransfer {
-    fn start(program: &Path, arena: u64, buffer: u64) -> anyhow::Result<Self> {
+    fn start(
+        program: &Path,
+        arena: u64,
+        buffer: u64,
+        skipped: &mut Vec<String>,
+    ) -> anyhow::Result<Self> {
         let node = crate::remote_bench::ChildServer::start(program, "tcp", arena, None)?;
         let server = RedisServer::try_start()?;
         let buffer = crate::host_buffer::HostBuffer::zeroed(buffer as usize);
@@ -578,17 +621,36 @@ impl UmbpTransfer {
         // Client node ids 1, 3, ...: every one but the memory node's.
         for (k, &protection) in crate::remote_bench::PROTECTIONS.iter().enumerate() {
             let id = NodeId(1 + 2 * k as u32);
-            channels.push(Channel::connect(&node, &server, &buffer, protection, id)?);
+            let name = crate::remote_bench::protection_name(protection);
+            let system = format!("umbp pool, {name}");
+            let config = server.config("bench");
+            channels.push(Channel::connect(&node, &config, &buffer, protection, id, system)?);
+        }
+        // The default protection once more, with the index on a Redis Cluster of 3 masters.
+        let cluster = RedisCluster::start(3);
+        match &cluster {
+            Some(cluster) => {
+                let protection = crate::remote_bench::PROTECTIONS[0];
+                let name = crate::remote_bench::protection_name(protection);
+                let system = format!("umbp pool on redis cluster, {name}");
+                let config = cluster_config(cluster);
+                let id = NodeId(1 + 2 * channels.len() as u32);
+                channels.push(Channel::connect(&node, &config, &buffer, protection, id, system)?);
+            }
+            None => skipped.push("the put/get rows on Redis Cluster: redis-cli is missing".into()),
         }
         let arena_len = channels.first().map_or(0, |c| c.remote.endpoint().len());
-        Ok(Self { channels, buffer, _server: server, _node: node, arena_len })
+        Ok(Self { channels, buffer, _server: server, _cluster: cluster, _node: node, arena_len })
     }
 
-    /// Adds the memory node's tier of `n` slots of `size` bytes (its id: `tier`) to every
-    /// channel's pool.
+    /// Adds the memory node's tier of slots of `size` bytes (its id: `tier`) to every
+    /// channel's pool, for `n` blocks: as many slots as the arena holds, up to `2 n` (a
+    /// sharded pool's shards each hand out their share of the slots, and `n` keys never split
+    /// exactly evenly over them).
     fn add_tier(&self, tier: TierId, size: u64, n: usize) -> anyhow::Result<TierSpec> {
         ensure!(size * n as u64 <= self.arena_len, "the memory node's arena is too small");
-        let spec = TierSpec::new(MEMORY_NODE, tier, size, n as u32).watermarks(0, 0);
+        let slots = (self.arena_len / size).min(2 * n as u64) as u32;
+        let spec = TierSpec::new(MEMORY_NODE, tier, size, slots).watermarks(0, 0);
         for c in &self.channels {
             let region = umbp_pool::TierRegion::new(c.remote.id(), 0, &spec);
             c.pool.add_tier(spec, region)?;
@@ -666,10 +728,11 @@ impl Channel {
     /// arena and `buffer` with a composite, and opens a pool of node `id` over it.
     fn connect(
         node: &crate::remote_bench::ChildServer,
-        server: &RedisServer,
+        index: &umbp_pool::RedisConfig,
         buffer: &crate::host_buffer::HostBuffer,
         protection: umbp_ucx::Protection,
         id: NodeId,
+        system: String,
     ) -> anyhow::Result<Self> {
         use std::sync::Arc;
         use umbp_composite::{CompositeConfig, CompositeEngine};
@@ -701,7 +764,7 @@ impl Channel {
             format!("the memory node exports no `{}`", crate::remote_bench::ARENA)
         })?;
         let remote = ucx.register_remote(exported.region, 0, exported.len)?;
-        let index = Arc::new(RedisIndex::connect(&server.config("bench"))?);
+        let index = Arc::new(RedisIndex::connect(index)?);
         // The memory node announces itself as umbp-ucx-serve would.
         announce(index.as_ref(), MEMORY_NODE)?;
         let pool = umbp_pool::Pool::new(index, composite.clone(), umbp_pool::PoolConfig::new(id))?;
@@ -709,7 +772,7 @@ impl Channel {
         // bench reads or writes it only between puts and gets, each of which returns once its
         // transfers ended; the channels take turns, so no two transfers touch it at once.
         let buffer_reg = unsafe { buffer.lend(&composite) }?;
-        Ok(Self { protection, buffer_reg, remote, pool, _ucx: ucx })
+        Ok(Self { system, protection, buffer_reg, remote, pool, _ucx: ucx })
     }
 }
 
@@ -724,11 +787,15 @@ pub fn transfer(
     skipped: &mut Vec<String>,
 ) -> anyhow::Result<Vec<PoolRow>> {
     let largest = config.transfer_sizes.iter().copied().max().unwrap_or(0);
+    let smallest = config.transfer_sizes.iter().copied().min().unwrap_or(0);
     let n = config.transfer_blocks;
     let bytes = largest * n as u64;
+    // The memory node's arena: a quarter to spare for the largest blocks, twice the blocks
+    // for the smallest (see `UmbpTransfer::add_tier`).
+    let arena = (bytes + bytes / 4).max(2 * smallest * n as u64);
     let program = std::env::current_exe().context("finding the umbp-bench binary")?;
     progress.step("starting the memory node, Redis and the pools");
-    let mut umbp = UmbpTransfer::start(&program, bytes, bytes)?;
+    let mut umbp = UmbpTransfer::start(&program, arena, bytes, skipped)?;
     let channels = umbp.channels.len();
     let mut mooncake = match python {
         // The holder's segment with room to spare: Mooncake evicts above 95 % full.
@@ -798,7 +865,7 @@ pub fn transfer(
             for (c, (up, ug, ok)) in ours.iter().enumerate() {
                 let samples = if figure == "put" { up } else { ug };
                 let name = crate::remote_bench::protection_name(umbp.channels[c].protection);
-                let system = format!("umbp pool, {name}");
+                let system = umbp.channels[c].system.clone();
                 let mut row = PoolRow::of(figure, system, n as u64, samples, "GiB/s");
                 row.block_size = Some(size);
                 row.protection = Some(name);

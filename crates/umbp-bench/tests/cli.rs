@@ -977,6 +977,7 @@ fn pool_json_fields_and_verified_rows() {
         ("lookup", "umbp embedded", Some(2.0)),
         ("lookup", "umbp redis", Some(5.0)),
         ("lookup", "umbp redis (redis-rs)", None),
+        ("lookup", "umbp redis cluster (3 shards, 3 masters)", Some(5.0)),
         ("publish", "umbp embedded", Some(100_000.0)),
         ("reserve+publish", "umbp embedded", None),
         ("reopen", "umbp embedded", None),
@@ -991,12 +992,16 @@ fn pool_json_fields_and_verified_rows() {
     assert!(redis["server_cpu_ms"].as_f64().unwrap() >= 0.0, "{redis:?}");
     assert_eq!(pool_row(&lines, "restart", "umbp embedded").unwrap()["items"], 5000);
     if ucx_or_skip() {
-        // One row of each figure per channel protection, each named by it.
+        // One row of each figure per channel protection, each named by it, and the default
+        // protection again with the index on the Redis Cluster.
         for figure in ["put", "get"] {
-            for protection in ["encrypted", "authenticated"] {
-                let system = format!("umbp pool, {protection}");
-                let l = pool_row(&lines, figure, &system)
-                    .unwrap_or_else(|| panic!("{figure} {protection}"));
+            for (system, protection) in [
+                ("umbp pool, encrypted", "encrypted"),
+                ("umbp pool, authenticated", "authenticated"),
+                ("umbp pool on redis cluster, encrypted", "encrypted"),
+            ] {
+                let l =
+                    pool_row(&lines, figure, system).unwrap_or_else(|| panic!("{figure} {system}"));
                 assert_eq!(l["protection"], protection, "{l:?}");
                 let (items, size) = (l["items"].as_u64(), l["block_size"].as_u64());
                 assert_eq!((items, size), (Some(64), Some(64 << 10)), "{l:?}");
@@ -1005,7 +1010,7 @@ fn pool_json_fields_and_verified_rows() {
     }
     let index_rows =
         lines.iter().filter(|l| !["put", "get"].contains(&l["figure"].as_str().unwrap()));
-    assert!(index_rows.clone().count() >= 7);
+    assert!(index_rows.clone().count() >= 8);
     for l in index_rows {
         assert_eq!(l["protection"], Value::Null, "only the memory node's rows have one: {l:?}");
     }

@@ -428,6 +428,44 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The port of the master serving `key`'s hash slot (its hash tag's), as the first
+    /// running node sees the slot map; `None` if no master serves it.
+    pub fn master_serving(&self, key: &str) -> Option<u16> {
+        let seed = self.nodes.iter().find(|n| n.child.is_some())?.port;
+        let slot: u16 = Self::cli(seed, &["cluster", "keyslot", key])?.trim().parse().ok()?;
+        let text = Self::cli(seed, &["cluster", "slots"])?;
+        // redis-cli prints CLUSTER SLOTS flat: start, end, then each node's ip, port and id.
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        lines.windows(4).find_map(|w| {
+            let (a, b) = (w[0].parse::<u16>().ok()?, w[1].parse::<u16>().ok()?);
+            (w[2] == "127.0.0.1" && (a..=b).contains(&slot)).then(|| w[3].parse().ok())?
+        })
+    }
+
+    /// A pool prefix starting with `base` whose `shards` shard tags (`{prefix.s}`) are served
+    /// by as many different masters as there are (or shards, if fewer): each shard on a
+    /// server of its own where the Cluster allows.
+    pub fn spread_prefix(&self, base: &str, shards: u16) -> String {
+        let masters = Self::nodes_seen_by(self.nodes[0].port)
+            .iter()
+            .filter(|n| n.master && n.slots > 0)
+            .count()
+            .min(usize::from(shards));
+        let mut best = (0, base.to_owned());
+        for i in 0..1000 {
+            let prefix = format!("{base}{i}");
+            let owners: std::collections::HashSet<Option<u16>> =
+                (0..shards).map(|s| self.master_serving(&format!("{{{prefix}.{s}}}"))).collect();
+            if owners.len() > best.0 {
+                best = (owners.len(), prefix);
+            }
+            if best.0 >= masters {
+                break;
+            }
+        }
+        best.1
+    }
+
     /// Waits (up to 60 s) until every running node says `cluster_state:ok` and agrees that
     /// every one of the 16,384 slots is served by a master that is not failed.
     ///

@@ -70,18 +70,15 @@ fn sixteen_shards_spread_over_the_masters() {
     let index = Arc::new(connect(&cluster, "sharded", seed, 16));
     assert_eq!(index.shard_count(), 16);
     // Which master serves each shard's tag: all three serve some.
-    let mut serving = HashSet::new();
-    for s in 0..16 {
-        let slot = RedisCluster::cli(seed, &["cluster", "keyslot", &format!("{{sharded.{s}}}")])
-            .unwrap()
-            .trim()
-            .parse::<u16>()
-            .unwrap();
-        let owner = RedisCluster::cli(seed, &["cluster", "countkeysinslot", &slot.to_string()]);
-        assert!(owner.is_some());
-        serving.insert(slot_owner(&cluster, slot));
-    }
+    let serving: HashSet<Option<u16>> =
+        (0..16).map(|s| cluster.master_serving(&format!("{{sharded.{s}}}"))).collect();
     assert_eq!(serving.len(), 3, "16 shards should land on all 3 masters: {serving:?}");
+    assert!(!serving.contains(&None));
+    // A prefix whose 3 shards land on 3 different masters can be found.
+    let spread = cluster.spread_prefix("three", 3);
+    let owners: HashSet<Option<u16>> =
+        (0..3).map(|s| cluster.master_serving(&format!("{{{spread}.{s}}}"))).collect();
+    assert_eq!(owners.len(), 3, "{spread}: {owners:?}");
 
     let pool = DramPool::with_tier(
         index.clone(),
@@ -103,28 +100,6 @@ fn sixteen_shards_spread_over_the_masters() {
     let mut other = cluster.config("sharded", seed);
     other.shards = Some(4);
     assert!(matches!(RedisIndex::connect(&other), Err(umbp_pool::Error::InvalidConfig(_))));
-}
-
-/// The master serving hash slot `slot`.
-fn slot_owner(cluster: &RedisCluster, slot: u16) -> u16 {
-    let seed = cluster.servers()[0].port();
-    let text = RedisCluster::cli(seed, &["cluster", "slots"]).unwrap();
-    // redis-cli prints CLUSTER SLOTS flat: start, end, master ip, master port, id, replicas...
-    let lines: Vec<&str> = text.lines().map(str::trim).collect();
-    let mut i = 0;
-    while i + 3 < lines.len() {
-        if let (Ok(a), Ok(b)) = (lines[i].parse::<u16>(), lines[i + 1].parse::<u16>()) {
-            if lines[i + 2] == "127.0.0.1" {
-                if (a..=b).contains(&slot) {
-                    return lines[i + 3].parse().unwrap();
-                }
-                i += 4;
-                continue;
-            }
-        }
-        i += 1;
-    }
-    panic!("no master serves slot {slot}: {text}");
 }
 
 /// A client given one seed node only (a replica) reaches every shard: it learns the rest.
