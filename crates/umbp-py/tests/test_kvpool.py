@@ -232,6 +232,40 @@ def test_saves_go_to_a_memory_node_and_every_instance_that_reaches_it_loads_them
     assert pool_index(embedded, 3, host="host-2").count_hits([b"x"]) == 0
 
 
+def test_one_steps_saves_spread_over_the_memory_nodes_by_free_bytes(embedded):
+    """Issue 42: every save of a step went to the node with the most free bytes at its last
+    announcement. Two nodes with the same room share a step's saves; a node with three times
+    the room of another takes about three times the saves; a node that fills up passes the
+    rest to the others."""
+    announce_memory_node(embedded, 77, slots=64, address="127.0.0.1:7400")
+    announce_memory_node(embedded, 78, slots=64, address="127.0.0.1:7401")
+    a = pool_index(embedded, 1, ranks=1, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    refs = save(a, [bytes([i]) for i in range(16)])
+    nodes = [embedded.lookup(a.keys_of(k))[0].node for k in refs]
+    assert len(refs) == 16 and sorted(nodes) == [77] * 8 + [78] * 8, nodes
+    # Nodes announce their free bytes: 77 and 78 have 56 slots left, 79 96, 80 32. The step's
+    # 96 saves fill 79 down to the others' level first, then spread over all of them.
+    for node, port in ((77, 7400), (78, 7401)):
+        embedded.announce(node, f"127.0.0.1:{port}", [(0, 56 * SLOT)], 60.0)
+    announce_memory_node(embedded, 79, slots=96, address="127.0.0.1:7402")
+    announce_memory_node(embedded, 80, slots=32, address="127.0.0.1:7403")
+    b = pool_index(embedded, 2, ranks=1, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    refs = save(b, [b"b" + bytes([i]) for i in range(96)])
+    nodes = [embedded.lookup(b.keys_of(k))[0].node for k in refs]
+    count = {n: nodes.count(n) for n in (77, 78, 79, 80)}
+    assert len(refs) == 96, count
+    assert count[79] > count[77] > 0 and count[79] > count[80], count
+    assert abs(count[77] - count[78]) <= 1, count
+    # A node fuller than announced (its free bytes are stale): its saves go elsewhere.
+    announce_memory_node(embedded, 81, slots=2, address="127.0.0.1:7404")
+    embedded.announce(81, "127.0.0.1:7404", [(0, 1000 * SLOT)], 60.0)
+    c = pool_index(embedded, 3, ranks=1, memory_nodes=True, save_to=SAVE_MEMORY_NODES_ONLY)
+    refs = save(c, [b"c" + bytes([i]) for i in range(8)])
+    nodes = [embedded.lookup(c.keys_of(k))[0].node for k in refs]
+    assert len(refs) == 8 and nodes.count(81) == 2, nodes
+    assert c.counters.no_room == 0
+
+
 def test_without_a_memory_node_with_room_saves_fall_back_or_are_skipped_per_block(embedded):
     # No memory node at all: "memory_nodes" saves into the instance's own tier, counted;
     # "memory_nodes_only" skips them, counted, and holds nothing.

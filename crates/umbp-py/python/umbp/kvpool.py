@@ -24,8 +24,9 @@ module maps a connector's blocks onto it:
 - **Memory nodes** (``umbp-ucx-serve --pool``, with ``memory_nodes=True``): a node whose
   announcement's address is ``host:port`` exports its writable regions as tiers ``0, 1, ...``
   of its own slot size. Their placements are hits (every rank reaches them through its remote
-  engine), and ``save_to`` sends saves there: :data:`SAVE_MEMORY_NODES` to the memory-node
-  tier with the most free bytes, this instance's own tier when none has room;
+  engine), and ``save_to`` sends saves there: :data:`SAVE_MEMORY_NODES` spread over the
+  memory-node tiers by their free bytes (each save to the tier with the most left after the
+  saves before it in the step), this instance's own tier when none has room;
   :data:`SAVE_MEMORY_NODES_ONLY` skips a save that finds no room (counted in
   :attr:`PoolCounters.no_room`). A rank's reference to such a slot names the node's address,
   tier and slot size (:data:`RankRef`).
@@ -652,11 +653,30 @@ class PoolTierIndex:
         out: Dict[int, List[RankRef]] = {}
         left = ops
         if self.save_to != SAVE_LOCAL:
-            for node, tier, address, size, count in self._save_targets():
-                ref = (f"{UCX}{address}/{tier}/{size}", size * count)
-                left = self._reserve_on(left, node, [tier] * self.ranks, REMOTE, out, ref)
+            targets = self._save_targets()
+            refs = [(f"{UCX}{a}/{t}/{size}", size * count) for _, t, a, size, count in targets]
+            # The saves spread over the nodes by free bytes (each to the one with the most
+            # left after those before it), so one step's saves do not all land on one node.
+            free = [self._mem_free.get((n, t), 0) for n, t, _, _, _ in targets]
+            spread: List[List[int]] = [[] for _ in targets]
+            for o in left:
+                i = max(range(len(targets)), key=lambda j: free[j]) if targets else -1
+                if i < 0:
+                    break
+                spread[i].append(o)
+                free[i] -= self.object_bytes * self.ranks
+            if targets:
+                left = []
+                for (node, tier, _, _, _), ref, ops in zip(targets, refs, spread):
+                    if ops:
+                        left += self._reserve_on(ops, node, [tier] * self.ranks, REMOTE, out, ref)
+            # What a node had no room for tries the others, the most free bytes first.
+            for (node, tier, _, _, _), ref in zip(targets, refs):
                 if not left:
                     return out
+                left = self._reserve_on(left, node, [tier] * self.ranks, REMOTE, out, ref)
+            if not left:
+                return out
             if self.save_to == SAVE_MEMORY_NODES_ONLY or not self.slots:
                 for o in left:
                     self.counters.no_room += 1
