@@ -17,6 +17,7 @@ for the memory-node tests umbp-ucx-serve and UCX (likewise, UMBP_REQUIRE_UCX=1).
 """
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -411,11 +412,15 @@ def test_blocks_computed_over_a_refused_layerwise_load_are_never_published(tmp_p
 
 
 def reaches(node, redis, **extra):
-    """An instance's keys to reach the pool's memory nodes (``node``'s secret, over TCP)."""
+    """An instance's keys to reach the pool's memory nodes (``node``'s secret, over TCP). A
+    step waits for a connection as long as it takes (a live node on loopback answers at once,
+    a killed one refuses at once), so what these tests count does not depend on the machine's
+    speed; test_a_memory_node_whose_host_is_silent_never_stalls_a_step keeps the default."""
     return dict(
         pool=redis.url,
         remote_secret_file=str(node.secret_file),
         remote_transports="tcp",
+        remote_connect_wait_s=600.0,
         **extra,
     )
 
@@ -454,6 +459,60 @@ def test_instance_b_hits_and_loads_byte_exact_what_instance_a_saved_into_a_memor
         assert h.index.counters.published == 1 and h.index.pending_ops() == 0
     finally:
         close(h)
+
+
+def test_a_memory_node_whose_host_is_silent_never_stalls_a_step(tmp_path, redis):
+    """Issue 42: a worker connected to a memory node inside the step, so a node whose host
+    vanished (its connects hang until their timeout) stalled every step that touched it. The
+    node here is announced in the pool at a host that accepts connections and never answers
+    (as a frozen or firewalled host does): the steps that save to it end while the worker's
+    connection to it still waits for the handshake's answer (the host still holds it open),
+    those saves fail (counted, nothing published), and the instance goes on serving."""
+    from umbp import _native
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    client = _native.PoolIndex(redis.url, timeout=2.0)
+    client.register_tier(9011, 0, slot_bytes(), 64)
+    client.announce(9011, f"127.0.0.1:{port}", [(0, 64 * slot_bytes())], 600.0)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a silent host: a secret of 32 bytes or more\n")
+    h = harness(
+        tmp_path,
+        pool=redis.url,
+        remote_secret_file=str(secret),
+        remote_transports="tcp",
+        pool_save_to="memory_nodes_only",
+        dram_bytes_per_rank=0,
+    )
+    try:
+        shared = prompt(41, 4 * BS)
+        run_prompt(h, "a", shared + [9])
+        c = h.index.counters
+        assert c.saves["remote"] == 4 and c.published == 0 and c.failed_saves == 4
+        assert h.stats.get("save_errors.remote") == 4
+        # The worker's connection reached the silent host and is still open, waiting: the
+        # step did not wait for it.
+        silent.settimeout(60.0)
+        conn, _ = silent.accept()
+        conn.setblocking(False)
+        while True:  # what the worker sent (its hello), then: still open, or closed?
+            try:
+                sent = conn.recv(4096)
+            except BlockingIOError:
+                break  # open and waiting for the answer: the step did not wait for it
+            assert sent != b"", "the worker's connect ended: the step waited for its timeout"
+        # A second request's saves fail the same way, and the instance still computes and
+        # serves: its prefills are checked by the harness.
+        run_prompt(h, "b", prompt(42, 3 * BS) + [9])
+        assert c.saves["remote"] == 7 and c.published == 0 and c.failed_saves == 7
+        assert h.prefills_checked >= 2 and h.index.pending_ops() == 0
+        conn.close()
+    finally:
+        close(h)
+        silent.close()
 
 
 class KillBeforeRestore:

@@ -43,6 +43,7 @@ class UmbpConfig:
     pool_save_to: str = SAVE_LOCAL
     remote_secret_file: Optional[str] = None
     remote_transports: Optional[str] = None
+    remote_connect_wait_s: float = 0.05
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
@@ -90,6 +91,8 @@ class UmbpConfig:
             isinstance(cfg.pool_node, int) and 0 <= cfg.pool_node < 1 << 32
         ):
             raise ValueError("UmbpConnector: pool_node must be an integer in [0, 2**32)")
+        if not float(cfg.remote_connect_wait_s) >= 0:
+            raise ValueError("UmbpConnector: remote_connect_wait_s must be a number >= 0")
         for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
             if not float(getattr(cfg, name)) > 0:
                 raise ValueError(f"UmbpConnector: {name} must be positive")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
@@ -148,6 +149,11 @@ class _WorkerSide:
         #: (a node restarted at its address is reached anew).
         self._nodes: Dict[str, Tuple[Any, Dict[Tuple[int, int], Registration]]] = {}
         self._nodes_down: Dict[str, float] = {}
+        #: Connections being made in the background (a step never waits on a node whose host
+        #: vanished), and their outcomes (the peer, or why not) until a step picks them up.
+        self._connecting: Dict[str, threading.Thread] = {}
+        self._connected: Dict[str, Tuple[Any, Optional[BaseException]]] = {}
+        self._connect_lock = threading.Lock()
         self._remote_ops: Dict[int, str] = {}
         #: Pooled operations made to fail on purpose (a lease refused, a file or memory node
         #: out of reach), with why: tags of the batch being built, and their operations until
@@ -485,16 +491,8 @@ class _WorkerSide:
         if node is None:
             if time.monotonic() < self._nodes_down.get(address, 0.0):
                 return None
-            try:
-                peer = self._eng().connect(address)
-            except Exception as e:
-                self._nodes_down[address] = time.monotonic() + 1.0
-                logger.warning(
-                    "UmbpConnector: cannot reach memory node %s: %s (its blocks fail: loads "
-                    "are recomputed, saves dropped)",
-                    address,
-                    e,
-                )
+            peer = self._connect(address)
+            if peer is None:
                 return None
             node = self._nodes[address] = (peer, {})
         peer, tiers = node
@@ -518,6 +516,48 @@ class _WorkerSide:
                 return None
             tiers[(tier, size)] = reg
         return reg
+
+    def _connect(self, address: str) -> Any:
+        """The connection to the memory node at ``address`` if it is made: it is made in the
+        background, and a step waits for it a short while at most, so a node
+        whose host vanished (connects that hang until their timeout) never stalls a step; its
+        blocks fail meanwhile (loads are recomputed, saves dropped). None while it is being
+        made, or when it failed (logged; not tried again for a second). The wait is
+        ``remote_connect_wait_s``."""
+        thread = self._connecting.get(address)
+        if thread is None:
+            thread = threading.Thread(
+                target=self._connect_in_background,
+                args=(address,),
+                name=f"umbp-connect-{address}",
+                daemon=True,
+            )
+            self._connecting[address] = thread
+            thread.start()
+        thread.join(float(self.cfg.remote_connect_wait_s))
+        if thread.is_alive():
+            return None
+        del self._connecting[address]
+        with self._connect_lock:
+            peer, error = self._connected.pop(address)
+        if error is not None:
+            self._nodes_down[address] = time.monotonic() + 1.0
+            logger.warning(
+                "UmbpConnector: cannot reach memory node %s: %s (its blocks fail: loads "
+                "are recomputed, saves dropped)",
+                address,
+                error,
+            )
+            return None
+        return peer
+
+    def _connect_in_background(self, address: str) -> None:
+        try:
+            outcome: Tuple[Any, Optional[BaseException]] = (self._eng().connect(address), None)
+        except Exception as e:
+            outcome = (None, e)
+        with self._connect_lock:
+            self._connected[address] = outcome
 
     def _retire_node(self, address: str) -> None:
         """Drops the connection to the memory node at ``address`` after a transfer through it
