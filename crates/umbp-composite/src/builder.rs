@@ -278,8 +278,10 @@ impl CompositeBuilder {
     /// threads are busy with), its objects failing with
     /// [`FailureCause::TimedOut`](umbp_plan::FailureCause::TimedOut); work running then gets
     /// it as its plan set's [deadline](umbp_plan::PlanSet::deadline), which engines that can
-    /// cancel honour (the SSD engine cancels its I/O). Cleared by `finish`, which hands it to
-    /// the batch.
+    /// cancel honour (the SSD engine cancels its I/O). Set it before
+    /// [`start_restore`](crate::start_restore) / [`start_offload`](crate::start_offload) (or
+    /// [`finish`](Self::finish), which they call): the batch they start takes it, and the
+    /// builder forgets it.
     pub fn set_deadline(&mut self, deadline: Option<Instant>) {
         self.deadline = deadline;
     }
