@@ -46,7 +46,9 @@ pub(crate) struct Args {
     pub(crate) regions: Vec<RegionSpec>,
 
     /// The file holding the shared secret (16 to 4096 bytes; one trailing newline dropped).
-    /// Refused when other users may read it (chmod 600). Without it: UMBP_UCX_SECRET.
+    /// Refused when other users may read it (chmod 600). Without it: UMBP_UCX_SECRET. A
+    /// relative PATH (here or as the config file's `secret_file`) is taken from the working
+    /// directory, not the config file's folder.
     #[arg(long, value_name = "PATH")]
     pub(crate) secret_file: Option<PathBuf>,
 
