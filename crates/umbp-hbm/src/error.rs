@@ -55,6 +55,23 @@ pub enum DeviceError {
         /// What the loader said.
         reason: String,
     },
+    /// The simulated device refused to pin host memory that overlaps memory already pinned,
+    /// as CUDA's and HIP's host registration refuse it (a GPU runtime reports that as a
+    /// [`Runtime`](Self::Runtime) error with its own code: CUDA's 712). The simulator says so
+    /// in its own words rather than imitate a runtime's code.
+    #[error(
+        "device {} (simulated): host memory {addr:#x}..+{len} overlaps memory already pinned for \
+         a device; pin it once (register an arena once and name its bytes by offset)",
+        .device.get()
+    )]
+    AlreadyPinned {
+        /// The device.
+        device: DeviceOrdinal,
+        /// First byte of the refused range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
     /// A fault injected into the simulated device.
     #[error("injected fault: {0:?}")]
     Injected(crate::sim::DeviceFault),

@@ -5,9 +5,9 @@
 //! - Device memory is host memory the simulator allocates (256-byte aligned, zeroed) and owns;
 //!   its "device address" is its host address, so descriptors are real pointers.
 //! - Pinning host memory records the region; its device alias is its own address. Like CUDA's
-//!   and HIP's host registration, it refuses a region that overlaps one already pinned (with
-//!   CUDA's code, 712, as a [`DeviceError::Runtime`]), so a program that pins the same bytes
-//!   twice fails here as it would on a GPU.
+//!   and HIP's host registration, it refuses a region that overlaps one already pinned
+//!   ([`DeviceError::AlreadyPinned`], in its own words: a GPU would report its runtime's code,
+//!   CUDA's 712), so a program that pins the same bytes twice fails here as it would on a GPU.
 //! - Work runs at submit: a copy or a gather launch executes before the call returns, on
 //!   whatever [`Queue`] it names (a caller's stream handle is any value here), and
 //!   [`synchronize`](crate::DeviceRuntime::synchronize) only reports an injected fault.
@@ -293,11 +293,7 @@ impl DeviceRuntime for SimDevice {
         // A GPU runtime refuses to register host memory twice, in whole or in part.
         let end = addr + len;
         if state.pinned.range(..end).next_back().is_some_and(|(&s, &(_, l))| s + l > addr) {
-            return Err(DeviceError::Runtime {
-                device,
-                code: 712,
-                message: "part of the range is already registered".into(),
-            });
+            return Err(DeviceError::AlreadyPinned { device, addr, len });
         }
         state.pinned.insert(addr, (device, len));
         Ok(addr)
