@@ -60,6 +60,12 @@ create_exception!(
     Error,
     "The batch was cancelled before all of the object's bytes arrived."
 );
+create_exception!(
+    _native,
+    DuplicateTagError,
+    Error,
+    "Two objects of one batch carry the same tag (`.tag`); nothing of the batch was started."
+);
 
 /// The most executor threads an [`Engine`] starts (`workers`).
 const MAX_WORKERS: usize = 1024;
@@ -168,6 +174,21 @@ fn registration_error(e: RegisterError) -> PyErr {
         let _ = err.value(py).setattr("errno", errno);
     });
     err
+}
+
+/// A batch that could not start: a repeated tag is a [`DuplicateTagError`] whose `.tag` is
+/// that tag, anything else an [`Error`].
+fn start_error(e: umbp_composite::Error) -> PyErr {
+    match e {
+        umbp_composite::Error::DuplicateTag(tag) => {
+            let err = DuplicateTagError::new_err(message(&e));
+            Python::with_gil(|py| {
+                let _ = err.value(py).setattr("tag", tag);
+            });
+            err
+        }
+        e => error(e),
+    }
 }
 
 fn error(e: impl std::error::Error + 'static) -> PyErr {
@@ -583,7 +604,7 @@ impl Engine {
                 start_offload(&mut builder, &transfers)
             }
         });
-        Ok(Batch { batch: Some(batch.map_err(error)?), events })
+        Ok(Batch { batch: Some(batch.map_err(start_error)?), events })
     }
 
     /// One shape: `{"engines": {(engine, direction): counters}, "in_flight": {"batches",
@@ -1348,6 +1369,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TransferError", py.get_type::<TransferError>())?;
     m.add("CancelledError", py.get_type::<CancelledError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("DuplicateTagError", py.get_type::<DuplicateTagError>())?;
     m.add("CUDA", cfg!(feature = "cuda"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The optional attributes are None unless set: `tag` on every exception (the object's,

@@ -15,6 +15,7 @@ __all__ = [
     "TransferError",
     "CancelledError",
     "ClosedError",
+    "DuplicateTagError",
     "CUDA",
     "__version__",
     "reset_log_cache",
@@ -50,6 +51,8 @@ class TransferError(Error):
     device_code: Optional[int]
 class CancelledError(Error): ...
 class ClosedError(Error): ...
+# `tag` is the repeated tag.
+class DuplicateTagError(Error): ...
 
 _Result = Tuple[str, List[Tuple[int, str, Optional[Error], Optional[int]]]]
 _Range = Tuple[int, int, Union["Registration", int], int, int]
