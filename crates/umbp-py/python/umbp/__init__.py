@@ -34,7 +34,8 @@ errors reach the root logger's handlers by default; after changing a logger's le
 :func:`reset_log_cache`, since the Rust side caches each logger's level.
 """
 
-from __future__ import annotations
+# Aliased, as every import here, so that dir(umbp) lists the package's own names only.
+from __future__ import annotations as _annotations
 
 import array as _array
 import asyncio as _asyncio
@@ -43,25 +44,16 @@ import enum as _enum
 import os as _os
 import re as _re
 import stat as _stat
-from dataclasses import dataclass, field
-from typing import (
-    Any,
-    Dict,
-    Generator,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
-    TypedDict,
-    Union,
-    cast,
-    overload,
-)
+import threading as _threading
+import weakref as _weakref
+import dataclasses as _dc
+import typing as _t
 
 from . import _native
 from ._native import (  # noqa: F401  (re-exported)
     CancelledError,
     ClosedError,
+    DuplicateTagError,
     Error,
     RegistrationError,
     RejectedError,
@@ -108,6 +100,7 @@ __all__ = [
     "TransferError",
     "CancelledError",
     "ClosedError",
+    "DuplicateTagError",
     "CUDA",
     "Peer",
     "RemoteRegion",
@@ -120,6 +113,10 @@ __all__ = [
     "PoolError",
     "BlockResult",
 ]
+
+#: The Rust half of :class:`Engine` (an alias, so that an annotation inside the class does not
+#: meet the class's own ``_native`` property).
+_NativeEngine = _native.Engine
 
 #: Whether this build has the CUDA backend (``Engine(device="cuda")``).
 CUDA: bool = _native.CUDA
@@ -138,7 +135,8 @@ class _StrEnum(str, _enum.Enum):
 
 class State(_StrEnum):
     """Where an object (:attr:`ObjectResult.state`, :meth:`Batch.state`) or a whole batch
-    (:attr:`Report.aggregate`: ``IN_FLIGHT``, ``COMPLETED`` or ``FAILED``) stands."""
+    (:attr:`Report.aggregate`: ``IN_FLIGHT``, ``COMPLETED``, ``CANCELLED`` or ``FAILED``)
+    stands."""
 
     IN_FLIGHT = "in_flight"
     COMPLETED = "completed"
@@ -147,7 +145,7 @@ class State(_StrEnum):
     CANCELLED = "cancelled"
 
     @classmethod
-    def _missing_(cls, value: object) -> Optional["State"]:
+    def _missing_(cls, value: object) -> _t.Optional["State"]:
         # Reports spelled the aggregate "inflight" before 0.1.1.
         return cls.IN_FLIGHT if value == "inflight" else None
 
@@ -214,7 +212,7 @@ class UnknownKeyError(Error, KeyError):
     """A key that nothing is cached for (:meth:`umbp.connector.KVConnector.start_load`). Also
     a ``KeyError``, as it was before it was an :class:`Error`."""
 
-    def __init__(self, key: Any):
+    def __init__(self, key: _t.Any):
         super().__init__(key)
         #: The key asked for.
         self.key = key
@@ -231,19 +229,41 @@ class UnknownKeyError(Error, KeyError):
 Registration = _native.Registration
 
 
-@dataclass(frozen=True)
+@_dc.dataclass(frozen=True)
 class Range:
     """Bytes ``offset .. offset + length`` of an object, at ``endpoint_offset`` of ``endpoint``
-    (the destination of a restore, the source of an offload), in layer group ``group``."""
+    (the destination of a restore, the source of an offload), in layer group ``group``.
+
+    ``offset``, ``length`` and ``endpoint_offset`` are integers from 0 to 2**64 - 1 and
+    ``group`` from 0 to 2**32 - 1; anything else raises ``ValueError`` here, when the range
+    is made, not when a batch carrying it starts."""
 
     offset: int
     length: int
-    endpoint: Union[Registration, int]
+    endpoint: _t.Union[Registration, int]
     endpoint_offset: int
     group: int = 0
 
+    def __post_init__(self) -> None:
+        _check_int("Range.offset", self.offset, 64)
+        _check_int("Range.length", self.length, 64)
+        _check_int("Range.endpoint_offset", self.endpoint_offset, 64)
+        _check_int("Range.group", self.group, 32)
+        if not isinstance(self.endpoint, Registration):
+            _check_int("Range.endpoint", self.endpoint, 64)
 
-@dataclass(frozen=True)
+
+def _check_int(name: str, value: _t.Any, bits: int) -> None:
+    """Raises ``ValueError`` unless ``value`` is an integer in ``0 .. 2**bits``."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+    if number != value or not 0 <= number < 1 << bits:
+        raise ValueError(f"{name} must be an integer from 0 to 2**{bits} - 1, not {value!r}")
+
+
+@_dc.dataclass(frozen=True)
 class Object:
     """A paged object: stored in ``tier`` (a registration) in pages of ``page_size`` bytes
     whose byte offsets in the tier are ``page_offsets`` (a list or a numpy array, in object
@@ -254,12 +274,22 @@ class Object:
     :attr:`FailureKind.CHECKSUM_MISMATCH`. Offloads ignore it."""
 
     tag: int
-    tier: Union[Registration, int]
-    page_offsets: Any
+    tier: _t.Union[Registration, int]
+    page_offsets: _t.Any
     page_size: int
     size: int
-    ranges: Sequence[Range] = field(default_factory=list)
-    checksum: Optional[int] = None
+    ranges: _t.Sequence[Range] = _dc.field(default_factory=list)
+    checksum: _t.Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # As for Range: a value no batch could carry is refused when the object is made.
+        _check_int("Object.tag", self.tag, 64)
+        _check_int("Object.page_size", self.page_size, 64)
+        _check_int("Object.size", self.size, 64)
+        if not isinstance(self.tier, Registration):
+            _check_int("Object.tier", self.tier, 64)
+        if self.checksum is not None:
+            _check_int("Object.checksum", self.checksum, 32)
 
     def _native(self) -> "_native._Object":
         return (
@@ -275,7 +305,7 @@ class Object:
         )
 
 
-def _offsets_bytes(offsets: Any) -> bytes:
+def _offsets_bytes(offsets: _t.Any) -> bytes:
     """Page offsets as little-endian u64 bytes, without a Python loop for numpy arrays."""
     astype = getattr(offsets, "astype", None)
     if astype is not None:  # numpy (or compatible)
@@ -286,14 +316,14 @@ def _offsets_bytes(offsets: Any) -> bytes:
     return a.tobytes()
 
 
-def _labeled(registration: Registration, label: Optional[str]) -> Registration:
+def _labeled(registration: Registration, label: _t.Optional[str]) -> Registration:
     """``registration``, named ``label`` in error messages when given."""
     if label is not None:
         registration._set_label(label)
     return registration
 
 
-class EngineCounters(TypedDict):
+class EngineCounters(_t.TypedDict):
     """What one engine moved in one direction since the engine started. Each key is the
     Prometheus counter's name without ``umbp_transfer_`` (``umbp_`` for ``rejected_objects``)
     and ``_total``, summed over the labels it has beyond engine and direction."""
@@ -311,7 +341,7 @@ class EngineCounters(TypedDict):
     rejected_objects: int
 
 
-class InFlight(TypedDict):
+class InFlight(_t.TypedDict):
     """What is in flight now."""
 
     #: Batches submitted and not yet settled.
@@ -320,7 +350,7 @@ class InFlight(TypedDict):
     bytes: int
 
 
-class ChecksumCounters(TypedDict):
+class ChecksumCounters(_t.TypedDict):
     """What block checksums found since the engine started."""
 
     #: Restored objects whose bytes did not match (``umbp_checksum_mismatches_total``).
@@ -329,16 +359,16 @@ class ChecksumCounters(TypedDict):
     bytes: int
 
 
-class Metrics(TypedDict):
+class Metrics(_t.TypedDict):
     """:meth:`Engine.metrics`: counters keyed by ``(engine, direction)`` (``("ssd",
     "host->file")``), what is in flight, and what checksums found."""
 
-    engines: Dict[Tuple[str, str], EngineCounters]
+    engines: _t.Dict[_t.Tuple[str, str], EngineCounters]
     in_flight: InFlight
     checksums: ChecksumCounters
 
 
-@dataclass(frozen=True)
+@_dc.dataclass(frozen=True)
 class ObjectResult:
     """One object's outcome: ``state`` is a :class:`State` (``COMPLETED``, ``REJECTED``,
     ``FAILED``, ``CANCELLED``, ``IN_FLIGHT``; equal to its string); ``error`` the exception
@@ -352,31 +382,33 @@ class ObjectResult:
 
     tag: int
     state: State
-    error: Optional[Error] = None
-    checksum: Optional[int] = None
+    error: _t.Optional[Error] = None
+    checksum: _t.Optional[int] = None
 
     @property
     def ok(self) -> bool:
         return self.state is State.COMPLETED
 
 
-@dataclass(frozen=True)
+@_dc.dataclass(frozen=True)
 class Report:
     """A batch's results: one :class:`ObjectResult` per object, in the batch's order, and the
-    aggregate: :attr:`State.COMPLETED` (every object completed), :attr:`State.FAILED`
-    (all settled, some not completed) or :attr:`State.IN_FLIGHT`."""
+    aggregate: :attr:`State.COMPLETED` (every object completed), :attr:`State.CANCELLED`
+    (all settled, and every object that did not complete was cancelled: the batch was
+    cancelled, nothing in it failed), :attr:`State.FAILED` (all settled, some object
+    rejected or failed) or :attr:`State.IN_FLIGHT`."""
 
     aggregate: State
-    objects: List[ObjectResult]
+    objects: _t.List[ObjectResult]
 
     @property
     def ok(self) -> bool:
         return all(o.ok for o in self.objects)
 
-    def object(self, tag: int) -> Optional[ObjectResult]:
+    def object(self, tag: int) -> _t.Optional[ObjectResult]:
         return next((o for o in self.objects if o.tag == tag), None)
 
-    def failed(self) -> List[ObjectResult]:
+    def failed(self) -> _t.List[ObjectResult]:
         return [o for o in self.objects if not o.ok]
 
     def raise_for_errors(self) -> "Report":
@@ -389,9 +421,16 @@ class Report:
     @staticmethod
     def _from(raw: "_native._Result") -> "Report":
         aggregate, objects = raw
-        return Report(
-            State(aggregate), [ObjectResult(t, State(s), e, c) for (t, s, e, c) in objects]
-        )
+        results = [ObjectResult(t, State(s), e, c) for (t, s, e, c) in objects]
+        state = State(aggregate)
+        # The engines' aggregate is FAILED once anything did not complete; a batch whose only
+        # shortfall is what cancel() skipped reads as cancelled, not as a failure.
+        unfinished = [r.state for r in results if r.state is not State.COMPLETED]
+        if state is State.FAILED and unfinished and all(
+            u is State.CANCELLED for u in unfinished
+        ):
+            state = State.CANCELLED
+        return Report(state, results)
 
 
 class Batch:
@@ -404,7 +443,7 @@ class Batch:
         """Whether every object has settled."""
         return self._native.done()
 
-    def state(self, tag: int) -> Optional[State]:
+    def state(self, tag: int) -> _t.Optional[State]:
         """The state of the object tagged ``tag`` now; None if no object has that tag."""
         s = self._native.state(tag)
         return None if s is None else State(s)
@@ -413,25 +452,25 @@ class Batch:
         """Where every object stands now, without waiting."""
         return Report._from(self._native.report())
 
-    @overload
+    @_t.overload
     def wait(self, timeout: None = None) -> Report: ...
 
-    @overload
-    def wait(self, timeout: float) -> Optional[Report]: ...
+    @_t.overload
+    def wait(self, timeout: float) -> _t.Optional[Report]: ...
 
-    def wait(self, timeout: Optional[float] = None) -> Optional[Report]:
+    def wait(self, timeout: _t.Optional[float] = None) -> _t.Optional[Report]:
         """Waits (GIL released) until every object settled; None if ``timeout`` seconds pass
         first (so never None without a timeout)."""
         raw = self._native.wait(timeout)
         return None if raw is None else Report._from(raw)
 
-    def wait_group(self, group: int, timeout: Optional[float] = None) -> bool:
+    def wait_group(self, group: int, timeout: _t.Optional[float] = None) -> bool:
         """Waits until layer groups ``0 ..= group`` settled (their bytes landed, or their
         objects failed); False if ``timeout`` seconds pass first. Per-object outcomes come
         from :meth:`state` or :meth:`wait`."""
         return self._native.wait_group(group, timeout)
 
-    def wait_group_enqueued(self, group: int, timeout: Optional[float] = None) -> bool:
+    def wait_group_enqueued(self, group: int, timeout: _t.Optional[float] = None) -> bool:
         """For a batch started with a ``stream``: waits until layer groups ``0 ..= group`` are
         done or queued on that stream, so kernels you launch on the stream from now on run
         after their bytes landed, without waiting for the device here. False if ``timeout``
@@ -439,7 +478,7 @@ class Batch:
         group settles (:meth:`wait_group`, :meth:`wait`)."""
         return self._native.wait_group_enqueued(group, timeout)
 
-    def group_event(self, group: int, timeout: Optional[float] = None) -> Optional[int]:
+    def group_event(self, group: int, timeout: _t.Optional[float] = None) -> _t.Optional[int]:
         """For a batch started with a ``stream``: the raw event (``CUevent``) recorded on it
         once layer group ``group`` was enqueued, for another stream to wait on
         (``cudaStreamWaitEvent``); waits for it to be recorded, None if ``timeout`` passes.
@@ -450,7 +489,7 @@ class Batch:
         """Skips what has not started, waits for what runs, and returns the report."""
         return Report._from(self._native.cancel())
 
-    def __await__(self) -> Generator[Any, None, Report]:
+    def __await__(self) -> _t.Generator[_t.Any, None, Report]:
         """``await batch`` in asyncio: the report once every object settled, with no thread
         waiting for it (the batch calls back, through the running loop's
         ``call_soon_threadsafe``, from the thread that finishes it)."""
@@ -492,7 +531,7 @@ _TORCH_INTEGERS = frozenset(
 )
 
 
-def _check_tensor_dtype(tensor: Any) -> None:
+def _check_tensor_dtype(tensor: _t.Any) -> None:
     """Refuses (``TypeError``) a tensor whose dtype is not plain numbers (quantized ones)."""
     dtype = tensor.dtype
     plain = getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False)
@@ -500,7 +539,7 @@ def _check_tensor_dtype(tensor: Any) -> None:
         raise TypeError(f"a {dtype} tensor does not register: only plain numbers and bytes")
 
 
-def _host_address(buffer: Any) -> Tuple[int, int, Any]:
+def _host_address(buffer: _t.Any) -> _t.Tuple[int, int, _t.Any]:
     """The address, length and keep-alive of a writable host buffer or host tensor of plain
     numbers or bytes."""
     data_ptr = getattr(buffer, "data_ptr", None)
@@ -535,7 +574,7 @@ def _host_address(buffer: Any) -> Tuple[int, int, Any]:
     return _ctypes.addressof(held), nbytes, (held, view, buffer)
 
 
-@dataclass(frozen=True)
+@_dc.dataclass(frozen=True)
 class RemoteRegion:
     """One region a memory node exports: register it with :meth:`Engine.register_remote`."""
 
@@ -546,12 +585,12 @@ class RemoteRegion:
     writable: bool
 
 
-@dataclass(frozen=True)
+@_dc.dataclass(frozen=True)
 class Peer:
     """A memory node the remote tier is connected to."""
 
     id: int
-    regions: List[RemoteRegion]
+    regions: _t.List[RemoteRegion]
 
     def region(self, name: str) -> RemoteRegion:
         """The region exported as ``name``."""
@@ -574,11 +613,11 @@ class Server:
 
     def __init__(
         self,
-        regions: Dict[str, Any],
+        regions: _t.Dict[str, _t.Any],
         listen: str = "127.0.0.1:0",
         *,
-        transports: Optional[str] = None,
-        secret: Optional[bytes] = None,
+        transports: _t.Optional[str] = None,
+        secret: _t.Optional[bytes] = None,
         insecure_no_auth: bool = False,
     ):
         exports = []
@@ -609,7 +648,7 @@ class Server:
         self.close()
 
 
-def _file_size(path: Any) -> Optional[int]:
+def _file_size(path: _t.Any) -> _t.Optional[int]:
     """The size of the file (or block device) at ``path``; None if it does not exist. Raises
     :class:`RegistrationError` (with ``.errno``) if it cannot be inspected."""
     try:
@@ -629,7 +668,7 @@ def _file_size(path: Any) -> Optional[int]:
         raise err from None
 
 
-def _stream(stream: Any, device: Optional[int]) -> Tuple[Optional[int], int]:
+def _stream(stream: _t.Any, device: _t.Optional[int]) -> _t.Tuple[_t.Optional[int], int]:
     """The raw handle and device of a ``torch.cuda.Stream``, a raw int, or None."""
     if stream is None:
         return None, 0
@@ -666,25 +705,34 @@ class Engine:
     (:attr:`Object.checksum`). The default, ``"files_and_remote"``, verifies loads from SSD and
     remote nodes; ``"all_tiers"`` adds DRAM (an extra pass over its pages: see the umbp-composite
     README for the measured cost); ``"off"`` hashes nothing. An unknown name raises
-    ``ValueError``."""
+    ``ValueError``.
+
+    :meth:`close` (or leaving a ``with Engine() as engine:`` block) waits for the batches it
+    started and lets the engine go; every later call raises :class:`ClosedError`."""
 
     def __init__(
         self,
         device: str = "sim",
         *,
         sim_devices: int = 1,
-        pin_device: Optional[int] = 0,
+        pin_device: _t.Optional[int] = 0,
         workers: int = 8,
         bounce_bytes: int = 16 << 20,
         ssd_queue_depth: int = 64,
-        ssd_worker_cpus: Optional[Sequence[int]] = None,
+        ssd_worker_cpus: _t.Optional[_t.Sequence[int]] = None,
         remote: bool = False,
-        remote_transports: Optional[str] = None,
-        remote_secret: Optional[bytes] = None,
+        remote_transports: _t.Optional[str] = None,
+        remote_secret: _t.Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
-        checksums: Union["ChecksumPolicy", str] = "files_and_remote",
+        checksums: _t.Union["ChecksumPolicy", str] = "files_and_remote",
     ):
-        self._native = _native.Engine(
+        # Guards _engine, _starting and _batches: a start counts itself in _starting while it
+        # runs (outside the lock, so threads plan their batches side by side), and close()
+        # waits for those, then for every batch they made that is still alive.
+        self._state = _threading.Condition()
+        self._starting = 0
+        self._batches: "_weakref.WeakSet[Batch]" = _weakref.WeakSet()
+        self._engine: _t.Optional[_NativeEngine] = _native.Engine(
             device=device,
             sim_devices=sim_devices,
             pin_device=pin_device,
@@ -698,6 +746,43 @@ class Engine:
             remote_insecure_no_auth=remote_insecure_no_auth,
             checksums=str(ChecksumPolicy(checksums)),
         )
+
+    @property
+    def _native(self) -> _NativeEngine:
+        """The native engine; :class:`ClosedError` once :meth:`close` began."""
+        engine = self._engine
+        if engine is None:
+            raise ClosedError("the engine is closed")
+        return engine
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._engine is None
+
+    def close(self) -> None:
+        """Closes the engine: from now on every call (starting a batch, registering, reading,
+        :class:`~umbp.Pool` over it...) raises :class:`ClosedError`. The batches it started and
+        that are still in flight are waited for (with the GIL released) before it returns, so
+        their objects settle as they would have; their :class:`Batch` objects stay usable.
+        Idempotent, and safe from any thread: a second call returns at once. The engine's
+        threads and memory go once the registrations made by it are closed too (or
+        garbage-collected)."""
+        with self._state:
+            if self._engine is None:
+                return
+            self._engine = None
+            while self._starting:
+                self._state.wait()
+            batches = list(self._batches)
+        for batch in batches:
+            batch.wait()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def connect(self, address: str) -> "Peer":
         """Connects the remote tier (``Engine(remote=True)``) to a memory node serving at
@@ -721,9 +806,9 @@ class Engine:
         self,
         region: "RemoteRegion",
         offset: int = 0,
-        length: Optional[int] = None,
+        length: _t.Optional[int] = None,
         *,
-        label: Optional[str] = None,
+        label: _t.Optional[str] = None,
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` (default: to the end) of a peer's
         region, to use as an object's tier like a registered array or file. Refused past what
@@ -741,7 +826,7 @@ class Engine:
         """``"sim"`` or ``"cuda"``."""
         return self._native.device_kind
 
-    def register(self, buffer: Any, *, label: Optional[str] = None) -> Registration:
+    def register(self, buffer: _t.Any, *, label: _t.Optional[str] = None) -> Registration:
         """Registers host memory (a numpy array, ``bytearray``, writable ``memoryview``, or a
         CPU torch tensor) or a CUDA torch tensor (as device memory). The registration keeps the
         buffer alive until closed; a tensor is kept, not locked, so do not resize it (or
@@ -751,7 +836,7 @@ class Engine:
 
         ``label``: what error messages call the region (``"kv-cache"`` instead of
         ``endpoint 4294967296``); :attr:`Registration.label` reads it back."""
-        device: Any = getattr(buffer, "device", None)
+        device: _t.Any = getattr(buffer, "device", None)
         if getattr(device, "type", None) == "cuda":
             if not buffer.is_contiguous():
                 raise ValueError("the tensor must be contiguous")
@@ -768,16 +853,16 @@ class Engine:
 
     def register_file(
         self,
-        path: Union[str, "_os.PathLike[str]"],
+        path: _t.Union[str, "_os.PathLike[str]"],
         offset: int = 0,
-        length: Optional[int] = None,
+        length: _t.Optional[int] = None,
         *,
         direct: bool = True,
         writable: bool = True,
         create: bool = False,
         extend: bool = False,
         exclusive: bool = False,
-        label: Optional[str] = None,
+        label: _t.Optional[str] = None,
     ) -> Registration:
         """Registers bytes ``offset .. offset + length`` of a file or block device (to its end
         by default), opened with ``O_DIRECT`` where the filesystem allows it. Error messages
@@ -812,9 +897,13 @@ class Engine:
         )
         return _labeled(registration, label)
 
-    def alloc_device(self, length: int, device: int = 0) -> Registration:
-        """Allocates ``length`` bytes of device memory, freed when the registration closes."""
-        return self._native.alloc_device(length, device)
+    def alloc_device(
+        self, length: int, device: int = 0, *, label: _t.Optional[str] = None
+    ) -> Registration:
+        """Allocates ``length`` bytes of device memory, freed when the registration closes.
+        ``label``: what error messages call it (``"kv-cache"`` instead of ``endpoint 3``), as
+        for :meth:`register`."""
+        return _labeled(self._native.alloc_device(length, device), label)
 
     def read(self, source: Registration, offset: int, length: int) -> bytes:
         """Copies bytes of any registered endpoint (device memory, a file) out to Python.
@@ -830,10 +919,10 @@ class Engine:
 
     def start_restore(
         self,
-        objects: Sequence[Object],
-        timeout: Optional[float] = None,
-        stream: Any = None,
-        device: Optional[int] = None,
+        objects: _t.Sequence[Object],
+        timeout: _t.Optional[float] = None,
+        stream: _t.Any = None,
+        device: _t.Optional[int] = None,
     ) -> Batch:
         """Starts restoring ``objects`` (their ranges, from the tier into your endpoints) and
         returns the batch at once. ``timeout``: a deadline in seconds after which what has not
@@ -847,10 +936,10 @@ class Engine:
 
     def start_offload(
         self,
-        objects: Sequence[Object],
-        timeout: Optional[float] = None,
-        stream: Any = None,
-        device: Optional[int] = None,
+        objects: _t.Sequence[Object],
+        timeout: _t.Optional[float] = None,
+        stream: _t.Any = None,
+        device: _t.Optional[int] = None,
     ) -> Batch:
         """Starts offloading ``objects``: their ranges from your endpoints into the tier's
         pages (bytes of an object no range names keep what they held). ``stream``: as for
@@ -860,24 +949,35 @@ class Engine:
 
     def _start(
         self,
-        objects: Sequence[Object],
+        objects: _t.Sequence[Object],
         restore: bool,
-        timeout: Optional[float],
-        stream: Any,
-        device: Optional[int],
+        timeout: _t.Optional[float],
+        stream: _t.Any,
+        device: _t.Optional[int],
     ) -> Batch:
         raw, on = _stream(stream, device)
         native = [o._native() for o in objects]
         sums = [o.checksum for o in objects]
         checksums = None if all(c is None for c in sums) else sums
-        return Batch(self._native.start(native, restore, timeout, raw, on, checksums))
+        with self._state:
+            engine = self._native  # ClosedError once close() began
+            self._starting += 1
+        try:
+            batch = Batch(engine.start(native, restore, timeout, raw, on, checksums))
+            with self._state:
+                self._batches.add(batch)
+            return batch
+        finally:
+            with self._state:
+                self._starting -= 1
+                self._state.notify_all()
 
-    def restore(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
+    def restore(self, objects: _t.Sequence[Object], timeout: _t.Optional[float] = None) -> Report:
         """:meth:`start_restore`, then waits; one result per object (``timeout`` is the
         batch's deadline: what has not arrived by then fails, the report still comes)."""
         return self.start_restore(objects, timeout).wait()
 
-    def offload(self, objects: Sequence[Object], timeout: Optional[float] = None) -> Report:
+    def offload(self, objects: _t.Sequence[Object], timeout: _t.Optional[float] = None) -> Report:
         """:meth:`start_offload`, then waits."""
         return self.start_offload(objects, timeout).wait()
 
@@ -885,7 +985,7 @@ class Engine:
         """Counters per ``(engine, direction)`` under ``"engines"``, and what is in flight
         under ``"in_flight"``: ``m["engines"][("ssd", "host->file")]["bytes"]``,
         ``m["in_flight"]["batches"]``."""
-        return cast(Metrics, self._native.metrics())
+        return _t.cast(Metrics, self._native.metrics())
 
     def metrics_text(self) -> str:
         """Every metric of the engine in the Prometheus text format, for a scraper: bytes,
