@@ -52,7 +52,7 @@ create_exception!(
     _native,
     ClosedError,
     Error,
-    "The registration is closed, or was closed while the call used it."
+    "The registration (or the engine) is closed, or was closed while the call used it."
 );
 create_exception!(
     _native,

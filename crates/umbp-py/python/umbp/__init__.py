@@ -873,6 +873,13 @@ class Engine:
         no offload wrote fails as a short file) unless ``extend``, which sizes the file to the
         range's end at once (zeros, sparse).
 
+        ``create``: a missing file is created (writable registrations only; with
+        ``writable=False`` it raises :class:`RegistrationError` and creates nothing); without
+        it a missing file raises :class:`RegistrationError` with ``errno == errno.ENOENT``.
+        ``register_file(path, 0, n, create=True, extend=True)`` is a tier file of ``n`` bytes,
+        new or left by a previous run. ``direct=False`` opens it without ``O_DIRECT``;
+        ``writable=False`` read-only.
+
         ``exclusive``: the registration holds an exclusive lock on the file (``flock``) until
         it ends, so that no other instance uses it as its tier file; a file another process,
         engine or exclusive registration holds is refused at once with

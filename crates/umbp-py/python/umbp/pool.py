@@ -18,7 +18,8 @@ may disagree (a truncated or replaced file). :meth:`PoolIndex.reconcile` (embedd
 each durable tier's file as configured now, drops the blocks whose bytes cannot be what was
 published (a missing or short file, a changed shape; with ``verify="sample"``/``"full"`` a
 CRC32C that does not match) and returns a :class:`ReconcileReport` saying which and why. Call it
-after opening, before the first lookup.
+after opening, before the first lookup: the package's README ("A pool kept across restarts")
+has the whole recipe, a ``durable=True`` SSD tier from ``register_file(..., create=True)``.
 
 Example::
 
