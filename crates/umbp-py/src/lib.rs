@@ -1298,8 +1298,10 @@ impl Server {
     /// Exports `regions` (`(name, addr, length, writable, owner)`: the Python layer passes
     /// buffers it holds exported in `owner`) and serves them on `listen` to clients that prove
     /// they hold `secret` (`None`: `UMBP_UCX_SECRET`), or to anyone with `insecure_no_auth`.
+    /// `node`: the pool node id it serves as, named in every client's welcome
+    /// ([`ServerBuilder::node`]); a pool's clients refuse a server naming another or none.
     #[new]
-    #[pyo3(signature = (listen, regions, transports=None, secret=None, insecure_no_auth=false))]
+    #[pyo3(signature = (listen, regions, transports=None, secret=None, insecure_no_auth=false, node=None))]
     fn new(
         py: Python<'_>,
         listen: String,
@@ -1307,9 +1309,13 @@ impl Server {
         transports: Option<String>,
         secret: Option<Vec<u8>>,
         insecure_no_auth: bool,
+        node: Option<u32>,
     ) -> PyResult<Self> {
         let config = ucx_config(transports, secret, insecure_no_auth);
         let mut builder = ServerBuilder::new(config);
+        if let Some(node) = node {
+            builder = builder.node(node);
+        }
         let mut owners = Vec::with_capacity(regions.len());
         for (name, addr, length, writable, owner) in regions {
             // SAFETY: `owner` holds the buffer's export, so the memory stays allocated until

@@ -268,7 +268,7 @@ def test_pool_reaches_a_memory_node_and_its_loss_costs_only_its_blocks(tmp_path)
         pytest.skip(f"no remote tier here: {e}")
     # The memory node: one exported region, tier 0 of node 7 in the pool.
     node_mem = np.zeros(SLOTS * SLOT, dtype=np.uint8)
-    server = umbp.Server({"arena": node_mem}, transports="tcp", secret=SECRET)
+    server = umbp.Server({"arena": node_mem}, transports="tcp", secret=SECRET, node=7)
     index = umbp.PoolIndex(str(tmp_path / "pool.redb"))
     index.register_tier(7, 0, SLOT, SLOTS)
     index.announce(7, server.address, [(0, SLOTS * SLOT)], 60.0)

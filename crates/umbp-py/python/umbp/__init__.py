@@ -609,7 +609,12 @@ class Server:
     ``transports`` follows ``UCX_TLS`` (``"tcp"``, ``"rc,sm"``...). Clients must prove they hold
     ``secret`` (16 to 4096 bytes; ``None``: the ``UMBP_UCX_SECRET`` environment variable),
     which never travels; without one the server refuses to start unless ``insecure_no_auth``,
-    which lets anyone who reaches the port read every region and write the writable ones."""
+    which lets anyone who reaches the port read every region and write the writable ones.
+
+    ``node``: the node id this server serves as in a pool (the id its regions are registered
+    and announced under). It names it in every client's welcome, and a pool's clients refuse a
+    memory node that names another id or none, so a node whose regions are pool tiers must
+    give it; a client that connects by address (:meth:`Engine.connect`) does not check it."""
 
     def __init__(
         self,
@@ -619,13 +624,16 @@ class Server:
         transports: _t.Optional[str] = None,
         secret: _t.Optional[bytes] = None,
         insecure_no_auth: bool = False,
+        node: _t.Optional[int] = None,
     ):
         exports = []
         for name, value in regions.items():
             buffer, writable = value if isinstance(value, tuple) else (value, True)
             address, nbytes, keep = _host_address(buffer)
             exports.append((name, address, nbytes, bool(writable), keep))
-        self._native = _native.Server(listen, exports, transports, secret, insecure_no_auth)
+        self._native = _native.Server(
+            listen, exports, transports, secret, insecure_no_auth, node
+        )
 
     @property
     def address(self) -> str:

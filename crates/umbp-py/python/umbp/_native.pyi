@@ -149,6 +149,7 @@ class Server:
         transports: Optional[str] = None,
         secret: Optional[bytes] = None,
         insecure_no_auth: bool = False,
+        node: Optional[int] = None,
     ) -> "Server": ...
     @property
     def address(self) -> str: ...
