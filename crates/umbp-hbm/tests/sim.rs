@@ -292,9 +292,10 @@ fn unpinned_host_memory_takes_the_copy_path() {
 }
 
 /// Host memory pinned for the device cannot be pinned again, in whole or in part, while it is,
-/// as CUDA's and HIP's host registration refuse it: the simulator refuses it too, in its
-/// own words (`DeviceError::AlreadyPinned`, not CUDA's runtime error 712), so a program that would fail on a GPU fails here. The refusal is a typed error that
-/// leaves the first pin working; once that pin ends, the slice pins.
+/// as CUDA's and HIP's host registration refuse it: the simulator refuses it too, in its own
+/// words (`DeviceError::AlreadyPinned`, not CUDA's runtime error 712), so a program that would
+/// fail on a GPU fails here. The refusal is a typed error that leaves the first pin working;
+/// once that pin ends, the slice pins.
 #[test]
 fn memory_pinned_once_refuses_an_overlapping_pin() {
     let e = engine(HbmConfig::default());
