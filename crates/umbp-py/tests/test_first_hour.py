@@ -142,6 +142,7 @@ def test_close_waits_for_batches_in_flight_and_later_calls_raise_closed_error(tm
     src = pattern(64 * PAGE, 3)
     tier = engine.register(src)
     kv = engine.alloc_device(64 * PAGE)
+    pool = umbp.Pool(engine, umbp.PoolIndex(str(tmp_path / "pool.redb")), node=0)
     objects = [
         umbp.Object(i, tier, [i * PAGE], PAGE, PAGE, [umbp.Range(0, PAGE, kv, i * PAGE)])
         for i in range(64)
@@ -161,10 +162,15 @@ def test_close_waits_for_batches_in_flight_and_later_calls_raise_closed_error(tm
         lambda: engine.register_file(tmp_path / "f", 0, PAGE, create=True),
         lambda: engine.read(kv, 0, 16),
         lambda: engine.metrics(),
-        lambda: umbp.Pool(engine, umbp.PoolIndex(str(tmp_path / "pool.redb")), node=0),
+        lambda: umbp.Pool(engine, umbp.PoolIndex(str(tmp_path / "other.redb")), node=0),
+        lambda: pool.put(0, [(bytes(16), tier, 0, PAGE)]),
+        lambda: pool.get([(bytes(16), tier, 0, PAGE)]),
+        lambda: pool.add_tier(0, tier, slot_size=PAGE, slot_count=4),
     ]:
         with pytest.raises(umbp.ClosedError, match="engine is closed"):
             call()
+    assert pool.exists([bytes(16)]) == [False], "the index itself is still there"
+    pool.close()
     tier.close()
     kv.close()
 

@@ -124,6 +124,14 @@ class Pool:
             announce_ttl=announce_ttl,
         )
         self.index = index
+        self._engine = engine
+
+    def _transfers(self) -> "_native.Pool":
+        """The native pool, for a call that moves bytes through the engine:
+        :class:`~umbp.ClosedError` once the engine was closed (index-only calls still work)."""
+        if self._engine.closed:
+            raise _native.ClosedError("the engine is closed")
+        return self._native
 
     @property
     def node(self) -> int:
@@ -149,7 +157,7 @@ class Pool:
         ``"invalid_config"``) for a registration too short, or one the engine's checksum
         policy does not cover, and ``"tier_conflict"`` for another shape under the same
         tier."""
-        self._native.add_tier(
+        self._transfers().add_tier(
             tier, registration, slot_size, slot_count, base=base, durable=durable, low=low, high=high
         )
 
@@ -165,14 +173,14 @@ class Pool:
         memory node's tier is reached through the engine's remote tier). One result per
         block, in order. Raises :class:`PoolError` only when the index could not be reached
         (nothing stored)."""
-        return _results(self._native.put(tier, list(blocks), node=node))
+        return _results(self._transfers().put(tier, list(blocks), node=node))
 
     def get(self, blocks: Sequence[Tuple[bytes, "Registration", int, int]]) -> List[BlockResult]:
         """Loads ``blocks``, each ``(key, registration, offset, capacity)`` (where its bytes
         go, and how many fit), from wherever the pool holds them. One result per block, in
         order; a block whose bytes do not match its checksum fails and leaves the pool.
         Raises :class:`PoolError` only when the index could not be reached (nothing loaded)."""
-        return _results(self._native.get(list(blocks)))
+        return _results(self._transfers().get(list(blocks)))
 
     def exists(self, keys: Sequence[bytes]) -> List[bool]:
         """Whether each key is in the pool (one lookup)."""
