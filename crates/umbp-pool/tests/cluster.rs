@@ -186,7 +186,17 @@ fn wait_for_loads(seen: &Seen, more: u64) {
     let from = seen.loaded.load(Ordering::Relaxed);
     let start = Instant::now();
     while seen.loaded.load(Ordering::Relaxed) < from + more {
-        assert!(start.elapsed() < Duration::from_secs(120), "the workload stopped loading");
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the workload stopped loading: {} loaded, {} missed, {} failed blocks, {} failed \
+             calls, {} wrong",
+            r(&seen.loaded),
+            r(&seen.missed),
+            r(&seen.failed),
+            r(&seen.errors),
+            r(&seen.wrong)
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -631,6 +631,56 @@ impl RedisIndex {
         Ok(out)
     }
 
+    /// Runs `f(shard, positions)` for every shard with positions in `groups`: scatter-gather,
+    /// from up to [`SCATTER_THREADS`] threads (each on its own pooled connection) when more
+    /// than one shard has work, so the shards' servers work at once and a call over several
+    /// shards takes about its slowest shard's time, not the sum. The answers in shard order;
+    /// the first error is the call's.
+    fn scatter<T: Send>(
+        &self,
+        groups: &[Vec<usize>],
+        f: impl Fn(usize, &[usize]) -> Result<T, Error> + Sync,
+    ) -> Result<Vec<(usize, T)>, Error> {
+        let busy: Vec<usize> = (0..groups.len()).filter(|&s| !groups[s].is_empty()).collect();
+        let threads = busy.len().clamp(1, SCATTER_THREADS);
+        let run = |t: usize| -> Result<Vec<(usize, T)>, Error> {
+            busy.iter().skip(t).step_by(threads).map(|&s| Ok((s, f(s, &groups[s])?))).collect()
+        };
+        if threads == 1 {
+            return run(0);
+        }
+        let parts: Vec<Result<Vec<(usize, T)>, Error>> = std::thread::scope(|scope| {
+            let run = &run;
+            let handles: Vec<_> = (0..threads).map(|t| scope.spawn(move || run(t))).collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Corrupt("a shard's call panicked".into())))
+                })
+                .collect()
+        });
+        let mut out = Vec::with_capacity(busy.len());
+        for part in parts {
+            out.extend(part?);
+        }
+        out.sort_by_key(|(s, _)| *s);
+        Ok(out)
+    }
+
+    /// Runs `f(shard, positions)` for every shard with positions in `groups`, one after
+    /// another; the answers in shard order, the first error the call's.
+    fn in_turn<T>(
+        &self,
+        groups: &[Vec<usize>],
+        f: impl Fn(usize, &[usize]) -> Result<T, Error>,
+    ) -> Result<Vec<(usize, T)>, Error> {
+        (0..groups.len())
+            .filter(|&s| !groups[s].is_empty())
+            .map(|s| Ok((s, f(s, &groups[s])?)))
+            .collect()
+    }
+
     /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
     /// place. A server that lost the alive-nodes script (a restart) gets it loaded once.
     fn lookup_direct(
@@ -721,11 +771,8 @@ fn forged(key: BlockKey) -> Error {
 /// Keys per `HMGET` of a batched lookup.
 const LOOKUP_CHUNK: usize = 4096;
 
-/// One shard's part of a batched lookup: the shard, and its keys' answers in order.
-type ShardAnswer = (usize, Vec<Option<Placement>>);
-
 /// Threads a batched lookup over several shards uses at most.
-const LOOKUP_THREADS: usize = 8;
+const SCATTER_THREADS: usize = 8;
 
 /// Bounded script calls one operation makes at most while a dead node's state is deleted
 /// ([`scripts::WIPE_BUDGET`] entries each): room for 64 million entries.
@@ -776,14 +823,17 @@ impl Index for RedisIndex {
         if self.shards.count() == 1 {
             return self.reserve_shard(0, node, tier, items, ttl);
         }
+        let groups = self.shards.group(items.iter().map(|i| &i.0));
         let mut out: Vec<Option<Result<Reserved, Error>>> =
             (0..items.len()).map(|_| None).collect();
-        for (s, at) in self.shards.group(items.iter().map(|i| &i.0)).iter().enumerate() {
-            if at.is_empty() {
-                continue;
-            }
+        // One shard after another: a reservation's calls are few and short, and a failing
+        // shard (a master failing over) must not leave others' reservations half-answered.
+        let parts = self.in_turn(&groups, |s, at| {
             let part: Vec<(BlockKey, u64)> = at.iter().map(|&i| items[i]).collect();
-            for (&i, r) in at.iter().zip(self.reserve_shard(s, node, tier, &part, ttl)?) {
+            self.reserve_shard(s, node, tier, &part, ttl)
+        })?;
+        for (s, answers) in parts {
+            for (&i, r) in groups[s].iter().zip(answers) {
                 out[i] = Some(r);
             }
         }
@@ -794,11 +844,8 @@ impl Index for RedisIndex {
     }
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
-        let mut out = vec![Published::Expired; items.len()];
-        for (s, at) in self.shards.group(items.iter().map(|i| &i.0.key)).iter().enumerate() {
-            if at.is_empty() {
-                continue;
-            }
+        let groups = self.shards.group(items.iter().map(|i| &i.0.key));
+        let parts = self.in_turn(&groups, |s, at| {
             let v: Value = self.run(&self.scripts.publish, s, |inv| {
                 for &i in at {
                     let (r, checksum) = &items[i];
@@ -815,18 +862,27 @@ impl Index for RedisIndex {
             if a.len() != at.len() {
                 return Err(corrupt("publish", &v));
             }
-            for (o, &i) in a.iter().zip(at) {
-                let (r, checksum) = &items[i];
-                out[i] = match bytes("publish", o)? {
-                    b"W" => Published::Won(r.placement(*checksum)),
-                    b"E" => Published::Expired,
-                    // A winner whose entry fails its seal is no placement to load from:
-                    // nothing of this publish is visible.
-                    [b'L', winner @ ..] => self
-                        .open(r.key, winner)
-                        .map_or(Published::Expired, |winner| Published::Lost { winner }),
-                    _ => return Err(corrupt("publish", o)),
-                };
+            a.iter()
+                .zip(at)
+                .map(|(o, &i)| {
+                    let (r, checksum) = &items[i];
+                    Ok(match bytes("publish", o)? {
+                        b"W" => Published::Won(r.placement(*checksum)),
+                        b"E" => Published::Expired,
+                        // A winner whose entry fails its seal is no placement to load from:
+                        // nothing of this publish is visible.
+                        [b'L', winner @ ..] => self
+                            .open(r.key, winner)
+                            .map_or(Published::Expired, |winner| Published::Lost { winner }),
+                        _ => return Err(corrupt("publish", o)),
+                    })
+                })
+                .collect::<Result<Vec<Published>, Error>>()
+        })?;
+        let mut out = vec![Published::Expired; items.len()];
+        for (s, answers) in parts {
+            for (&i, p) in groups[s].iter().zip(answers) {
+                out[i] = p;
             }
         }
         Ok(out)
@@ -860,39 +916,10 @@ impl Index for RedisIndex {
             return self.lookup_direct(direct, keys);
         }
         let groups = self.shards.group(keys.iter());
-        let busy: Vec<usize> = (0..groups.len()).filter(|&s| !groups[s].is_empty()).collect();
-        // Scatter-gather: the shards' pipelines at once, from up to LOOKUP_THREADS threads
-        // (each on its own connection), so the shards' servers work in parallel and the
-        // lookup takes about its slowest shard's time, not the sum.
-        let threads = busy.len().min(LOOKUP_THREADS);
-        let run = |t: usize| -> Result<Vec<ShardAnswer>, Error> {
-            busy.iter()
-                .skip(t)
-                .step_by(threads.max(1))
-                .map(|&s| Ok((s, self.lookup_values(s, keys, &groups[s])?)))
-                .collect()
-        };
-        let parts: Vec<Result<Vec<ShardAnswer>, Error>> = if threads <= 1 {
-            vec![run(0)]
-        } else {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..threads).map(|t| scope.spawn(move || run(t))).collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or_else(|_| {
-                            Err(Error::Corrupt("a lookup thread panicked".into()))
-                        })
-                    })
-                    .collect()
-            })
-        };
         let mut out = vec![None; keys.len()];
-        for part in parts {
-            for (s, found) in part? {
-                for (&i, p) in groups[s].iter().zip(found) {
-                    out[i] = p;
-                }
+        for (s, found) in self.scatter(&groups, |s, at| self.lookup_values(s, keys, at))? {
+            for (&i, p) in groups[s].iter().zip(found) {
+                out[i] = p;
             }
         }
         Ok(out)
