@@ -946,7 +946,7 @@ pub fn table(rows: &[PoolRow], skipped: &[String]) -> String {
         writeln!(t, "the pool's index beside Mooncake Store (median of the rounds, p10..p90)\n");
     let _ = writeln!(
         t,
-        "{:<16} {:<30} {:>9} {:>12} {:>25} {:<8} {:>10} {:>22} {:>13} {:>9} {:>5}",
+        "{:<16} {:<42} {:>9} {:>12} {:>25} {:<8} {:>10} {:>22} {:>13} {:>9} {:>5}",
         "figure",
         "system",
         "items",
@@ -968,7 +968,7 @@ pub fn table(rows: &[PoolRow], skipped: &[String]) -> String {
         };
         let _ = writeln!(
             t,
-            "{:<16} {:<30} {:>9} {:>12} {:>25} {:<8} {:>10} {:>22} {:>13} {:>9} {:>5.1}{}",
+            "{:<16} {:<42} {:>9} {:>12} {:>25} {:<8} {:>10} {:>22} {:>13} {:>9} {:>5.1}{}",
             r.figure,
             r.system,
             r.items,
