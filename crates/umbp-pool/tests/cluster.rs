@@ -210,7 +210,10 @@ fn a_master_killed_mid_workload_fails_over_and_nothing_wrong_is_served() {
     let (stop, seen) = (Arc::new(AtomicBool::new(false)), Arc::new(Seen::default()));
     let threads = workload(&cluster, "failover", stop.clone(), seen.clone());
     wait_for_loads(&seen, 2_000);
-    let victim = masters(&cluster)[0].port;
+    // The master the clients were seeded with: new connections after its death must still
+    // find the Cluster.
+    let victim = cluster.servers()[0].port();
+    assert!(masters(&cluster).iter().any(|m| m.port == victim), "the seed is a master");
     cluster.kill(victim);
     cluster.wait_until_ok();
     assert!(

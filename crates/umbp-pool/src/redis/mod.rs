@@ -327,11 +327,47 @@ impl RedisIndex {
         Ok(redis::Client::open(info)?)
     }
 
+    /// The Cluster's client: learns every node from the seed (`CLUSTER SLOTS`) and takes
+    /// them all as its initial nodes, so a connection made after the seed died (a failover
+    /// of the seed's master) still finds the Cluster.
     fn cluster_client(
         info: redis::ConnectionInfo,
         config: &RedisConfig,
     ) -> Result<redis::cluster::ClusterClient, Error> {
-        let mut builder = redis::cluster::ClusterClientBuilder::new(vec![info])
+        let seeded = Self::cluster_client_from(vec![info.clone()], config)?;
+        let mut conn = seeded.get_connection()?;
+        let slots: Value = redis::cmd("CLUSTER").arg("SLOTS").query(&mut conn)?;
+        let mut nodes = vec![info];
+        for range in array("cluster slots", &slots)? {
+            for node in array("cluster slots", range)?.iter().skip(2) {
+                let [host, port, ..] = array("cluster slots", node)? else { continue };
+                let (host, port) = (bytes("cluster slots", host)?, int("cluster slots", port)?);
+                let mut n = nodes[0].clone();
+                n.addr =
+                    redis::ConnectionAddr::Tcp(String::from_utf8_lossy(host).into(), port as u16);
+                if let (redis::ConnectionAddr::TcpTls { insecure, tls_params, .. }, true) =
+                    (&nodes[0].addr, config.url.starts_with("rediss://"))
+                {
+                    n.addr = redis::ConnectionAddr::TcpTls {
+                        host: String::from_utf8_lossy(host).into(),
+                        port: port as u16,
+                        insecure: *insecure,
+                        tls_params: tls_params.clone(),
+                    };
+                }
+                if !nodes.iter().any(|m| m.addr == n.addr) {
+                    nodes.push(n);
+                }
+            }
+        }
+        Self::cluster_client_from(nodes, config)
+    }
+
+    fn cluster_client_from(
+        nodes: Vec<redis::ConnectionInfo>,
+        config: &RedisConfig,
+    ) -> Result<redis::cluster::ClusterClient, Error> {
+        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
             .connection_timeout(config.timeout)
             .response_timeout(config.timeout)
             // A master that died answers nothing until its replica is promoted (the
