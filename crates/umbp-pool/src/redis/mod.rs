@@ -704,19 +704,6 @@ impl RedisIndex {
         Ok(out)
     }
 
-    /// Runs `f(shard, positions)` for every shard with positions in `groups`, one after
-    /// another; the answers in shard order, the first error the call's.
-    fn in_turn<T>(
-        &self,
-        groups: &[Vec<usize>],
-        f: impl Fn(usize, &[usize]) -> Result<T, Error>,
-    ) -> Result<Vec<(usize, T)>, Error> {
-        (0..groups.len())
-            .filter(|&s| !groups[s].is_empty())
-            .map(|s| Ok((s, f(s, &groups[s])?)))
-            .collect()
-    }
-
     /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
     /// place. A server that lost the alive-nodes script (a restart) gets it loaded once.
     fn lookup_direct(
@@ -807,7 +794,7 @@ fn forged(key: BlockKey) -> Error {
 /// Keys per `HMGET` of a batched lookup.
 const LOOKUP_CHUNK: usize = 4096;
 
-/// Threads a batched lookup over several shards uses at most.
+/// Threads a call over several shards (a lookup, a reservation, a publish) uses at most.
 const SCATTER_THREADS: usize = 8;
 
 /// Bounded script calls one operation makes at most while a dead node's state is deleted
@@ -862,9 +849,7 @@ impl Index for RedisIndex {
         let groups = self.shards.group(items.iter().map(|i| &i.0));
         let mut out: Vec<Option<Result<Reserved, Error>>> =
             (0..items.len()).map(|_| None).collect();
-        // One shard after another: a reservation's calls are few and short, and a failing
-        // shard (a master failing over) must not leave others' reservations half-answered.
-        let parts = self.in_turn(&groups, |s, at| {
+        let parts = self.scatter(&groups, |s, at| {
             let part: Vec<(BlockKey, u64)> = at.iter().map(|&i| items[i]).collect();
             self.reserve_shard(s, node, tier, &part, ttl)
         })?;
@@ -881,7 +866,7 @@ impl Index for RedisIndex {
 
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
         let groups = self.shards.group(items.iter().map(|i| &i.0.key));
-        let parts = self.in_turn(&groups, |s, at| {
+        let parts = self.scatter(&groups, |s, at| {
             let v: Value = self.run(&self.scripts.publish, s, |inv| {
                 for &i in at {
                     let (r, checksum) = &items[i];
