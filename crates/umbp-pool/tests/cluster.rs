@@ -133,6 +133,20 @@ struct Seen {
     wrong: AtomicU64,
 }
 
+impl Seen {
+    fn summary(&self) -> String {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        format!(
+            "{} loaded, {} missed, {} failed blocks, {} failed calls, {} wrong",
+            r(&self.loaded),
+            r(&self.missed),
+            r(&self.failed),
+            r(&self.errors),
+            r(&self.wrong)
+        )
+    }
+}
+
 /// Two instances (nodes 1 and 2) putting and getting overlapping ranges of 64 blocks in a
 /// loop until `stop`, every get compared byte for byte.
 fn workload(
@@ -181,21 +195,25 @@ fn workload(
         .collect()
 }
 
+/// Stops the workload, prints what it saw as `what`, and checks that nothing was wrong.
+fn finish(what: &str, stop: &AtomicBool, threads: Vec<std::thread::JoinHandle<()>>, seen: &Seen) {
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    eprintln!("{what}: {}", seen.summary());
+    assert_eq!(seen.wrong.load(Ordering::Relaxed), 0, "a get loaded wrong bytes");
+}
+
 /// Waits until the workload has loaded `more` blocks beyond what it had.
 fn wait_for_loads(seen: &Seen, more: u64) {
     let from = seen.loaded.load(Ordering::Relaxed);
     let start = Instant::now();
     while seen.loaded.load(Ordering::Relaxed) < from + more {
-        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         assert!(
             start.elapsed() < Duration::from_secs(120),
-            "the workload stopped loading: {} loaded, {} missed, {} failed blocks, {} failed \
-             calls, {} wrong",
-            r(&seen.loaded),
-            r(&seen.missed),
-            r(&seen.failed),
-            r(&seen.errors),
-            r(&seen.wrong)
+            "the workload stopped loading: {}",
+            seen.summary()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -221,20 +239,7 @@ fn a_master_killed_mid_workload_fails_over_and_nothing_wrong_is_served() {
         "the killed master still serves slots"
     );
     wait_for_loads(&seen, 2_000);
-    stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().unwrap();
-    }
-    let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    eprintln!(
-        "failover: {} loaded, {} missed, {} failed blocks, {} failed calls, {} wrong",
-        r(&seen.loaded),
-        r(&seen.missed),
-        r(&seen.failed),
-        r(&seen.errors),
-        r(&seen.wrong)
-    );
-    assert_eq!(r(&seen.wrong), 0, "a get loaded wrong bytes");
+    finish("failover", &stop, threads, &seen);
 }
 
 /// Every slot of one master moves to another (`redis-cli --cluster reshard`, keys and all)
@@ -251,18 +256,5 @@ fn a_resharding_under_load_serves_nothing_wrong() {
     let after = masters(&cluster);
     assert!(!after.iter().any(|n| n.id == m[0].id), "the emptied master still serves slots");
     wait_for_loads(&seen, 2_000);
-    stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().unwrap();
-    }
-    let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    eprintln!(
-        "reshard: {} loaded, {} missed, {} failed blocks, {} failed calls, {} wrong",
-        r(&seen.loaded),
-        r(&seen.missed),
-        r(&seen.failed),
-        r(&seen.errors),
-        r(&seen.wrong)
-    );
-    assert_eq!(r(&seen.wrong), 0, "a get loaded wrong bytes");
+    finish("reshard", &stop, threads, &seen);
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::dram::{DramPool, DRAM_LEN};
+use support::dram::DramPool;
 use support::faults::{block_bytes, commands, reply, save, FileTier, Process, Rng, Saved, ROLE};
 use support::suite::{key, put, reserve, setup, TTL};
 use support::RedisServer;
@@ -1188,21 +1188,7 @@ fn a_dead_nodes_keys_are_stored_again_and_it_is_reaped_by_the_living() {
     });
 
     let twelve = DramPool::new(index.clone(), NodeId(12), Duration::from_millis(300));
-    let put = |from: u64, to: u64| {
-        use umbp_plan::Register;
-        let bytes: Vec<u8> = (from..to).flat_map(|id| block_bytes(id, 0, DRAM_LEN)).collect();
-        let src = twelve.composite.register_memory(bytes).unwrap();
-        let blocks: Vec<umbp_pool::PutBlock> = (from..to)
-            .map(|id| umbp_pool::PutBlock {
-                key: key(id),
-                src: src.id(),
-                offset: (id - from) * DRAM_LEN,
-                len: DRAM_LEN,
-            })
-            .collect();
-        twelve.pool.put(twelve.spec.tier, &blocks).unwrap()
-    };
-    let out = put(0, 32);
+    let out = twelve.put_outcomes(0, 32).unwrap();
     let stored = out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count();
     assert_eq!(stored, 32, "node 12 must store the dead node's keys: {:?}", &out[..2]);
     assert_eq!(twelve.get(0, 32).unwrap(), "L".repeat(32));

@@ -454,10 +454,24 @@ impl RedisIndex {
     fn open(&self, key: BlockKey, value: &[u8]) -> Option<Placement> {
         let p = self.sealer.open(key, value);
         if p.is_none() {
-            self.forged.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%key, "pool: an entry in redis fails its seal; taken for a miss");
+            self.count_forged(1);
         }
         p
+    }
+
+    /// Counts `n` entries that failed their seal, and logs it at the first one and then at
+    /// every doubling of the count: a client with another secret than the pool's meets
+    /// every entry forged, and must not log a line per key.
+    fn count_forged(&self, n: u64) {
+        let before = self.forged.fetch_add(n, Ordering::Relaxed);
+        let after = before + n;
+        if before == 0 || after.ilog2() > before.ilog2() {
+            tracing::warn!(
+                entries = after,
+                "pool: entries in redis fail their seal (copied, edited or forged, or sealed \
+                 under another secret): taken for misses"
+            );
+        }
     }
 
     /// Deletes the state of every node whose announcement expired (their entries are already
@@ -716,11 +730,7 @@ impl RedisIndex {
             match direct.lookup(hash, self.shards.tag(0), keys, LOOKUP_CHUNK, &self.sealer)? {
                 lookup::Found::Placements { found, forged } => {
                     if forged > 0 {
-                        self.forged.fetch_add(forged, Ordering::Relaxed);
-                        tracing::warn!(
-                            entries = forged,
-                            "pool: entries in redis fail their seal; taken for misses"
-                        );
+                        self.count_forged(forged);
                     }
                     return Ok(found);
                 }

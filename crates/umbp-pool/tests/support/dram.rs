@@ -55,6 +55,11 @@ impl DramPool {
 
     /// Puts blocks `from..to`: how many are in the pool after, or the call's error.
     pub fn put(&self, from: u64, to: u64) -> Result<usize, Error> {
+        Ok(self.put_outcomes(from, to)?.iter().filter(|o| o.is_in_pool()).count())
+    }
+
+    /// Puts blocks `from..to`: one outcome per block, or the call's error.
+    pub fn put_outcomes(&self, from: u64, to: u64) -> Result<Vec<umbp_pool::PutOutcome>, Error> {
         use umbp_plan::Register;
         let bytes: Vec<u8> = (from..to).flat_map(|id| block_bytes(id, 0, DRAM_LEN)).collect();
         let src = self.composite.register_memory(bytes).unwrap();
@@ -66,8 +71,7 @@ impl DramPool {
                 len: DRAM_LEN,
             })
             .collect();
-        let out = self.pool.put(self.spec.tier, &blocks)?;
-        Ok(out.iter().filter(|o| o.is_in_pool()).count())
+        self.pool.put(self.spec.tier, &blocks)
     }
 
     /// Gets blocks `from..to`: one letter per block, `L` loaded with the right bytes, `X`
