@@ -35,9 +35,9 @@ use umbp_plan::{
     Failure, FailureCause, GroupListener, ObjectState, PlanSet, Tag,
 };
 
-use crate::builder::{RoutedPart, RoutedPlans, StagedFragment};
 use crate::integrity::Checks;
 use crate::metrics::Metrics;
+use crate::routed::{RoutedPart, RoutedPlans, StagedFragment};
 
 /// Why one object did not complete.
 ///

@@ -6,17 +6,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use umbp_plan::{
-    BufferedPlanBuilder, Endpoint, EndpointId, EndpointRegistry, EndpointRelease, Failure,
-    PlanBuilder, PlanSet, Register, RegisterError, TransferEngine,
+    Endpoint, EndpointId, EndpointRegistry, EndpointRelease, Register, RegisterError,
+    TransferEngine,
 };
 
 use crate::batch::{Batch, BatchShared, Prepared};
-use crate::builder::RoutedPart;
-use crate::executor::{panic_message, run_lane, run_stage, Executor, StageJob};
+use crate::error::Error;
+use crate::executor::{panic_message, run_lane, run_stage, Executor};
 use crate::integrity::{ChecksPlan, ChecksumPolicy};
-use crate::metrics::{direction, moved_by_direction, InFlightSnapshot, Metrics, MetricsSnapshot};
+use crate::metrics::{InFlightSnapshot, Metrics, MetricsSnapshot};
+use crate::routed::{RoutedPart, RoutedPlans};
+use crate::shared::{Shared, StageJob};
 use crate::staging::{cut_stages, BouncePool, Staging};
-use crate::{CompositeBuilder, Error, RoutedPlans};
 
 /// How a composite runs its batches: plain data, written as a struct literal over the
 /// default, as every umbp engine's configuration is:
@@ -52,105 +53,11 @@ impl Default for CompositeConfig {
     }
 }
 
-/// What the executor's threads share with the composite.
-pub(crate) struct Shared {
-    pub(crate) engines: Vec<Arc<dyn TransferEngine>>,
-    pub(crate) registry: Arc<EndpointRegistry>,
-    /// Set once, by [`CompositeEngine::set_staging`].
-    pub(crate) staging: OnceLock<BouncePool<StageJob>>,
-    /// [`CompositeConfig::buffered_builders`].
-    pub(crate) buffered: bool,
-    pub(crate) metrics: Arc<Metrics>,
-}
-
-/// Tells every engine that a registration through the composite ended.
-impl EndpointRelease for Shared {
-    fn release(&self, id: EndpointId) {
-        self.release_in(id, self.engines.len());
-    }
-}
-
-impl Shared {
-    /// Engine `i`'s builder: its own, or the buffered baseline.
-    pub(crate) fn engine_builder(&self, i: usize) -> Box<dyn PlanBuilder + Send + '_> {
-        engine_builder(&*self.engines[i], self.buffered)
-    }
-
-    /// Tells the first `count` engines that registration `id` ended. An engine that panics is
-    /// logged and the others are still told, so each releases what it holds (a panic here
-    /// would also leave a registration's drop, perhaps while unwinding already).
-    fn release_in(&self, id: EndpointId, count: usize) {
-        for (i, e) in self.engines[..count].iter().enumerate() {
-            if catch_unwind(AssertUnwindSafe(|| e.endpoint_deregistering(id))).is_err() {
-                let engine = self.engine_name(i);
-                tracing::error!(%engine, endpoint = id.raw(), "an engine panicked releasing an endpoint");
-            }
-        }
-    }
-
-    /// Engine `i`'s name, even if asking the engine panics.
-    pub(crate) fn engine_name(&self, i: usize) -> String {
-        let engine = &self.engines[i];
-        catch_unwind(AssertUnwindSafe(|| engine.name().to_string()))
-            .unwrap_or_else(|_| format!("engine {i}"))
-    }
-
-    /// The bounce endpoint (only asked for when stages exist).
-    pub(crate) fn bounce(&self) -> EndpointId {
-        self.staging.get().map_or(EndpointId::from_raw(u64::MAX), |p| p.staging.bounce)
-    }
-
-    /// Adds what engine `i` did with a settled plan set to the metrics: per direction (one
-    /// update per direction, not per plan), its failures by cause, and the part's latency.
-    pub(crate) fn record(
-        &self,
-        i: usize,
-        plans: &PlanSet,
-        failures: &[Failure],
-        elapsed: std::time::Duration,
-    ) {
-        let engine = self.engine_name(i);
-        let direction_of = |s, d| Some(direction(&self.registry.get(s)?, &self.registry.get(d)?));
-        for (dir, segments, bytes, objects) in moved_by_direction(plans, direction_of) {
-            self.metrics.record_moved(&engine, dir, segments, bytes, objects);
-        }
-        self.metrics.record_part(&engine, elapsed);
-        self.record_failures_of(&engine, failures);
-    }
-
-    /// Counts the failures of engine `i` that no settled plan set reports: those of plans it
-    /// panicked with.
-    pub(crate) fn record_failures(&self, i: usize, failures: &[Failure]) {
-        self.record_failures_of(&self.engine_name(i), failures);
-    }
-
-    fn record_failures_of(&self, engine: &str, failures: &[Failure]) {
-        for f in failures {
-            let (Some(s), Some(d)) = (self.registry.get(f.src), self.registry.get(f.dst)) else {
-                continue;
-            };
-            self.metrics.record_failure(engine, direction(&s, &d), &f.cause);
-        }
-    }
-}
-
-/// `engine`'s own builder, or the buffered baseline.
-pub(crate) fn engine_builder(
-    engine: &dyn TransferEngine,
-    buffered: bool,
-) -> Box<dyn PlanBuilder + Send + '_> {
-    if buffered {
-        Box::new(BufferedPlanBuilder::new(engine))
-    } else {
-        engine.builder()
-    }
-}
-
 /// Holds engines in preference order, routes every fragment to the first that claims it, and
 /// runs batches on its own executor; see the [crate docs](crate).
 ///
 /// A handle: clones share the engines, the executor, the staged route and the metrics, and
-/// every [`CompositeBuilder`] holds one, so a builder can live anywhere (in a struct beside
+/// every [`CompositeBuilder`](crate::CompositeBuilder) holds one, so a builder can live anywhere (in a struct beside
 /// the composite, in a `thread_local!`). When the last handle goes, it waits for every batch
 /// in flight, then stops the executor.
 #[derive(Clone)]
@@ -280,13 +187,6 @@ impl CompositeEngine {
     /// Batches submitted and not yet settled, and the bytes they move.
     pub fn in_flight(&self) -> InFlightSnapshot {
         self.shared().metrics.in_flight.snapshot()
-    }
-
-    /// A builder that routes fragments into the engines' own builders. It holds a handle of
-    /// the composite (no borrow), so it can be kept anywhere: reuse it across batches (with
-    /// [`CompositeBuilder::recycle`]), one per planning thread.
-    pub fn builder(&self) -> CompositeBuilder {
-        CompositeBuilder::new(self.clone())
     }
 
     /// Starts a batch and returns its handle at once: every engine's lane and every stage of

@@ -41,9 +41,9 @@ use crossbeam_channel::{Receiver, Sender};
 use umbp_plan::{Failure, FailureCause, Fragment, PlanSet, Tag, TransferHandle};
 
 use crate::batch::{returned_part, BatchShared, PartEnd, ReturnedWork};
-use crate::builder::{RoutedPart, StagedFragment};
-use crate::engine::Shared;
 use crate::integrity::Side;
+use crate::routed::RoutedPart;
+use crate::shared::{Shared, StageJob};
 use crate::staging::{place, Lease, StagePiece};
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -447,14 +447,6 @@ fn check_part(
     let failed = |tag| here.binary_search(&tag).is_ok() || batch.has_failed(tag);
     hash(&failed);
     checks.part_ran(batch.part(index).tags(), &failed, failures);
-}
-
-/// A stage waiting for, or holding, a bounce slot.
-pub(crate) struct StageJob {
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) batch: Arc<BatchShared>,
-    pub(crate) part: usize,
-    pub(crate) fragments: Vec<StagedFragment>,
 }
 
 /// Runs a stage when a slot is free (parks it otherwise), then every stage its returned slots

@@ -50,7 +50,7 @@ use umbp_plan::{
 };
 
 use crate::metrics::{endpoint_kind_name, Metrics};
-use crate::restore::ObjectTransfer;
+use crate::object::ObjectTransfer;
 use crate::staging::StagePiece;
 
 /// Which objects a composite checksums, by the kind of tier that holds them

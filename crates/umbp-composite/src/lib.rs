@@ -98,23 +98,26 @@ mod error;
 mod executor;
 mod integrity;
 mod metrics;
+mod object;
 mod overlap;
 mod restore;
 mod route;
+mod routed;
+mod shared;
 mod staging;
 
 pub use batch::{
     Batch, EndpointNames, GroupReady, ObjectError, ObjectResult, Settled, TransferReport,
 };
-pub use builder::{CompositeBuilder, RoutedPart, RoutedPlans, StagedFragment};
+pub use builder::CompositeBuilder;
 pub use engine::{CompositeConfig, CompositeEngine};
 pub use error::Error;
 pub use integrity::ChecksumPolicy;
 pub use metrics::{direction, Counters, InFlightSnapshot, Metrics, MetricsSnapshot};
-pub use restore::{
-    offload, restore, start_offload, start_restore, ObjectRange, ObjectTransfer, PagedObject,
-};
+pub use object::{ObjectRange, ObjectTransfer, PagedObject};
+pub use restore::{offload, restore, start_offload, start_restore};
 pub use route::{route, Route};
+pub use routed::{RoutedPart, RoutedPlans, StagedFragment};
 pub use staging::Staging;
 /// Re-exported from `umbp-plan`, where device engines implement it too.
 pub use umbp_plan::{DeviceStream, GroupListener};

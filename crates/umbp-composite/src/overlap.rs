@@ -18,7 +18,7 @@ use umbp_plan::{
     sweep_overlaps, EndpointId, EndpointKind, EndpointTable, RangeAccess, Space, SweepScratch, Tag,
 };
 
-use crate::builder::{RoutedPart, StagedFragment};
+use crate::routed::{RoutedPart, StagedFragment};
 
 /// An object that breaks the rule, with the pair of one of its pieces that met another's.
 pub(crate) type Conflict = (Tag, EndpointId, EndpointId);

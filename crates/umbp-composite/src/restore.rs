@@ -3,86 +3,13 @@
 
 use std::collections::HashSet;
 
-use umbp_plan::{check_ranges, EndpointId, Error as PlanError, Fragment, PageWalk, Tag};
+use umbp_plan::{check_ranges, Error as PlanError, Fragment, PageWalk, Tag};
 
+use crate::batch::{Batch, TransferReport};
+use crate::builder::CompositeBuilder;
+use crate::error::Error;
 use crate::integrity::{ChecksPlan, ChecksumPolicy};
-use crate::{Batch, CompositeBuilder, Error, TransferReport};
-
-/// Where an object lives: its pages in a tier (a DRAM arena or an SSD file).
-#[derive(Copy, Clone, Debug)]
-pub struct PagedObject<'a> {
-    /// The tier endpoint holding the pages.
-    pub tier: EndpointId,
-    /// Byte offsets of the object's pages inside the tier, in object order.
-    pub page_offsets: &'a [u64],
-    /// Page size.
-    pub page_size: u64,
-    /// Stored object size (the last page may be short).
-    pub size: u64,
-}
-
-/// One range of an object and the caller's memory on the other side of the transfer.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct ObjectRange {
-    /// Offset inside the object.
-    pub offset: u64,
-    /// Bytes.
-    pub len: u64,
-    /// The caller's endpoint: the destination of a restore, the source of an offload.
-    pub endpoint: EndpointId,
-    /// Offset inside the caller's endpoint.
-    pub endpoint_offset: u64,
-    /// The layer group the range belongs to (see
-    /// [`CompositeBuilder::set_group`](crate::CompositeBuilder::set_group)). Default: 0.
-    pub group: u32,
-}
-
-impl ObjectRange {
-    /// Bytes `offset .. offset + len` of the object, to or from `endpoint` at
-    /// `endpoint_offset`, in layer group 0.
-    pub const fn new(offset: u64, len: u64, endpoint: EndpointId, endpoint_offset: u64) -> Self {
-        Self { offset, len, endpoint, endpoint_offset, group: 0 }
-    }
-
-    /// The same range in layer group `group`.
-    pub const fn in_group(mut self, group: u32) -> Self {
-        self.group = group;
-        self
-    }
-}
-
-/// One object of a restore or offload batch.
-#[derive(Copy, Clone, Debug)]
-pub struct ObjectTransfer<'a> {
-    /// The caller's own tag for the object, given back in its result; once per batch.
-    pub tag: u64,
-    /// Where the object's pages are.
-    pub object: PagedObject<'a>,
-    /// The ranges to move, sorted by offset and disjoint. An offload writes exactly these
-    /// bytes of the stored object: the rest of its pages keep what they held.
-    pub ranges: &'a [ObjectRange],
-    /// For a restore: the CRC32C the object's bytes must have (the CRC32C of its ranges'
-    /// bytes, concatenated in range order: what the offload that saved them reported in
-    /// [`ObjectResult::checksum`](crate::ObjectResult::checksum)). Where the composite's
-    /// [`ChecksumPolicy`] covers the object's tier, bytes that do not match fail the object
-    /// with [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch);
-    /// elsewhere it is not checked. Offloads ignore it. Default (in [`new`](Self::new)):
-    /// `None`, nothing to verify.
-    pub checksum: Option<u32>,
-}
-
-impl<'a> ObjectTransfer<'a> {
-    /// Object `tag`, stored as `object`, moving `ranges`, with no checksum to verify.
-    pub const fn new(tag: u64, object: PagedObject<'a>, ranges: &'a [ObjectRange]) -> Self {
-        Self { tag, object, ranges, checksum: None }
-    }
-
-    /// The same object, whose restore must find the bytes to have CRC32C `checksum`.
-    pub const fn with_checksum(mut self, checksum: u32) -> Self {
-        self.checksum = Some(checksum);
-        self
-    }
-}
+use crate::object::ObjectTransfer;
 
 /// Starts restoring `objects` (their ranges from the tier into the caller's destinations) in
 /// one batch and returns it at once: validates each object's ranges and pages, walks them into

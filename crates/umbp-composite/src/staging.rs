@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::{AlignedBuffer, EndpointId};
 
-use crate::builder::StagedFragment;
+use crate::routed::StagedFragment;
 
 /// The staged route's configuration: a registered host region that carries bytes between two
 /// engines when no single engine claims a pair (SSD to device memory, say).
