@@ -5,12 +5,11 @@ in vLLM's parallel layout (its data-parallel replica and tensor-parallel rank).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from .. import ChecksumPolicy
-from ..kvpool import SAVE_LOCAL, SAVE_TO
+from ..poolkeys import PoolKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -20,8 +19,9 @@ _LOAD_MODES = ("async", "layerwise")
 
 
 @dataclass(frozen=True)
-class UmbpConfig:
-    """The ``kv_connector_extra_config`` keys (docs/VLLM.md explains each)."""
+class UmbpConfig(PoolKeys):
+    """The ``kv_connector_extra_config`` keys (docs/VLLM.md explains each; the pool's keys are
+    :class:`umbp.poolkeys.PoolKeys`, shared with the SGLang backend)."""
 
     dram_bytes_per_rank: int = 4 << 30
     ssd_path: Optional[str] = None
@@ -34,16 +34,6 @@ class UmbpConfig:
     load_timeout_s: Optional[float] = None
     engine_workers: int = 8
     checksums: str = "files_and_remote"
-    pool: Optional[str] = None
-    pool_node: Optional[int] = None
-    pool_namespace: Optional[str] = None
-    pool_lease_s: float = 30.0
-    pool_reserve_s: float = 120.0
-    pool_announce_s: float = 15.0
-    pool_save_to: str = SAVE_LOCAL
-    remote_secret_file: Optional[str] = None
-    remote_transports: Optional[str] = None
-    remote_connect_wait_s: float = 0.05
 
     @staticmethod
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpConfig":
@@ -76,71 +66,13 @@ class UmbpConfig:
         policies = [p.value for p in ChecksumPolicy]
         if cfg.checksums not in policies:
             raise ValueError(f"UmbpConnector: checksums must be one of {policies}")
-        if cfg.pool is not None:
-            if not isinstance(cfg.pool, str) or not cfg.pool:
-                raise ValueError("UmbpConnector: pool must be 'embedded', a path or a redis:// URL")
-            if cfg.pool == "embedded" and not cfg.ssd_path:
-                raise ValueError(
-                    "UmbpConnector: the embedded pool lies beside the SSD tier: it needs ssd_path"
-                )
-            if cfg.checksums == ChecksumPolicy.OFF.value:
-                raise ValueError(
-                    "UmbpConnector: a pool records each block's checksum: checksums cannot be off"
-                )
-        if cfg.pool_node is not None and not (
-            isinstance(cfg.pool_node, int) and 0 <= cfg.pool_node < 1 << 32
-        ):
-            raise ValueError("UmbpConnector: pool_node must be an integer in [0, 2**32)")
-        if not float(cfg.remote_connect_wait_s) >= 0:
-            raise ValueError("UmbpConnector: remote_connect_wait_s must be a number >= 0")
-        for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
-            if not float(getattr(cfg, name)) > 0:
-                raise ValueError(f"UmbpConnector: {name} must be positive")
-        if cfg.pool_save_to not in SAVE_TO:
-            raise ValueError(f"UmbpConnector: pool_save_to must be one of {SAVE_TO}")
-        if cfg.pool_save_to != SAVE_LOCAL:
-            if cfg.pool is None or "://" not in cfg.pool:
-                raise ValueError(
-                    "UmbpConnector: memory nodes join a Redis pool: pool_save_to "
-                    f"{cfg.pool_save_to!r} needs \"pool\": \"redis://...\""
-                )
-            if not cfg.memory_nodes():
-                raise ValueError(
-                    f"UmbpConnector: pool_save_to {cfg.pool_save_to!r} needs the memory nodes' "
-                    "shared secret: remote_secret_file, or the UMBP_UCX_SECRET environment "
-                    "variable"
-                )
-        if cfg.remote_secret_file is not None and not os.path.isfile(cfg.remote_secret_file):
-            raise ValueError(
-                f"UmbpConnector: remote_secret_file {cfg.remote_secret_file!r} is not a file"
-            )
+        cfg.check_pool_keys("UmbpConnector", ssd_path=cfg.ssd_path, checksums=cfg.checksums)
         return cfg
-
-    def memory_nodes(self) -> bool:
-        """Whether the connector reaches the memory nodes of its pool: a Redis pool, and the
-        nodes' shared secret (``remote_secret_file``, or ``UMBP_UCX_SECRET``). Their blocks
-        are then hits, and the workers connect to them."""
-        return (
-            self.pool is not None
-            and "://" in self.pool
-            and (self.remote_secret_file is not None or bool(os.environ.get("UMBP_UCX_SECRET")))
-        )
-
-    def remote_secret(self) -> Optional[bytes]:
-        """The memory nodes' secret from ``remote_secret_file`` (one trailing newline dropped,
-        as the node reads its own), or None: the engine reads ``UMBP_UCX_SECRET``."""
-        if self.remote_secret_file is None:
-            return None
-        with open(self.remote_secret_file, "rb") as f:
-            secret = f.read()
-        return secret[:-1] if secret.endswith(b"\n") else secret
 
     def engine_checksums(self) -> str:
         """The workers' checksum policy: a pool publishes every block with its checksum, so
         with a pool whose blocks go to DRAM (no SSD tier) DRAM is hashed too."""
-        if self.pool is not None and not self.ssd_path:
-            return ChecksumPolicy.ALL_TIERS.value
-        return self.checksums
+        return self.pool_checksums(self.checksums, durable=bool(self.ssd_path))
 
     def pool_file(self, dp_rank: int = 0) -> Optional[str]:
         """The embedded pool's redb file: beside the SSD tier, one per data-parallel replica

@@ -8,8 +8,6 @@ import hashlib
 import json
 import math
 import os
-import socket
-import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from vllm.logger import init_logger
@@ -17,6 +15,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..kvpool import REMOTE, PoolTierIndex
 from ..kvtiers import DRAM, TierIndex
+from ..poolkeys import default_node, open_index
 from .config import UmbpConfig, _dp_rank
 from .layout import _Layout
 from .metadata import Item, UmbpConnectorMetadata, UmbpWorkerMetadata
@@ -58,19 +57,6 @@ def _pool_namespace(
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
-def _seal_secret(cfg: UmbpConfig) -> Optional[bytes]:
-    """The secret the pool's Redis entries are sealed under: the memory nodes' one, where the
-    connector reaches them (a Redis writer without it cannot then make an entry that is taken
-    for a hit); None otherwise (entries are still bound to their keys). Every instance of one
-    pool must agree, as they must to reach the memory nodes at all."""
-    if not cfg.memory_nodes():
-        return None
-    secret = cfg.remote_secret()
-    if secret is None:
-        secret = os.environ.get("UMBP_UCX_SECRET", "").encode() or None
-    return secret
-
-
 def _open_pool(
     cfg: UmbpConfig, vllm_config: "VllmConfig", layout: _Layout, ranks: int
 ) -> Optional[PoolTierIndex]:
@@ -79,8 +65,6 @@ def _open_pool(
     bytes where the metadata says."""
     if cfg.pool is None:
         return None
-    from .._native import PoolIndex
-
     dp = _dp_rank(vllm_config)
     target = cfg.pool
     if "://" not in target:
@@ -91,16 +75,9 @@ def _open_pool(
     ]
     node = cfg.pool_node
     if node is None:
-        # Stable across restarts where the instance has an SSD tier (its blocks outlive it).
-        seed = f"{socket.gethostname()}|" + (
-            "|".join(ssd_files) if ssd_files else f"{os.getpid()}|{dp}|{time.time_ns()}"
-        )
-        node = int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=4).digest(), "big")
+        node = default_node(ssd_files, str(dp))
     slot = layout.slot_bytes
-    # A password in UMBP_POOL_PASSWORD keeps it off the command line (it overrides the URL's).
-    client = PoolIndex(
-        target, password=os.environ.get("UMBP_POOL_PASSWORD") or None, secret=_seal_secret(cfg)
-    )
+    client = open_index(target, cfg.seal_secret())
     index = PoolTierIndex(
         client,
         node=node,

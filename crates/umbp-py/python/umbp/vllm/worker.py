@@ -471,13 +471,7 @@ class _WorkerSide:
 
     def _remote_options(self) -> Dict[str, Any]:
         """The engine's remote tier, where the pool's memory nodes are reached."""
-        if not self.cfg.memory_nodes():
-            return {}
-        return dict(
-            remote=True,
-            remote_transports=self.cfg.remote_transports,
-            remote_secret=self.cfg.remote_secret(),
-        )
+        return self.cfg.remote_options()
 
     def _remote_tier(self, address: str, tier: int, size: int) -> Optional[Registration]:
         """Tier ``tier`` (its ``size`` bytes) of the memory node at ``address``: connected on
