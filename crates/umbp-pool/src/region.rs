@@ -35,11 +35,6 @@ impl TierRegion {
     /// to read). `page` holds the page offset the returned object borrows.
     pub fn object<'a>(&self, slot: u32, len: u64, page: &'a mut [u64; 1]) -> PagedObject<'a> {
         page[0] = self.slot_offset(slot);
-        PagedObject {
-            tier: self.endpoint,
-            page_offsets: &page[..],
-            page_size: self.slot_size,
-            size: len,
-        }
+        PagedObject::new(self.endpoint, &page[..], self.slot_size, len)
     }
 }

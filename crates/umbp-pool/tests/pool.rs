@@ -280,12 +280,12 @@ fn read_back(rig: &Rig, dst: &Registration<Vec<u8>>, blocks: usize) -> Vec<u8> {
     let mut builder = rig.composite.builder();
     let pages = [0u64];
     let ranges = [ObjectRange::new(0, blocks as u64 * SLOT, out.id(), 0)];
-    let object = umbp_composite::PagedObject {
-        tier: dst.id(),
-        page_offsets: &pages,
-        page_size: blocks as u64 * SLOT,
-        size: blocks as u64 * SLOT,
-    };
+    let object = umbp_composite::PagedObject::new(
+        dst.id(),
+        &pages,
+        blocks as u64 * SLOT,
+        blocks as u64 * SLOT,
+    );
     let report =
         umbp_composite::restore(&mut builder, &[ObjectTransfer::new(0, object, &ranges)]).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");
@@ -424,12 +424,7 @@ fn slot_reused_between_lookup_and_lease_is_a_miss() {
         let b = composite.register_memory(b_bytes.clone()).unwrap();
         let pages = [u64::from(r.slot) * SLOT];
         let ranges = [ObjectRange::new(0, SLOT, b.id(), 0)];
-        let object = umbp_composite::PagedObject {
-            tier: arena,
-            page_offsets: &pages,
-            page_size: SLOT,
-            size: SLOT,
-        };
+        let object = umbp_composite::PagedObject::new(arena, &pages, SLOT, SLOT);
         let report =
             offload(&mut composite.builder(), &[ObjectTransfer::new(0, object, &ranges)]).unwrap();
         ix.publish(&[(r, report.objects[0].checksum.unwrap())]).unwrap();
@@ -471,12 +466,7 @@ fn clobbered_slot_is_a_counted_checksum_failure_and_leaves_the_pool() {
     let poison = rig.composite.register_memory(vec![0x5a_u8]).unwrap();
     let pages = [u64::from(p1.slot) * SLOT];
     let ranges = [ObjectRange::new(100, 1, poison.id(), 0)];
-    let object = umbp_composite::PagedObject {
-        tier: rig.arena.id(),
-        page_offsets: &pages,
-        page_size: SLOT,
-        size: SLOT,
-    };
+    let object = umbp_composite::PagedObject::new(rig.arena.id(), &pages, SLOT, SLOT);
     let report =
         offload(&mut rig.composite.builder(), &[ObjectTransfer::new(0, object, &ranges)]).unwrap();
     assert_eq!(report.aggregate, BatchState::Completed);

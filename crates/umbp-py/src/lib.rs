@@ -580,16 +580,13 @@ impl Engine {
             let transfers: Vec<ObjectTransfer<'_>> = specs
                 .iter()
                 .enumerate()
-                .map(|(i, s)| ObjectTransfer {
-                    tag: s.tag,
-                    object: PagedObject {
-                        tier: s.tier,
-                        page_offsets: &s.pages,
-                        page_size: s.page_size,
-                        size: s.size,
-                    },
-                    ranges: &s.ranges,
-                    checksum: checksums.as_ref().and_then(|c| c[i]),
+                .map(|(i, s)| {
+                    let object = PagedObject::new(s.tier, &s.pages, s.page_size, s.size);
+                    let transfer = ObjectTransfer::new(s.tag, object, &s.ranges);
+                    match checksums.as_ref().and_then(|c| c[i]) {
+                        Some(checksum) => transfer.with_checksum(checksum),
+                        None => transfer,
+                    }
                 })
                 .collect();
             let mut builder = composite.builder();
@@ -1389,6 +1386,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c_combine, m)?)?;
+    m.add_function(wrap_pyfunction!(serve_memory_node, m)?)?;
     pool::register(m)?;
     install_logger(py);
     Ok(())
@@ -1421,6 +1419,16 @@ fn crc32c_combine(first: u32, second: u32, second_len: u64) -> PyResult<u32> {
     let second_len = usize::try_from(second_len)
         .map_err(|_| PyValueError::new_err(format!("second_len {second_len} exceeds memory")))?;
     Ok(crc32c::crc32c_combine(first, second, second_len))
+}
+
+/// Runs the memory node command `umbp-ucx-serve` with `argv` (the program's name first) until
+/// it stops, without the GIL, and returns its exit status: what the package's console script
+/// of that name runs (`umbp.memory_node.main`). It installs its own handlers for SIGTERM and
+/// SIGINT and exits the process for `--help`, `--version` and bad flags: call it only from a
+/// process that is to become the memory node.
+#[pyfunction]
+fn serve_memory_node(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
+    py.allow_threads(|| umbp_memory_node::serve::main(argv))
 }
 
 /// Forgets the loggers and levels the Rust side has cached: call it after changing the level

@@ -8,13 +8,13 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use umbp_memory_node::UcxResolver;
 use umbp_pool::{
     BlockError, BlockKey, DropReason, EmbeddedIndex, GetBlock, GetOutcome, Index, NodeAnnouncement,
     NodeId, Placement as RsPlacement, Pool as RsPool, PoolConfig, Published, PutBlock, PutOutcome,
     RedisConfig, RedisIndex, Removed, Reservation as RsReservation, Reserved, TierFile, TierId,
     TierRegion, TierResolver, TierSpec, Verify,
 };
-use umbp_ucx::pool::UcxResolver;
 
 use crate::{message, Engine, Registration};
 

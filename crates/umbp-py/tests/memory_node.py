@@ -1,22 +1,20 @@
-"""A real memory node for the Python tests: ``umbp-ucx-serve`` (crate umbp-ucx, the command a
-user runs) on loopback, exporting one region, joining a pool in a redis-server the test
-started, killed at the end.
+"""A real memory node for the Python tests: ``umbp-ucx-serve`` (the command a user runs, the
+package's console script) on loopback, exporting one region, joining a pool in a redis-server
+the test started, killed at the end.
 
-The binary: ``UMBP_UCX_SERVE`` names one; else cargo builds it here (a no-op once built, as
-after ``cargo test --workspace``); without cargo, an earlier build under ``target/debug``.
-None of them, or UCX missing: the test skips with the reason printed, or fails where
-``UMBP_REQUIRE_UCX=1`` (CI installs UCX and has cargo)."""
+The command: ``UMBP_UCX_SERVE`` names one (the Rust binary of crate umbp-memory-node, say);
+else the console script the package installed beside this Python, so the tests run the node
+as a user who installed the wheel does, with no Rust toolchain. UCX missing (the command
+cannot start): the test skips with the reason printed, or fails where ``UMBP_REQUIRE_UCX=1``."""
 
 import os
-import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
 
 #: The shared secret of the node and its clients (``remote_secret_file`` in the connector).
 SECRET = b"umbp vllm pool tests: a secret 32+ bytes"
@@ -28,32 +26,15 @@ def _unavailable(reason):
     pytest.skip(reason)
 
 
-_built = {}
-
-
 def serve_binary():
     """The path of ``umbp-ucx-serve`` (see the module)."""
     exe = os.environ.get("UMBP_UCX_SERVE")
     if exe:
         return exe
-    if "exe" in _built:
-        return _built["exe"]
-    target = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
-    built = target / "debug" / "umbp-ucx-serve"
-    cargo = shutil.which("cargo")
-    if cargo:
-        r = subprocess.run(
-            [cargo, "build", "-q", "-p", "umbp-ucx", "--bin", "umbp-ucx-serve"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            pytest.fail(f"cargo build -p umbp-ucx --bin umbp-ucx-serve failed:\n{r.stderr[-4000:]}")
-    elif not built.exists():
-        _unavailable("umbp-ucx-serve is not built and cargo is absent: set UMBP_UCX_SERVE")
-    _built["exe"] = str(built)
-    return str(built)
+    script = Path(sys.executable).parent / "umbp-ucx-serve"
+    if not script.exists():
+        pytest.fail(f"the package's console script is not installed beside {sys.executable}")
+    return str(script)
 
 
 class MemoryNode:

@@ -61,8 +61,6 @@ mod config;
 mod engine;
 mod error;
 mod handshake;
-#[cfg(feature = "pool")]
-pub mod pool;
 #[allow(unsafe_code)] // Posts requests; see the SAFETY comment at the one block.
 mod progress;
 mod server;

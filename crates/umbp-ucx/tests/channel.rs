@@ -639,41 +639,6 @@ fn honest_clients_connect_through_a_connect_flood_from_their_own_address() {
     assert!(failed.is_empty(), "{} of 30 honest connects failed: {failed:?}", failed.len());
 }
 
-/// `umbp-ucx-serve --insecure-no-auth` with a secret set refuses to start, as the library
-/// does: the two contradict each other.
-#[test]
-fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
-        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
-        .env(umbp_ucx::SECRET_ENV, SECRET)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(out.stdout.is_empty(), "it served: {}", String::from_utf8_lossy(&out.stdout));
-    assert!(stderr.contains("insecure_no_auth"), "{stderr}");
-    // Without the secret it serves (insecure, and says so).
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve"))
-        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
-        .arg("--exit-on-stdin-close")
-        .env_remove(umbp_ucx::SECRET_ENV)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(line.starts_with("listening "), "{line}");
-    drop(child.stdin.take());
-    child.wait().unwrap();
-}
-
 /// A client that asks for encryption refuses a session that a relay (or a server) would make
 /// weaker; a server that asks for it encrypts a session the client asked only authenticated.
 #[test]

@@ -26,7 +26,7 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
         return;
     }
     let pages = 64usize;
-    let server = Served::start("tcp", pages * PAGE as usize, 9, &[]);
+    let server = Served::start("tcp", pages * PAGE as usize, 9);
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let hbm = Arc::new(HbmEngine::new(

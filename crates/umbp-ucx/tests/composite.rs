@@ -73,7 +73,7 @@ struct Tiers {
 /// [host copies, device (simulated), SSD, remote] over one registry, with a DRAM arena, an SSD
 /// file and a peer's arena of `pages` pages each, and a bounce region.
 fn tiers(pages: usize) -> Tiers {
-    let server = Served::start("tcp", pages * PAGE as usize, 6, &[]);
+    let server = Served::start("tcp", pages * PAGE as usize, 6);
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let hbm = Arc::new(HbmEngine::new(

@@ -15,7 +15,7 @@ const MIB: u64 = 1 << 20;
 /// into one request where they are adjacent) submitted just before a put of as many bytes, to
 /// one peer: both complete, every byte right.
 fn restore_beside_offload(piece: u64, total: u64, rounds: usize) {
-    let server = Served::start("tcp", (4 * total) as usize, 3, &[]);
+    let server = Served::start("tcp", (4 * total) as usize, 3);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();

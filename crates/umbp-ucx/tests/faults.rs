@@ -42,8 +42,8 @@ fn a_peer_killed_mid_batch_fails_exactly_its_objects_in_bounded_time() {
     if !ucx_or_skip() {
         return;
     }
-    let mut doomed = Served::start("tcp", 64 * MIB, 1, &[]);
-    let healthy = Served::start("tcp", 64 * MIB, 2, &[]);
+    let mut doomed = Served::start("tcp", 64 * MIB, 1);
+    let healthy = Served::start("tcp", 64 * MIB, 2);
     let engine = engine("tcp");
     let (a, b) = (engine.connect(doomed.addr).unwrap(), engine.connect(healthy.addr).unwrap());
     let ra = engine.register_remote(a.regions[0].region, 0, a.regions[0].len).unwrap();
@@ -115,7 +115,7 @@ fn sixteen_threads_share_one_engine_and_every_byte_is_right() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 32 * MIB, 7, &[]);
+    let server = Served::start("tcp", 32 * MIB, 7);
     let engine = Arc::new(engine("tcp"));
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
@@ -169,7 +169,7 @@ fn deregistering_local_memory_waits_for_the_batch_that_writes_it() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 64 * MIB, 4, &[]);
+    let server = Served::start("tcp", 64 * MIB, 4);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
@@ -188,7 +188,7 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 64 * MIB, 8, &[]);
+    let server = Served::start("tcp", 64 * MIB, 8);
     let registry = umbp_plan::EndpointRegistry::new();
     // One request in flight at a time, so the deadline finds most of them unsent.
     let config = umbp_ucx::UcxConfig { max_in_flight: 1, ..support::config("tcp") };
@@ -269,7 +269,7 @@ fn a_node_that_comes_back_is_reached_again_through_a_new_connection() {
         return;
     }
     let engine = engine("tcp");
-    let mut first = Served::start("tcp", 4 * MIB, 1, &[]);
+    let mut first = Served::start("tcp", 4 * MIB, 1);
     let old = engine.connect(first.addr).unwrap();
     let old_arena = arena(&engine, &old);
     assert!(restore_one(&engine, old_arena.id(), 0, MIB).0.is_empty());
@@ -288,7 +288,7 @@ fn a_node_that_comes_back_is_reached_again_through_a_new_connection() {
     assert!(bytes.iter().all(|&b| b == POISON));
 
     // The node restarts (another process, other memory): a new connection reaches it.
-    let second = Served::start("tcp", 4 * MIB, 2, &[]);
+    let second = Served::start("tcp", 4 * MIB, 2);
     let new = engine.connect(second.addr).unwrap();
     assert_ne!(new.id, old.id);
     let new_arena = arena(&engine, &new);
@@ -302,8 +302,8 @@ fn offloads_to_a_peer_killed_mid_batch_fail_and_the_others_land() {
     if !ucx_or_skip() {
         return;
     }
-    let mut doomed = Served::start("tcp", 64 * MIB, 1, &[]);
-    let healthy = Served::start("tcp", 64 * MIB, 2, &[]);
+    let mut doomed = Served::start("tcp", 64 * MIB, 1);
+    let healthy = Served::start("tcp", 64 * MIB, 2);
     let engine = engine("tcp");
     let (a, b) = (engine.connect(doomed.addr).unwrap(), engine.connect(healthy.addr).unwrap());
     let (ra, rb) = (arena(&engine, &a), arena(&engine, &b));
@@ -368,7 +368,7 @@ fn a_client_killed_between_batches_leaves_the_server_serving() {
         return;
     }
     use std::io::BufRead;
-    let mut server = Served::start("tcp", 32 * MIB, 3, &[]);
+    let mut server = Served::start("tcp", 32 * MIB, 3);
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_client_restores_then_waits", "--nocapture"])
         .env("UMBP_UCX_CHILD_SERVER", server.addr.to_string())
@@ -417,7 +417,7 @@ fn a_client_killed_mid_get_leaves_the_server_serving() {
         return;
     }
     use std::io::BufRead;
-    let mut server = Served::start("tcp", 32 * MIB, 5, &[]);
+    let mut server = Served::start("tcp", 32 * MIB, 5);
     for round in 0..3 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", "child_client_restores_until_killed", "--nocapture"])
@@ -446,7 +446,7 @@ fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 64 * MIB, 4, &[]);
+    let server = Served::start("tcp", 64 * MIB, 4);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let remote = arena(&engine, &peer);
@@ -481,7 +481,7 @@ fn dropping_the_engine_lets_its_batches_in_flight_finish() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 32 * MIB, 6, &[]);
+    let server = Served::start("tcp", 32 * MIB, 6);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let remote = arena(&engine, &peer);

@@ -4,7 +4,7 @@ mod support;
 
 use umbp_plan::{Fragment, PlanBuilder, Register, Tag, TransferEngine};
 
-use support::{engine, fill_byte, ucx_or_skip, Served, POISON};
+use support::{engine, fill_byte, ucx_or_skip, Exported, Served, POISON};
 
 const PAGE: usize = 64 << 10;
 
@@ -13,7 +13,7 @@ fn restores_scattered_pages_byte_exact_over_tcp() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 16 << 20, 3, &[]);
+    let server = Served::start("tcp", 16 << 20, 3);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let arena = peer.region("arena").unwrap();
@@ -74,7 +74,7 @@ fn offload_writes_exactly_its_ranges_at_the_peer() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 16 << 20, 9, &[]);
+    let server = Served::start("tcp", 16 << 20, 9);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let arena = peer.region("arena").unwrap();
@@ -139,7 +139,7 @@ fn bytes_past_the_export_are_refused_before_any_byte_moves() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 1 << 20, 5, &[]);
+    let server = Served::start("tcp", 1 << 20, 5);
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let arena = peer.region("arena").unwrap();
@@ -186,7 +186,8 @@ fn a_read_only_region_takes_no_writes() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("tcp", 1 << 20, 1, &["--read-only-bytes", "1048576"]);
+    let server =
+        Served::with("tcp", Exported { read_only_bytes: 1 << 20, ..Exported::arena(1 << 20, 1) });
     let engine = engine("tcp");
     let peer = engine.connect(server.addr).unwrap();
     let ro = peer.region("ro").unwrap();
@@ -231,7 +232,7 @@ fn restores_over_shared_memory_where_the_machine_allows_it() {
     if !ucx_or_skip() {
         return;
     }
-    let server = Served::start("sm", 4 << 20, 12, &[]);
+    let server = Served::start("sm", 4 << 20, 12);
     let engine =
         match umbp_ucx::UcxEngine::new(umbp_plan::EndpointRegistry::new(), support::config("sm")) {
             Ok(engine) => engine,

@@ -12,7 +12,7 @@ use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, Transfer
 use umbp_ucx::internal::{self, Session};
 use umbp_ucx::{Error, HandshakeError, Protection, ServerBuilder, UcxConfig, UcxEngine};
 
-use support::{config, engine, fill_byte, ucx_or_skip, Served, POISON, SECRET};
+use support::{config, engine, fill_byte, ucx_or_skip, Exported, Served, POISON, SECRET};
 
 // The wire format as an attacker reads it in the crate's docs.
 const MAGIC: &[u8; 8] = b"UMBPUCX\0";
@@ -378,12 +378,12 @@ fn a_thousand_idle_or_slow_connections_keep_no_client_out() {
         return;
     }
     const MAX_CLIENTS: usize = 8;
-    let mut server = Served::start(
-        "tcp",
-        16 << 20,
-        4,
-        &["--max-clients", &MAX_CLIENTS.to_string(), "--handshake-timeout-ms", "3000"],
-    );
+    let exported = Exported {
+        max_clients: Some(MAX_CLIENTS),
+        handshake_timeout_ms: Some(3000),
+        ..Exported::arena(16 << 20, 4)
+    };
+    let mut server = Served::with("tcp", exported);
     let pid = server.child.id();
     let before = threads_of(pid);
     // 1,000 connections: half never say a thing, half trickle a valid hello's first bytes.
@@ -462,8 +462,11 @@ fn running_out_of_descriptors_neither_spins_nor_keeps_a_client_out() {
         return;
     }
     // 40 descriptors, 300 trickling connections that would hold their handshake for 60 s.
-    let mut server =
-        Served::start_with_fd_limit(40, "tcp", 4 << 20, 6, &["--handshake-timeout-ms", "60000"]);
+    let mut server = Served::with_fd_limit(
+        40,
+        "tcp",
+        Exported { handshake_timeout_ms: Some(60_000), ..Exported::arena(4 << 20, 6) },
+    );
     let pid = server.child.id();
     let mut idle = Vec::new();
     for _ in 0..300 {
@@ -729,7 +732,7 @@ fn neither_side_listens_anywhere_but_the_control_port() {
         return;
     }
     use std::io::BufRead;
-    let server = Served::start("tcp", 4 << 20, 1, &[]);
+    let server = Served::start("tcp", 4 << 20, 1);
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_engine_restores_then_waits", "--nocapture"])
         .env("UMBP_UCX_CHILD_SERVER", server.addr.to_string())
@@ -803,7 +806,7 @@ fn a_hello_flood_from_many_addresses_keeps_no_honest_client_out() {
     const ADDRESSES: u8 = 40;
     const PER_ADDRESS: u64 = 2_000;
     const HELD: usize = 64;
-    let server = Served::start("tcp", 1 << 20, 9, &[]);
+    let server = Served::start("tcp", 1 << 20, 9);
     let addr = server.addr;
     let stop = Arc::new(AtomicBool::new(false));
     let made = Arc::new(AtomicU64::new(0));

@@ -28,6 +28,11 @@ pub use umbp_ucx as ucx;
 #[cfg(feature = "pool")]
 pub use umbp_pool as pool;
 
+/// Memory nodes in the pool: the resolver a pool reaches their tiers through, and the node's
+/// own side (the `umbp-memory-node` crate; feature `memory-node`).
+#[cfg(feature = "memory-node")]
+pub use umbp_memory_node as memory_node;
+
 /// What a server's restore and offload code names: `use umbp::prelude::*;`.
 ///
 /// The engines and their settings, the composite and its restore and offload calls, and the

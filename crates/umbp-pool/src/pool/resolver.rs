@@ -12,8 +12,8 @@ use crate::{NodeAnnouncement, NodeId, TierRegion, TierSpec};
 /// peer, `register_remote`, open the file) and keeps the registration alive until `forget`
 /// (or its own drop). The region's [`TierRegion::slot_size`] must be `spec.slot_size`.
 ///
-/// Implementations live beside their engine (the memory nodes' resolver in `umbp-ucx`, feature
-/// `pool`), so this crate never depends on a transport.
+/// Implementations live above this crate, beside their engine (the memory nodes' resolver in
+/// `umbp-memory-node`), so this crate never depends on a transport.
 pub trait TierResolver: Send + Sync {
     /// The region through which this process reaches tier `spec.tier` of `node`, registered
     /// with the pool's composite; `None` when it cannot be reached now (the pool counts those

@@ -29,80 +29,90 @@ pub(crate) fn ucx_or_skip() -> bool {
     }
 }
 
-/// Byte `i` of a region the server filled with `seed` (the formula of `umbp-ucx-serve`).
+/// Byte `i` of a region the server filled with `seed` (the formula of the memory node's
+/// `--fill`, umbp-memory-node's `umbp-ucx-serve`).
 pub(crate) fn fill_byte(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(7) ^ (i >> 12).wrapping_mul(31)).wrapping_add(usize::from(seed)) as u8
 }
 
-/// A serving process: `umbp-ucx-serve`, killed when dropped.
+/// The environment variable that carries a serving process's settings (see [`serve_child`]).
+const SERVER_ENV: &str = "UMBP_UCX_TEST_SERVER";
+
+/// A serving process, killed when dropped: this very test binary running [`serve_child`], so
+/// the tests need no program outside this crate (the memory node command lives in the crate
+/// above, umbp-memory-node).
 pub(crate) struct Served {
     pub(crate) child: Child,
     stdin: Option<ChildStdin>,
     pub(crate) addr: SocketAddr,
 }
 
+/// What a serving process exports and how it limits its clients.
+#[derive(Clone, Copy)]
+pub(crate) struct Exported {
+    /// A writable region `arena` of this many bytes, filled with `seed` ([`fill_byte`]).
+    pub(crate) bytes: usize,
+    pub(crate) seed: u8,
+    /// A read-only region `ro` of this many bytes (none when 0), filled with `seed + 1`.
+    pub(crate) read_only_bytes: usize,
+    /// `ServerLimits::max_clients`, when set.
+    pub(crate) max_clients: Option<usize>,
+    /// `UcxConfig::connect_timeout` (the handshake's deadline), when set.
+    pub(crate) handshake_timeout_ms: Option<u64>,
+}
+
+impl Exported {
+    /// A writable `arena` of `bytes` filled with `seed`, and the default limits.
+    pub(crate) fn arena(bytes: usize, seed: u8) -> Self {
+        Self { bytes, seed, read_only_bytes: 0, max_clients: None, handshake_timeout_ms: None }
+    }
+}
+
 impl Served {
-    /// Starts a server of `bytes` bytes filled with `seed` over `transports`, with `extra`
-    /// arguments.
-    pub(crate) fn start(transports: &str, bytes: usize, seed: u8, extra: &[&str]) -> Self {
-        Self::spawn(
-            Command::new(env!("CARGO_BIN_EXE_umbp-ucx-serve")),
-            transports,
-            bytes,
-            seed,
-            extra,
-        )
+    /// Starts a server of `bytes` bytes filled with `seed` over `transports`.
+    pub(crate) fn start(transports: &str, bytes: usize, seed: u8) -> Self {
+        Self::with(transports, Exported::arena(bytes, seed))
     }
 
-    /// As [`start`](Self::start), in a process that may open at most `fds` descriptors.
-    pub(crate) fn start_with_fd_limit(
-        fds: u32,
-        transports: &str,
-        bytes: usize,
-        seed: u8,
-        extra: &[&str],
-    ) -> Self {
+    /// Starts a server exporting `exported` over `transports`.
+    pub(crate) fn with(transports: &str, exported: Exported) -> Self {
+        Self::spawn(Command::new(std::env::current_exe().unwrap()), transports, exported)
+    }
+
+    /// As [`with`](Self::with), in a process that may open at most `fds` descriptors.
+    pub(crate) fn with_fd_limit(fds: u32, transports: &str, exported: Exported) -> Self {
         let mut shell = Command::new("sh");
-        shell.args([
-            "-c",
-            &format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
-            env!("CARGO_BIN_EXE_umbp-ucx-serve"),
-        ]);
-        Self::spawn(shell, transports, bytes, seed, extra)
+        shell.args(["-c", &format!("ulimit -n {fds} && exec \"$0\" \"$@\"")]);
+        shell.arg(std::env::current_exe().unwrap());
+        Self::spawn(shell, transports, exported)
     }
 
-    fn spawn(
-        mut command: Command,
-        transports: &str,
-        bytes: usize,
-        seed: u8,
-        extra: &[&str],
-    ) -> Self {
+    fn spawn(mut command: Command, transports: &str, e: Exported) -> Self {
+        let spec = format!(
+            "{transports} {} {} {} {} {}",
+            e.bytes,
+            e.seed,
+            e.read_only_bytes,
+            e.max_clients.map_or(0, |n| n),
+            e.handshake_timeout_ms.map_or(0, |t| t)
+        );
         let mut child = command
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--transports",
-                transports,
-                "--bytes",
-                &bytes.to_string(),
-                "--fill",
-                &seed.to_string(),
-            ])
-            .args(extra)
+            .args(["--exact", "support::serve_child", "--ignored", "--nocapture", "-q"])
+            .env(SERVER_ENV, spec)
             .env(umbp_ucx::SECRET_ENV, SECRET)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .expect("umbp-ucx-serve starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let addr = line
-            .strip_prefix("listening ")
-            .unwrap_or_else(|| panic!("the server said {line:?}"))
-            .trim()
-            .parse()
-            .unwrap();
+            .expect("the serving process starts");
+        // The test harness prints its own lines first.
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let addr = loop {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the serving process ended");
+            if let Some(addr) = line.strip_prefix("listening ") {
+                break addr.trim().parse().unwrap();
+            }
+        };
         Self { stdin: child.stdin.take(), child, addr }
     }
 
@@ -134,4 +144,40 @@ pub(crate) fn config(transports: &str) -> UcxConfig {
 /// An engine over a new registry, on `transports`, with the tests' secret.
 pub(crate) fn engine(transports: &str) -> UcxEngine {
     UcxEngine::new(EndpointRegistry::new(), config(transports)).expect("the engine starts")
+}
+
+/// The serving process of [`Served`]: exports what `UMBP_UCX_TEST_SERVER` says, prints
+/// `listening ADDR`, and serves until its standard input closes. Ignored: only [`Served`]
+/// runs it, as this test binary's child (`--ignored --exact support::serve_child`).
+#[test]
+#[ignore = "the serving process the tests start (Served), not a test of its own"]
+fn serve_child() {
+    let Ok(spec) = std::env::var(SERVER_ENV) else {
+        return;
+    };
+    let f: Vec<&str> = spec.split(' ').collect();
+    let number = |i: usize| f[i].parse::<u64>().unwrap();
+    let (bytes, seed, read_only_bytes) = (number(1) as usize, number(2) as u8, number(3) as usize);
+    let mut config = UcxConfig {
+        transports: Some(f[0].to_owned()),
+        secret: Some(SECRET.into()),
+        ..UcxConfig::default()
+    };
+    if number(4) > 0 {
+        config.limits.max_clients = number(4) as usize;
+    }
+    if number(5) > 0 {
+        config.connect_timeout = std::time::Duration::from_millis(number(5));
+    }
+    let filled = |len: usize, seed: u8| (0..len).map(|i| fill_byte(seed, i)).collect::<Vec<u8>>();
+    let mut builder =
+        umbp_ucx::ServerBuilder::new(config).export("arena", filled(bytes, seed), true);
+    if read_only_bytes > 0 {
+        builder = builder.export("ro", filled(read_only_bytes, seed.wrapping_add(1)), false);
+    }
+    let server = builder.serve("127.0.0.1:0").expect("serving starts");
+    println!("listening {}", server.local_addr());
+    std::io::stdout().flush().unwrap();
+    for _ in std::io::stdin().lock().lines() {}
+    drop(server);
 }

@@ -8,7 +8,7 @@ use umbp_composite::CompositeEngine;
 use umbp_plan::{Register, Registration};
 use umbp_pool::{NodeAnnouncement, NodeId, TierId, TierRegion, TierResolver, TierSpec};
 
-use crate::{Error, PeerInfo, UcxEngine};
+use umbp_ucx::{Error, PeerInfo, UcxEngine};
 
 /// One memory node this resolver is connected to.
 struct Peer {
@@ -35,11 +35,11 @@ struct Retired {
 /// proves both hold the shared secret, so an address planted in the index reaches no
 /// impostor, and the node's welcome names its node id, bound to the session, so an
 /// announcement that points one node's id at another node's address (whoever can write the
-/// index can do that) is refused with [`HandshakeError::WrongNode`](crate::HandshakeError)
+/// index can do that) is refused with [`HandshakeError::WrongNode`](umbp_ucx::HandshakeError)
 /// ([`refusal`](Self::refusal) tells it): that node's blocks fail as load and put errors and
 /// never reach the other node's slots. Once per node, it registers the node's
 /// exported region for that tier (tier `i` is the node's `i`-th region, as
-/// [`Membership`](crate::pool::Membership) registers them) with the pool's composite, over
+/// [`Membership`](crate::Membership) registers them) with the pool's composite, over
 /// exactly the tier's `slot_size * slot_count` bytes.
 ///
 /// A node is connected again, and its regions registered again, when its announcement names
@@ -117,7 +117,7 @@ impl UcxResolver {
 
     /// Why the last attempt to connect to `node` failed, until one succeeds: for a node whose
     /// announced address reaches another node, [`Error::Handshake`] with
-    /// [`HandshakeError::WrongNode`](crate::HandshakeError::WrongNode).
+    /// [`HandshakeError::WrongNode`](umbp_ucx::HandshakeError::WrongNode).
     pub fn refusal(&self, node: NodeId) -> Option<Arc<Error>> {
         self.refused
             .lock()

@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 use pool_support::{available, password_file, Node, RedisServer};
 use umbp_composite::CompositeEngine;
 use umbp_localcopy::LocalCopyEngine;
+use umbp_memory_node::UcxResolver;
 use umbp_plan::{EndpointRegistry, Register, TransferEngine};
 use umbp_pool::{
     BlockError, BlockKey, GetBlock, GetOutcome, NodeId, Pool, PoolConfig, PutBlock, PutOutcome,
     TierId,
 };
-use umbp_ucx::pool::UcxResolver;
 use umbp_ucx::UcxEngine;
 
 const POISON: u8 = 0xA5;

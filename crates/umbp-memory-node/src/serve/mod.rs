@@ -1,4 +1,4 @@
-//! `umbp-ucx-serve`: a memory node. Exports regions of this process's memory to other nodes'
+//! The `umbp-ucx-serve` command, a memory node as a service ([`main`]). Exports regions of this process's memory to other nodes'
 //! umbp engines over UCX until SIGTERM or SIGINT, then drains and exits 0.
 //!
 //! `umbp-ucx-serve --help` lists every flag; docs/MEMORY-NODE.md shows a configuration file,
@@ -20,12 +20,15 @@
 //! For tests and benchmarks, `--bytes N` exports a writable region `arena` whose byte `i` is
 //! `fill_byte(SEED, i)` (see [`fill_byte`]), and `--read-only-bytes` a read-only `ro` filled
 //! the same way with `SEED + 1`.
+//!
+//! The binary `umbp-ucx-serve` of this crate and the Python package's console script of the
+//! same name both run [`main`].
 
 mod metrics;
 mod settings;
 
+use std::ffi::OsString;
 use std::io::{BufRead, IsTerminal, Write};
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,13 +36,14 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use umbp_pool::RedisIndex;
-use umbp_ucx::pool::Membership;
 use umbp_ucx::ServerBuilder;
+
+use crate::Membership;
 
 use settings::{Args, PoolSettings, RegionSpec, Settings};
 
-/// Byte `i` of a region filled with `seed`: varies within and across pages.
-fn fill_byte(seed: u8, i: usize) -> u8 {
+/// Byte `i` of a region filled with `seed` (`--fill`): varies within and across pages.
+pub fn fill_byte(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(7) ^ (i >> 12).wrapping_mul(31)).wrapping_add(usize::from(seed)) as u8
 }
 
@@ -82,35 +86,46 @@ fn chain(e: &dyn std::error::Error) -> String {
     message
 }
 
-fn main() -> ExitCode {
-    let args = Args::parse();
+/// Runs the command with `args` (the program's name first, as [`std::env::args_os`] gives
+/// them) until it stops, and returns its exit status (see the module: 0, 1 or 2). `--help`, `--version`
+/// and flags clap cannot parse print and exit the process, as a command does. Installs the
+/// log subscriber (RUST_LOG, default `info`, to standard error) unless the process has one,
+/// and handlers for SIGTERM and SIGINT: call it from a process that is to become the
+/// memory node, not from a program that goes on afterwards.
+pub fn main<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args = Args::parse_from(args);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    // A process that already has a subscriber keeps it.
+    let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .try_init();
     let settings = match Settings::from_args(args) {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("umbp-ucx-serve: {}", chain(&e));
-            return ExitCode::from(2);
+            return 2;
         }
     };
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
     match run(settings) {
-        Ok(code) => code,
+        Ok(()) => 0,
         Err(message) => {
             eprintln!("umbp-ucx-serve: {message}");
-            ExitCode::from(1)
+            1
         }
     }
 }
 
-fn run(settings: Settings) -> Result<ExitCode, String> {
+fn run(settings: Settings) -> Result<(), String> {
     // Signals first: one that arrives while the regions are allocated still drains. A second
     // one while draining exits at once.
     let term = Arc::new(AtomicBool::new(false));
@@ -200,5 +215,5 @@ fn run(settings: Settings) -> Result<ExitCode, String> {
         bytes_written = s.bytes_received,
         "stopped"
     );
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_ucx::pool::{MembershipSnapshot, MembershipState, MembershipStats};
+use crate::{MembershipSnapshot, MembershipState, MembershipStats};
 use umbp_ucx::{ServerStats, StatsSnapshot};
 
 /// The most bytes of a request read (its line and headers).

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use std::net::SocketAddr;
 
+use crate::MembershipConfig;
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use umbp_pool::{NodeId, RedisConfig};
-use umbp_ucx::pool::MembershipConfig;
 use umbp_ucx::{Protection, UcxConfig};
 
 /// Serve this node's memory to other nodes' umbp engines over UCX: a memory node.

@@ -16,7 +16,8 @@ use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, Transfer
 use umbp_ucx::{PeerInfo, UcxConfig, UcxEngine};
 
 use pool_support::Node;
-use support::{engine, fill_byte, ucx_or_skip, SECRET};
+use support::{engine, ucx_or_skip, SECRET};
+use umbp_memory_node::serve::fill_byte;
 
 const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
 
@@ -351,4 +352,38 @@ fn sigint_stops_an_idle_node_with_status_zero() {
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(status.code(), Some(0), "{}", node.log());
+}
+/// `umbp-ucx-serve --insecure-no-auth` with a secret set refuses to start, as the library
+/// does: the two contradict each other.
+#[test]
+fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
+    let out = Command::new(SERVE)
+        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
+        .env(umbp_ucx::SECRET_ENV, SECRET)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty(), "it served: {}", String::from_utf8_lossy(&out.stdout));
+    assert!(stderr.contains("insecure_no_auth"), "{stderr}");
+    // Without the secret it serves (insecure, and says so).
+    let mut child = Command::new(SERVE)
+        .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
+        .arg("--exit-on-stdin-close")
+        .env_remove(umbp_ucx::SECRET_ENV)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.starts_with("listening "), "{line}");
+    drop(child.stdin.take());
+    child.wait().unwrap();
 }

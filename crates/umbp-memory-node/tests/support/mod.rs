@@ -1,0 +1,38 @@
+//! What the memory node's tests share: UCX's presence, the tests' secret, an engine.
+#![allow(dead_code)] // Each test file uses its own part.
+
+use umbp_plan::EndpointRegistry;
+use umbp_ucx::{UcxConfig, UcxEngine};
+
+/// The shared secret of the tests' nodes and engines.
+pub(crate) const SECRET: &str = "umbp-ucx test secret, 32 bytes!!";
+
+/// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
+/// failure.
+pub(crate) fn ucx_or_skip() -> bool {
+    match umbp_ucx::ucx_available() {
+        Ok(()) => true,
+        Err(e) => {
+            assert!(
+                std::env::var_os("UMBP_REQUIRE_UCX").is_none_or(|v| v != "1"),
+                "UMBP_REQUIRE_UCX=1 but {e}"
+            );
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+/// The configuration of the tests' engines: `transports` and the tests' secret.
+pub(crate) fn config(transports: &str) -> UcxConfig {
+    UcxConfig {
+        transports: Some(transports.to_owned()),
+        secret: Some(SECRET.into()),
+        ..UcxConfig::default()
+    }
+}
+
+/// An engine over a new registry, on `transports`, with the tests' secret.
+pub(crate) fn engine(transports: &str) -> UcxEngine {
+    UcxEngine::new(EndpointRegistry::new(), config(transports)).expect("the engine starts")
+}
