@@ -394,3 +394,16 @@ def test_pool_ssd_blocks_survive_a_restart(tmp_path):
     got = pool.get([(key(i), dst, i * SLOT, SLOT) for i in range(3)])
     assert [r.status for r in got] == ["loaded"] * 3, got
     assert engine.read(dst, 0, 3 * SLOT) == b"".join(d.tobytes() for d in datas)
+
+
+def test_umbp_exports_the_pools_names_from_the_one_list_in_umbp_pool():
+    """umbp.pool.__all__ is the one list of the pool's public names: umbp re-exports each of
+    them (the same objects) and lists them in its own __all__, once."""
+    import umbp.pool
+
+    assert umbp.pool.__all__, "umbp.pool lists its public names"
+    for name in umbp.pool.__all__:
+        assert getattr(umbp, name) is getattr(umbp.pool, name), name
+        assert umbp.__all__.count(name) == 1, name
+    assert len(umbp.__all__) == len(set(umbp.__all__))
+    assert [n for n in umbp.__all__ if not hasattr(umbp, n)] == []

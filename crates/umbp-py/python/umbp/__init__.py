@@ -61,15 +61,10 @@ from ._native import (  # noqa: F401  (re-exported)
     crc32c_combine,
     reset_log_cache,
 )
-from .pool import (  # noqa: F401  (re-exported)
-    BlockResult,
-    Placement,
-    Pool,
-    PoolError,
-    PoolIndex,
-    ReconcileReport,
-    Reservation,
-)
+from . import pool as _pool
+# The pool's public names are the ones umbp.pool.__all__ lists, and nowhere else: they are
+# re-exported here and added to this package's __all__ below.
+from .pool import *  # noqa: F401,F403  (re-exported)
 
 #: The package's version (the Rust crate's, which the wheel's metadata carries too).
 __version__: str = _native.__version__
@@ -105,14 +100,8 @@ __all__ = [
     "Peer",
     "RemoteRegion",
     "Server",
-    "PoolIndex",
-    "Pool",
-    "Placement",
-    "Reservation",
-    "ReconcileReport",
-    "PoolError",
-    "BlockResult",
 ]
+__all__ += _pool.__all__
 
 #: The Rust half of :class:`Engine` (an alias, so that an annotation inside the class does not
 #: meet the class's own ``_native`` property).
