@@ -369,16 +369,12 @@ fn restore_into(
         .iter()
         .zip(&ranges)
         .enumerate()
-        .map(|(k, (pages, ranges))| ObjectTransfer {
-            tag: k as u64,
-            object: PagedObject {
-                tier: rig.arena_id,
-                page_offsets: pages,
-                page_size: size / PAGES_PER_OBJECT as u64,
-                size,
-            },
-            ranges,
-            checksum: None,
+        .map(|(k, (pages, ranges))| {
+            ObjectTransfer::new(
+                k as u64,
+                PagedObject::new(rig.arena_id, pages, size / PAGES_PER_OBJECT as u64, size),
+                ranges,
+            )
         })
         .collect();
     let report = restore(builder, &objects).context("restoring")?;

@@ -425,12 +425,12 @@ impl Setup {
             .iter()
             .zip(ranges)
             .map(|(&b, ranges)| {
-                let object = PagedObject {
-                    tier: if from_ssd(b) { self.file.id() } else { self.arena_id },
-                    page_offsets: self.table.object(b),
-                    page_size: s.page_size,
-                    size: s.object_size(),
-                };
+                let object = PagedObject::new(
+                    if from_ssd(b) { self.file.id() } else { self.arena_id },
+                    self.table.object(b),
+                    s.page_size,
+                    s.object_size(),
+                );
                 ObjectTransfer::new(b as u64, object, ranges)
             })
             .collect()

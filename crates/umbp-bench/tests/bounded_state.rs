@@ -40,8 +40,7 @@ fn a_hundred_thousand_registrations_leave_as_many_slots_as_endpoints_registered_
             // into this cycle's buffer.
             let pages = [PAGE];
             let ranges = [ObjectRange::new(0, PAGE, id, 0)];
-            let object =
-                PagedObject { tier: tier.id(), page_offsets: &pages, page_size: PAGE, size: PAGE };
+            let object = PagedObject::new(tier.id(), &pages, PAGE, PAGE);
             let report = restore(&mut builder, &[ObjectTransfer::new(0, object, &ranges)]).unwrap();
             assert_eq!(report.aggregate, BatchState::Completed, "cycle {cycle}");
         }

@@ -74,7 +74,7 @@
 //!     ObjectRange::new(0, 4096, gpu.id(), 0),
 //!     ObjectRange::new(4096, 4096, gpu.id(), 4096).in_group(1),
 //! ];
-//! let object = PagedObject { tier: arena.id(), page_offsets: &pages, page_size: 4096, size: 8192 };
+//! let object = PagedObject::new(arena.id(), &pages, 4096, 8192);
 //! let objects = [ObjectTransfer::new(42, object, &ranges)];
 //!
 //! let mut builder = composite.builder();

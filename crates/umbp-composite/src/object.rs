@@ -3,7 +3,9 @@
 
 use umbp_plan::EndpointId;
 
-/// Where an object lives: its pages in a tier (a DRAM arena or an SSD file).
+/// Where an object lives: its pages in a tier (a DRAM arena or an SSD file). Made with
+/// [`new`](Self::new): fields may be added, so it is not built as a struct literal outside
+/// this crate.
 #[derive(Copy, Clone, Debug)]
 pub struct PagedObject<'a> {
     /// The tier endpoint holding the pages.
@@ -16,7 +18,17 @@ pub struct PagedObject<'a> {
     pub size: u64,
 }
 
-/// One range of an object and the caller's memory on the other side of the transfer.
+impl<'a> PagedObject<'a> {
+    /// An object of `size` bytes stored in `tier`, in pages of `page_size` bytes at
+    /// `page_offsets` (in object order). Checked when a batch walks it, not here.
+    pub const fn new(tier: EndpointId, page_offsets: &'a [u64], page_size: u64, size: u64) -> Self {
+        Self { tier, page_offsets, page_size, size }
+    }
+}
+
+/// One range of an object and the caller's memory on the other side of the transfer. Made
+/// with [`new`](Self::new) and [`in_group`](Self::in_group): fields may be added, so it is not
+/// built as a struct literal outside this crate.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ObjectRange {
     /// Offset inside the object.
@@ -46,7 +58,9 @@ impl ObjectRange {
     }
 }
 
-/// One object of a restore or offload batch.
+/// One object of a restore or offload batch. Made with [`new`](Self::new) and
+/// [`with_checksum`](Self::with_checksum): fields may be added (as `checksum` was), so it is
+/// not built as a struct literal outside this crate.
 #[derive(Copy, Clone, Debug)]
 pub struct ObjectTransfer<'a> {
     /// The caller's own tag for the object, given back in its result; once per batch.
@@ -59,8 +73,9 @@ pub struct ObjectTransfer<'a> {
     /// For a restore: the CRC32C the object's bytes must have (the CRC32C of its ranges'
     /// bytes, concatenated in range order: what the offload that saved them reported in
     /// [`ObjectResult::checksum`](crate::ObjectResult::checksum)). Where the composite's
-    /// [`ChecksumPolicy`](crate::ChecksumPolicy) covers the object's tier, bytes that do not match fail the object
-    /// with [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch);
+    /// [`ChecksumPolicy`](crate::ChecksumPolicy) covers the object's tier, bytes that do not
+    /// match fail the object with
+    /// [`FailureCause::ChecksumMismatch`](umbp_plan::FailureCause::ChecksumMismatch);
     /// elsewhere it is not checked. Offloads ignore it. Default (in [`new`](Self::new)):
     /// `None`, nothing to verify.
     pub checksum: Option<u32>,

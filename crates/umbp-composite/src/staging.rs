@@ -14,7 +14,9 @@ use umbp_plan::{AlignedBuffer, EndpointId};
 use crate::routed::StagedFragment;
 
 /// The staged route's configuration: a registered host region that carries bytes between two
-/// engines when no single engine claims a pair (SSD to device memory, say).
+/// engines when no single engine claims a pair (SSD to device memory, say). Made with
+/// [`new`](Self::new) and [`with_stage_bytes`](Self::with_stage_bytes): fields may be added, so
+/// it is not built as a struct literal outside this crate.
 ///
 /// # Sizing the region
 ///
@@ -68,6 +70,13 @@ impl Staging {
     /// Staging through `bounce` in stages of at most 2 MiB (see "Sizing the region").
     pub const fn new(bounce: EndpointId) -> Self {
         Self { bounce, stage_bytes: 2 << 20 }
+    }
+
+    /// The same staging in stages of at most `stage_bytes` (non-zero; see "Sizing the
+    /// region").
+    pub const fn with_stage_bytes(mut self, stage_bytes: u64) -> Self {
+        self.stage_bytes = stage_bytes;
+        self
     }
 }
 

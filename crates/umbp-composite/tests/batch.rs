@@ -384,16 +384,12 @@ fn staged_restore_with_a_panic(which: usize, victim: u32) -> (Vec<ObjectState>, 
     let ranges: Vec<[ObjectRange; 1]> =
         (0..4).map(|o| [ObjectRange::new(0, size, dev.id, o as u64 * size)]).collect();
     let objects: Vec<ObjectTransfer> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: 100 + o as u64,
-            object: PagedObject {
-                tier: t.file_id,
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                100 + o as u64,
+                PagedObject::new(t.file_id, &tables[o], PAGE, size),
+                &ranges[o],
+            )
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &objects).unwrap();
@@ -448,12 +444,8 @@ fn plans_from_another_composite_and_duplicate_tags_are_typed_errors() {
 
     let pages = [0u64];
     let ranges = [ObjectRange::new(0, OBJECT, a.ids.1, 0)];
-    let object =
-        PagedObject { tier: a.ids.0, page_offsets: &pages, page_size: OBJECT, size: OBJECT };
-    let twice = [
-        ObjectTransfer { tag: 9, object, ranges: &ranges, checksum: None },
-        ObjectTransfer { tag: 9, object, ranges: &ranges, checksum: None },
-    ];
+    let object = PagedObject::new(a.ids.0, &pages, OBJECT, OBJECT);
+    let twice = [ObjectTransfer::new(9, object, &ranges), ObjectTransfer::new(9, object, &ranges)];
     let mut builder = a.composite.builder();
     assert!(matches!(restore(&mut builder, &twice), Err(Error::DuplicateTag(9))));
     assert!(a.object_untouched(0), "nothing was planned or written");
@@ -468,12 +460,11 @@ fn a_rejected_object_carries_its_reason() {
     let good = [ObjectRange::new(0, OBJECT, rig.ids.1, 0)];
     let past_end = [ObjectRange::new(0, OBJECT, rig.ids.1, 2 * OBJECT - 10)];
     let bad_range = [ObjectRange::new(OBJECT, 2 * OBJECT, rig.ids.1, 0)];
-    let object =
-        PagedObject { tier: rig.ids.0, page_offsets: &pages, page_size: OBJECT, size: 2 * OBJECT };
+    let object = PagedObject::new(rig.ids.0, &pages, OBJECT, 2 * OBJECT);
     let objects = [
-        ObjectTransfer { tag: 1 << 40, object, ranges: &good, checksum: None },
-        ObjectTransfer { tag: 7, object, ranges: &past_end, checksum: None },
-        ObjectTransfer { tag: u64::MAX, object, ranges: &bad_range, checksum: None },
+        ObjectTransfer::new(1 << 40, object, &good),
+        ObjectTransfer::new(7, object, &past_end),
+        ObjectTransfer::new(u64::MAX, object, &bad_range),
     ];
     let report = restore(&mut rig.composite.builder(), &objects).unwrap();
     assert_eq!(report.objects[0].tag, 1 << 40);
@@ -779,16 +770,12 @@ fn cancel_settles_stages_waiting_for_a_bounce_slot_and_cancels_the_running_hops(
     let ranges: Vec<[ObjectRange; 1]> =
         (0..8).map(|o| [ObjectRange::new(0, size, dev.id, o as u64 * size)]).collect();
     let objects: Vec<ObjectTransfer> = (0..8)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: t.file_id,
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                o as u64,
+                PagedObject::new(t.file_id, &tables[o], PAGE, size),
+                &ranges[o],
+            )
         })
         .collect();
     let mut builder = t.composite.builder();
@@ -857,16 +844,12 @@ fn an_engine_whose_name_panics_rejects_its_objects_and_leaves_the_builder_usable
     let ranges =
         [[ObjectRange::new(0, OBJECT, dst_id, 0)], [ObjectRange::new(0, OBJECT, dst_id, 6000)]];
     let objects: Vec<ObjectTransfer> = (0..2)
-        .map(|o| ObjectTransfer {
-            tag: 1 + o as u64,
-            object: PagedObject {
-                tier: src_id,
-                page_offsets: &pages[o],
-                page_size: OBJECT,
-                size: OBJECT,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                1 + o as u64,
+                PagedObject::new(src_id, &pages[o], OBJECT, OBJECT),
+                &ranges[o],
+            )
         })
         .collect();
     let mut builder = composite.builder();

@@ -109,8 +109,7 @@ impl Rig {
             .iter()
             .zip(&ranges)
             .map(|(o, r)| {
-                let object =
-                    PagedObject { tier: o.1, page_offsets: &o.2, page_size: PAGE, size: 2 * PAGE };
+                let object = PagedObject::new(o.1, &o.2, PAGE, 2 * PAGE);
                 ObjectTransfer::new(o.0, object, r)
             })
             .collect();
@@ -149,8 +148,7 @@ fn the_log_names_an_object_that_failed_its_checksum_by_the_callers_tag() {
     let tag = 0x5EED_0000_0000_0002;
     let ranges = [ObjectRange::new(0, 2 * PAGE, rig.kv.id(), 0)];
     let pages = [0, PAGE];
-    let object =
-        PagedObject { tier: rig.dram.id(), page_offsets: &pages, page_size: PAGE, size: 2 * PAGE };
+    let object = PagedObject::new(rig.dram.id(), &pages, PAGE, 2 * PAGE);
     let transfers = [ObjectTransfer::new(tag, object, &ranges).with_checksum(0xDEAD_BEEF)];
     let report = restore(&mut rig.composite.builder(), &transfers).unwrap();
     assert_eq!(report.objects[0].state, ObjectState::Failed, "{report:?}");

@@ -90,16 +90,12 @@ fn a_composite_under_every_fault_at_once_keeps_every_promise() {
                         })
                         .collect();
                     let objects: Vec<ObjectTransfer> = (0..OBJECTS)
-                        .map(|o| ObjectTransfer {
-                            tag: (thread * 1000 + round * 10 + o) as u64,
-                            object: PagedObject {
-                                tier: if rng.below(2) == 0 { t.dram_id } else { t.file_id },
-                                page_offsets: &tables[thread * OBJECTS + o],
-                                page_size: PAGE,
-                                size,
-                            },
-                            ranges: &ranges[o],
-                            checksum: None,
+                        .map(|o| {
+                            let tier = if rng.below(2) == 0 { t.dram_id } else { t.file_id };
+                            let pages = &tables[thread * OBJECTS + o];
+                            let object = PagedObject::new(tier, pages, PAGE, size);
+                            let tag = (thread * 1000 + round * 10 + o) as u64;
+                            ObjectTransfer::new(tag, object, &ranges[o])
                         })
                         .collect();
                     let mode = rng.below(4);

@@ -69,7 +69,7 @@ fn fixture(pages: usize, policy: ChecksumPolicy, stage: u64) -> Fx {
             .unwrap(),
         )
     };
-    composite.set_staging(Staging { bounce: bounce_id, stage_bytes: stage }).unwrap();
+    composite.set_staging(Staging::new(bounce_id).with_stage_bytes(stage)).unwrap();
     Fx { composite, hbm, _file: file, path, _dir: dir, dram, dram_id, file_id, _bounce: bounce }
 }
 
@@ -118,7 +118,7 @@ fn stored(tier: &[u8], table: &[u64], page: u64, offset: u64, len: u64) -> Vec<u
 }
 
 fn object<'a>(tier: EndpointId, table: &'a [u64], size: u64) -> PagedObject<'a> {
-    PagedObject { tier, page_offsets: table, page_size: PAGE, size }
+    PagedObject::new(tier, table, PAGE, size)
 }
 
 /// Whole objects of `per` pages: offload `objects` objects from `src` (a host buffer holding
@@ -521,7 +521,15 @@ proptest! {
     let out_id = out_registration.id();
         let back: Vec<Vec<ObjectRange>> = ranges
             .iter()
-            .map(|rs| rs.iter().map(|r| ObjectRange { endpoint: out_id, ..*r }).collect())
+            .map(|rs| {
+                // The same ranges, into `out`.
+                let into_out = |r: &ObjectRange| {
+                    let mut r = *r;
+                    r.endpoint = out_id;
+                    r
+                };
+                rs.iter().map(into_out).collect()
+            })
             .collect();
         let batch: Vec<ObjectTransfer> = (0..objects)
             .map(|o| {

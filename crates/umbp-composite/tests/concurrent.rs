@@ -47,11 +47,8 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
     // Warm up: the executor and every engine's workers start here.
     let warm_dev = device(&t.hbm, size);
     let warm = [ObjectRange::new(0, size, warm_dev.id, 0)];
-    let object = PagedObject { tier: t.file_id, page_offsets: &tables[0], page_size: PAGE, size };
-    let report = restore(
-        &mut t.composite.builder(),
-        &[ObjectTransfer { tag: 0, object, ranges: &warm, checksum: None }],
-    );
+    let object = PagedObject::new(t.file_id, &tables[0], PAGE, size);
+    let report = restore(&mut t.composite.builder(), &[ObjectTransfer::new(0, object, &warm)]);
     assert_eq!(report.unwrap().aggregate, BatchState::Completed);
     let baseline_names = thread_names();
     let baseline = baseline_names.len();
@@ -94,16 +91,17 @@ fn sixteen_threads_share_one_composite_and_every_completed_byte_is_right() {
                             })
                             .collect();
                         let objects: Vec<ObjectTransfer> = (0..OBJECTS)
-                            .map(|o| ObjectTransfer {
-                                tag: (thread * 1000 + round * 10 + o) as u64,
-                                object: PagedObject {
-                                    tier: if o % 3 == 1 { t.dram_id } else { t.file_id },
-                                    page_offsets: &tables[thread * OBJECTS + o],
-                                    page_size: PAGE,
-                                    size,
-                                },
-                                ranges: &ranges[o],
-                                checksum: None,
+                            .map(|o| {
+                                ObjectTransfer::new(
+                                    (thread * 1000 + round * 10 + o) as u64,
+                                    PagedObject::new(
+                                        if o % 3 == 1 { t.dram_id } else { t.file_id },
+                                        &tables[thread * OBJECTS + o],
+                                        PAGE,
+                                        size,
+                                    ),
+                                    &ranges[o],
+                                )
                             })
                             .collect();
                         let report = restore(&mut builder, &objects).unwrap();

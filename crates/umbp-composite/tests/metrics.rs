@@ -48,19 +48,15 @@ fn a_scrape_after_a_restore_counts_what_the_batch_moved() {
         .collect();
     let bad = [ObjectRange::new(0, size, host_id, objects as u64 * size)];
     let mut batch: Vec<ObjectTransfer> = (0..objects)
-        .map(|o| ObjectTransfer {
-            tag: 100 + o as u64,
-            object: PagedObject { tier: arena_id, page_offsets: &tables[o], page_size: PAGE, size },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                100 + o as u64,
+                PagedObject::new(arena_id, &tables[o], PAGE, size),
+                &ranges[o],
+            )
         })
         .collect();
-    batch.push(ObjectTransfer {
-        tag: 999,
-        object: PagedObject { tier: arena_id, page_offsets: &tables[0], page_size: PAGE, size },
-        ranges: &bad,
-        checksum: None,
-    });
+    batch.push(ObjectTransfer::new(999, PagedObject::new(arena_id, &tables[0], PAGE, size), &bad));
 
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
     assert_eq!(report.object(999).unwrap().state, ObjectState::Rejected);

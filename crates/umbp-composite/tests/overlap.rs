@@ -43,16 +43,12 @@ fn two_layer_groups_restoring_into_the_same_device_bytes_both_fail_and_write_not
         [ObjectRange::new(0, PAGE4K, dev.id, 3 * PAGE4K).in_group(1)],
     ];
     let objects: Vec<ObjectTransfer> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: 10 + o as u64,
-            object: PagedObject {
-                tier: arena_id,
-                page_offsets: &pages[o],
-                page_size: PAGE4K,
-                size: PAGE4K,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                10 + o as u64,
+                PagedObject::new(arena_id, &pages[o], PAGE4K, PAGE4K),
+                &ranges[o],
+            )
         })
         .collect();
     let mut builder = rig.composite.builder();
@@ -79,8 +75,13 @@ fn two_layer_groups_restoring_into_the_same_device_bytes_both_fail_and_write_not
         [ObjectRange::new(0, PAGE4K, dev.id, 0)],
         [ObjectRange::new(0, PAGE4K, dev.id, PAGE4K).in_group(1)],
     ];
-    let objects: Vec<ObjectTransfer> =
-        (0..2).map(|o| ObjectTransfer { ranges: &ranges[o], ..objects[o] }).collect();
+    let objects: Vec<ObjectTransfer> = (0..2)
+        .map(|i| {
+            let mut o = objects[i];
+            o.ranges = &ranges[i];
+            o
+        })
+        .collect();
     let report = restore(&mut builder, &objects).unwrap();
     assert!(report.objects.iter().all(|o| o.state == ObjectState::Completed), "{report:?}");
     assert_eq!(rig.read_device(&dev)[..2 * PAGE4K as usize], arena[..2 * PAGE4K as usize]);
@@ -100,16 +101,12 @@ fn a_direct_and_a_staged_object_writing_the_same_bytes_both_fail_and_write_nothi
     let ranges: Vec<[ObjectRange; 1]> =
         (0..4).map(|o| [ObjectRange::new(0, PAGE, dev.id, at[o])]).collect();
     let objects: Vec<ObjectTransfer> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: tiers[o],
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size: PAGE,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                o as u64,
+                PagedObject::new(tiers[o], &tables[o], PAGE, PAGE),
+                &ranges[o],
+            )
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &objects).unwrap();

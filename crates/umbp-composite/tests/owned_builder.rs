@@ -35,8 +35,8 @@ fn restore_into(
 ) -> BatchState {
     let size = pages.len() as u64 * PAGE;
     let ranges = [ObjectRange::new(0, size, out, at)];
-    let object = PagedObject { tier, page_offsets: pages, page_size: PAGE, size };
-    let objects = [ObjectTransfer { tag, object, ranges: &ranges, checksum: None }];
+    let object = PagedObject::new(tier, pages, PAGE, size);
+    let objects = [ObjectTransfer::new(tag, object, &ranges)];
     restore(builder, &objects).unwrap().aggregate
 }
 

@@ -60,16 +60,12 @@ fn a_mixed_batch_into_device_and_host_memory_lands_exactly() {
         })
         .collect();
     let batch: Vec<ObjectTransfer> = (0..objects)
-        .map(|o| ObjectTransfer {
-            tag: 1000 + o as u64,
-            object: PagedObject {
-                tier: a.id,
-                page_offsets: &a.page_tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                1000 + o as u64,
+                PagedObject::new(a.id, &a.page_tables[o], PAGE, size),
+                &ranges[o],
+            )
         })
         .collect();
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
@@ -108,28 +104,8 @@ fn a_range_past_the_object_end_fails_that_object_only() {
         ObjectRange::new(2 * PAGE, 2 * PAGE + 1, dev.id, size + 2 * PAGE),
     ];
     let batch = [
-        ObjectTransfer {
-            tag: 7,
-            object: PagedObject {
-                tier: a.id,
-                page_offsets: &a.page_tables[0],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &good,
-            checksum: None,
-        },
-        ObjectTransfer {
-            tag: 8,
-            object: PagedObject {
-                tier: a.id,
-                page_offsets: &a.page_tables[1],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &bad,
-            checksum: None,
-        },
+        ObjectTransfer::new(7, PagedObject::new(a.id, &a.page_tables[0], PAGE, size), &good),
+        ObjectTransfer::new(8, PagedObject::new(a.id, &a.page_tables[1], PAGE, size), &bad),
     ];
     let report = restore(&mut rig.composite.builder(), &batch).unwrap();
     assert_eq!(report.aggregate, BatchState::Failed);
@@ -171,18 +147,8 @@ fn offload_writes_device_ranges_into_pages_and_ranges_need_not_cover_the_object(
     ];
     let gap = [ObjectRange::new(0, 5 * PAGE, dev.id, size)];
     let batch = [
-        ObjectTransfer {
-            tag: 1,
-            object: PagedObject { tier, page_offsets: &tables[0], page_size: PAGE, size },
-            ranges: &tiled,
-            checksum: None,
-        },
-        ObjectTransfer {
-            tag: 2,
-            object: PagedObject { tier, page_offsets: &tables[1], page_size: PAGE, size },
-            ranges: &gap,
-            checksum: None,
-        },
+        ObjectTransfer::new(1, PagedObject::new(tier, &tables[0], PAGE, size), &tiled),
+        ObjectTransfer::new(2, PagedObject::new(tier, &tables[1], PAGE, size), &gap),
     ];
     let report = offload(&mut rig.composite.builder(), &batch).unwrap();
     // Object 2's one range covers 5 of its 6 pages: it is written, not refused with a false
@@ -245,16 +211,12 @@ fn concurrent_restores_of_mixed_shapes_never_report_a_wrong_completed_object() {
                             })
                             .collect();
                         let batch: Vec<ObjectTransfer> = (0..objects)
-                            .map(|o| ObjectTransfer {
-                                tag: o as u64,
-                                object: PagedObject {
-                                    tier: a.id,
-                                    page_offsets: &a.page_tables[o],
-                                    page_size: PAGE,
-                                    size,
-                                },
-                                ranges: &ranges[o],
-                                checksum: None,
+                            .map(|o| {
+                                ObjectTransfer::new(
+                                    o as u64,
+                                    PagedObject::new(a.id, &a.page_tables[o], PAGE, size),
+                                    &ranges[o],
+                                )
                             })
                             .collect();
                         let report = restore(&mut builder, &batch).unwrap();

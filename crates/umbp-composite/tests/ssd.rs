@@ -33,16 +33,17 @@ fn a_mixed_dram_and_ssd_batch_into_device_and_host_memory_is_exact() {
         })
         .collect();
     let batch: Vec<ObjectTransfer> = (0..objects)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: if o % 2 == 0 { t.dram_id } else { t.file_id },
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                o as u64,
+                PagedObject::new(
+                    if o % 2 == 0 { t.dram_id } else { t.file_id },
+                    &tables[o],
+                    PAGE,
+                    size,
+                ),
+                &ranges[o],
+            )
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &batch).unwrap();
@@ -113,16 +114,12 @@ fn restore_file_objects(t: &Tiered, endpoint: EndpointId, tables: &[Vec<u64>]) -
     let ranges: Vec<[ObjectRange; 1]> =
         (0..4).map(|o| [ObjectRange::new(0, size, endpoint, o as u64 * size)]).collect();
     let batch: Vec<ObjectTransfer> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: t.file_id,
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                o as u64,
+                PagedObject::new(t.file_id, &tables[o], PAGE, size),
+                &ranges[o],
+            )
         })
         .collect();
     let report = restore(&mut t.composite.builder(), &batch).unwrap();
@@ -258,7 +255,7 @@ fn cancel_of_a_batch_stuck_in_ssd_reads_cancels_them_in_the_kernel() {
     ));
     let composite = CompositeEngine::new(registry, vec![host, hbm.clone(), ssd]);
     let bounce = composite.register_memory(vec![0u8; 64 << 10]).unwrap();
-    composite.set_staging(Staging { bounce: bounce.id(), stage_bytes: 16 << 10 }).unwrap();
+    composite.set_staging(Staging::new(bounce.id()).with_stage_bytes(16 << 10)).unwrap();
     // A FIFO nobody writes: every read of it waits in the kernel.
     let source = FileSource::open(&path, FileOptions::new().direct(false));
     let fifo = composite.register_file(source, 0, 1 << 20).unwrap();

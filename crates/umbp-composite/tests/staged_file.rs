@@ -58,7 +58,7 @@ fn file_rig(file_len: usize, stage_bytes: u64, slots: u64, workers: usize) -> Op
     // SAFETY: the region lives in the rig, whose composite (its first field, so dropped
     // first) waits for every batch before the region goes.
     let bounce_id = unsafe { register(&composite, endpoint) }.unwrap();
-    composite.set_staging(Staging { bounce: bounce_id, stage_bytes }).unwrap();
+    composite.set_staging(Staging::new(bounce_id).with_stage_bytes(stage_bytes)).unwrap();
     Some(FileRig {
         composite,
         hbm,
@@ -86,16 +86,12 @@ fn objects_crossing_stage_boundaries_all_land_in_an_o_direct_file() {
     let ranges: Vec<[ObjectRange; 1]> =
         (0..OBJECTS as u64).map(|k| [ObjectRange::new(0, SIZE, dev.id, k * SIZE)]).collect();
     let objects: Vec<ObjectTransfer> = (0..OBJECTS)
-        .map(|k| ObjectTransfer {
-            tag: k as u64,
-            object: PagedObject {
-                tier: rig.file_id,
-                page_offsets: &pages[k],
-                page_size: SIZE,
-                size: SIZE,
-            },
-            ranges: &ranges[k],
-            checksum: None,
+        .map(|k| {
+            ObjectTransfer::new(
+                k as u64,
+                PagedObject::new(rig.file_id, &pages[k], SIZE, SIZE),
+                &ranges[k],
+            )
         })
         .collect();
     let mut builder = rig.composite.builder();
@@ -167,14 +163,8 @@ fn sixteen_threads_offloading_pieces_of_shared_sectors_lose_nothing() {
                     let from = dev.addr + t as u64 * PIECE;
                     rig.hbm.runtime().fill(from, PIECE, byte(t, r)).unwrap();
                     let pages = [at(t, r)];
-                    let object = PagedObject {
-                        tier: rig.file_id,
-                        page_offsets: &pages,
-                        page_size: PIECE,
-                        size: PIECE,
-                    };
-                    let objects =
-                        [ObjectTransfer { tag: t as u64, object, ranges: &ranges, checksum: None }];
+                    let object = PagedObject::new(rig.file_id, &pages, PIECE, PIECE);
+                    let objects = [ObjectTransfer::new(t as u64, object, &ranges)];
                     start.wait();
                     let report = offload(&mut builder, &objects).unwrap();
                     *states[t].lock().unwrap() = report.objects[0].state;

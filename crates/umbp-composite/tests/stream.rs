@@ -322,11 +322,12 @@ fn a_layer_wise_restore_on_a_stream_records_one_event_per_group() {
         .map(|o| [ObjectRange::new(0, 8192, out.id, o * 8192).in_group(o as u32)])
         .collect();
     let objects: Vec<ObjectTransfer<'_>> = (0..4)
-        .map(|o| ObjectTransfer {
-            tag: 100 + o as u64,
-            object: PagedObject { tier, page_offsets: &tables[o], page_size: 4096, size: 8192 },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                100 + o as u64,
+                PagedObject::new(tier, &tables[o], 4096, 8192),
+                &ranges[o],
+            )
         })
         .collect();
     let mut builder = rig.composite.builder();

@@ -49,16 +49,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let objects: Vec<ObjectTransfer> = (0..OBJECTS)
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: if o % 4 == 3 { pool.ssd.id() } else { pool.dram.id() },
-                page_offsets: &tables[o],
-                page_size: PAGE as u64,
-                size: SIZE,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                o as u64,
+                PagedObject::new(
+                    if o % 4 == 3 { pool.ssd.id() } else { pool.dram.id() },
+                    &tables[o],
+                    PAGE as u64,
+                    SIZE,
+                ),
+                &ranges[o],
+            )
         })
         .collect();
 

@@ -40,16 +40,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Even objects are cached in DRAM, odd ones on SSD; tags are the server's own ids.
     let tier = |o: usize| if o % 2 == 0 { pool.dram.id() } else { pool.ssd.id() };
     let objects: Vec<ObjectTransfer> = (0..OBJECTS)
-        .map(|o| ObjectTransfer {
-            tag: 9000 + o as u64,
-            object: PagedObject {
-                tier: tier(o),
-                page_offsets: &tables[o],
-                page_size: PAGE as u64,
-                size: SIZE,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            ObjectTransfer::new(
+                9000 + o as u64,
+                PagedObject::new(tier(o), &tables[o], PAGE as u64, SIZE),
+                &ranges[o],
+            )
         })
         .collect();
 
@@ -77,7 +73,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let promoted: Vec<ObjectTransfer> = objects
         .iter()
         .filter(|o| o.object.tier == pool.ssd.id())
-        .map(|o| ObjectTransfer { object: PagedObject { tier: pool.dram.id(), ..o.object }, ..*o })
+        .map(|o| {
+            let mut o = *o;
+            o.object.tier = pool.dram.id();
+            o
+        })
         .collect();
     let report = offload(&mut builder, &promoted)?;
     assert_eq!(report.aggregate, BatchState::Completed, "{report:?}");

@@ -70,7 +70,7 @@ pub(crate) fn tiered_with(
             .unwrap(),
         )
     };
-    composite.set_staging(Staging { bounce: bounce_id, stage_bytes: 64 << 10 }).unwrap();
+    composite.set_staging(Staging::new(bounce_id).with_stage_bytes(64 << 10)).unwrap();
     Tiered {
         composite,
         _file_registration: file_registration,
