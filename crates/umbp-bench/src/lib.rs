@@ -37,7 +37,6 @@ pub mod counters;
 pub mod disk;
 #[cfg(feature = "engines")]
 pub mod host_buffer;
-#[cfg(feature = "engines")]
 pub mod measure;
 #[cfg(feature = "engines")]
 pub mod peers;

@@ -175,6 +175,46 @@ impl Verdict {
     }
 }
 
+/// The 1-minute load average (0 where `/proc/loadavg` cannot be read).
+pub fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The CPUs this process may run on.
+pub fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// Past this spread (`(max − min) / median`), a figure's repetitions disagree by more than
+/// half its value: it measures the machine's other work as much as the code.
+pub const BUSY_SPREAD: f64 = 0.5;
+
+/// The warning a run's figures carry when they cannot be read as measurements: the machine's
+/// load average at or above its CPUs (other work took turns with the timed code), or a
+/// figure's spread past [`BUSY_SPREAD`]. `None` on a quiet machine.
+pub fn busy_warning(max_spread: f64, load: f64, cpus: usize) -> Option<String> {
+    let loaded = load >= cpus as f64;
+    if !loaded && max_spread <= BUSY_SPREAD {
+        return None;
+    }
+    let mut why = Vec::new();
+    if loaded {
+        why.push(format!("load average {load:.1} on {cpus} CPUs"));
+    }
+    if max_spread > BUSY_SPREAD {
+        why.push(format!("spreads up to {:.0} %", max_spread * 100.0));
+    }
+    Some(format!(
+        "WARNING: the machine was busy ({}): these figures measure its other work as much as \
+         the code, and are no regression or gain. Rerun on an idle machine, and compare ratios \
+         within one run only.",
+        why.join(", ")
+    ))
+}
+
 /// `value` give or take `spread` (relative), the interval [`Verdict::at_least`] and
 /// [`Verdict::at_most`] judge it by; `None` without a spread.
 pub fn spread_interval(value: f64, spread: f64) -> Option<[f64; 2]> {
@@ -206,6 +246,19 @@ pub fn range_text(ratio: Option<f64>, range: Option<[f64; 2]>) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_busy_machine_is_named_and_a_quiet_one_is_not() {
+        assert_eq!(busy_warning(0.2, 0.5, 2), None);
+        assert_eq!(busy_warning(BUSY_SPREAD, 1.9, 2), None);
+        let spread = busy_warning(4.09, 0.3, 2).unwrap();
+        assert!(spread.contains("spreads up to 409 %") && !spread.contains("load"), "{spread}");
+        let load = busy_warning(0.1, 4.5, 2).unwrap();
+        assert!(load.contains("load average 4.5 on 2 CPUs") && !load.contains("spreads"), "{load}");
+        let both = busy_warning(0.8, 2.0, 2).unwrap();
+        assert!(both.contains("load average 2.0 on 2 CPUs, spreads up to 80 %"), "{both}");
+    }
+
     use super::*;
 
     #[test]

@@ -237,6 +237,11 @@ pub struct PlanRow {
     /// Whether this builder's plan set equalled the batch planner's over the same fragments
     /// (checked once before timing; the floor builds no plan set and reports `true`).
     pub verified: bool,
+    /// The 1-minute load average when the row's timing ended (the table warns when it
+    /// reaches `cpus`).
+    pub load: f64,
+    /// The CPUs the run may use.
+    pub cpus: usize,
 }
 
 struct Sample {
@@ -379,6 +384,8 @@ pub fn run(config: &PlanBenchConfig, progress: &Progress) -> Result<Vec<PlanRow>
                 minor_faults_per_iter: m.faults,
                 vs_floor: s.nanos as f64 / floor_nanos,
                 adjacent_fraction: work.table.adjacent_fraction,
+                load: crate::measure::load_average(),
+                cpus: crate::measure::cpus(),
                 verified: match name {
                     "floor" => true,
                     // The restore's plans overlap nowhere, so the check must find nothing.
@@ -479,6 +486,12 @@ pub fn table(rows: &[PlanRow]) -> String {
                 inc.adjacent_fraction * 100.0
             );
         }
+    }
+    let max_spread = rows.iter().map(|r| r.spread).fold(0.0, f64::max);
+    let load = rows.iter().map(|r| r.load).fold(0.0, f64::max);
+    let cpus = rows.iter().map(|r| r.cpus).max().unwrap_or(1);
+    if let Some(warning) = crate::measure::busy_warning(max_spread, load, cpus) {
+        out += &format!("\n{warning}\n");
     }
     if rows.iter().all(|r| r.instructions_per_fragment.is_none()) {
         let why = Instructions::new().unavailable().map(str::to_owned);

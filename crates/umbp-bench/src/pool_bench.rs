@@ -136,14 +136,6 @@ pub struct PoolRow {
     pub load: f64,
 }
 
-/// The 1-minute load average.
-pub fn load() -> f64 {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// The `q` quantile of `samples` (nearest rank).
 fn quantile(samples: &[f64], q: f64) -> f64 {
     let mut s = samples.to_vec();
@@ -176,7 +168,7 @@ impl PoolRow {
             verdict: None,
             server_cpu_ms: None,
             verified: true,
-            load: load(),
+            load: crate::measure::load_average(),
         }
     }
 
