@@ -48,8 +48,7 @@ use std::time::{Duration, Instant};
 use socket2::TcpKeepalive;
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
-use crate::progress::Command;
-use crate::server::Counters;
+use crate::stats::Counters;
 
 /// Bytes of a request header.
 pub(crate) const REQUEST_LEN: usize = 32;
@@ -489,10 +488,20 @@ pub(crate) fn keepalive(
     socket.set_tcp_user_timeout(Some(Duration::from_millis(ms)))
 }
 
+/// What a checked link tells the thread that posts to it (the client's progress thread turns
+/// it into its own command: `From<LinkEvent>`).
+#[derive(Debug)]
+pub(crate) enum LinkEvent {
+    /// A request completed, or was refused (the words).
+    Done { user_data: u64, result: Result<(), String> },
+    /// The link ended, for `reason`: the peer in `slot` is lost.
+    Lost { slot: u32, reason: String },
+}
+
 /// One request the progress thread hands a checked link.
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Post {
-    /// What the completion reports ([`Command::CheckedDone`]).
+    /// What the completion reports ([`LinkEvent::Done`]).
     pub(crate) user_data: u64,
     pub(crate) write: bool,
     pub(crate) region: u32,
@@ -524,13 +533,13 @@ pub(crate) struct Link {
 
 impl Link {
     /// Starts the link's threads on an authenticated connection with the session's keys.
-    /// Completions and the link's end (as [`Command::PeerLost`] for `slot`) go to `notify`.
+    /// Completions and the link's end (as [`LinkEvent::Lost`] for `slot`) go to `notify`.
     /// With nothing to send for `heartbeat`, the writer sends a heartbeat (so the server
     /// knows the client lives).
-    pub(crate) fn start(
+    pub(crate) fn start<N: From<LinkEvent> + Send + 'static>(
         stream: TcpStream,
         slot: u32,
-        notify: mpsc::Sender<Command>,
+        notify: mpsc::Sender<N>,
         keys: Keys,
         heartbeat: Duration,
     ) -> io::Result<Self> {
@@ -608,7 +617,7 @@ impl Link {
             move || {
                 let why = read_answers(&mut stream, &guard, &expected, &notify, &mut opener);
                 if !closing.load(Ordering::Acquire) {
-                    let _ = notify.send(Command::PeerLost { slot, reason: why });
+                    let _ = notify.send(LinkEvent::Lost { slot, reason: why }.into());
                 }
             }
         };
@@ -652,11 +661,11 @@ impl Drop for Link {
 /// The reader's loop: answers in order, each opened before it counts, get bytes received
 /// into place and opened there record by record; a get is reported done only once every
 /// record of it opened. Returns why it ended.
-fn read_answers(
+fn read_answers<N: From<LinkEvent>>(
     stream: &mut TcpStream,
     guard: &RwLock<bool>,
     expected: &mpsc::Receiver<Post>,
-    notify: &mpsc::Sender<Command>,
+    notify: &mpsc::Sender<N>,
     opener: &mut Opener,
 ) -> String {
     let failed = |e: io::Error| {
@@ -693,10 +702,10 @@ fn read_answers(
         if status != 0 {
             let words = Refusal::from_status(status).map_or("an unknown answer", Refusal::words);
             if post.user_data != HEARTBEAT {
-                let _ = notify.send(Command::CheckedDone {
-                    user_data: post.user_data,
-                    result: Err(words.to_owned()),
-                });
+                let _ = notify.send(
+                    LinkEvent::Done { user_data: post.user_data, result: Err(words.to_owned()) }
+                        .into(),
+                );
             }
             return words.into();
         }
@@ -740,7 +749,7 @@ fn read_answers(
                 }
             }
         }
-        let _ = notify.send(Command::CheckedDone { user_data: post.user_data, result: Ok(()) });
+        let _ = notify.send(LinkEvent::Done { user_data: post.user_data, result: Ok(()) }.into());
     }
     unreachable!("request ids do not run out")
 }

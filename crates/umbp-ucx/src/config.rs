@@ -179,3 +179,36 @@ impl UcxConfig {
         }
     }
 }
+
+/// The engine's name, in its failures and registrations' errors.
+pub(crate) const NAME: &str = "ucx";
+
+/// RDMA transports, on which the NIC enforces a remote key's bounds and rights.
+const HARDWARE_RMA: &[&str] =
+    &["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5"];
+
+/// Whether `transports` name RDMA transports only: then, and only then, the server hands
+/// out remote keys for one-sided access. Anything else (TCP, shared memory, UCX's own
+/// choice, which may fall back to either) is served through the checked request path.
+pub(crate) fn hardware_enforced(transports: Option<&str>) -> bool {
+    transports.is_some_and(|t| {
+        let mut names = t.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
+        names.peek().is_some() && names.all(|n| HARDWARE_RMA.contains(&n))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hardware_enforced;
+
+    #[test]
+    fn only_rdma_transports_alone_are_taken_as_hardware_enforced() {
+        assert!(hardware_enforced(Some("rc")));
+        assert!(hardware_enforced(Some("rc_x, dc_x")));
+        for doubtful in [None, Some(""), Some("tcp"), Some("sm"), Some("rc,tcp"), Some("^tcp")] {
+            assert!(!hardware_enforced(doubtful), "{doubtful:?}");
+        }
+        assert!(!hardware_enforced(Some("rc,sm")));
+        assert!(!hardware_enforced(Some("all")));
+    }
+}

@@ -17,12 +17,10 @@ use umbp_plan::{
     SettleSlot, Space, TransferEngine, TransferHandle,
 };
 
+use crate::config::NAME;
 use crate::handshake::{self, Mode, WireRegion};
 use crate::progress::{self, BatchRun, Command, LinkSpec, Op, Route};
 use crate::{Error, HandshakeError, UcxConfig};
-
-/// The engine's name in logs and failures.
-pub(crate) const NAME: &str = "ucx";
 
 /// Peer numbers are unique in the process, so two engines never claim each other's peers.
 static NEXT_PEER: AtomicU32 = AtomicU32::new(0);
@@ -344,7 +342,7 @@ impl UcxEngine {
         )
         .map_err(io)?;
         if welcome.mode() == Mode::OneSided
-            && !crate::server::hardware_enforced(self.shared.config.transports.as_deref())
+            && !crate::config::hardware_enforced(self.shared.config.transports.as_deref())
         {
             // A worker address is parsed by UCX alone; it is taken only where one-sided access
             // is what this side chose too (RDMA transports alone), from a server that proved
@@ -479,7 +477,7 @@ impl UcxEngine {
         if self.shared.check_remote(endpoint)?.is_some() {
             return Ok(false);
         }
-        let one_sided = crate::server::hardware_enforced(self.shared.config.transports.as_deref());
+        let one_sided = crate::config::hardware_enforced(self.shared.config.transports.as_deref());
         if !(endpoint.is_host() && self.shared.config.map_host_memory && one_sided)
             || endpoint.is_empty()
         {

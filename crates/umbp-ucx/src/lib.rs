@@ -42,6 +42,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! # Layout
+//!
+//! The modules depend one way, each only on those listed before it: `error`; `ucp` (the UCX
+//! FFI); `channel` (the session's sealing); `handshake`; `config`; `stats` (the server's
+//! counters); `checked` (requests and answers over a socket, both sides, telling its owner
+//! through a `LinkEvent` it does not know the type of); `server`; `progress` (the client's
+//! progress thread); `engine`.
+//!
 //! # Unsafe code
 //!
 //! The UCX calls live in the `ucp` module (declarations checked against the installed headers
@@ -64,6 +72,7 @@ mod handshake;
 #[allow(unsafe_code)] // Posts requests; see the SAFETY comment at the one block.
 mod progress;
 mod server;
+mod stats;
 #[allow(unsafe_code)] // The FFI.
 mod ucp;
 
@@ -72,7 +81,8 @@ pub use config::{ServerLimits, UcxConfig, SECRET_ENV};
 pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
 pub use error::{Error, HandshakeError};
 pub use handshake::{MAX_SECRET, MIN_SECRET};
-pub use server::{Exports, ServerBuilder, ServerStats, StatsSnapshot, UcxServer};
+pub use server::{Exports, ServerBuilder, UcxServer};
+pub use stats::{ServerStats, StatsSnapshot};
 
 #[doc(hidden)]
 pub mod internal {

@@ -26,7 +26,7 @@ use umbp_plan::{
 
 use crate::channel::Keys;
 use crate::checked;
-use crate::engine::NAME;
+use crate::config::NAME;
 use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker};
 use crate::{Error, UcxConfig};
 
@@ -172,6 +172,17 @@ pub(crate) enum Command {
         reply: mpsc::Sender<()>,
     },
     Shutdown,
+}
+
+impl From<checked::LinkEvent> for Command {
+    fn from(event: checked::LinkEvent) -> Self {
+        match event {
+            checked::LinkEvent::Done { user_data, result } => {
+                Self::CheckedDone { user_data, result }
+            }
+            checked::LinkEvent::Lost { slot, reason } => Self::PeerLost { slot, reason },
+        }
+    }
 }
 
 /// A submitted batch on its way through the thread.
@@ -396,7 +407,7 @@ pub(crate) fn start(
             // UCX writes a connected peer's put wherever the peer says: a worker is made only
             // where peers are reached one-sided, on RDMA transports alone.
             let (context, worker) =
-                if crate::server::hardware_enforced(config.transports.as_deref()) {
+                if crate::config::hardware_enforced(config.transports.as_deref()) {
                     let setup =
                         Context::new(config.transports.as_deref(), ucp::Features::Initiator)
                             .and_then(|context| {
