@@ -669,17 +669,7 @@ fn layers_json_fields() {
 /// Whether UCX loads here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence
 /// a failure (the pattern of umbp-ucx's tests).
 fn ucx_or_skip() -> bool {
-    match umbp_ucx::ucx_available() {
-        Ok(()) => true,
-        Err(e) => {
-            assert!(
-                std::env::var_os("UMBP_REQUIRE_UCX").is_none_or(|v| v != "1"),
-                "UMBP_REQUIRE_UCX=1 but {e}"
-            );
-            eprintln!("skipped: {e}");
-            false
-        }
-    }
+    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_ucx::ucx_available())
 }
 
 /// One JSON line of the command.

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use pool_support::{available, password_file, Node, RedisServer};
+use pool_support::{available, Node, RedisServer};
 use umbp_composite::CompositeEngine;
 use umbp_localcopy::LocalCopyEngine;
 use umbp_memory_node::UcxResolver;
@@ -61,31 +61,8 @@ fn node_args(
     (region, slot): (&str, &str),
     extra: &[&str],
 ) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--listen",
-        "127.0.0.1:0",
-        "--region",
-        "ro=64KiB:ro",
-        "--region",
-        &format!("kv={region}"),
-        "--pool",
-        &redis.url(),
-        "--pool-password-file",
-        password_file(dir).to_str().unwrap(),
-        "--pool-name",
-        name,
-        "--node-id",
-        &node.to_string(),
-        "--pool-slot-size",
-        slot,
-        "--pool-ttl-ms",
-        &ttl_ms.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+    let kv = format!("kv={region}");
+    pool_support::node_args(redis, dir, name, node, ttl_ms, &["ro=64KiB:ro", &kv], slot, extra)
 }
 
 /// The writable region of a node started with [`node_args`].

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from redis_server import PASSWORD, Child
 
 #: The shared secret of the node and its clients (``remote_secret_file`` in the connector).
 SECRET = b"umbp vllm pool tests: a secret 32+ bytes"
@@ -37,10 +38,10 @@ def serve_binary():
     return str(script)
 
 
-class MemoryNode:
+class MemoryNode(Child):
     """``umbp-ucx-serve`` as node ``node_id`` of the pool at ``redis`` (a redis_server.Redis),
     one writable region of ``slots`` slots of ``slot_size`` bytes (tier 0 of the node), its
-    announcement lasting ``ttl_ms``."""
+    announcement lasting ``ttl_ms`` (killed, it lapses after that)."""
 
     def __init__(self, tmp, redis, *, node_id, slot_size, slots, ttl_ms=1000):
         self.dir = tmp / f"node-{node_id}"
@@ -49,8 +50,6 @@ class MemoryNode:
         self.secret_file.write_bytes(SECRET + b"\n")
         os.chmod(self.secret_file, 0o600)
         password = self.dir / "redis-password"
-        from redis_server import PASSWORD
-
         password.write_text(PASSWORD + "\n")
         os.chmod(password, 0o600)
         self.node_id = node_id
@@ -111,14 +110,6 @@ class MemoryNode:
                     raise
                 time.sleep(0.5)
 
-    def kill(self):
-        """SIGKILL: gone at once, nothing left (its announcement lapses after ``ttl_ms``)."""
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill()
 
 
 @pytest.fixture

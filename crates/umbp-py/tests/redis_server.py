@@ -20,7 +20,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-class Redis:
+class Child:
+    """A process a test started (``self.proc``): killed when the test ends."""
+
+    proc = None
+
+    def kill(self):
+        """SIGKILL: the process is gone at once, with everything it held."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self):
+        """Kills it if it still runs (the end of a test)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+
+class Redis(Child):
     def __init__(self, tmp):
         self.exe = shutil.which("redis-server")
         self.dir = tmp / "redis"
@@ -67,15 +83,6 @@ class Redis:
             assert self.proc.poll() is None, "redis-server exited at start"
             assert time.monotonic() < deadline, "redis-server did not answer"
             time.sleep(0.05)
-
-    def kill(self):
-        """SIGKILL: the server is gone at once, with everything it held."""
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill()
 
 
 @pytest.fixture

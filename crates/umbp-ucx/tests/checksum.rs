@@ -41,7 +41,7 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
     let arena = &peer.regions[0];
     let remote = composite.register_remote(arena.region, 0, arena.len).unwrap();
     let bounce = composite.register_memory(vec![0u8; 256 << 10]).unwrap();
-    composite.set_staging(Staging { bounce: bounce.id(), stage_bytes: 24 << 10 }).unwrap();
+    composite.set_staging(Staging::new(bounce.id()).with_stage_bytes(24 << 10)).unwrap();
     let dev = hbm.alloc_device(DeviceOrdinal::new(0), 4 * 3 * PAGE).unwrap();
     let out = composite.register_memory(vec![0u8; (4 * 3 * PAGE) as usize]).unwrap();
 
@@ -67,8 +67,7 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
         .collect();
     let objects: Vec<ObjectTransfer> = (0..4)
         .map(|o| {
-            let object =
-                PagedObject { tier: remote.id(), page_offsets: &tables[o], page_size: PAGE, size };
+            let object = PagedObject::new(remote.id(), &tables[o], PAGE, size);
             let wrong = u32::from(o % 2 == 1);
             ObjectTransfer::new(o as u64, object, &ranges[o]).with_checksum(crc(&tables[o]) ^ wrong)
         })

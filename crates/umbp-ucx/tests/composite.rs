@@ -42,16 +42,9 @@ fn transfers<'a>(
     size: u64,
 ) -> Vec<ObjectTransfer<'a>> {
     (0..tables.len())
-        .map(|o| ObjectTransfer {
-            tag: o as u64,
-            object: PagedObject {
-                tier: tier_of(o),
-                page_offsets: &tables[o],
-                page_size: PAGE,
-                size,
-            },
-            ranges: &ranges[o],
-            checksum: None,
+        .map(|o| {
+            let object = PagedObject::new(tier_of(o), &tables[o], PAGE, size);
+            ObjectTransfer::new(o as u64, object, &ranges[o])
         })
         .collect()
 }
@@ -97,7 +90,7 @@ fn tiers(pages: usize) -> Tiers {
     let arena = &peer.regions[0];
     let remote_reg = composite.register_remote(arena.region, 0, arena.len).unwrap();
     let bounce = composite.register_memory(vec![0u8; 256 << 10]).unwrap();
-    composite.set_staging(Staging { bounce: bounce.id(), stage_bytes: 64 << 10 }).unwrap();
+    composite.set_staging(Staging::new(bounce.id()).with_stage_bytes(64 << 10)).unwrap();
     Tiers {
         hbm,
         server,

@@ -114,8 +114,46 @@ impl Drop for Node {
     }
 }
 
-/// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, with a
-/// 1 MiB writable region `kv`, a 64 KiB read-only `ro`, and `extra`.
+/// The flags of a node joining the pool `name` of `redis` as `node`, TTL `ttl_ms`, exporting
+/// `regions` (`NAME=SIZE[:ro]`, in order; its tiers are the writable ones) in slots of `slot`,
+/// on a fresh loopback port unless `extra` names `--listen`, and `extra`.
+#[allow(clippy::too_many_arguments)] // Each is one flag's value.
+pub(crate) fn node_args(
+    redis: &RedisServer,
+    dir: &Path,
+    name: &str,
+    node: u32,
+    ttl_ms: u64,
+    regions: &[&str],
+    slot: &str,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    for region in regions {
+        args.extend(["--region".into(), region.to_string()]);
+    }
+    let password = password_file(dir);
+    let (node, ttl_ms) = (node.to_string(), ttl_ms.to_string());
+    let pool = [
+        ("--pool", redis.url()),
+        ("--pool-password-file", password.to_str().unwrap().to_owned()),
+        ("--pool-name", name.to_owned()),
+        ("--node-id", node),
+        ("--pool-slot-size", slot.to_owned()),
+        ("--pool-ttl-ms", ttl_ms),
+    ];
+    for (flag, value) in pool {
+        args.extend([flag.to_owned(), value]);
+    }
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// [`node_args`] with a 1 MiB writable region `kv` (tier 0), a 64 KiB read-only `ro`, and
+/// 64 KiB slots.
 pub(crate) fn pool_args(
     redis: &RedisServer,
     dir: &Path,
@@ -124,32 +162,7 @@ pub(crate) fn pool_args(
     ttl_ms: u64,
     extra: &[&str],
 ) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--region",
-        "kv=1MiB",
-        "--region",
-        "ro=64KiB:ro",
-        "--pool",
-        &redis.url(),
-        "--pool-password-file",
-        password_file(dir).to_str().unwrap(),
-        "--pool-name",
-        name,
-        "--node-id",
-        &node.to_string(),
-        "--pool-slot-size",
-        "64KiB",
-        "--pool-ttl-ms",
-        &ttl_ms.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    if !extra.contains(&"--listen") {
-        args.extend(["--listen".into(), "127.0.0.1:0".into()]);
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
+    node_args(redis, dir, name, node, ttl_ms, &["kv=1MiB", "ro=64KiB:ro"], "64KiB", extra)
 }
 
 /// `GET /metrics`.

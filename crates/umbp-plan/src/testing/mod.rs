@@ -397,3 +397,18 @@ impl ReferenceMemory {
         assert!(by_fragment == by_plan, "plans and fragments wrote different bytes");
     }
 }
+
+/// Whether what a test needs is here (`available` is `Ok`). Otherwise prints why the test
+/// skips and returns false, or panics when the environment variable `require` is `1`: CI,
+/// which installs every dependency, sets it (`UMBP_REQUIRE_UCX`, ...) so that a missing one
+/// fails the run instead of skipping tests quietly.
+pub fn available_or_skip<E: std::fmt::Display>(require: &str, available: Result<(), E>) -> bool {
+    match available {
+        Ok(()) => true,
+        Err(e) => {
+            assert!(std::env::var_os(require).is_none_or(|v| v != "1"), "{require}=1 but {e}");
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}

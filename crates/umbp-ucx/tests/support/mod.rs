@@ -16,17 +16,7 @@ pub(crate) const SECRET: &str = "umbp-ucx test secret, 32 bytes!!";
 /// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
 /// failure.
 pub(crate) fn ucx_or_skip() -> bool {
-    match umbp_ucx::ucx_available() {
-        Ok(()) => true,
-        Err(e) => {
-            assert!(
-                std::env::var_os("UMBP_REQUIRE_UCX").is_none_or(|v| v != "1"),
-                "UMBP_REQUIRE_UCX=1 but {e}"
-            );
-            eprintln!("skipped: {e}");
-            false
-        }
-    }
+    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_ucx::ucx_available())
 }
 
 /// Byte `i` of a region the server filled with `seed` (the formula of the memory node's
