@@ -149,7 +149,7 @@ enum Command {
     /// `ucx_perftest` server running for `remote --server`'s reference.
     #[cfg(feature = "engines")]
     Serve(ServeArgs),
-    /// The remote memory engine (umbp-ucx) restoring the Kimi-K3 shape from another process's
+    /// The remote memory engine (umbp-remote) restoring the Kimi-K3 shape from another process's
     /// memory, against Mooncake Transfer Engine and ucx_perftest moving the same bytes, and its
     /// single 4 KiB transfer latency, quiet and beside a spinning process.
     ///

@@ -588,12 +588,12 @@ struct UmbpTransfer {
 struct Channel {
     /// The rows' system: `umbp pool, PROTECTION` or `umbp pool on redis cluster, ...`.
     system: String,
-    protection: umbp_ucx::Protection,
+    protection: umbp_remote::Protection,
     // Dropped first: the registrations, then the pool and engine.
     buffer_reg: umbp_plan::Registration,
     remote: umbp_plan::Registration,
     pool: umbp_pool::Pool,
-    _ucx: std::sync::Arc<umbp_ucx::UcxEngine>,
+    _ucx: std::sync::Arc<umbp_remote::RemoteEngine>,
 }
 
 /// The memory node's id in the pool.
@@ -722,7 +722,7 @@ impl Channel {
         node: &crate::remote_bench::ChildServer,
         index: &umbp_pool::RedisConfig,
         buffer: &crate::host_buffer::HostBuffer,
-        protection: umbp_ucx::Protection,
+        protection: umbp_remote::Protection,
         id: NodeId,
         system: String,
     ) -> anyhow::Result<Self> {
@@ -730,9 +730,9 @@ impl Channel {
         use umbp_composite::{CompositeConfig, CompositeEngine};
         use umbp_plan::{EndpointRegistry, Register};
         let registry = EndpointRegistry::new();
-        let ucx = Arc::new(umbp_ucx::UcxEngine::new(
+        let ucx = Arc::new(umbp_remote::RemoteEngine::new(
             registry.clone(),
-            umbp_ucx::UcxConfig {
+            umbp_remote::RemoteConfig {
                 transports: Some("tcp".into()),
                 secret: Some(crate::remote_bench::secret().into()),
                 protection,
@@ -740,7 +740,7 @@ impl Channel {
                 // arena's pages, on a loaded 2-core machine, left the default 5 s without an
                 // answer (the peer was declared dead and the rows failed): room for that.
                 peer_timeout: Duration::from_secs(60),
-                ..umbp_ucx::UcxConfig::default()
+                ..umbp_remote::RemoteConfig::default()
             },
         )?);
         let copy = Arc::new(umbp_localcopy::LocalCopyEngine::new(registry.clone()));

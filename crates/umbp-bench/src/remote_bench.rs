@@ -1,11 +1,11 @@
-//! `umbp-bench serve` and `umbp-bench remote`: the remote memory engine (`umbp-ucx`) restoring
+//! `umbp-bench serve` and `umbp-bench remote`: the remote memory engine (`umbp-remote`) restoring
 //! the Kimi-K3 shape from another process's memory, against Mooncake Transfer Engine and
 //! `ucx_perftest` moving the same bytes in the same run, and its latency of single 4 KiB
 //! transfers, quiet and beside a spinning process.
 //!
 //! # `serve`: the memory node
 //!
-//! A [`UcxServer`] exporting one writable region, [`ARENA`], of `bytes` bytes filled with
+//! A [`RemoteServer`] exporting one writable region, [`ARENA`], of `bytes` bytes filled with
 //! [`pattern_word`]: byte `i` of the arena is byte `i % 8` of the little-endian word
 //! `pattern_word(i / 8)`, so a client checks any range it read without a copy of the arena.
 //! With a perftest port it also keeps a `ucx_perftest -p PORT` server running (restarted after
@@ -14,7 +14,7 @@
 //! # `remote`: the client
 //!
 //! Starts `serve` as a child process on loopback (or connects to a memory node's, `server`),
-//! connects a [`UcxEngine`] and, for each fragment size, restores `objects` objects of the
+//! connects a [`RemoteEngine`] and, for each fragment size, restores `objects` objects of the
 //! Kimi-K3 shape ([`RestoreShape::kimi_k3`]: 24 ranges of 1 MiB, range `r` of object `b` into
 //! destination `r` at `b` MiB; 24 host destinations registered with the engine) whose pages,
 //! one fragment each, lie scattered over the server's arena ([`scattered_pages`]): no two pages
@@ -35,7 +35,7 @@
 //!
 //! - `ucp_get`, not `ucp_put_bw`: a restore reads the peer's memory; `get` is the same
 //!   operation through the same UCP layer the engine uses.
-//! - `-O` = the engine's [`UcxConfig::max_in_flight`] (256): perftest's default keeps one get
+//! - `-O` = the engine's [`RemoteConfig::max_in_flight`] (256): perftest's default keeps one get
 //!   in flight (about 50 MB/s over TCP here against 600 to 800 with 256), which is no ceiling
 //!   at all; deeper than the engine's own limit (tried up to 1,024 on this machine) measured
 //!   no better than 256 within the run-to-run spread, so the same depth is the best the tool
@@ -55,10 +55,10 @@
 //!
 //! # The path, and the raw one-sided path it replaced
 //!
-//! umbp-ucx reaches a server's memory one-sided (UCX gets with the server's remote keys) only
+//! umbp-remote reaches a server's memory one-sided (UCX gets with the server's remote keys) only
 //! where the transports are RDMA alone; over TCP (and shared memory) every read is a request
 //! the server checks on the authenticated connection (the row's `path`: `one-sided` or
-//! `checked`, by the same rule as umbp-ucx's). Over TCP the raw one-sided path is not offered
+//! `checked`, by the same rule as umbp-remote's). Over TCP the raw one-sided path is not offered
 //! any more (UCX emulates it in software there and checks neither bounds nor rights), so the
 //! engine cannot run it; `ucx_perftest`'s one-sided gets stand beside the checked path in the
 //! same run as that path's ceiling. The 0.8 target applies only where the path is one-sided:
@@ -66,10 +66,10 @@
 //!
 //! # The channel: encrypted and authenticated
 //!
-//! On the checked path every request and answer is sealed (umbp-ucx's channel: AES-256-GCM
+//! On the checked path every request and answer is sealed (umbp-remote's channel: AES-256-GCM
 //! with session keys from the handshake). `serve` takes sessions of either protection (the
 //! client chooses), and `remote` connects two engines to it, one asking for encryption
-//! (umbp-ucx's default) and one for authentication only; each fragment size and load has a
+//! (umbp-remote's default) and one for authentication only; each fragment size and load has a
 //! row per engine (`protection`), both against the same Mooncake and perftest runs, and the
 //! engines take their turns with the peers like any side.
 //!
@@ -106,7 +106,9 @@ use umbp_plan::{
     EndpointRegistry, Fragment, PageWalk, PlanBuilder, PlanSet, Register, Registration, Tag,
     TransferEngine,
 };
-use umbp_ucx::{Protection, ServerBuilder, UcxBuilder, UcxConfig, UcxEngine, UcxServer};
+use umbp_remote::{
+    Protection, RemoteBuilder, RemoteConfig, RemoteEngine, RemoteServer, ServerBuilder,
+};
 
 use crate::chart::{BarChart, Series};
 use crate::host_buffer::HostBuffer;
@@ -139,7 +141,7 @@ pub const TARGET_P99_US: f64 = 1000.0;
 const LATENCY_BLOCKS: usize = 5;
 
 /// The channel protections measured, each by an engine of its own against the same server:
-/// encrypted (umbp-ucx's default) and authenticated only.
+/// encrypted (umbp-remote's default) and authenticated only.
 pub(crate) const PROTECTIONS: [Protection; 2] = [Protection::Encrypted, Protection::Authenticated];
 
 /// A protection's name in the rows: `encrypted` or `authenticated`.
@@ -150,12 +152,12 @@ pub fn protection_name(protection: Protection) -> &'static str {
     }
 }
 
-/// The RDMA transports umbp-ucx reaches one-sided (its `hardware_enforced` rule).
+/// The RDMA transports umbp-remote reaches one-sided (its `hardware_enforced` rule).
 const ONE_SIDED_TRANSPORTS: [&str; 8] =
     ["rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5"];
 
 /// The engine's path to the server's memory for `transports`: `one-sided` where they are RDMA
-/// transports alone, else `checked` (requests the server checks), as umbp-ucx decides.
+/// transports alone, else `checked` (requests the server checks), as umbp-remote decides.
 pub fn path_of(transports: &str) -> &'static str {
     let mut names = transports.split(',').map(str::trim).filter(|n| !n.is_empty()).peekable();
     if names.peek().is_some() && names.all(|n| ONE_SIDED_TRANSPORTS.contains(&n)) {
@@ -168,13 +170,13 @@ pub fn path_of(transports: &str) -> &'static str {
 /// What a destination holds before the verification restore.
 const POISON: u8 = 0xA5;
 
-/// The shared secret of the memory node and the client (umbp-ucx serves only peers that prove
+/// The shared secret of the memory node and the client (umbp-remote serves only peers that prove
 /// it): `UMBP_UCX_SECRET` when set (a node started elsewhere needs the same), else one drawn
 /// for this run from the process's random hash keys and handed to the child server.
 pub(crate) fn secret() -> &'static str {
     static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SECRET.get_or_init(|| {
-        std::env::var(umbp_ucx::SECRET_ENV).unwrap_or_else(|_| {
+        std::env::var(umbp_remote::SECRET_ENV).unwrap_or_else(|_| {
             use std::hash::{BuildHasher, Hasher};
             let state = std::collections::hash_map::RandomState::new();
             (0..4u64)
@@ -232,24 +234,24 @@ pub struct ServeConfig {
 #[derive(Debug)]
 pub struct Serving {
     _perftest: Option<PerftestServer>,
-    server: UcxServer,
+    server: RemoteServer,
 }
 
 impl Serving {
     /// Fills the arena and starts serving it.
     pub fn start(config: &ServeConfig) -> anyhow::Result<Self> {
-        umbp_ucx::ucx_available().context("UCX is not usable here")?;
+        umbp_remote::ucx_available().context("UCX is not usable here")?;
         let len = usize::try_from(config.bytes).context("--bytes does not fit in memory")?;
         ensure!(len > 0, "the arena must not be empty");
         // The least protection it serves: authenticated; a client that asks for encryption
-        // (umbp-ucx's default) gets it, so `remote` measures both on one server.
-        let ucx = UcxConfig {
+        // (umbp-remote's default) gets it, so `remote` measures both on one server.
+        let ucx = RemoteConfig {
             transports: config.transports.clone(),
             protection: Protection::Authenticated,
             // A client reading a 4 GiB batch slowly on a loaded machine (`pool`'s 4,096 blocks
             // of 1 MiB) was cut after the default 5 s per answer; a bench node waits longer.
             peer_timeout: Duration::from_secs(60),
-            ..UcxConfig::default()
+            ..RemoteConfig::default()
         };
         let server = ServerBuilder::new(ucx)
             .export(ARENA, patterned(len), true)
@@ -522,7 +524,7 @@ impl ChildServer {
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--bytes", &bytes.to_string()])
             .args(["--transports", transports])
-            .env(umbp_ucx::SECRET_ENV, secret());
+            .env(umbp_remote::SECRET_ENV, secret());
         if let Some(port) = perftest_port {
             command.args(["--perftest-port", &port.to_string()]);
         }
@@ -610,7 +612,7 @@ struct Client {
     destinations: Vec<Registration>,
     buffers: Vec<HostBuffer>,
     remote: Registration,
-    engine: UcxEngine,
+    engine: RemoteEngine,
     /// What the engine asked its channel for.
     protection: Protection,
 }
@@ -622,13 +624,13 @@ impl Client {
         shape: &RestoreShape,
         protection: Protection,
     ) -> anyhow::Result<Self> {
-        let engine = UcxEngine::new(
+        let engine = RemoteEngine::new(
             EndpointRegistry::new(),
-            UcxConfig {
+            RemoteConfig {
                 transports: Some(config.transports.clone()),
                 secret: Some(secret().into()),
                 protection,
-                ..UcxConfig::default()
+                ..RemoteConfig::default()
             },
         )
         .context("starting the UCX engine")?;
@@ -656,7 +658,7 @@ impl Client {
     /// Plans the restore of every object of `shape` from `pages`.
     fn build(
         &self,
-        builder: &mut UcxBuilder,
+        builder: &mut RemoteBuilder,
         shape: &RestoreShape,
         pages: &[u64],
     ) -> anyhow::Result<PlanSet> {
@@ -683,7 +685,7 @@ impl Client {
     /// One restore: build, submit, wait. Returns its seconds and the executed plan set.
     fn restore(
         &self,
-        builder: &mut UcxBuilder,
+        builder: &mut RemoteBuilder,
         shape: &RestoreShape,
         pages: &[u64],
     ) -> anyhow::Result<(f64, PlanSet)> {
@@ -727,7 +729,7 @@ impl Client {
     /// bytes arrived (the slot is poisoned first, outside the timing).
     fn single(
         &mut self,
-        builder: &mut UcxBuilder,
+        builder: &mut RemoteBuilder,
         src: u64,
         dst: u64,
     ) -> anyhow::Result<(f64, bool)> {
@@ -753,7 +755,7 @@ impl Client {
     /// its bytes.
     fn latencies(
         &mut self,
-        builder: &mut UcxBuilder,
+        builder: &mut RemoteBuilder,
         src: &[u64],
         dst: &[u64],
     ) -> anyhow::Result<(Vec<f64>, bool)> {
@@ -922,7 +924,7 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
             ByteSize(size)
         );
     }
-    umbp_ucx::ucx_available().context("UCX is not usable here")?;
+    umbp_remote::ucx_available().context("UCX is not usable here")?;
     let repeats = config.repeats.max(1);
     let mut with_perftest = config.perftest
         && match perftest::available() {
@@ -970,7 +972,7 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
         .collect::<anyhow::Result<Vec<_>>>()?;
     let in_flight = clients[0].engine.config().max_in_flight;
     let perftest_host = addr.ip().to_string();
-    let mut builders: Vec<UcxBuilder> =
+    let mut builders: Vec<RemoteBuilder> =
         clients.iter().map(|c| c.engine.incremental_builder()).collect();
     let mut rows = Vec::new();
     for &fragment_size in &config.fragment_sizes {
@@ -1355,7 +1357,7 @@ pub fn chart(rows: &[RemoteRow]) -> BarChart {
         let of = |size: u64| {
             rows.iter().find(|r| r.fragment_size == size && r.protection == name).map(|r| r.gib_s)
         };
-        Series::new(format!("umbp-ucx restore, {name}"), sizes.iter().map(|&s| of(s)).collect())
+        Series::new(format!("umbp-remote restore, {name}"), sizes.iter().map(|&s| of(s)).collect())
     };
     let peer = |f: fn(&RemoteRow) -> Option<f64>| -> Vec<Option<f64>> {
         sizes.iter().map(|&s| first_of(s).and_then(f)).collect()
@@ -1454,7 +1456,7 @@ mod tests {
     }
 
     #[test]
-    fn the_path_follows_umbp_ucx_rule() {
+    fn the_path_follows_umbp_remote_rule() {
         for (tls, path) in [
             ("tcp", "checked"),
             ("sm", "checked"),

@@ -236,7 +236,7 @@ pub fn run(
         Some(batch_bench::chart(&batch)),
     )?)?;
 
-    let remote = match (config.remote(), umbp_ucx::ucx_available()) {
+    let remote = match (config.remote(), umbp_remote::ucx_available()) {
         (Some(remote_config), Ok(())) => {
             progress.set_prefix("tour 4/4 · ");
             let run = remote_bench::run(&remote_config, progress)?;

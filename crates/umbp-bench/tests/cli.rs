@@ -207,6 +207,8 @@ fn plan_json_fields() {
         "vs_floor",
         "adjacent_fraction",
         "verified",
+        "load",
+        "cpus",
     ];
     check_fields("plan", &lines, &fields);
     assert_eq!(
@@ -667,9 +669,9 @@ fn layers_json_fields() {
 }
 
 /// Whether UCX loads here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence
-/// a failure (the pattern of umbp-ucx's tests).
+/// a failure (the pattern of umbp-remote's tests).
 fn ucx_or_skip() -> bool {
-    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_ucx::ucx_available())
+    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_remote::ucx_available())
 }
 
 /// One JSON line of the command.
@@ -1033,7 +1035,7 @@ fn pool_measures_mooncake_store_beside_umbp() {
     assert!((ratio / expected - 1.0).abs() < 1e-9, "{redis:?}");
     let range = redis["vs_mooncake_range"].as_array().unwrap();
     assert!(range[0].as_f64().unwrap() <= ratio && ratio <= range[1].as_f64().unwrap());
-    if umbp_ucx::ucx_available().is_ok() {
+    if umbp_remote::ucx_available().is_ok() {
         for figure in ["put", "get"] {
             let l =
                 pool_row(&lines, figure, "mooncake store").unwrap_or_else(|| panic!("{stderr}"));

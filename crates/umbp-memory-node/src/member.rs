@@ -31,7 +31,7 @@ impl MembershipConfig {
     }
 
     /// The tiers of `regions` (name, length, writable, in the server's export order; see
-    /// [`UcxServer::regions`](umbp_ucx::UcxServer::regions)): tier `i` is region `i`, for each
+    /// [`RemoteServer::regions`](umbp_remote::RemoteServer::regions)): tier `i` is region `i`, for each
     /// writable region; read-only ones are not tiers (the pool writes its blocks). Volatile
     /// (DRAM), with the index's default watermarks.
     ///
@@ -205,8 +205,8 @@ impl Membership {
     /// registers the tiers, announces the node, and starts renewing.
     ///
     /// The server must name the same node in its welcome
-    /// ([`ServerBuilder::node`](umbp_ucx::ServerBuilder::node)): the pool's clients
-    /// ([`UcxResolver`](crate::UcxResolver)) refuse a server that names another node or
+    /// ([`ServerBuilder::node`](umbp_remote::ServerBuilder::node)): the pool's clients
+    /// ([`MemoryNodeResolver`](crate::MemoryNodeResolver)) refuse a server that names another node or
     /// none, so that an announcement pointed at another node's address reaches no memory.
     ///
     /// Errors: [`Error::InvalidConfig`] for the tiers (above), a TTL under 3 ms, or a node id

@@ -1,4 +1,4 @@
-//! How a client's pool reaches memory nodes' tiers: [`UcxResolver`].
+//! How a client's pool reaches memory nodes' tiers: [`MemoryNodeResolver`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -8,7 +8,7 @@ use umbp_composite::CompositeEngine;
 use umbp_plan::{Register, Registration};
 use umbp_pool::{NodeAnnouncement, NodeId, TierId, TierRegion, TierResolver, TierSpec};
 
-use umbp_ucx::{Error, PeerInfo, UcxEngine};
+use umbp_remote::{Error, PeerInfo, RemoteEngine};
 
 /// One memory node this resolver is connected to.
 struct Peer {
@@ -30,12 +30,12 @@ struct Retired {
 /// Reaches memory nodes' tiers for a [`Pool`](umbp_pool::Pool): the [`TierResolver`] of the
 /// remote engine.
 ///
-/// For a tier of a node the pool meets, it connects this process's [`UcxEngine`] to the
-/// address the node announced, as that node ([`UcxEngine::connect_node`]): the handshake
+/// For a tier of a node the pool meets, it connects this process's [`RemoteEngine`] to the
+/// address the node announced, as that node ([`RemoteEngine::connect_node`]): the handshake
 /// proves both hold the shared secret, so an address planted in the index reaches no
 /// impostor, and the node's welcome names its node id, bound to the session, so an
 /// announcement that points one node's id at another node's address (whoever can write the
-/// index can do that) is refused with [`HandshakeError::WrongNode`](umbp_ucx::HandshakeError)
+/// index can do that) is refused with [`HandshakeError::WrongNode`](umbp_remote::HandshakeError)
 /// ([`refusal`](Self::refusal) tells it): that node's blocks fail as load and put errors and
 /// never reach the other node's slots. Once per node, it registers the node's
 /// exported region for that tier (tier `i` is the node's `i`-th region, as
@@ -50,8 +50,8 @@ struct Retired {
 /// so the gets that meet a dead node fail at once rather than each after a connect timeout. A node that died costs only the blocks in flight to it and those of the gets that
 /// meet it before it is dead in the index: they fail as load errors, never as wrong bytes,
 /// and its blocks leave lookups once it left the pool or its announcement expired.
-pub struct UcxResolver {
-    engine: Arc<UcxEngine>,
+pub struct MemoryNodeResolver {
+    engine: Arc<RemoteEngine>,
     composite: CompositeEngine,
     peers: Mutex<HashMap<NodeId, Peer>>,
     /// Nodes whose last connection attempt failed: the address tried, until when it is not
@@ -73,19 +73,19 @@ struct Refused {
 /// How long a node whose connection failed is not tried again at the same address.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-impl std::fmt::Debug for UcxResolver {
+impl std::fmt::Debug for MemoryNodeResolver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let peers: Vec<(NodeId, String)> =
             self.lock().iter().map(|(n, p)| (*n, p.address.clone())).collect();
-        f.debug_struct("UcxResolver").field("peers", &peers).finish_non_exhaustive()
+        f.debug_struct("MemoryNodeResolver").field("peers", &peers).finish_non_exhaustive()
     }
 }
 
-impl UcxResolver {
+impl MemoryNodeResolver {
     /// A resolver that connects `engine` to memory nodes and registers their regions with
     /// `composite` (the pool's), of which `engine` must be one of the engines: both name
     /// endpoints in one registry ([`Error::Config`] otherwise).
-    pub fn new(engine: Arc<UcxEngine>, composite: CompositeEngine) -> Result<Self, Error> {
+    pub fn new(engine: Arc<RemoteEngine>, composite: CompositeEngine) -> Result<Self, Error> {
         if !Arc::ptr_eq(engine.registry(), composite.registry()) {
             return Err(Error::Config {
                 setting: "registry",
@@ -117,7 +117,7 @@ impl UcxResolver {
 
     /// Why the last attempt to connect to `node` failed, until one succeeds: for a node whose
     /// announced address reaches another node, [`Error::Handshake`] with
-    /// [`HandshakeError::WrongNode`](umbp_ucx::HandshakeError::WrongNode).
+    /// [`HandshakeError::WrongNode`](umbp_remote::HandshakeError::WrongNode).
     pub fn refusal(&self, node: NodeId) -> Option<Arc<Error>> {
         self.refused
             .lock()
@@ -252,7 +252,7 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-impl TierResolver for UcxResolver {
+impl TierResolver for MemoryNodeResolver {
     fn resolve(&self, node: &NodeAnnouncement, spec: &TierSpec) -> Option<TierRegion> {
         match self.try_resolve(node, spec) {
             Ok(region) => Some(region),

@@ -1,5 +1,5 @@
 //! The pool's data path through memory nodes: clients' `umbp_pool::Pool`s reach real
-//! `umbp-ucx-serve` processes through `UcxResolver`, over a real `redis-server`. Blocks put into
+//! `umbp-ucx-serve` processes through `MemoryNodeResolver`, over a real `redis-server`. Blocks put into
 //! a node's tier come back byte for byte to another client; a node that leaves (SIGTERM) is a
 //! miss at once; a node killed mid-get fails only its own blocks, as load errors, and is a
 //! miss once its announcement expires.
@@ -16,30 +16,30 @@ use std::time::{Duration, Instant};
 use pool_support::{available, Node, RedisServer};
 use umbp_composite::CompositeEngine;
 use umbp_localcopy::LocalCopyEngine;
-use umbp_memory_node::UcxResolver;
+use umbp_memory_node::MemoryNodeResolver;
 use umbp_plan::{EndpointRegistry, Register, TransferEngine};
 use umbp_pool::{
     BlockError, BlockKey, GetBlock, GetOutcome, NodeId, Pool, PoolConfig, PutBlock, PutOutcome,
     TierId,
 };
-use umbp_ucx::UcxEngine;
+use umbp_remote::RemoteEngine;
 
 const POISON: u8 = 0xA5;
 
 /// A client of the pool `name`: its own engines, composite, resolver and pool, as node `node`.
 struct Client {
     pool: Pool,
-    resolver: Arc<UcxResolver>,
+    resolver: Arc<MemoryNodeResolver>,
     composite: CompositeEngine,
 }
 
 fn client(redis: &RedisServer, name: &str, node: u32) -> Client {
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
-    let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
+    let ucx = Arc::new(RemoteEngine::new(registry.clone(), support::config("tcp")).unwrap());
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, ucx.clone()];
     let composite = CompositeEngine::new(registry, engines);
-    let resolver = Arc::new(UcxResolver::new(ucx, composite.clone()).unwrap());
+    let resolver = Arc::new(MemoryNodeResolver::new(ucx, composite.clone()).unwrap());
     let pool = Pool::with_resolver(
         Arc::new(redis.index(name).unwrap()),
         composite.clone(),
@@ -570,8 +570,8 @@ fn an_announcement_pointed_at_another_node_reaches_a_refusal_never_its_slots() {
     assert!(
         matches!(
             *refusal,
-            umbp_ucx::Error::Handshake {
-                source: umbp_ucx::HandshakeError::WrongNode { expected: 1, named: Some(2) },
+            umbp_remote::Error::Handshake {
+                source: umbp_remote::HandshakeError::WrongNode { expected: 1, named: Some(2) },
                 ..
             }
         ),

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
-use umbp_ucx::{PeerInfo, UcxConfig, UcxEngine};
+use umbp_remote::{PeerInfo, RemoteConfig, RemoteEngine};
 
 use pool_support::Node;
 use support::{engine, ucx_or_skip, SECRET};
@@ -25,7 +25,7 @@ const SERVE: &str = env!("CARGO_BIN_EXE_umbp-ucx-serve");
 fn run(args: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(SERVE)
         .args(args)
-        .env_remove(umbp_ucx::SECRET_ENV)
+        .env_remove(umbp_remote::SECRET_ENV)
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -154,7 +154,7 @@ fn start(args: &[&str]) -> Node {
 
 /// Reads `len` bytes of region `name` of `peer` from `offset`: the bytes, or the failure.
 fn get(
-    engine: &UcxEngine,
+    engine: &RemoteEngine,
     peer: &PeerInfo,
     name: &str,
     offset: u64,
@@ -267,12 +267,12 @@ fn metrics_count_a_clients_restore_and_the_log_names_each_client() {
     let peer = client.connect(node.addr).unwrap();
     let bytes = get(&client, &peer, "arena", 4096, 1 << 20).unwrap();
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(2, 4096 + i)));
-    let stranger = UcxEngine::new(
+    let stranger = RemoteEngine::new(
         EndpointRegistry::new(),
-        UcxConfig {
+        RemoteConfig {
             transports: Some("tcp".into()),
             secret: Some(b"another secret of 32 bytes here!".to_vec()),
-            ..UcxConfig::default()
+            ..RemoteConfig::default()
         },
     )
     .unwrap();
@@ -359,7 +359,7 @@ fn sigint_stops_an_idle_node_with_status_zero() {
 fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
     let out = Command::new(SERVE)
         .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
-        .env(umbp_ucx::SECRET_ENV, SECRET)
+        .env(umbp_remote::SECRET_ENV, SECRET)
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -371,7 +371,7 @@ fn the_serve_command_refuses_a_secret_and_the_insecure_flag_together() {
     let mut child = Command::new(SERVE)
         .args(["--insecure-no-auth", "--bytes", "4096", "--listen", "127.0.0.1:0"])
         .arg("--exit-on-stdin-close")
-        .env_remove(umbp_ucx::SECRET_ENV)
+        .env_remove(umbp_remote::SECRET_ENV)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

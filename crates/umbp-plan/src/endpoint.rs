@@ -98,7 +98,7 @@ pub struct FileRange {
 }
 
 /// A region of memory that another node exported to this process: which peer, and which of
-/// its exported regions. A remote engine (umbp-ucx) hands these out when it connects to a peer;
+/// its exported regions. A remote engine (umbp-remote) hands these out when it connects to a peer;
 /// the numbers mean nothing to any other engine.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RemoteRegion {

@@ -36,8 +36,8 @@ use umbp_plan::{
     FailureCause, FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register,
     RegisterError, Registration as Guard, RejectReason, Tag, TransferEngine,
 };
+use umbp_remote::{RemoteConfig, RemoteEngine, RemoteServer, ServerBuilder};
 use umbp_ssd::{SsdConfig, SsdEngine};
-use umbp_ucx::{ServerBuilder, UcxConfig, UcxEngine, UcxServer};
 
 create_exception!(_native, Error, PyException, "Every umbp error derives from this.");
 create_exception!(_native, RegistrationError, Error, "Memory or a file could not be registered.");
@@ -147,7 +147,7 @@ struct Engine {
     /// `None` only while being dropped.
     composite: Option<Arc<CompositeEngine>>,
     device: Device,
-    remote: Option<Arc<UcxEngine>>,
+    remote: Option<Arc<RemoteEngine>>,
     /// The region the staged route passes through; `None` only while being dropped.
     bounce: Option<Guard<AlignedBuffer>>,
 }
@@ -229,7 +229,7 @@ impl Engine {
         bounce_bytes: usize,
         ssd_queue_depth: u32,
         ssd_worker_cpus: Option<Vec<usize>>,
-        remote: Option<UcxConfig>,
+        remote: Option<RemoteConfig>,
         checksums: ChecksumPolicy,
     ) -> PyResult<Self> {
         let registry = EndpointRegistry::new();
@@ -265,7 +265,7 @@ impl Engine {
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![host, device.engine(), Arc::new(ssd)];
         let remote = match remote {
             Some(config) => {
-                let ucx = Arc::new(UcxEngine::new(registry.clone(), config).map_err(error)?);
+                let ucx = Arc::new(RemoteEngine::new(registry.clone(), config).map_err(error)?);
                 engines.push(ucx.clone());
                 Some(ucx)
             }
@@ -1258,7 +1258,7 @@ impl Engine {
         }
     }
 
-    fn remote(&self) -> PyResult<&Arc<UcxEngine>> {
+    fn remote(&self) -> PyResult<&Arc<RemoteEngine>> {
         self.remote.as_ref().ok_or_else(|| {
             PyValueError::new_err("this engine has no remote tier: make it with remote=True")
         })
@@ -1271,8 +1271,8 @@ fn ucx_config(
     transports: Option<String>,
     secret: Option<Vec<u8>>,
     insecure_no_auth: bool,
-) -> UcxConfig {
-    let mut config = UcxConfig { transports, insecure_no_auth, ..UcxConfig::default() };
+) -> RemoteConfig {
+    let mut config = RemoteConfig { transports, insecure_no_auth, ..RemoteConfig::default() };
     if secret.is_some() {
         config.secret = secret;
     }
@@ -1285,7 +1285,7 @@ type RegionTuple = (u32, String, u64, bool);
 /// Host buffers exported to other nodes over UCX until closed.
 #[pyclass(module = "umbp._native")]
 struct Server {
-    server: Option<UcxServer>,
+    server: Option<RemoteServer>,
     /// What backs the regions; released only after the server stopped.
     owners: Vec<PyObject>,
 }
@@ -1336,7 +1336,7 @@ impl Server {
     #[getter]
     fn clients(&self, py: Python<'_>) -> usize {
         // Without the GIL: the server's thread may hold what this reads while it logs.
-        py.allow_threads(|| self.server.as_ref().map_or(0, UcxServer::clients))
+        py.allow_threads(|| self.server.as_ref().map_or(0, RemoteServer::clients))
     }
 
     /// Stops serving (clients see the node go away), then releases the buffers.
@@ -1397,7 +1397,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// The crates emit `tracing` events. With tracing's `log` feature (enabled by this crate) an
 /// event becomes a `log` record whenever no tracing subscriber is installed, as none is in
 /// this extension, and pyo3-log hands each record to the Python logger named after the event's
-/// target with `::` read as `.` (`umbp_ssd.engine`, `umbp_ucx.server`...). A bridge of our own
+/// target with `::` read as `.` (`umbp_ssd.engine`, `umbp_remote.server`...). A bridge of our own
 /// would have had to redo pyo3-log's cache of each logger's level, which lets a thread skip a
 /// disabled event without taking the GIL.
 static LOG_RESET: OnceLock<Option<pyo3_log::ResetHandle>> = OnceLock::new();

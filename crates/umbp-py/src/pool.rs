@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use umbp_memory_node::UcxResolver;
+use umbp_memory_node::MemoryNodeResolver;
 use umbp_pool::{
     BlockError, BlockKey, DropReason, EmbeddedIndex, GetBlock, GetOutcome, Index, NodeAnnouncement,
     NodeId, Placement as RsPlacement, Pool as RsPool, PoolConfig, Published, PutBlock, PutOutcome,
@@ -710,7 +710,8 @@ impl Pool {
         // An engine with the remote tier reaches memory nodes' tiers through it.
         let resolver: Option<Arc<dyn TierResolver>> = match &engine.get().remote {
             Some(remote) => Some(Arc::new(
-                UcxResolver::new(Arc::clone(remote), composite.clone()).map_err(crate::error)?,
+                MemoryNodeResolver::new(Arc::clone(remote), composite.clone())
+                    .map_err(crate::error)?,
             )),
             None => None,
         };

@@ -698,7 +698,7 @@ def test_rust_debug_events_reach_python_logging_under_the_crates_names(engine, c
 
 
 def test_a_warning_emitted_in_rust_is_captured_through_logging(caplog):
-    """The remote engine warns (tracing::warn! in umbp-ucx, on its progress thread, not a
+    """The remote engine warns (tracing::warn! in umbp-remote, on its progress thread, not a
     Python one) when a memory node goes away; the warning reaches `logging` with no set-up
     beyond the default."""
     engine = _remote_engine()  # skips without UCX
@@ -720,6 +720,6 @@ def test_a_warning_emitted_in_rust_is_captured_through_logging(caplog):
                 break
             time.sleep(0.05)
     assert dead, [(r.name, r.getMessage()) for r in caplog.records]
-    assert dead[0].levelno == logging.WARNING and dead[0].name == "umbp_ucx.progress"
+    assert dead[0].levelno == logging.WARNING and dead[0].name == "umbp_remote.progress"
     assert f"peer={peer.id}" in dead[0].getMessage()  # the event's fields come with it
     assert dead[0].threadName != threading.current_thread().name

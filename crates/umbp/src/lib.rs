@@ -19,9 +19,9 @@ pub use umbp_ssd as ssd;
 /// The host <-> host copy engine (the `umbp-localcopy` crate).
 pub use umbp_localcopy as localcopy;
 
-/// The remote memory engine and the serving side (the `umbp-ucx` crate; feature `remote`).
+/// The remote memory engine and the serving side (the `umbp-remote` crate; feature `remote`).
 #[cfg(feature = "remote")]
-pub use umbp_ucx as ucx;
+pub use umbp_remote as remote;
 
 /// The pool: a shared index of KV blocks above the composite (the `umbp-pool` crate; feature
 /// `pool`).

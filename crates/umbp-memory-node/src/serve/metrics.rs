@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{MembershipSnapshot, MembershipState, MembershipStats};
-use umbp_ucx::{ServerStats, StatsSnapshot};
+use umbp_remote::{ServerStats, StatsSnapshot};
 
 /// The most bytes of a request read (its line and headers).
 const MAX_REQUEST: usize = 8 << 10;

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use umbp_pool::RedisIndex;
-use umbp_ucx::ServerBuilder;
+use umbp_remote::ServerBuilder;
 
 use crate::Membership;
 

@@ -11,7 +11,7 @@ use crate::MembershipConfig;
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use umbp_pool::{NodeId, RedisConfig};
-use umbp_ucx::{Protection, UcxConfig};
+use umbp_remote::{Protection, RemoteConfig};
 
 /// Serve this node's memory to other nodes' umbp engines over UCX: a memory node.
 ///
@@ -319,7 +319,7 @@ fn line_of(text: &str, span: Option<std::ops::Range<usize>>) -> String {
 pub(crate) struct Settings {
     pub(crate) listen: String,
     pub(crate) regions: Vec<RegionSpec>,
-    pub(crate) ucx: UcxConfig,
+    pub(crate) ucx: RemoteConfig,
     pub(crate) metrics: Option<String>,
     pub(crate) drain_timeout: Duration,
     pub(crate) exit_on_stdin_close: bool,
@@ -437,10 +437,10 @@ impl Settings {
         }
         check_regions(&regions)?;
 
-        let mut ucx = UcxConfig {
+        let mut ucx = RemoteConfig {
             transports: args.transports.or(file.transports),
             insecure_no_auth: args.insecure_no_auth || file.insecure_no_auth.unwrap_or(false),
-            ..UcxConfig::default()
+            ..RemoteConfig::default()
         };
         if let Some(path) = args.secret_file.or(file.secret_file) {
             let (secret, warning) = read_secret(&path)?;

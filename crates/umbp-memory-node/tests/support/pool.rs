@@ -46,7 +46,7 @@ impl Node {
         let mut child = Command::new(SERVE)
             .args(["--transports", "tcp"])
             .args(args)
-            .env(umbp_ucx::SECRET_ENV, SECRET)
+            .env(umbp_remote::SECRET_ENV, SECRET)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

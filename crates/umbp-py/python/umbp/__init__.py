@@ -28,8 +28,8 @@ carries its ``tag`` and a typed ``kind`` (:class:`RejectKind`, :class:`FailureKi
 States are :class:`State` members (strings too: ``State.COMPLETED == "completed"``).
 
 Logs: the Rust crates' ``tracing`` events go to :mod:`logging`, to the logger named after the
-event's Rust module (``umbp_ssd.engine``, ``umbp_ucx.server``, ``umbp_composite.builder``...;
-configure them all through their prefixes, ``logging.getLogger("umbp_ucx")``). Warnings and
+event's Rust module (``umbp_ssd.engine``, ``umbp_remote.server``, ``umbp_composite.builder``...;
+configure them all through their prefixes, ``logging.getLogger("umbp_remote")``). Warnings and
 errors reach the root logger's handlers by default; after changing a logger's level, call
 :func:`reset_log_cache`, since the Rust side caches each logger's level.
 """

@@ -17,7 +17,7 @@ pub(crate) struct Counters {
     pub(crate) refused_secret: AtomicU64,
     /// Handshakes refused: the server served as many clients as allowed.
     pub(crate) refused_full: AtomicU64,
-    /// Handshakes closed: not an umbp-ucx hello.
+    /// Handshakes closed: not an umbp-remote hello.
     pub(crate) refused_malformed: AtomicU64,
     /// Handshakes closed: the connect timeout passed.
     pub(crate) refused_deadline: AtomicU64,
@@ -61,7 +61,7 @@ impl Counters {
 }
 
 /// Reads a server's counters, from any thread, while it serves and after
-/// ([`UcxServer::stats`](crate::UcxServer::stats)).
+/// ([`RemoteServer::stats`](crate::RemoteServer::stats)).
 #[derive(Clone, Debug)]
 pub struct ServerStats(Arc<Counters>);
 
@@ -75,7 +75,7 @@ pub struct StatsSnapshot {
     /// Clients admitted (authenticated and served) in all.
     pub clients_admitted: u64,
     /// Handshakes refused or closed, by reason: `wrong_secret` (the client's proof did not
-    /// verify), `full` (serving as many clients as allowed), `malformed` (not an umbp-ucx
+    /// verify), `full` (serving as many clients as allowed), `malformed` (not an umbp-remote
     /// hello), `deadline` (not done within the connect timeout), `displaced` (closed to make
     /// room past a bound), `failed` (the connection failed mid-handshake).
     pub handshakes_refused: Vec<(&'static str, u64)>,

@@ -28,7 +28,7 @@ use crate::channel::Keys;
 use crate::checked;
 use crate::config::NAME;
 use crate::ucp::{self, Access, Context, Endpoint, Event, MemMap, Posted, Worker};
-use crate::{Error, UcxConfig};
+use crate::{Error, RemoteConfig};
 
 /// Empty polls with requests in flight before the thread sleeps on the worker's descriptor.
 const SPINS_BEFORE_SLEEP: u32 = 4096;
@@ -386,7 +386,7 @@ struct Progress {
     order: Vec<u32>,
     live: usize,
     in_flight: usize,
-    config: UcxConfig,
+    config: RemoteConfig,
     commands: mpsc::Receiver<Command>,
     shutting_down: bool,
     events: Vec<Event>,
@@ -396,7 +396,7 @@ struct Progress {
 
 /// Starts the progress thread; it reports on `ready` whether UCX came up.
 pub(crate) fn start(
-    config: UcxConfig,
+    config: RemoteConfig,
     commands: mpsc::Receiver<Command>,
     ready: mpsc::Sender<Result<(), Error>>,
 ) -> Result<JoinHandle<()>, Error> {

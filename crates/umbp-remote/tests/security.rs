@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
-use umbp_ucx::internal::{self, Session};
-use umbp_ucx::{Error, HandshakeError, Protection, ServerBuilder, UcxConfig, UcxEngine};
+use umbp_remote::internal::{self, Session};
+use umbp_remote::{Error, HandshakeError, Protection, RemoteConfig, RemoteEngine, ServerBuilder};
 
 use support::{config, engine, fill_byte, ucx_or_skip, Exported, Served, POISON, SECRET};
 
@@ -272,20 +272,23 @@ fn without_the_secret_nothing_is_served_and_the_secret_never_travels() {
     let addr = server.local_addr();
 
     // No secret and no insecure flag: neither side starts.
-    let bare = UcxConfig { transports: Some("tcp".into()), secret: None, ..UcxConfig::default() };
+    let bare =
+        RemoteConfig { transports: Some("tcp".into()), secret: None, ..RemoteConfig::default() };
     let refused = ServerBuilder::new(bare.clone()).serve("127.0.0.1:0").unwrap_err();
     assert!(matches!(refused, Error::Config { setting: "secret", .. }), "{refused}");
-    let e =
-        UcxEngine::new(EndpointRegistry::new(), bare.clone()).unwrap().connect(addr).unwrap_err();
+    let e = RemoteEngine::new(EndpointRegistry::new(), bare.clone())
+        .unwrap()
+        .connect(addr)
+        .unwrap_err();
     assert!(matches!(e, Error::Config { setting: "secret", .. }), "{e}");
     // A short secret is refused as a setting.
-    let short = UcxConfig { secret: Some(b"too short".to_vec()), ..bare.clone() };
+    let short = RemoteConfig { secret: Some(b"too short".to_vec()), ..bare.clone() };
     assert!(matches!(ServerBuilder::new(short).serve("127.0.0.1:0"), Err(Error::Config { .. })));
 
     // A wrong secret: the server's proof does not verify, the client stops there.
     let wrong =
-        UcxConfig { secret: Some(b"a wrong secret of thirty-two b!!".to_vec()), ..bare.clone() };
-    let e = UcxEngine::new(EndpointRegistry::new(), wrong).unwrap().connect(addr).unwrap_err();
+        RemoteConfig { secret: Some(b"a wrong secret of thirty-two b!!".to_vec()), ..bare.clone() };
+    let e = RemoteEngine::new(EndpointRegistry::new(), wrong).unwrap().connect(addr).unwrap_err();
     assert!(
         matches!(e, Error::Handshake { source: HandshakeError::ServerNotAuthenticated, .. }),
         "{e}"
@@ -298,8 +301,8 @@ fn without_the_secret_nothing_is_served_and_the_secret_never_travels() {
         "{words}"
     );
     // An insecure client: the server wants a secret.
-    let insecure = UcxConfig { insecure_no_auth: true, ..bare.clone() };
-    let e = UcxEngine::new(EndpointRegistry::new(), insecure.clone())
+    let insecure = RemoteConfig { insecure_no_auth: true, ..bare.clone() };
+    let e = RemoteEngine::new(EndpointRegistry::new(), insecure.clone())
         .unwrap()
         .connect(addr)
         .unwrap_err();
@@ -527,9 +530,9 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
         return;
     }
     let timeout = Duration::from_millis(1500);
-    let engine = UcxEngine::new(
+    let engine = RemoteEngine::new(
         EndpointRegistry::new(),
-        UcxConfig { connect_timeout: timeout, ..config("tcp") },
+        RemoteConfig { connect_timeout: timeout, ..config("tcp") },
     )
     .unwrap();
     let hold = Duration::from_secs(30);
@@ -649,12 +652,12 @@ fn a_full_server_says_so_and_takes_a_client_again_once_one_left() {
         return;
     }
     for (max_clients, max_clients_per_ip) in [(2, 64), (64, 2)] {
-        let limits = umbp_ucx::ServerLimits {
+        let limits = umbp_remote::ServerLimits {
             max_clients,
             max_clients_per_ip,
-            ..umbp_ucx::ServerLimits::default()
+            ..umbp_remote::ServerLimits::default()
         };
-        let server = ServerBuilder::new(UcxConfig { limits, ..config("tcp") })
+        let server = ServerBuilder::new(RemoteConfig { limits, ..config("tcp") })
             .export("arena", vec![3u8; 4096], true)
             .serve("127.0.0.1:0")
             .unwrap();
@@ -759,7 +762,7 @@ fn a_client_that_stops_reading_its_answers_loses_its_connection_within_the_peer_
         return;
     }
     let peer_timeout = Duration::from_secs(2);
-    let server = ServerBuilder::new(UcxConfig { peer_timeout, ..config("tcp") })
+    let server = ServerBuilder::new(RemoteConfig { peer_timeout, ..config("tcp") })
         .export("arena", vec![1u8; 4 << 20], true)
         .serve("127.0.0.1:0")
         .unwrap();
@@ -896,7 +899,7 @@ fn a_client_that_never_reads_sees_its_connection_end() {
         return;
     }
     let peer_timeout = Duration::from_secs(1);
-    let server = ServerBuilder::new(UcxConfig { peer_timeout, ..config("tcp") })
+    let server = ServerBuilder::new(RemoteConfig { peer_timeout, ..config("tcp") })
         .export("arena", vec![1u8; 4 << 20], true)
         .serve("127.0.0.1:0")
         .unwrap();

@@ -14,7 +14,7 @@ use umbp_localcopy::LocalCopyEngine;
 use umbp_plan::{
     DeviceOrdinal, EndpointRegistry, FailureCause, ObjectState, Register, TransferEngine,
 };
-use umbp_ucx::UcxEngine;
+use umbp_remote::RemoteEngine;
 
 use support::{fill_byte, ucx_or_skip, Served};
 
@@ -34,7 +34,7 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
         registry.clone(),
         HbmConfig::default(),
     ));
-    let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
+    let ucx = Arc::new(RemoteEngine::new(registry.clone(), support::config("tcp")).unwrap());
     let peer = ucx.connect(server.addr).unwrap();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ucx];
     let composite = CompositeEngine::new(registry, engines);

@@ -5,18 +5,18 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use umbp_plan::EndpointRegistry;
-use umbp_ucx::{UcxConfig, UcxEngine};
+use umbp_remote::{RemoteConfig, RemoteEngine};
 
 /// The byte every destination holds before a transfer.
 pub(crate) const POISON: u8 = 0xA5;
 
 /// The shared secret of the tests' servers and engines.
-pub(crate) const SECRET: &str = "umbp-ucx test secret, 32 bytes!!";
+pub(crate) const SECRET: &str = "umbp-remote test secret, 32 bytes!!";
 
 /// Whether UCX is here; prints why a test skips. `UMBP_REQUIRE_UCX=1` (CI) makes its absence a
 /// failure.
 pub(crate) fn ucx_or_skip() -> bool {
-    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_ucx::ucx_available())
+    umbp_plan::testing::available_or_skip("UMBP_REQUIRE_UCX", umbp_remote::ucx_available())
 }
 
 /// Byte `i` of a region the server filled with `seed` (the formula of the memory node's
@@ -47,7 +47,7 @@ pub(crate) struct Exported {
     pub(crate) read_only_bytes: usize,
     /// `ServerLimits::max_clients`, when set.
     pub(crate) max_clients: Option<usize>,
-    /// `UcxConfig::connect_timeout` (the handshake's deadline), when set.
+    /// `RemoteConfig::connect_timeout` (the handshake's deadline), when set.
     pub(crate) handshake_timeout_ms: Option<u64>,
 }
 
@@ -89,7 +89,7 @@ impl Served {
         let mut child = command
             .args(["--exact", "support::serve_child", "--ignored", "--nocapture", "-q"])
             .env(SERVER_ENV, spec)
-            .env(umbp_ucx::SECRET_ENV, SECRET)
+            .env(umbp_remote::SECRET_ENV, SECRET)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -123,17 +123,17 @@ impl Drop for Served {
 }
 
 /// The configuration of the tests' engines: `transports` and the tests' secret.
-pub(crate) fn config(transports: &str) -> UcxConfig {
-    UcxConfig {
+pub(crate) fn config(transports: &str) -> RemoteConfig {
+    RemoteConfig {
         transports: Some(transports.to_owned()),
         secret: Some(SECRET.into()),
-        ..UcxConfig::default()
+        ..RemoteConfig::default()
     }
 }
 
 /// An engine over a new registry, on `transports`, with the tests' secret.
-pub(crate) fn engine(transports: &str) -> UcxEngine {
-    UcxEngine::new(EndpointRegistry::new(), config(transports)).expect("the engine starts")
+pub(crate) fn engine(transports: &str) -> RemoteEngine {
+    RemoteEngine::new(EndpointRegistry::new(), config(transports)).expect("the engine starts")
 }
 
 /// The serving process of [`Served`]: exports what `UMBP_UCX_TEST_SERVER` says, prints
@@ -148,10 +148,10 @@ fn serve_child() {
     let f: Vec<&str> = spec.split(' ').collect();
     let number = |i: usize| f[i].parse::<u64>().unwrap();
     let (bytes, seed, read_only_bytes) = (number(1) as usize, number(2) as u8, number(3) as usize);
-    let mut config = UcxConfig {
+    let mut config = RemoteConfig {
         transports: Some(f[0].to_owned()),
         secret: Some(SECRET.into()),
-        ..UcxConfig::default()
+        ..RemoteConfig::default()
     };
     if number(4) > 0 {
         config.limits.max_clients = number(4) as usize;
@@ -161,7 +161,7 @@ fn serve_child() {
     }
     let filled = |len: usize, seed: u8| (0..len).map(|i| fill_byte(seed, i)).collect::<Vec<u8>>();
     let mut builder =
-        umbp_ucx::ServerBuilder::new(config).export("arena", filled(bytes, seed), true);
+        umbp_remote::ServerBuilder::new(config).export("arena", filled(bytes, seed), true);
     if read_only_bytes > 0 {
         builder = builder.export("ro", filled(read_only_bytes, seed.wrapping_add(1)), false);
     }

@@ -16,7 +16,7 @@ type Piece = (umbp_plan::EndpointId, u64, umbp_plan::EndpointId, u64, u64);
 
 /// The plan set of `objects` (object `o` is tag `o`), built with the engine's own builder.
 fn plan(
-    engine: &umbp_ucx::UcxEngine,
+    engine: &umbp_remote::RemoteEngine,
     objects: impl IntoIterator<Item = Vec<Piece>>,
 ) -> umbp_plan::PlanSet {
     let mut builder = engine.incremental_builder();
@@ -191,8 +191,8 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
     let server = Served::start("tcp", 64 * MIB, 8);
     let registry = umbp_plan::EndpointRegistry::new();
     // One request in flight at a time, so the deadline finds most of them unsent.
-    let config = umbp_ucx::UcxConfig { max_in_flight: 1, ..support::config("tcp") };
-    let engine = umbp_ucx::UcxEngine::new(registry, config).unwrap();
+    let config = umbp_remote::RemoteConfig { max_in_flight: 1, ..support::config("tcp") };
+    let engine = umbp_remote::RemoteEngine::new(registry, config).unwrap();
     let peer = engine.connect(server.addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap();
     // The deadline must pass while requests are still unsent: that depends on the machine's
@@ -245,13 +245,16 @@ fn a_deadline_stops_sending_and_never_returns_while_a_get_may_write() {
 }
 
 /// Registers region 0 of `peer` and returns its id.
-fn arena(engine: &umbp_ucx::UcxEngine, peer: &umbp_ucx::PeerInfo) -> umbp_plan::Registration {
+fn arena(
+    engine: &umbp_remote::RemoteEngine,
+    peer: &umbp_remote::PeerInfo,
+) -> umbp_plan::Registration {
     engine.register_remote(peer.regions[0].region, 0, peer.regions[0].len).unwrap()
 }
 
 /// Restores `len` bytes at `at` of `remote` into a new buffer; returns the failures and bytes.
 fn restore_one(
-    engine: &umbp_ucx::UcxEngine,
+    engine: &umbp_remote::RemoteEngine,
     remote: umbp_plan::EndpointId,
     at: u64,
     len: usize,
@@ -473,7 +476,7 @@ fn disconnecting_lets_what_is_in_flight_finish_and_refuses_the_rest() {
     assert_eq!(failures.len(), 1);
     assert!(failures[0].cause.to_string().contains("disconnected"), "{}", failures[0].cause);
     assert!(bytes.iter().all(|&b| b == POISON));
-    assert!(matches!(engine.disconnect(u32::MAX), Err(umbp_ucx::Error::UnknownPeer { .. })));
+    assert!(matches!(engine.disconnect(u32::MAX), Err(umbp_remote::Error::UnknownPeer { .. })));
 }
 
 #[test]

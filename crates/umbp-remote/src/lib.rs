@@ -2,9 +2,9 @@
 //! and offloads them to, other nodes' memory: one-sided RDMA over [UCX](https://openucx.org)
 //! where the transports are RDMA, requests the server checks over TCP otherwise.
 //!
-//! - The node that owns the memory runs a [`UcxServer`] ([`ServerBuilder::export`] its pool's
+//! - The node that owns the memory runs a [`RemoteServer`] ([`ServerBuilder::export`] its pool's
 //!   regions, then [`serve`](ServerBuilder::serve)).
-//! - A node that wants the bytes runs a [`UcxEngine`], [`connect`](UcxEngine::connect)s to
+//! - A node that wants the bytes runs a [`RemoteEngine`], [`connect`](RemoteEngine::connect)s to
 //!   each server (a TCP handshake in which both prove they hold the shared secret, then the
 //!   list of exported regions) and registers the regions as remote endpoints
 //!   ([`Register::register_remote`](umbp_plan::Register::register_remote)). Fragments between
@@ -20,11 +20,11 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
-//! use umbp_ucx::{UcxConfig, UcxEngine};
+//! use umbp_remote::{RemoteConfig, RemoteEngine};
 //!
 //! let registry = Arc::new(EndpointRegistry::new());
-//! // The shared secret: UMBP_UCX_SECRET here, or `UcxConfig::secret`.
-//! let engine = UcxEngine::new(Arc::clone(&registry), UcxConfig::default())?;
+//! // The shared secret: UMBP_UCX_SECRET here, or `RemoteConfig::secret`.
+//! let engine = RemoteEngine::new(Arc::clone(&registry), RemoteConfig::default())?;
 //! let peer = engine.connect("10.0.0.2:7400")?;
 //! let arena = peer.region("kv-arena").expect("the peer exports its arena");
 //! let remote = engine.register_remote(arena.region, 0, arena.len)?;
@@ -77,11 +77,11 @@ mod stats;
 mod ucp;
 
 pub use channel::Protection;
-pub use config::{ServerLimits, UcxConfig, SECRET_ENV};
-pub use engine::{ExportedRegion, PeerInfo, UcxBuilder, UcxEngine, UcxRules};
+pub use config::{RemoteConfig, ServerLimits, SECRET_ENV};
+pub use engine::{ExportedRegion, PeerInfo, RemoteBuilder, RemoteEngine, RemoteRules};
 pub use error::{Error, HandshakeError};
 pub use handshake::{MAX_SECRET, MIN_SECRET};
-pub use server::{Exports, ServerBuilder, UcxServer};
+pub use server::{Exports, RemoteServer, ServerBuilder};
 pub use stats::{ServerStats, StatsSnapshot};
 
 #[doc(hidden)]

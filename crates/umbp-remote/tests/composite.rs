@@ -14,8 +14,8 @@ use umbp_plan::{
     BatchState, DeviceOrdinal, EndpointId, EndpointRegistry, Fragment, Register, Tag,
     TransferEngine,
 };
+use umbp_remote::RemoteEngine;
 use umbp_ssd::{SsdConfig, SsdEngine};
-use umbp_ucx::UcxEngine;
 
 use support::{fill_byte, ucx_or_skip, Served, POISON};
 
@@ -75,7 +75,7 @@ fn tiers(pages: usize) -> Tiers {
         HbmConfig::default(),
     ));
     let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default()).unwrap());
-    let ucx = Arc::new(UcxEngine::new(registry.clone(), support::config("tcp")).unwrap());
+    let ucx = Arc::new(RemoteEngine::new(registry.clone(), support::config("tcp")).unwrap());
     let peer = ucx.connect(server.addr).unwrap();
     let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd, ucx];
     let composite = CompositeEngine::new(registry, engines);

@@ -119,7 +119,7 @@ pub enum HandshakeError {
     #[error("I/O on the control connection")]
     Io(#[from] io::Error),
     /// The other side does not speak this protocol.
-    #[error("not an umbp-ucx peer (bad magic)")]
+    #[error("not an umbp-remote peer (bad magic)")]
     BadMagic,
     /// The other side speaks another version of it.
     #[error("protocol version {got}, this side speaks {expected}")]
@@ -156,11 +156,11 @@ pub enum HandshakeError {
     #[error("the server's welcome did not authenticate (changed on the way, or a relay)")]
     Forged,
     /// The server runs without authentication, and this side was not told to accept that
-    /// ([`UcxConfig::insecure_no_auth`](crate::UcxConfig::insecure_no_auth)).
+    /// ([`RemoteConfig::insecure_no_auth`](crate::RemoteConfig::insecure_no_auth)).
     #[error("the server runs without authentication (insecure) and this side requires it")]
     ServerInsecure,
     /// The server is not the node this side meant to reach
-    /// ([`UcxEngine::connect_node`](crate::UcxEngine::connect_node)): its welcome names another
+    /// ([`RemoteEngine::connect_node`](crate::RemoteEngine::connect_node)): its welcome names another
     /// node, or none. Its address points at another memory node (an index entry changed by
     /// whoever can write the index, or a node that moved); nothing of it is used.
     #[error("the server is {}, not node {expected}", match named {
@@ -174,7 +174,7 @@ pub enum HandshakeError {
         named: Option<u32>,
     },
     /// The whole handshake (connecting included) took longer than
-    /// [`UcxConfig::connect_timeout`](crate::UcxConfig::connect_timeout).
+    /// [`RemoteConfig::connect_timeout`](crate::RemoteConfig::connect_timeout).
     #[error("the handshake did not finish within the connect timeout")]
     DeadlinePassed,
 }

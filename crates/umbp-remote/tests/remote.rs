@@ -54,7 +54,11 @@ fn restores_scattered_pages_byte_exact_over_tcp() {
 }
 
 /// Reads the whole of region `name` of the peer back into a new buffer.
-fn read_back(engine: &umbp_ucx::UcxEngine, peer: &umbp_ucx::PeerInfo, name: &str) -> Vec<u8> {
+fn read_back(
+    engine: &umbp_remote::RemoteEngine,
+    peer: &umbp_remote::PeerInfo,
+    name: &str,
+) -> Vec<u8> {
     let region = peer.region(name).unwrap();
     let remote = engine.register_remote(region.region, 0, region.len).unwrap();
     let local = engine.register_memory(vec![0u8; region.len as usize]).unwrap();
@@ -233,14 +237,16 @@ fn restores_over_shared_memory_where_the_machine_allows_it() {
         return;
     }
     let server = Served::start("sm", 4 << 20, 12);
-    let engine =
-        match umbp_ucx::UcxEngine::new(umbp_plan::EndpointRegistry::new(), support::config("sm")) {
-            Ok(engine) => engine,
-            Err(e) => {
-                eprintln!("skipped: UCX has no shared-memory transport here: {e}");
-                return;
-            }
-        };
+    let engine = match umbp_remote::RemoteEngine::new(
+        umbp_plan::EndpointRegistry::new(),
+        support::config("sm"),
+    ) {
+        Ok(engine) => engine,
+        Err(e) => {
+            eprintln!("skipped: UCX has no shared-memory transport here: {e}");
+            return;
+        }
+    };
     let peer = match engine.connect(server.addr) {
         Ok(peer) => peer,
         Err(e) => {

@@ -46,12 +46,12 @@
 //! A server that serves as a pool's memory node names its node id in the welcome. The welcome
 //! is a sealed record under keys derived from the whole handshake, so the name is bound to
 //! this session: a relay cannot change it, and no other session's welcome opens here. A
-//! client that dials a node it found in an index ([`UcxEngine::connect_node`]) refuses a
+//! client that dials a node it found in an index ([`RemoteEngine::connect_node`]) refuses a
 //! server that names another node, or none, before it uses anything the server offers: an
 //! index entry that points one node's id at another node's address (whoever can write the
 //! index can do that) reaches a refusal, never the other node's memory.
 //!
-//! [`UcxEngine::connect_node`]: crate::UcxEngine::connect_node
+//! [`RemoteEngine::connect_node`]: crate::RemoteEngine::connect_node
 //!
 //! After the verdict, in checked mode, the same connection carries the data requests
 //! ([`crate::checked`]); in one-sided mode it stays silent and tells each side, by closing,

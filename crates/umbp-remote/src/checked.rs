@@ -25,7 +25,7 @@
 //! so a client that sends one is one that bypassed its own engine's checks.
 //!
 //! On the client, each checked peer has a writer thread (requests, and the bytes of puts;
-//! a heartbeat when it had nothing to send for [`UcxConfig::heartbeat`](crate::UcxConfig))
+//! a heartbeat when it had nothing to send for [`RemoteConfig::heartbeat`](crate::RemoteConfig))
 //! and a reader thread (answers, and the bytes of gets, received straight into the
 //! destination and opened there). Both touch local memory only while holding the link's
 //! guard (shared: neither waits on the other, so a get's bytes are always read while a put's
@@ -34,8 +34,8 @@
 //! again (what a forced UCX endpoint close gives the one-sided path).
 //!
 //! On the server, a client thread ends when the client sends nothing (not even a heartbeat)
-//! for [`UcxConfig::idle_timeout`](crate::UcxConfig), and when one answer is not sent whole
-//! within [`UcxConfig::peer_timeout`](crate::UcxConfig) (a deadline for the whole answer,
+//! for [`RemoteConfig::idle_timeout`](crate::RemoteConfig), and when one answer is not sent whole
+//! within [`RemoteConfig::peer_timeout`](crate::RemoteConfig) (a deadline for the whole answer,
 //! however its bytes trickle out).
 
 use std::io::{self, Read};

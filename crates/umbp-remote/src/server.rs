@@ -30,7 +30,7 @@ use crate::config::hardware_enforced;
 use crate::handshake::{self, Auth, Verdict, Welcome, WireRegion};
 use crate::stats::{Counters, ServerStats};
 use crate::ucp::{self, Access, Context, Worker};
-use crate::{Error, ServerLimits, UcxConfig};
+use crate::{Error, RemoteConfig, ServerLimits};
 
 /// How long the server's threads sleep between checks for shutdown while idle.
 const IDLE_TICK: Duration = Duration::from_millis(50);
@@ -57,37 +57,37 @@ struct Export {
     keep: Box<dyn Any + Send>,
 }
 
-/// Gathers the regions a [`UcxServer`] exports.
+/// Gathers the regions a [`RemoteServer`] exports.
 ///
 /// ```no_run
-/// use umbp_ucx::{ServerBuilder, UcxConfig};
+/// use umbp_remote::{ServerBuilder, RemoteConfig};
 ///
 /// let arena = vec![0u8; 64 << 20]; // the KV pool's pages
 /// // The secret comes from UMBP_UCX_SECRET; clients need the same one.
-/// let server = ServerBuilder::new(UcxConfig::default())
+/// let server = ServerBuilder::new(RemoteConfig::default())
 ///     .export("kv-arena", arena, true)
 ///     .serve("10.0.0.2:7400")?; // the interface the compute nodes reach, not 0.0.0.0
 /// println!("serving on {}", server.local_addr());
 /// // ... until the node shuts down; `shutdown` hands the arena back.
 /// let arena: Vec<u8> = server.shutdown().take("kv-arena").unwrap();
-/// # Ok::<(), umbp_ucx::Error>(())
+/// # Ok::<(), umbp_remote::Error>(())
 /// ```
 pub struct ServerBuilder {
-    config: UcxConfig,
+    config: RemoteConfig,
     exports: Vec<Export>,
     node: Option<u32>,
 }
 
 impl ServerBuilder {
     /// A server with `config` (its transports, secret and limits) and no region yet.
-    pub fn new(config: UcxConfig) -> Self {
+    pub fn new(config: RemoteConfig) -> Self {
         Self { config, exports: Vec::new(), node: None }
     }
 
     /// Names the node this server serves as (its node id in a pool, as its
     /// `pool::Membership` announces it) in every client's welcome, bound to the session like
     /// the rest of it. A client that dials a node it looked up
-    /// ([`UcxEngine::connect_node`](crate::UcxEngine::connect_node), as the pool's resolver
+    /// ([`RemoteEngine::connect_node`](crate::RemoteEngine::connect_node), as the pool's resolver
     /// does) refuses a server that names another node or none: a memory node that joins a
     /// pool must be named with the id it joins under, or the pool's clients refuse it.
     /// `umbp-ucx-serve --pool` names it with `--node-id`.
@@ -98,7 +98,7 @@ impl ServerBuilder {
 
     /// Exports `memory` as region `name` (regions are numbered in the order they are
     /// exported). Authenticated peers may read it, and write it when `writable`, until the
-    /// server shuts down; the server owns it meanwhile and [`UcxServer::shutdown`] hands it
+    /// server shuts down; the server owns it meanwhile and [`RemoteServer::shutdown`] hands it
     /// back.
     pub fn export<M: HostMemory + Send>(
         mut self,
@@ -141,8 +141,8 @@ impl ServerBuilder {
     /// handshakes, and, on RDMA transports only, a thread that progresses UCX.
     ///
     /// Refused ([`Error::Config`]) without a shared secret unless the configuration says
-    /// [`insecure_no_auth`](UcxConfig::insecure_no_auth).
-    pub fn serve(self, listen: impl ToSocketAddrs) -> Result<UcxServer, Error> {
+    /// [`insecure_no_auth`](RemoteConfig::insecure_no_auth).
+    pub fn serve(self, listen: impl ToSocketAddrs) -> Result<RemoteServer, Error> {
         let auth = match self.config.auth()? {
             Auth::Keyed(secret) => Some(secret.to_vec()),
             Auth::Insecure => None,
@@ -169,7 +169,7 @@ impl ServerBuilder {
         // end down (a drain) wakes them all between requests.
         let (drain_tx, drain_rx) = UnixStream::pair()
             .map_err(|source| Error::Connect { addr: "drain pipe".into(), source })?;
-        let mut server = UcxServer {
+        let mut server = RemoteServer {
             local_addr,
             stop,
             accepting: Arc::new(AtomicBool::new(true)),
@@ -266,7 +266,7 @@ impl ServerBuilder {
 }
 
 /// Memory exported to peers, served until [`shutdown`](Self::shutdown) or drop.
-pub struct UcxServer {
+pub struct RemoteServer {
     local_addr: SocketAddr,
     /// Stops the UCX thread.
     stop: Arc<AtomicBool>,
@@ -290,9 +290,9 @@ pub struct UcxServer {
     node: Option<u32>,
 }
 
-impl std::fmt::Debug for UcxServer {
+impl std::fmt::Debug for RemoteServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UcxServer")
+        f.debug_struct("RemoteServer")
             .field("local_addr", &self.local_addr)
             .field("regions", &self.regions)
             .field("one_sided", &self.one_sided)
@@ -301,8 +301,8 @@ impl std::fmt::Debug for UcxServer {
     }
 }
 
-impl UcxServer {
-    /// The address clients connect to ([`UcxEngine::connect`](crate::UcxEngine::connect)).
+impl RemoteServer {
+    /// The address clients connect to ([`RemoteEngine::connect`](crate::RemoteEngine::connect)).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
@@ -384,7 +384,7 @@ impl UcxServer {
     }
 }
 
-impl Drop for UcxServer {
+impl Drop for RemoteServer {
     fn drop(&mut self) {
         self.stop_threads();
         // `exports` drops after this, once nothing can reach them.
@@ -1053,7 +1053,7 @@ fn log_refusals(counters: &Counters, woken: &mpsc::Receiver<()>) {
         let words = [
             "authentication failed (wrong or no secret)",
             "serving as many clients as allowed",
-            "not an umbp-ucx hello",
+            "not an umbp-remote hello",
             "past the handshake deadline",
             "closed to make room",
             "the connection failed",

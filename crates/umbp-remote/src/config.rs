@@ -6,10 +6,10 @@ use crate::channel::Protection;
 use crate::handshake::{MAX_SECRET, MIN_SECRET};
 use crate::Error;
 
-/// The environment variable [`UcxConfig::default`] takes the shared secret from.
+/// The environment variable [`RemoteConfig::default`] takes the shared secret from.
 pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
 
-/// Settings shared by [`UcxEngine`](crate::UcxEngine) and [`ServerBuilder`](crate::ServerBuilder).
+/// Settings shared by [`RemoteEngine`](crate::RemoteEngine) and [`ServerBuilder`](crate::ServerBuilder).
 ///
 /// UCX reads its own `UCX_*` environment as usual (`UCX_TLS`, `UCX_NET_DEVICES`...); the
 /// settings here override what they name.
@@ -19,21 +19,21 @@ pub const SECRET_ENV: &str = "UMBP_UCX_SECRET";
 /// [`insecure_no_auth`](Self::insecure_no_auth) says to run without authentication.
 ///
 /// Every field has a documented default; set the ones you need in a struct literal over
-/// [`UcxConfig::default`]:
+/// [`RemoteConfig::default`]:
 ///
 /// ```
-/// use umbp_ucx::UcxConfig;
+/// use umbp_remote::RemoteConfig;
 ///
-/// let config = UcxConfig {
+/// let config = RemoteConfig {
 ///     transports: Some("tcp".into()),
 ///     secret: Some(b"a shared secret of at least 16 bytes".to_vec()),
-///     ..UcxConfig::default()
+///     ..RemoteConfig::default()
 /// };
 /// // Debug output names whether a secret is set, never the secret.
 /// assert!(!format!("{config:?}").contains("shared secret"));
 /// ```
 #[derive(Clone, PartialEq, Eq)]
-pub struct UcxConfig {
+pub struct RemoteConfig {
     /// UCX transports to use (`UCX_TLS`'s syntax: `tcp`, `sm`, `rc,sm`...). `None`: the
     /// environment's `UCX_TLS`, else UCX's own choice. Only a list of RDMA transports alone
     /// (`rc`, `dc` and their variants) lets a server hand out remote keys for one-sided
@@ -81,7 +81,7 @@ pub struct UcxConfig {
     pub limits: ServerLimits,
 }
 
-/// What a [`UcxServer`](crate::UcxServer) spends on connections at most. One thread answers
+/// What a [`RemoteServer`](crate::RemoteServer) spends on connections at most. One thread answers
 /// every handshake (an event loop), so connections that have not authenticated cost a socket
 /// each and no thread; each authenticated client costs one thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,10 +110,10 @@ impl Default for ServerLimits {
     }
 }
 
-impl std::fmt::Debug for UcxConfig {
+impl std::fmt::Debug for RemoteConfig {
     /// Says whether a secret is set, never the secret.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UcxConfig")
+        f.debug_struct("RemoteConfig")
             .field("transports", &self.transports)
             .field("secret", &self.secret.as_ref().map(|_| "<secret>"))
             .field("insecure_no_auth", &self.insecure_no_auth)
@@ -129,7 +129,7 @@ impl std::fmt::Debug for UcxConfig {
     }
 }
 
-impl Default for UcxConfig {
+impl Default for RemoteConfig {
     fn default() -> Self {
         Self {
             transports: None,
@@ -147,7 +147,7 @@ impl Default for UcxConfig {
     }
 }
 
-impl UcxConfig {
+impl RemoteConfig {
     /// How this side authenticates: the secret, or the explicit choice to run without one.
     pub(crate) fn auth(&self) -> Result<crate::handshake::Auth<'_>, Error> {
         use crate::handshake::Auth;

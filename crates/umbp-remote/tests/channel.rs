@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
-use umbp_ucx::{internal, Error, HandshakeError, Protection, ServerBuilder, UcxConfig, UcxEngine};
+use umbp_remote::{
+    internal, Error, HandshakeError, Protection, RemoteConfig, RemoteEngine, ServerBuilder,
+};
 
 use support::{config, fill_byte, ucx_or_skip, POISON, SECRET};
 
@@ -152,24 +154,24 @@ fn relay(to: SocketAddr, up: Option<Tamper>, down: Option<Tamper>) -> (SocketAdd
 }
 
 /// A server exporting a patterned 1 MiB arena, writable, with `protection`.
-fn server(protection: Protection) -> umbp_ucx::UcxServer {
+fn server(protection: Protection) -> umbp_remote::RemoteServer {
     let arena: Vec<u8> = (0..ARENA).map(arena_byte).collect();
-    ServerBuilder::new(UcxConfig { protection, ..config("tcp") })
+    ServerBuilder::new(RemoteConfig { protection, ..config("tcp") })
         .export("arena", arena, true)
         .serve("127.0.0.1:0")
         .unwrap()
 }
 
-fn engine(protection: Protection) -> UcxEngine {
+fn engine(protection: Protection) -> RemoteEngine {
     // No heartbeat in the middle of the records the relays count (a slow machine could
     // otherwise put one before the batch's requests).
-    let config = UcxConfig {
+    let config = RemoteConfig {
         protection,
         peer_timeout: Duration::from_secs(3),
         heartbeat: Duration::from_secs(600),
         ..config("tcp")
     };
-    UcxEngine::new(EndpointRegistry::new(), config).unwrap()
+    RemoteEngine::new(EndpointRegistry::new(), config).unwrap()
 }
 
 /// What one batch came to: the failed tags, the restored bytes, and the arena afterwards.
@@ -183,7 +185,7 @@ struct Outcome {
 /// One batch through `addr` (a relay in front of `server`): object 0 gets the arena's first
 /// piece, object 1 its third, object 2 puts a piece at [`PUT_AT`]. Then the server shuts
 /// down and hands its arena back.
-fn batch(engine: &UcxEngine, addr: SocketAddr, server: umbp_ucx::UcxServer) -> Outcome {
+fn batch(engine: &RemoteEngine, addr: SocketAddr, server: umbp_remote::RemoteServer) -> Outcome {
     let peer = engine.connect(addr).unwrap();
     let remote = engine.register_remote(peer.regions[0].region, 0, ARENA as u64).unwrap();
     let sink = engine.register_memory(vec![POISON; 2 * PIECE]).unwrap();
@@ -541,12 +543,12 @@ fn clients_that_vanish_lose_their_slots_and_idle_honest_ones_keep_theirs() {
         return;
     }
     let idle_timeout = Duration::from_secs(1);
-    let limits = umbp_ucx::ServerLimits {
+    let limits = umbp_remote::ServerLimits {
         max_clients: 64,
         max_clients_per_ip: 64,
-        ..umbp_ucx::ServerLimits::default()
+        ..umbp_remote::ServerLimits::default()
     };
-    let server = ServerBuilder::new(UcxConfig { idle_timeout, limits, ..config("tcp") })
+    let server = ServerBuilder::new(RemoteConfig { idle_timeout, limits, ..config("tcp") })
         .export("arena", (0..ARENA).map(arena_byte).collect::<Vec<u8>>(), true)
         .serve("127.0.0.1:0")
         .unwrap();
@@ -574,8 +576,8 @@ fn clients_that_vanish_lose_their_slots_and_idle_honest_ones_keep_theirs() {
         assert!(read_all(s).is_empty(), "the server sent a silent client something");
     }
     // An honest client idles three idle timeouts, then restores.
-    let config = UcxConfig { heartbeat: Duration::from_millis(200), ..config("tcp") };
-    let honest = UcxEngine::new(EndpointRegistry::new(), config).unwrap();
+    let config = RemoteConfig { heartbeat: Duration::from_millis(200), ..config("tcp") };
+    let honest = RemoteEngine::new(EndpointRegistry::new(), config).unwrap();
     let peer = honest.connect(addr).unwrap();
     std::thread::sleep(3 * idle_timeout);
     assert_eq!(server.clients(), 1, "an idle client with heartbeats lost its slot");

@@ -11,7 +11,9 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
-use umbp_ucx::{internal, Error, HandshakeError, Protection, ServerBuilder, UcxConfig, UcxEngine};
+use umbp_remote::{
+    internal, Error, HandshakeError, Protection, RemoteConfig, RemoteEngine, ServerBuilder,
+};
 
 use support::{config, ucx_or_skip, POISON, SECRET};
 
@@ -59,13 +61,13 @@ fn drop_everything(stream: &TcpStream) -> io::Result<()> {
 }
 
 /// An honest engine: heartbeats well inside the idle timeout, so it keeps its slot while idle.
-fn honest() -> UcxEngine {
-    let config = UcxConfig { heartbeat: Duration::from_millis(200), ..config("tcp") };
-    UcxEngine::new(EndpointRegistry::new(), config).unwrap()
+fn honest() -> RemoteEngine {
+    let config = RemoteConfig { heartbeat: Duration::from_millis(200), ..config("tcp") };
+    RemoteEngine::new(EndpointRegistry::new(), config).unwrap()
 }
 
 /// What the server closed sessions for, by reason.
-fn closed(server: &umbp_ucx::UcxServer, reason: &str) -> u64 {
+fn closed(server: &umbp_remote::RemoteServer, reason: &str) -> u64 {
     let snapshot = server.stats().read();
     snapshot.sessions_closed.iter().filter(|(r, _)| *r == reason).map(|(_, n)| n).sum()
 }
@@ -85,12 +87,12 @@ fn clients_whose_network_vanished_lose_their_slots() {
     // with a longer idle timeout (never an assertion on how long anything took).
     let mut idle_timeout = Duration::from_secs(1);
     let (server, vanished) = loop {
-        let limits = umbp_ucx::ServerLimits {
+        let limits = umbp_remote::ServerLimits {
             max_clients: VANISHED,
             max_clients_per_ip: VANISHED,
-            ..umbp_ucx::ServerLimits::default()
+            ..umbp_remote::ServerLimits::default()
         };
-        let server = ServerBuilder::new(UcxConfig { idle_timeout, limits, ..config("tcp") })
+        let server = ServerBuilder::new(RemoteConfig { idle_timeout, limits, ..config("tcp") })
             .export("arena", (0..ARENA).map(arena_byte).collect::<Vec<u8>>(), true)
             .serve("127.0.0.1:0")
             .unwrap();

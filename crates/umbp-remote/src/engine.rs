@@ -1,4 +1,4 @@
-//! The engine: the public face ([`UcxEngine`]) and what a submit does on the caller's thread.
+//! The engine: the public face ([`RemoteEngine`]) and what a submit does on the caller's thread.
 //! The work itself runs on the progress thread ([`crate::progress`]).
 
 use std::collections::HashMap;
@@ -20,7 +20,7 @@ use umbp_plan::{
 use crate::config::NAME;
 use crate::handshake::{self, Mode, WireRegion};
 use crate::progress::{self, BatchRun, Command, LinkSpec, Op, Route};
-use crate::{Error, HandshakeError, UcxConfig};
+use crate::{Error, HandshakeError, RemoteConfig};
 
 /// Peer numbers are unique in the process, so two engines never claim each other's peers.
 static NEXT_PEER: AtomicU32 = AtomicU32::new(0);
@@ -81,7 +81,7 @@ pub(crate) struct Peer {
 /// What the engine and its builders share.
 pub(crate) struct Shared {
     pub(crate) registry: Arc<EndpointRegistry>,
-    pub(crate) config: UcxConfig,
+    pub(crate) config: RemoteConfig,
     pub(crate) peers: RwLock<HashMap<u32, Arc<Peer>>>,
     overlap: Mutex<OverlapCheck>,
 }
@@ -120,17 +120,17 @@ fn region_contains(region_len: u64, offset: u64, len: u64) -> bool {
 /// The plan rules: host memory to and from a region of a peer this engine is connected to;
 /// writes only to writable regions.
 #[derive(Clone)]
-pub struct UcxRules {
+pub struct RemoteRules {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for UcxRules {
+impl std::fmt::Debug for RemoteRules {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("UcxRules")
+        f.write_str("RemoteRules")
     }
 }
 
-impl PlanRules for UcxRules {
+impl PlanRules for RemoteRules {
     fn carries(&self, src: &Endpoint, dst: &Endpoint) -> bool {
         let known =
             |e: &Endpoint| e.remote_region().is_some_and(|r| self.shared.peer(r.peer).is_some());
@@ -156,20 +156,20 @@ impl PlanRules for UcxRules {
     }
 }
 
-/// The incremental plan builder of [`UcxEngine`].
-pub type UcxBuilder = IncrementalBuilder<UcxRules>;
+/// The incremental plan builder of [`RemoteEngine`].
+pub type RemoteBuilder = IncrementalBuilder<RemoteRules>;
 
 /// The remote memory engine: one-sided gets (restore) and puts (offload) between this
 /// process's host memory and regions that peers exported, over UCX.
 ///
 /// # Use
 ///
-/// 1. [`connect`](Self::connect) to each peer's [`UcxServer`](crate::UcxServer): the handshake
+/// 1. [`connect`](Self::connect) to each peer's [`RemoteServer`](crate::RemoteServer): the handshake
 ///    returns its worker address and the keys of its regions ([`PeerInfo`]).
 /// 2. Register what fragments name: host memory as usual, a peer's region with
 ///    [`Register::register_remote`] (refused unless the range lies inside what the peer
 ///    exported).
-/// 3. Build plans ([`UcxBuilder`], or through a composite) and [`submit`](TransferEngine::submit).
+/// 3. Build plans ([`RemoteBuilder`], or through a composite) and [`submit`](TransferEngine::submit).
 ///
 /// # Submit
 ///
@@ -177,40 +177,40 @@ pub type UcxBuilder = IncrementalBuilder<UcxRules>;
 /// segment into a request after checking it against its local endpoint and the region the
 /// peer exported (a plan with a segment outside either fails whole, nothing of it sent); a
 /// plan to a dead peer fails at once. The requests go to the engine's progress thread, which
-/// keeps up to [`UcxConfig::max_in_flight`] of them in flight over all peers, progresses UCX
+/// keeps up to [`RemoteConfig::max_in_flight`] of them in flight over all peers, progresses UCX
 /// and settles the batch: puts count only once a flush of their endpoint has confirmed them at
 /// the peer. The handle returns at once.
 ///
 /// # Failures
 ///
 /// - A peer that goes away (its control connection closes, UCX reports its endpoint failed,
-///   or it leaves requests unanswered for [`UcxConfig::peer_timeout`]) is declared dead: its
+///   or it leaves requests unanswered for [`RemoteConfig::peer_timeout`]) is declared dead: its
 ///   endpoint is closed by force, which ends every request in flight to it, and exactly the
 ///   objects with bytes to or from it fail with [`FailureCause::PeerFailed`].
 /// - A request that fails while its peer lives, on a segment that merged several objects, is
 ///   re-issued once per object, so only the objects whose bytes did not arrive fail.
 /// - A deadline stops the batch from sending more; what is in flight completes (bounded by
 ///   the peer timeout), so the handle never returns while a get may still write.
-pub struct UcxEngine {
+pub struct RemoteEngine {
     shared: Arc<Shared>,
     commands: Option<mpsc::Sender<Command>>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl std::fmt::Debug for UcxEngine {
+impl std::fmt::Debug for RemoteEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UcxEngine").field("config", &self.shared.config).finish()
+        f.debug_struct("RemoteEngine").field("config", &self.shared.config).finish()
     }
 }
 
-impl UcxEngine {
+impl RemoteEngine {
     /// An engine over `registry`: starts its progress thread. Where the transports are RDMA
     /// alone, that thread creates the UCX context and worker for one-sided access (and the
     /// engine fails with [`Error::LibraryMissing`] where UCX is not installed); otherwise
     /// peers are reached through the checked request path and no UCX worker exists: over TCP
     /// one would listen on every interface, and UCX writes a connected stranger's put
     /// wherever the stranger says.
-    pub fn new(registry: Arc<EndpointRegistry>, config: UcxConfig) -> Result<Self, Error> {
+    pub fn new(registry: Arc<EndpointRegistry>, config: RemoteConfig) -> Result<Self, Error> {
         if config.max_in_flight == 0 {
             return Err(Error::Config {
                 setting: "max_in_flight",
@@ -243,14 +243,14 @@ impl UcxEngine {
     }
 
     /// The configuration in effect.
-    pub fn config(&self) -> &UcxConfig {
+    pub fn config(&self) -> &RemoteConfig {
         &self.shared.config
     }
 
     /// A new incremental plan builder, as its concrete type.
-    pub fn incremental_builder(&self) -> UcxBuilder {
+    pub fn incremental_builder(&self) -> RemoteBuilder {
         IncrementalBuilder::new(
-            UcxRules { shared: Arc::clone(&self.shared) },
+            RemoteRules { shared: Arc::clone(&self.shared) },
             Arc::clone(&self.shared.registry),
         )
     }
@@ -261,7 +261,7 @@ impl UcxEngine {
     /// its worker with its regions' keys. The peer stays connected until it goes away or the
     /// engine is dropped.
     ///
-    /// [`UcxConfig::connect_timeout`] bounds all of it after the address resolved: a server
+    /// [`RemoteConfig::connect_timeout`] bounds all of it after the address resolved: a server
     /// that answers slowly, or not at all, is a [`HandshakeError::DeadlinePassed`] then.
     /// Nothing the server sends reaches UCX before it proved that it holds the secret.
     ///
@@ -656,7 +656,7 @@ fn push_ops(
     Ok(())
 }
 
-impl Drop for UcxEngine {
+impl Drop for RemoteEngine {
     /// Lets the batches in flight settle, closes every peer and stops the progress thread.
     fn drop(&mut self) {
         if let Some(commands) = self.commands.take() {
@@ -672,9 +672,9 @@ impl Drop for UcxEngine {
     }
 }
 
-/// Registration: host memory is mapped for UCX (when [`UcxConfig::map_host_memory`]), a
+/// Registration: host memory is mapped for UCX (when [`RemoteConfig::map_host_memory`]), a
 /// remote endpoint is checked against its peer's export; other kinds register untouched.
-impl Register for UcxEngine {
+impl Register for RemoteEngine {
     fn registry(&self) -> &Arc<EndpointRegistry> {
         &self.shared.registry
     }
@@ -703,18 +703,18 @@ impl EndpointRelease for Unmap {
     }
 }
 
-impl TransferEngine for UcxEngine {
+impl TransferEngine for RemoteEngine {
     fn name(&self) -> &str {
         NAME
     }
 
     fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
-        UcxRules { shared: Arc::clone(&self.shared) }.carries(src, dst)
+        RemoteRules { shared: Arc::clone(&self.shared) }.carries(src, dst)
     }
 
     fn plan(&self, fragments: &[Fragment]) -> PlanSet {
         plan_batch(
-            &UcxRules { shared: Arc::clone(&self.shared) },
+            &RemoteRules { shared: Arc::clone(&self.shared) },
             &self.shared.registry.snapshot(),
             fragments,
         )
@@ -753,7 +753,7 @@ impl TransferEngine for UcxEngine {
     }
 }
 
-impl UcxEngine {
+impl RemoteEngine {
     fn send_batch(&self, batch: Box<BatchRun>) -> Result<(), mpsc::SendError<Command>> {
         match &self.commands {
             Some(commands) => commands.send(Command::Submit(batch)),
