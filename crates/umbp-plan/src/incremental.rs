@@ -545,6 +545,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     /// Records that object `tag` has bytes in plan `index`, if it is the first time: its first
     /// fragment either extended the plan's segment `segments_before - 1`, which was `at > 0`
     /// bytes long then, or (`at == 0`) opened segment `segments_before`.
+    #[inline(always)]
     fn note_tag(&mut self, index: usize, tag: Tag, segments_before: usize, at: u64) {
         let state = &mut self.states[index];
         if state.last_tag != Some(tag) {
@@ -669,6 +670,7 @@ impl<R: PlanRules> IncrementalBuilder<R> {
     }
 
     /// Logs plan `index` in the undo log the first time the open object touches it.
+    #[inline(always)]
     fn log_touch(&mut self, index: usize) {
         let state = &mut self.states[index];
         if state.touched != self.epoch {
