@@ -59,59 +59,34 @@ import time
 
 import numpy as np
 import torch
-from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
-
 
 from umbp.kvtiers import DRAM, SSD
 from umbp.vllm import UmbpConnector, UmbpConnectorMetadata
 
+# The engine loop's pieces the connector's tests and `python -m umbp.vllm.check` use too: the
+# model directory, vLLM's config, requests, and what the model runner hands the scheduler.
+from umbp.vllm._harness import (
+    connector_output,
+    engine_config,
+    model_runner_output,
+    new_request,
+    umbp_transfer_config,
+    write_model_dir,
+)
+
 LAYERS = 61
 GROUP = 8
 BLOCK_TOKENS, KV_HEADS, HEAD = 64, 12, 128
-
-
-def model_dir(root, layers=LAYERS, kv_heads=KV_HEADS, head=HEAD):
-    d = os.path.join(root, "model")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": kv_heads * head,
-                "intermediate_size": 4096,
-                "num_attention_heads": kv_heads,
-                "num_key_value_heads": kv_heads,
-                "head_dim": head,
-                "num_hidden_layers": layers,
-                "vocab_size": 1024,
-                "max_position_embeddings": 4096,
-                "torch_dtype": "float16",
-            },
-            f,
-        )
-    return d
 
 
 def spin(seconds):
@@ -176,11 +151,8 @@ class SchedulerRun:
 
     def __init__(self, work, connector, num_blocks, tier_bytes):
         if connector == "umbp":
-            transfer = KVTransferConfig(
-                kv_connector="UmbpConnector",
-                kv_connector_module_path="umbp.vllm",
-                kv_role="kv_both",
-                kv_connector_extra_config={"dram_bytes_per_rank": tier_bytes, "load_mode": "async"},
+            transfer = umbp_transfer_config(
+                {"dram_bytes_per_rank": tier_bytes, "load_mode": "async"}
             )
         else:
             transfer = KVTransferConfig(
@@ -192,27 +164,9 @@ class SchedulerRun:
                     "spec_module_path": __name__,
                 },
             )
-        cache = CacheConfig(block_size=self.BS, enable_prefix_caching=True)
-        cache.kv_cache_layout = "LBNHC"
-        max_len = 4096
-        self.config = VllmConfig(
-            model_config=ModelConfig(
-                model=model_dir(work, self.LAYERS, self.KV_HEADS, self.HEAD),
-                skip_tokenizer_init=True,
-                dtype="float16",
-                max_model_len=max_len,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=64,
-                max_num_batched_tokens=8192,
-                max_model_len=max_len,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            cache_config=cache,
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
-        )
+        model = write_model_dir(work, self.LAYERS, kv_heads=self.KV_HEADS, head=self.HEAD)
+        self.config = engine_config(model, transfer, block_size=self.BS, max_batched=8192)
+        cache = self.config.cache_config
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(self.LAYERS)]
         spec = FullAttentionSpec(
             block_size=self.BS, num_kv_heads=self.KV_HEADS, head_size=self.HEAD, dtype=torch.float16
@@ -240,15 +194,7 @@ class SchedulerRun:
         self.requests = {}
 
     def add(self, rid, tokens):
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=list(tokens),
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=get_request_block_hasher(self.BS, sha256),
-        )
+        req = new_request(rid, tokens, block_size=self.BS)
         self.requests[rid] = req
         self.scheduler.add_request(req)
 
@@ -268,16 +214,7 @@ class SchedulerRun:
             w.save_kv_layer(name, self.kv[name], None)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        output = KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_stats=w.get_kv_connector_stats(),
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
-        w.clear_connector_metadata()
+        output = connector_output(w, so.finished_req_ids)
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -286,15 +223,7 @@ class SchedulerRun:
             # prefill goes on next step (chunked) samples nothing yet.
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([7] if done else [])
-        model_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=output,
-        )
+        model_output = model_runner_output(req_ids, sampled, output)
         t0 = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, model_output)
         timed += time.perf_counter() - t0
@@ -340,7 +269,6 @@ class SchedulerRun:
 
 
 def scheduler_main(args):
-    init_none_hash(sha256)
     work = tempfile.mkdtemp(dir=args.dir)
     bs = SchedulerRun.BS
     page = bs * SchedulerRun.KV_HEADS * SchedulerRun.HEAD * 2 * 2  # K and V, fp16
@@ -468,19 +396,9 @@ def main():
     }
     if args.source == "ssd":
         extra.update(ssd_path=os.path.join(work, "kv.ssd"), ssd_bytes_per_rank=tier_bytes)
-    cache = CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True)
-    cache.kv_cache_layout = "LBNHC"
-    config = VllmConfig(
-        model_config=ModelConfig(model=model_dir(work), skip_tokenizer_init=True, dtype="float16"),
-        cache_config=cache,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="UmbpConnector",
-            kv_connector_module_path="umbp.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
+    model = write_model_dir(work, LAYERS, kv_heads=KV_HEADS, head=HEAD)
+    config = engine_config(model, umbp_transfer_config(extra), block_size=BLOCK_TOKENS)
+    cache = config.cache_config
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     num_blocks = args.scale + 1
     kv_config = get_kv_cache_config_from_groups(

@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 # First: it skips this module (or fails, with UMBP_REQUIRE_VLLM=1) where vLLM is absent.
-from vllm_harness import BS, HEAD, KV_HEADS, POISON, EngineHarness, first_step_of, prompt
-from vllm_harness import vllm_config
+from vllm_harness import BS, HEAD, KV_HEADS, POISON, PrefixModelHarness, first_step_of, prompt
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -41,169 +40,18 @@ from umbp.vllm import UmbpConnector
 LAYERS = 4
 
 
-class Harness(EngineHarness):
+class Harness(PrefixModelHarness):
     """vLLM's scheduler with UmbpConnector, one KV cache group of ``LAYERS`` full-attention
-    layers, one worker-side connector per rank over CPU tensors, and a fake forward pass."""
+    layers, one worker-side connector per rank over CPU tensors, and the harness's model
+    whose bytes are a function of each token's prefix (``umbp.vllm._harness``)."""
 
-    def __init__(
-        self,
-        tmp_path,
-        *,
-        num_blocks=256,
-        layout="LBNHC",
-        max_batched=4096,
-        kv_heads=KV_HEADS,
-        head=HEAD,
-        tp=1,
-        kv_events=False,
-        kv_role="kv_both",
-        **extra,
-    ):
-        extra.setdefault("dram_bytes_per_rank", 64 << 20)
-        self.extra = extra
-        config = vllm_config(
-            tmp_path,
-            layers=LAYERS,
-            extra=extra,
-            max_batched=max_batched,
-            layout=layout,
-            tp=tp,
-            kv_events=kv_events,
-            kv_role=kv_role,
-        )
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        self.groups = [self.layers]
-        spec = FullAttentionSpec(
-            block_size=BS, num_kv_heads=kv_heads, head_size=head, dtype=torch.float16
-        )
-        self.kv_heads = kv_heads
-        groups = [KVCacheGroupSpec(self.layers, spec)]
-        kv_cache_config = get_kv_cache_config_from_groups(
-            config, groups, available_memory=num_blocks * LAYERS * spec.page_size_bytes
-        )
-        self._start(config, kv_cache_config, num_blocks, tp)
-        self.loaded = []  # [request id, GPU block id, failed] of every load not yet settled
-        self.checked_loads = 0
-        self._expected = {}  # (request, rank, layer) -> expected rows of its tokens so far
-
-    # -- the model -------------------------------------------------------------------------
-
-    def expected_rows(self, rid, rank, layer, n):
-        """The rows tokens 0..n-1 of ``rid`` hold in ``layer`` on ``rank`` when right, as a
-        (n, token_bytes) array (memoized: a token's bytes never change)."""
-        key = (rid, rank, layer)
-        rows = self._expected.get(key)
-        have = 0 if rows is None else len(rows)
-        if have < n:
-            tokens = self.requests[rid].all_token_ids
-            more = np.stack([self.token_kv(tokens, p, layer, rank) for p in range(have, n)])
-            rows = more if rows is None else np.concatenate([rows, more])
-            self._expected[key] = rows
-        return rows[:n]
-
-    def cache_rows(self, rank, layer, block_ids, start, end):
-        """Rows ``start..end-1`` of a request (its blocks ``block_ids``) in ``layer``, as they
-        lie in the cache of ``rank``."""
-        pos = np.arange(start, end)
-        blocks = np.asarray(block_ids)[pos // BS]
-        rows = self.ranks[rank].kv8[self.layers[layer]].numpy()[blocks, :, pos % BS, :]
-        return rows.reshape(end - start, -1)
-
-    def prefix_is_right(self, rid, rank, layer, n):
-        """Whether tokens 0..n-1 of ``rid`` hold what their prefix implies in ``layer``."""
-        if n == 0:
-            return True
-        got = self.cache_rows(rank, layer, self.block_ids(rid), 0, n)
-        return np.array_equal(got, self.expected_rows(rid, rank, layer, n))
-
-    def forward(self, rank, layer, rid, start, end):
-        """Computes tokens ``start..end-1`` of ``rid`` in ``layer`` on ``rank``: right when
-        layer L-1 of the prefix before them holds what it should (tokens start..end-1 of
-        layer L-1 were computed by this step, right or wrong alike), wrong otherwise."""
-        r = self.ranks[rank]
-        name = self.layers[layer]
-        rows = self.expected_rows(rid, rank, layer, end)[start:end]
-        if layer > 0 and not self.prefix_is_right(rid, rank, layer - 1, start):
-            rows = rows ^ 0x5A  # what attention over wrong KV yields: wrong KV in turn
-            self.computed_wrong += 1
-        pos = np.arange(start, end)
-        ids = np.asarray(self.block_ids(rid))[pos // BS]
-        cache = r.kv8[name].numpy()  # the tensor's own bytes
-        cache[ids, :, pos % BS, :] = rows.reshape(end - start, *cache.shape[1:2], -1)
-
-    def block_ids(self, rid):
-        return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-
-    def block_is_right(self, rid, index, block_id=None, layers=None, ranks=None):
-        block_id = self.block_ids(rid)[index] if block_id is None else block_id
-        start, end = index * BS, (index + 1) * BS
-        for r in self.ranks if ranks is None else [self.ranks[k] for k in ranks]:
-            for layer in range(len(self.layers)):
-                if layers is not None and layer not in layers:
-                    continue
-                want = self.expected_rows(rid, r.rank, layer, end)[start:end]
-                got = self.cache_rows(r.rank, layer, [block_id] * (index + 1), start, end)
-                if not np.array_equal(want, got):
-                    return False
-        return True
-
-    def failing(self, rid, block, rank=0):
-        """Whether the load of ``block`` failed on ``rank`` (known once the step's load
-        settled)."""
-        t = self.ranks[rank].worker.worker_side._step_load
-        if t is None:
-            return False
-        for k, (_, _, _, b) in enumerate(t.items):
-            if b == block and t.requests[k] == rid:
-                return t.batch.wait().objects[k].state != "completed"
-        return False
+    def __init__(self, tmp_path, **kwargs):
+        super().__init__(tmp_path, layers=LAYERS, **kwargs)
 
     def poison(self, block_id):
         for r in self.ranks:
             for name in self.layers:
                 r.kv8[name][block_id] = POISON
-
-    # -- the checks of one step (EngineHarness.step calls them) ------------------------------
-
-    def layer_loaded(self, r, layer, so, loads, check_loads):
-        if so.has_sync_kv_loads and check_loads:
-            # Attention of this layer reads the loaded prefix now: its pages must have
-            # landed (a failed block is reported at the end of the step).
-            for rid, _, index, block in loads:
-                assert self.block_is_right(
-                    rid, index, layers={layer}, ranks=[r.rank]
-                ) or self.failing(rid, block, r.rank), (
-                    f"{rid}: layer {layer} of block {index} not loaded on rank "
-                    f"{r.rank} when its wait returned"
-                )
-
-    def check_loads(self, so, output, loads, check_loads):
-        invalid = output.invalid_block_ids
-        for rid, _, _, block in loads:
-            self.loaded.append([rid, block, False])
-        for x in self.loaded:  # a rank may report a failure before the others settle
-            x[2] = x[2] or x[1] in invalid
-        # A load that settled on every rank is checked now, before anything overwrites its
-        # blocks: each block is either reported failed or holds exactly its prefix's bytes.
-        if check_loads:
-            settled = (output.finished_recving or set()) | {
-                rid for rid, *_ in loads if so.has_sync_kv_loads
-            }
-            for rid, block, failed in [x for x in self.loaded if x[0] in settled]:
-                if failed:
-                    continue
-                index = self.block_ids(rid).index(block)
-                assert self.block_is_right(
-                    rid, index
-                ), f"{rid}: block {index} (GPU block {block}) restored wrong"
-                self.checked_loads += 1
-            self.loaded = [x for x in self.loaded if x[0] not in settled]
-
-    def check_prefill(self, rid, req):
-        # The prefill is complete: loaded and computed blocks together hold exactly what
-        # the prompt implies, on every rank.
-        for index in range(req.num_prompt_tokens // BS):
-            assert self.block_is_right(rid, index), f"{rid}: block {index} wrong after prefill"
 
 
 def slot_bytes():
