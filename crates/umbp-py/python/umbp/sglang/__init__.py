@@ -35,6 +35,14 @@ is named after its ranks and held under an exclusive lock while it runs, so a se
 given the same file stops at start. The index lives in memory: a restarted server starts
 empty (the SSD file's old bytes are overwritten as it fills).
 
+With ``"pool"`` (``"embedded"``, a path, or ``"redis://..."``; the pool's keys are the vLLM
+connector's, :class:`umbp.poolkeys.PoolKeys`) the pages live in the umbp pool instead
+(:mod:`umbp.sglang.pooled`): an embedded index kept across restarts (reconciled with the SSD
+file at start), or one in Redis shared by every instance and host, with memory nodes. SGLang's
+own extra-config keys (:data:`SGLANG_KEYS`) are left to SGLang. ``python -m
+umbp.sglang.check CONFIG`` runs a config through SGLang's own controller on CPU
+(:mod:`umbp.sglang.check`).
+
 SGLang calls a backend from several threads at once (its prefetch, prefetch I/O and backup
 threads); every method here may be called from any thread.
 
@@ -45,6 +53,8 @@ from __future__ import annotations
 
 import bisect
 import errno
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -60,11 +70,15 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untype
     HiCacheStorageExtraInfo,
 )
 
-from . import ChecksumPolicy, Engine, Object, Range, Registration, RegistrationError
-from .kvtiers import DRAM, SSD, TierIndex
+from .. import ChecksumPolicy, Engine, Object, Range, Registration, RegistrationError
+from ..kvpool import SAVE_MEMORY_NODES_ONLY
+from ..kvtiers import DRAM, SSD, TierIndex
+from ..poolkeys import PoolKeys
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.pool_host import HostKVCache  # type: ignore[import-untyped]
+
+    from .pooled import PoolPages
 
 __all__ = ["UmbpHiCacheStorage", "UmbpStorageConfig"]
 
@@ -77,13 +91,30 @@ SLOT_ALIGN = 4096
 #: at most its maximum segment (1 MiB) at once.
 TIER_PAGE = 1 << 20
 
-#: The extra-config keys SGLang itself reads (left to it).
-_SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+#: The extra-config keys SGLang itself reads (left to it): its storage factory's, the
+#: zero-copy switch, its cache controller's ``tp_lcm_size``, and the prefetch knobs its
+#: controllers pop (``HybridCacheController.parse_storage_backend_extra_config``). The
+#: decode side's KV offload (``DecodeKVCacheOffloadManager``) hands the backend the raw
+#: config, with them still in it.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
 
 
 @dataclass(frozen=True)
-class UmbpStorageConfig:
-    """Our keys of ``--hicache-storage-backend-extra-config`` (docs/SGLANG.md explains each)."""
+class UmbpStorageConfig(PoolKeys):
+    """Our keys of ``--hicache-storage-backend-extra-config`` (docs/SGLANG.md explains each;
+    the pool's keys are :class:`umbp.poolkeys.PoolKeys`, named as in the vLLM connector)."""
 
     dram_bytes: int = 4 << 30
     ssd_path: Optional[str] = None
@@ -98,7 +129,7 @@ class UmbpStorageConfig:
     def from_extra(extra: Optional[Dict[str, Any]]) -> "UmbpStorageConfig":
         """Parses and checks our keys; an unknown key or a bad value raises ``ValueError``
         naming it (a typo must not silently fall back to a default)."""
-        ours = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
+        ours = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
         known = set(UmbpStorageConfig.__dataclass_fields__)
         unknown = sorted(set(ours) - known)
         if unknown:
@@ -117,7 +148,7 @@ class UmbpStorageConfig:
             raise ValueError("umbp.sglang: ssd_bytes needs ssd_path")
         if cfg.ssd_path and not cfg.ssd_bytes:
             raise ValueError("umbp.sglang: ssd_path needs ssd_bytes")
-        if not cfg.dram_bytes and not cfg.ssd_bytes:
+        if not cfg.dram_bytes and not cfg.ssd_bytes and cfg.pool_save_to != SAVE_MEMORY_NODES_ONLY:
             raise ValueError("umbp.sglang: give dram_bytes or ssd_bytes (both are 0)")
         if not isinstance(cfg.dram_free_fraction, (int, float)) or not (
             0.0 <= float(cfg.dram_free_fraction) < 1.0
@@ -136,7 +167,28 @@ class UmbpStorageConfig:
             1 <= cfg.engine_workers <= 1024
         ):
             raise ValueError("umbp.sglang: engine_workers must be an integer in 1..=1024")
+        cfg.check_pool_keys("umbp.sglang", ssd_path=cfg.ssd_path, checksums=cfg.checksums)
         return cfg
+
+    def engine_options(self) -> Dict[str, Any]:
+        """The :class:`umbp.Engine` keyword arguments: the checksum policy (a pool whose
+        blocks go to DRAM hashes DRAM too) and, with memory nodes, the remote tier."""
+        return dict(
+            checksums=self.pool_checksums(self.checksums, durable=bool(self.ssd_path)),
+            **self.remote_options(),
+        )
+
+    def pool_file(self, sc: HiCacheStorageConfig) -> Optional[str]:
+        """This rank's embedded pool index (a redb file): beside its SSD file with
+        ``"pool": "embedded"``, or the path given (its rank placeholders replaced as in
+        :meth:`ssd_file`); None for a Redis pool or none."""
+        if self.pool is None or "://" in self.pool:
+            return None
+        if self.pool == "embedded":
+            ssd = self.ssd_file(sc)
+            assert ssd is not None  # checked: the embedded pool needs ssd_path
+            return ssd + ".pool.redb"
+        return rank_path(self.pool, sc)
 
     def ssd_file(self, sc: HiCacheStorageConfig) -> Optional[str]:
         """This instance's SSD file: ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and
@@ -144,21 +196,55 @@ class UmbpStorageConfig:
         name is appended (``.tp1``, ``.pp1``, ``.dp1``, ``.cp1``) where its group has more
         than one member (the data-parallel rank: where it is not 0), so every instance
         given one ``ssd_path`` gets a file of its own."""
-        if not self.ssd_path:
-            return None
-        path = self.ssd_path
-        for name, rank, many in (
-            ("tp_rank", sc.tp_rank, sc.tp_size > 1),
-            ("pp_rank", sc.pp_rank, sc.pp_size > 1),
-            ("dp_rank", sc.dp_rank, sc.dp_rank != 0),
-            ("cp_rank", sc.attn_cp_rank, sc.attn_cp_size > 1),
-        ):
-            placeholder = "{" + name + "}"
-            if placeholder in path:
-                path = path.replace(placeholder, str(rank))
-            elif many:
-                path = f"{path}.{name[:2]}{rank}"
-        return path
+        return rank_path(self.ssd_path, sc) if self.ssd_path else None
+
+
+def rank_path(path: str, sc: HiCacheStorageConfig) -> str:
+    """``path`` for this rank: ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and ``{cp_rank}``
+    replaced by its ranks, and a rank the path does not name appended (``.tp1``, ``.pp1``,
+    ``.dp1``, ``.cp1``) where its group has more than one member (the data-parallel rank:
+    where it is not 0)."""
+    for name, rank, many in (
+        ("tp_rank", sc.tp_rank, sc.tp_size > 1),
+        ("pp_rank", sc.pp_rank, sc.pp_size > 1),
+        ("dp_rank", sc.dp_rank, sc.dp_rank != 0),
+        ("cp_rank", sc.attn_cp_rank, sc.attn_cp_size > 1),
+    ):
+        placeholder = "{" + name + "}"
+        if placeholder in path:
+            path = path.replace(placeholder, str(rank))
+        elif many:
+            path = f"{path}.{name[:2]}{rank}"
+    return path
+
+
+def rank_index(sc: HiCacheStorageConfig) -> int:
+    """This rank's index among the instance's ranks (data-, pipeline-, context- and
+    tensor-parallel, in that order)."""
+    return int(
+        ((sc.dp_rank * sc.pp_size + sc.pp_rank) * sc.attn_cp_size + sc.attn_cp_rank) * sc.tp_size
+        + sc.tp_rank
+    )
+
+
+def open_locked_file(engine: Engine, path: str, size: int, direct: bool) -> Registration:
+    """Registers ``size`` bytes of the SSD tier file ``path`` (created, or kept from the last
+    run), held under an exclusive lock: another instance's saves into it would overwrite this
+    one's slots, and its loads would then serve them as hits. A file in use raises
+    ``RuntimeError`` saying so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        return engine.register_file(
+            path, 0, size, direct=direct, create=True, extend=True, exclusive=True
+        )
+    except RegistrationError as e:
+        if e.errno != errno.EWOULDBLOCK:
+            raise
+        raise RuntimeError(
+            f"umbp.sglang: the SSD tier file {path} is in use by another instance "
+            "(another SGLang server or rank given the same ssd_path): give each "
+            "its own ssd_path, or put {tp_rank}/{dp_rank} in it"
+        ) from e
 
 
 class _Regions:
@@ -209,7 +295,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
     ):
         self.storage_config = storage_config
         self.cfg = UmbpStorageConfig.from_extra(storage_config.extra_config)
-        if storage_config.is_mla_model and storage_config.tp_size > 1:
+        if storage_config.is_mla_model and storage_config.tp_size > 1 and self.cfg.pool is None:
             # SGLang lets only one rank of an MLA model write (is_storage_writer), and each
             # rank here reads only its own tiers: the others would never hit.
             raise ValueError(
@@ -221,10 +307,12 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             "sim",  # no device memory is ever touched: host pool <-> DRAM arena / SSD file
             pin_device=None,  # SGLang pins its host pool itself
             workers=self.cfg.engine_workers,
-            checksums=self.cfg.checksums,
+            **self.cfg.engine_options(),
         )
         self._lock = threading.Lock()
         self._index: Optional[TierIndex] = None
+        #: The pool's pages, with ``"pool"`` (instead of the in-process index and tiers).
+        self.pooled: Optional["PoolPages"] = None
         # key -> (tier, slot, crc32c) of the copy a completed save or demotion wrote there.
         self._sums: Dict[str, Tuple[str, int, int]] = {}
         self._regions: Optional[_Regions] = None
@@ -250,7 +338,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
         super().register_mem_pool_host(mem_pool_host)
         pool: Any = mem_pool_host
         with self._lock:
-            if self._index is not None:
+            if self._index is not None or self.pooled is not None:
                 raise RuntimeError("umbp.sglang: a host pool is registered already")
             _pool_buffers(pool)  # refused now if its bytes cannot be addressed
             page_tokens = int(pool.page_size)
@@ -264,7 +352,54 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             self._pages = (
                 np.arange(-(-self.object_bytes // self._page), dtype=np.uint64) * self._page
             )
-            self._open_tiers()
+            if self.cfg.pool is not None:
+                self._open_pool(pool)
+            else:
+                self._open_tiers()
+
+    def _open_pool(self, pool: Any) -> None:
+        """Opens this rank's pages in the pool, cut to the host pool's runs of a page."""
+        from .pooled import PoolPages
+
+        sc = self.storage_config
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_tokens, dtype=torch.int64))
+        parts: List[int] = []
+        end = -1
+        for ptr, size in zip(ptrs, sizes):
+            if int(ptr) == end:
+                parts[-1] += int(size)
+            else:
+                parts.append(int(size))
+            end = int(ptr) + int(size)
+        shape = {
+            "backend": "umbp.sglang",
+            "model": sc.model_name,
+            "namespace": self.cfg.pool_namespace,
+            "layout": str(getattr(pool, "layout", "")),
+            "dtype": str(getattr(pool, "dtype", "")),
+            "host_pool": type(pool).__name__,
+            "page_tokens": self.page_tokens,
+            "page_bytes": self.object_bytes,
+            "runs": parts,
+            # An MLA model's ranks hold the same bytes (SGLang saves them from one rank):
+            # they share keys, so every rank hits what that one saved.
+            "tp": [sc.tp_size, 0 if sc.is_mla_model else sc.tp_rank],
+            "pp": [sc.pp_size, sc.pp_rank],
+            "cp": [sc.attn_cp_size, sc.attn_cp_rank],
+        }
+        namespace = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).digest()
+        self.pooled = PoolPages(
+            self.cfg,
+            self.engine,
+            parts=parts,
+            namespace=namespace,
+            rank=rank_index(sc),
+            ssd_file=self.cfg.ssd_file(sc),
+            pool_file=self.cfg.pool_file(sc),
+            ssd_direct=self.cfg.ssd_direct,
+            load_timeout_s=self.cfg.load_timeout_s,
+        )
+        self.ssd_path = self.pooled.ssd_file
 
     def _open_tiers(self) -> None:
         cfg = self.cfg
@@ -303,27 +438,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
         slot = self.slot_bytes
         path = cfg.ssd_file(self.storage_config)
         if path and ssd_slots:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            try:
-                # Exclusive: another instance's saves into this file would overwrite this
-                # one's slots, and its loads would then serve them as hits.
-                self.ssd = self.engine.register_file(
-                    path,
-                    0,
-                    ssd_slots * slot,
-                    direct=cfg.ssd_direct,
-                    create=True,
-                    extend=True,
-                    exclusive=True,
-                )
-            except RegistrationError as e:
-                if e.errno != errno.EWOULDBLOCK:
-                    raise
-                raise RuntimeError(
-                    f"umbp.sglang: the SSD tier file {path} is in use by another instance "
-                    "(another SGLang server or rank given the same ssd_path): give each "
-                    "its own ssd_path, or put {tp_rank}/{dp_rank} in it"
-                ) from e
+            self.ssd = open_locked_file(self.engine, path, ssd_slots * slot, cfg.ssd_direct)
             self.ssd_path = path
 
     def _idx(self) -> TierIndex:
@@ -333,9 +448,16 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             raise RuntimeError("umbp.sglang: register_mem_pool_host has not run")
         return self._index
 
+    def _ready(self) -> None:
+        """Raises unless the backend is open and its pages are (a host pool registered)."""
+        if self._closed:
+            raise RuntimeError("umbp.sglang: the backend is closed")
+        if self._index is None and self.pooled is None:
+            raise RuntimeError("umbp.sglang: register_mem_pool_host has not run")
+
     def _host_regions(self) -> _Regions:
         with self._lock:
-            self._idx()
+            self._ready()
             if self._regions is None:
                 self._regions = _Regions(self.engine, _pool_buffers(self.mem_pool_host))
             return self._regions
@@ -413,6 +535,9 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
     def _load(self, keys: List[str], ranges_of: Callable[[int], List[Range]]) -> List[bool]:
         """Restores each hit key's page into the ranges ``ranges_of(i)`` gives; one bool
         per key."""
+        if self.pooled is not None:
+            self._ready()
+            return self.pooled.load(keys, [ranges_of(i) for i in range(len(keys))])
         results = [False] * len(keys)
         plans: List[Tuple[int, int, str, int, Optional[int]]] = []
         with self._lock:
@@ -451,6 +576,9 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
     def _save(self, keys: List[str], ranges_of: Callable[[int], List[Range]]) -> List[bool]:
         """Offloads each key not stored yet from the ranges ``ranges_of(i)`` gives; a key
         stored already (or being stored) counts as saved. One bool per key."""
+        if self.pooled is not None:
+            self._ready()
+            return self.pooled.save(keys, [ranges_of(i) for i in range(len(keys))])
         results = [False] * len(keys)
         plans: List[Tuple[int, int, str, int]] = []
         with self._lock:
@@ -622,7 +750,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             return []
         if target_locations is None or len(target_locations) != len(keys):
             return [None] * len(keys)
-        self._idx()
+        self._ready()
         regs, _ = self._flat(target_locations)
         try:
             usable = [(i, r) for i, r in enumerate(regs) if r is not None]
@@ -659,7 +787,7 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             return True
         if values is None or len(values) != len(keys):
             return False
-        self._idx()
+        self._ready()
         values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
         regs, _ = self._flat(values)
         try:
@@ -686,18 +814,25 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` can be loaded now (its save completed)."""
-        with self._lock:
-            return self._idx().is_hit(key)
+        return self.batch_exists([key]) == 1
 
     def batch_exists(
         self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> int:
         """How many of ``keys``, from the first, can be loaded now."""
+        if self.pooled is not None:
+            self._ready()
+            return self.pooled.prefix(keys)
         with self._lock:
             return self._idx().count_hits(keys)
 
     def clear(self) -> None:
-        """Forgets every stored page (SGLang's cache flush); pages in flight finish."""
+        """Forgets every stored page (SGLang's cache flush); pages in flight finish. A pool's
+        pages are shared with other instances (and kept for the next start): they stay."""
+        if self.pooled is not None:
+            self._ready()
+            logger.info("umbp.sglang: a cache flush leaves the pool's pages (shared) in place")
+            return
         with self._lock:
             dropped = self._idx().clear()
             self._sums.clear()
@@ -717,6 +852,9 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             regions, self._regions = self._regions, None
             dram, ssd = self.dram, self.ssd
             self.dram = self.ssd = None
+            pooled, self.pooled = self.pooled, None
+        if pooled is not None:
+            pooled.close()
         if regions is not None:
             regions.close()
         for reg in (dram, ssd):
