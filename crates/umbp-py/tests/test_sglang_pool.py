@@ -362,3 +362,30 @@ def test_the_check_command_refuses_a_bad_config_with_the_error(tmp_path):
     assert r.returncode == 2 and "needs ssd_path" in r.stderr
     r = check(tmp_path / "absent.json")
     assert r.returncode == 2 and "absent.json" in r.stderr
+
+
+def test_an_mla_models_ranks_share_the_pages_one_rank_saved(tmp_path, redis):
+    """SGLang saves an MLA model's pages from one rank only; on a pool its ranks share keys,
+    so rank 1 hits and loads (from rank 0's SSD file) what rank 0 saved."""
+    from test_sglang import mla_host_pool
+
+    pools = [mla_host_pool(), mla_host_pool()]
+    backends = []
+    for rank, host in enumerate(pools):
+        extra = ours(pool=redis.url, ssd_path=str(tmp_path / "mla"), ssd_bytes=1 << 20, dram_bytes=0)
+        config = storage_config(extra, tp_rank=rank, tp_size=2, mla=True)
+        b = StorageBackendFactory.create_backend("dynamic", config, host)
+        b.register_mem_pool_host(host)
+        backends.append(b)
+    try:
+        fill(pools[0], seed=14)
+        src = list(range(1, 1 + PAGES))
+        saved = [page_bytes(pools[0], p) for p in src]
+        assert backends[0].batch_set_v1(keys(), indices(src)) == [True] * PAGES
+        assert backends[1].batch_exists(keys()) == PAGES
+        dst = list(range(30, 30 + PAGES))
+        assert backends[1].batch_get_v1(keys(), indices(dst)) == [True] * PAGES
+        assert [page_bytes(pools[1], p) for p in dst] == saved
+    finally:
+        for b in backends:
+            b.close()
