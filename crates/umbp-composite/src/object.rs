@@ -7,6 +7,7 @@ use umbp_plan::EndpointId;
 /// [`new`](Self::new): fields may be added, so it is not built as a struct literal outside
 /// this crate.
 #[derive(Copy, Clone, Debug)]
+#[non_exhaustive]
 pub struct PagedObject<'a> {
     /// The tier endpoint holding the pages.
     pub tier: EndpointId,
@@ -30,6 +31,7 @@ impl<'a> PagedObject<'a> {
 /// with [`new`](Self::new) and [`in_group`](Self::in_group): fields may be added, so it is not
 /// built as a struct literal outside this crate.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ObjectRange {
     /// Offset inside the object.
     pub offset: u64,
@@ -62,6 +64,7 @@ impl ObjectRange {
 /// [`with_checksum`](Self::with_checksum): fields may be added (as `checksum` was), so it is
 /// not built as a struct literal outside this crate.
 #[derive(Copy, Clone, Debug)]
+#[non_exhaustive]
 pub struct ObjectTransfer<'a> {
     /// The caller's own tag for the object, given back in its result; once per batch.
     pub tag: u64,

@@ -53,6 +53,7 @@ use crate::routed::StagedFragment;
 /// modify and write back one after another). The bytes are right either way: the SSD engine
 /// orders read-modify-writes of one block across batches.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Staging {
     /// The bounce region: a registered host endpoint, pinned for the device engine if the
     /// second hop should use its gather kernel. Only the composite may use it. Make it with
