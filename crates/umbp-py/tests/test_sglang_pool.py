@@ -389,3 +389,42 @@ def test_an_mla_models_ranks_share_the_pages_one_rank_saved(tmp_path, redis):
     finally:
         for b in backends:
             b.close()
+
+
+def test_eight_threads_save_query_and_load_at_once_over_the_pool(tmp_path):
+    """SGLang's prefetch and backup threads call at once: each thread saves, queries and
+    loads its own pages over one embedded pool; every page comes back byte-exact."""
+    import threading
+
+    pool = host_pool(tokens=1024)
+    backend = open_backend(pool, pool="embedded", ssd_path=str(tmp_path / "kv.ssd"), ssd_bytes=4 << 20, dram_bytes=0)
+    fill(pool, seed=15)
+    errors = []
+
+    def work(t):
+        try:
+            src = [1 + 4 * t + i for i in range(4)]
+            dst = [64 + 4 * t + i for i in range(4)]
+            ks = [f"t{t}-{i}" for i in range(4)]
+            want = [page_bytes(pool, p) for p in src]
+            for _ in range(3):
+                assert backend.batch_set_v1(ks, indices(src)) == [True] * 4
+                assert backend.batch_exists(ks) == 4
+                assert backend.batch_get_v1(ks, indices(dst)) == [True] * 4
+                assert [page_bytes(pool, p) for p in dst] == want
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors[0]
+        c = backend.pooled.counters()
+        assert c["stored"]["ssd"] == 8 * 4 * 2  # each page's two runs, stored once
+        assert c["stored"]["present"] == 2 * 8 * 4 * 2  # the repeats
+        assert c["loaded"]["own"] == 3 * 8 * 4 * 2 and c["loaded"]["failed"] == 0
+    finally:
+        backend.close()

@@ -335,7 +335,7 @@ class PoolPages:
                     if node is not None
                     else ("ssd" if tier == SSD_TIER else "dram")
                 )
-                self.stored[where] += 1
+                self._count(self.stored, where)
             else:
                 failed.append(j)
                 logger.debug("umbp.sglang: a block's save failed: %s", r.error)
@@ -417,9 +417,9 @@ class PoolPages:
             for j, res in zip(pool_get, got):
                 loaded[j] = res.ok
                 if res.ok and res.placement is not None:
-                    self.loaded["own" if res.placement.node == self.node else "memory_node"] += 1
+                    self._count(self.loaded, "own" if res.placement.node == self.node else "memory_node")
                 elif res.status == "failed":
-                    self.loaded["failed"] += 1
+                    self._count(self.loaded, "failed")
                     logger.warning("umbp.sglang: a block's load failed: %s", res.error)
         if peer:
             self._load_peer(wanted, peer, loaded)
@@ -474,9 +474,9 @@ class PoolPages:
                     j = tags[o.tag]
                     loaded[j] = bool(o.ok)
                     if o.ok:
-                        self.loaded["peer_file"] += 1
+                        self._count(self.loaded, "peer_file")
                     else:
-                        self.loaded["failed"] += 1
+                        self._count(self.loaded, "failed")
                         bad.append(wanted[j][1])
                         logger.warning("umbp.sglang: a block's load failed: %s", o.error)
                 if bad:
@@ -517,10 +517,16 @@ class PoolPages:
                 self._files[(path, size)] = reg
             return reg
 
+    def _count(self, counters: Dict[str, int], name: str) -> None:
+        with self._lock:  # SGLang's threads save and load at once
+            counters[name] += 1
+
     def counters(self) -> Dict[str, Any]:
         """What this rank's pool did: ``stored`` blocks per destination, ``loaded`` blocks
         per source (and ``failed``), and the pool's own counters."""
-        return {"stored": dict(self.stored), "loaded": dict(self.loaded), "pool": self.pool.metrics()}
+        with self._lock:
+            stored, loaded = dict(self.stored), dict(self.loaded)
+        return {"stored": stored, "loaded": loaded, "pool": self.pool.metrics()}
 
     def close(self) -> None:
         """Stops announcing this node and lets go of its tier and the files it read. A Redis
