@@ -428,3 +428,35 @@ def test_eight_threads_save_query_and_load_at_once_over_the_pool(tmp_path):
         assert c["loaded"]["own"] == 3 * 8 * 4 * 2 and c["loaded"]["failed"] == 0
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_tensor_per_page_interface_over_the_pool(tmp_path, layout):
+    """Without interface_v1 SGLang hands a tensor per page (get_data_page /
+    get_dummy_flat_data_page): each is cut into the same runs as the host pool's pages."""
+    pool = host_pool(layout)
+    extra = {k: v for k, v in ours(pool="embedded", ssd_path=str(tmp_path / "g"), ssd_bytes=1 << 20, dram_bytes=0).items() if k != "interface_v1"}
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra, layout=layout), pool)
+    backend.register_mem_pool_host(pool)
+    try:
+        fill(pool, seed=16)
+        ks = keys(5)
+        saved = [page_bytes(pool, p) for p in range(1, 6)]
+        assert backend.batch_set(ks, [pool.get_data_page(p * PAGE) for p in range(1, 6)]) is True
+        assert backend.batch_exists(ks) == 5
+        dummies = [pool.get_dummy_flat_data_page() for _ in range(6)]
+        got = backend.batch_get(ks + ["missing"], dummies)
+        assert got[5] is None and all(g is d for g, d in zip(got[:5], dummies))
+        for i, page in enumerate(range(10, 15)):
+            pool.set_from_flat_data_page(page * PAGE, got[i])
+        assert [page_bytes(pool, p) for p in range(10, 15)] == saved
+    finally:
+        backend.close()
+    # An instance with interface_v1 lays a page out as the host pool's runs, not as the flat
+    # data page (another byte order in layer_first): it never hits these pages.
+    zero_copy = open_backend(pool, pool="embedded", ssd_path=str(tmp_path / "g"), ssd_bytes=1 << 20, dram_bytes=0)
+    try:
+        assert zero_copy.batch_exists(ks) == 0
+        assert zero_copy.batch_get_v1(ks, indices(range(20, 25))) == [False] * 5
+    finally:
+        zero_copy.close()

@@ -381,6 +381,9 @@ class UmbpHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # (SGLang's cla
             "page_tokens": self.page_tokens,
             "page_bytes": self.object_bytes,
             "runs": parts,
+            # Without interface_v1 a page is SGLang's flat data page, whose byte order differs
+            # from the host pool's runs in some layouts (layer_first): the two never share.
+            "interface_v1": bool((sc.extra_config or {}).get("interface_v1", 0)),
             # An MLA model's ranks hold the same bytes (SGLang saves them from one rank):
             # they share keys, so every rank hits what that one saved.
             "tp": [sc.tp_size, 0 if sc.is_mla_model else sc.tp_rank],
