@@ -20,6 +20,7 @@ __all__ = [
     "__version__",
     "reset_log_cache",
     "crc32c_combine",
+    "serve_memory_node",
     "PoolIndex",
     "Pool",
     "Placement",
