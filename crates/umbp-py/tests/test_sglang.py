@@ -31,14 +31,8 @@ try:
         PrefetchOperation,
         StorageOperation,
     )
-    from sglang.srt.mem_cache.device_pool_info import (
-        KVBufferLayout,
-        KVBuffers,
-        MHABufferInfo,
-        MLABufferInfo,
-    )
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -51,6 +45,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import umbp
 from umbp.sglang import SLOT_ALIGN, UmbpHiCacheStorage, UmbpStorageConfig
+from umbp.sglang.check import toy_host_pool
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 16, 8  # a page: 2 x 3 x 8 x 2 x 16 bf16 = 3 KiB
 DEVICE_TOKENS = 256
@@ -59,31 +54,8 @@ LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 def host_pool(layout="page_first", tokens=DEVICE_TOKENS):
     """SGLang's MHA host pool on CPU (unpinned: no GPU), twice the device pool's tokens."""
-    k = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
-        ),
-        page_size=PAGE,
-        head_num=HEADS,
-        head_dim=HEAD_DIM,
-        v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=tokens,
-        start_layer=0,
-        end_layer=LAYERS,
+    return toy_host_pool(
+        layout, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, page=PAGE, tokens=tokens
     )
 
 

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Sequence
 
 from . import ChecksumPolicy
 from .kvpool import SAVE_LOCAL, SAVE_TO
@@ -46,6 +46,16 @@ class PoolKeys:
     remote_secret_file: Optional[str] = None
     remote_transports: Optional[str] = None
     remote_connect_wait_s: float = 0.05
+
+    @classmethod
+    def refuse_unknown(cls, keys: Iterable[str], who: str) -> None:
+        """Raises ``ValueError`` naming every key of ``keys`` that is no field of this
+        configuration (``who`` says whose and which extra config): a typo must not silently
+        fall back to a default."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(keys) - known)
+        if unknown:
+            raise ValueError(f"{who} keys {unknown}; known: {sorted(known)}")
 
     def check_pool_keys(self, who: str, *, ssd_path: Optional[str], checksums: str) -> None:
         """Checks the pool's keys (``who`` starts each message: ``"UmbpConnector"``,

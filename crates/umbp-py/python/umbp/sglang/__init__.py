@@ -130,12 +130,7 @@ class UmbpStorageConfig(PoolKeys):
         """Parses and checks our keys; an unknown key or a bad value raises ``ValueError``
         naming it (a typo must not silently fall back to a default)."""
         ours = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
-        known = set(UmbpStorageConfig.__dataclass_fields__)
-        unknown = sorted(set(ours) - known)
-        if unknown:
-            raise ValueError(
-                f"umbp.sglang: unknown extra-config keys {unknown}; known: {sorted(known)}"
-            )
+        UmbpStorageConfig.refuse_unknown(ours, "umbp.sglang: unknown extra-config")
         cfg = UmbpStorageConfig(**ours)
 
         def whole(name: str, value: Any) -> None:

@@ -40,12 +40,7 @@ class UmbpConfig(PoolKeys):
         """Parses and checks the extra config; an unknown key or a bad value raises
         ``ValueError`` naming it (a typo must not silently fall back to a default)."""
         extra = dict(extra or {})
-        known = set(UmbpConfig.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"UmbpConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
-            )
+        UmbpConfig.refuse_unknown(extra, "UmbpConnector: unknown kv_connector_extra_config")
         cfg = UmbpConfig(**extra)
         if not isinstance(cfg.dram_bytes_per_rank, int) or cfg.dram_bytes_per_rank < 0:
             raise ValueError("UmbpConnector: dram_bytes_per_rank must be a non-negative integer")
