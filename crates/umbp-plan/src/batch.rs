@@ -54,5 +54,13 @@ pub fn plan_batch<R: PlanRules + ?Sized>(
             done += len;
         }
     }
-    PlanSet { plans, rejected, reasons, deadline: None, stream: None, cancel: None }
+    PlanSet {
+        plans,
+        rejected,
+        reasons,
+        deadline: None,
+        stream: None,
+        cancel: None,
+        copy_hashes: None,
+    }
 }

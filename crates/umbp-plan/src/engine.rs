@@ -46,6 +46,18 @@ pub trait TransferEngine: Send + Sync {
         let _ = id;
     }
 
+    /// Whether the engine hashes the bytes it moves from `src` to `dst` while it copies them.
+    /// If so, for a plan set that carries a [`CopyHashes`](crate::checksum::CopyHashes) sink,
+    /// it reports the CRC32C of the source bytes of every object's piece it copies between
+    /// such endpoints, before the submit's handle completes, so that whoever verifies the
+    /// bytes need not read them again. Every byte of an object that does not fail is reported
+    /// exactly once; the pieces of objects that fail may be reported or not. Default: `false`
+    /// (engines whose bytes the CPU never touches, such as a GPU's DMA or the kernel's I/O).
+    fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        let _ = (src, dst);
+        false
+    }
+
     /// Starts executing `plans`. Every plan either completes or yields a [`Failure`] naming its
     /// tags; the plan set's rejected tags are the caller's to report. The returned handle
     /// follows the rules of [`TransferHandle`]: waiting is idempotent and dropping waits.

@@ -33,10 +33,25 @@
 //! per run and step, AVX-512, prefetching 256 or 768 bytes ahead, and prefetching the next
 //! piece's start all stayed inside those figures' spread. AVX2 rather than AVX-512 also keeps
 //! the kernel inside what valgrind's memcheck emulates.
+//!
+//! # Hashing while copying
+//!
+//! [`copy_non_temporal_crc`] copies the same way and returns the CRC32C of the bytes it
+//! copied. Hashing after the copy reads every byte from memory a second time: on a restore far
+//! larger than the cache that doubles the memory traffic. Here each run keeps its own `crc32`
+//! chain, fed from the bytes just loaded, and a block's four chains are joined by shifting over
+//! 4 KiB (a table lookup per byte of the register). Measured on the same VM, one thread,
+//! 512 MiB copied as 64 KiB pieces from random places of a 1 GiB pool, taking turns over six
+//! rounds, twice: the copy alone 7.8–8.1 GiB/s, the copy hashing as it goes 7.5–7.6 (+4.7 %
+//! and +6.8 % of the copy's time), the copy then the `crc32c` crate over the source 5.1–5.2
+//! (+51 % and +61 %).
 
 #![allow(unsafe_code)] // The SSE2 and AVX2 kernels and the fence; every block says why it holds.
 
 use std::ptr;
+
+#[cfg(target_arch = "x86_64")]
+use crate::checksum::ShiftTables;
 
 /// Whether this CPU has the streaming-store instructions the kernel uses (SSE2 on x86_64,
 /// detected at run time; elsewhere none, and the copies are plain).
@@ -104,6 +119,61 @@ pub unsafe fn copy_non_temporal(src: *const u8, dst: *mut u8, len: usize) {
     unsafe {
         ptr::copy_nonoverlapping(src, dst, len)
     }
+}
+
+/// Copies `src` onto `dst` as [`copy_streaming`] does, and returns `crc` extended with the
+/// copied bytes (`crc32c_append(crc, src)`): the CRC32C is computed from the bytes as they
+/// pass through the registers, one read of the source for both (see the
+/// [module docs](self#hashing-while-copying)).
+///
+/// # Panics
+///
+/// If the two slices differ in length.
+pub fn copy_streaming_crc(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
+    assert_eq!(dst.len(), src.len(), "copy_streaming_crc: slices of different lengths");
+    if !non_temporal_supported() {
+        dst.copy_from_slice(src);
+        return crc32c::crc32c_append(crc, src);
+    }
+    // SAFETY: as in `copy_streaming`: two distinct slices of equal length, SSE2 present.
+    let crc = unsafe { copy_non_temporal_crc(src.as_ptr(), dst.as_mut_ptr(), src.len(), crc) };
+    store_fence();
+    crc
+}
+
+/// [`copy_non_temporal`], returning `crc` extended with the copied bytes: from 16 KiB up, on
+/// CPUs with AVX2 and SSE 4.2, hashed in the copy loop; otherwise copied, then hashed.
+///
+/// # Safety
+///
+/// As [`copy_non_temporal`].
+pub unsafe fn copy_non_temporal_crc(src: *const u8, dst: *mut u8, len: usize, crc: u32) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if len >= INTERLEAVED_BLOCK
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("sse4.2")
+    {
+        // SAFETY: the caller's conditions, and AVX2 and SSE 4.2 are present (checked just now).
+        return unsafe { copy_non_temporal_avx2_crc(src, dst, len, crc) };
+    }
+    // SAFETY: the caller's conditions are `copy_non_temporal`'s.
+    unsafe { copy_non_temporal(src, dst, len) };
+    // SAFETY: `src .. src + len` is valid for reads and nothing writes it during the call (the
+    // caller's conditions; `dst` does not overlap it).
+    crc32c::crc32c_append(crc, unsafe { slice_or_empty(src, len) })
+}
+
+/// `len` bytes at `src` as a slice; an empty one when `len` is 0 (whatever `src` is).
+///
+/// # Safety
+///
+/// When `len > 0`, `src .. src + len` is valid for reads and not written while the slice lives.
+unsafe fn slice_or_empty<'a>(src: *const u8, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's condition; `len > 0`, so `src` is non-null.
+    unsafe { std::slice::from_raw_parts(src, len) }
 }
 
 /// The SSE2 non-temporal copy: a plain head copy up to the destination's next 16-byte
@@ -227,6 +297,81 @@ unsafe fn copy_non_temporal_avx2(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { copy_non_temporal_sse2(src.add(done), dst.add(done), len - done) };
 }
 
+/// The AVX2 kernel with four CRC32C chains beside it: the same head, blocks and rest as
+/// [`copy_non_temporal_avx2`], and while each run's bytes are loaded the `crc32` instruction
+/// hashes them into that run's chain (eight bytes an instruction; the bytes were just loaded,
+/// so its reads hit the first-level cache). A block's four chains are joined in order by
+/// shifting over 4 KiB ([`ShiftTables`]); the head and the rest are hashed after their copy.
+///
+/// # Safety
+///
+/// As [`copy_non_temporal`]: valid, non-overlapping, unshared ranges; and AVX2 and SSE 4.2
+/// present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,sse4.2")]
+unsafe fn copy_non_temporal_avx2_crc(src: *const u8, dst: *mut u8, len: usize, crc: u32) -> u32 {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm256_setzero_si256, _mm256_stream_si256, _mm_crc32_u64,
+        _mm_prefetch, _MM_HINT_T0,
+    };
+
+    let page = ShiftTables::page();
+    let head = (dst.addr().wrapping_neg() & 31).min(len);
+    // SAFETY: `head <= len`, so both ranges are inside the caller's valid, disjoint ranges.
+    unsafe { ptr::copy_nonoverlapping(src, dst, head) };
+    // SAFETY: the head lies inside the source, which nothing writes during the call.
+    let crc = crc32c::crc32c_append(crc, unsafe { slice_or_empty(src, head) });
+    // The raw register: CRC32C's pre- and post-inversion are undone around the chains.
+    let mut register = !crc;
+    let mut done = head;
+    while len - done >= INTERLEAVED_BLOCK {
+        let mut chains = [u64::from(register), 0, 0, 0];
+        for at in (0..RUN).step_by(STEP) {
+            let mut v = [[_mm256_setzero_si256(); 4]; RUNS];
+            for (run, vectors) in v.iter_mut().enumerate() {
+                let from = done + run * RUN + at;
+                // Prefetch hints never fault: see `copy_non_temporal_avx2`.
+                let ahead = src.wrapping_add(from + PREFETCH_AHEAD).cast::<i8>();
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                let s = src.wrapping_add(from);
+                for (i, vector) in vectors.iter_mut().enumerate() {
+                    // SAFETY: bytes `from .. from + STEP` lie inside the source (as in
+                    // `copy_non_temporal_avx2`); no alignment needed.
+                    *vector = unsafe { _mm256_loadu_si256(s.cast::<__m256i>().add(i)) };
+                }
+                let words = s.cast::<u64>();
+                let mut chain = chains[run];
+                for i in 0..STEP / 8 {
+                    // SAFETY: the same bytes, read as unaligned words.
+                    chain = _mm_crc32_u64(chain, unsafe { words.add(i).read_unaligned() });
+                }
+                chains[run] = chain;
+            }
+            for (run, vectors) in v.iter().enumerate() {
+                let d = dst.wrapping_add(done + run * RUN + at).cast::<__m256i>();
+                for (i, vector) in vectors.iter().enumerate() {
+                    // SAFETY: as in `copy_non_temporal_avx2`: inside the destination, and
+                    // `dst + done` is 32-byte aligned.
+                    unsafe { _mm256_stream_si256(d.add(i), *vector) };
+                }
+            }
+        }
+        // The block's register: each chain's shifted over the 4 KiB that follow it, joined.
+        // The instruction keeps the register in the low 32 bits.
+        register = chains[0] as u32;
+        for &chain in &chains[1..] {
+            register = page.shift(register) ^ chain as u32;
+        }
+        done += INTERLEAVED_BLOCK;
+    }
+    let rest = len - done;
+    // SAFETY: `done <= len`: the rest lies inside both ranges; SSE2 is part of AVX2.
+    unsafe { copy_non_temporal_sse2(src.add(done), dst.add(done), rest) };
+    // SAFETY: the rest lies inside the source, which nothing writes during the call.
+    crc32c::crc32c_append(!register, unsafe { slice_or_empty(src.add(done), rest) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,6 +459,33 @@ mod tests {
             store_fence();
             assert_eq!(&got[offset..offset + len], &src[offset..offset + len], "len {len}");
             assert!(got[..offset].iter().chain(&got[offset + len..]).all(|&b| b == 0xEE));
+        }
+    }
+
+    /// The hashing copy copies exactly what the plain one does and returns the `crc32c`
+    /// crate's CRC of the bytes, appended to the CRC given: around whole blocks, at every
+    /// destination alignment modulo 32, from a few source offsets.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri does not implement non-temporal stores (movntdq, vmovntdq)")]
+    fn hashing_copy_returns_the_crc_of_what_it_copied() {
+        const MAX: usize = 80 << 10;
+        let src: Vec<u8> = (0..MAX as u32 + 64).map(|i| (i * 29 + i / 4093) as u8).collect();
+        let block = INTERLEAVED_BLOCK;
+        let lengths = [0, 1, 4095, block - 1, block, block + 1, 2 * block + 31, 4 * block + 4097];
+        let mut got = vec![0u8; MAX + 64];
+        for &len in &lengths {
+            for dst_offset in [0, 1, 7, 31, 32] {
+                for (src_offset, prior) in [(0, 0), (1, 0xdead_beef), (33, 7)] {
+                    got.fill(0xEE);
+                    let from = &src[src_offset..src_offset + len];
+                    let crc =
+                        copy_streaming_crc(&mut got[dst_offset..dst_offset + len], from, prior);
+                    assert_eq!(crc, crc32c::crc32c_append(prior, from), "len {len}");
+                    assert_eq!(&got[dst_offset..dst_offset + len], from, "len {len}");
+                    let around = got[..dst_offset].iter().chain(&got[dst_offset + len..]);
+                    assert!(around.into_iter().all(|&b| b == 0xEE), "len {len}");
+                }
+            }
         }
     }
 

@@ -828,6 +828,7 @@ impl<R: PlanRules> PlanBuilder for IncrementalBuilder<R> {
             reasons: std::mem::take(&mut self.reasons),
             deadline: None,
             cancel: None,
+            copy_hashes: None,
             stream: None,
         })
     }

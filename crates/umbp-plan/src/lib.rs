@@ -86,6 +86,7 @@ mod append;
 mod batch;
 mod builder;
 mod cancel;
+pub mod checksum;
 mod endpoint;
 mod engine;
 mod error;

@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use crate::checksum::CopyHashes;
 use crate::{CancelToken, DeviceStream, EndpointId, Failure, FailureCause, RejectReason, Tag};
 
 /// One contiguous copy inside a plan. The layout is fixed (`repr(C)`, three `u64`s) so that an
@@ -316,6 +317,7 @@ pub struct PlanSet {
     pub(crate) deadline: Option<Instant>,
     pub(crate) stream: Option<DeviceStream>,
     pub(crate) cancel: Option<CancelToken>,
+    pub(crate) copy_hashes: Option<CopyHashes>,
 }
 
 impl PlanSet {
@@ -367,6 +369,19 @@ impl PlanSet {
     /// Sets (or clears) the [cancel token](Self::cancel_token).
     pub fn set_cancel(&mut self, token: Option<CancelToken>) {
         self.cancel = token;
+    }
+
+    /// Where an engine that [hashes while
+    /// copying](crate::TransferEngine::hashes_while_copying) reports the CRC32C of each piece
+    /// it copies; `None` (the default, and what builders produce) asks for no hashing. Engines
+    /// that do not hash while copying ignore it.
+    pub fn copy_hashes(&self) -> Option<&CopyHashes> {
+        self.copy_hashes.as_ref()
+    }
+
+    /// Sets (or clears) the [sink for checksums](Self::copy_hashes).
+    pub fn set_copy_hashes(&mut self, sink: Option<CopyHashes>) {
+        self.copy_hashes = sink;
     }
 
     /// Whether the deadline has passed.
