@@ -73,14 +73,18 @@ impl LaunchTable {
 
     /// The descriptor and byte range block `block` copies: the same search the kernel does.
     pub fn slice_of(&self, block: u32) -> Option<(GatherDescriptor, u64, u64)> {
+        self.slice_at(block).map(|(i, offset, len)| (self.descriptors[i], offset, len))
+    }
+
+    /// As [`slice_of`](Self::slice_of), with the descriptor's index instead of the descriptor.
+    pub fn slice_at(&self, block: u32) -> Option<(usize, u64, u64)> {
         if block >= self.blocks() {
             return None;
         }
         // Last descriptor whose first block is at or before `block`.
         let i = self.block_starts[..self.descriptors.len()].partition_point(|&s| s <= block) - 1;
-        let d = self.descriptors[i];
         let offset = u64::from(block - self.block_starts[i]) * SLICE_BYTES;
-        Some((d, offset, (d.len - offset).min(SLICE_BYTES)))
+        Some((i, offset, (self.descriptors[i].len - offset).min(SLICE_BYTES)))
     }
 }
 

@@ -8,7 +8,7 @@ use umbp_plan::{
     plan_batch, Completion, DeviceOrdinal, DeviceStream, Endpoint, EndpointId, EndpointPins,
     EndpointRegistry, EndpointRelease, EndpointTable, EngineError, FailedAt, Failure, FailureCause,
     Fragment, IncrementalBuilder, OverlapCheck, PlanBuilder, PlanRules, PlanSet, Register,
-    RegisterError, Registration, Settled, Space, TransferEngine, TransferHandle,
+    RegisterError, Registration, Segment, Settled, Space, Tag, TransferEngine, TransferHandle,
 };
 
 use crate::descriptor::chunk_launches;
@@ -87,14 +87,26 @@ pub struct HbmEngine<D: DeviceRuntime> {
     calibrations: Mutex<BTreeMap<DeviceOrdinal, Calibration>>,
 }
 
-/// One segment to move, by copy or (with `kernel`) by the gather kernel.
+/// One segment to move, by copy or (with `kernel`) by the gather kernel; when the submit
+/// hashes, one object's piece of a segment.
 #[derive(Copy, Clone, Debug)]
 struct Job {
     plan: usize,
     segment: usize,
+    /// When hashing: the piece's object, and where in the segment the piece starts.
+    piece: Option<(Tag, u64)>,
     src: u64,
     dst: u64,
     len: u64,
+}
+
+/// The CRC32C of `len` bytes of a job, from `at` bytes into it, for the plan set's sink.
+#[derive(Copy, Clone, Debug)]
+struct Hashed {
+    plan: usize,
+    tag: Tag,
+    piece: Segment,
+    crc: u32,
 }
 
 #[derive(Default)]
@@ -111,6 +123,10 @@ struct Scratch {
     descriptors: Vec<GatherDescriptor>,
     table: LaunchTable,
     overlap: OverlapCheck,
+    /// One launch's CRCs, one per descriptor, when hashing.
+    crcs: Vec<u32>,
+    /// The pieces hashed so far, reported once every bucket ran.
+    hashed: Vec<Hashed>,
 }
 
 /// What the engine holds for endpoints: host memory pinned for a device and device memory it
@@ -419,12 +435,14 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         self.memory.unpin(id)
     }
 
-    /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only;
-    /// returns the guard that keeps the pinnings it uses until the work is complete.
+    /// Sorts every segment of `plans` into per-device buckets, kernel-capable or copy-only
+    /// (when `hashing`, each object's piece of a segment apart); returns the guard that keeps
+    /// the pinnings it uses until the work is complete.
     fn bucket(
         &self,
         plans: &PlanSet,
         table: &EndpointTable,
+        hashing: bool,
         scratch: &mut Scratch,
         failed: &mut Vec<Failed>,
     ) -> Running<D> {
@@ -461,23 +479,30 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                     failed.push(Failed::segment(pi, si, cause));
                     continue;
                 }
-                let job = Job {
-                    plan: pi,
-                    segment: si,
-                    src: src.addr() + s.src_offset,
-                    dst: dst.addr() + s.dst_offset,
-                    len: s.len,
+                let mut push = |piece: Option<(Tag, u64)>, len: u64| {
+                    let at = piece.map_or(0, |(_, at)| at);
+                    let (so, dof) = (s.src_offset + at, s.dst_offset + at);
+                    let job = Job {
+                        plan: pi,
+                        segment: si,
+                        piece,
+                        src: src.addr() + so,
+                        dst: dst.addr() + dof,
+                        len,
+                    };
+                    match kernel_bases {
+                        Some((ks, kd)) => bucket
+                            .kernel
+                            .push((job, GatherDescriptor { src: ks + so, dst: kd + dof, len })),
+                        None => bucket.copies.push(job),
+                    }
                 };
-                match kernel_bases {
-                    Some((ks, kd)) => bucket.kernel.push((
-                        job,
-                        GatherDescriptor {
-                            src: ks + s.src_offset,
-                            dst: kd + s.dst_offset,
-                            len: s.len,
-                        },
-                    )),
-                    None => bucket.copies.push(job),
+                if hashing {
+                    for (tag, p) in plan.segment_pieces(si) {
+                        push(Some((tag, p.src_offset - s.src_offset)), p.len);
+                    }
+                } else {
+                    push(None, s.len);
                 }
             }
         }
@@ -487,6 +512,10 @@ impl<D: DeviceRuntime> HbmEngine<D> {
     /// Moves one device's bucket on `queue`; records the jobs that failed with their cause.
     /// On the engine's own queue it also synchronizes (and so settles the bucket); on a
     /// caller's stream it only queues, and returns whether a gather launch was queued.
+    ///
+    /// With `hashed` (a submit that hashes), every job moves by the runtime's hashing calls and
+    /// its CRC goes into `hashed`, except what a launch that failed copied: its jobs are
+    /// copied again, and hashed again.
     #[allow(clippy::too_many_arguments)] // The submit's scratch, split so the borrows stay disjoint.
     fn run_bucket(
         &self,
@@ -494,8 +523,8 @@ impl<D: DeviceRuntime> HbmEngine<D> {
         device: DeviceOrdinal,
         bucket: &Bucket,
         queue: Queue,
-        descriptors: &mut Vec<GatherDescriptor>,
-        table: &mut LaunchTable,
+        (descriptors, table, crcs): (&mut Vec<GatherDescriptor>, &mut LaunchTable, &mut Vec<u32>),
+        mut hashed: Option<&mut Vec<Hashed>>,
         failed: &mut Vec<Failed>,
     ) -> bool {
         let fail_all = |failed: &mut Vec<_>, e: &DeviceError| {
@@ -513,16 +542,38 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             && n >= self.config.kernel_min_fragments
             && bytes < self.kernel_max_mean_bytes(device).saturating_mul(n as u64);
         let mut launched = false;
+        // Where the launches' CRCs start in `hashed`: dropped if their jobs are copied again.
+        let launch_hashes = hashed.as_ref().map_or(0, |h| h.len());
         if by_kernel {
             descriptors.clear();
             descriptors.extend(bucket.kernel.iter().map(|(_, d)| *d));
+            // The job and the offset in it where the next launched descriptor starts
+            // (`chunk_launches` cuts descriptors in order, and no job is empty).
+            let mut next = (0, 0);
             let launch = chunk_launches(descriptors, self.config.launch_max_bytes, table, |t| {
-                // SAFETY: every descriptor side is device memory of `device` or host memory
-                // pinned for it, inside its endpoint (checked in `bucket`); endpoints stay valid
-                // until this submit's work is complete (its pins and `Running` are held until
-                // then); the overlap check left no destination overlapping a source or another
-                // destination; a caller's stream is live (`DeviceStream::new`'s contract).
-                unsafe { self.runtime.gather(device, t, queue)? };
+                // The launch's conditions hold: every descriptor side is device memory of
+                // `device` or host memory pinned for it, inside its endpoint (checked in
+                // `bucket`); endpoints stay valid until this submit's work is complete (its pins
+                // and `Running` are held until then); the overlap check left no destination
+                // overlapping a source or another destination; a caller's stream is live
+                // (`DeviceStream::new`'s contract).
+                match hashed.as_deref_mut() {
+                    // SAFETY: the launch's conditions (above).
+                    None => unsafe { self.runtime.gather(device, t, queue)? },
+                    Some(hashed) => {
+                        crcs.clear();
+                        crcs.resize(t.descriptors.len(), 0);
+                        // SAFETY: the launch's conditions (above); `crcs` holds one CRC per
+                        // descriptor.
+                        unsafe { self.runtime.gather_hashed(device, t, queue, crcs)? };
+                        for (d, &crc) in t.descriptors.iter().zip(crcs.iter()) {
+                            let (k, at) = next;
+                            let job = &bucket.kernel[k].0;
+                            hashed.extend(hash_of(plans, job, at, d.len, crc));
+                            next = if at + d.len == job.len { (k + 1, 0) } else { (k, at + d.len) };
+                        }
+                    }
+                }
                 // Relaxed: a statistic.
                 self.launches.fetch_add(1, Ordering::Relaxed);
                 Ok::<(), DeviceError>(())
@@ -530,23 +581,39 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             match launch {
                 Ok(()) => launched = true,
                 Err(e) => {
+                    if let Some(hashed) = hashed.as_deref_mut() {
+                        hashed.truncate(launch_hashes);
+                    }
                     tracing::warn!(device = device.get(), error = %e, "gather launch failed; copying the bucket");
                 }
             }
         }
-        let copy = |jobs: &mut dyn Iterator<Item = &Job>, failed: &mut Vec<Failed>| {
+        let launch_hashes_end = hashed.as_ref().map_or(0, |h| h.len());
+        let copy = |jobs: &mut dyn Iterator<Item = &Job>,
+                    hashed: &mut Option<&mut Vec<Hashed>>,
+                    failed: &mut Vec<Failed>| {
             for j in jobs {
-                // SAFETY: both sides lie inside their registered endpoints (checked in
-                // `bucket`), valid until this submit's work is complete; a caller's stream is
-                // live.
-                if let Err(e) = unsafe { self.runtime.copy(device, j.dst, j.src, j.len, queue) } {
+                // The copy's conditions hold: both sides lie inside their registered endpoints
+                // (checked in `bucket`), valid until this submit's work is complete; a caller's
+                // stream is live.
+                let copied = match hashed.as_deref_mut() {
+                    // SAFETY: the copy's conditions (above).
+                    None => unsafe { self.runtime.copy(device, j.dst, j.src, j.len, queue) },
+                    Some(hashed) => {
+                        // SAFETY: the copy's conditions (above).
+                        let crc =
+                            unsafe { self.runtime.copy_hashed(device, j.dst, j.src, j.len, queue) };
+                        crc.map(|crc| hashed.extend(hash_of(plans, j, 0, j.len, crc)))
+                    }
+                };
+                if let Err(e) = copied {
                     self.recopy_per_object(plans, device, j, queue, e, failed);
                 }
             }
         };
-        copy(&mut bucket.copies.iter(), failed);
+        copy(&mut bucket.copies.iter(), &mut hashed, failed);
         if !launched {
-            copy(&mut bucket.kernel.iter().map(|(j, _)| j), failed);
+            copy(&mut bucket.kernel.iter().map(|(j, _)| j), &mut hashed, failed);
         }
         if queue != Queue::Own {
             return launched;
@@ -561,7 +628,10 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             if !self.kernel_disabled.swap(true, Ordering::Relaxed) {
                 tracing::error!(device = device.get(), error = %e, "synchronization after a gather launch failed; the gather kernel is disabled for this engine");
             }
-            copy(&mut bucket.kernel.iter().map(|(j, _)| j), failed);
+            if let Some(hashed) = hashed.as_deref_mut() {
+                hashed.drain(launch_hashes..launch_hashes_end);
+            }
+            copy(&mut bucket.kernel.iter().map(|(j, _)| j), &mut hashed, failed);
             if let Err(e) = self.runtime.synchronize(device) {
                 fail_all(failed, &e);
             }
@@ -585,6 +655,12 @@ impl<D: DeviceRuntime> HbmEngine<D> {
     ) {
         let plan = &plans.plans()[j.plan];
         let segment = plan.segments()[j.segment];
+        if let Some((tag, _)) = j.piece {
+            // Already one object's piece.
+            let cause = device_cause(device, &error);
+            failed.push(Failed { at: FailedAt::share(j.plan, j.segment, tag), cause });
+            return;
+        }
         if plan.segment_tags(j.segment).len() < 2 {
             failed.push(Failed::segment(j.plan, j.segment, device_cause(device, &error)));
             return;
@@ -601,6 +677,17 @@ impl<D: DeviceRuntime> HbmEngine<D> {
             }
         }
     }
+}
+
+/// The CRC32C `crc` of `len` bytes of `job`, from `at` bytes into it, as the plan set's sink
+/// takes it; `None` for a job of a submit that does not hash.
+fn hash_of(plans: &PlanSet, job: &Job, at: u64, len: u64, crc: u32) -> Option<Hashed> {
+    let (tag, start) = job.piece?;
+    let s = plans.plans()[job.plan].segments()[job.segment];
+    let offset = start + at;
+    let piece =
+        Segment { src_offset: s.src_offset + offset, dst_offset: s.dst_offset + offset, len };
+    Some(Hashed { plan: job.plan, tag, piece, crc })
 }
 
 /// A failure before it is mapped to the objects it costs.
@@ -645,6 +732,12 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
 
     fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
         HbmRules.carries(src, dst)
+    }
+
+    /// Where the runtime copies on the CPU (the simulated device): its launches and copies
+    /// hash what they copy, each object's piece of a segment apart.
+    fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.runtime.hashes_while_copying() && HbmRules.carries(src, dst)
     }
 
     fn plan(&self, fragments: &[Fragment]) -> PlanSet {
@@ -725,7 +818,10 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                 b.kernel.clear();
                 b.copies.clear();
             });
-            running = self.bucket(&plans, &table, scratch, &mut failed);
+            // A runtime that copies on the CPU hashes what it copies for a sink.
+            let sink = plans.copy_hashes().filter(|_| self.runtime.hashes_while_copying());
+            scratch.hashed.clear();
+            running = self.bucket(&plans, &table, sink.is_some(), scratch, &mut failed);
             for (&device, bucket) in &scratch.buckets {
                 if bucket.kernel.is_empty() && bucket.copies.is_empty() {
                     continue;
@@ -739,8 +835,8 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                     device,
                     bucket,
                     queue,
-                    &mut scratch.descriptors,
-                    &mut scratch.table,
+                    (&mut scratch.descriptors, &mut scratch.table, &mut scratch.crcs),
+                    sink.is_some().then_some(&mut scratch.hashed),
                     &mut failed,
                 );
                 if let Queue::Stream(_) = queue {
@@ -749,6 +845,12 @@ impl<D: DeviceRuntime> TransferEngine for HbmEngine<D> {
                     carried.sort_unstable();
                     carried.dedup();
                     on_stream = Some((launched, carried));
+                }
+            }
+            // The runtime's hashing calls returned with the bytes copied: report them.
+            if let Some(sink) = sink {
+                for h in &scratch.hashed {
+                    sink.copied(&plans.plans()[h.plan], h.tag, h.piece, h.crc);
                 }
             }
             lock(&self.scratch).push(taken);

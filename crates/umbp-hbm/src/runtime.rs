@@ -106,6 +106,51 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         queue: Queue,
     ) -> Result<(), DeviceError>;
 
+    /// Whether this runtime's copies and launches run on the host's CPU, synchronously, so that
+    /// they can hash what they copy ([`copy_hashed`](Self::copy_hashed),
+    /// [`gather_hashed`](Self::gather_hashed)): the simulated device. A GPU's copy engines and
+    /// kernels never pass the bytes through the CPU. Default: `false`.
+    fn hashes_while_copying(&self) -> bool {
+        false
+    }
+
+    /// [`copy`](Self::copy), returning the CRC32C of the bytes copied; the copy is complete
+    /// when it returns. Only where [`hashes_while_copying`](Self::hashes_while_copying);
+    /// others fail every call.
+    ///
+    /// # Safety
+    ///
+    /// As [`copy`](Self::copy).
+    unsafe fn copy_hashed(
+        &self,
+        device: DeviceOrdinal,
+        dst: u64,
+        src: u64,
+        len: u64,
+        queue: Queue,
+    ) -> Result<u32, DeviceError> {
+        let _ = (dst, src, len, queue);
+        Err(not_hashing(device))
+    }
+
+    /// [`gather`](Self::gather), setting `crcs[i]` to the CRC32C of descriptor `i`'s bytes
+    /// (`crcs` holds one per descriptor); the launch is complete when it returns. Only where
+    /// [`hashes_while_copying`](Self::hashes_while_copying); others fail every call.
+    ///
+    /// # Safety
+    ///
+    /// As [`gather`](Self::gather).
+    unsafe fn gather_hashed(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        queue: Queue,
+        crcs: &mut [u32],
+    ) -> Result<(), DeviceError> {
+        let _ = (table, queue, crcs);
+        Err(not_hashing(device))
+    }
+
     /// Records an event on `queue` of `device`, after everything queued there so far, and
     /// returns its handle (a `CUevent` or `hipEvent_t`): the event completes when the queue
     /// reaches it. Other streams can wait on it on the device; the host can ask
@@ -153,4 +198,13 @@ pub trait DeviceRuntime: Send + Sync + 'static {
 
     /// Blocks until everything queued on `device`'s own stream has finished.
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError>;
+}
+
+/// The error of a hashing call to a runtime that does not hash while copying.
+fn not_hashing(device: DeviceOrdinal) -> DeviceError {
+    DeviceError::Runtime {
+        device,
+        code: -1,
+        message: "this runtime does not hash while copying".into(),
+    }
 }

@@ -54,12 +54,19 @@ impl Drop for Allocation {
     }
 }
 
-/// Copies `len` bytes from `src` to `dst` (overlap allowed).
+/// Copies `len` bytes from `src` to `dst` (overlap allowed); with `crc`, first extends it
+/// with the source bytes (before the copy, which may overwrite them where they overlap).
 ///
 /// # Safety
 ///
-/// `src .. + len` is readable and `dst .. + len` writable for the duration of the call.
-pub(super) unsafe fn copy(dst: u64, src: u64, len: u64) {
+/// `src .. + len` is readable and `dst .. + len` writable for the duration of the call, and
+/// nothing else writes either meanwhile.
+pub(super) unsafe fn copy(dst: u64, src: u64, len: u64, crc: Option<&mut u32>) {
+    if let (Some(crc), true) = (crc, len > 0) {
+        // SAFETY: the caller's contract; not empty, so `src` is non-null.
+        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len as usize) };
+        *crc = crc32c::crc32c_append(*crc, bytes);
+    }
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) }
 }

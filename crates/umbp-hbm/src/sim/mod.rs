@@ -167,6 +167,115 @@ impl SimDevice {
             Err(DeviceError::NoDevice(device))
         }
     }
+
+    /// [`DeviceRuntime::copy`], checked; with `crc`, also extends it with the bytes copied.
+    ///
+    /// # Safety
+    ///
+    /// As [`DeviceRuntime::copy`].
+    unsafe fn copy_checked(
+        &self,
+        device: DeviceOrdinal,
+        dst: u64,
+        src: u64,
+        len: u64,
+        crc: Option<&mut u32>,
+    ) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        state.take_fault(DeviceFault::Copy)?;
+        let footprint = Footprint::copy(src, dst, len);
+        // Checked again after every wait: memory may be freed meanwhile.
+        loop {
+            // Each side lies wholly in one allocation, or (host memory) overlaps none; and at
+            // least one side is memory of this simulator.
+            let side_ok = |addr: u64| {
+                state.allocation_holding(addr, len).is_some()
+                    || !state.touches_allocation(addr, len)
+            };
+            let device_side = state.allocation_holding(src, len).is_some()
+                || state.allocation_holding(dst, len).is_some();
+            if !side_ok(src) || !side_ok(dst) || !device_side {
+                let addr = if side_ok(src) { dst } else { src };
+                return Err(DeviceError::InvalidAddress { device, addr, len });
+            }
+            if !state.conflicts(&footprint) {
+                break;
+            }
+            state = self.wait(state);
+        }
+        let running = self.start(&mut state, footprint);
+        drop(state);
+        // SAFETY: the device side lies in a live allocation (checked), which `free` leaves
+        // alone while this work runs (its footprint covers the bytes); the host side is valid
+        // by this function's contract; no other running work writes what this copy touches
+        // or touches what it writes (footprints); `ptr::copy` tolerates overlap.
+        unsafe { memory::copy(dst, src, len, crc) };
+        drop(running);
+        Ok(())
+    }
+
+    /// [`DeviceRuntime::gather`], checked; with `crcs`, also sets each descriptor's CRC32C.
+    ///
+    /// # Safety
+    ///
+    /// As [`DeviceRuntime::gather`].
+    unsafe fn gather_checked(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        crcs: Option<&mut [u32]>,
+    ) -> Result<(), DeviceError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        state.take_fault(DeviceFault::Launch)?;
+        // Checked again after every wait: memory may be freed or unpinned meanwhile.
+        let footprint = loop {
+            // Descriptors of one launch mostly fall in the same few regions: try the region the
+            // previous descriptor's side fell in before searching.
+            let mut last = [(0u64, 0u64); 2];
+            for d in &table.descriptors {
+                for (side, addr) in [d.src, d.dst].into_iter().enumerate() {
+                    let (start, end) = last[side];
+                    let inside = addr >= start && addr.checked_add(d.len).is_some_and(|e| e <= end);
+                    if !inside {
+                        last[side] = state
+                            .visible_region(device, addr, d.len)
+                            .ok_or(DeviceError::InvalidAddress { device, addr, len: d.len })?;
+                    }
+                }
+            }
+            // The kernel's blocks run in no order: a destination that overlaps a source or
+            // another destination has no defined result (a race on the GPU). The engine never
+            // launches one; a caller of this trait that does gets an error, not undefined
+            // behaviour.
+            if let Some(d) = first_overlap(&table.descriptors, &mut state.ranges) {
+                return Err(DeviceError::InvalidAddress { device, addr: d.dst, len: d.len });
+            }
+            let footprint = Footprint::of_sorted(&state.ranges);
+            if !state.conflicts(&footprint) {
+                break footprint;
+            }
+            state = self.wait(state);
+        };
+        // The upload the GPU backend does into its descriptor buffer (reused across launches;
+        // one running beside this one uploads into a buffer of its own).
+        let mut uploaded = std::mem::take(&mut state.uploaded);
+        uploaded.descriptors.clone_from(&table.descriptors);
+        uploaded.block_starts.clone_from(&table.block_starts);
+        let running = self.start(&mut state, footprint);
+        drop(state);
+        // SAFETY: every descriptor side lies in memory visible to this device (checked above):
+        // allocations, which `free` leaves alone while this work runs (its footprint covers
+        // them), or pinned host regions, valid by `register_host`'s contract and not unpinned
+        // while this runs; no destination overlaps a source or another destination (checked
+        // above), and no other running work writes what this launch touches or touches what it
+        // writes (footprints).
+        unsafe { kernel::run(&uploaded, crcs) };
+        self.lock().uploaded = uploaded;
+        drop(running);
+        Ok(())
+    }
 }
 
 /// Work running outside the lock; ends it (and wakes whoever waits for it) when dropped, also
@@ -322,38 +431,8 @@ impl DeviceRuntime for SimDevice {
         len: u64,
         _queue: Queue,
     ) -> Result<(), DeviceError> {
-        self.check_device(device)?;
-        let mut state = self.lock();
-        state.take_fault(DeviceFault::Copy)?;
-        let footprint = Footprint::copy(src, dst, len);
-        // Checked again after every wait: memory may be freed meanwhile.
-        loop {
-            // Each side lies wholly in one allocation, or (host memory) overlaps none; and at
-            // least one side is memory of this simulator.
-            let side_ok = |addr: u64| {
-                state.allocation_holding(addr, len).is_some()
-                    || !state.touches_allocation(addr, len)
-            };
-            let device_side = state.allocation_holding(src, len).is_some()
-                || state.allocation_holding(dst, len).is_some();
-            if !side_ok(src) || !side_ok(dst) || !device_side {
-                let addr = if side_ok(src) { dst } else { src };
-                return Err(DeviceError::InvalidAddress { device, addr, len });
-            }
-            if !state.conflicts(&footprint) {
-                break;
-            }
-            state = self.wait(state);
-        }
-        let running = self.start(&mut state, footprint);
-        drop(state);
-        // SAFETY: the device side lies in a live allocation (checked), which `free` leaves
-        // alone while this work runs (its footprint covers the bytes); the host side is valid
-        // by this function's contract; no other running work writes what this copy touches
-        // or touches what it writes (footprints); `ptr::copy` tolerates overlap.
-        unsafe { memory::copy(dst, src, len) };
-        drop(running);
-        Ok(())
+        // SAFETY: this function's contract is `copy_checked`'s.
+        unsafe { self.copy_checked(device, dst, src, len, None) }
     }
 
     unsafe fn gather(
@@ -362,55 +441,42 @@ impl DeviceRuntime for SimDevice {
         table: &LaunchTable,
         _queue: Queue,
     ) -> Result<(), DeviceError> {
-        self.check_device(device)?;
-        let mut state = self.lock();
-        state.take_fault(DeviceFault::Launch)?;
-        // Checked again after every wait: memory may be freed or unpinned meanwhile.
-        let footprint = loop {
-            // Descriptors of one launch mostly fall in the same few regions: try the region the
-            // previous descriptor's side fell in before searching.
-            let mut last = [(0u64, 0u64); 2];
-            for d in &table.descriptors {
-                for (side, addr) in [d.src, d.dst].into_iter().enumerate() {
-                    let (start, end) = last[side];
-                    let inside = addr >= start && addr.checked_add(d.len).is_some_and(|e| e <= end);
-                    if !inside {
-                        last[side] = state
-                            .visible_region(device, addr, d.len)
-                            .ok_or(DeviceError::InvalidAddress { device, addr, len: d.len })?;
-                    }
-                }
-            }
-            // The kernel's blocks run in no order: a destination that overlaps a source or
-            // another destination has no defined result (a race on the GPU). The engine never
-            // launches one; a caller of this trait that does gets an error, not undefined
-            // behaviour.
-            if let Some(d) = first_overlap(&table.descriptors, &mut state.ranges) {
-                return Err(DeviceError::InvalidAddress { device, addr: d.dst, len: d.len });
-            }
-            let footprint = Footprint::of_sorted(&state.ranges);
-            if !state.conflicts(&footprint) {
-                break footprint;
-            }
-            state = self.wait(state);
-        };
-        // The upload the GPU backend does into its descriptor buffer (reused across launches;
-        // one running beside this one uploads into a buffer of its own).
-        let mut uploaded = std::mem::take(&mut state.uploaded);
-        uploaded.descriptors.clone_from(&table.descriptors);
-        uploaded.block_starts.clone_from(&table.block_starts);
-        let running = self.start(&mut state, footprint);
-        drop(state);
-        // SAFETY: every descriptor side lies in memory visible to this device (checked above):
-        // allocations, which `free` leaves alone while this work runs (its footprint covers
-        // them), or pinned host regions, valid by `register_host`'s contract and not unpinned
-        // while this runs; no destination overlaps a source or another destination (checked
-        // above), and no other running work writes what this launch touches or touches what it
-        // writes (footprints).
-        unsafe { kernel::run(&uploaded) };
-        self.lock().uploaded = uploaded;
-        drop(running);
-        Ok(())
+        // SAFETY: this function's contract is `gather_checked`'s.
+        unsafe { self.gather_checked(device, table, None) }
+    }
+
+    fn hashes_while_copying(&self) -> bool {
+        true
+    }
+
+    unsafe fn copy_hashed(
+        &self,
+        device: DeviceOrdinal,
+        dst: u64,
+        src: u64,
+        len: u64,
+        _queue: Queue,
+    ) -> Result<u32, DeviceError> {
+        let mut crc = 0;
+        // SAFETY: this function's contract is `copy_checked`'s.
+        unsafe { self.copy_checked(device, dst, src, len, Some(&mut crc))? };
+        Ok(crc)
+    }
+
+    unsafe fn gather_hashed(
+        &self,
+        device: DeviceOrdinal,
+        table: &LaunchTable,
+        _queue: Queue,
+        crcs: &mut [u32],
+    ) -> Result<(), DeviceError> {
+        if crcs.len() != table.descriptors.len() {
+            let message =
+                format!("{} CRCs for {} descriptors", crcs.len(), table.descriptors.len());
+            return Err(DeviceError::Runtime { device, code: -1, message });
+        }
+        // SAFETY: this function's contract is `gather_checked`'s.
+        unsafe { self.gather_checked(device, table, Some(crcs)) }
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DeviceError> {
