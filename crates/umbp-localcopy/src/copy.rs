@@ -22,9 +22,12 @@
 //! races with it.
 
 use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use umbp_plan::host_copy::{copy_non_temporal, non_temporal_supported, store_fence};
-use umbp_plan::{Endpoint, Segment};
+use umbp_plan::host_copy::{
+    copy_non_temporal, copy_non_temporal_crc, non_temporal_supported, store_fence,
+};
+use umbp_plan::{Endpoint, Segment, Tag};
 
 /// A registered host endpoint as a range of addresses of this process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -60,6 +63,29 @@ pub(crate) struct Task {
     src: *const u8,
     dst: *mut u8,
     len: usize,
+    /// Set for a submit that hashes while copying: whose bytes these are, and their CRC32C
+    /// once the task ran.
+    hash: Option<Hashed>,
+}
+
+/// The object piece a hashing task copies, and the CRC32C of its bytes once copied.
+#[derive(Debug)]
+pub(crate) struct Hashed {
+    /// The plan's index in its plan set.
+    pub(crate) plan: usize,
+    pub(crate) tag: Tag,
+    /// The piece, in the plan's coordinates.
+    pub(crate) piece: Segment,
+    /// Written by the thread that runs the task; read after the submit's threads joined
+    /// (the pool's completion orders it).
+    crc: AtomicU32,
+}
+
+impl Hashed {
+    /// The CRC32C of the piece's bytes, once its task ran.
+    pub(crate) fn crc(&self) -> u32 {
+        self.crc.load(Ordering::Relaxed)
+    }
 }
 
 // SAFETY: a task only names two ranges of registered host memory (module doc, items 1 and 2).
@@ -85,7 +111,20 @@ impl Task {
             src: ptr::with_exposed_provenance(src_addr),
             dst: ptr::with_exposed_provenance_mut(dst_addr),
             len,
+            hash: None,
         })
+    }
+
+    /// The task, made to hash what it copies: `segment` is object `tag`'s piece of plan
+    /// `plan` (the bytes [`resolve`](Self::resolve) checked).
+    pub(crate) fn hashing(mut self, plan: usize, tag: Tag, segment: Segment) -> Self {
+        self.hash = Some(Hashed { plan, tag, piece: segment, crc: AtomicU32::new(0) });
+        self
+    }
+
+    /// The piece the task hashes, if it hashes.
+    pub(crate) fn hashed(&self) -> Option<&Hashed> {
+        self.hash.as_ref()
     }
 
     /// Bytes the task copies.
@@ -100,14 +139,25 @@ impl Task {
         while done < self.len {
             let len = piece.min(self.len - done);
             // Sub-ranges of a resolved task are inside the same regions.
-            each(Task { src: self.src.wrapping_add(done), dst: self.dst.wrapping_add(done), len });
+            let hash = self.hash.as_ref().map(|h| Hashed {
+                plan: h.plan,
+                tag: h.tag,
+                piece: Segment {
+                    src_offset: h.piece.src_offset + done as u64,
+                    dst_offset: h.piece.dst_offset + done as u64,
+                    len: len as u64,
+                },
+                crc: AtomicU32::new(0),
+            });
+            let (src, dst) = (self.src.wrapping_add(done), self.dst.wrapping_add(done));
+            each(Task { src, dst, len, hash });
             done += len;
         }
     }
 
-    /// Copies the task's bytes with `kernel`'s choice of stores. Returns whether it used
-    /// non-temporal stores, which the caller must fence with [`store_fence`] before it publishes
-    /// completion.
+    /// Copies the task's bytes with `kernel`'s choice of stores, hashing them on the way when
+    /// the task hashes. Returns whether it used non-temporal stores, which the caller must
+    /// fence with [`store_fence`] before it publishes completion.
     ///
     /// A task whose two ranges overlap is copied as by `memmove`. The engine never runs one
     /// (the overlap rule fails such objects first); the check keeps this function sound on
@@ -119,7 +169,26 @@ impl Task {
         }
         let (src, dst) = (self.src.addr(), self.dst.addr());
         // Both ends were checked against regions that fit the address space: no overflow.
-        if src < dst + self.len && dst < src + self.len {
+        let overlap = src < dst + self.len && dst < src + self.len;
+        if let Some(hash) = &self.hash {
+            if overlap || self.len < kernel.non_temporal_from {
+                // Hashed before the copy, which may overwrite the source where they overlap.
+                // SAFETY: the source is registered host memory, valid and not written by
+                // anything else during the transfer (module doc); `len > 0`, so non-null.
+                let bytes = unsafe { std::slice::from_raw_parts(self.src, self.len) };
+                hash.crc.store(crc32c::crc32c(bytes), Ordering::Relaxed);
+            } else {
+                // SAFETY:
+                // 1. both ranges are valid registered host memory, reserved to this transfer
+                //    (module doc), and they do not overlap (checked above);
+                // 2. `non_temporal_from` is below `usize::MAX` only when `Kernel::new` detected
+                //    the store instructions on this CPU.
+                let crc = unsafe { copy_non_temporal_crc(self.src, self.dst, self.len, 0) };
+                hash.crc.store(crc, Ordering::Relaxed);
+                return true;
+            }
+        }
+        if overlap {
             // SAFETY: both ranges lie inside registered host memory that the registry's contract
             // keeps valid and reserved to this transfer (module doc); `ptr::copy` allows overlap.
             unsafe { ptr::copy(self.src, self.dst, self.len) };

@@ -139,7 +139,8 @@ impl LocalCopyEngine {
     }
 
     /// Steps 1 to 4 of a submit (see the type's doc): takes overlapping objects out of `plans`,
-    /// copies every plan it can and returns the failures.
+    /// copies every plan it can and returns the failures. With a checksum sink in `plans`,
+    /// each object's pieces are copied apart, hashed on the way, and reported to it.
     fn execute(
         &self,
         plans: &mut PlanSet,
@@ -149,10 +150,13 @@ impl LocalCopyEngine {
         let mut failures = scratch.overlap.exclude(plans, NAME, |id| {
             table.get(id).filter(|e| e.is_host()).map(|e| (Space::Host, e.addr()))
         });
+        let hashing = plans.copy_hashes().is_some();
         let mut bytes = 0usize;
-        for plan in plans.plans() {
-            let pushed = regions_of(table, plan.src(), plan.dst())
-                .and_then(|(src, dst)| push_tasks(plan, &src, &dst, &mut scratch.tasks));
+        for (index, plan) in plans.plans().iter().enumerate() {
+            let pushed = regions_of(table, plan.src(), plan.dst()).and_then(|(src, dst)| {
+                let hashing = hashing.then_some(index);
+                push_tasks(plan, hashing, &src, &dst, &mut scratch.tasks)
+            });
             match pushed {
                 Ok(plan_bytes) => bytes = bytes.saturating_add(plan_bytes),
                 Err(cause) => failures.push(failure(plan, cause)),
@@ -162,8 +166,16 @@ impl LocalCopyEngine {
         let tasks = scratch.tasks.len();
         let splits = scratch.tasks.iter().any(|t| t.len() > PIECE_BYTES);
         let pieces = if splits { bytes.div_ceil(PIECE_BYTES).max(tasks) } else { tasks };
+        // Reports the hashing tasks' checksums to the plan set's sink, once they all ran.
+        let report = |tasks: &[Task]| {
+            let Some(sink) = plans.copy_hashes() else { return };
+            for hashed in tasks.iter().filter_map(Task::hashed) {
+                sink.copied(&plans.plans()[hashed.plan], hashed.tag, hashed.piece, hashed.crc());
+            }
+        };
         if pieces < 2 || bytes < self.config.parallel_threshold || self.pool.workers() == 0 {
             run_tasks(&scratch.tasks, self.kernel);
+            report(&scratch.tasks);
         } else {
             if splits {
                 scratch.pieces.append(&mut scratch.tasks);
@@ -171,7 +183,8 @@ impl LocalCopyEngine {
                     task.split(PIECE_BYTES, |piece| scratch.tasks.push(piece));
                 }
             }
-            scratch.tasks = self.pool.run(std::mem::take(&mut scratch.tasks), self.kernel);
+            let tasks = std::mem::take(&mut scratch.tasks);
+            scratch.tasks = self.pool.run(tasks, self.kernel, report);
         }
         scratch.tasks.clear();
         tracing::trace!(
@@ -208,6 +221,11 @@ impl TransferEngine for LocalCopyEngine {
     }
 
     fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        LocalCopyRules.carries(src, dst)
+    }
+
+    /// Every pair it carries: its copies run on the CPU, which hashes the bytes on the way.
+    fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
         LocalCopyRules.carries(src, dst)
     }
 
@@ -251,17 +269,19 @@ fn regions_of(
     Ok((region(src)?, region(dst)?))
 }
 
-/// Appends a task for every segment of `plan` and returns the plan's bytes. A segment outside
+/// Appends a task for every segment of `plan` (with `hashing`, the plan's index: a hashing
+/// task for every object's piece of a segment) and returns the plan's bytes. A segment outside
 /// its endpoints takes the plan's tasks back out: a plan runs whole or not at all.
 fn push_tasks(
     plan: &Plan,
+    hashing: Option<usize>,
     src: &HostRegion,
     dst: &HostRegion,
     tasks: &mut Vec<Task>,
 ) -> Result<usize, FailureCause> {
     let start = tasks.len();
     let mut bytes = 0usize;
-    for segment in plan.segments() {
+    for (index, segment) in plan.segments().iter().enumerate() {
         let Some(task) = Task::resolve(src, dst, segment) else {
             tasks.truncate(start);
             let error = Error::SegmentOutOfBounds {
@@ -274,7 +294,16 @@ fn push_tasks(
             return Err(FailureCause::NotAccepted(error.to_string()));
         };
         bytes = bytes.saturating_add(task.len());
-        tasks.push(task);
+        match hashing {
+            None => tasks.push(task),
+            Some(p) => {
+                for (tag, piece) in plan.segment_pieces(index) {
+                    // Inside the segment, which `resolve` checked just now.
+                    let Some(task) = Task::resolve(src, dst, &piece) else { continue };
+                    tasks.push(task.hashing(p, tag, piece));
+                }
+            }
+        }
     }
     Ok(bytes)
 }

@@ -149,9 +149,15 @@ impl Pool {
     }
 
     /// Runs every task of `tasks` with `kernel`, on this thread and on idle workers, and
-    /// returns when all of them are done. Gives the list back, emptied, for reuse when no
+    /// returns when all of them are done, after showing them to `done` (what they recorded,
+    /// their checksums, is visible to it). Gives the list back, emptied, for reuse when no
     /// worker still holds the job.
-    pub(crate) fn run(&self, tasks: Vec<Task>, kernel: Kernel) -> Vec<Task> {
+    pub(crate) fn run(
+        &self,
+        tasks: Vec<Task>,
+        kernel: Kernel,
+        done: impl FnOnce(&[Task]),
+    ) -> Vec<Task> {
         let total = tasks.len();
         let chunk = chunk_len(&tasks, self.workers() + 1);
         let job = Arc::new(Job {
@@ -180,6 +186,7 @@ impl Pool {
         while job.remaining.load(Ordering::Acquire) != 0 {
             thread::park();
         }
+        done(&job.tasks);
         match Arc::try_unwrap(job) {
             Ok(job) => {
                 let mut tasks = job.tasks;
@@ -247,7 +254,7 @@ mod tests {
                 let src: Vec<u8> = (0..piece * 300).map(|i| (i % 253) as u8).collect();
                 let mut dst = vec![0u8; src.len()];
                 let list = tasks(&src, &mut dst, piece);
-                let back = pool.run(list, Kernel::new(true, 64));
+                let back = pool.run(list, Kernel::new(true, 64), |_| {});
                 assert!(back.is_empty());
                 assert!(dst == src, "{workers} workers, pieces of {piece}");
             }
