@@ -337,8 +337,9 @@ pub(crate) struct BatchShared {
     registry: Arc<EndpointRegistry>,
     deadline: Option<Instant>,
     stream: Option<DeviceStream>,
-    /// The objects' checksums, when the batch hashes any.
-    checks: Option<Checks>,
+    /// The objects' checksums, when the batch hashes any (shared with the engines that hash
+    /// while copying, through their plan sets' sinks).
+    checks: Option<Arc<Checks>>,
 }
 
 struct Progress {
@@ -540,7 +541,7 @@ impl BatchShared {
             registry,
             deadline,
             stream,
-            checks,
+            checks: checks.map(Arc::new),
         });
         batch.metrics.in_flight.begin(batch.bytes);
         if parts_pending == 0 {
@@ -568,7 +569,7 @@ impl BatchShared {
     }
 
     /// The objects' checksums, when the batch hashes any.
-    pub(crate) fn checks(&self) -> Option<&Checks> {
+    pub(crate) fn checks(&self) -> Option<&Arc<Checks>> {
         self.checks.as_ref()
     }
 

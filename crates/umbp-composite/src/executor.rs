@@ -270,6 +270,9 @@ struct Submitted {
     started: Instant,
     /// Whether the batch counts in the metrics ([`CompositeBuilder::set_metered`](crate::CompositeBuilder::set_metered)).
     metered: bool,
+    /// Whether the engine reports the checksums of what it copies (the plan set carried a
+    /// sink): then the executor hashes none of the part's bytes itself.
+    engine_hashes: bool,
 }
 
 /// One failure per carried plan, for an engine that panicked with `payload`.
@@ -310,9 +313,10 @@ fn submit(
     let engine = &shared.engines[index];
     let carried: Vec<_> =
         plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags().to_vec())).collect();
+    let engine_hashes = plans.copy_hashes().is_some();
     let started = Instant::now();
     match catch_unwind(AssertUnwindSafe(|| engine.submit(plans))) {
-        Ok(handle) => Ok(Submitted { index, handle, carried, started, metered }),
+        Ok(handle) => Ok(Submitted { index, handle, carried, started, metered, engine_hashes }),
         Err(payload) => Err(panicked(shared, index, carried, &*payload, metered)),
     }
 }
@@ -320,7 +324,7 @@ fn submit(
 /// Waits for a submitted plan set and records metrics; a panic while waiting fails every
 /// object it carried.
 fn settle(shared: &Shared, submitted: Submitted) -> (Vec<Failure>, PlanSet) {
-    let Submitted { index, handle, carried, started, metered } = submitted;
+    let Submitted { index, handle, carried, started, metered, .. } = submitted;
     match catch_unwind(AssertUnwindSafe(|| handle.into_settled())) {
         Ok(settled) => {
             if metered {
@@ -363,14 +367,18 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
     // Settles a submitted part; `panic` when its engine panicked while asked about it.
     let settle_part = |(index, group, engine, submitted): (usize, u32, usize, Submitted),
                        panic: Option<Box<dyn Any + Send>>| {
-        let (mut failures, plans) = match panic {
+        let engine_hashes = submitted.engine_hashes;
+        let (mut failures, mut plans) = match panic {
             None => settle(shared, submitted),
             Some(payload) => settle_panicked(shared, submitted, payload),
         };
+        plans.set_copy_hashes(None);
         if let Some(checks) = batch.checks() {
             check_part(batch, index, &mut failures, |failed| {
-                let carried = plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags()));
-                checks.hash_part(group, carried, Side::Written, failed);
+                if !engine_hashes {
+                    let carried = plans.plans().iter().map(|p| (p.src(), p.dst(), p.tags()));
+                    checks.hash_part(group, carried, Side::Written, failed);
+                }
             });
         }
         batch.settle(index, PartEnd::Ran(failures), Some(returned_part(group, engine, plans)));
@@ -395,6 +403,11 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
         part.plans.set_deadline(batch.deadline());
         part.plans.set_stream(batch.stream());
         part.plans.set_cancel(Some(batch.token().clone()));
+        // An engine that hashes what it copies reports the checksums itself: one read of the
+        // bytes instead of two.
+        let sink =
+            batch.checks().and_then(|c| c.copy_sink(&*shared.engines[part.engine], &part.plans));
+        part.plans.set_copy_hashes(sink);
         let span = tracing::info_span!("umbp.part", engine = part.engine, group = part.group);
         let _enter = span.enter();
         match submit(shared, part.engine, part.plans, batch.is_metered()) {
@@ -404,8 +417,8 @@ pub(crate) fn run_lane(shared: &Shared, batch: &BatchShared, lane: Vec<(usize, R
             }
             Ok(submitted) => {
                 // Checksums of the bytes the engine reads from host memory: hashed while it
-                // works.
-                if let Some(checks) = batch.checks() {
+                // works (unless it hashes them itself).
+                if let Some(checks) = batch.checks().filter(|_| !submitted.engine_hashes) {
                     let carried = submitted.carried.iter().map(|(s, d, t)| (*s, *d, &t[..]));
                     let failed = |tag| batch.has_failed(tag);
                     checks.hash_part(part.group, carried, Side::Read, &failed);

@@ -11,7 +11,16 @@
 //!
 //! # Where it is hashed
 //!
-//! Wherever the bytes sit in host memory on their way, so that no extra copy is made:
+//! By the engine that copies them, where it can: an engine that [hashes while
+//! copying](umbp_plan::TransferEngine::hashes_while_copying) every pair of a part (the host-copy
+//! engine, the simulated device) gets a sink with the part's plan set and reports each object's
+//! pieces with their CRC32C as it copies them, one read of the bytes for both; the composite
+//! places each piece in its object's message ([`Checks::span`]) and hashes none of the part
+//! itself. An engine that promises this and reports a wrong CRC, or none, fails the object as a
+//! mismatch or as unverifiable, never as a success.
+//!
+//! Otherwise wherever the bytes sit in host memory on their way, so that no extra copy is
+//! made:
 //!
 //! - the staged route (SSD or remote to device, device to SSD or remote): each stage hashes its
 //!   fragments in the bounce slot once the first hop landed, while the second hop's engine
@@ -25,10 +34,10 @@
 //!   fails the object with [`FailureCause::ChecksumUnverifiable`] rather than serve it
 //!   unverified.
 //!
-//! Pieces land in any order on any executor thread. Each object keeps the CRC of its message's
-//! longest prefix hashed so far: a piece that starts where the prefix ends is hashed onto it
-//! (`crc32c_append`), one that lands early is hashed alone and joined later
-//! (`crc32c_combine`). Nothing is allocated or hashed per fragment when checksums are off:
+//! Pieces land in any order on any executor or engine thread. Each object keeps the CRC of its
+//! message's longest prefix hashed so far: a piece that starts where the prefix ends is hashed
+//! onto it (`crc32c_append`), one that lands early is hashed alone and joined later
+//! ([`checksum::combine`], a few dozen nanoseconds whatever the length). Nothing is allocated or hashed per fragment when checksums are off:
 //! a batch without checked objects has no [`Checks`] at all.
 //!
 //! # When it is checked
@@ -44,9 +53,10 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use umbp_plan::checksum::{self, CopyHashes};
 use umbp_plan::{
-    Endpoint, EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PageWalk, Tag,
-    WalkError,
+    Endpoint, EndpointId, EndpointKind, EndpointTable, Failure, FailureCause, PageWalk, Plan,
+    PlanSet, Segment, Tag, TransferEngine, WalkError,
 };
 
 use crate::metrics::{endpoint_kind_name, Metrics};
@@ -69,8 +79,10 @@ pub enum ChecksumPolicy {
     /// the network's time. The default.
     #[default]
     FilesAndRemote,
-    /// Objects in every tier, DRAM included: a DRAM restore hashes its source pages, an extra
-    /// pass over memory.
+    /// Objects in every tier, DRAM included. Where the engine that moves a DRAM object hashes
+    /// while copying (the host-copy engine, the simulated device), this costs a few percent of
+    /// the copy; where it does not (a GPU's DMA reads the pages), the composite hashes the
+    /// source pages beside it, an extra pass over host memory.
     AllTiers,
 }
 
@@ -343,7 +355,7 @@ impl Checks {
             }
             // The prefix reached the piece while it was hashed alone.
             None if !r.extending && r.len == at => {
-                r.crc = crc32c::crc32c_combine(r.crc, crc, len as usize);
+                r.crc = checksum::combine(r.crc, crc, len);
                 r.len = at + len;
             }
             None => {
@@ -352,6 +364,46 @@ impl Checks {
             }
         }
         absorb(r);
+    }
+
+    /// The sink through which `engine` reports the checksums of what it copies for `plans`,
+    /// when it [hashes while copying](TransferEngine::hashes_while_copying) every pair of them
+    /// and they carry a tracked object; `None` when the executor must hash the part itself.
+    pub(crate) fn copy_sink(
+        self: &Arc<Self>,
+        engine: &dyn TransferEngine,
+        plans: &PlanSet,
+    ) -> Option<CopyHashes> {
+        let tracked =
+            plans.plans().iter().flat_map(Plan::tags).any(|&t| self.is_tracked(t.index()));
+        let hashed = plans.plans().iter().all(|p| {
+            let (src, dst) = (self.table.get(p.src()), self.table.get(p.dst()));
+            src.zip(dst).is_some_and(|(s, d)| engine.hashes_while_copying(s, d))
+        });
+        if !tracked || !hashed {
+            return None;
+        }
+        let checks = Arc::clone(self);
+        Some(CopyHashes::new(move |plan, tag, piece, crc| checks.copied(plan, tag, piece, crc)))
+    }
+
+    /// An engine copied `piece` of object `tag` in `plan`, its bytes hashing to `crc`: joins it
+    /// at its place in the object's message, found from the side it writes (as a staged
+    /// piece's). A piece whose place cannot be found leaves the checksum unknown.
+    fn copied(&self, plan: &Plan, tag: Tag, piece: Segment, crc: u32) {
+        let Some(i) = self.tracked(tag) else { return };
+        let o = &self.objects[i];
+        let tier = if self.restore { plan.src() } else { plan.dst() };
+        if o.tier != tier {
+            return;
+        }
+        let mut hint = 0;
+        match self.span(o, &mut hint, plan.dst(), piece.dst_offset, piece.len) {
+            Some(at) => {
+                self.add(i, at, piece.len, |start| Some(checksum::combine(start, crc, piece.len)))
+            }
+            None => self.lock()[i].unknown = true,
+        }
     }
 
     /// Hashes the ranges a direct part of layer group `group` moves whose host side is
@@ -482,29 +534,61 @@ impl Checks {
         }
     }
 
-    /// The message position of a staged piece of object `o`, found from the side it writes
-    /// (which the overlap rule makes unique): a restore's destination range, an offload's tier
-    /// page. `hint` remembers the last range or page found, where the next piece usually is.
+    /// The message position of a staged piece of object `o` (see [`span`](Self::span)).
     fn position(&self, o: &ObjectCheck, hint: &mut usize, p: &StagePiece) -> Option<u64> {
         let f = p.fragment.fragment;
+        self.span(o, hint, f.dst, f.dst_offset, f.len)
+    }
+
+    /// The message position of `len` bytes of object `o` written at `dst_offset` of `dst`,
+    /// found from the side they are written to, which the overlap rule makes unique: a
+    /// restore's destination ranges, an offload's tier pages. The bytes may run over several
+    /// ranges or pages only where those follow each other both there and in the message;
+    /// `None` otherwise, or when they are not the object's. `hint` remembers the last range or
+    /// page found, where the next piece usually is.
+    fn span(
+        &self,
+        o: &ObjectCheck,
+        hint: &mut usize,
+        dst: EndpointId,
+        dst_offset: u64,
+        len: u64,
+    ) -> Option<u64> {
         let ranges = &self.ranges[o.ranges.0..o.ranges.1];
         if self.restore {
-            let fits = |r: &RangeCheck| {
-                r.endpoint == f.dst
-                    && f.dst_offset >= r.endpoint_offset
-                    && f.dst_offset - r.endpoint_offset + f.len <= r.len
+            let starts = |r: &RangeCheck| {
+                r.endpoint == dst
+                    && dst_offset >= r.endpoint_offset
+                    && dst_offset - r.endpoint_offset < r.len
             };
-            let k = find(ranges.len(), hint, |k| fits(&ranges[k]))?;
-            return Some(ranges[k].at + (f.dst_offset - ranges[k].endpoint_offset));
+            let k = find(ranges.len(), hint, |k| starts(&ranges[k]))?;
+            let r = &ranges[k];
+            // The ranges after it must go on where it ends, in the destination.
+            let follows = |prev: &RangeCheck, next: &RangeCheck| {
+                next.endpoint == dst && next.endpoint_offset == prev.endpoint_offset + prev.len
+            };
+            covers(&ranges[k..], r.endpoint_offset + r.len - dst_offset, len, follows)?;
+            return Some(r.at + (dst_offset - r.endpoint_offset));
         }
-        let pages = &self.pages[o.pages.0..o.pages.1];
-        let fits = |k: usize| {
-            let page = pages[k];
-            f.dst_offset >= page && f.dst_offset - page + f.len <= o.page_size
-        };
-        let k = find(pages.len(), hint, fits)?;
-        let offset = k as u64 * o.page_size + (f.dst_offset - pages[k]);
-        let r = ranges.iter().find(|r| offset >= r.offset && offset - r.offset + f.len <= r.len)?;
+        let (pages, size) = (&self.pages[o.pages.0..o.pages.1], o.page_size);
+        let k =
+            find(pages.len(), hint, |k| dst_offset >= pages[k] && dst_offset - pages[k] < size)?;
+        // Pages after it must go on where it ends, in the tier.
+        let mut covered = pages[k] + size - dst_offset;
+        let mut j = k;
+        while covered < len {
+            j += 1;
+            if *pages.get(j)? != pages[j - 1] + size {
+                return None;
+            }
+            covered += size;
+        }
+        let offset = k as u64 * size + (dst_offset - pages[k]);
+        let k = ranges.iter().position(|r| offset >= r.offset && offset - r.offset < r.len)?;
+        let r = &ranges[k];
+        // Ranges after it must go on where it ends, in the object.
+        let follows = |prev: &RangeCheck, next: &RangeCheck| next.offset == prev.offset + prev.len;
+        covers(&ranges[k..], r.offset + r.len - offset, len, follows)?;
         Some(r.at + (offset - r.offset))
     }
 
@@ -577,7 +661,7 @@ impl Checks {
 fn absorb(r: &mut Running) {
     while let Some(k) = r.later.iter().position(|p| p.at == r.len) {
         let p = r.later.swap_remove(k);
-        r.crc = crc32c::crc32c_combine(r.crc, p.crc, p.len as usize);
+        r.crc = checksum::combine(r.crc, p.crc, p.len);
         r.len += p.len;
     }
 }
@@ -592,6 +676,30 @@ fn find(n: usize, hint: &mut usize, fits: impl Fn(usize) -> bool) -> Option<usiz
         .or_else(|| (0..n).find(|&k| fits(k)))?;
     *hint = k;
     Some(k)
+}
+
+/// Whether `len` bytes starting `first` bytes before the end of `ranges[0]` lie in it and
+/// the non-empty ranges after it, each of which `follows` the one before (`Some(())`), or
+/// not (`None`).
+fn covers(
+    ranges: &[RangeCheck],
+    first: u64,
+    len: u64,
+    follows: impl Fn(&RangeCheck, &RangeCheck) -> bool,
+) -> Option<()> {
+    let mut covered = first;
+    let mut prev = ranges.first()?;
+    for next in ranges[1..].iter().filter(|r| r.len > 0) {
+        if covered >= len {
+            break;
+        }
+        if !follows(prev, next) {
+            return None;
+        }
+        covered += next.len;
+        prev = next;
+    }
+    (covered >= len).then_some(())
 }
 
 /// `crc` extended with bytes `offset .. offset + len` of `endpoint`; `None` unless it is host
@@ -646,7 +754,7 @@ mod tests {
             let (a, b) = (cuts[k], cuts[k + 1]);
             let crc = crc32c::crc32c(&message[a..b]);
             if r.len == a as u64 {
-                r.crc = crc32c::crc32c_combine(r.crc, crc, b - a);
+                r.crc = checksum::combine(r.crc, crc, (b - a) as u64);
                 r.len = b as u64;
             } else {
                 r.later.push(Piece { at: a as u64, len: (b - a) as u64, crc });

@@ -1,7 +1,9 @@
 //! Block checksums: offloads report the CRC32C of the bytes they wrote, restores given one
 //! verify it, and a block whose bytes changed in its tier fails exactly that block, on every
 //! route (staged SSD -> device, direct SSD -> host, DRAM -> host and device), from any number
-//! of threads, with layer groups.
+//! of threads, with layer groups. Where the engine hashes while copying (the simulated
+//! device), the composite takes its checksums and hashes nothing itself; an engine that
+//! reports wrong or no checksums fails its objects closed.
 
 mod support;
 
@@ -17,9 +19,10 @@ use umbp_composite::{
 };
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::checksum::CopyHashes;
 use umbp_plan::{
-    BatchState, Endpoint, EndpointId, EndpointRegistry, FailureCause, Fragment, ObjectState,
-    Register, Registration, Tag, TransferEngine,
+    BatchState, Endpoint, EndpointId, EndpointRegistry, EngineError, FailureCause, Fragment,
+    ObjectState, PlanBuilder, PlanSet, Register, Registration, Tag, TransferEngine, TransferHandle,
 };
 use umbp_ssd::{SsdConfig, SsdEngine};
 
@@ -40,12 +43,23 @@ struct Fx {
 }
 
 fn fixture(pages: usize, policy: ChecksumPolicy, stage: u64) -> Fx {
+    fixture_with(pages, policy, stage, |hbm| hbm)
+}
+
+/// [`fixture`], with the device engine the composite uses made by `device` from the
+/// simulated one.
+fn fixture_with(
+    pages: usize,
+    policy: ChecksumPolicy,
+    stage: u64,
+    device: impl FnOnce(Arc<HbmEngine<SimDevice>>) -> Arc<dyn TransferEngine>,
+) -> Fx {
     let registry = EndpointRegistry::new();
     let host = Arc::new(LocalCopyEngine::new(registry.clone()));
     let config = HbmConfig { pin_registered_host: Some(GPU), ..HbmConfig::default() };
     let hbm = Arc::new(HbmEngine::new(Arc::new(SimDevice::new(1)), registry.clone(), config));
     let ssd = Arc::new(SsdEngine::new(registry.clone(), SsdConfig::default()).unwrap());
-    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, hbm.clone(), ssd];
+    let engines: Vec<Arc<dyn TransferEngine>> = vec![host, device(hbm.clone()), ssd];
     let config = CompositeConfig { checksums: policy, ..CompositeConfig::default() };
     let composite = CompositeEngine::with_config(registry, engines, config);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -295,9 +309,115 @@ fn policies_decide_which_tiers_are_checked() {
     }
 }
 
+/// The simulated device engine with what it says about hashing changed: whether it claims to
+/// hash while copying, and what it reports for each piece (the CRC it computed, changed by
+/// `report`, or nothing).
+struct Reporting {
+    inner: Arc<HbmEngine<SimDevice>>,
+    claims: bool,
+    report: fn(u32) -> Option<u32>,
+}
+
+impl Reporting {
+    fn wrap(
+        claims: bool,
+        report: fn(u32) -> Option<u32>,
+    ) -> impl FnOnce(Arc<HbmEngine<SimDevice>>) -> Arc<dyn TransferEngine> {
+        move |inner| Arc::new(Self { inner, claims, report })
+    }
+}
+
+impl TransferEngine for Reporting {
+    fn name(&self) -> &str {
+        "reporting"
+    }
+
+    fn can_handle(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.inner.can_handle(src, dst)
+    }
+
+    fn plan(&self, fragments: &[Fragment]) -> PlanSet {
+        self.inner.plan(fragments)
+    }
+
+    fn builder(&self) -> Box<dyn PlanBuilder + Send + '_> {
+        self.inner.builder()
+    }
+
+    fn endpoint_registered(&self, id: EndpointId, endpoint: &Endpoint) -> Result<(), EngineError> {
+        self.inner.endpoint_registered(id, endpoint)
+    }
+
+    fn endpoint_deregistering(&self, id: EndpointId) {
+        self.inner.endpoint_deregistering(id);
+    }
+
+    fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        self.claims && self.inner.hashes_while_copying(src, dst)
+    }
+
+    fn submit(&self, mut plans: PlanSet) -> TransferHandle {
+        if let Some(sink) = plans.copy_hashes().cloned() {
+            let report = self.report;
+            plans.set_copy_hashes(Some(CopyHashes::new(move |plan, tag, piece, crc| {
+                if let Some(crc) = report(crc) {
+                    sink.copied(plan, tag, piece, crc);
+                }
+            })));
+        }
+        self.inner.submit(plans)
+    }
+}
+
+/// Three DRAM objects saved with the true checksums, then restored into device memory through
+/// an engine that reports `report` of each piece's CRC: what each object's error is.
+fn restore_reported(report: fn(u32) -> Option<u32>) -> Vec<Option<ObjectError>> {
+    let truthful = fixture(32, ChecksumPolicy::AllTiers, 64 << 10);
+    let (per, size) = (3usize, 3 * PAGE);
+    let tables: Vec<Vec<u64>> = (0..3).map(|o| table(o, per, 32)).collect();
+    let mut src = pattern(3 * size as usize, 21);
+    let sums = save(&truthful, truthful.dram_id, &tables, &mut src);
+    let fx = fixture_with(32, ChecksumPolicy::AllTiers, 64 << 10, Reporting::wrap(true, report));
+    // The same bytes in this fixture's DRAM tier.
+    let mut fx = fx;
+    fx.dram.copy_from_slice(&truthful.dram);
+    let dev = device(&fx.hbm, 3 * size);
+    let ranges: Vec<[ObjectRange; 1]> =
+        (0..3u64).map(|o| [ObjectRange::new(0, size, dev.id, o * size)]).collect();
+    let objects: Vec<ObjectTransfer> = (0..3)
+        .map(|o| {
+            ObjectTransfer::new(o as u64, object(fx.dram_id, &tables[o], size), &ranges[o])
+                .with_checksum(sums[o])
+        })
+        .collect();
+    let report = restore(&mut fx.composite.builder(), &objects).unwrap();
+    report.objects.into_iter().map(|r| r.error).collect()
+}
+
+#[test]
+fn the_composite_takes_the_checksums_an_engine_reports_and_fails_closed_on_bad_ones() {
+    // Truthful reports: every object verifies, though the composite hashed nothing itself.
+    assert!(restore_reported(Some).iter().all(Option::is_none));
+    // Wrong ones: the bytes are right, but the composite went by the engine's word.
+    for error in restore_reported(|crc| Some(crc ^ 1)) {
+        assert!(mismatch(&error).is_some(), "{error:?}");
+    }
+    // None at all: unverifiable, never a silent success.
+    for error in restore_reported(|_| None) {
+        assert!(
+            matches!(
+                error,
+                Some(ObjectError::Failed { cause: FailureCause::ChecksumUnverifiable { .. }, .. })
+            ),
+            "{error:?}"
+        );
+    }
+}
+
 #[test]
 fn bytes_that_never_pass_host_memory_cannot_be_verified_and_fail_closed() {
-    let fx = fixture(8, ChecksumPolicy::AllTiers, 64 << 10);
+    // A device engine that cannot hash (a GPU's: the simulated one hashes what it copies).
+    let fx = fixture_with(8, ChecksumPolicy::AllTiers, 64 << 10, Reporting::wrap(false, Some));
     // A device "tier": device to device moves on the device engine alone.
     let mut bytes = pattern(2 * PAGE as usize, 9);
     let tier = fx.device_with(&mut bytes);
