@@ -193,7 +193,8 @@ class ChecksumPolicy(_StrEnum):
     #: Objects in an SSD file or a remote node (the default): their bytes cross host memory
     #: anyway, and hashing them costs a small share of the load.
     FILES_AND_REMOTE = "files_and_remote"
-    #: Every tier, DRAM included (an extra pass over the DRAM tier's pages on each load).
+    #: Every tier, DRAM included: hashed while copied where the CPU copies (host copies, the
+    #: simulated device), beside the copy where a GPU's DMA reads the DRAM pages.
     ALL_TIERS = "all_tiers"
 
 
@@ -700,8 +701,9 @@ class Engine:
     ``checksums`` (a :class:`ChecksumPolicy` or its name): which tiers' objects get a CRC32C,
     reported by offloads (:attr:`ObjectResult.checksum`) and verified by restores given one
     (:attr:`Object.checksum`). The default, ``"files_and_remote"``, verifies loads from SSD and
-    remote nodes; ``"all_tiers"`` adds DRAM (an extra pass over its pages: see the umbp-composite
-    README for the measured cost); ``"off"`` hashes nothing. An unknown name raises
+    remote nodes; ``"all_tiers"`` adds DRAM (hashed while copied where the CPU copies, beside the
+    copy where a GPU's DMA reads the pages: see the umbp-composite README for the measured
+    cost); ``"off"`` hashes nothing. An unknown name raises
     ``ValueError``.
 
     :meth:`close` (or leaving a ``with Engine() as engine:`` block) waits for the batches it
