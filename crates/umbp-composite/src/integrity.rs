@@ -37,8 +37,9 @@
 //! Pieces land in any order on any executor or engine thread. Each object keeps the CRC of its
 //! message's longest prefix hashed so far: a piece that starts where the prefix ends is hashed
 //! onto it (`crc32c_append`), one that lands early is hashed alone and joined later
-//! ([`checksum::combine`], a few dozen nanoseconds whatever the length). Nothing is allocated or hashed per fragment when checksums are off:
-//! a batch without checked objects has no [`Checks`] at all.
+//! ([`checksum::combine`], a few dozen nanoseconds whatever the length). Nothing is allocated
+//! or hashed per fragment when checksums are off: a batch without checked objects has no
+//! [`Checks`] at all.
 //!
 //! # When it is checked
 //!
@@ -50,7 +51,7 @@
 // One block reads registered host memory to hash it (`host_crc`); it says why that holds.
 #![allow(unsafe_code)]
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use umbp_plan::checksum::{self, CopyHashes};
@@ -216,6 +217,7 @@ impl ChecksPlan {
             ranges: self.ranges,
             pages: self.pages,
             left: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            hints: (0..n).map(|_| AtomicUsize::new(0)).collect(),
             state: Mutex::new((0..n).map(|_| Running::default()).collect()),
             metrics,
             metered,
@@ -289,6 +291,9 @@ pub(crate) struct Checks {
     pages: Vec<u64>,
     /// Parts still to run, per object; the part that brings it to zero finishes the checksum.
     left: Vec<AtomicU32>,
+    /// Where each object's last piece reported by an engine was found (a range or page), where
+    /// its next one usually is: engines report an object's pieces mostly in order.
+    hints: Vec<AtomicUsize>,
     state: Mutex<Vec<Running>>,
     metrics: Arc<Metrics>,
     metered: bool,
@@ -397,8 +402,11 @@ impl Checks {
         if o.tier != tier {
             return;
         }
-        let mut hint = 0;
-        match self.span(o, &mut hint, plan.dst(), piece.dst_offset, piece.len) {
+        // Relaxed: a hint; any value is correct, a stale one only slower.
+        let mut hint = self.hints[i].load(Ordering::Relaxed);
+        let at = self.span(o, &mut hint, plan.dst(), piece.dst_offset, piece.len);
+        self.hints[i].store(hint, Ordering::Relaxed);
+        match at {
             Some(at) => {
                 self.add(i, at, piece.len, |start| Some(checksum::combine(start, crc, piece.len)))
             }
@@ -567,8 +575,9 @@ impl Checks {
             let follows = |prev: &RangeCheck, next: &RangeCheck| {
                 next.endpoint == dst && next.endpoint_offset == prev.endpoint_offset + prev.len
             };
-            covers(&ranges[k..], r.endpoint_offset + r.len - dst_offset, len, follows)?;
-            return Some(r.at + (dst_offset - r.endpoint_offset));
+            let first = r.endpoint_offset + r.len - dst_offset;
+            return covers(&ranges[k..], first, len, follows)
+                .then(|| r.at + (dst_offset - r.endpoint_offset));
         }
         let (pages, size) = (&self.pages[o.pages.0..o.pages.1], o.page_size);
         let k =
@@ -583,13 +592,15 @@ impl Checks {
             }
             covered += size;
         }
+        // The next piece usually starts on the page after the last one this one covers.
+        *hint = j;
         let offset = k as u64 * size + (dst_offset - pages[k]);
         let k = ranges.iter().position(|r| offset >= r.offset && offset - r.offset < r.len)?;
         let r = &ranges[k];
         // Ranges after it must go on where it ends, in the object.
         let follows = |prev: &RangeCheck, next: &RangeCheck| next.offset == prev.offset + prev.len;
-        covers(&ranges[k..], r.offset + r.len - offset, len, follows)?;
-        Some(r.at + (offset - r.offset))
+        covers(&ranges[k..], r.offset + r.len - offset, len, follows)
+            .then(|| r.at + (offset - r.offset))
     }
 
     /// A part that ran has settled with `failures`: counts it off the objects it carried
@@ -679,27 +690,26 @@ fn find(n: usize, hint: &mut usize, fits: impl Fn(usize) -> bool) -> Option<usiz
 }
 
 /// Whether `len` bytes starting `first` bytes before the end of `ranges[0]` lie in it and
-/// the non-empty ranges after it, each of which `follows` the one before (`Some(())`), or
-/// not (`None`).
+/// the non-empty ranges after it, each of which `follows` the one before.
 fn covers(
     ranges: &[RangeCheck],
     first: u64,
     len: u64,
     follows: impl Fn(&RangeCheck, &RangeCheck) -> bool,
-) -> Option<()> {
+) -> bool {
     let mut covered = first;
-    let mut prev = ranges.first()?;
+    let Some(mut prev) = ranges.first() else { return false };
     for next in ranges[1..].iter().filter(|r| r.len > 0) {
         if covered >= len {
             break;
         }
         if !follows(prev, next) {
-            return None;
+            return false;
         }
         covered += next.len;
         prev = next;
     }
-    (covered >= len).then_some(())
+    covered >= len
 }
 
 /// `crc` extended with bytes `offset .. offset + len` of `endpoint`; `None` unless it is host

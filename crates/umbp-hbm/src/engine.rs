@@ -100,7 +100,7 @@ struct Job {
     len: u64,
 }
 
-/// The CRC32C of `len` bytes of a job, from `at` bytes into it, for the plan set's sink.
+/// An object's piece that was copied and hashed: what the plan set's sink is told.
 #[derive(Copy, Clone, Debug)]
 struct Hashed {
     plan: usize,

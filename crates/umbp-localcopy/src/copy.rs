@@ -94,9 +94,9 @@ impl Hashed {
 // a task to a worker, or sharing a list of them, cannot outlive the memory.
 unsafe impl Send for Task {}
 // SAFETY: `run` takes `&self` and writes only through `dst`, which the registry's contract
-// reserves to this transfer (module doc, item 1). Each task of a list is claimed by exactly one
-// thread (the pool's cursor), so no two threads run the same task, and tasks that run at the
-// same time touch no common written byte (item 4).
+// reserves to this transfer (module doc, item 1), and into its hash's CRC, an atomic. Each task
+// of a list is claimed by exactly one thread (the pool's cursor), so no two threads run the
+// same task, and tasks that run at the same time touch no common written byte (item 4).
 unsafe impl Sync for Task {}
 
 impl Task {
