@@ -406,11 +406,21 @@ impl Checks {
         let mut hint = self.hints[i].load(Ordering::Relaxed);
         let at = self.span(o, &mut hint, plan.dst(), piece.dst_offset, piece.len);
         self.hints[i].store(hint, Ordering::Relaxed);
+        if self.metered {
+            self.metrics.record_checksum_bytes(piece.len);
+        }
+        let mut state = self.lock();
+        let r = &mut state[i];
         match at {
-            Some(at) => {
-                self.add(i, at, piece.len, |start| Some(checksum::combine(start, crc, piece.len)))
+            // Hashed already: joined under one lock, onto the prefix or kept for later.
+            Some(at) if !r.unknown && !r.extending && r.len == at => {
+                r.crc = checksum::combine(r.crc, crc, piece.len);
+                r.len = at + piece.len;
+                absorb(r);
             }
-            None => self.lock()[i].unknown = true,
+            Some(at) if !r.unknown => r.later.push(Piece { at, len: piece.len, crc }),
+            Some(_) => {}
+            None => r.unknown = true,
         }
     }
 

@@ -498,8 +498,14 @@ impl<D: DeviceRuntime> HbmEngine<D> {
                     }
                 };
                 if hashing {
-                    for (tag, p) in plan.segment_pieces(si) {
-                        push(Some((tag, p.src_offset - s.src_offset)), p.len);
+                    match plan.segment_tags(si) {
+                        // The usual case: the whole segment is one object's.
+                        &[tag] => push(Some((tag, 0)), s.len),
+                        _ => {
+                            for (tag, p) in plan.segment_pieces(si) {
+                                push(Some((tag, p.src_offset - s.src_offset)), p.len);
+                            }
+                        }
                     }
                 } else {
                     push(None, s.len);
