@@ -3,16 +3,15 @@
 //! streamed or not) or copies, merged with other objects or not, and after faults that make
 //! the engine copy them again.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use umbp_hbm::{
     DeviceFault, DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, Queue,
     SimDevice,
 };
-use umbp_plan::checksum::CopyHashes;
+use umbp_plan::testing::{assert_hashed_once, submit_hashed, CopyReports};
 use umbp_plan::{
-    DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Fragment, Register, Registration,
-    Segment, Tag, TransferEngine,
+    DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Fragment, Register, Registration, Tag,
 };
 
 const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
@@ -44,76 +43,21 @@ fn host(e: &HbmEngine<SimDevice>, mut bytes: Vec<u8>, pin: bool) -> Host {
     Host { _registration: registration, bytes, id }
 }
 
-/// What a sink received: (object, piece, CRC).
-type Reports = Arc<Mutex<Vec<(Tag, Segment, u32)>>>;
-
-/// Plans `fragments` (an object per run of equal tags) with a checksum sink, submits, waits:
-/// the failed objects and the sink's reports.
-fn hashed_transfer(e: &HbmEngine<SimDevice>, fragments: &[Fragment]) -> (Vec<Tag>, Reports) {
-    let mut b = e.builder();
-    for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
-        b.begin_object(group[0].tag).unwrap();
-        for f in group {
-            b.push(*f).unwrap();
-        }
-        b.commit_object().unwrap();
-    }
-    let mut plans = b.finish().unwrap();
-    let reports: Reports = Arc::default();
-    let log = Arc::clone(&reports);
-    plans.set_copy_hashes(Some(CopyHashes::new(move |_, tag, piece, crc| {
-        log.lock().unwrap().push((tag, piece, crc));
-    })));
-    let mut handle = e.submit(plans);
-    let mut failed: Vec<Tag> = handle.wait().iter().flat_map(|f| f.tags.clone()).collect();
-    failed.sort_unstable();
-    (failed, reports)
-}
-
-/// Every object of `fragments` not in `failed` was reported exactly once per byte, each piece
-/// with the CRC32C of its source bytes in `src`, and its bytes arrived at `dst_addr`.
-fn assert_hashed_once(
+/// Every object of `fragments` not in `failed` was reported exactly once per byte with the
+/// CRC32C of its source bytes in `src` ([`assert_hashed_once`]), and its bytes arrived at
+/// `dst_addr`.
+fn assert_hashed(
     e: &HbmEngine<SimDevice>,
-    src: &Host,
-    dst_addr: u64,
+    (src, dst_addr): (&Host, u64),
     fragments: &[Fragment],
     failed: &[Tag],
-    reports: &Reports,
+    reports: &CopyReports,
 ) {
-    let reports = reports.lock().unwrap();
-    for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
-        let tag = group[0].tag;
-        if failed.contains(&tag) {
-            continue;
-        }
-        let mut pieces: Vec<Segment> = reports.iter().filter(|r| r.0 == tag).map(|r| r.1).collect();
-        pieces.sort_unstable_by_key(|p| p.src_offset);
-        let mut want: Vec<(u64, u64)> = group.iter().map(|f| (f.src_offset, f.len)).collect();
-        want.sort_unstable();
-        // Pieces tile the object's source bytes exactly: same bytes, no overlap.
-        let mut covered: Vec<(u64, u64)> = Vec::new();
-        for p in &pieces {
-            match covered.last_mut() {
-                Some(last) if last.0 + last.1 == p.src_offset => last.1 += p.len,
-                _ => covered.push((p.src_offset, p.len)),
-            }
-        }
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for &(at, len) in &want {
-            match merged.last_mut() {
-                Some(last) if last.0 + last.1 == at => last.1 += len,
-                _ => merged.push((at, len)),
-            }
-        }
-        assert_eq!(covered, merged, "object {tag:?}: pieces {pieces:?}");
-        for &(t, p, crc) in reports.iter().filter(|r| r.0 == tag) {
-            let bytes = &src.bytes[p.src_offset as usize..][..p.len as usize];
-            assert_eq!(crc, crc32c::crc32c(bytes), "object {t:?}, piece {p:?}");
-        }
-        for f in group {
-            let got = e.runtime().read(dst_addr + f.dst_offset, f.len).unwrap();
-            assert_eq!(got, src.bytes[f.src_offset as usize..][..f.len as usize]);
-        }
+    let source = |at: u64, len: u64| src.bytes[at as usize..][..len as usize].to_vec();
+    assert_hashed_once(fragments, failed, reports, source);
+    for f in fragments.iter().filter(|f| !failed.contains(&f.tag)) {
+        let got = e.runtime().read(dst_addr + f.dst_offset, f.len).unwrap();
+        assert_eq!(got, src.bytes[f.src_offset as usize..][..f.len as usize]);
     }
 }
 
@@ -146,10 +90,10 @@ fn launches_and_copies_report_every_objects_bytes_once_with_their_crc() {
         let src = host(&e, pattern((n * len) as usize, 5), pin);
         let dev = e.alloc_device(GPU, n * len).unwrap();
         let fragments = scattered(src.id, dev.id(), n, len, 4);
-        let (failed, reports) = hashed_transfer(&e, &fragments);
+        let (failed, reports) = submit_hashed(&e, &fragments);
         assert!(failed.is_empty(), "{failed:?}");
         let addr = dev.endpoint().addr();
-        assert_hashed_once(&e, &src, addr, &fragments, &failed, &reports);
+        assert_hashed(&e, (&src, addr), &fragments, &failed, &reports);
         assert_eq!(pin, e.launches() > 0, "pinned {pin}: launched {}", e.launches());
     }
 }
@@ -166,10 +110,10 @@ fn objects_merged_into_one_segment_are_reported_apart() {
                 Fragment::new(src.id, i * 4096, dev.id(), i * 4096, 4096, Tag::new(i as u32 / 2))
             })
             .collect();
-        let (failed, reports) = hashed_transfer(&e, &fragments);
+        let (failed, reports) = submit_hashed(&e, &fragments);
         assert!(failed.is_empty(), "{failed:?}");
-        assert_hashed_once(&e, &src, dev.endpoint().addr(), &fragments, &failed, &reports);
-        let tags: Vec<Tag> = reports.lock().unwrap().iter().map(|r| r.0).collect();
+        assert_hashed(&e, (&src, dev.endpoint().addr()), &fragments, &failed, &reports);
+        let tags: Vec<Tag> = reports.iter().map(|r| r.0).collect();
         assert_eq!(tags.len(), 3, "one piece per object: {tags:?}");
     }
 }
@@ -182,9 +126,9 @@ fn work_copied_again_after_a_fault_is_reported_once() {
         let dev = e.alloc_device(GPU, 64 * 4096).unwrap();
         let fragments = scattered(src.id, dev.id(), 64, 4096, 3);
         e.runtime().inject(fault);
-        let (failed, reports) = hashed_transfer(&e, &fragments);
+        let (failed, reports) = submit_hashed(&e, &fragments);
         assert!(failed.is_empty(), "{fault:?}: {failed:?}");
-        assert_hashed_once(&e, &src, dev.endpoint().addr(), &fragments, &failed, &reports);
+        assert_hashed(&e, (&src, dev.endpoint().addr()), &fragments, &failed, &reports);
     }
 }
 
@@ -197,9 +141,9 @@ fn a_failed_copy_fails_only_its_object_and_the_others_are_reported() {
         .map(|i| Fragment::new(src.id, i * 4096, dev.id(), i * 4096, 4096, Tag::new(i as u32)))
         .collect();
     e.runtime().inject(DeviceFault::Copy);
-    let (failed, reports) = hashed_transfer(&e, &fragments);
+    let (failed, reports) = submit_hashed(&e, &fragments);
     assert_eq!(failed, [Tag::new(0)]);
-    assert_hashed_once(&e, &src, dev.endpoint().addr(), &fragments, &failed, &reports);
+    assert_hashed(&e, (&src, dev.endpoint().addr()), &fragments, &failed, &reports);
 }
 
 #[test]

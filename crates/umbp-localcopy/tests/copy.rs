@@ -12,21 +12,6 @@ use umbp_plan::{
 
 const PAGE: usize = 4096;
 
-/// The configurations every copy test runs under: the defaults (small batches inline), every
-/// batch on the pool with streaming from 64 bytes, and one thread with plain stores only.
-fn configs() -> [LocalCopyConfig; 3] {
-    [
-        LocalCopyConfig::default(),
-        LocalCopyConfig {
-            threads: 2,
-            parallel_threshold: 0,
-            non_temporal_threshold: 64,
-            ..LocalCopyConfig::default()
-        },
-        LocalCopyConfig { threads: 1, non_temporal: false, ..LocalCopyConfig::default() },
-    ]
-}
-
 fn engine(config: LocalCopyConfig) -> LocalCopyEngine {
     LocalCopyEngine::with_config(EndpointRegistry::new(), config)
 }
@@ -37,7 +22,7 @@ fn tag(t: u32) -> Tag {
 
 #[test]
 fn scattered_out_of_order_non_adjacent_pages_copy_correctly() {
-    for config in configs() {
+    for config in support::configs() {
         let engine = engine(config);
         let arena = HostBuf::new(64 * PAGE, |i| pattern(1, i));
         let out = HostBuf::poisoned(16 * PAGE);
@@ -81,7 +66,7 @@ fn scattered_out_of_order_non_adjacent_pages_copy_correctly() {
 
 #[test]
 fn adjacent_fragments_coalesce_into_one_segment_with_all_their_tags() {
-    for config in configs() {
+    for config in support::configs() {
         let engine = engine(config);
         let arena = HostBuf::new(16 * PAGE, |i| pattern(2, i));
         let out = HostBuf::poisoned(4 * PAGE);
@@ -116,7 +101,7 @@ fn adjacent_fragments_coalesce_into_one_segment_with_all_their_tags() {
 
 #[test]
 fn separate_endpoint_pairs_give_separate_plans() {
-    for config in configs() {
+    for config in support::configs() {
         let engine = engine(config);
         let (a1, a2) =
             (HostBuf::new(8 * PAGE, |i| pattern(3, i)), HostBuf::new(8 * PAGE, |i| pattern(4, i)));
@@ -152,7 +137,7 @@ fn separate_endpoint_pairs_give_separate_plans() {
 
 #[test]
 fn an_out_of_bounds_fragment_rejects_its_object_and_its_siblings_complete() {
-    for config in configs() {
+    for config in support::configs() {
         let engine = engine(config);
         let arena = HostBuf::new(8 * PAGE, |i| pattern(5, i));
         let out = HostBuf::poisoned(3 * PAGE);
@@ -433,7 +418,7 @@ fn large_submits_spread_over_the_pool_and_huge_segments_split() {
 
 #[test]
 fn objects_whose_bytes_overlap_fail_whole_and_the_others_run() {
-    for config in configs() {
+    for config in support::configs() {
         let engine = engine(config);
         let n = 16usize << 10;
         let buf = HostBuf::new(8 * n, |i| pattern(12, i));

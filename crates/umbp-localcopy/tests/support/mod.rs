@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use umbp_localcopy::LocalCopyEngine;
+use umbp_localcopy::{LocalCopyConfig, LocalCopyEngine};
 use umbp_plan::{Endpoint, EndpointId, EndpointRegistry};
 
 /// The byte destinations hold before a transfer.
@@ -98,4 +98,19 @@ impl Rng {
 /// Byte `i` of a source buffer numbered `source`.
 pub(crate) fn pattern(source: u64, i: usize) -> u8 {
     ((i as u64).wrapping_mul(131).wrapping_add(source * 71) % 251) as u8
+}
+
+/// The configurations every copy test runs under: the defaults (small batches inline), every
+/// batch on the pool with streaming from 64 bytes, and one thread with plain stores only.
+pub(crate) fn configs() -> [LocalCopyConfig; 3] {
+    [
+        LocalCopyConfig::default(),
+        LocalCopyConfig {
+            threads: 2,
+            parallel_threshold: 0,
+            non_temporal_threshold: 64,
+            ..LocalCopyConfig::default()
+        },
+        LocalCopyConfig { threads: 1, non_temporal: false, ..LocalCopyConfig::default() },
+    ]
 }

@@ -412,3 +412,78 @@ pub fn available_or_skip<E: std::fmt::Display>(require: &str, available: Result<
         }
     }
 }
+
+/// What an engine told a plan set's checksum sink: (object, piece, CRC32C) for each piece.
+pub type CopyReports = Vec<(Tag, crate::Segment, u32)>;
+
+/// Plans `fragments` with `engine`'s builder (an object per run of equal tags, every fragment
+/// pushed and committed), submits the plan set with a checksum sink, and waits: the objects
+/// that failed (sorted, each once) and what the sink was told. For testing engines that
+/// [hash while copying](crate::TransferEngine::hashes_while_copying).
+pub fn submit_hashed(
+    engine: &dyn crate::TransferEngine,
+    fragments: &[Fragment],
+) -> (Vec<Tag>, CopyReports) {
+    let mut builder = engine.builder();
+    for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
+        builder.begin_object(group[0].tag).expect("a new object");
+        for f in group {
+            builder.push(*f).expect("a fragment the engine carries");
+        }
+        builder.commit_object().expect("an open object");
+    }
+    let mut plans = builder.finish().expect("every object committed");
+    let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::clone(&reports);
+    plans.set_copy_hashes(Some(crate::checksum::CopyHashes::new(move |_, tag, piece, crc| {
+        log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((tag, piece, crc));
+    })));
+    let mut failed: Vec<Tag> =
+        engine.submit(plans).wait().iter().flat_map(|f| f.tags.iter().copied()).collect();
+    failed.sort_unstable();
+    failed.dedup();
+    let reports = reports.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    (failed, reports)
+}
+
+/// Asserts what [`submit_hashed`] returned: every object of `fragments` not in `failed` was
+/// reported exactly once per source byte (its pieces tile its fragments' source ranges, no
+/// byte twice), each piece with the CRC32C of the bytes `source(offset, len)` returns from the
+/// source endpoint. What failed objects reported is not looked at: an engine may report them
+/// or not.
+pub fn assert_hashed_once(
+    fragments: &[Fragment],
+    failed: &[Tag],
+    reports: &[(Tag, crate::Segment, u32)],
+    source: impl Fn(u64, u64) -> Vec<u8>,
+) {
+    /// Sorted runs, adjacent ones merged.
+    fn merged(mut runs: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+        runs.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (at, len) in runs {
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == at => last.1 += len,
+                _ => out.push((at, len)),
+            }
+        }
+        out
+    }
+    for group in fragments.chunk_by(|a, b| a.tag == b.tag) {
+        let tag = group[0].tag;
+        if failed.contains(&tag) {
+            continue;
+        }
+        let mine: Vec<_> = reports.iter().filter(|r| r.0 == tag).collect();
+        let pieces = merged(mine.iter().map(|r| (r.1.src_offset, r.1.len)).collect());
+        let want = merged(group.iter().map(|f| (f.src_offset, f.len)).collect());
+        assert_eq!(pieces, want, "object {tag:?}: the pieces do not cover its bytes");
+        let total: u64 = mine.iter().map(|r| r.1.len).sum();
+        let bytes: u64 = want.iter().map(|w| w.1).sum();
+        assert_eq!(total, bytes, "object {tag:?}: some bytes were reported twice");
+        for &&(_, piece, crc) in &mine {
+            let want = crc32c::crc32c(&source(piece.src_offset, piece.len));
+            assert_eq!(crc, want, "object {tag:?}, piece {piece:?}: wrong CRC32C");
+        }
+    }
+}
