@@ -3,18 +3,17 @@
 //! streamed or not) or copies, merged with other objects or not, and after faults that make
 //! the engine copy them again.
 
+mod support;
+
 use std::sync::Arc;
 
+use support::{host, Host, GPU};
 use umbp_hbm::{
     DeviceFault, DeviceRuntime, GatherDescriptor, HbmConfig, HbmEngine, LaunchTable, Queue,
     SimDevice,
 };
 use umbp_plan::testing::{assert_hashed_once, submit_hashed, CopyReports};
-use umbp_plan::{
-    DeviceOrdinal, Endpoint, EndpointId, EndpointRegistry, Fragment, Register, Registration, Tag,
-};
-
-const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
+use umbp_plan::{EndpointId, EndpointRegistry, Fragment, Tag};
 
 fn engine(config: HbmConfig) -> HbmEngine<SimDevice> {
     HbmEngine::new(Arc::new(SimDevice::new(1)), EndpointRegistry::new(), config)
@@ -22,25 +21,6 @@ fn engine(config: HbmConfig) -> HbmEngine<SimDevice> {
 
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).rotate_left(11) as u8).collect()
-}
-
-/// A host buffer registered with the engine, pinned for the device when `pin`.
-struct Host {
-    _registration: Registration,
-    bytes: Vec<u8>,
-    id: EndpointId,
-}
-
-fn host(e: &HbmEngine<SimDevice>, mut bytes: Vec<u8>, pin: bool) -> Host {
-    let endpoint = Endpoint::host(bytes.as_mut_ptr() as u64, bytes.len() as u64);
-    // SAFETY: `Host` keeps `bytes` alive past the registration, and the tests only read them
-    // (they are transfer sources).
-    let registration = unsafe { e.register_raw_memory(endpoint) }.unwrap();
-    let id = registration.id();
-    if pin {
-        e.pin(id, GPU).unwrap();
-    }
-    Host { _registration: registration, bytes, id }
 }
 
 /// Every object of `fragments` not in `failed` was reported exactly once per byte with the

@@ -1,8 +1,11 @@
 //! The device engine on the simulated device: placement, kernel choice, bytes, faults.
 
+mod support;
+
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use support::{host, Host, GPU};
 use umbp_hbm::{DeviceError, DeviceFault, HbmConfig, HbmEngine, HbmRules, SimDevice};
 use umbp_plan::testing::{drive, scenarios, ScenarioConfig};
 use umbp_plan::{
@@ -10,7 +13,6 @@ use umbp_plan::{
     Fragment, PlanRules, Register, Registration, RejectReason, Tag, TransferEngine,
 };
 
-const GPU: DeviceOrdinal = DeviceOrdinal::new(0);
 const POISON: u8 = 0xA5;
 
 fn engine(config: HbmConfig) -> HbmEngine<SimDevice> {
@@ -37,27 +39,6 @@ fn transfer(e: &HbmEngine<SimDevice>, fragments: &[Fragment]) -> (Vec<Tag>, Vec<
     let mut handle = e.submit(plans);
     let failed = handle.wait().iter().flat_map(|f| f.tags.clone()).collect();
     (failed, rejected)
-}
-
-/// A host buffer registered with the engine (pinned for GPU when `pin`).
-struct Host {
-    /// Declared (so dropped) before the buffer it registers.
-    _registration: Registration,
-    bytes: Vec<u8>,
-    id: EndpointId,
-}
-
-fn host(e: &HbmEngine<SimDevice>, bytes: Vec<u8>, pin: bool) -> Host {
-    let mut bytes = bytes;
-    let endpoint = Endpoint::host(bytes.as_mut_ptr() as u64, bytes.len() as u64);
-    // SAFETY: the Host keeps `bytes` alive until after the registration ends; tests read the
-    // bytes only between transfers, each waited on. (Raw, so that the tests can read them.)
-    let registration = unsafe { e.register_raw_memory(endpoint) }.unwrap();
-    let id = registration.id();
-    if pin {
-        e.pin(id, GPU).unwrap();
-    }
-    Host { _registration: registration, bytes, id }
 }
 
 /// Device memory from the engine, with its address at hand; freed when dropped.
