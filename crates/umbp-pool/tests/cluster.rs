@@ -61,8 +61,9 @@ fn the_shared_rules_hold_on_a_cluster() {
 }
 
 /// A pool of 16 shards: its hash tags land on every master, every key is stored and loaded
-/// byte for byte through the pool, a 62,500-key lookup answers every key in order, and
-/// clients must agree on the shard count.
+/// byte for byte through the pool, a 62,500-key lookup answers every key in order, long
+/// prefixes follow every change through group summaries kept per shard, and clients must
+/// agree on the shard count.
 #[test]
 fn sixteen_shards_spread_over_the_masters() {
     let Some(cluster) = RedisCluster::start(3) else { return };
@@ -96,6 +97,8 @@ fn sixteen_shards_spread_over_the_masters() {
     let found = index.lookup(&keys).unwrap();
     assert!(found[..600].iter().all(Option::is_some) && found[600..].iter().all(Option::is_none));
     assert_eq!(index.prefix_hits(&keys).unwrap(), 600);
+    // Long prefixes answered through group summaries spread over the 16 shards.
+    suite::long_prefixes_follow_every_change(&connect(&cluster, "prefixes", seed, 16));
     // Another shard count for the same pool is refused.
     let mut other = cluster.config("sharded", seed);
     other.shards = Some(4);

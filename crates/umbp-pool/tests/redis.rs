@@ -36,6 +36,7 @@ shared!(
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
+    long_prefixes_follow_every_change,
 );
 
 #[test]
@@ -335,4 +336,157 @@ fn direct_and_redis_rs_lookups_agree() {
     assert_eq!(values.lookup(&keys).unwrap(), expected);
     assert!(direct.forged_entries() >= 1 && values.forged_entries() >= 1);
     assert_eq!(direct.lookup(&[key(6), key(100_003)]).unwrap(), vec![a[6], None]);
+}
+
+/// An admin connection to `server`, for what a Redis writer (or an operator) does by hand.
+fn admin(server: &RedisServer) -> redis::Connection {
+    redis::Client::open(format!("redis://:{}@127.0.0.1:{}/", server.password(), server.port()))
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+/// Polls `done` until it holds (no time budget: a slow machine only waits longer).
+fn eventually(mut done: impl FnMut() -> bool) {
+    while !done() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Group summaries answer a long prefix only while they hold: the first prefix lookups
+/// summarize its groups, a removal deletes its group's summary, a summary copied
+/// under another group or edited is ignored (and counted as forged), a node that stopped
+/// renewing counts for nothing though its summaries are still in Redis, and when it rejoins
+/// empty its summaries go with its entries.
+#[test]
+fn prefix_summaries_need_live_nodes_and_their_own_seal() {
+    let Some(server) = RedisServer::start() else { return };
+    let index = connect(&server);
+    let mut admin = admin(&server);
+    let node = NodeId(2);
+    let spec = TierSpec::new(node, TierId(0), 16, 5000).watermarks(0, 0);
+    setup(&index, &spec);
+    let keys: Vec<_> = (0..4106).map(key).collect();
+    suite::store_all(&index, &spec, &keys);
+    let count = |admin: &mut redis::Connection, what: &str| -> usize {
+        redis::cmd("HLEN").arg(format!("{{test}}:{what}")).query(admin).unwrap()
+    };
+    let summaries = |admin: &mut redis::Connection| -> Vec<(Vec<u8>, Vec<u8>)> {
+        redis::cmd("HGETALL").arg("{test}:groups").query(admin).unwrap()
+    };
+
+    assert_eq!(count(&mut admin, "groups"), 0);
+    // Each answer summarizes groups (about 256 blocks each) of up to 4,096 blocks in all,
+    // until every group before the tail is.
+    let mut groups = 0;
+    loop {
+        assert_eq!(index.prefix_hits(&keys).unwrap(), 4106);
+        let now = count(&mut admin, "groups");
+        if now == groups {
+            break;
+        }
+        groups = now;
+    }
+    assert!(groups >= 8, "{groups} groups");
+    assert!(count(&mut admin, "member") >= 3000);
+
+    // Removing block 300 deletes group 1's summary, whichever client reads next.
+    let before = summaries(&mut admin);
+    index.remove(&[keys[300]]).unwrap();
+    let after = summaries(&mut admin);
+    assert_eq!(after.len(), groups - 1);
+    let (gone, own) = before.iter().find(|(id, _)| !after.iter().any(|(a, _)| a == id)).unwrap();
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 300);
+    // A writer copies another group's summary under group 1's id, or edits group 1's own:
+    // neither is taken.
+    let mut edited = own.clone();
+    edited[0] ^= 1;
+    for forged in [after[0].1.clone(), edited] {
+        redis::cmd("HSET")
+            .arg("{test}:groups")
+            .arg(gone)
+            .arg(forged)
+            .query::<()>(&mut admin)
+            .unwrap();
+        let seen = index.forged_entries();
+        assert_eq!(index.prefix_hits(&keys).unwrap(), 300);
+        assert!(index.forged_entries() > seen);
+    }
+    // Stored again: the group is found whole and summarized again (over the forged value).
+    suite::store_all(&index, &spec, &keys);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 4106);
+    assert_eq!(summaries(&mut admin).iter().find(|(id, _)| id == gone).unwrap().1, *own);
+
+    // The node stops renewing: its summaries are still in Redis, and count for nothing.
+    let announce = |ttl| {
+        index
+            .announce(&NodeAnnouncement { node, address: "node-2".into(), tiers: vec![] }, ttl)
+            .unwrap()
+    };
+    announce(Duration::from_millis(200));
+    eventually(|| index.nodes().unwrap().is_empty());
+    assert_eq!(count(&mut admin, "groups"), groups);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 0);
+    // It rejoins empty: its entries and the summaries that counted them are gone.
+    announce(TTL);
+    assert_eq!(count(&mut admin, "groups"), 0);
+    assert_eq!(count(&mut admin, "member"), 0);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 0);
+}
+
+/// One index shared by 16 threads: 15 ask for a 4,196-block prefix over and over while one
+/// removes blocks from its end towards its start. The prefix only shrinks, so every answer
+/// must lie between what was removed when the question was asked and what was about to be
+/// removed when it was answered: a summary that outlived a removal would answer more.
+#[test]
+fn prefix_answers_never_run_past_a_removal_under_sixteen_threads() {
+    use std::sync::atomic::AtomicUsize;
+    let Some(server) = RedisServer::start() else { return };
+    let index = Arc::new(connect(&server));
+    let spec = TierSpec::new(NODE, TierId(0), 16, 5000).watermarks(0, 0);
+    setup(&*index, &spec);
+    const N: usize = 4196;
+    let keys: Arc<Vec<_>> = Arc::new((0..N as u64).map(key).collect());
+    suite::store_all(&*index, &spec, &keys);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), N);
+    // The first position removed (done: the removal returned; intended: about to start).
+    let done = Arc::new(AtomicUsize::new(N));
+    let intended = Arc::new(AtomicUsize::new(N));
+    let stop = Arc::new(AtomicBool::new(false));
+    let askers: Vec<_> = (0..15)
+        .map(|_| {
+            let (index, keys) = (index.clone(), keys.clone());
+            let (done, intended, stop) = (done.clone(), intended.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut asked = 0u32;
+                loop {
+                    let upper = done.load(Ordering::SeqCst);
+                    let got = index.prefix_hits(&keys).unwrap();
+                    let lower = intended.load(Ordering::SeqCst);
+                    assert!(lower <= got && got <= upper, "{got} outside [{lower}, {upper}]");
+                    asked += 1;
+                    if stop.load(Ordering::SeqCst) {
+                        return asked;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..150 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let at = N - 1 - 27 * i - (rng % 27) as usize;
+        intended.store(at, Ordering::SeqCst);
+        index.remove(&[keys[at]]).unwrap();
+        done.store(at, Ordering::SeqCst);
+    }
+    stop.store(true, Ordering::SeqCst);
+    for a in askers {
+        assert!(a.join().unwrap() > 0);
+    }
+    let last = done.load(Ordering::SeqCst);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), last);
+    assert_eq!(suite::looked_up_prefix(&*index, &keys), last);
 }

@@ -7,7 +7,8 @@
 //! into shards (see [`shard`]), each a complete pool of its keys and its share of every
 //! tier's slots under one hash tag, so a script never spans shards and a Cluster spreads the
 //! shards over its masters. A batched lookup is one pipeline per shard: the alive-nodes
-//! script, then one `HMGET` per 4,096 keys. Leases and node announcements are keys with
+//! script, then one `HMGET` per 4,096 keys; a prefix lookup reads group summaries first (see
+//! [`summary`]). Leases and node announcements are keys with
 //! Redis's own TTL: a holder that stops renewing simply lets them expire. See [`scripts`] for
 //! the key layout and [`conn`] for the connections.
 
@@ -16,6 +17,7 @@ mod lookup;
 mod scripts;
 mod seal;
 mod shard;
+mod summary;
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
@@ -131,6 +133,7 @@ struct Scripts {
     announce: Script,
     reap: Script,
     leave: Script,
+    summarize: Script,
 }
 
 impl Scripts {
@@ -151,6 +154,7 @@ impl Scripts {
             announce: s(scripts::ANNOUNCE),
             reap: s(scripts::REAP),
             leave: s(scripts::LEAVE),
+            summarize: s(scripts::SUMMARIZE),
         }
     }
 }
@@ -438,8 +442,9 @@ impl RedisIndex {
         (0..self.shards.count()).map(|s| self.run(script, s, &args)).collect()
     }
 
-    /// Entries this client found whose seal did not match their key (copied, edited or made
-    /// up in Redis, or sealed under another secret): each was taken for a miss.
+    /// Entries (and group summaries) this client found whose seal did not match their key
+    /// (copied, edited or made up in Redis, or sealed under another secret): each was taken
+    /// for a miss.
     pub fn forged_entries(&self) -> u64 {
         self.forged.load(Ordering::Relaxed)
     }
@@ -621,26 +626,50 @@ impl RedisIndex {
     }
 
     /// Shard `s`'s part of a batched lookup through redis-rs (a Cluster, TLS and Unix-socket
-    /// servers, more than one shard): the alive-nodes script, then the keys in chunks, in one
-    /// pipeline (one round trip; the server answers the first chunks while the client still
-    /// parses). Answers for the keys at positions `at`, in that order.
+    /// servers, more than one shard). Answers for the keys at positions `at`, in that order.
     fn lookup_values(
         &self,
         s: usize,
         keys: &[BlockKey],
         at: &[usize],
     ) -> Result<Vec<Option<Placement>>, Error> {
-        let blocks = format!("{}:blocks", self.shards.tag(s));
+        let (alive, values) = self.alive_and_fields(s, "blocks", at.len(), |i| &keys[at[i]].0)?;
+        values
+            .iter()
+            .zip(at)
+            .map(|(v, &i)| {
+                Ok(match v {
+                    Value::Nil => None,
+                    v => self
+                        .open(keys[i], bytes("lookup", v)?)
+                        .and_then(|p| alive.contains(&p.node.0).then_some(p)),
+                })
+            })
+            .collect()
+    }
+
+    /// Shard `s`'s alive nodes and the values of `n` fields (`field(i)`) of its hash `hash`
+    /// (`blocks`, `groups`), `Nil` for a field not there: the alive-nodes script, then
+    /// `HMGET` in chunks of [`LOOKUP_CHUNK`], in one pipeline (one round trip; the server
+    /// answers the first chunks while the client still parses).
+    fn alive_and_fields<'f>(
+        &self,
+        s: usize,
+        hash: &str,
+        n: usize,
+        field: impl Fn(usize) -> &'f [u8],
+    ) -> Result<(HashSet<u32>, Vec<Value>), Error> {
+        let hash = format!("{}:{hash}", self.shards.tag(s));
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(self.scripts.alive.get_hash())
             .arg(1)
             .arg(self.shards.route(s))
             .arg(self.shards.tag(s));
-        for chunk in at.chunks(LOOKUP_CHUNK) {
-            let hmget = pipe.cmd("HMGET").arg(&blocks);
-            for &i in chunk {
-                hmget.arg(&keys[i].0[..]);
+        for start in (0..n).step_by(LOOKUP_CHUNK) {
+            let hmget = pipe.cmd("HMGET").arg(&hash);
+            for i in start..n.min(start + LOOKUP_CHUNK) {
+                hmget.arg(field(i));
             }
         }
         let replies: Vec<Value> = self.conns.with(self.timeout, |c| match c.pipeline(&pipe) {
@@ -654,31 +683,24 @@ impl RedisIndex {
             }
             other => other,
         })?;
-        let (alive, found) =
-            replies.split_first().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
-        let alive: HashSet<u32> = array("alive nodes", alive)?
+        let mut replies = replies.into_iter();
+        let alive = replies.next().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
+        let alive: HashSet<u32> = array("alive nodes", &alive)?
             .iter()
             .map(|v| int("alive nodes", v).map(|n| n as u32))
             .collect::<Result<_, _>>()?;
-        if found.len() != at.len().div_ceil(LOOKUP_CHUNK) {
-            return Err(corrupt("lookup", &Value::Int(found.len() as i64)));
+        if replies.len() != n.div_ceil(LOOKUP_CHUNK) {
+            return Err(corrupt("lookup", &Value::Int(replies.len() as i64)));
         }
-        let mut out = Vec::with_capacity(at.len());
-        for (reply, chunk) in found.iter().zip(at.chunks(LOOKUP_CHUNK)) {
-            let reply = array("lookup", reply)?;
-            if reply.len() != chunk.len() {
-                return Err(corrupt("lookup", &Value::Int(reply.len() as i64)));
+        let mut values = Vec::with_capacity(n);
+        for (reply, start) in replies.zip((0..n).step_by(LOOKUP_CHUNK)) {
+            let Value::Array(chunk) = reply else { return Err(corrupt("lookup", &reply)) };
+            if chunk.len() != LOOKUP_CHUNK.min(n - start) {
+                return Err(corrupt("lookup", &Value::Int(chunk.len() as i64)));
             }
-            for (v, &i) in reply.iter().zip(chunk) {
-                out.push(match v {
-                    Value::Nil => None,
-                    v => self
-                        .open(keys[i], bytes("lookup", v)?)
-                        .and_then(|p| alive.contains(&p.node.0).then_some(p)),
-                });
-            }
+            values.extend(chunk);
         }
-        Ok(out)
+        Ok((alive, values))
     }
 
     /// Runs `f(shard, positions)` for every shard with positions in `groups`: scatter-gather,
@@ -954,6 +976,13 @@ impl Index for RedisIndex {
             }
         }
         Ok(out)
+    }
+
+    /// Answered from group summaries where they hold (the crate README's "Long prefixes on
+    /// Redis"): a summary per group of about 256 keys and shard instead of an entry per key.
+    /// Each ask also summarizes up to 4,096 of the blocks it found, for the next asks.
+    fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, Error> {
+        self.summarized_prefix_hits(keys)
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {

@@ -24,6 +24,8 @@
 //! | `P:rkey:N:T` | hash | reserved slot -> key and length |
 //! | `P:ls:N:T:S` | set | lease ids on slot S |
 //! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
+//! | `P:groups` | hash | group id (16 bytes) -> sealed summary: this shard's blocks of the group are all published, on the nodes it names (see [`summary`](super::summary)) |
+//! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
 //! expired) and its slot's `owner` still names its key. Every script that asks whether a key
@@ -33,6 +35,11 @@
 //! node itself when it rejoins (it is alive again only once its old entries are gone), by
 //! [`LEAVE`], and by every renewal of a live node, which reaps a few dead nodes as it goes
 //! ([`ANNOUNCE`]).
+//!
+//! A group summary stands for its blocks in a prefix lookup, so it must never outlive one of
+//! them: whatever deletes or replaces a key's entry (a removal, an eviction, a dead node's
+//! wipe, a publish over a dead entry) first deletes every summary the key's `member` field
+//! names. That is the one rule [`SUMMARIZE`] relies on.
 //!
 //! `ARGV[1]` of every script is `P`, and `KEYS[1]` is `P:nodes`, for a Cluster to route the
 //! call to the shard's node. Time is the server's (`TIME`), so clients' clocks never matter.
@@ -71,9 +78,19 @@ local function live(key)
   if n and alive(n) and redis.call('HGET', k('owner', n, t), slot) == key then return blob end
   return nil
 end
+-- Deletes every group summary that counts `key`: called before its entry is deleted or
+-- replaced.
+local function unsummarize(key)
+  local ids = redis.call('HGET', P .. ':member', key)
+  if ids then
+    for i = 1, #ids, 16 do redis.call('HDEL', P .. ':groups', string.sub(ids, i, i + 15)) end
+    redis.call('HDEL', P .. ':member', key)
+  end
+end
 -- Forgets that `slot` of node n's tier t holds `key`; the key's entry goes too if it names
 -- this slot (another writer may have stored the key elsewhere since this slot's node died).
 local function drop_owner(n, t, slot, key)
+  unsummarize(key)
   local blob = redis.call('HGET', P .. ':blocks', key)
   if blob then
     local bn, bt, bs = where(blob)
@@ -264,6 +281,7 @@ while i + 6 <= #ARGV do
       redis.call('RPUSH', k('free', n, t), slot)
       out[#out + 1] = 'L' .. winner
     else
+      unsummarize(key)
       redis.call('HSET', P .. ':blocks', key, blob)
       redis.call('HSET', k('owner', n, t), slot, key)
       redis.call('ZADD', k('lru', n, t), now, slot)
@@ -354,6 +372,7 @@ for i = 2, #ARGV do
   else
     local n, t, slot = where(blob)
     if not n then
+      unsummarize(key)
       redis.call('HDEL', P .. ':blocks', key)
       out[#out + 1] = 'R'
     elseif leased(n, t, slot) then
@@ -362,10 +381,56 @@ for i = 2, #ARGV do
       drop_published(n, t, slot)
       out[#out + 1] = 'R'
     else
+      unsummarize(key)
       redis.call('HDEL', P .. ':blocks', key)
       out[#out + 1] = 'R'
     end
   end
+end
+return out
+"#;
+
+/// ARGV: P, then per group: its id, its sealed summary (the nodes, 4 bytes each, then an
+/// 8-byte seal), the number m of its blocks in this shard, and those m keys. A group is
+/// summarized only if each of its keys has an entry here naming one of the summary's nodes;
+/// its id is then added to each key's `member` field (a field already holding
+/// [`GROUPS_PER_KEY`] ids drops its oldest, whose summary is deleted), and the summary is
+/// stored. Returns 1 (summarized) or 0 per group.
+pub(super) const SUMMARIZE: &str = r#"
+local groups, member = P .. ':groups', P .. ':member'
+local out = {}
+local i = 2
+while i + 2 <= #ARGV do
+  local id, value, m = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  local first = i + 3
+  i = first + m
+  local nodes = {}
+  for j = 1, #value - 11, 4 do nodes[string.format('%d', struct.unpack('>I4', value, j))] = true end
+  local ok = #value >= 8 and i - 1 <= #ARGV
+  for j = first, math.min(first + m, #ARGV + 1) - 1 do
+    local blob = redis.call('HGET', P .. ':blocks', ARGV[j])
+    local n = blob and where(blob)
+    if not (n and nodes[n]) then ok = false break end
+  end
+  if ok then
+    for j = first, first + m - 1 do
+      local key = ARGV[j]
+      local ids = redis.call('HGET', member, key) or ''
+      local listed = false
+      for at = 1, #ids, 16 do
+        if string.sub(ids, at, at + 15) == id then listed = true break end
+      end
+      if not listed then
+        if #ids >= 16 * GROUPS_PER_KEY then
+          redis.call('HDEL', groups, string.sub(ids, 1, 16))
+          ids = string.sub(ids, 17)
+        end
+        redis.call('HSET', member, key, ids .. id)
+      end
+    end
+    redis.call('HSET', groups, id, value)
+  end
+  out[#out + 1] = ok and 1 or 0
 end
 return out
 "#;
@@ -433,7 +498,14 @@ return {was, done and 1 or 0}
 /// Redis for long whatever a dead node left behind.
 pub(super) const WIPE_BUDGET: u32 = 1024;
 
+/// Group summaries one key's `member` field names at most (`GROUPS_PER_KEY` in the scripts):
+/// a key in more groups (prefixes that share it and then part) drops the oldest group's
+/// summary, which is built again by the next lookup that finds it whole.
+pub(super) const GROUPS_PER_KEY: u32 = 4;
+
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
-    format!("local WIPE_BUDGET = {WIPE_BUDGET}\n{PRELUDE}{body}")
+    format!(
+        "local WIPE_BUDGET = {WIPE_BUDGET}\nlocal GROUPS_PER_KEY = {GROUPS_PER_KEY}\n{PRELUDE}{body}"
+    )
 }

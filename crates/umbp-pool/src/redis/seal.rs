@@ -39,10 +39,15 @@ pub(super) const SEALED_BYTES: usize = PLACEMENT_BYTES + SEAL_BYTES;
 /// is unrelated to anything else derived from the same secret (the remote channel's keys).
 const CONTEXT: &str = "umbp-pool 2026-12 redis entry seal";
 
-/// Seals and opens entries under one key.
+/// The context of the group summaries' seal key (see [`summary`](super::summary)): a key of
+/// its own, so no entry's seal is ever a summary's, whatever bytes the two cover.
+const SUMMARY_CONTEXT: &str = "umbp-pool 2026-12 redis group summary seal";
+
+/// Seals and opens entries and group summaries, each under its own key.
 #[derive(Clone)]
 pub(super) struct Sealer {
     key: [u8; 16],
+    summary_key: [u8; 16],
 }
 
 impl std::fmt::Debug for Sealer {
@@ -54,10 +59,13 @@ impl std::fmt::Debug for Sealer {
 impl Sealer {
     /// A sealer whose key is derived from `secret`, or the public one without a secret.
     pub(super) fn new(secret: Option<&[u8]>) -> Self {
-        let derived = blake3::derive_key(CONTEXT, secret.unwrap_or_default());
-        let mut key = [0u8; 16];
-        key.copy_from_slice(&derived[..16]);
-        Self { key }
+        let derive = |context: &str| {
+            let derived = blake3::derive_key(context, secret.unwrap_or_default());
+            let mut key = [0u8; 16];
+            key.copy_from_slice(&derived[..16]);
+            key
+        };
+        Self { key: derive(CONTEXT), summary_key: derive(SUMMARY_CONTEXT) }
     }
 
     fn seal(&self, key: &BlockKey, value: &[u8]) -> [u8; SEAL_BYTES] {
@@ -89,6 +97,43 @@ impl Sealer {
             return None;
         }
         Placement::decode(key, placement).ok()
+    }
+
+    fn summary_seal(&self, group: &[u8; 16], shard: usize, nodes: &[u8]) -> [u8; SEAL_BYTES] {
+        let mut h = SipHasher24::new_with_key(&self.summary_key);
+        h.write(group);
+        h.write(&(shard as u64).to_le_bytes());
+        h.write(nodes);
+        h.finish().to_le_bytes()
+    }
+
+    /// The summary value of `group` in shard `shard`: the nodes its blocks there were on
+    /// (4 bytes each, big-endian, as the scripts read them), then the seal.
+    pub(super) fn encode_summary(&self, group: &[u8; 16], shard: usize, nodes: &[u32]) -> Vec<u8> {
+        let mut out: Vec<u8> = nodes.iter().flat_map(|n| n.to_be_bytes()).collect();
+        let seal = self.summary_seal(group, shard, &out);
+        out.extend_from_slice(&seal);
+        out
+    }
+
+    /// The nodes a summary value of `group` in shard `shard` names, or `None` when it was not
+    /// sealed for that group and shard under this sealer's key (copied from another group or
+    /// shard, edited, forged).
+    pub(super) fn open_summary<'v>(
+        &self,
+        group: &[u8; 16],
+        shard: usize,
+        value: &'v [u8],
+    ) -> Option<impl Iterator<Item = u32> + 'v> {
+        let nodes_len = value.len().checked_sub(SEAL_BYTES)?;
+        if nodes_len % 4 != 0 {
+            return None;
+        }
+        let (nodes, seal) = value.split_at(nodes_len);
+        if self.summary_seal(group, shard, nodes)[..] != *seal {
+            return None;
+        }
+        Some(nodes.chunks_exact(4).map(|n| u32::from_be_bytes([n[0], n[1], n[2], n[3]])))
     }
 }
 
@@ -131,5 +176,31 @@ mod tests {
         let v = public.encode(&p);
         assert_eq!(public.open(p.key, &v), Some(p));
         assert_eq!(public.open(BlockKey::from_u128(2), &v), None);
+    }
+
+    #[test]
+    fn a_summary_opens_for_its_own_group_and_shard_only() {
+        let a = Sealer::new(Some(b"cluster secret"));
+        let group = [7u8; 16];
+        let v = a.encode_summary(&group, 3, &[1, 9, 70_000]);
+        let nodes = |v: &[u8], g: &[u8; 16], s| a.open_summary(g, s, v).map(Iterator::collect);
+        assert_eq!(nodes(&v, &group, 3), Some(vec![1, 9, 70_000]));
+        assert_eq!(nodes(&v, &[8u8; 16], 3), None::<Vec<u32>>);
+        assert_eq!(nodes(&v, &group, 4), None);
+        assert_eq!(Sealer::new(None).open_summary(&group, 3, &v).map(|_| ()), None);
+        for bit in 0..v.len() * 8 {
+            let mut edited = v.clone();
+            edited[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(nodes(&edited, &group, 3), None, "bit {bit}");
+        }
+        for cut in 0..v.len() {
+            assert_eq!(nodes(&v[..cut], &group, 3), None, "{cut} bytes");
+        }
+        // An entry's seal is no summary's: the same bytes under the two keys differ.
+        let p = placement(1);
+        let entry = a.encode(&p);
+        let mut as_group = [0u8; 16];
+        as_group.copy_from_slice(&p.key.0);
+        assert_eq!(a.open_summary(&as_group, 0, &entry).map(|_| ()), None);
     }
 }

@@ -432,3 +432,82 @@ pub fn concurrent_churn_serves_nothing_wrong(index: Arc<dyn Index>, ops_per_thre
         assert_eq!(arena[p.slot as usize].load(Ordering::SeqCst), id + 1);
     }
 }
+
+/// Stores every key of `keys` not stored yet (reserve, then publish), 1,000 per call.
+pub fn store_all(index: &dyn Index, spec: &TierSpec, keys: &[BlockKey]) {
+    for chunk in keys.chunks(1000) {
+        let items: Vec<(BlockKey, u64)> = chunk.iter().map(|&k| (k, 16)).collect();
+        let batch: Vec<(Reservation, u32)> = index
+            .reserve_many(spec.node, spec.tier, &items, TTL)
+            .unwrap()
+            .into_iter()
+            .filter_map(|r| match r.unwrap() {
+                Reserved::Slot(r) => Some((r, checksum(&r.key.0))),
+                Reserved::Present(_) => None,
+            })
+            .collect();
+        let out = index.publish(&batch).unwrap();
+        assert!(out.iter().all(|p| matches!(p, Published::Won(_))), "{out:?}");
+    }
+}
+
+/// How many of `keys`, from the first, `lookup` finds: what `prefix_hits` must answer.
+pub fn looked_up_prefix(index: &dyn Index, keys: &[BlockKey]) -> usize {
+    index.lookup(keys).unwrap().iter().take_while(|p| p.is_some()).count()
+}
+
+/// Prefixes longer than a group of 256 blocks (whole groups and a partial one; two prefixes
+/// that share 300 keys and then part; the same keys shifted by one to five places, so a key
+/// stands in more groups than one key's record of them holds) answer what `lookup` finds,
+/// asked twice after every change (the first answer may build summaries, the second may be
+/// read from them): removals, evictions, keys stored again. Summaries (Redis) must never
+/// count a block past a missing one.
+pub fn long_prefixes_follow_every_change(index: &dyn Index) {
+    const N: u64 = 1300;
+    let spec = TierSpec::new(NODE, TierId(0), 16, 4000).watermarks(0, 0);
+    setup(index, &spec);
+    let a: Vec<BlockKey> = (0..N).map(key).collect();
+    let b: Vec<BlockKey> = a[..300].iter().copied().chain((5000..6000).map(key)).collect();
+    let mut prefixes = vec![a.clone(), b.clone()];
+    prefixes.extend((1..=5).map(|shift| a[shift..].to_vec()));
+    store_all(index, &spec, &a);
+    store_all(index, &spec, &b);
+    let check = |step: &str| {
+        for (i, p) in prefixes.iter().enumerate() {
+            let want = looked_up_prefix(index, p);
+            for ask in 0..2 {
+                let got = index.prefix_hits(p).unwrap();
+                assert_eq!(got, want, "{step}: prefix {i}, asked {} time(s)", ask + 1);
+            }
+        }
+    };
+    check("all stored");
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for step in 0..30 {
+        let what = match next() % 4 {
+            0 | 1 => {
+                // Most removals fall late in a prefix, so summaries before them stay useful.
+                let from = if next() % 2 == 0 { &a } else { &b };
+                let at = from.len() - 1 - (next() % 700) as usize;
+                index.remove(&[from[at]]).unwrap();
+                format!("step {step}: removed key {at} of {}", if from == &a { "a" } else { "b" })
+            }
+            2 => {
+                let evicted = index.evict(NODE, TierId(0), 3).unwrap();
+                format!("step {step}: evicted {evicted}")
+            }
+            _ => {
+                store_all(index, &spec, &a);
+                store_all(index, &spec, &b);
+                format!("step {step}: stored everything again")
+            }
+        };
+        check(&what);
+    }
+}
