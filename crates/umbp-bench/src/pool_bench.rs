@@ -6,6 +6,10 @@
 //!   direct path, and the redis-rs path for comparison), umbp's embedded index, and Mooncake
 //!   Store's `batch_is_exist` of as many keys, one of each per round, the order rotating. The
 //!   Redis rows also give the server's main-thread CPU per lookup (its `INFO cpu`).
+//! - **prefix**: how many of the same keys, from the first, are stored (`prefix_hits`: what
+//!   a server asks before it schedules a request, and what `batch_is_exist` answers) through
+//!   Redis and the Cluster, in the same rounds. Redis answers it from group summaries, built
+//!   by the first asks ([`umbp_pool`]'s README): those asks are the `prefix, first asks` rows.
 //! - **publish**: the embedded index's durable publish rate (one fsynced transaction per call
 //!   of `publish_batch` blocks), into a fresh file per round.
 //! - **restart**: an embedded index with `restart_blocks` durable blocks over an SSD tier file;
@@ -294,8 +298,17 @@ fn cluster_config(cluster: &RedisCluster) -> umbp_pool::RedisConfig {
 /// One system of the lookup comparison.
 enum Looker<'a> {
     Index(&'a dyn Index, Option<&'a RedisServer>),
+    /// `prefix_hits` instead of `lookup`.
+    Prefix(&'a dyn Index, Option<&'a RedisServer>),
     Mooncake(&'a mut MooncakeStore),
 }
+
+/// Blocks a prefix lookup summarizes at most (umbp-pool's budget): the warm-up asks the
+/// prefix rows' keys need before every group is summarized.
+const SUMMARIZED_PER_ASK: usize = 4096;
+
+/// The prefix row of the Redis Cluster.
+const CLUSTER_PREFIX: &str = "umbp redis cluster prefix (3 shards)";
 
 /// The lookup rows: every system once per round, the order rotating.
 pub fn lookup(
@@ -353,13 +366,31 @@ pub fn lookup(
     let mut names = vec!["umbp embedded"];
     let mut lookers = vec![Looker::Index(&embedded, None)];
     if let (Some(d), Some(v)) = (&direct, &values) {
-        names.extend(["umbp redis", "umbp redis (redis-rs)"]);
+        names.extend(["umbp redis", "umbp redis (redis-rs)", "umbp redis prefix"]);
         lookers.push(Looker::Index(d, server.as_ref()));
         lookers.push(Looker::Index(v, server.as_ref()));
+        lookers.push(Looker::Prefix(d, server.as_ref()));
     }
     if let Some(c) = &sharded {
-        names.push(CLUSTER_LOOKUP);
+        names.extend([CLUSTER_LOOKUP, CLUSTER_PREFIX]);
         lookers.push(Looker::Index(c, None));
+        lookers.push(Looker::Prefix(c, None));
+    }
+    // The prefix rows' first asks summarize the keys' groups, a budget of blocks per ask.
+    let mut rows = Vec::new();
+    for (s, looker) in lookers.iter().enumerate() {
+        let Looker::Prefix(index, _) = looker else { continue };
+        progress.step(format!("first prefix asks of {}", names[s]));
+        let mut ms = Vec::new();
+        let mut verified = true;
+        for _ in 0..n.div_ceil(SUMMARIZED_PER_ASK) + 1 {
+            let t = Instant::now();
+            verified &= index.prefix_hits(&keys)? == n;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let mut row = PoolRow::of("prefix, first asks", names[s], n as u64, &ms, "ms");
+        row.verified = verified;
+        rows.push(row);
     }
     if let Some(m) = mooncake {
         progress.step(format!("storing {n} keys in Mooncake Store"));
@@ -374,15 +405,20 @@ pub fn lookup(
         progress.step(format!("lookup round {round} of {}", config.rounds));
         for j in 0..lookers.len() {
             let s = (j + round) % lookers.len();
+            let prefix = matches!(lookers[s], Looker::Prefix(..));
             let (seconds, found, server_cpu) = match &mut lookers[s] {
-                Looker::Index(index, server) => {
+                Looker::Index(index, server) | Looker::Prefix(index, server) => {
                     let before = server.map(cpu_seconds).transpose()?;
                     let t = Instant::now();
-                    let found = index.lookup(&keys)?;
+                    let found = if prefix {
+                        index.prefix_hits(&keys)?
+                    } else {
+                        index.lookup(&keys)?.iter().filter(|p| p.is_some()).count()
+                    };
                     let seconds = t.elapsed().as_secs_f64();
                     let after = server.map(cpu_seconds).transpose()?;
                     let cpu = before.zip(after).map_or(0.0, |(b, a)| a - b);
-                    (seconds, found.iter().filter(|p| p.is_some()).count(), cpu)
+                    (seconds, found, cpu)
                 }
                 Looker::Mooncake(m) => {
                     let (seconds, found) = m.exist(n)?;
@@ -399,17 +435,17 @@ pub fn lookup(
     }
     let speed = |t: &[f64]| t.iter().map(|s| 1.0 / s).collect::<Vec<f64>>();
     let mc = names.iter().position(|&n| n == "mooncake store");
-    let mut rows = Vec::new();
     for (s, name) in names.iter().enumerate() {
         let ms: Vec<f64> = times[s].iter().map(|t| t * 1e3).collect();
-        let mut row = PoolRow::of("lookup", *name, n as u64, &ms, "ms");
+        let figure = if matches!(lookers[s], Looker::Prefix(..)) { "prefix" } else { "lookup" };
+        let mut row = PoolRow::of(figure, *name, n as u64, &ms, "ms");
         row.verified = verified[s];
         row = match *name {
             "umbp embedded" => row.with_target("<=", 2.0),
-            "umbp redis" | CLUSTER_LOOKUP => row.with_target("<=", 5.0),
+            "umbp redis prefix" | CLUSTER_PREFIX => row.with_target("<=", 5.0),
             _ => row,
         };
-        if name.starts_with("umbp redis") && *name != CLUSTER_LOOKUP {
+        if name.starts_with("umbp redis") && !name.starts_with("umbp redis cluster") {
             row.server_cpu_ms = Some(cpu[s] / times[s].len().max(1) as f64 * 1e3);
         }
         if let (Some(m), true) = (mc, *name == "umbp redis") {
@@ -889,7 +925,7 @@ pub fn run(
     let dir = tempfile::tempdir_in(&config.dir)
         .with_context(|| format!("a temporary directory in {}", config.dir.display()))?;
     let mut skipped = Vec::new();
-    progress.section("pool", 3 + config.rounds + config.publish_rounds + config.restarts);
+    progress.section("pool", 5 + config.rounds + config.publish_rounds + config.restarts);
     let python = if config.mooncake {
         match crate::peers::mooncake::python() {
             Ok(p) => Some(p),
