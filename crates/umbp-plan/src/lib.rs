@@ -113,8 +113,8 @@ pub use endpoint::{
     EndpointTable, FileRange, RemoteRegion, Tag,
 };
 pub use engine::{
-    Completion, EngineError, Failure, FailureCause, SettleSlot, Settled, TransferEngine,
-    TransferHandle,
+    yield_until, Completion, EngineError, Failure, FailureCause, SettleSlot, Settled,
+    TransferEngine, TransferHandle, SPIN_BEFORE_SLEEP,
 };
 pub use error::{Error, RejectReason, WalkError};
 pub use fragment::Fragment;

@@ -21,7 +21,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot, Settled, Tag,
+    yield_until, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot,
+    Settled, Tag, SPIN_BEFORE_SLEEP,
 };
 
 use crate::channel::Keys;
@@ -450,9 +451,27 @@ impl Progress {
     fn run(&mut self) {
         let mut spins = 0u32;
         loop {
-            // Nothing to poll UCX for (checked requests report through the channel): block.
+            // Nothing to poll UCX for (checked requests report through the channel): block,
+            // after yielding the core a moment while a batch is in flight (its completions
+            // are about to come: see `SPIN_BEFORE_SLEEP`).
             if self.live == 0 || !self.ucx_in_flight() {
-                match self.commands.recv_timeout(IDLE_TICK) {
+                let mut next = None;
+                if self.live > 0 {
+                    let commands = &self.commands;
+                    yield_until(SPIN_BEFORE_SLEEP, || match commands.try_recv() {
+                        Ok(command) => {
+                            next = Some(command);
+                            true
+                        }
+                        Err(TryRecvError::Empty) => false,
+                        Err(TryRecvError::Disconnected) => true,
+                    });
+                }
+                let next = match next {
+                    Some(command) => Ok(command),
+                    None => self.commands.recv_timeout(IDLE_TICK),
+                };
+                match next {
                     Ok(command) => self.handle(command),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.shutting_down = true,
