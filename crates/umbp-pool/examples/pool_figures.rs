@@ -3,8 +3,9 @@
 //! index's durable publish rate. Starts its own `redis-server`s (skipped if it is missing).
 //! The Redis lookup runs on the direct path and the redis-rs path in alternating rounds, with
 //! the server's HMGET time (its command statistics) and the CPU the server's main thread and
-//! this thread spent per lookup; then with the keys sharded over 1, 2 and 4 servers, looked up
-//! in parallel. `umbp-bench pool` runs these beside Mooncake Store.
+//! this thread spent per lookup; the prefix through group summaries (the asks that build them,
+//! what they cost Redis's memory, asks from block 0 and from block 100); then with the keys
+//! sharded over 1, 2 and 4 servers, looked up in parallel. `umbp-bench pool` runs these beside Mooncake Store.
 //!
 //! `cargo run --release -p umbp-pool --example pool_figures`
 //!
@@ -110,6 +111,15 @@ fn server_cpu(admin: &mut redis::Connection) -> f64 {
         .sum()
 }
 
+/// The server's `used_memory` (its `INFO memory`), in bytes.
+fn used_memory(admin: &mut redis::Connection) -> i64 {
+    let info: String = redis::cmd("INFO").arg("memory").query(admin).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// This thread's CPU seconds so far (user + system, from /proc; 10 ms ticks).
 fn thread_cpu() -> f64 {
     let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
@@ -178,10 +188,12 @@ fn main() {
                 )
                 .unwrap();
             index.register_tier(&spec).unwrap();
+            let empty = used_memory(&mut admin(&server));
             let fill_s = fill(&index, &spec, 1024);
             println!(
-                "redis reserve_many+publish, 1024 blocks per call: {:.0} blocks/s",
-                KEYS as f64 / fill_s
+                "redis reserve_many+publish, 1024 blocks per call: {:.0} blocks/s; the index's memory {:.0} bytes per block",
+                KEYS as f64 / fill_s,
+                (used_memory(&mut admin(&server)) - empty) as f64 / KEYS as f64
             );
             let rtt: Vec<f64> = (0..200)
                 .map(|_| {
@@ -233,6 +245,50 @@ fn main() {
                     "  CPU per lookup, {path} path: server main thread {:.1} ms (HMGET and the rest: reading, parsing, writing), client thread {:.1} ms",
                     server / 20.0 * 1e3,
                     client / 20.0 * 1e3
+                );
+            }
+
+            // The prefix through group summaries: the first asks build them (a budget of
+            // blocks per ask), then asks from block 0 and from block 100 (a server holding
+            // the first 100 in HBM asks from there) read them; what they cost Redis's memory.
+            let memory_before = used_memory(&mut admin);
+            let mut first = Vec::new();
+            let mut summaries = 0;
+            loop {
+                let t = Instant::now();
+                assert_eq!(index.prefix_hits(&keys).unwrap(), keys.len());
+                first.push(t.elapsed().as_secs_f64());
+                let now: usize =
+                    redis::cmd("HLEN").arg("{figures}:groups").query(&mut admin).unwrap();
+                if now == summaries {
+                    break;
+                }
+                summaries = now;
+            }
+            let grown = used_memory(&mut admin) - memory_before;
+            println!(
+                "redis prefix of {KEYS} keys, first {} asks (summarizing): {}",
+                first.len(),
+                summary(first)
+            );
+            println!(
+                "  {summaries} group summaries; Redis's used memory grew {:.1} MB ({:.0} bytes per block)",
+                grown as f64 / 1e6,
+                grown as f64 / KEYS as f64
+            );
+            for from in [0, 100] {
+                let asked = &keys[from..];
+                let times: Vec<f64> = (0..20)
+                    .map(|_| {
+                        let t = Instant::now();
+                        assert_eq!(index.prefix_hits(asked).unwrap(), asked.len());
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                println!(
+                    "redis prefix of {} keys from block {from}: {}",
+                    asked.len(),
+                    summary(times)
                 );
             }
         }
