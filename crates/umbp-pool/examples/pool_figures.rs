@@ -179,8 +179,15 @@ fn main() {
     match support::RedisServer::start() {
         None => println!("redis: skipped (no redis-server)"),
         Some(server) => {
-            let index =
-                umbp_pool::RedisIndex::connect(&support::config(&server, "figures")).unwrap();
+            // The entry path's figures come from clients without group summaries; the
+            // summaries' own come after.
+            let entries_only = |direct: bool| {
+                let mut config = support::config(&server, "figures");
+                config.direct_lookup = direct;
+                config.group_summaries = false;
+                umbp_pool::RedisIndex::connect(&config).unwrap()
+            };
+            let index = entries_only(true);
             index
                 .announce(
                     &NodeAnnouncement { node: spec.node, address: "local".into(), tiers: vec![] },
@@ -206,9 +213,7 @@ fn main() {
             let mut admin = admin(&server);
             // The direct path (the default) and the redis-rs path, alternating lookup by
             // lookup; the server's HMGET time of each lookup from its command statistics.
-            let mut config = support::config(&server, "figures");
-            config.direct_lookup = false;
-            let values = umbp_pool::RedisIndex::connect(&config).unwrap();
+            let values = entries_only(false);
             let keys: Vec<BlockKey> = (0..KEYS).map(key).collect();
             let _ = values.lookup(&keys).unwrap();
             let _ = index.lookup(&keys).unwrap();
@@ -248,26 +253,29 @@ fn main() {
                 );
             }
 
-            // The prefix through group summaries: the first asks build them (a budget of
-            // blocks per ask), then asks from block 0 and from block 100 (a server holding
-            // the first 100 in HBM asks from there) read them; what they cost Redis's memory.
+            // Lookups through group summaries: the first ones build them (a budget of keys
+            // per lookup, each group the second time it is found whole), then prefixes and
+            // lookups from block 0 and from block 100 (a server holding the first 100 in HBM
+            // asks from there) read them; what they cost Redis's memory.
+            let index =
+                umbp_pool::RedisIndex::connect(&support::config(&server, "figures")).unwrap();
             let memory_before = used_memory(&mut admin);
             let mut first = Vec::new();
             let mut summaries = 0;
             loop {
                 let t = Instant::now();
-                assert_eq!(index.prefix_hits(&keys).unwrap(), keys.len());
+                assert!(index.lookup(&keys).unwrap().iter().all(Option::is_some));
                 first.push(t.elapsed().as_secs_f64());
                 let now: usize =
                     redis::cmd("HLEN").arg("{figures}:groups").query(&mut admin).unwrap();
-                if now == summaries {
+                if now == summaries && first.len() > 2 {
                     break;
                 }
                 summaries = now;
             }
             let grown = used_memory(&mut admin) - memory_before;
             println!(
-                "redis prefix of {KEYS} keys, first {} asks (summarizing): {}",
+                "redis lookup of {KEYS} keys, first {} lookups (summarizing): {}",
                 first.len(),
                 summary(first)
             );
@@ -278,18 +286,18 @@ fn main() {
             );
             for from in [0, 100] {
                 let asked = &keys[from..];
-                let times: Vec<f64> = (0..20)
-                    .map(|_| {
-                        let t = Instant::now();
-                        assert_eq!(index.prefix_hits(asked).unwrap(), asked.len());
-                        t.elapsed().as_secs_f64()
-                    })
-                    .collect();
-                println!(
-                    "redis prefix of {} keys from block {from}: {}",
-                    asked.len(),
-                    summary(times)
-                );
+                let (mut prefix, mut lookup) = (Vec::new(), Vec::new());
+                for _ in 0..20 {
+                    let t = Instant::now();
+                    assert_eq!(index.prefix_hits(asked).unwrap(), asked.len());
+                    prefix.push(t.elapsed().as_secs_f64());
+                    let t = Instant::now();
+                    assert!(index.lookup(asked).unwrap().iter().all(Option::is_some));
+                    lookup.push(t.elapsed().as_secs_f64());
+                }
+                let n = asked.len();
+                println!("redis prefix of {n} keys from block {from}: {}", summary(prefix));
+                println!("redis lookup of {n} keys from block {from}: {}", summary(lookup));
             }
         }
     }
@@ -303,8 +311,9 @@ fn main() {
             let indexes: Vec<_> = servers
                 .iter()
                 .map(|s| {
-                    let index =
-                        umbp_pool::RedisIndex::connect(&support::config(s, "figures")).unwrap();
+                    let mut config = support::config(s, "figures");
+                    config.group_summaries = false;
+                    let index = umbp_pool::RedisIndex::connect(&config).unwrap();
                     index
                         .announce(
                             &NodeAnnouncement {

@@ -98,7 +98,13 @@ fn sixteen_shards_spread_over_the_masters() {
     assert!(found[..600].iter().all(Option::is_some) && found[600..].iter().all(Option::is_none));
     assert_eq!(index.prefix_hits(&keys).unwrap(), 600);
     // Long prefixes answered through group summaries spread over the 16 shards.
-    suite::long_prefixes_follow_every_change(&connect(&cluster, "prefixes", seed, 16));
+    let mut entries_only = cluster.config("prefixes", seed);
+    entries_only.shards = Some(16);
+    entries_only.group_summaries = false;
+    suite::long_prefixes_follow_every_change(
+        &connect(&cluster, "prefixes", seed, 16),
+        &RedisIndex::connect(&entries_only).unwrap(),
+    );
     // Another shard count for the same pool is refused.
     let mut other = cluster.config("sharded", seed);
     other.shards = Some(4);

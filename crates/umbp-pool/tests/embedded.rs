@@ -37,8 +37,13 @@ shared!(
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
-    long_prefixes_follow_every_change,
 );
+
+#[test]
+fn long_prefixes_follow_every_change() {
+    let (_dir, index) = fresh();
+    suite::long_prefixes_follow_every_change(&index, &index);
+}
 
 #[test]
 fn concurrent_churn_serves_nothing_wrong() {

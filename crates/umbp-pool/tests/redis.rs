@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use support::suite::{self, key, put, setup, NODE, TTL};
 use support::RedisServer;
-use umbp_pool::{Error, Index, NodeAnnouncement, NodeId, RedisIndex, TierId, TierSpec};
+use umbp_pool::{Error, Index, NodeAnnouncement, NodeId, Placement, RedisIndex, TierId, TierSpec};
 
 fn connect(server: &RedisServer) -> RedisIndex {
     RedisIndex::connect(&support::config(server, "test")).unwrap()
@@ -36,8 +36,21 @@ shared!(
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
-    long_prefixes_follow_every_change,
 );
+
+/// A client of the test pool that reads every entry (no group summaries): the truth the
+/// summaries are held to.
+fn entries_only(server: &RedisServer) -> RedisIndex {
+    let mut config = support::config(server, "test");
+    config.group_summaries = false;
+    RedisIndex::connect(&config).unwrap()
+}
+
+#[test]
+fn long_prefixes_follow_every_change() {
+    let Some(server) = RedisServer::start() else { return };
+    suite::long_prefixes_follow_every_change(&connect(&server), &entries_only(&server));
+}
 
 #[test]
 fn concurrent_churn_serves_nothing_wrong() {
@@ -346,6 +359,14 @@ fn admin(server: &RedisServer) -> redis::Connection {
         .unwrap()
 }
 
+/// Asserts two lookups' answers are the same, naming the first key where they differ.
+fn same(got: &[Option<Placement>], want: &[Option<Placement>], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!("{what}: key {i}: {:?} where {:?}", got[i], want[i]);
+    }
+}
+
 /// Polls `done` until it holds (no time budget: a slow machine only waits longer).
 fn eventually(mut done: impl FnMut() -> bool) {
     while !done() {
@@ -353,15 +374,16 @@ fn eventually(mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Group summaries answer a long prefix only while they hold: the first prefix lookups
-/// summarize its groups, a removal deletes its group's summary, a summary copied
-/// under another group or edited is ignored (and counted as forged), a node that stopped
-/// renewing counts for nothing though its summaries are still in Redis, and when it rejoins
-/// empty its summaries go with its entries.
+/// Group summaries stand for their entries only while they hold: the first lookups summarize
+/// a long list's groups (the second time each is found whole), a removal deletes its group's
+/// summary, a summary copied under another group or edited is ignored (and counted as
+/// forged), a node that stopped renewing has its placements missed though its summaries are
+/// still in Redis, and when it rejoins empty its summaries go with its entries.
 #[test]
-fn prefix_summaries_need_live_nodes_and_their_own_seal() {
+fn group_summaries_need_live_nodes_and_their_own_seal() {
     let Some(server) = RedisServer::start() else { return };
     let index = connect(&server);
+    let truth = entries_only(&server);
     let mut admin = admin(&server);
     let node = NodeId(2);
     let spec = TierSpec::new(node, TierId(0), 16, 5000).watermarks(0, 0);
@@ -374,50 +396,82 @@ fn prefix_summaries_need_live_nodes_and_their_own_seal() {
     let summaries = |admin: &mut redis::Connection| -> Vec<(Vec<u8>, Vec<u8>)> {
         redis::cmd("HGETALL").arg("{test}:groups").query(admin).unwrap()
     };
+    let all = truth.lookup(&keys).unwrap();
+    assert!(all.iter().all(Option::is_some));
 
-    assert_eq!(count(&mut admin, "groups"), 0);
-    // Each answer summarizes groups (about 256 blocks each) of up to 4,096 blocks in all,
-    // until every group before the tail is.
+    // Each lookup summarizes groups of up to 4,096 keys in all, each the second time it is
+    // found whole, until every group between the head and the tail is.
     let mut groups = 0;
-    loop {
-        assert_eq!(index.prefix_hits(&keys).unwrap(), 4106);
+    for asked in 1.. {
+        same(&index.lookup(&keys).unwrap(), &all, "all stored");
         let now = count(&mut admin, "groups");
-        if now == groups {
+        if now == groups && asked > 2 {
             break;
         }
         groups = now;
     }
     assert!(groups >= 8, "{groups} groups");
-    assert!(count(&mut admin, "member") >= 3000);
+    assert_eq!(count(&mut admin, "heads"), groups);
+    assert!(count(&mut admin, "member") >= 2000);
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 4106);
 
-    // Removing block 300 deletes group 1's summary, whichever client reads next.
+    // Removing block 2000 deletes its group's summary, whichever client reads next.
     let before = summaries(&mut admin);
-    index.remove(&[keys[300]]).unwrap();
+    index.remove(&[keys[2000]]).unwrap();
     let after = summaries(&mut admin);
     assert_eq!(after.len(), groups - 1);
     let (gone, own) = before.iter().find(|(id, _)| !after.iter().any(|(a, _)| a == id)).unwrap();
-    assert_eq!(index.prefix_hits(&keys).unwrap(), 300);
-    // A writer copies another group's summary under group 1's id, or edits group 1's own:
-    // neither is taken.
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 2000);
+    let mut want = all.clone();
+    want[2000] = None;
+    assert_eq!(count(&mut admin, "heads"), groups - 1);
+    // A writer copies another group's summary (or its head, which prefixes read) under that
+    // group's id, or edits its old one: neither is taken.
+    let heads: Vec<(Vec<u8>, Vec<u8>)> =
+        redis::cmd("HGETALL").arg("{test}:heads").query(&mut admin).unwrap();
+    redis::cmd("HSET")
+        .arg("{test}:heads")
+        .arg(gone)
+        .arg(&heads[0].1)
+        .query::<()>(&mut admin)
+        .unwrap();
+    let seen = index.forged_entries();
+    assert_eq!(index.prefix_hits(&keys).unwrap(), 2000);
+    assert!(index.forged_entries() > seen);
+    redis::cmd("HDEL").arg("{test}:heads").arg(gone).query::<()>(&mut admin).unwrap();
     let mut edited = own.clone();
     edited[0] ^= 1;
-    for forged in [after[0].1.clone(), edited] {
+    for forged in [after[0].1.clone(), edited.clone(), own.clone()] {
         redis::cmd("HSET")
             .arg("{test}:groups")
             .arg(gone)
-            .arg(forged)
+            .arg(&forged)
             .query::<()>(&mut admin)
             .unwrap();
         let seen = index.forged_entries();
-        assert_eq!(index.prefix_hits(&keys).unwrap(), 300);
-        assert!(index.forged_entries() > seen);
+        if forged != *own {
+            same(&index.lookup(&keys).unwrap(), &want, "a forged summary");
+            assert!(index.forged_entries() > seen);
+        }
     }
-    // Stored again: the group is found whole and summarized again (over the forged value).
-    suite::store_all(&index, &spec, &keys);
-    assert_eq!(index.prefix_hits(&keys).unwrap(), 4106);
-    assert_eq!(summaries(&mut admin).iter().find(|(id, _)| id == gone).unwrap().1, *own);
+    // The old summary put back (a replay) gives block 2000's old placement, which no lease
+    // grants once the block is stored again (a new generation): a miss, as a replayed entry.
+    suite::store_all(&index, &spec, &keys[2000..2001]);
+    let stale = index.lookup(&keys).unwrap()[2000].unwrap();
+    assert_eq!(stale, all[2000].unwrap());
+    assert_eq!(index.lease(&[stale], TTL).unwrap().granted, vec![false]);
+    // Without the replayed value, the group is found whole and summarized again.
+    redis::cmd("HDEL").arg("{test}:groups").arg(gone).query::<()>(&mut admin).unwrap();
+    let restored = truth.lookup(&keys).unwrap();
+    assert!(restored.iter().all(Option::is_some));
+    for _ in 0..2 {
+        same(&index.lookup(&keys).unwrap(), &restored, "stored again");
+    }
+    let value = summaries(&mut admin).into_iter().find(|(id, _)| id == gone).unwrap().1;
+    assert!(value != *own && value != edited);
+    same(&index.lookup(&keys).unwrap(), &restored, "summarized again");
 
-    // The node stops renewing: its summaries are still in Redis, and count for nothing.
+    // The node stops renewing: its summaries are still in Redis, and its placements miss.
     let announce = |ttl| {
         index
             .announce(&NodeAnnouncement { node, address: "node-2".into(), tiers: vec![] }, ttl)
@@ -426,12 +480,13 @@ fn prefix_summaries_need_live_nodes_and_their_own_seal() {
     announce(Duration::from_millis(200));
     eventually(|| index.nodes().unwrap().is_empty());
     assert_eq!(count(&mut admin, "groups"), groups);
-    assert_eq!(index.prefix_hits(&keys).unwrap(), 0);
-    // It rejoins empty: its entries and the summaries that counted them are gone.
+    assert!(index.lookup(&keys).unwrap().iter().all(Option::is_none));
+    // It rejoins empty: its entries and the summaries that held them are gone.
     announce(TTL);
     assert_eq!(count(&mut admin, "groups"), 0);
+    assert_eq!(count(&mut admin, "heads"), 0);
     assert_eq!(count(&mut admin, "member"), 0);
-    assert_eq!(index.prefix_hits(&keys).unwrap(), 0);
+    assert!(index.lookup(&keys).unwrap().iter().all(Option::is_none));
 }
 
 /// One index shared by 16 threads: 15 ask for a 4,196-block prefix over and over while one

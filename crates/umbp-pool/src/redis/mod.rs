@@ -7,7 +7,7 @@
 //! into shards (see [`shard`]), each a complete pool of its keys and its share of every
 //! tier's slots under one hash tag, so a script never spans shards and a Cluster spreads the
 //! shards over its masters. A batched lookup is one pipeline per shard: the alive-nodes
-//! script, then one `HMGET` per 4,096 keys; a prefix lookup reads group summaries first (see
+//! script, then one `HMGET` per 4,096 keys, after the group summaries of a long list (see
 //! [`summary`]). Leases and node announcements are keys with
 //! Redis's own TTL: a holder that stops renewing simply lets them expire. See [`scripts`] for
 //! the key layout and [`conn`] for the connections.
@@ -74,6 +74,11 @@ pub struct RedisConfig {
     /// Cluster (spread over its masters by the hash tags' slots). Fixed for the life of the
     /// pool: a client with another count is refused at connect ([`Error::InvalidConfig`]).
     pub shards: Option<u16>,
+    /// Long lookups read group summaries (about 256 placements in one value) instead of an
+    /// entry per key, and store them for groups they find whole (default `true`; see the
+    /// crate README's "Long lookups on Redis"). `false` reads and stores none; clients of
+    /// one pool may differ (every client's writes keep the summaries true).
+    pub group_summaries: bool,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -90,6 +95,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("cluster", &self.cluster)
             .field("shards", &self.shards)
+            .field("group_summaries", &self.group_summaries)
             .finish()
     }
 }
@@ -108,6 +114,7 @@ impl RedisConfig {
             secret: None,
             cluster: false,
             shards: None,
+            group_summaries: true,
         }
     }
 
@@ -183,6 +190,10 @@ pub struct RedisIndex {
     sealer: seal::Sealer,
     /// Entries found whose seal did not match: misses, counted.
     forged: AtomicU64,
+    /// Lookups go through group summaries ([`RedisConfig::group_summaries`]).
+    group_summaries: bool,
+    /// Group ids this client found whole once: found whole again, they are summarized.
+    seen_groups: Mutex<HashSet<[u8; 16]>>,
     /// The shards each lease of this client holds slots in (a lease spans shards under one
     /// id), for renew and release.
     leases: Mutex<HashMap<u64, Vec<u16>>>,
@@ -296,6 +307,8 @@ impl RedisIndex {
             direct,
             sealer: seal::Sealer::new(config.secret.as_deref()),
             forged: AtomicU64::new(0),
+            group_summaries: config.group_summaries,
+            seen_groups: Mutex::new(HashSet::new()),
             leases: Mutex::new(HashMap::new()),
             lease_ids: std::hash::RandomState::new(),
             lease_seq: AtomicU64::new(0),
@@ -633,43 +646,46 @@ impl RedisIndex {
         keys: &[BlockKey],
         at: &[usize],
     ) -> Result<Vec<Option<Placement>>, Error> {
-        let (alive, values) = self.alive_and_fields(s, "blocks", at.len(), |i| &keys[at[i]].0)?;
-        values
-            .iter()
-            .zip(at)
-            .map(|(v, &i)| {
-                Ok(match v {
-                    Value::Nil => None,
-                    v => self
-                        .open(keys[i], bytes("lookup", v)?)
-                        .and_then(|p| alive.contains(&p.node.0).then_some(p)),
-                })
-            })
-            .collect()
+        let field = |i: usize| &keys[at[i]].0[..];
+        let (alive, mut read) = self.alive_and_fields(s, &[("blocks", at.len(), &field)])?;
+        let values = read.pop().unwrap_or_default();
+        values.iter().zip(at).map(|(v, &i)| self.entry(keys[i], v, &alive)).collect()
     }
 
-    /// Shard `s`'s alive nodes and the values of `n` fields (`field(i)`) of its hash `hash`
-    /// (`blocks`, `groups`), `Nil` for a field not there: the alive-nodes script, then
-    /// `HMGET` in chunks of [`LOOKUP_CHUNK`], in one pipeline (one round trip; the server
-    /// answers the first chunks while the client still parses).
+    /// The placement an entry's value (`Nil`: none) holds for `key`, if its seal holds and its
+    /// node is among the `alive` (sorted).
+    fn entry(&self, key: BlockKey, v: &Value, alive: &[u32]) -> Result<Option<Placement>, Error> {
+        Ok(match v {
+            Value::Nil => None,
+            v => self
+                .open(key, bytes("lookup", v)?)
+                .filter(|p| alive.binary_search(&p.node.0).is_ok()),
+        })
+    }
+
+    /// Shard `s`'s alive nodes (sorted) and, per read `(hash, n, field)`, the values of `n`
+    /// fields (`field(i)`) of its hash `hash` (`blocks`, `groups`), `Nil` for a field not
+    /// there: the alive-nodes script, then `HMGET` in chunks of [`LOOKUP_CHUNK`], in one
+    /// pipeline (one round trip; the server answers the first chunks while the client still
+    /// parses).
     fn alive_and_fields<'f>(
         &self,
         s: usize,
-        hash: &str,
-        n: usize,
-        field: impl Fn(usize) -> &'f [u8],
-    ) -> Result<(HashSet<u32>, Vec<Value>), Error> {
-        let hash = format!("{}:{hash}", self.shards.tag(s));
+        reads: &[FieldRead<'_, 'f>],
+    ) -> Result<(Vec<u32>, Vec<Vec<Value>>), Error> {
         let mut pipe = redis::pipe();
         pipe.cmd("EVALSHA")
             .arg(self.scripts.alive.get_hash())
             .arg(1)
             .arg(self.shards.route(s))
             .arg(self.shards.tag(s));
-        for start in (0..n).step_by(LOOKUP_CHUNK) {
-            let hmget = pipe.cmd("HMGET").arg(&hash);
-            for i in start..n.min(start + LOOKUP_CHUNK) {
-                hmget.arg(field(i));
+        for &(hash, n, field) in reads {
+            let hash = format!("{}:{hash}", self.shards.tag(s));
+            for start in (0..n).step_by(LOOKUP_CHUNK) {
+                let hmget = pipe.cmd("HMGET").arg(&hash);
+                for i in start..n.min(start + LOOKUP_CHUNK) {
+                    hmget.arg(field(i));
+                }
             }
         }
         let replies: Vec<Value> = self.conns.with(self.timeout, |c| match c.pipeline(&pipe) {
@@ -685,22 +701,28 @@ impl RedisIndex {
         })?;
         let mut replies = replies.into_iter();
         let alive = replies.next().ok_or_else(|| corrupt("lookup", &Value::Int(0)))?;
-        let alive: HashSet<u32> = array("alive nodes", &alive)?
+        let mut alive: Vec<u32> = array("alive nodes", &alive)?
             .iter()
             .map(|v| int("alive nodes", v).map(|n| n as u32))
             .collect::<Result<_, _>>()?;
-        if replies.len() != n.div_ceil(LOOKUP_CHUNK) {
-            return Err(corrupt("lookup", &Value::Int(replies.len() as i64)));
-        }
-        let mut values = Vec::with_capacity(n);
-        for (reply, start) in replies.zip((0..n).step_by(LOOKUP_CHUNK)) {
-            let Value::Array(chunk) = reply else { return Err(corrupt("lookup", &reply)) };
-            if chunk.len() != LOOKUP_CHUNK.min(n - start) {
-                return Err(corrupt("lookup", &Value::Int(chunk.len() as i64)));
+        alive.sort_unstable();
+        let mut out = Vec::with_capacity(reads.len());
+        for &(_, n, _) in reads {
+            let mut values = Vec::with_capacity(n);
+            for start in (0..n).step_by(LOOKUP_CHUNK) {
+                let reply = replies.next().ok_or_else(|| corrupt("lookup", &Value::Nil))?;
+                let Value::Array(chunk) = reply else { return Err(corrupt("lookup", &reply)) };
+                if chunk.len() != LOOKUP_CHUNK.min(n - start) {
+                    return Err(corrupt("lookup", &Value::Int(chunk.len() as i64)));
+                }
+                values.extend(chunk);
             }
-            values.extend(chunk);
+            out.push(values);
         }
-        Ok((alive, values))
+        if replies.next().is_some() {
+            return Err(corrupt("lookup", &Value::Nil));
+        }
+        Ok((alive, out))
     }
 
     /// Runs `f(shard, positions)` for every shard with positions in `groups`: scatter-gather,
@@ -737,6 +759,25 @@ impl RedisIndex {
             out.extend(part?);
         }
         out.sort_by_key(|(s, _)| *s);
+        Ok(out)
+    }
+
+    /// The batched lookup of every key's entry: through [`lookup::Direct`] where there is
+    /// one, else one pipeline per shard through redis-rs, the shards in parallel.
+    fn lookup_entries(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(direct) = &self.direct {
+            return self.lookup_direct(direct, keys);
+        }
+        let groups = self.shards.group(keys.iter());
+        let mut out = vec![None; keys.len()];
+        for (s, found) in self.scatter(&groups, |s, at| self.lookup_values(s, keys, at))? {
+            for (&i, p) in groups[s].iter().zip(found) {
+                out[i] = p;
+            }
+        }
         Ok(out)
     }
 
@@ -822,6 +863,10 @@ fn reserved(
 fn forged(key: BlockKey) -> Error {
     Error::Corrupt(format!("the entry of {key} in redis fails its seal and could not be removed"))
 }
+
+/// One hash's fields a pipeline reads ([`RedisIndex::alive_and_fields`]): the hash's name
+/// after the shard's tag, how many fields, and field `i`.
+type FieldRead<'r, 'f> = (&'r str, usize, &'r dyn Fn(usize) -> &'f [u8]);
 
 /// Keys per `HMGET` of a batched lookup.
 const LOOKUP_CHUNK: usize = 4096;
@@ -961,28 +1006,28 @@ impl Index for RedisIndex {
         Ok(())
     }
 
+    /// Through group summaries where they hold (the crate README's "Long lookups on Redis"):
+    /// a summary per group of about 256 keys and shard instead of an entry per key. Each
+    /// lookup also summarizes up to 4,096 of the keys it found, for the next ones.
     fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<Option<Placement>>, Error> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        if let Some(direct) = &self.direct {
-            return self.lookup_direct(direct, keys);
+        if self.group_summaries {
+            self.summarized_lookup(keys)
+        } else {
+            self.lookup_entries(keys)
         }
-        let groups = self.shards.group(keys.iter());
-        let mut out = vec![None; keys.len()];
-        for (s, found) in self.scatter(&groups, |s, at| self.lookup_values(s, keys, at))? {
-            for (&i, p) in groups[s].iter().zip(found) {
-                out[i] = p;
-            }
-        }
-        Ok(out)
     }
 
-    /// Answered from group summaries where they hold (the crate README's "Long prefixes on
-    /// Redis"): a summary per group of about 256 keys and shard instead of an entry per key.
-    /// Each ask also summarizes up to 4,096 of the blocks it found, for the next asks.
+    /// Through the heads of group summaries where they hold (the nodes a group's keys are
+    /// on): a few bytes per group of about 256 keys, where a lookup reads its placements.
     fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, Error> {
-        self.summarized_prefix_hits(keys)
+        if self.group_summaries {
+            self.summarized_prefix_hits(keys)
+        } else {
+            Ok(self.lookup_entries(keys)?.iter().take_while(|p| p.is_some()).count())
+        }
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {

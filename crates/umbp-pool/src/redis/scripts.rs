@@ -24,7 +24,8 @@
 //! | `P:rkey:N:T` | hash | reserved slot -> key and length |
 //! | `P:ls:N:T:S` | set | lease ids on slot S |
 //! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
-//! | `P:groups` | hash | group id (16 bytes) -> sealed summary: this shard's blocks of the group are all published, on the nodes it names (see [`summary`](super::summary)) |
+//! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
+//! | `P:heads` | hash | group id -> the head of its summary (the nodes it names, sealed): what a prefix lookup reads |
 //! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
@@ -53,6 +54,14 @@ local function k(kind, n, t) return P .. ':' .. kind .. ':' .. n .. ':' .. t end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- The ids of the nodes alive now.
+local function alive_ids()
+  local out = {}
+  for _, n in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
+    if redis.call('EXISTS', P .. ':node:' .. n) == 1 then out[#out + 1] = n end
+  end
+  return out
 end
 local alive_now = {}
 local function alive(n)
@@ -83,7 +92,11 @@ end
 local function unsummarize(key)
   local ids = redis.call('HGET', P .. ':member', key)
   if ids then
-    for i = 1, #ids, 16 do redis.call('HDEL', P .. ':groups', string.sub(ids, i, i + 15)) end
+    for i = 1, #ids, 16 do
+      local id = string.sub(ids, i, i + 15)
+      redis.call('HDEL', P .. ':groups', id)
+      redis.call('HDEL', P .. ':heads', id)
+    end
     redis.call('HDEL', P .. ':member', key)
   end
 end
@@ -317,11 +330,7 @@ return done
 
 /// ARGV: P. Returns the ids of the nodes alive now.
 pub(super) const ALIVE: &str = r#"
-local out = {}
-for _, n in ipairs(redis.call('SMEMBERS', P .. ':nodes')) do
-  if redis.call('EXISTS', P .. ':node:' .. n) == 1 then out[#out + 1] = n end
-end
-return out
+return alive_ids()
 "#;
 
 /// ARGV: P, ttl_ms, lease id (the client's: one lease spans shards), then per placement: key,
@@ -390,27 +399,28 @@ end
 return out
 "#;
 
-/// ARGV: P, then per group: its id, its sealed summary (the nodes, 4 bytes each, then an
-/// 8-byte seal), the number m of its blocks in this shard, and those m keys. A group is
-/// summarized only if each of its keys has an entry here naming one of the summary's nodes;
-/// its id is then added to each key's `member` field (a field already holding
-/// [`GROUPS_PER_KEY`] ids drops its oldest, whose summary is deleted), and the summary is
-/// stored. Returns 1 (summarized) or 0 per group.
+/// ARGV: P, then per group: its id, its sealed summary (a head naming its nodes, the
+/// placements of its m keys in this shard,
+/// [`PLACEMENT_BYTES`](crate::placement::PLACEMENT_BYTES) each, then a tag: see
+/// `seal::Sealer::encode_summary`), m, and those m keys. A group is summarized only if each key's entry still holds the placement the
+/// summary gives it; its id is then added to each key's `member` field (a field already
+/// holding [`GROUPS_PER_KEY`] ids drops its oldest, whose summary is deleted), and the
+/// summary is stored. Returns 1 (summarized) or 0 per group.
 pub(super) const SUMMARIZE: &str = r#"
-local groups, member = P .. ':groups', P .. ':member'
+local groups, heads, member = P .. ':groups', P .. ':heads', P .. ':member'
 local out = {}
 local i = 2
 while i + 2 <= #ARGV do
   local id, value, m = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local first = i + 3
   i = first + m
-  local nodes = {}
-  for j = 1, #value - 11, 4 do nodes[string.format('%d', struct.unpack('>I4', value, j))] = true end
-  local ok = #value >= 8 and i - 1 <= #ARGV
-  for j = first, math.min(first + m, #ARGV + 1) - 1 do
-    local blob = redis.call('HGET', P .. ':blocks', ARGV[j])
-    local n = blob and where(blob)
-    if not (n and nodes[n]) then ok = false break end
+  local base = #value >= 2 and 2 + 4 * struct.unpack('>I2', value) + SUMMARY_TAG or #value
+  local ok = first + m - 1 <= #ARGV and #value == base + m * PLACEMENT_BYTES + SUMMARY_TAG
+  for j = 0, m - 1 do
+    if not ok then break end
+    local blob = redis.call('HGET', P .. ':blocks', ARGV[first + j])
+    local at = base + j * PLACEMENT_BYTES
+    ok = blob and string.sub(blob, 1, PLACEMENT_BYTES) == string.sub(value, at + 1, at + PLACEMENT_BYTES)
   end
   if ok then
     for j = first, first + m - 1 do
@@ -423,12 +433,14 @@ while i + 2 <= #ARGV do
       if not listed then
         if #ids >= 16 * GROUPS_PER_KEY then
           redis.call('HDEL', groups, string.sub(ids, 1, 16))
+          redis.call('HDEL', heads, string.sub(ids, 1, 16))
           ids = string.sub(ids, 17)
         end
         redis.call('HSET', member, key, ids .. id)
       end
     end
     redis.call('HSET', groups, id, value)
+    redis.call('HSET', heads, id, string.sub(value, 1, base))
   end
   out[#out + 1] = ok and 1 or 0
 end
@@ -506,6 +518,9 @@ pub(super) const GROUPS_PER_KEY: u32 = 4;
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
     format!(
-        "local WIPE_BUDGET = {WIPE_BUDGET}\nlocal GROUPS_PER_KEY = {GROUPS_PER_KEY}\n{PRELUDE}{body}"
+        "local WIPE_BUDGET = {WIPE_BUDGET}\nlocal GROUPS_PER_KEY = {GROUPS_PER_KEY}\n\
+         local PLACEMENT_BYTES = {}\nlocal SUMMARY_TAG = {}\n{PRELUDE}{body}",
+        crate::placement::PLACEMENT_BYTES,
+        super::seal::SUMMARY_TAG
     )
 }

@@ -43,11 +43,14 @@ const CONTEXT: &str = "umbp-pool 2026-12 redis entry seal";
 /// its own, so no entry's seal is ever a summary's, whatever bytes the two cover.
 const SUMMARY_CONTEXT: &str = "umbp-pool 2026-12 redis group summary seal";
 
+/// Bytes of a group summary's tag (keyed BLAKE3, truncated).
+pub(super) const SUMMARY_TAG: usize = 16;
+
 /// Seals and opens entries and group summaries, each under its own key.
 #[derive(Clone)]
 pub(super) struct Sealer {
     key: [u8; 16],
-    summary_key: [u8; 16],
+    summary_key: [u8; 32],
 }
 
 impl std::fmt::Debug for Sealer {
@@ -59,13 +62,10 @@ impl std::fmt::Debug for Sealer {
 impl Sealer {
     /// A sealer whose key is derived from `secret`, or the public one without a secret.
     pub(super) fn new(secret: Option<&[u8]>) -> Self {
-        let derive = |context: &str| {
-            let derived = blake3::derive_key(context, secret.unwrap_or_default());
-            let mut key = [0u8; 16];
-            key.copy_from_slice(&derived[..16]);
-            key
-        };
-        Self { key: derive(CONTEXT), summary_key: derive(SUMMARY_CONTEXT) }
+        let derived = blake3::derive_key(CONTEXT, secret.unwrap_or_default());
+        let mut key = [0u8; 16];
+        key.copy_from_slice(&derived[..16]);
+        Self { key, summary_key: blake3::derive_key(SUMMARY_CONTEXT, secret.unwrap_or_default()) }
     }
 
     fn seal(&self, key: &BlockKey, value: &[u8]) -> [u8; SEAL_BYTES] {
@@ -99,42 +99,99 @@ impl Sealer {
         Placement::decode(key, placement).ok()
     }
 
-    fn summary_seal(&self, group: &[u8; 16], shard: usize, nodes: &[u8]) -> [u8; SEAL_BYTES] {
-        let mut h = SipHasher24::new_with_key(&self.summary_key);
-        h.write(group);
-        h.write(&(shard as u64).to_le_bytes());
-        h.write(nodes);
-        h.finish().to_le_bytes()
+    /// The tag of one part of a summary (`part` 0: its head, 1: the whole value) of `group` in
+    /// shard `shard`.
+    fn summary_seal(
+        &self,
+        part: u8,
+        group: &[u8; 16],
+        shard: usize,
+        bytes: &[u8],
+    ) -> [u8; SUMMARY_TAG] {
+        let mut h = blake3::Hasher::new_keyed(&self.summary_key);
+        h.update(&[part]);
+        h.update(group);
+        h.update(&(shard as u64).to_le_bytes());
+        h.update(bytes);
+        let mut tag = [0u8; SUMMARY_TAG];
+        tag.copy_from_slice(&h.finalize().as_bytes()[..SUMMARY_TAG]);
+        tag
     }
 
-    /// The summary value of `group` in shard `shard`: the nodes its blocks there were on
-    /// (4 bytes each, big-endian, as the scripts read them), then the seal.
-    pub(super) fn encode_summary(&self, group: &[u8; 16], shard: usize, nodes: &[u32]) -> Vec<u8> {
-        let mut out: Vec<u8> = nodes.iter().flat_map(|n| n.to_be_bytes()).collect();
-        let seal = self.summary_seal(group, shard, &out);
-        out.extend_from_slice(&seal);
-        out
+    /// The summary value of `group` in shard `shard`; `None` if a placement is missing.
+    ///
+    /// Layout: the *head* (the number n of distinct nodes, 2 bytes; the nodes, 4 bytes each,
+    /// ascending; a tag over them), then the placements of the group's keys in this shard, in
+    /// order ([`PLACEMENT_BYTES`] each, as entries hold them), then a tag over everything
+    /// before it. All integers big-endian, as the scripts read them. A prefix lookup reads
+    /// the head alone ([`summary_head_len`]).
+    pub(super) fn encode_summary(
+        &self,
+        group: &[u8; 16],
+        shard: usize,
+        placements: &[Option<Placement>],
+    ) -> Option<Vec<u8>> {
+        let mut nodes =
+            placements.iter().map(|p| p.map(|p| p.node.0)).collect::<Option<Vec<u32>>>()?;
+        nodes.sort_unstable();
+        nodes.dedup();
+        let n = u16::try_from(nodes.len()).ok()?;
+        let mut out = Vec::with_capacity(
+            summary_head_len(nodes.len()) + placements.len() * PLACEMENT_BYTES + SUMMARY_TAG,
+        );
+        out.extend_from_slice(&n.to_be_bytes());
+        out.extend(nodes.iter().flat_map(|n| n.to_be_bytes()));
+        let tag = self.summary_seal(0, group, shard, &out);
+        out.extend_from_slice(&tag);
+        for p in placements.iter().flatten() {
+            out.extend_from_slice(&p.encode());
+        }
+        let tag = self.summary_seal(1, group, shard, &out);
+        out.extend_from_slice(&tag);
+        Some(out)
     }
 
-    /// The nodes a summary value of `group` in shard `shard` names, or `None` when it was not
-    /// sealed for that group and shard under this sealer's key (copied from another group or
-    /// shard, edited, forged).
+    /// The placements (encoded, [`PLACEMENT_BYTES`] each) a summary value of `group` in shard
+    /// `shard` holds, or `None` when it was not sealed for that group and shard under this
+    /// sealer's key (copied from another group or shard, edited, forged).
     pub(super) fn open_summary<'v>(
         &self,
         group: &[u8; 16],
         shard: usize,
         value: &'v [u8],
-    ) -> Option<impl Iterator<Item = u32> + 'v> {
-        let nodes_len = value.len().checked_sub(SEAL_BYTES)?;
-        if nodes_len % 4 != 0 {
+    ) -> Option<&'v [u8]> {
+        let head =
+            summary_head_len(usize::from(u16::from_be_bytes(value.get(..2)?.try_into().ok()?)));
+        let len = value.len().checked_sub(SUMMARY_TAG)?;
+        if len < head || (len - head) % PLACEMENT_BYTES != 0 {
             return None;
         }
-        let (nodes, seal) = value.split_at(nodes_len);
-        if self.summary_seal(group, shard, nodes)[..] != *seal {
-            return None;
-        }
-        Some(nodes.chunks_exact(4).map(|n| u32::from_be_bytes([n[0], n[1], n[2], n[3]])))
+        let (sealed, tag) = value.split_at(len);
+        (self.summary_seal(1, group, shard, sealed)[..] == *tag).then_some(&sealed[head..])
     }
+
+    /// The nodes the head of a summary value of `group` in shard `shard` names, or `None` when
+    /// it was not sealed for them under this sealer's key.
+    pub(super) fn open_summary_head<'v>(
+        &self,
+        group: &[u8; 16],
+        shard: usize,
+        head: &'v [u8],
+    ) -> Option<impl Iterator<Item = u32> + 'v> {
+        let n = usize::from(u16::from_be_bytes(head.get(..2)?.try_into().ok()?));
+        if head.len() != summary_head_len(n) {
+            return None;
+        }
+        let (nodes, tag) = head.split_at(head.len() - SUMMARY_TAG);
+        (self.summary_seal(0, group, shard, nodes)[..] == *tag).then(|| {
+            nodes[2..].chunks_exact(4).map(|n| u32::from_be_bytes([n[0], n[1], n[2], n[3]]))
+        })
+    }
+}
+
+/// Bytes of a summary's head naming `nodes` nodes (see [`Sealer::encode_summary`]).
+pub(super) const fn summary_head_len(nodes: usize) -> usize {
+    2 + 4 * nodes + SUMMARY_TAG
 }
 
 #[cfg(test)]
@@ -182,25 +239,36 @@ mod tests {
     fn a_summary_opens_for_its_own_group_and_shard_only() {
         let a = Sealer::new(Some(b"cluster secret"));
         let group = [7u8; 16];
-        let v = a.encode_summary(&group, 3, &[1, 9, 70_000]);
-        let nodes = |v: &[u8], g: &[u8; 16], s| a.open_summary(g, s, v).map(Iterator::collect);
-        assert_eq!(nodes(&v, &group, 3), Some(vec![1, 9, 70_000]));
-        assert_eq!(nodes(&v, &[8u8; 16], 3), None::<Vec<u32>>);
-        assert_eq!(nodes(&v, &group, 4), None);
-        assert_eq!(Sealer::new(None).open_summary(&group, 3, &v).map(|_| ()), None);
+        let mut other = placement(2);
+        other.node = NodeId(9);
+        let placements = [Some(placement(1)), Some(other), Some(placement(3))];
+        let v = a.encode_summary(&group, 3, &placements).unwrap();
+        let encoded: Vec<u8> = placements.iter().flat_map(|p| p.unwrap().encode()).collect();
+        assert_eq!(a.open_summary(&group, 3, &v), Some(&encoded[..]));
+        let head = &v[..summary_head_len(2)];
+        let nodes = |head: &[u8]| -> Option<Vec<u32>> {
+            a.open_summary_head(&group, 3, head).map(Iterator::collect)
+        };
+        assert_eq!(nodes(head), Some(vec![3, 9]));
+        assert_eq!(a.open_summary(&[8u8; 16], 3, &v), None);
+        assert_eq!(a.open_summary(&group, 4, &v), None);
+        assert!(a.open_summary_head(&group, 4, head).is_none());
+        assert_eq!(Sealer::new(None).open_summary(&group, 3, &v), None);
         for bit in 0..v.len() * 8 {
             let mut edited = v.clone();
             edited[bit / 8] ^= 1 << (bit % 8);
-            assert_eq!(nodes(&edited, &group, 3), None, "bit {bit}");
+            assert_eq!(a.open_summary(&group, 3, &edited), None, "bit {bit}");
+            if bit / 8 < head.len() {
+                assert_eq!(nodes(&edited[..head.len()]), None, "bit {bit}");
+            }
         }
         for cut in 0..v.len() {
-            assert_eq!(nodes(&v[..cut], &group, 3), None, "{cut} bytes");
+            assert_eq!(a.open_summary(&group, 3, &v[..cut]), None, "{cut} bytes");
+            if cut != head.len() {
+                assert_eq!(nodes(&v[..cut.min(v.len())]), None, "{cut} bytes");
+            }
         }
-        // An entry's seal is no summary's: the same bytes under the two keys differ.
-        let p = placement(1);
-        let entry = a.encode(&p);
-        let mut as_group = [0u8; 16];
-        as_group.copy_from_slice(&p.key.0);
-        assert_eq!(a.open_summary(&as_group, 0, &entry).map(|_| ()), None);
+        // A missing placement makes no summary.
+        assert_eq!(a.encode_summary(&group, 3, &[Some(placement(1)), None]), None);
     }
 }
