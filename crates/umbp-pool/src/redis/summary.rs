@@ -75,13 +75,9 @@ const SEEN_AT_MOST: usize = 1 << 16;
 
 /// Whether a group ends after `key`: one key in 256 on average, decided by the key alone.
 fn ends_group(key: &BlockKey) -> bool {
-    let mut lo = [0u8; 8];
-    let mut hi = [0u8; 8];
-    lo.copy_from_slice(&key.0[..8]);
-    hi.copy_from_slice(&key.0[8..]);
+    let v = key.as_u128();
     // Another mix than the shards' (`shard::Shards::of`), so the two are unrelated.
-    let h = (u64::from_le_bytes(hi) ^ u64::from_le_bytes(lo).rotate_left(23))
-        .wrapping_mul(0xd6e8_feb8_6659_fd93);
+    let h = ((v >> 64) as u64 ^ (v as u64).rotate_left(23)).wrapping_mul(0xd6e8_feb8_6659_fd93);
     h >> 56 == 0
 }
 
@@ -195,12 +191,7 @@ impl RedisIndex {
     ) -> Result<Vec<Option<Placement>>, Error> {
         let Some(layout) = Layout::of(self, keys) else { return self.lookup_entries(keys) };
         let Layout { groups, ids, asks, edges, .. } = &layout;
-        let answers = self.scatter(&layout.busy(), |s, _| {
-            let (asks, edges) = (&asks[s], &edges[s]);
-            let id = |i: usize| &ids[asks[i]][..];
-            let key = |i: usize| &keys[edges[i]].0[..];
-            self.alive_and_fields(s, &[("groups", asks.len(), &id), ("blocks", edges.len(), &key)])
-        })?;
+        let answers = self.read_summaries(keys, &layout, "groups")?;
         let mut out: Vec<Option<Placement>> = vec![None; keys.len()];
         let mut covered = vec![true; groups.len()];
         for (s, (alive, reads)) in &answers {
@@ -265,12 +256,7 @@ impl RedisIndex {
             return Ok(self.lookup_entries(keys)?.iter().take_while(|p| p.is_some()).count());
         };
         let Layout { groups, ids, span, asks, edges, .. } = &layout;
-        let answers = self.scatter(&layout.busy(), |s, _| {
-            let (asks, edges) = (&asks[s], &edges[s]);
-            let id = |i: usize| &ids[asks[i]][..];
-            let key = |i: usize| &keys[edges[i]].0[..];
-            self.alive_and_fields(s, &[("heads", asks.len(), &id), ("blocks", edges.len(), &key)])
-        })?;
+        let answers = self.read_summaries(keys, &layout, "heads")?;
         let mut edge_found: Vec<Option<Placement>> = vec![None; keys.len() - span.len()];
         let edge_at = |i: usize| if i < span.start { i } else { i - span.len() };
         let mut covered = vec![true; groups.len()];
@@ -334,6 +320,24 @@ impl RedisIndex {
         };
         self.summarize_found(keys, &layout, looked.iter().copied(), found_group);
         Ok(hits)
+    }
+
+    /// Per shard with something to ask: its alive nodes, the values of its groups in `hash`
+    /// (`groups`: summaries, `heads`: their heads), and the entries of its keys in the list's
+    /// head and tail; one round trip per shard, the shards in parallel.
+    #[allow(clippy::type_complexity)]
+    fn read_summaries(
+        &self,
+        keys: &[BlockKey],
+        layout: &Layout,
+        hash: &str,
+    ) -> Result<Vec<(usize, (Vec<u32>, Vec<Vec<Value>>))>, Error> {
+        self.scatter(&layout.busy(), |s, _| {
+            let (asks, edges) = (&layout.asks[s], &layout.edges[s]);
+            let id = |i: usize| &layout.ids[asks[i]][..];
+            let key = |i: usize| &keys[edges[i]].0[..];
+            self.alive_and_fields(s, &[(hash, asks.len(), &id), ("blocks", edges.len(), &key)])
+        })
     }
 
     /// Summarizes, up to [`SUMMARIZE_BUDGET`] keys, the groups among `candidates` whose keys
