@@ -545,3 +545,31 @@ fn prefix_answers_never_run_past_a_removal_under_sixteen_threads() {
     assert_eq!(index.prefix_hits(&keys).unwrap(), last);
     assert_eq!(suite::looked_up_prefix(&*index, &keys), last);
 }
+
+/// Lookups and prefixes through group summaries answer the same on the direct path, on the
+/// redis-rs path and from a client reading every entry, while the summaries are built and
+/// once they are.
+#[test]
+fn summaries_read_the_same_on_both_paths() {
+    let Some(server) = RedisServer::start() else { return };
+    let direct = connect(&server);
+    let mut config = support::config(&server, "test");
+    config.direct_lookup = false;
+    let values = RedisIndex::connect(&config).unwrap();
+    let truth = entries_only(&server);
+    let spec = TierSpec::new(NODE, TierId(0), 16, 10_000).watermarks(0, 0);
+    setup(&direct, &spec);
+    let keys: Vec<_> = (0..9_000).map(key).collect();
+    suite::store_all(&direct, &spec, &keys);
+    let want = truth.lookup(&keys).unwrap();
+    assert!(want.iter().all(Option::is_some));
+    for round in 0..4 {
+        for (path, index) in [("direct", &direct), ("redis-rs", &values)] {
+            same(&index.lookup(&keys).unwrap(), &want, &format!("{path}, round {round}"));
+            assert_eq!(index.prefix_hits(&keys).unwrap(), keys.len(), "{path}, round {round}");
+        }
+    }
+    let summaries: usize =
+        redis::cmd("HLEN").arg("{test}:groups").query(&mut admin(&server)).unwrap();
+    assert!(summaries >= 20, "{summaries} summaries");
+}

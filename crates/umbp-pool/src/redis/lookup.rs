@@ -1,14 +1,15 @@
-//! The batched lookup's own path over plain TCP: the pipeline written as RESP by hand and the
-//! reply decoded straight into placements, without redis-rs's `Value` tree.
+//! The batched lookup's own path over plain TCP: the pipeline written as RESP by hand and each
+//! reply's values decoded in place, without redis-rs's `Value` tree.
 //!
-//! Why: a lookup of 62,500 keys answers about 2.3 MB of `HMGET` replies. redis-rs parses each
-//! value into its own heap-allocated `Value::BulkString` inside nested arrays (62,500
-//! allocations, then a copy out). Here the reply is read 256 KiB at a time into one reused
-//! buffer and each 30-byte value is decoded in place, so the client's share of a lookup is a
-//! small part of the server's (the crate's CHANGELOG has the measured figures).
+//! Why: a lookup of 62,500 keys answers about 2.3 MB of `HMGET` replies (and a lookup through
+//! group summaries about 1.9 MB in 250 values). redis-rs parses each value into its own
+//! heap-allocated `Value::BulkString` inside nested arrays (62,500 allocations, then a copy
+//! out). Here the reply is read 256 KiB at a time into one reused buffer and each value is
+//! handed to the caller where it lies, so the client's share of a lookup is a small part of
+//! the server's (the crate's CHANGELOG has the measured figures).
 //!
-//! The request is the same as the redis-rs path's (the alive-nodes script by `EVALSHA`, then
-//! one `HMGET` per [`LOOKUP_CHUNK`](super::LOOKUP_CHUNK) keys, in one pipeline), so the server
+//! The requests are the redis-rs path's (the alive-nodes script by `EVALSHA`, then one
+//! `HMGET` per [`LOOKUP_CHUNK`](super::LOOKUP_CHUNK) fields, in one pipeline), so the server
 //! does the same work and the answers are identical. Connections are this path's own, pooled,
 //! authenticated and given the same timeouts as the others; one whose call failed is dropped.
 //! TLS and Unix-socket servers keep the redis-rs path.
@@ -20,8 +21,8 @@ use std::time::Duration;
 
 use redis::{ErrorKind, RedisError};
 
-use super::seal::{Sealer, SEALED_BYTES};
-use crate::{BlockKey, Error, Placement};
+use super::FieldRead;
+use crate::Error;
 
 /// Where and how to connect for the direct path.
 #[derive(Debug)]
@@ -284,19 +285,11 @@ fn parse_int(digits: &[u8]) -> Result<i64, Error> {
     Ok(if neg { -v } else { v })
 }
 
-/// What one pipelined lookup found.
-pub(super) enum Found {
-    /// The placement of each key (`None`: not published, its node is not alive, or its
-    /// entry fails its seal), and how many entries failed their seal.
-    Placements {
-        /// Per key.
-        found: Vec<Option<Placement>>,
-        /// Entries that failed their seal.
-        forged: u64,
-    },
-    /// The server did not know the alive-nodes script (`NOSCRIPT`): load it and ask again.
-    NoScript,
-}
+/// Where one value of a pipelined read goes: `(alive, read, i, value)`, with the alive nodes
+/// (sorted), the read's index in the call's reads, the field's position in that read and its
+/// value in place (`None`: not there).
+pub(super) type Visit<'v> =
+    dyn FnMut(&[u32], usize, usize, Option<&[u8]>) -> Result<(), Error> + 'v;
 
 impl Direct {
     /// The direct path for `info`, or `None` when its server is not plain TCP (TLS and Unix
@@ -314,56 +307,60 @@ impl Direct {
         })
     }
 
-    /// One pipeline: `EVALSHA alive_sha 0 prefix`, then `HMGET blocks` per `chunk` keys.
-    pub(super) fn lookup(
+    /// One pipeline: `EVALSHA alive_sha 0 prefix`, then per read `(hash, n, field)` an
+    /// `HMGET prefix:hash` of its `n` fields per `chunk` of them; each value goes to `visit`
+    /// as it is decoded. Returns `false` when the server did not know the alive-nodes script
+    /// (`NOSCRIPT`: nothing was visited; load it and ask again).
+    pub(super) fn read(
         &self,
         alive_sha: &str,
         prefix: &str,
-        keys: &[BlockKey],
+        reads: &[FieldRead<'_, '_>],
         chunk: usize,
-        sealer: &Sealer,
-    ) -> Result<Found, Error> {
+        visit: &mut Visit<'_>,
+    ) -> Result<bool, Error> {
         let pooled = super::lock(&self.idle).pop();
         let mut conn = match pooled {
             Some(c) => c,
             None => Conn::open(self)?,
         };
-        let found = Self::lookup_on(&mut conn, alive_sha, prefix, keys, chunk, sealer)?;
+        let known = Self::read_on(&mut conn, alive_sha, prefix, reads, chunk, visit)?;
         // Only a connection whose replies were read to the end goes back to the pool.
         super::lock(&self.idle).push(conn);
-        Ok(found)
+        Ok(known)
     }
 
-    fn lookup_on(
+    fn read_on(
         conn: &mut Conn,
         alive_sha: &str,
         prefix: &str,
-        keys: &[BlockKey],
+        reads: &[FieldRead<'_, '_>],
         chunk: usize,
-        sealer: &Sealer,
-    ) -> Result<Found, Error> {
-        let blocks = format!("{prefix}:blocks");
+        visit: &mut Visit<'_>,
+    ) -> Result<bool, Error> {
         let out = &mut conn.out;
         out.clear();
-        out.reserve(64 + keys.len() * 24 + keys.len().div_ceil(chunk) * 32);
         array(out, 4);
         bulk(out, b"EVALSHA");
         bulk(out, alive_sha.as_bytes());
         bulk(out, b"0");
         bulk(out, prefix.as_bytes());
-        for c in keys.chunks(chunk) {
-            array(out, 2 + c.len());
-            bulk(out, b"HMGET");
-            bulk(out, blocks.as_bytes());
-            for k in c {
-                out.extend_from_slice(b"$16\r\n");
-                out.extend_from_slice(&k.0);
-                out.extend_from_slice(b"\r\n");
+        for &(hash, n, field) in reads {
+            let hash = format!("{prefix}:{hash}");
+            out.reserve(n * 24 + n.div_ceil(chunk) * 32);
+            for start in (0..n).step_by(chunk) {
+                let end = n.min(start + chunk);
+                array(out, 2 + end - start);
+                bulk(out, b"HMGET");
+                bulk(out, hash.as_bytes());
+                for i in start..end {
+                    bulk(out, field(i));
+                }
             }
         }
         conn.send()?;
 
-        // The alive nodes, sorted for a binary search per hit.
+        // The alive nodes, sorted for a binary search per value.
         let mut alive: Vec<u32> = Vec::new();
         let mut no_script = false;
         match conn.header()? {
@@ -393,46 +390,35 @@ impl Direct {
         }
         alive.sort_unstable();
 
-        let mut found = Vec::with_capacity(keys.len());
-        let mut forged = 0;
-        for c in keys.chunks(chunk) {
-            match conn.header()? {
-                Header::Number(b'*', n) if n == c.len() as i64 => {}
-                Header::Failure(why) => {
-                    return Err(protocol(format!("HMGET failed: {}", String::from_utf8_lossy(why))))
+        for (r, &(_, n, _)) in reads.iter().enumerate() {
+            for start in (0..n).step_by(chunk) {
+                let end = n.min(start + chunk);
+                match conn.header()? {
+                    Header::Number(b'*', count) if count == (end - start) as i64 => {}
+                    Header::Failure(why) => {
+                        return Err(protocol(format!(
+                            "HMGET failed: {}",
+                            String::from_utf8_lossy(why)
+                        )))
+                    }
+                    _ => return Err(protocol("HMGET answered with the wrong count".into())),
                 }
-                _ => return Err(protocol("HMGET answered with the wrong count".into())),
-            }
-            if no_script {
-                for _ in c {
-                    conn.skip()?;
-                }
-                continue;
-            }
-            for &key in c {
-                let p = match conn.header()? {
-                    Header::Number(b'$', -1) | Header::Nil => None,
-                    Header::Number(b'$', n) if n == SEALED_BYTES as i64 => {
-                        match sealer.open(key, conn.bulk_body(SEALED_BYTES)?) {
-                            Some(p) => alive.binary_search(&p.node.0).is_ok().then_some(p),
-                            None => {
-                                forged += 1;
-                                None
-                            }
+                for i in start..end {
+                    if no_script {
+                        conn.skip()?;
+                        continue;
+                    }
+                    match conn.header()? {
+                        Header::Number(b'$', -1) | Header::Nil => visit(&alive, r, i, None)?,
+                        Header::Number(b'$', len) if len >= 0 => {
+                            visit(&alive, r, i, Some(conn.bulk_body(len as usize)?))?
                         }
+                        _ => return Err(protocol("HMGET answered a value of another type".into())),
                     }
-                    // Not a sealed entry at all (made up, or from an older version): a miss.
-                    Header::Number(b'$', n) if n >= 0 => {
-                        conn.bulk_body(n as usize)?;
-                        forged += 1;
-                        None
-                    }
-                    _ => return Err(protocol("HMGET answered a value of another type".into())),
-                };
-                found.push(p);
+                }
             }
         }
-        Ok(if no_script { Found::NoScript } else { Found::Placements { found, forged } })
+        Ok(!no_script)
     }
 }
 

@@ -238,6 +238,14 @@ fn int(what: &str, v: &Value) -> Result<i64, Error> {
     }
 }
 
+/// A looked-up value: `None` for `Nil` (the field is not there), its bytes otherwise.
+fn value(v: &Value) -> Result<Option<&[u8]>, Error> {
+    match v {
+        Value::Nil => Ok(None),
+        v => bytes("lookup", v).map(Some),
+    }
+}
+
 fn array<'v>(what: &str, v: &'v Value) -> Result<&'v [Value], Error> {
     match v {
         Value::Array(a) => Ok(a),
@@ -649,18 +657,13 @@ impl RedisIndex {
         let field = |i: usize| &keys[at[i]].0[..];
         let (alive, mut read) = self.alive_and_fields(s, &[("blocks", at.len(), &field)])?;
         let values = read.pop().unwrap_or_default();
-        values.iter().zip(at).map(|(v, &i)| self.entry(keys[i], v, &alive)).collect()
+        values.iter().zip(at).map(|(v, &i)| Ok(self.entry(keys[i], value(v)?, &alive))).collect()
     }
 
-    /// The placement an entry's value (`Nil`: none) holds for `key`, if its seal holds and its
-    /// node is among the `alive` (sorted).
-    fn entry(&self, key: BlockKey, v: &Value, alive: &[u32]) -> Result<Option<Placement>, Error> {
-        Ok(match v {
-            Value::Nil => None,
-            v => self
-                .open(key, bytes("lookup", v)?)
-                .filter(|p| alive.binary_search(&p.node.0).is_ok()),
-        })
+    /// The placement an entry's value (`None`: no entry) holds for `key`, if its seal holds
+    /// and its node is among the `alive` (sorted).
+    fn entry(&self, key: BlockKey, v: Option<&[u8]>, alive: &[u32]) -> Option<Placement> {
+        v.and_then(|v| self.open(key, v)).filter(|p| alive.binary_search(&p.node.0).is_ok())
     }
 
     /// Shard `s`'s alive nodes (sorted) and, per read `(hash, n, field)`, the values of `n`
@@ -781,26 +784,38 @@ impl RedisIndex {
         Ok(out)
     }
 
-    /// The batched lookup through [`lookup::Direct`]: the same pipeline, its reply decoded in
-    /// place. A server that lost the alive-nodes script (a restart) gets it loaded once.
+    /// The batched lookup through [`lookup::Direct`]: the same pipeline, its values decoded
+    /// in place.
     fn lookup_direct(
         &self,
         direct: &lookup::Direct,
         keys: &[BlockKey],
     ) -> Result<Vec<Option<Placement>>, Error> {
+        let field = |i: usize| &keys[i].0[..];
+        let mut found = Vec::with_capacity(keys.len());
+        self.read_direct(direct, &[("blocks", keys.len(), &field)], &mut |alive, _, i, v| {
+            found.push(self.entry(keys[i], v, alive));
+            Ok(())
+        })?;
+        Ok(found)
+    }
+
+    /// One pipeline through [`lookup::Direct`] (see [`lookup::Direct::read`]); a server that
+    /// lost the alive-nodes script (a restart) gets it loaded once.
+    fn read_direct(
+        &self,
+        direct: &lookup::Direct,
+        reads: &[FieldRead<'_, '_>],
+        visit: &mut lookup::Visit<'_>,
+    ) -> Result<(), Error> {
         let hash = self.scripts.alive.get_hash();
         for _ in 0..2 {
-            match direct.lookup(hash, self.shards.tag(0), keys, LOOKUP_CHUNK, &self.sealer)? {
-                lookup::Found::Placements { found, forged } => {
-                    if forged > 0 {
-                        self.count_forged(forged);
-                    }
-                    return Ok(found);
-                }
-                lookup::Found::NoScript => self.with(|c| {
-                    redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)
-                })?,
+            if direct.read(hash, self.shards.tag(0), reads, LOOKUP_CHUNK, visit)? {
+                return Ok(());
             }
+            self.with(|c| {
+                redis::cmd("SCRIPT").arg("LOAD").arg(&self.scripts.alive_source).query::<()>(c)
+            })?;
         }
         Err(Error::Corrupt("the server forgot the alive-nodes script twice in a row".into()))
     }

@@ -49,7 +49,7 @@
 //!
 //! Costs. Summaries hold each summarized key's placement a second time (30 bytes), and each
 //! key's `member` field holds up to [`GROUPS_PER_KEY`](super::scripts::GROUPS_PER_KEY) ids of
-//! 16 bytes: 139 bytes of Redis memory per summarized key in all, where the index itself
+//! 16 bytes: 138 bytes of Redis memory per summarized key in all, where the index itself
 //! takes 389 (the `pool_figures` example). Summarizing checks and records each key in a
 //! script (three commands a key, about three times the server's work of reading its entry),
 //! so one lookup summarizes groups of at most [`SUMMARIZE_BUDGET`] keys in all: a long list
@@ -61,7 +61,7 @@ use std::ops::Range;
 
 use redis::Value;
 
-use super::{array, bytes, corrupt, int, lock, RedisIndex};
+use super::{array, corrupt, int, lock, value, FieldRead, RedisIndex};
 use crate::placement::PLACEMENT_BYTES;
 use crate::{BlockKey, Error, Placement};
 
@@ -115,6 +115,11 @@ fn group_ids(keys: &[BlockKey], groups: &[Range<usize>]) -> Vec<[u8; 16]> {
         .collect()
 }
 
+/// Where one value of [`RedisIndex::read_summaries`] goes: its shard, then as
+/// [`lookup::Visit`](super::lookup::Visit).
+type ShardVisit<'v> =
+    dyn FnMut(usize, &[u32], usize, usize, Option<&[u8]>) -> Result<(), Error> + 'v;
+
 /// Where a list's keys stand: its groups, their ids, and what each shard is asked for.
 struct Layout {
     groups: Vec<Range<usize>>,
@@ -165,6 +170,21 @@ impl Layout {
         self.groups[j].clone().filter(move |&i| self.shard_at(i) == s)
     }
 
+    /// Runs `run` with shard `s`'s two reads: its groups' values in `hash`, and its entries
+    /// in the list's head and tail.
+    fn reads<T>(
+        &self,
+        keys: &[BlockKey],
+        hash: &str,
+        s: usize,
+        run: impl FnOnce(&[FieldRead<'_, '_>]) -> T,
+    ) -> T {
+        let (asks, edges) = (&self.asks[s], &self.edges[s]);
+        let id = |i: usize| &self.ids[asks[i]][..];
+        let key = |i: usize| &keys[edges[i]].0[..];
+        run(&[(hash, asks.len(), &id), ("blocks", edges.len(), &key)])
+    }
+
     /// Per shard, `[s]` where the shard has something to be asked, else nothing (for
     /// [`RedisIndex::scatter`]).
     fn busy(&self) -> Vec<Vec<usize>> {
@@ -191,44 +211,39 @@ impl RedisIndex {
     ) -> Result<Vec<Option<Placement>>, Error> {
         let Some(layout) = Layout::of(self, keys) else { return self.lookup_entries(keys) };
         let Layout { groups, ids, asks, edges, .. } = &layout;
-        let answers = self.read_summaries(keys, &layout, "groups")?;
         let mut out: Vec<Option<Placement>> = vec![None; keys.len()];
         let mut covered = vec![true; groups.len()];
-        for (s, (alive, reads)) in &answers {
-            let [summaries, entries] = &reads[..] else {
-                return Err(corrupt("lookup", &Value::Int(reads.len() as i64)));
-            };
-            for (&i, v) in edges[*s].iter().zip(entries) {
-                out[i] = self.entry(keys[i], v, alive)?;
+        self.read_summaries(keys, &layout, "groups", &mut |s, alive, read, i, v| {
+            if read == 1 {
+                let at = edges[s][i];
+                out[at] = self.entry(keys[at], v, alive);
+                return Ok(());
             }
-            for (&j, v) in asks[*s].iter().zip(summaries) {
-                let placements = match v {
-                    Value::Nil => None,
-                    v => {
-                        let opened = self.sealer.open_summary(&ids[j], *s, bytes("summary", v)?);
-                        if opened.is_none() {
-                            self.count_forged(1);
-                        }
-                        opened
-                    }
-                };
-                let members = layout.members(j, *s);
-                // A summary holds one placement per key of the group in its shard, in order.
-                let count = members.clone().count();
-                let Some(given) = placements
-                    .map(|p| p.chunks_exact(PLACEMENT_BYTES))
-                    .filter(|given| given.len() == count)
-                else {
-                    covered[j] = false;
-                    continue;
-                };
-                for (i, p) in members.zip(given) {
-                    out[i] = Placement::decode(keys[i], p)
-                        .ok()
-                        .filter(|p| alive.binary_search(&p.node.0).is_ok());
+            let j = asks[s][i];
+            let placements = v.and_then(|v| {
+                let opened = self.sealer.open_summary(&ids[j], s, v);
+                if opened.is_none() {
+                    self.count_forged(1);
                 }
+                opened
+            });
+            let members = layout.members(j, s);
+            // A summary holds one placement per key of the group in its shard, in order.
+            let count = members.clone().count();
+            let Some(given) = placements
+                .map(|p| p.chunks_exact(PLACEMENT_BYTES))
+                .filter(|given| given.len() == count)
+            else {
+                covered[j] = false;
+                return Ok(());
+            };
+            for (at, p) in members.zip(given) {
+                out[at] = Placement::decode(keys[at], p)
+                    .ok()
+                    .filter(|p| alive.binary_search(&p.node.0).is_ok());
             }
-        }
+            Ok(())
+        })?;
         // The entries of the groups without a summary.
         let wanted: Vec<usize> = groups
             .iter()
@@ -256,31 +271,26 @@ impl RedisIndex {
             return Ok(self.lookup_entries(keys)?.iter().take_while(|p| p.is_some()).count());
         };
         let Layout { groups, ids, span, asks, edges, .. } = &layout;
-        let answers = self.read_summaries(keys, &layout, "heads")?;
         let mut edge_found: Vec<Option<Placement>> = vec![None; keys.len() - span.len()];
         let edge_at = |i: usize| if i < span.start { i } else { i - span.len() };
         let mut covered = vec![true; groups.len()];
-        for (s, (alive, reads)) in &answers {
-            let [heads, entries] = &reads[..] else {
-                return Err(corrupt("prefix", &Value::Int(reads.len() as i64)));
-            };
-            for (&j, head) in asks[*s].iter().zip(heads) {
-                let holds = match head {
-                    Value::Nil => false,
-                    v => match self.sealer.open_summary_head(&ids[j], *s, bytes("summary", v)?) {
-                        Some(mut nodes) => nodes.all(|n| alive.binary_search(&n).is_ok()),
-                        None => {
-                            self.count_forged(1);
-                            false
-                        }
-                    },
-                };
-                covered[j] &= holds;
+        self.read_summaries(keys, &layout, "heads", &mut |s, alive, read, i, v| {
+            if read == 1 {
+                let at = edges[s][i];
+                edge_found[edge_at(at)] = self.entry(keys[at], v, alive);
+                return Ok(());
             }
-            for (&i, v) in edges[*s].iter().zip(entries) {
-                edge_found[edge_at(i)] = self.entry(keys[i], v, alive)?;
-            }
-        }
+            let j = asks[s][i];
+            let holds = v.is_some_and(|v| match self.sealer.open_summary_head(&ids[j], s, v) {
+                Some(mut nodes) => nodes.all(|n| alive.binary_search(&n).is_ok()),
+                None => {
+                    self.count_forged(1);
+                    false
+                }
+            });
+            covered[j] &= holds;
+            Ok(())
+        })?;
         // The head must be there whole before any group counts.
         let head = edge_found[..span.start].iter().take_while(|p| p.is_some()).count();
         if head < span.start {
@@ -322,22 +332,35 @@ impl RedisIndex {
         Ok(hits)
     }
 
-    /// Per shard with something to ask: its alive nodes, the values of its groups in `hash`
-    /// (`groups`: summaries, `heads`: their heads), and the entries of its keys in the list's
-    /// head and tail; one round trip per shard, the shards in parallel.
-    #[allow(clippy::type_complexity)]
+    /// Reads, from every shard with something to ask, the values of its groups in `hash`
+    /// (`groups`: summaries, `heads`: their heads; read 0) and the entries of its keys in the
+    /// list's head and tail (read 1): one round trip per shard, the shards in parallel (or
+    /// through the direct path where there is one). Each value goes to `visit(shard, alive,
+    /// read, i, value)`, with `i` its position in the shard's `asks` or `edges`.
     fn read_summaries(
         &self,
         keys: &[BlockKey],
         layout: &Layout,
         hash: &str,
-    ) -> Result<Vec<(usize, (Vec<u32>, Vec<Vec<Value>>))>, Error> {
-        self.scatter(&layout.busy(), |s, _| {
-            let (asks, edges) = (&layout.asks[s], &layout.edges[s]);
-            let id = |i: usize| &layout.ids[asks[i]][..];
-            let key = |i: usize| &keys[edges[i]].0[..];
-            self.alive_and_fields(s, &[(hash, asks.len(), &id), ("blocks", edges.len(), &key)])
-        })
+        visit: &mut ShardVisit<'_>,
+    ) -> Result<(), Error> {
+        if let Some(direct) = &self.direct {
+            // One shard: its values decoded where they lie.
+            return layout.reads(keys, hash, 0, |r| {
+                self.read_direct(direct, r, &mut |alive, read, i, v| visit(0, alive, read, i, v))
+            });
+        }
+        let answers = self.scatter(&layout.busy(), |s, _| {
+            layout.reads(keys, hash, s, |r| self.alive_and_fields(s, r))
+        })?;
+        for (s, (alive, read)) in &answers {
+            for (r, values) in read.iter().enumerate() {
+                for (i, v) in values.iter().enumerate() {
+                    visit(*s, alive, r, i, value(v)?)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Summarizes, up to [`SUMMARIZE_BUDGET`] keys, the groups among `candidates` whose keys
