@@ -53,8 +53,8 @@
 //! takes 389 (the `pool_figures` example). Summarizing checks and records each key in a
 //! script (three commands a key, about three times the server's work of reading its entry),
 //! so one lookup summarizes groups of at most [`SUMMARIZE_BUDGET`] keys in all: a long list
-//! seen for the first time is summarized over its next lookups, each taking about twice a
-//! lookup of every entry. [`RedisConfig::group_summaries`](super::RedisConfig::group_summaries)
+//! seen for the first time is summarized over its next lookups, each taking about as long as
+//! a lookup of every entry. [`RedisConfig::group_summaries`](super::RedisConfig::group_summaries)
 //! turns them off.
 
 use std::ops::Range;
