@@ -33,12 +33,20 @@
 //! the guard exclusively, so once [`Link::close`] returns no byte of local memory is touched
 //! again (what a forced UCX endpoint close gives the one-sided path).
 //!
+//! Neither side waits for one message before sending the next: a client keeps many requests
+//! in flight, and its writer sends the headers of gets queued one behind another in one
+//! system call. Both sides read through an [`Inbox`] (a small read-ahead): the server reads
+//! a client's queued requests in one receive and serves them without waiting on the socket
+//! again (checking between any two that the server does not drain), and answers a get with
+//! its header and first record in one send; the client receives a record straight into its
+//! destination, and its tag and the next answer's header in the same call.
+//!
 //! On the server, a client thread ends when the client sends nothing (not even a heartbeat)
 //! for [`RemoteConfig::idle_timeout`](crate::RemoteConfig), and when one answer is not sent whole
 //! within [`RemoteConfig::peer_timeout`](crate::RemoteConfig) (a deadline for the whole answer,
 //! however its bytes trickle out).
 
-use std::io::{self, Read};
+use std::io;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,6 +56,7 @@ use std::time::{Duration, Instant};
 use socket2::TcpKeepalive;
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
+use crate::inbox::{self, Inbox};
 use crate::stats::Counters;
 
 /// Bytes of a request header.
@@ -176,6 +185,16 @@ pub(crate) struct Timing {
     pub(crate) idle: Duration,
 }
 
+/// How a server tells its client threads to end their sessions between requests.
+#[derive(Copy, Clone)]
+pub(crate) struct Drain<'a> {
+    /// Turns readable once the server drains or stops: wakes a thread waiting for a request.
+    pub(crate) fd: BorrowedFd<'a>,
+    /// Cleared before `fd` turns readable: checked before serving a request that was read
+    /// ahead (no wait on the socket, so no wake-up from `fd`).
+    pub(crate) serving: &'a AtomicBool,
+}
+
 /// The payload's records: `(offset, len)` of each, [`CHUNK`] bytes but the last.
 fn chunks(len: u64) -> impl Iterator<Item = (u64, usize)> {
     (0..len).step_by(CHUNK).map(move |at| (at, (len - at).min(CHUNK as u64) as usize))
@@ -199,7 +218,7 @@ pub(crate) unsafe fn serve(
     regions: &[Served],
     keys: Keys,
     timing: Timing,
-    drain: BorrowedFd<'_>,
+    drain: Drain<'_>,
     counters: &Counters,
 ) -> io::Result<Ended> {
     // SAFETY: passed on from this function's own contract.
@@ -236,21 +255,28 @@ unsafe fn session(
     regions: &[Served],
     mut keys: Keys,
     timing: Timing,
-    drain: BorrowedFd<'_>,
+    drain: Drain<'_>,
     counters: &Counters,
 ) -> io::Result<Ended> {
     stream.set_read_timeout(Some(timing.idle))?;
     let fd = stream.as_raw_fd();
     let mut scratch = vec![0u8; CHUNK];
+    // A client keeps many requests in flight: one receive usually brings several, and the
+    // next ones are then served without waiting on the socket.
+    let mut inbox = Inbox::new();
     loop {
         // Between requests: a drain ends the session here, so no request is cut short.
-        match wait_for_request(fd, drain.as_raw_fd(), timing.idle)? {
-            Wait::Request => {}
-            Wait::Drain => return Ok(Ended::Drained),
-            Wait::Idle => return Ok(Ended::Idle),
+        if inbox.buffered() < REQUEST_LEN + TAG {
+            match wait_for_request(fd, drain.fd.as_raw_fd(), timing.idle)? {
+                Wait::Request => {}
+                Wait::Drain => return Ok(Ended::Drained),
+                Wait::Idle => return Ok(Ended::Idle),
+            }
+        } else if !drain.serving.load(Ordering::Acquire) {
+            return Ok(Ended::Drained);
         }
         let mut header = [0; REQUEST_LEN + TAG];
-        match stream.read_exact(&mut header) {
+        match inbox.read_exact(fd, &mut header, inbox::CAPACITY) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Ended::Left),
             Err(e) if is_timeout(&e) => return Ok(Ended::Idle),
@@ -279,7 +305,11 @@ unsafe fn session(
         };
         let region = &regions[request.region as usize];
         if request.op == GET {
-            send_record(fd, &mut keys.send, response(0, request.id, len), Some(deadline))?;
+            let mut answer = response(0, request.id, len);
+            let answer_tag = keys.send.seal(&mut answer);
+            if len == 0 {
+                send_all(fd, &[&answer, &answer_tag], Some(deadline))?;
+            }
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
                 {
@@ -297,15 +327,20 @@ unsafe fn session(
                     }
                 }
                 let tag = keys.send.seal(record);
-                send_all(fd, &[record, &tag], Some(deadline))?;
+                if at == 0 {
+                    // The answer and its first record leave in one system call.
+                    send_all(fd, &[&answer, &answer_tag, record, &tag], Some(deadline))?;
+                } else {
+                    send_all(fd, &[record, &tag], Some(deadline))?;
+                }
             }
             counters.sent.fetch_add(len, Ordering::Relaxed);
         } else {
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
-                stream.read_exact(record)?;
                 let mut tag = [0u8; TAG];
-                stream.read_exact(&mut tag)?;
+                inbox.read_exact(fd, record, TAG)?;
+                inbox.read_exact(fd, &mut tag, REQUEST_LEN + TAG)?;
                 if keys.recv.open(record, &tag).is_err() {
                     tracing::warn!("a put's bytes did not authenticate; closing the connection");
                     return Ok(Ended::Tampered);
@@ -511,6 +546,9 @@ pub(crate) struct Post {
     pub(crate) len: u64,
 }
 
+/// Request headers a client's writer sends in one system call at most.
+const HEADERS: usize = 32;
+
 /// The user data of the link's own heartbeat (a progress thread's request never has it: its
 /// flush bit is set).
 const HEARTBEAT: u64 = u64::MAX;
@@ -555,11 +593,18 @@ impl Link {
             move || -> io::Result<()> {
                 let fd = stream.as_raw_fd();
                 let mut scratch = if sealer.encrypts() { vec![0u8; CHUNK] } else { Vec::new() };
+                // Headers of gets and heartbeats queued one behind another leave together.
+                let mut headers = [0u8; HEADERS * (REQUEST_LEN + TAG)];
+                let mut queued = 0usize;
+                let mut next = None;
                 for id in 0u64.. {
-                    let post = match requests.recv_timeout(heartbeat) {
-                        Ok(post) => post,
-                        Err(mpsc::RecvTimeoutError::Timeout) => Post::heartbeat(),
-                        Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                    let post = match next.take() {
+                        Some(post) => post,
+                        None => match requests.recv_timeout(heartbeat) {
+                            Ok(post) => post,
+                            Err(mpsc::RecvTimeoutError::Timeout) => Post::heartbeat(),
+                            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+                        },
                     };
                     if expect.send(post).is_err() {
                         return Ok(()); // The reader ended.
@@ -574,7 +619,17 @@ impl Link {
                     let mut header = r.encode();
                     let header_tag = sealer.seal(&mut header);
                     if !post.write || post.len == 0 {
-                        send_all(fd, &[&header, &header_tag], None)?;
+                        let at = queued * (REQUEST_LEN + TAG);
+                        headers[at..at + REQUEST_LEN].copy_from_slice(&header);
+                        headers[at + REQUEST_LEN..at + REQUEST_LEN + TAG]
+                            .copy_from_slice(&header_tag);
+                        queued += 1;
+                        next = requests.try_recv().ok();
+                        // A put next sends its own header with its bytes, after these.
+                        if queued == HEADERS || next.is_none_or(|p| p.write && p.len > 0) {
+                            send_all(fd, &[&headers[..queued * (REQUEST_LEN + TAG)]], None)?;
+                            queued = 0;
+                        }
                         continue;
                     }
                     let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
@@ -612,10 +667,10 @@ impl Link {
             }
         };
         let reader = {
-            let (mut stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
+            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
             let (notify, closing) = (notify.clone(), Arc::clone(&closing));
             move || {
-                let why = read_answers(&mut stream, &guard, &expected, &notify, &mut opener);
+                let why = read_answers(&stream, &guard, &expected, &notify, &mut opener);
                 if !closing.load(Ordering::Acquire) {
                     let _ = notify.send(LinkEvent::Lost { slot, reason: why }.into());
                 }
@@ -662,7 +717,7 @@ impl Drop for Link {
 /// into place and opened there record by record; a get is reported done only once every
 /// record of it opened. Returns why it ended.
 fn read_answers<N: From<LinkEvent>>(
-    stream: &mut TcpStream,
+    stream: &TcpStream,
     guard: &RwLock<bool>,
     expected: &mpsc::Receiver<Post>,
     notify: &mpsc::Sender<N>,
@@ -675,9 +730,12 @@ fn read_answers<N: From<LinkEvent>>(
             format!("its connection failed: {e}")
         }
     };
+    let fd = stream.as_raw_fd();
+    // A record's tag and the next answer's header usually arrived with it: read with it.
+    let mut inbox = Inbox::new();
     for id in 0u64.. {
         let mut header = [0; RESPONSE_LEN + TAG];
-        if let Err(e) = stream.read_exact(&mut header) {
+        if let Err(e) = inbox.read_exact(fd, &mut header, RESPONSE_LEN + TAG) {
             return failed(e);
         }
         let (body, tag) = header.split_at_mut(RESPONSE_LEN);
@@ -735,11 +793,11 @@ fn read_answers<N: From<LinkEvent>>(
                         n,
                     )
                 };
-                if let Err(e) = stream.read_exact(record) {
-                    return format!("{} mid-get", failed(e));
-                }
                 let mut tag = [0u8; TAG];
-                if let Err(e) = stream.read_exact(&mut tag) {
+                let read = inbox
+                    .read_exact(fd, record, TAG + RESPONSE_LEN + TAG)
+                    .and_then(|()| inbox.read_exact(fd, &mut tag, RESPONSE_LEN + TAG));
+                if let Err(e) = read {
                     return format!("{} mid-get", failed(e));
                 }
                 if opener.open(record, &tag).is_err() {

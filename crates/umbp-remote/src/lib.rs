@@ -69,6 +69,8 @@ mod config;
 mod engine;
 mod error;
 mod handshake;
+#[allow(unsafe_code)] // One `readv`; see its SAFETY comment.
+mod inbox;
 #[allow(unsafe_code)] // Posts requests; see the SAFETY comment at the one block.
 mod progress;
 mod server;

@@ -950,7 +950,7 @@ impl Handshakes {
         };
         let (served, clients, one_sided) =
             (Arc::clone(&self.served), Arc::clone(&self.clients), self.one_sided);
-        let (drain, counters, stop) =
+        let (drain, counters, accepting) =
             (Arc::clone(&self.drain), Arc::clone(&self.counters), Arc::clone(&self.accepting));
         let timing = self.timing;
         let peer = p.peer;
@@ -967,12 +967,13 @@ impl Handshakes {
                 // thread first (`stop_threads`); their owner accepted peers' access.
                 #[allow(unsafe_code)]
                 unsafe {
-                    checked::serve(stream, &served, keys, timing, drain.as_fd(), &counters)
+                    let drain = checked::Drain { fd: drain.as_fd(), serving: &accepting };
+                    checked::serve(stream, &served, keys, timing, drain, &counters)
                 }
             };
             // The server stopping shuts the socket down: whatever this thread then saw, that
             // is why the session ended.
-            let stopping = !stop.load(Ordering::Acquire);
+            let stopping = !accepting.load(Ordering::Acquire);
             let (reason, counter) = match &ended {
                 Ok(Ended::Drained) => ("shutdown", &counters.closed_shutdown),
                 _ if stopping => ("shutdown", &counters.closed_shutdown),
