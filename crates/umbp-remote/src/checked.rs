@@ -46,7 +46,7 @@
 //! within [`RemoteConfig::peer_timeout`](crate::RemoteConfig) (a deadline for the whole answer,
 //! however its bytes trickle out).
 
-use std::io;
+use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -223,26 +223,55 @@ pub(crate) unsafe fn serve(
 ) -> io::Result<Ended> {
     // SAFETY: passed on from this function's own contract.
     let ended = unsafe { session(&mut stream, regions, keys, timing, drain, counters) };
-    end(&stream, &ended);
+    end(&stream, &ended, timing);
     ended
 }
 
 /// Ends a session's connection so that the client notices whatever it does. A client that
 /// left an answer unread past its deadline has a full receive window: a FIN would wait
 /// behind the unsent bytes for ever, so the connection is reset (`SO_LINGER` 0: the close
-/// sends an RST and drops what was unsent). Any other end the server chose is shut down
-/// both ways, a FIN after what was sent (a refusal's answer), so even while the server's
-/// other handle on the socket is still open the client reads its end at once.
-fn end(stream: &TcpStream, ended: &io::Result<Ended>) {
+/// sends an RST and drops what was unsent). A drain or a refusal must deliver what was sent
+/// (the answers served before it, the refusal's answer): the socket is shut down for writing
+/// (a FIN behind them) and the client's further requests are read and dropped until it
+/// closes its end ([`discard_until_closed`]): closing a socket with bytes unread resets the
+/// connection, and the reset would drop the answers the client had not read yet. Any other
+/// end the server chose is shut down both ways, so even while the server's other handle on
+/// the socket is still open the client reads its end at once.
+fn end(stream: &TcpStream, ended: &io::Result<Ended>, timing: Timing) {
     match ended {
         Err(e) if e.kind() == io::ErrorKind::TimedOut => {
             let _ = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO));
         }
         Ok(Ended::Left) | Err(_) => {}
+        Ok(Ended::Drained | Ended::Refused) => {
+            let _ = stream.shutdown(Shutdown::Write);
+            discard_until_closed(stream, Instant::now() + timing.stalled);
+        }
         Ok(_) => {
             let _ = stream.shutdown(Shutdown::Both);
         }
     }
+}
+
+/// Reads and drops what the client still sends until it closes its end, a read fails or
+/// `deadline` passes (a client that neither reads its end nor closes gets the peer timeout,
+/// as for an answer), then shuts the socket down both ways. A server that stops meanwhile
+/// shuts it down itself, which ends the wait.
+fn discard_until_closed(mut stream: &TcpStream, deadline: Instant) {
+    let mut sink = [0u8; 16 << 10];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match stream.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Both);
 }
 
 /// [`serve`]'s loop.

@@ -343,8 +343,10 @@ impl RemoteServer {
 
     /// Stops serving gracefully: closes the listener at once (new connections are refused,
     /// handshakes in progress closed), lets every checked client's request in progress finish
-    /// (its session then ends before the next request: the client sees its peer go away, and
-    /// what it had not yet had answered fails), waits up to `deadline` for that, then stops
+    /// and reach the client (its session then ends before the next request: the client sees
+    /// its peer go away, and what it had not yet had answered fails), waits up to `deadline`
+    /// for that (a client that neither reads its end nor closes its connection is given
+    /// at most `peer_timeout` of it), then stops
     /// as [`shutdown`](Self::shutdown) does and hands back the regions. One-sided clients'
     /// requests are the NIC's, and are not waited for.
     pub fn drain(mut self, deadline: Duration) -> Exports {

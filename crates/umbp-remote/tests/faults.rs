@@ -498,3 +498,65 @@ fn dropping_the_engine_lets_its_batches_in_flight_finish() {
     let bytes = local.deregister();
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(6, i)));
 }
+
+/// A drain in the middle of a long restore: the server ends the session between two
+/// requests although the client keeps many in flight (so the server usually has the next
+/// ones read already), and no answer is cut short. Every object the client saw complete holds
+/// the right bytes, every request the server served whole is one the client completed (none
+/// was half sent), the session is counted closed by the shutdown and by nothing else, and the
+/// arena comes back as it was.
+#[test]
+fn a_drain_ends_the_session_between_requests_and_cuts_no_answer_short() {
+    if !ucx_or_skip() {
+        return;
+    }
+    const PAGE: usize = 64 << 10;
+    const PAGES: usize = 256;
+    const OBJECTS: usize = 2048;
+    let pattern = |i: usize| fill_byte(9, i);
+    let server = umbp_remote::ServerBuilder::new(support::config("tcp"))
+        .export("arena", (0..PAGES * PAGE).map(pattern).collect::<Vec<u8>>(), false)
+        .serve("127.0.0.1:0")
+        .unwrap();
+    let stats = server.stats();
+    let engine = engine("tcp");
+    let peer = engine.connect(server.local_addr()).unwrap();
+    let remote = engine.register_remote(peer.regions[0].region, 0, (PAGES * PAGE) as u64).unwrap();
+    let local = engine.register_memory(vec![POISON; OBJECTS * PAGE]).unwrap();
+    // Object `o` reads page `o * 37 % PAGES` (nothing merges) into slot `o`.
+    let source = |o: usize| o * 37 % PAGES * PAGE;
+    let objects = (0..OBJECTS)
+        .map(|o| vec![(remote.id(), source(o) as u64, local.id(), (o * PAGE) as u64, PAGE as u64)]);
+    let mut handle = engine.submit(plan(&engine, objects));
+    // Drains once the server served a few requests, while the rest are in flight or queued.
+    let drained = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while stats.read().requests < 16 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        let mut exports = server.drain(Duration::from_secs(30));
+        (exports.take::<Vec<u8>>("arena").unwrap(), stats.read())
+    });
+    let failures = handle.wait().to_vec();
+    drop(handle);
+    let (arena, after) = drained.join().unwrap();
+    let failed: std::collections::HashSet<u32> =
+        failures.iter().flat_map(|f| f.tags.iter().map(|t| t.get())).collect();
+    for f in &failures {
+        assert!(matches!(f.cause, FailureCause::PeerFailed { .. }), "{f:?}");
+    }
+    let got = local.deregister();
+    for o in (0..OBJECTS).filter(|o| !failed.contains(&(*o as u32))) {
+        let slot = &got[o * PAGE..(o + 1) * PAGE];
+        let wrong = (0..PAGE).find(|&i| slot[i] != pattern(source(o) + i));
+        assert_eq!(wrong, None, "object {o} completed with wrong bytes");
+    }
+    let completed = (OBJECTS - failed.len()) as u64;
+    assert_eq!(after.requests, completed, "every request served whole was completed");
+    assert_eq!(after.bytes_sent, completed * PAGE as u64);
+    for (reason, n) in &after.sessions_closed {
+        assert_eq!(*n, u64::from(*reason == "shutdown"), "sessions closed: {reason}");
+    }
+    assert!((0..PAGES * PAGE).all(|i| arena[i] == pattern(i)), "the arena changed");
+    eprintln!("{completed} of {OBJECTS} objects completed before the drain ended the session");
+}
