@@ -48,7 +48,7 @@
 
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -305,7 +305,7 @@ unsafe fn session(
             return Ok(Ended::Drained);
         }
         let mut header = [0; REQUEST_LEN + TAG];
-        match inbox.read_exact(fd, &mut header, inbox::CAPACITY) {
+        match inbox.read_exact(stream.as_fd(), &mut header, inbox::CAPACITY) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(Ended::Left),
             Err(e) if is_timeout(&e) => return Ok(Ended::Idle),
@@ -368,8 +368,8 @@ unsafe fn session(
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
                 let mut tag = [0u8; TAG];
-                inbox.read_exact(fd, record, TAG)?;
-                inbox.read_exact(fd, &mut tag, REQUEST_LEN + TAG)?;
+                inbox.read_exact(stream.as_fd(), record, TAG)?;
+                inbox.read_exact(stream.as_fd(), &mut tag, REQUEST_LEN + TAG)?;
                 if keys.recv.open(record, &tag).is_err() {
                     tracing::warn!("a put's bytes did not authenticate; closing the connection");
                     return Ok(Ended::Tampered);
@@ -759,12 +759,11 @@ fn read_answers<N: From<LinkEvent>>(
             format!("its connection failed: {e}")
         }
     };
-    let fd = stream.as_raw_fd();
     // A record's tag and the next answer's header usually arrived with it: read with it.
     let mut inbox = Inbox::new();
     for id in 0u64.. {
         let mut header = [0; RESPONSE_LEN + TAG];
-        if let Err(e) = inbox.read_exact(fd, &mut header, RESPONSE_LEN + TAG) {
+        if let Err(e) = inbox.read_exact(stream.as_fd(), &mut header, RESPONSE_LEN + TAG) {
             return failed(e);
         }
         let (body, tag) = header.split_at_mut(RESPONSE_LEN);
@@ -824,8 +823,8 @@ fn read_answers<N: From<LinkEvent>>(
                 };
                 let mut tag = [0u8; TAG];
                 let read = inbox
-                    .read_exact(fd, record, TAG + RESPONSE_LEN + TAG)
-                    .and_then(|()| inbox.read_exact(fd, &mut tag, RESPONSE_LEN + TAG));
+                    .read_exact(stream.as_fd(), record, TAG + RESPONSE_LEN + TAG)
+                    .and_then(|()| inbox.read_exact(stream.as_fd(), &mut tag, RESPONSE_LEN + TAG));
                 if let Err(e) = read {
                     return format!("{} mid-get", failed(e));
                 }

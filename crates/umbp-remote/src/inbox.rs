@@ -15,6 +15,7 @@
 //! every record would go through the buffer, or the buffer would never hold the next header.
 
 use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Bytes an [`Inbox`] can hold: 85 request headers with their tags.
 pub(crate) const CAPACITY: usize = 4096;
@@ -42,7 +43,12 @@ impl Inbox {
     /// less) into the inbox. Fails with `UnexpectedEof` when the peer closed before `dst` was
     /// full, and as the socket fails otherwise (a receive timeout as `WouldBlock`); what was
     /// read of `dst` before is then unspecified.
-    pub(crate) fn read_exact(&mut self, fd: i32, dst: &mut [u8], ahead: usize) -> io::Result<()> {
+    pub(crate) fn read_exact(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        dst: &mut [u8],
+        ahead: usize,
+    ) -> io::Result<()> {
         let from_buf = self.buffered().min(dst.len());
         dst[..from_buf].copy_from_slice(&self.buf[self.start..self.start + from_buf]);
         self.start += from_buf;
@@ -62,7 +68,7 @@ impl Inbox {
             // SAFETY: both iovecs name memory borrowed mutably for the whole call (`rest`
             // from `dst`, the first `ahead <= CAPACITY` bytes of `buf`), which do not
             // overlap; the kernel writes at most their lengths and nothing after the call.
-            let got = unsafe { libc::readv(fd, iov.as_mut_ptr(), 2) };
+            let got = unsafe { libc::readv(fd.as_raw_fd(), iov.as_mut_ptr(), 2) };
             if got < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -86,7 +92,7 @@ impl Inbox {
 mod tests {
     use super::*;
     use std::io::Write;
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
 
     /// Whatever the reads ask for and however far ahead they read, they hand out the stream's
@@ -112,7 +118,7 @@ mod tests {
             let ahead = (seed >> 4) as usize % 5_000;
             let before = inbox.buffered();
             let mut dst = vec![0u8; want];
-            inbox.read_exact(rx.as_raw_fd(), &mut dst, ahead).unwrap();
+            inbox.read_exact(rx.as_fd(), &mut dst, ahead).unwrap();
             got.extend_from_slice(&dst);
             if before < want {
                 assert!(inbox.buffered() <= ahead.min(CAPACITY), "read ahead past {ahead}");
@@ -134,10 +140,10 @@ mod tests {
         drop(tx);
         let mut inbox = Inbox::new();
         let mut two = [0u8; 2];
-        inbox.read_exact(rx.as_raw_fd(), &mut two, 64).unwrap();
+        inbox.read_exact(rx.as_fd(), &mut two, 64).unwrap();
         assert_eq!((two, inbox.buffered()), ([1, 2], 3));
         let mut five = [0u8; 5];
-        let e = inbox.read_exact(rx.as_raw_fd(), &mut five, 64).unwrap_err();
+        let e = inbox.read_exact(rx.as_fd(), &mut five, 64).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
         assert_eq!(five[..3], [3, 4, 5]);
     }
