@@ -491,6 +491,10 @@ struct RemoteArgs {
     /// rows; --tiny takes at most 100).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     latency_transfers: u32,
+    /// Connections the engine opens to the server (umbp-remote's `RemoteConfig::lanes`): each
+    /// puts one more core on each side to sealing and opening the bytes.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    lanes: u16,
 }
 
 #[cfg(feature = "engines")]
@@ -1031,6 +1035,7 @@ fn remote(args: &RemoteArgs, out: &Output<'_>) -> anyhow::Result<()> {
         perftest: !args.no_perftest,
         mooncake: !args.no_mooncake,
         latency_transfers: latency as usize,
+        lanes: usize::from(args.lanes),
     };
     let run = remote_bench::run(&config, out.progress)?;
     out.emit(&Report::new(

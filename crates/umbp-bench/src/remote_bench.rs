@@ -315,6 +315,9 @@ pub struct RemoteBenchConfig {
     /// Single 4 KiB transfers timed one at a time, quiet and under load; 0: no latency rows.
     /// Default 0 (the command asks for 2,000).
     pub latency_transfers: usize,
+    /// Connections the engine opens to the server ([`RemoteConfig::lanes`]). Default: the
+    /// engine's (2).
+    pub lanes: usize,
 }
 
 impl Default for RemoteBenchConfig {
@@ -328,6 +331,7 @@ impl Default for RemoteBenchConfig {
             perftest: true,
             mooncake: false,
             latency_transfers: 0,
+            lanes: RemoteConfig::default().lanes,
         }
     }
 }
@@ -343,6 +347,8 @@ pub struct RemoteRow {
     pub path: &'static str,
     /// The channel's protection on the checked path: `encrypted` or `authenticated`.
     pub protection: &'static str,
+    /// Connections the engine restored over (umbp-remote's lanes; 1 one-sided).
+    pub lanes: usize,
     /// `child` (a `serve` process on loopback) or `node` (`--server`).
     pub server: &'static str,
     /// Bytes per fragment: one page, one get.
@@ -615,6 +621,8 @@ struct Client {
     engine: RemoteEngine,
     /// What the engine asked its channel for.
     protection: Protection,
+    /// The connections the engine got to the server (`PeerInfo::lanes`).
+    lanes: usize,
 }
 
 impl Client {
@@ -630,6 +638,7 @@ impl Client {
                 transports: Some(config.transports.clone()),
                 secret: Some(secret().into()),
                 protection,
+                lanes: config.lanes,
                 ..RemoteConfig::default()
             },
         )
@@ -652,7 +661,8 @@ impl Client {
             .map(|b| unsafe { b.lend(&engine) })
             .collect::<Result<Vec<_>, _>>()
             .context("registering the destinations")?;
-        Ok(Self { destinations, buffers, remote, engine, protection })
+        let lanes = peer.lanes;
+        Ok(Self { destinations, buffers, remote, engine, protection, lanes })
     }
 
     /// Plans the restore of every object of `shape` from `pages`.
@@ -1054,7 +1064,7 @@ pub fn run(config: &RemoteBenchConfig, progress: &Progress) -> anyhow::Result<Re
         for (i, client) in clients.iter().enumerate() {
             let mut r = row(
                 config,
-                client.protection,
+                (client.protection, client.lanes),
                 server_kind,
                 &shape,
                 segments,
@@ -1138,7 +1148,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 #[allow(clippy::too_many_arguments)] // One row's figures.
 fn row(
     config: &RemoteBenchConfig,
-    protection: Protection,
+    (protection, lanes): (Protection, usize),
     server: &'static str,
     shape: &RestoreShape,
     segments: usize,
@@ -1159,6 +1169,7 @@ fn row(
         transport: config.transports.clone(),
         path,
         protection: protection_name(protection),
+        lanes,
         server,
         fragment_size: shape.page_size,
         objects: shape.objects,
@@ -1206,13 +1217,14 @@ pub fn table(run: &RemoteRun) -> String {
             Some(why) => format!("no Mooncake row ({why})"),
         };
         out += &format!(
-            "remote restore over UCX ({}, {} server, {} path): {} x 24 ranges of 1MiB ({}), \
-             one request per scattered page; {} each, taking turns\n\
+            "remote restore over UCX ({}, {} server, {} path, {}): {} x 24 ranges of 1MiB \
+             ({}), one request per scattered page; {} each, taking turns\n\
              peer: {mooncake}\n\
              raw one-sided path: {raw}\n",
             first.transport,
             first.server,
             first.path,
+            plural(first.lanes, "lane"),
             plural(first.objects, "object"),
             ByteSize(first.bytes),
             plural(first.repeats, "run"),
@@ -1410,7 +1422,7 @@ mod tests {
         let config = RemoteBenchConfig::default();
         let r = row(
             &config,
-            Protection::Encrypted,
+            (Protection::Encrypted, 2),
             "child",
             &shape,
             384,
@@ -1423,7 +1435,7 @@ mod tests {
         assert_eq!((r.gib_s, r.repeats, r.fragments), (1.0, 3, 384));
         let r = row(
             &config,
-            Protection::Encrypted,
+            (Protection::Encrypted, 2),
             "child",
             &shape,
             384,
@@ -1437,7 +1449,7 @@ mod tests {
         let rdma = RemoteBenchConfig { transports: "rc_x,dc_x".into(), ..config.clone() };
         let r = row(
             &rdma,
-            Protection::Encrypted,
+            (Protection::Encrypted, 2),
             "child",
             &shape,
             384,
@@ -1449,7 +1461,17 @@ mod tests {
         assert_eq!(r.path, "one-sided");
         assert_eq!(r.verdict, Some(Verdict::WithinNoise), "0.8 lies in [0.75, 1.1]");
         let small = RestoreShape { page_size: 4 << 10, ..shape };
-        let r = row(&rdma, Protection::Encrypted, "child", &small, 6144, 256, &[1.0], &[1.0], true);
+        let r = row(
+            &rdma,
+            (Protection::Encrypted, 2),
+            "child",
+            &small,
+            6144,
+            256,
+            &[1.0],
+            &[1.0],
+            true,
+        );
         assert_eq!((r.ratio, r.verdict), (Some(1.0), None), "no target below 64 KiB");
         let run = RemoteRun { restores: vec![r], latency: Vec::new() };
         assert!(table(&run).contains("4KiB"));
@@ -1475,17 +1497,17 @@ mod tests {
         let config = RemoteBenchConfig::default();
         let engine = [0.9, 1.0, 1.1];
         let mut r =
-            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
+            row(&config, (Protection::Encrypted, 2), "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[0.5, 0.6, 0.7], Some(true), None);
         assert_eq!(r.mooncake_gib_s, Some(0.6));
         assert_eq!(r.mooncake_verdict, Some(Verdict::Met), "0.9 / 0.7 > 1.0");
         assert_eq!((r.mooncake_verified, r.mooncake_skipped.as_deref()), (Some(true), None));
         let mut r =
-            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
+            row(&config, (Protection::Encrypted, 2), "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[1.0, 1.05], Some(true), None);
         assert_eq!(r.mooncake_verdict, Some(Verdict::WithinNoise));
         let mut r =
-            row(&config, Protection::Encrypted, "child", &shape, 384, 256, &engine, &[], true);
+            row(&config, (Protection::Encrypted, 2), "child", &shape, 384, 256, &engine, &[], true);
         add_mooncake(&mut r, &engine, &[], None, Some("not installed".into()));
         assert_eq!((r.mooncake_gib_s, r.mooncake_verdict), (None, None));
         assert_eq!(r.mooncake_skipped.as_deref(), Some("not installed"));

@@ -353,9 +353,11 @@ fn sixteen_threads_meet_a_memory_node_at_once() {
         t.join().unwrap();
     }
     let addr = node.addr.to_string();
-    // One connection per client: the 16 first contacts waited for one.
+    // One link per client (of the default lanes, each a connection): the 16 first contacts
+    // waited for one.
     let metrics = pool_support::scrape(node.metrics.unwrap());
-    assert_eq!(pool_support::value(&metrics, "umbp_ucx_serve_clients_admitted_total"), 2);
+    let lanes = umbp_remote::RemoteConfig::default().lanes as u64;
+    assert_eq!(pool_support::value(&metrics, "umbp_ucx_serve_clients_admitted_total"), 2 * lanes);
     assert_eq!(reader.resolver.connected(), [(NodeId(30), addr.clone())]);
     assert_eq!(writer.resolver.connected(), [(NodeId(30), addr)]);
     let keys: Vec<BlockKey> = (0..THREADS).map(|t| key(31, t)).collect();

@@ -24,14 +24,17 @@
 //! destination). A refused request ends the connection (the server reads no payload of it),
 //! so a client that sends one is one that bypassed its own engine's checks.
 //!
-//! On the client, each checked peer has a writer thread (requests, and the bytes of puts;
-//! a heartbeat when it had nothing to send for [`RemoteConfig::heartbeat`](crate::RemoteConfig))
-//! and a reader thread (answers, and the bytes of gets, received straight into the
-//! destination and opened there). Both touch local memory only while holding the link's
-//! guard (shared: neither waits on the other, so a get's bytes are always read while a put's
-//! are sent) and only while the link is open; closing it shuts the socket down and then takes
-//! the guard exclusively, so once [`Link::close`] returns no byte of local memory is touched
-//! again (what a forced UCX endpoint close gives the one-sided path).
+//! On the client, a checked peer is a [`Link`] of one or more lanes
+//! ([`RemoteConfig::lanes`](crate::RemoteConfig)), each its own authenticated connection,
+//! served by its own server thread. Each lane has a writer thread (requests, and the bytes of
+//! puts; a heartbeat when it had nothing to send for
+//! [`RemoteConfig::heartbeat`](crate::RemoteConfig)) and a reader thread (answers, and the
+//! bytes of gets, received straight into the destination and opened there). Both touch local
+//! memory only while holding their lane's guard (shared: neither waits on the other, so a
+//! get's bytes are always read while a put's are sent) and only while the link is open;
+//! closing it shuts every lane's socket down and then takes each guard exclusively, so once
+//! [`Link::close`] returns no byte of local memory is touched again (what a forced UCX
+//! endpoint close gives the one-sided path).
 //!
 //! Neither side waits for one message before sending the next: a client keeps many requests
 //! in flight, and its writer sends the headers of gets queued one behind another in one
@@ -49,7 +52,7 @@
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -588,136 +591,121 @@ impl Post {
     }
 }
 
-/// A checked peer as the client's progress thread holds it.
+/// A checked peer as the client's progress thread holds it: one or more *lanes*, each an
+/// authenticated connection of its own (its own session keys, its own server thread) with a
+/// writer and a reader thread. Requests go to the lane with the fewest bytes unanswered;
+/// each lane's requests are answered in its own order. The server seals (or hashes) and
+/// sends a client's answers on one thread per connection, and the client opens them on one
+/// thread per connection: with one lane a single core bounds a peer's throughput, whatever
+/// the network.
+///
+/// The lanes end together. An answer that breaks the protocol (it does not open, answers
+/// what was not asked, refuses) ends the link at once: its reader reports it lost, and the
+/// progress thread closes every lane. A lane whose connection ends (the server drains,
+/// stops or went away) takes no more requests, and neither does the link; the others are
+/// shut down for writing, so the server answers what it already received and closes them,
+/// and their readers take those answers (each at most `peer_timeout` apart) before the last
+/// one reports the link lost. So a drain delivers every answer the server sent, on every
+/// lane.
 pub(crate) struct Link {
+    lanes: Vec<Lane>,
+    ends: Arc<Ends>,
+}
+
+/// One connection of a [`Link`].
+struct Lane {
     stream: TcpStream,
     posts: Option<mpsc::Sender<Post>>,
     /// Held (shared) while an I/O thread touches local memory, so the reader and the writer
     /// never wait on each other; taken exclusively to close, and `true` once closed.
     guard: Arc<RwLock<bool>>,
-    closing: Arc<AtomicBool>,
+    /// Bytes posted and not yet answered, plus one per request (so a lane of zero-length
+    /// requests is not taken for idle): where the next request goes.
+    unanswered: Arc<AtomicU64>,
+}
+
+/// How a link's lanes end together.
+struct Ends {
+    /// Set by [`Link::close`]: the lanes' ends are not reported.
+    closing: AtomicBool,
+    /// Set once a lane's connection ended: the link takes no more requests.
+    ending: AtomicBool,
+    /// Lanes whose reader still runs.
+    reading: AtomicUsize,
+    /// Every lane's connection, to shut the others down when one ends.
+    streams: Vec<TcpStream>,
+    /// How long a lane's reader waits for the server once another lane ended.
+    peer_timeout: Duration,
+}
+
+impl Ends {
+    /// A lane's reader ended for `end`: reports the link lost once no reader is left or the
+    /// protocol was broken; else lets the other lanes take what the server already sent.
+    fn lane_ended<N: From<LinkEvent>>(&self, end: End, slot: u32, notify: &mpsc::Sender<N>) {
+        let last = self.reading.fetch_sub(1, Ordering::AcqRel) == 1;
+        let (broken, reason) = match end {
+            End::Closed(reason) => (false, reason),
+            End::Broken(reason) => (true, reason),
+        };
+        if !broken && !last {
+            if !self.ending.swap(true, Ordering::AcqRel) {
+                for stream in &self.streams {
+                    let _ = stream.shutdown(Shutdown::Write);
+                    let _ = stream.set_read_timeout(Some(self.peer_timeout));
+                }
+            }
+            return;
+        }
+        self.ending.store(true, Ordering::Release);
+        if !self.closing.load(Ordering::Acquire) {
+            let _ = notify.send(LinkEvent::Lost { slot, reason }.into());
+        }
+    }
 }
 
 impl Link {
-    /// Starts the link's threads on an authenticated connection with the session's keys.
-    /// Completions and the link's end (as [`LinkEvent::Lost`] for `slot`) go to `notify`.
-    /// With nothing to send for `heartbeat`, the writer sends a heartbeat (so the server
-    /// knows the client lives).
+    /// Starts the threads of a lane on each authenticated connection of `connections`
+    /// (with its session's keys). Completions and the link's end (as [`LinkEvent::Lost`] for
+    /// `slot`) go to `notify`. A lane's writer with nothing to send for `heartbeat` sends a
+    /// heartbeat (so the server knows the client lives); once a lane ended, the others wait
+    /// at most `peer_timeout` for each answer.
     pub(crate) fn start<N: From<LinkEvent> + Send + 'static>(
-        stream: TcpStream,
+        connections: Vec<(TcpStream, Keys)>,
         slot: u32,
         notify: mpsc::Sender<N>,
-        keys: Keys,
         heartbeat: Duration,
+        peer_timeout: Duration,
     ) -> io::Result<Self> {
-        stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
-        let guard = Arc::new(RwLock::new(false));
-        let closing = Arc::new(AtomicBool::new(false));
-        let (posts, requests) = mpsc::channel::<Post>();
-        let (expect, expected) = mpsc::channel::<Post>();
-        let Keys { send: mut sealer, recv: mut opener } = keys;
-        let writer = {
-            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
-            move || -> io::Result<()> {
-                let fd = stream.as_raw_fd();
-                let mut scratch = if sealer.encrypts() { vec![0u8; CHUNK] } else { Vec::new() };
-                // Headers of gets and heartbeats queued one behind another leave together.
-                let mut headers = [0u8; HEADERS * (REQUEST_LEN + TAG)];
-                let mut queued = 0usize;
-                let mut next = None;
-                for id in 0u64.. {
-                    let post = match next.take() {
-                        Some(post) => post,
-                        None => match requests.recv_timeout(heartbeat) {
-                            Ok(post) => post,
-                            Err(mpsc::RecvTimeoutError::Timeout) => Post::heartbeat(),
-                            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
-                        },
-                    };
-                    if expect.send(post).is_err() {
-                        return Ok(()); // The reader ended.
-                    }
-                    let r = if post.user_data == HEARTBEAT {
-                        Request { op: PING, region: 0, id, offset: 0, len: 0 }
-                    } else if post.write {
-                        Request::put(post.region, id, post.offset, post.len)
-                    } else {
-                        Request::get(post.region, id, post.offset, post.len)
-                    };
-                    let mut header = r.encode();
-                    let header_tag = sealer.seal(&mut header);
-                    if !post.write || post.len == 0 {
-                        let at = queued * (REQUEST_LEN + TAG);
-                        headers[at..at + REQUEST_LEN].copy_from_slice(&header);
-                        headers[at + REQUEST_LEN..at + REQUEST_LEN + TAG]
-                            .copy_from_slice(&header_tag);
-                        queued += 1;
-                        next = requests.try_recv().ok();
-                        // A put next sends its own header with its bytes, after these.
-                        if queued == HEADERS || next.is_none_or(|p| p.write && p.len > 0) {
-                            send_all(fd, &[&headers[..queued * (REQUEST_LEN + TAG)]], None)?;
-                            queued = 0;
-                        }
-                        continue;
-                    }
-                    let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
-                    if *closed {
-                        return Ok(());
-                    }
-                    for (i, (at, n)) in chunks(post.len).enumerate() {
-                        // SAFETY: the progress thread posted this put from host memory its
-                        // batch keeps registered until the put completes or the link closes;
-                        // closing takes the guard, held here, so the bytes are valid now, and
-                        // the overlap rule keeps the batch from writing them meanwhile.
-                        let bytes = unsafe {
-                            std::slice::from_raw_parts(
-                                std::ptr::with_exposed_provenance::<u8>((post.local + at) as usize),
-                                n,
-                            )
-                        };
-                        let (record, tag) = match sealer.tag_of(bytes) {
-                            Some(tag) => (bytes, tag),
-                            None => {
-                                let record = &mut scratch[..n];
-                                record.copy_from_slice(bytes);
-                                let tag = sealer.seal(record);
-                                (&*record, tag)
-                            }
-                        };
-                        if i == 0 {
-                            send_all(fd, &[&header, &header_tag, record, &tag], None)?;
-                        } else {
-                            send_all(fd, &[record, &tag], None)?;
-                        }
-                    }
-                }
-                Ok(())
-            }
-        };
-        let reader = {
-            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
-            let (notify, closing) = (notify.clone(), Arc::clone(&closing));
-            move || {
-                let why = read_answers(&stream, &guard, &expected, &notify, &mut opener);
-                if !closing.load(Ordering::Acquire) {
-                    let _ = notify.send(LinkEvent::Lost { slot, reason: why }.into());
-                }
-            }
-        };
-        let mut writer = writer;
-        std::thread::Builder::new().name(format!("umbp-ucx-put-{slot}")).spawn(move || {
-            if let Err(e) = writer() {
-                tracing::debug!(error = %e, "checked link writer ended");
-            }
-        })?;
-        std::thread::Builder::new().name(format!("umbp-ucx-get-{slot}")).spawn(reader)?;
-        Ok(Self { stream, posts: Some(posts), guard, closing })
+        assert!(!connections.is_empty(), "a link has at least one lane");
+        let streams = connections.iter().map(|(s, _)| s.try_clone()).collect::<io::Result<_>>()?;
+        let ends = Arc::new(Ends {
+            closing: AtomicBool::new(false),
+            ending: AtomicBool::new(false),
+            reading: AtomicUsize::new(0),
+            streams,
+            peer_timeout,
+        });
+        let mut link = Self { lanes: Vec::new(), ends };
+        for (i, (stream, keys)) in connections.into_iter().enumerate() {
+            let lane = Lane::start(stream, keys, slot, i, &notify, &link.ends, heartbeat)?;
+            link.lanes.push(lane);
+        }
+        Ok(link)
     }
 
-    /// Hands a request to the writer; `false` if the link is gone.
+    /// Hands a request to the writer of the lane with the fewest bytes unanswered; `false`
+    /// if the link is ending or gone.
     pub(crate) fn post(&self, post: Post) -> bool {
-        self.posts.as_ref().is_some_and(|p| p.send(post).is_ok())
+        if self.ends.ending.load(Ordering::Acquire) {
+            return false;
+        }
+        let lane = self
+            .lanes
+            .iter()
+            .min_by_key(|lane| lane.unanswered.load(Ordering::Relaxed))
+            .expect("a link has at least one lane");
+        lane.unanswered.fetch_add(post.len + 1, Ordering::Relaxed);
+        lane.posts.as_ref().is_some_and(|p| p.send(post).is_ok())
     }
 
     /// Closes the link: once this returns, its threads touch no local memory again and do
@@ -728,11 +716,15 @@ impl Link {
     }
 
     fn close_now(&mut self) {
-        self.closing.store(true, Ordering::Release);
-        self.posts = None;
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.ends.closing.store(true, Ordering::Release);
+        for lane in &mut self.lanes {
+            lane.posts = None;
+            let _ = lane.stream.shutdown(Shutdown::Both);
+        }
         // Waits for the I/O threads inside a transfer (the shutdown ends their system calls).
-        *self.guard.write().unwrap_or_else(PoisonError::into_inner) = true;
+        for lane in &self.lanes {
+            *lane.guard.write().unwrap_or_else(PoisonError::into_inner) = true;
+        }
     }
 }
 
@@ -740,6 +732,151 @@ impl Drop for Link {
     fn drop(&mut self) {
         self.close_now();
     }
+}
+
+impl Lane {
+    /// Starts lane `index`'s writer and reader on `stream`.
+    fn start<N: From<LinkEvent> + Send + 'static>(
+        stream: TcpStream,
+        keys: Keys,
+        slot: u32,
+        index: usize,
+        notify: &mpsc::Sender<N>,
+        ends: &Arc<Ends>,
+        heartbeat: Duration,
+    ) -> io::Result<Self> {
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(None)?;
+        let guard = Arc::new(RwLock::new(false));
+        let unanswered = Arc::new(AtomicU64::new(0));
+        let (posts, requests) = mpsc::channel::<Post>();
+        let (expect, expected) = mpsc::channel::<Post>();
+        let Keys { send: sealer, recv: mut opener } = keys;
+        let writer = {
+            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
+            move || write_requests(&stream, &guard, &requests, &expect, sealer, heartbeat)
+        };
+        let reader = {
+            let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
+            let (notify, ends) = (notify.clone(), Arc::clone(ends));
+            let unanswered = Arc::clone(&unanswered);
+            move || {
+                let end =
+                    read_answers(&stream, &guard, &expected, &notify, &unanswered, &mut opener);
+                ends.lane_ended(end, slot, &notify);
+            }
+        };
+        // Thread names: at most 15 bytes reach the kernel.
+        std::thread::Builder::new().name(format!("umbp-put-{slot}.{index}")).spawn(move || {
+            if let Err(e) = writer() {
+                tracing::debug!(error = %e, "checked link writer ended");
+            }
+        })?;
+        ends.reading.fetch_add(1, Ordering::AcqRel);
+        if let Err(e) =
+            std::thread::Builder::new().name(format!("umbp-get-{slot}.{index}")).spawn(reader)
+        {
+            ends.reading.fetch_sub(1, Ordering::AcqRel);
+            return Err(e);
+        }
+        Ok(Self { stream, posts: Some(posts), guard, unanswered })
+    }
+}
+
+/// Why a lane's reader ended.
+enum End {
+    /// Its connection closed or failed (or the link closed).
+    Closed(String),
+    /// The server broke the protocol: an answer that does not open, that answers what was
+    /// not asked, or refuses.
+    Broken(String),
+}
+
+/// A lane's writer loop: each request posted is queued for the reader (which expects its
+/// answer) and sent; a get's header (and a heartbeat) waits for the requests queued behind
+/// it, up to [`HEADERS`], so they leave in one system call; a put's bytes follow its header,
+/// sealed record by record (or tagged where they are, when the channel only authenticates).
+/// Ends when the link closes or the reader ended.
+fn write_requests(
+    stream: &TcpStream,
+    guard: &RwLock<bool>,
+    requests: &mpsc::Receiver<Post>,
+    expect: &mpsc::Sender<Post>,
+    mut sealer: Sealer,
+    heartbeat: Duration,
+) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let mut scratch = if sealer.encrypts() { vec![0u8; CHUNK] } else { Vec::new() };
+    // Headers of gets and heartbeats queued one behind another leave together.
+    let mut headers = [0u8; HEADERS * (REQUEST_LEN + TAG)];
+    let mut queued = 0usize;
+    let mut next = None;
+    for id in 0u64.. {
+        let post = match next.take() {
+            Some(post) => post,
+            None => match requests.recv_timeout(heartbeat) {
+                Ok(post) => post,
+                Err(mpsc::RecvTimeoutError::Timeout) => Post::heartbeat(),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            },
+        };
+        if expect.send(post).is_err() {
+            return Ok(()); // The reader ended.
+        }
+        let r = if post.user_data == HEARTBEAT {
+            Request { op: PING, region: 0, id, offset: 0, len: 0 }
+        } else if post.write {
+            Request::put(post.region, id, post.offset, post.len)
+        } else {
+            Request::get(post.region, id, post.offset, post.len)
+        };
+        let mut header = r.encode();
+        let header_tag = sealer.seal(&mut header);
+        if !post.write || post.len == 0 {
+            let at = queued * (REQUEST_LEN + TAG);
+            headers[at..at + REQUEST_LEN].copy_from_slice(&header);
+            headers[at + REQUEST_LEN..at + REQUEST_LEN + TAG].copy_from_slice(&header_tag);
+            queued += 1;
+            next = requests.try_recv().ok();
+            // A put next sends its own header with its bytes, after these.
+            if queued == HEADERS || next.is_none_or(|p| p.write && p.len > 0) {
+                send_all(fd, &[&headers[..queued * (REQUEST_LEN + TAG)]], None)?;
+                queued = 0;
+            }
+            continue;
+        }
+        let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
+        if *closed {
+            return Ok(());
+        }
+        for (i, (at, n)) in chunks(post.len).enumerate() {
+            // SAFETY: the progress thread posted this put from host memory its batch keeps
+            // registered until the put completes or the link closes; closing takes the guard,
+            // held here, so the bytes are valid now, and the overlap rule keeps the batch
+            // from writing them meanwhile.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    std::ptr::with_exposed_provenance::<u8>((post.local + at) as usize),
+                    n,
+                )
+            };
+            let (record, tag) = match sealer.tag_of(bytes) {
+                Some(tag) => (bytes, tag),
+                None => {
+                    let record = &mut scratch[..n];
+                    record.copy_from_slice(bytes);
+                    let tag = sealer.seal(record);
+                    (&*record, tag)
+                }
+            };
+            if i == 0 {
+                send_all(fd, &[&header, &header_tag, record, &tag], None)?;
+            } else {
+                send_all(fd, &[record, &tag], None)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The reader's loop: answers in order, each opened before it counts, get bytes received
@@ -750,8 +887,9 @@ fn read_answers<N: From<LinkEvent>>(
     guard: &RwLock<bool>,
     expected: &mpsc::Receiver<Post>,
     notify: &mpsc::Sender<N>,
+    unanswered: &AtomicU64,
     opener: &mut Opener,
-) -> String {
+) -> End {
     let failed = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             "its connection closed".to_owned()
@@ -759,31 +897,33 @@ fn read_answers<N: From<LinkEvent>>(
             format!("its connection failed: {e}")
         }
     };
+    let broken = |why: &str| End::Broken(why.to_owned());
     // A record's tag and the next answer's header usually arrived with it: read with it.
     let mut inbox = Inbox::new();
     for id in 0u64.. {
         let mut header = [0; RESPONSE_LEN + TAG];
         if let Err(e) = inbox.read_exact(stream.as_fd(), &mut header, RESPONSE_LEN + TAG) {
-            return failed(e);
+            return End::Closed(failed(e));
         }
         let (body, tag) = header.split_at_mut(RESPONSE_LEN);
         let tag: [u8; TAG] = (&*tag).try_into().expect("16 bytes");
         if opener.open(body, &tag).is_err() {
-            return "an answer did not authenticate (forged, replayed, reordered or corrupted)"
-                .into();
+            return broken(
+                "an answer did not authenticate (forged, replayed, reordered or corrupted)",
+            );
         }
         // The writer queues a request here before sending it: an answer with none queued
         // answers nothing this side asked.
         let post = match expected.try_recv() {
             Ok(post) => post,
-            Err(mpsc::TryRecvError::Empty) => return "it answered a request never sent".into(),
-            Err(mpsc::TryRecvError::Disconnected) => return "the link closed".into(),
+            Err(mpsc::TryRecvError::Empty) => return broken("it answered a request never sent"),
+            Err(mpsc::TryRecvError::Disconnected) => return End::Closed("the link closed".into()),
         };
         let status = body[0];
         let got_id = u64::from_le_bytes(body[8..16].try_into().expect("8 bytes"));
         let len = u64::from_le_bytes(body[16..24].try_into().expect("8 bytes"));
         if got_id != id {
-            return format!("it answered request {got_id} where {id} was due");
+            return broken(&format!("it answered request {got_id} where {id} was due"));
         }
         if status != 0 {
             let words = Refusal::from_status(status).map_or("an unknown answer", Refusal::words);
@@ -793,22 +933,22 @@ fn read_answers<N: From<LinkEvent>>(
                         .into(),
                 );
             }
-            return words.into();
+            return broken(words);
         }
         if post.write || post.user_data == HEARTBEAT {
             if len != 0 {
-                return format!("it answered a put or a heartbeat with {len} bytes");
+                return broken(&format!("it answered a put or a heartbeat with {len} bytes"));
             }
             if post.user_data == HEARTBEAT {
                 continue;
             }
         } else {
             if len != post.len {
-                return format!("it answered a get of {} bytes with {len}", post.len);
+                return broken(&format!("it answered a get of {} bytes with {len}", post.len));
             }
             let closed = guard.read().unwrap_or_else(PoisonError::into_inner);
             if *closed {
-                return "the link closed".into();
+                return End::Closed("the link closed".into());
             }
             for (at, n) in chunks(len) {
                 // SAFETY: the progress thread posted this get into host memory its batch
@@ -826,15 +966,17 @@ fn read_answers<N: From<LinkEvent>>(
                     .read_exact(stream.as_fd(), record, TAG + RESPONSE_LEN + TAG)
                     .and_then(|()| inbox.read_exact(stream.as_fd(), &mut tag, RESPONSE_LEN + TAG));
                 if let Err(e) = read {
-                    return format!("{} mid-get", failed(e));
+                    return End::Closed(format!("{} mid-get", failed(e)));
                 }
                 if opener.open(record, &tag).is_err() {
-                    return "a get's bytes did not authenticate (forged, replayed, reordered or \
-                            corrupted); its object fails"
-                        .into();
+                    return broken(
+                        "a get's bytes did not authenticate (forged, replayed, reordered or \
+                         corrupted); its object fails",
+                    );
                 }
             }
         }
+        unanswered.fetch_sub(post.len + 1, Ordering::Relaxed);
         let _ = notify.send(LinkEvent::Done { user_data: post.user_data, result: Ok(()) }.into());
     }
     unreachable!("request ids do not run out")

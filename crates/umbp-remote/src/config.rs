@@ -73,6 +73,17 @@ pub struct RemoteConfig {
     pub idle_timeout: Duration,
     /// Requests one engine keeps in flight at most (over all peers). Default: 256.
     pub max_in_flight: usize,
+    /// Connections (lanes) a client opens to each server it reaches through the checked
+    /// request path, each authenticated on its own; requests go to the lane with the fewest
+    /// bytes unanswered. A server seals a client's answers on one thread per connection and
+    /// the client opens them on one thread per connection, so one lane caps a peer's
+    /// throughput at what one core seals: more lanes put more cores on one peer's transfers.
+    /// Each lane counts as a client against the server's [`ServerLimits`]; a lane the server
+    /// refuses (full) leaves the link with fewer ([`PeerInfo::lanes`] says how many).
+    /// One-sided peers use one connection. At least 1. Default: 2.
+    ///
+    /// [`PeerInfo::lanes`]: crate::PeerInfo::lanes
+    pub lanes: usize,
     /// Whether the engine registers (`ucp_mem_map`) the host memory registered through it,
     /// so RDMA transports read and write it without registering per request. A mapping UCX
     /// refuses is logged and skipped (UCX then registers per request). Default: on.
@@ -86,9 +97,11 @@ pub struct RemoteConfig {
 /// each and no thread; each authenticated client costs one thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerLimits {
-    /// Authenticated clients served at once; one more is told the server is full. Default: 64.
+    /// Authenticated clients served at once; one more is told the server is full. Each lane
+    /// of a client's link ([`RemoteConfig::lanes`]) is one. Default: 128.
     pub max_clients: usize,
-    /// Authenticated clients from one IP address at once. Default: 16.
+    /// Authenticated clients from one IP address at once. Default: 32 (16 engines of two
+    /// lanes).
     pub max_clients_per_ip: usize,
     /// Connections in their handshake at once; a new one past this closes one polled at least
     /// once, of the address with the most (see the README's threat model). The listening
@@ -102,8 +115,8 @@ pub struct ServerLimits {
 impl Default for ServerLimits {
     fn default() -> Self {
         Self {
-            max_clients: 64,
-            max_clients_per_ip: 16,
+            max_clients: 128,
+            max_clients_per_ip: 32,
             max_handshakes: 1024,
             max_handshakes_per_ip: 64,
         }
@@ -123,6 +136,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("heartbeat", &self.heartbeat)
             .field("idle_timeout", &self.idle_timeout)
             .field("max_in_flight", &self.max_in_flight)
+            .field("lanes", &self.lanes)
             .field("map_host_memory", &self.map_host_memory)
             .field("limits", &self.limits)
             .finish()
@@ -141,6 +155,7 @@ impl Default for RemoteConfig {
             heartbeat: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(10),
             max_in_flight: 256,
+            lanes: 2,
             map_host_memory: true,
             limits: ServerLimits::default(),
         }

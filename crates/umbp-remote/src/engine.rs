@@ -17,6 +17,7 @@ use umbp_plan::{
     SettleSlot, Space, TransferEngine, TransferHandle,
 };
 
+use crate::channel::Keys;
 use crate::config::NAME;
 use crate::handshake::{self, Mode, WireRegion};
 use crate::progress::{self, BatchRun, Command, LinkSpec, Op, Route};
@@ -50,6 +51,10 @@ pub struct PeerInfo {
     ///
     /// [`ServerBuilder::node`]: crate::ServerBuilder::node
     pub node: Option<u32>,
+    /// The connections requests to it travel on: up to [`RemoteConfig::lanes`] on the
+    /// checked path (fewer where the server took no more: each is a client to it), one where
+    /// it is reached one-sided.
+    pub lanes: usize,
     /// What it exported, in its order.
     pub regions: Vec<ExportedRegion>,
 }
@@ -217,6 +222,9 @@ impl RemoteEngine {
                 reason: "must be at least 1".into(),
             });
         }
+        if config.lanes == 0 {
+            return Err(Error::Config { setting: "lanes", reason: "must be at least 1".into() });
+        }
         let (commands, receiver) = mpsc::channel();
         let (ready, started) = mpsc::channel();
         let thread = progress::start(config.clone(), receiver, ready)?;
@@ -314,15 +322,7 @@ impl RemoteEngine {
         };
         let handshake_error = |source| Error::Handshake { addr, source };
         let io = |e: io::Error| Error::Connect { addr: addr.to_string(), source: e };
-        let _ = stream.set_nodelay(true);
-        let protection = self.shared.config.protection;
-        let (welcome, keys) =
-            handshake::client(&mut Deadlined { stream: &stream, deadline }, auth, protection)
-                .map_err(|e| match e {
-                    HandshakeError::Io(e) if is_timeout(&e) => HandshakeError::DeadlinePassed,
-                    other => other,
-                })
-                .map_err(handshake_error)?;
+        let (welcome, keys) = self.authenticate(&stream, addr, auth, deadline)?;
         if let Some(expected) = node {
             if welcome.node != Some(expected) {
                 let _ = stream.shutdown(Shutdown::Both);
@@ -332,15 +332,6 @@ impl RemoteEngine {
                 }));
             }
         }
-        stream.set_read_timeout(None).map_err(io)?;
-        stream.set_write_timeout(None).map_err(io)?;
-        // A server whose network vanished is noticed even while nothing is in flight.
-        crate::checked::keepalive(
-            &stream,
-            self.shared.config.heartbeat,
-            self.shared.config.peer_timeout,
-        )
-        .map_err(io)?;
         if welcome.mode() == Mode::OneSided
             && !crate::config::hardware_enforced(self.shared.config.transports.as_deref())
         {
@@ -367,11 +358,31 @@ impl RemoteEngine {
                     .map(|r| r.one_sided.as_ref().map(|(_, k)| k.clone()).unwrap_or_default())
                     .collect(),
             },
-            _ => LinkSpec::Checked {
-                keys: Box::new(keys),
-                stream: stream.try_clone().map_err(io)?,
-                notify: self.commands.clone().ok_or(Error::ProgressThreadGone)?,
-            },
+            _ => {
+                let mut lanes = vec![(stream.try_clone().map_err(io)?, keys)];
+                while lanes.len() < self.shared.config.lanes {
+                    match self.open_lane(addr, auth, deadline, &welcome) {
+                        Ok(lane) => lanes.push(lane),
+                        Err(e) => {
+                            tracing::warn!(
+                                %addr,
+                                lanes = lanes.len(),
+                                error = %e,
+                                "connected with fewer lanes than asked for"
+                            );
+                            break;
+                        }
+                    }
+                }
+                LinkSpec::Checked {
+                    lanes,
+                    notify: self.commands.clone().ok_or(Error::ProgressThreadGone)?,
+                }
+            }
+        };
+        let lanes = match &link {
+            LinkSpec::Checked { lanes, .. } => lanes.len(),
+            LinkSpec::Ucx { .. } => 1,
         };
         self.send(Command::Connect {
             peer: id,
@@ -386,6 +397,7 @@ impl RemoteEngine {
             id,
             addr,
             node: welcome.node,
+            lanes,
             regions: welcome
                 .regions
                 .iter()
@@ -420,6 +432,68 @@ impl RemoteEngine {
         self.shared.peers.write().unwrap_or_else(PoisonError::into_inner).insert(id, peer);
         tracing::info!(peer = id, %addr, regions = info.regions.len(), checked, "connected");
         Ok(info)
+    }
+
+    /// Runs the handshake on a fresh connection to `addr` (all of it before `deadline`) and
+    /// readies the connection for a link: no timeouts on reads and writes (the link's threads
+    /// keep their own), keepalive and the unacknowledged-data bound on.
+    fn authenticate(
+        &self,
+        stream: &TcpStream,
+        addr: SocketAddr,
+        auth: handshake::Auth<'_>,
+        deadline: Instant,
+    ) -> Result<(handshake::Welcome, Keys), Error> {
+        let io = |e: io::Error| Error::Connect { addr: addr.to_string(), source: e };
+        let _ = stream.set_nodelay(true);
+        let protection = self.shared.config.protection;
+        let (welcome, keys) =
+            handshake::client(&mut Deadlined { stream, deadline }, auth, protection)
+                .map_err(|e| match e {
+                    HandshakeError::Io(e) if is_timeout(&e) => HandshakeError::DeadlinePassed,
+                    other => other,
+                })
+                .map_err(|source| Error::Handshake { addr, source })?;
+        stream.set_read_timeout(None).map_err(io)?;
+        stream.set_write_timeout(None).map_err(io)?;
+        // A server whose network vanished is noticed even while nothing is in flight.
+        crate::checked::keepalive(
+            stream,
+            self.shared.config.heartbeat,
+            self.shared.config.peer_timeout,
+        )
+        .map_err(io)?;
+        Ok((welcome, keys))
+    }
+
+    /// Opens one more lane of a checked link to the server at `addr`, whose first lane was
+    /// welcomed with `first`: a lane whose server welcomes it otherwise (another server now
+    /// answers there: another node, other exports) is closed and refused, so every lane of a
+    /// link reaches the same memory.
+    fn open_lane(
+        &self,
+        addr: SocketAddr,
+        auth: handshake::Auth<'_>,
+        deadline: Instant,
+        first: &handshake::Welcome,
+    ) -> Result<(TcpStream, Keys), Error> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Handshake { addr, source: HandshakeError::DeadlinePassed });
+        }
+        let stream = TcpStream::connect_timeout(&addr, left)
+            .map_err(|source| Error::Connect { addr: addr.to_string(), source })?;
+        let (welcome, keys) = self.authenticate(&stream, addr, auth, deadline)?;
+        if welcome != *first {
+            let _ = stream.shutdown(Shutdown::Both);
+            return Err(Error::Handshake {
+                addr,
+                source: HandshakeError::Refused(
+                    "the server welcomed a further lane otherwise than the first",
+                ),
+            });
+        }
+        Ok((stream, keys))
     }
 
     /// Disconnects `peer`: batches submitted from now on fail its objects at once

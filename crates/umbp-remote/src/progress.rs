@@ -133,10 +133,9 @@ impl Op {
 pub(crate) enum LinkSpec {
     /// One-sided UCX operations: the server's worker address and its regions' keys.
     Ucx { address: Vec<u8>, rkeys: Vec<Vec<u8>> },
-    /// The checked request path on the authenticated connection; its threads report to
-    /// `notify` (this thread's own command channel).
-    /// `keys` are the session's.
-    Checked { stream: std::net::TcpStream, notify: mpsc::Sender<Command>, keys: Box<Keys> },
+    /// The checked request path on authenticated connections (the lanes), each with its
+    /// session's keys; their threads report to `notify` (this thread's own command channel).
+    Checked { lanes: Vec<(std::net::TcpStream, Keys)>, notify: mpsc::Sender<Command> },
 }
 
 /// What the engine (and the checked links' threads) ask of the progress thread.
@@ -542,9 +541,10 @@ impl Progress {
                             }
                             Ok(Link::Ucx(ep))
                         }),
-                    LinkSpec::Checked { stream, notify, keys } => {
-                        let heartbeat = self.config.heartbeat;
-                        checked::Link::start(stream, slot, notify, *keys, heartbeat)
+                    LinkSpec::Checked { lanes, notify } => {
+                        let (heartbeat, timeout) =
+                            (self.config.heartbeat, self.config.peer_timeout);
+                        checked::Link::start(lanes, slot, notify, heartbeat, timeout)
                             .map(Link::Checked)
                             .map_err(|source| Error::Connect {
                                 addr: "checked link".into(),

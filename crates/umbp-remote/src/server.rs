@@ -317,7 +317,8 @@ impl RemoteServer {
         self.node
     }
 
-    /// Authenticated clients whose connection is open now.
+    /// Authenticated clients whose connection is open now: connections, so an engine's
+    /// link counts once per lane ([`RemoteConfig::lanes`](crate::RemoteConfig::lanes)).
     pub fn clients(&self) -> usize {
         self.clients.lock().unwrap_or_else(PoisonError::into_inner).len()
     }

@@ -139,16 +139,35 @@ fn pump(
 
 /// A relay in front of `to` for one connection: its address, and what went up and down.
 fn relay(to: SocketAddr, up: Option<Tamper>, down: Option<Tamper>) -> (SocketAddr, Log, Log) {
+    relay_lane(to, 0, up, down)
+}
+
+/// A relay in front of `to` for every connection made to it, which tampers with and logs
+/// only connection number `lane` (from 0, in the order accepted); the others pass through.
+fn relay_lane(
+    to: SocketAddr,
+    lane: usize,
+    up: Option<Tamper>,
+    down: Option<Tamper>,
+) -> (SocketAddr, Log, Log) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (u, d) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let (mut up, mut down) = (up, down);
     let (lu, ld) = (Arc::clone(&u), Arc::clone(&d));
     std::thread::spawn(move || {
-        let (client, _) = listener.accept().unwrap();
-        let server = TcpStream::connect(to).unwrap();
-        let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-        std::thread::spawn(move || pump(c2, s2, UP_HANDSHAKE, up, lu));
-        pump(server, client, DOWN_HANDSHAKE, down, ld);
+        for i in 0.. {
+            let Ok((client, _)) = listener.accept() else { return };
+            let Ok(server) = TcpStream::connect(to) else { return };
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            let (up, down, lu, ld) = if i == lane {
+                (up.take(), down.take(), Arc::clone(&lu), Arc::clone(&ld))
+            } else {
+                (None, None, Log::default(), Log::default())
+            };
+            std::thread::spawn(move || pump(c2, s2, UP_HANDSHAKE, up, lu));
+            std::thread::spawn(move || pump(server, client, DOWN_HANDSHAKE, down, ld));
+        }
     });
     (addr, u, d)
 }
@@ -163,10 +182,17 @@ fn server(protection: Protection) -> umbp_remote::RemoteServer {
 }
 
 fn engine(protection: Protection) -> RemoteEngine {
+    engine_with_lanes(protection, 1)
+}
+
+/// An engine whose links have `lanes` connections. (The cases that count a session's records
+/// use one: with two, which lane carries which request depends on when answers come back.)
+fn engine_with_lanes(protection: Protection, lanes: usize) -> RemoteEngine {
     // No heartbeat in the middle of the records the relays count (a slow machine could
     // otherwise put one before the batch's requests).
     let config = RemoteConfig {
         protection,
+        lanes,
         peer_timeout: Duration::from_secs(3),
         heartbeat: Duration::from_secs(600),
         ..config("tcp")
@@ -180,6 +206,8 @@ struct Outcome {
     restored: Vec<u8>,
     arena: Vec<u8>,
     peer_died: bool,
+    /// The server's clients once the peer died (every lane of its link closed: none).
+    clients_left: usize,
 }
 
 /// One batch through `addr` (a relay in front of `server`): object 0 gets the arena's first
@@ -213,10 +241,14 @@ fn batch(engine: &RemoteEngine, addr: SocketAddr, server: umbp_remote::RemoteSer
         std::thread::sleep(Duration::from_millis(5));
     }
     let peer_died = !engine.is_alive(peer.id);
+    while peer_died && server.clients() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let clients_left = server.clients();
     let restored = sink.deregister();
     drop(source);
     let arena = server.shutdown().take::<Vec<u8>>("arena").unwrap();
-    Outcome { failed, restored, arena, peer_died }
+    Outcome { failed, restored, arena, peer_died, clients_left }
 }
 
 /// Checks an outcome: the objects in `must_fail` failed, every completed object's bytes are
@@ -228,6 +260,7 @@ fn check(what: &str, o: &Outcome, must_fail: &[u32], lands: Option<bool>) {
     }
     if !must_fail.is_empty() {
         assert!(o.peer_died, "{what}: the connection stayed open");
+        assert_eq!(o.clients_left, 0, "{what}: the server still serves the dead link");
     }
     for (tag, at) in [(0u32, 0usize), (1, 2 * PIECE)] {
         if !o.failed.contains(&tag) {
@@ -390,6 +423,38 @@ fn a_tampered_session_is_refused_closed_and_lands_nothing_forged() {
                 f
             });
         }
+    }
+}
+
+/// A link of two lanes, one of them tampered with (a bit of a get's bytes flipped on the
+/// second connection): the get on it fails, the whole peer is declared dead and every lane
+/// closes (the server serves none of them after), objects the other lane completed are
+/// right, and nothing forged lands. Which lane carries which request depends on when answers
+/// come back, so a run whose second lane carried no get (its answers came before the next
+/// request was posted) is run again.
+#[test]
+fn a_tampered_lane_ends_the_whole_link_and_lands_nothing_forged() {
+    if !ucx_or_skip() {
+        return;
+    }
+    let (a, d) = (ANS, DATA);
+    for protection in [Protection::Encrypted, Protection::Authenticated] {
+        let tampered = (0..5).find_map(|_| {
+            let server = server(protection);
+            let (addr, _, down) =
+                relay_lane(server.local_addr(), 1, None, Some(flip(a + 1000, a + 777)));
+            let engine = engine_with_lanes(protection, 2);
+            let o = batch(&engine, addr, server);
+            let carried = down.lock().unwrap().len() >= DOWN_HANDSHAKE + a + d;
+            carried.then_some(o)
+        });
+        let o = tampered.expect("the second lane carried a get in one of five runs");
+        let what = format!("a bit of a get's bytes on the second lane ({protection:?})");
+        assert!(!o.failed.is_empty(), "{what}: every object completed");
+        check(&what, &o, &[], None);
+        assert!(o.peer_died, "{what}: the peer stayed alive");
+        assert_eq!(o.clients_left, 0, "{what}: a lane stayed open at the server");
+        eprintln!("{what}: objects {:?} failed, every lane closed", o.failed);
     }
 }
 
@@ -579,8 +644,9 @@ fn clients_that_vanish_lose_their_slots_and_idle_honest_ones_keep_theirs() {
     let config = RemoteConfig { heartbeat: Duration::from_millis(200), ..config("tcp") };
     let honest = RemoteEngine::new(EndpointRegistry::new(), config).unwrap();
     let peer = honest.connect(addr).unwrap();
+    assert_eq!(peer.lanes, 2, "the default lanes");
     std::thread::sleep(3 * idle_timeout);
-    assert_eq!(server.clients(), 1, "an idle client with heartbeats lost its slot");
+    assert_eq!(server.clients(), 2, "an idle client with heartbeats lost a lane's slot");
     let remote = honest.register_remote(peer.regions[0].region, 0, ARENA as u64).unwrap();
     let sink = honest.register_memory(vec![POISON; PIECE]).unwrap();
     let mut builder = honest.incremental_builder();

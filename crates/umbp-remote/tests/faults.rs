@@ -499,9 +499,9 @@ fn dropping_the_engine_lets_its_batches_in_flight_finish() {
     assert!(bytes.iter().enumerate().all(|(i, &b)| b == fill_byte(6, i)));
 }
 
-/// A drain in the middle of a long restore: the server ends the session between two
-/// requests although the client keeps many in flight (so the server usually has the next
-/// ones read already), and no answer is cut short. Every object the client saw complete holds
+/// A drain in the middle of a long restore: the server ends each session (one per lane)
+/// between two requests although the client keeps many in flight (so the server usually has
+/// the next ones read already), and no answer is cut short, on any lane. Every object the client saw complete holds
 /// the right bytes, every request the server served whole is one the client completed (none
 /// was half sent), the session is counted closed by the shutdown and by nothing else, and the
 /// arena comes back as it was.
@@ -554,8 +554,15 @@ fn a_drain_ends_the_session_between_requests_and_cuts_no_answer_short() {
     let completed = (OBJECTS - failed.len()) as u64;
     assert_eq!(after.requests, completed, "every request served whole was completed");
     assert_eq!(after.bytes_sent, completed * PAGE as u64);
+    // Each lane's session ends by the drain, or by the client (which shuts its other lanes
+    // down for writing once one ended) when that came first; by nothing else.
+    let closed = |reason: &str| {
+        after.sessions_closed.iter().find(|(r, _)| *r == reason).map_or(0, |(_, n)| *n)
+    };
+    assert!(closed("shutdown") >= 1, "sessions closed: {:?}", after.sessions_closed);
+    assert_eq!(closed("shutdown") + closed("left"), peer.lanes as u64);
     for (reason, n) in &after.sessions_closed {
-        assert_eq!(*n, u64::from(*reason == "shutdown"), "sessions closed: {reason}");
+        assert!(*n == 0 || ["shutdown", "left"].contains(reason), "sessions closed: {reason}");
     }
     assert!((0..PAGES * PAGE).all(|i| arena[i] == pattern(i)), "the arena changed");
     eprintln!("{completed} of {OBJECTS} objects completed before the drain ended the session");

@@ -646,12 +646,16 @@ fn a_hostile_server_gets_a_typed_error_within_the_connect_timeout() {
     }
 }
 
+/// A server full to the last slot: each lane of a link is a client, so of three engines
+/// asking for two lanes each on a server of three slots, the first gets two, the second one
+/// (the server refused its second lane), the third none (told the server is full); once the
+/// first leaves, the third gets two.
 #[test]
 fn a_full_server_says_so_and_takes_a_client_again_once_one_left() {
     if !ucx_or_skip() {
         return;
     }
-    for (max_clients, max_clients_per_ip) in [(2, 64), (64, 2)] {
+    for (max_clients, max_clients_per_ip) in [(3, 64), (64, 3)] {
         let limits = umbp_remote::ServerLimits {
             max_clients,
             max_clients_per_ip,
@@ -663,20 +667,21 @@ fn a_full_server_says_so_and_takes_a_client_again_once_one_left() {
             .unwrap();
         let (a, b, c) = (engine("tcp"), engine("tcp"), engine("tcp"));
         let first = a.connect(server.local_addr()).unwrap();
-        b.connect(server.local_addr()).unwrap();
+        assert_eq!(first.lanes, 2);
+        assert_eq!(b.connect(server.local_addr()).unwrap().lanes, 1, "a lane past the limit");
         let full = c.connect(server.local_addr()).unwrap_err();
         assert!(
             matches!(full, Error::Handshake { source: HandshakeError::Refused(_), .. }),
             "{full}"
         );
-        assert_eq!(server.clients(), 2);
+        assert_eq!(server.clients(), 3);
         a.disconnect(first.id).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while server.clients() > 1 {
             assert!(Instant::now() < deadline, "the server never noticed the client leave");
             std::thread::sleep(Duration::from_millis(10));
         }
-        c.connect(server.local_addr()).unwrap();
+        assert_eq!(c.connect(server.local_addr()).unwrap().lanes, 2);
     }
 }
 
@@ -970,6 +975,7 @@ fn a_client_that_means_a_node_refuses_a_server_that_names_another() {
     let engine = engine("tcp");
     let peer = engine.connect_node(named.local_addr(), 2).unwrap();
     assert_eq!(peer.node, Some(2));
+    let mut accepted = peer.lanes;
     for (addr, meant, named_as) in
         [(named.local_addr(), 1, Some(2)), (unnamed.local_addr(), 2, None)]
     {
@@ -983,11 +989,14 @@ fn a_client_that_means_a_node_refuses_a_server_that_names_another() {
             "{e:?}"
         );
     }
-    assert_eq!(engine.connect(unnamed.local_addr()).unwrap().node, None);
-    assert_eq!(engine.connect(named.local_addr()).unwrap().node, Some(2));
-    // The refused sessions end: the server counts only the two accepted ones (and the first).
+    for (addr, node) in [(unnamed.local_addr(), None), (named.local_addr(), Some(2))] {
+        let peer = engine.connect(addr).unwrap();
+        assert_eq!(peer.node, node);
+        accepted += peer.lanes;
+    }
+    // The refused sessions end: the servers count only the lanes of the accepted ones.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while named.clients() + unnamed.clients() != 3 {
+    while named.clients() + unnamed.clients() != accepted {
         assert!(Instant::now() < deadline, "{} and {}", named.clients(), unnamed.clients());
         std::thread::sleep(Duration::from_millis(10));
     }

@@ -632,7 +632,8 @@ class Server:
 
     @property
     def clients(self) -> int:
-        """Clients connected now."""
+        """Clients connected now: connections, so an engine counts once per lane (two by
+        default: each engine reaches a node over two connections)."""
         return self._native.clients
 
     def close(self) -> None:
