@@ -559,8 +559,9 @@ pub(crate) fn keepalive(
 /// it into its own command: `From<LinkEvent>`).
 #[derive(Debug)]
 pub(crate) enum LinkEvent {
-    /// A request completed, or was refused (the words).
-    Done { user_data: u64, result: Result<(), String> },
+    /// A request completed, or was refused (the words); a completed get asked to hash
+    /// ([`Post::hash`]) carries the CRC32C of the bytes it received.
+    Done { user_data: u64, result: Result<(), String>, crc: Option<u32> },
     /// The link ended, for `reason`: the peer in `slot` is lost.
     Lost { slot: u32, reason: String },
 }
@@ -576,6 +577,9 @@ pub(crate) struct Post {
     /// The local bytes: written by a get, read by a put.
     pub(crate) local: u64,
     pub(crate) len: u64,
+    /// A get: report the CRC32C of its bytes, hashed record by record right after each
+    /// opened (still in the cache), so whoever verifies them need not read them again.
+    pub(crate) hash: bool,
 }
 
 /// Request headers a client's writer sends in one system call at most.
@@ -587,7 +591,15 @@ const HEARTBEAT: u64 = u64::MAX;
 
 impl Post {
     fn heartbeat() -> Self {
-        Self { user_data: HEARTBEAT, write: false, region: 0, offset: 0, local: 0, len: 0 }
+        Self {
+            user_data: HEARTBEAT,
+            write: false,
+            region: 0,
+            offset: 0,
+            local: 0,
+            len: 0,
+            hash: false,
+        }
     }
 }
 
@@ -901,6 +913,7 @@ fn read_answers<N: From<LinkEvent>>(
     // A record's tag and the next answer's header usually arrived with it: read with it.
     let mut inbox = Inbox::new();
     for id in 0u64.. {
+        let mut crc = 0u32;
         let mut header = [0; RESPONSE_LEN + TAG];
         if let Err(e) = inbox.read_exact(stream.as_fd(), &mut header, RESPONSE_LEN + TAG) {
             return End::Closed(failed(e));
@@ -929,8 +942,12 @@ fn read_answers<N: From<LinkEvent>>(
             let words = Refusal::from_status(status).map_or("an unknown answer", Refusal::words);
             if post.user_data != HEARTBEAT {
                 let _ = notify.send(
-                    LinkEvent::Done { user_data: post.user_data, result: Err(words.to_owned()) }
-                        .into(),
+                    LinkEvent::Done {
+                        user_data: post.user_data,
+                        result: Err(words.to_owned()),
+                        crc: None,
+                    }
+                    .into(),
                 );
             }
             return broken(words);
@@ -974,10 +991,15 @@ fn read_answers<N: From<LinkEvent>>(
                          corrupted); its object fails",
                     );
                 }
+                if post.hash {
+                    crc = crc32c::crc32c_append(crc, record);
+                }
             }
         }
         unanswered.fetch_sub(post.len + 1, Ordering::Relaxed);
-        let _ = notify.send(LinkEvent::Done { user_data: post.user_data, result: Ok(()) }.into());
+        let crc = post.hash.then_some(crc);
+        let _ =
+            notify.send(LinkEvent::Done { user_data: post.user_data, result: Ok(()), crc }.into());
     }
     unreachable!("request ids do not run out")
 }

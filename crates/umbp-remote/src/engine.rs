@@ -588,10 +588,15 @@ impl RemoteEngine {
             });
         let mut routes = Vec::with_capacity(plans.plans().len());
         let mut ops = Vec::new();
+        let hashing = plans.copy_hashes().is_some();
         for (index, plan) in plans.plans().iter().enumerate() {
             let start = ops.len();
             let routed = self.route(plan, table).and_then(|(route, local, remote)| {
-                push_ops(index as u32, plan, &route, local, remote, &mut ops).map(|()| route)
+                // A checked get hashes what it receives: one request per object's piece, so
+                // each CRC is one object's.
+                let per_object = hashing && route.checked && !route.write;
+                push_ops(index as u32, plan, &route, local, remote, per_object, &mut ops)
+                    .map(|()| route)
             });
             match routed {
                 Ok(route) => routes.push(route),
@@ -690,13 +695,15 @@ fn is_timeout(e: &io::Error) -> bool {
 }
 
 /// Appends one request per segment of `plan`, each checked against its local endpoint and
-/// the remote one (which [`Shared::check_remote`] checked against the export).
+/// the remote one (which [`Shared::check_remote`] checked against the export); with
+/// `per_object`, one per object's piece of each segment instead.
 fn push_ops(
     plan_index: u32,
     plan: &Plan,
     route: &Route,
     local: Endpoint,
     remote: Endpoint,
+    per_object: bool,
     ops: &mut Vec<Op>,
 ) -> Result<(), FailureCause> {
     let local_id = route.local;
@@ -725,7 +732,26 @@ fn push_ops(
             };
             return Err(FailureCause::NotAccepted(e.to_string()));
         }
-        ops.push(Op::new(plan_index, s as u32, None, local_offset, remote_offset, segment.len));
+        if !per_object {
+            ops.push(Op::new(plan_index, s as u32, None, local_offset, remote_offset, segment.len));
+            continue;
+        }
+        // Pieces of the segment just checked: inside both endpoints too.
+        for (tag, piece) in plan.segment_pieces(s) {
+            let (local_offset, remote_offset) = if route.write {
+                (piece.src_offset, piece.dst_offset)
+            } else {
+                (piece.dst_offset, piece.src_offset)
+            };
+            ops.push(Op::new(
+                plan_index,
+                s as u32,
+                Some(tag),
+                local_offset,
+                remote_offset,
+                piece.len,
+            ));
+        }
     }
     Ok(())
 }
@@ -804,6 +830,15 @@ impl TransferEngine for RemoteEngine {
 
     fn endpoint_deregistering(&self, id: EndpointId) {
         let _ = self.send(Command::Unmap { id });
+    }
+
+    /// Gets from a peer reached through the checked path into host memory: the reader opens
+    /// each record of a get in place and hashes it right after, while it is still in the
+    /// cache (such a get is then one request per object's piece). Not puts, and not
+    /// one-sided peers, whose bytes the NIC moves.
+    fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
+        let checked = src.remote_region().and_then(|r| self.shared.peer(r.peer));
+        dst.is_host() && checked.is_some_and(|peer| peer.checked)
     }
 
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {

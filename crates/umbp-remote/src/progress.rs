@@ -21,8 +21,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    yield_until, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, SettleSlot,
-    Settled, Tag, SPIN_BEFORE_SLEEP,
+    yield_until, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, Segment,
+    SettleSlot, Settled, Tag, SPIN_BEFORE_SLEEP,
 };
 
 use crate::channel::Keys;
@@ -157,10 +157,12 @@ pub(crate) enum Command {
         id: EndpointId,
     },
     Submit(Box<BatchRun>),
-    /// A checked request completed (or was refused: the words).
+    /// A checked request completed (or was refused: the words), with its bytes' CRC32C
+    /// where it was asked to hash them.
     CheckedDone {
         user_data: u64,
         result: Result<(), String>,
+        crc: Option<u32>,
     },
     PeerLost {
         slot: u32,
@@ -177,8 +179,8 @@ pub(crate) enum Command {
 impl From<checked::LinkEvent> for Command {
     fn from(event: checked::LinkEvent) -> Self {
         match event {
-            checked::LinkEvent::Done { user_data, result } => {
-                Self::CheckedDone { user_data, result }
+            checked::LinkEvent::Done { user_data, result, crc } => {
+                Self::CheckedDone { user_data, result, crc }
             }
             checked::LinkEvent::Lost { slot, reason } => Self::PeerLost { slot, reason },
         }
@@ -234,6 +236,20 @@ impl BatchRun {
 
     fn plans(&self) -> &PlanSet {
         self.plans.as_ref().expect("an unsettled batch has its plans")
+    }
+
+    /// Whether the batch's plan set carries a checksum sink (see `hashes_while_copying`).
+    fn hashing(&self) -> bool {
+        self.plans().copy_hashes().is_some()
+    }
+
+    /// Reports op `i`'s piece (one object's, a get's) to the plan set's checksum sink.
+    fn report_crc(&self, i: usize, crc: u32) {
+        let op = self.ops[i];
+        let (Some(sink), Some(tag)) = (self.plans().copy_hashes(), op.only) else { return };
+        let piece =
+            Segment { src_offset: op.remote_offset, dst_offset: op.local_offset, len: op.len };
+        sink.copied(&self.plans().plans()[op.plan as usize], tag, piece, crc);
     }
 
     fn record(&mut self, op: usize, cause: FailureCause) {
@@ -604,7 +620,7 @@ impl Progress {
                 self.order.push(key);
                 self.live += 1;
             }
-            Command::CheckedDone { user_data, result } => self.done(user_data, result),
+            Command::CheckedDone { user_data, result, crc } => self.done(user_data, result, crc),
             Command::PeerLost { slot, reason } => self.kill(slot, reason),
             Command::Disconnect { slot, reply } => {
                 if let Some(peer) = self.peers.get(slot as usize) {
@@ -657,6 +673,8 @@ impl Progress {
                             offset: remote,
                             local,
                             len: op.len,
+                            // One object's piece (see `push_ops`), hashed for the sink.
+                            hash: !route.write && op.only.is_some() && b.hashing(),
                         };
                         if link.post(post) {
                             b.ops[i].state = OpState::InFlight;
@@ -719,7 +737,7 @@ impl Progress {
                     } else {
                         Err(status_failure(status).1)
                     };
-                    self.done(user_data, result);
+                    self.done(user_data, result, None);
                 }
                 Event::EndpointFailed { arg, status } => {
                     self.kill(arg as u32, format!("UCX: {}", ucp::status_message(status)));
@@ -729,7 +747,7 @@ impl Progress {
         self.events = events;
     }
 
-    fn done(&mut self, user_data: u64, result: Result<(), String>) {
+    fn done(&mut self, user_data: u64, result: Result<(), String>, crc: Option<u32>) {
         let (flush, key, generation, index) = parts(user_data);
         if self.generations.get(key).is_none_or(|&g| g & 0x7fff != generation) {
             return; // For a batch that settled: its request was swept.
@@ -760,7 +778,12 @@ impl Progress {
         peer.in_flight -= 1;
         peer.last_progress = Instant::now();
         match result {
-            Ok(()) => complete(b, i),
+            Ok(()) => {
+                if let Some(crc) = crc {
+                    b.report_crc(i, crc);
+                }
+                complete(b, i);
+            }
             Err(message) => fail(b, i, peer, (false, message)),
         }
     }

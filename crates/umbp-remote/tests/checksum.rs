@@ -1,18 +1,21 @@
 //! Block checksums on loads from another node's memory: the composite's default policy
 //! verifies remote tiers, on the staged route into the device and the direct one into host
-//! memory, and a block whose bytes are not the expected ones fails alone.
+//! memory (where the engine hashes each get's bytes as it opens them), and a block whose bytes
+//! are not the expected ones fails alone.
 
 mod support;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use umbp_composite::{
     restore, CompositeEngine, ObjectError, ObjectRange, ObjectTransfer, PagedObject, Staging,
 };
 use umbp_hbm::{HbmConfig, HbmEngine, SimDevice};
 use umbp_localcopy::LocalCopyEngine;
+use umbp_plan::checksum::CopyHashes;
 use umbp_plan::{
-    DeviceOrdinal, EndpointRegistry, FailureCause, ObjectState, Register, TransferEngine,
+    DeviceOrdinal, EndpointRegistry, FailureCause, Fragment, ObjectState, PlanBuilder, Register,
+    Segment, Tag, TransferEngine,
 };
 use umbp_remote::RemoteEngine;
 
@@ -89,4 +92,103 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
     }
     assert_eq!(composite.metrics().checksum_mismatches(), 2);
     assert!(composite.metrics_text().contains("umbp_checksum_mismatches_total{tier=\"remote\"} 2"));
+}
+
+/// What a checksum sink saw: (object, piece, CRC32C).
+type Seen = Arc<Mutex<Vec<(Tag, Segment, u32)>>>;
+
+/// The engine hashes a checked get's bytes as it opens them: with a checksum sink, 16 threads
+/// restoring at once over two lanes each see every byte of each of their objects reported
+/// exactly once, in pieces of one object each, with the CRC32C of the bytes the server holds,
+/// although the objects' fragments are adjacent and merge into shared segments. Puts (host to
+/// remote) are not hashed by the engine.
+#[test]
+fn a_checked_get_reports_each_objects_pieces_with_their_crc_as_it_opens_them() {
+    if !ucx_or_skip() {
+        return;
+    }
+    const THREADS: usize = 16;
+    const OBJECTS: u64 = 6;
+    let arena = THREADS * (OBJECTS * 3 * PAGE) as usize;
+    let server = Served::start("tcp", arena, 4);
+    let engine = Arc::new(support::engine("tcp"));
+    let peer = engine.connect(server.addr).unwrap();
+    assert_eq!(peer.lanes, 2);
+    let region = &peer.regions[0];
+    let remote = Arc::new(engine.register_remote(region.region, 0, region.len).unwrap());
+    let local = engine.register_memory(vec![0u8; 4096]).unwrap();
+    assert!(engine.hashes_while_copying(remote.endpoint(), local.endpoint()));
+    assert!(!engine.hashes_while_copying(local.endpoint(), remote.endpoint()));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (engine, remote) = (Arc::clone(&engine), Arc::clone(&remote));
+            std::thread::spawn(move || {
+                let base = t as u64 * OBJECTS * 3 * PAGE;
+                let sink =
+                    engine.register_memory(vec![0u8; (OBJECTS * 3 * PAGE) as usize]).unwrap();
+                // Object o: 1, 2 or 3 pages (odd lengths, so pieces end mid-page), each object
+                // right behind the previous one on both sides: their fragments merge.
+                let mut at = 0u64;
+                let mut objects = Vec::new();
+                let mut builder = engine.incremental_builder();
+                for o in 0..OBJECTS {
+                    let len = (o % 3 + 1) * PAGE - 100 * o;
+                    let tag = Tag::new(o as u32);
+                    builder.begin_object(tag).unwrap();
+                    let half = len / 2;
+                    for (off, n) in [(0, half), (half, len - half)] {
+                        let f = Fragment::new(
+                            remote.id(),
+                            base + at + off,
+                            sink.id(),
+                            at + off,
+                            n,
+                            tag,
+                        );
+                        builder.push(f).unwrap();
+                    }
+                    builder.commit_object().unwrap();
+                    objects.push((tag, at, len));
+                    at += len;
+                }
+                let mut plans = builder.finish().unwrap();
+                assert!(
+                    plans.segment_count() < OBJECTS as usize,
+                    "the objects' fragments merged ({} segments)",
+                    plans.segment_count()
+                );
+                let seen: Seen = Seen::default();
+                let log = Arc::clone(&seen);
+                plans.set_copy_hashes(Some(CopyHashes::new(move |_plan, tag, piece, crc| {
+                    log.lock().unwrap().push((tag, piece, crc));
+                })));
+                let mut handle = engine.submit(plans);
+                assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                drop(handle);
+                let bytes = sink.deregister();
+                let mut seen = seen.lock().unwrap().clone();
+                seen.sort_by_key(|(tag, piece, _)| (tag.get(), piece.dst_offset));
+                for (tag, at, len) in objects {
+                    let pieces: Vec<_> = seen.iter().filter(|(t, _, _)| *t == tag).collect();
+                    let mut next = at;
+                    for (_, piece, crc) in &pieces {
+                        assert_eq!(piece.dst_offset, next, "object {tag:?}: a gap or an overlap");
+                        assert_eq!(piece.src_offset, base + piece.dst_offset);
+                        let expected: Vec<u8> = (0..piece.len)
+                            .map(|i| fill_byte(4, (piece.src_offset + i) as usize))
+                            .collect();
+                        let landed = &bytes[piece.dst_offset as usize..][..piece.len as usize];
+                        assert!(landed == expected, "object {tag:?}: wrong bytes");
+                        assert_eq!(*crc, crc32c::crc32c(&expected), "object {tag:?}: wrong CRC");
+                        next += piece.len;
+                    }
+                    assert_eq!(next, at + len, "object {tag:?}: not every byte reported");
+                }
+                assert_eq!(seen.iter().filter(|(t, _, _)| t.get() >= OBJECTS as u32).count(), 0);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
 }
