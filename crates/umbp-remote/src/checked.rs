@@ -693,7 +693,10 @@ impl Link {
         let ends = Arc::new(Ends {
             closing: AtomicBool::new(false),
             ending: AtomicBool::new(false),
-            reading: AtomicUsize::new(0),
+            // Every lane's reader, counted before any starts (so none ends as the last while
+            // another is still to start); a lane that fails to start drops the link, which
+            // closes and reports nothing.
+            reading: AtomicUsize::new(connections.len()),
             streams,
             peer_timeout,
         });
@@ -784,13 +787,7 @@ impl Lane {
                 tracing::debug!(error = %e, "checked link writer ended");
             }
         })?;
-        ends.reading.fetch_add(1, Ordering::AcqRel);
-        if let Err(e) =
-            std::thread::Builder::new().name(format!("umbp-get-{slot}.{index}")).spawn(reader)
-        {
-            ends.reading.fetch_sub(1, Ordering::AcqRel);
-            return Err(e);
-        }
+        std::thread::Builder::new().name(format!("umbp-get-{slot}.{index}")).spawn(reader)?;
         Ok(Self { stream, posts: Some(posts), guard, unanswered })
     }
 }

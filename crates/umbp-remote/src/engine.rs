@@ -733,24 +733,12 @@ fn push_ops(
             return Err(FailureCause::NotAccepted(e.to_string()));
         }
         if !per_object {
-            ops.push(Op::new(plan_index, s as u32, None, local_offset, remote_offset, segment.len));
+            ops.push(Op::new(plan_index, s as u32, None, segment, route.write));
             continue;
         }
         // Pieces of the segment just checked: inside both endpoints too.
         for (tag, piece) in plan.segment_pieces(s) {
-            let (local_offset, remote_offset) = if route.write {
-                (piece.src_offset, piece.dst_offset)
-            } else {
-                (piece.dst_offset, piece.src_offset)
-            };
-            ops.push(Op::new(
-                plan_index,
-                s as u32,
-                Some(tag),
-                local_offset,
-                remote_offset,
-                piece.len,
-            ));
+            ops.push(Op::new(plan_index, s as u32, Some(tag), &piece, route.write));
         }
     }
     Ok(())

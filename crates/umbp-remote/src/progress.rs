@@ -108,7 +108,7 @@ enum OpState {
 pub(crate) struct Op {
     plan: u32,
     segment: u32,
-    /// Set on a re-issued share: the one object it carries.
+    /// Set on one object's share (re-issued, or hashed): the one object it carries.
     only: Option<Tag>,
     local_offset: u64,
     remote_offset: u64,
@@ -117,14 +117,21 @@ pub(crate) struct Op {
 }
 
 impl Op {
+    /// The request moving `bytes` (segment `segment` of plan `plan`, or the share of it
+    /// object `only` owns) between the plan's endpoints: from the local one when `write`.
     pub(crate) fn new(
         plan: u32,
         segment: u32,
         only: Option<Tag>,
-        local_offset: u64,
-        remote_offset: u64,
-        len: u64,
+        bytes: &Segment,
+        write: bool,
     ) -> Self {
+        let (local_offset, remote_offset) = if write {
+            (bytes.src_offset, bytes.dst_offset)
+        } else {
+            (bytes.dst_offset, bytes.src_offset)
+        };
+        let len = bytes.len;
         Self { plan, segment, only, local_offset, remote_offset, len, state: OpState::Waiting }
     }
 }
@@ -278,14 +285,7 @@ impl BatchRun {
         let plans = self.plans.as_ref().expect("an unsettled batch has its plans");
         let pieces: Vec<Op> = plans.plans()[plan as usize]
             .segment_pieces(segment as usize)
-            .map(|(tag, piece)| {
-                let (local, remote) = if write {
-                    (piece.src_offset, piece.dst_offset)
-                } else {
-                    (piece.dst_offset, piece.src_offset)
-                };
-                Op::new(plan, segment, Some(tag), local, remote, piece.len)
-            })
+            .map(|(tag, piece)| Op::new(plan, segment, Some(tag), &piece, write))
             .collect();
         tracing::debug!(
             plan,
