@@ -153,6 +153,7 @@ fn bad_arguments_exit_2_with_one_line() {
         &["remote", "--fragment-sizes", "3KiB"],
         &["remote", "--bytes", "0"],
         &["remote", "--latency-transfers", "2000000"],
+        &["remote", "--lanes", "0"],
         &["serve", "--perftest-port", "70000"],
         &["pool", "--keys", "0"],
         &["pool", "--block-size", "48KiB"],
@@ -699,11 +700,12 @@ fn remote_json(args: &[&str], python: &Path) -> (String, Vec<Line>, Vec<Line>) {
     (stderr, restores, latency)
 }
 
-const REMOTE_FIELDS: [&str; 27] = [
+const REMOTE_FIELDS: [&str; 28] = [
     "row",
     "transport",
     "path",
     "protection",
+    "lanes",
     "server",
     "fragment_size",
     "objects",
@@ -755,6 +757,7 @@ fn remote_json_fields_and_verified_restores() {
         assert_eq!(l["verified"], true, "{l:?}");
         assert_eq!((&l["transport"], &l["server"]), (&"tcp".into(), &"child".into()));
         assert_eq!(l["path"], "checked", "TCP goes through the checked path");
+        assert_eq!(l["lanes"], 2, "the engine's default lanes, all taken by the server");
         assert_eq!(
             (&l["objects"], &l["bytes"], &l["repeats"]),
             (&1.into(), &(24 << 20).into(), &1.into())
