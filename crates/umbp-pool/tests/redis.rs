@@ -573,3 +573,115 @@ fn summaries_read_the_same_on_both_paths() {
         redis::cmd("HLEN").arg("{test}:groups").query(&mut admin(&server)).unwrap();
     assert!(summaries >= 20, "{summaries} summaries");
 }
+
+/// A relay to a Redis server that, once armed with a marker, loses the answer to the next
+/// request carrying it: it forwards the request (Redis runs it) and then closes the connection
+/// instead of forwarding the answer, as a proxy that restarts or a reset connection does.
+struct AnswerCutter {
+    port: u16,
+    marker: Arc<std::sync::Mutex<Option<Vec<u8>>>>,
+    cuts: Arc<AtomicU32>,
+}
+
+impl AnswerCutter {
+    fn start(to: u16) -> Self {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let marker: Arc<std::sync::Mutex<Option<Vec<u8>>>> = Arc::default();
+        let cuts = Arc::new(AtomicU32::new(0));
+        let (armed, counted) = (Arc::clone(&marker), Arc::clone(&cuts));
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
+                let cut = Arc::new(AtomicBool::new(false));
+                let (mut c_in, mut s_out) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (armed, flag) = (Arc::clone(&armed), Arc::clone(&cut));
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 1 << 16];
+                    let mut seen = Vec::new();
+                    while let Ok(n @ 1..) = c_in.read(&mut buf) {
+                        // The tail of the last read too, for a marker split across reads.
+                        seen.extend_from_slice(&buf[..n]);
+                        let mut m = armed.lock().unwrap();
+                        let want = m.as_ref().map_or(0, Vec::len);
+                        if m.as_deref().is_some_and(|w| seen.windows(w.len()).any(|s| s == w)) {
+                            *m = None;
+                            flag.store(true, Ordering::SeqCst);
+                        }
+                        seen.drain(..seen.len() - want.saturating_sub(1).min(seen.len()));
+                        drop(m);
+                        if s_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = s_out.shutdown(Shutdown::Write);
+                });
+                let (mut s_in, mut c_out) = (server, client);
+                let counted = Arc::clone(&counted);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 1 << 16];
+                    while let Ok(n @ 1..) = s_in.read(&mut buf) {
+                        if cut.load(Ordering::SeqCst) {
+                            counted.fetch_add(1, Ordering::SeqCst);
+                            let _ = c_out.shutdown(Shutdown::Both);
+                            let _ = s_in.shutdown(Shutdown::Both);
+                            return;
+                        }
+                        if c_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = c_out.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        Self { port, marker, cuts }
+    }
+
+    /// Loses the answer to the next request that carries `marker`.
+    fn arm(&self, marker: &[u8]) {
+        *self.marker.lock().unwrap() = Some(marker.to_vec());
+    }
+}
+
+/// A publish and a removal whose answers are lost (the connection closes after Redis ran
+/// them) are made again on a fresh connection; each repeat answers as the call did: the block
+/// it published is `Won`, not `Expired`, and the one it removed `Removed`, not `Absent`.
+#[test]
+fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
+    let Some(server) = RedisServer::start() else { return };
+    let cutter = AnswerCutter::start(server.port());
+    let mut config = support::config(&server, "test");
+    config.url = format!("redis://127.0.0.1:{}/", cutter.port);
+    let index = RedisIndex::connect(&config).unwrap();
+    let direct = connect(&server);
+    let spec = TierSpec::new(NODE, TierId(0), 4096, 8);
+    setup(&index, &spec);
+    // Redis has the scripts loaded, so a lost answer is never a `NOSCRIPT` that ran nothing.
+    put(&index, key(99), &spec);
+    assert_eq!(index.remove(&[key(99)]).unwrap(), [umbp_pool::Removed::Removed]);
+    for i in 0..3u64 {
+        let k = key(100 + i);
+        // Reserving pools the connection whose publish answer is then lost.
+        let r = suite::reserve(&index, k, &spec, 100);
+        cutter.arm(&k.0);
+        let published = index.publish(&[(r, 7)]).unwrap();
+        assert_eq!(cutter.cuts.load(Ordering::SeqCst), 2 * i as u32 + 1, "publish {i} cut");
+        let [umbp_pool::Published::Won(p)] = published[..] else {
+            panic!("publish {i} made again answered {published:?}")
+        };
+        assert_eq!(direct.lookup(&[k]).unwrap(), [Some(p)]);
+        cutter.arm(&k.0);
+        let removed = index.remove(&[k, key(900)]).unwrap();
+        assert_eq!(cutter.cuts.load(Ordering::SeqCst), 2 * i as u32 + 2, "removal {i} cut");
+        assert_eq!(removed, [umbp_pool::Removed::Removed, umbp_pool::Removed::Absent]);
+        assert_eq!(direct.lookup(&[k]).unwrap(), [None]);
+    }
+    // The tier holds nothing: every slot free again, none reserved twice.
+    let stats = direct.tier_stats(NODE, TierId(0)).unwrap();
+    assert_eq!((stats.published, stats.reserved, stats.free), (0, 0, 8), "{stats:?}");
+}

@@ -197,9 +197,9 @@ pub struct RedisIndex {
     /// The shards each lease of this client holds slots in (a lease spans shards under one
     /// id), for renew and release.
     leases: Mutex<HashMap<u64, Vec<u16>>>,
-    /// Makes lease ids: random per client, so ids of different clients never meet.
-    lease_ids: std::hash::RandomState,
-    lease_seq: AtomicU64,
+    /// Makes lease and call ids: random per client, so ids of different clients never meet.
+    ids: std::hash::RandomState,
+    id_seq: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisIndex {
@@ -318,8 +318,8 @@ impl RedisIndex {
             group_summaries: config.group_summaries,
             seen_groups: Mutex::new(HashSet::new()),
             leases: Mutex::new(HashMap::new()),
-            lease_ids: std::hash::RandomState::new(),
-            lease_seq: AtomicU64::new(0),
+            ids: std::hash::RandomState::new(),
+            id_seq: AtomicU64::new(0),
         };
         // The pool's shard count, recorded by its first client: every client must agree, or
         // keys and slots would be looked for in the wrong shards.
@@ -452,6 +452,23 @@ impl RedisIndex {
         inv.arg(self.shards.tag(s));
         args(&mut inv);
         self.with(|c| inv.invoke(c))
+    }
+
+    /// Runs `script` on shard `s` as [`run`](Self::run) does, under a new call id (its
+    /// `ARGV[2]`, before `args`): a script that keeps its answers under the id (publish,
+    /// removal) answers a repeat of the call, made when its first answer was lost, as it
+    /// answered the call.
+    fn run_once<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        s: usize,
+        args: impl Fn(&mut redis::ScriptInvocation<'_>),
+    ) -> Result<T, Error> {
+        let id = self.new_id();
+        self.run(script, s, |inv| {
+            inv.arg(id);
+            args(inv);
+        })
     }
 
     /// Runs `script` on every shard, with the same `args`; the answers in shard order.
@@ -820,11 +837,11 @@ impl RedisIndex {
         Err(Error::Corrupt("the server forgot the alive-nodes script twice in a row".into()))
     }
 
-    /// A new lease id: unique to this client (a random key hashes a counter), so leases of
-    /// different clients never share one.
-    fn new_lease_id(&self) -> u64 {
-        let mut h = self.lease_ids.build_hasher();
-        h.write_u64(self.lease_seq.fetch_add(1, Ordering::Relaxed));
+    /// A new id of a lease or a call: unique to this client (a random key hashes a counter),
+    /// so ids of different clients never meet.
+    fn new_id(&self) -> u64 {
+        let mut h = self.ids.build_hasher();
+        h.write_u64(self.id_seq.fetch_add(1, Ordering::Relaxed));
         // Positive in Lua's doubles and Redis's integers alike.
         h.finish() >> 11
     }
@@ -959,7 +976,7 @@ impl Index for RedisIndex {
     fn publish(&self, items: &[(Reservation, u32)]) -> Result<Vec<Published>, Error> {
         let groups = self.shards.group(items.iter().map(|i| &i.0.key));
         let parts = self.scatter(&groups, |s, at| {
-            let v: Value = self.run(&self.scripts.publish, s, |inv| {
+            let v: Value = self.run_once(&self.scripts.publish, s, |inv| {
                 for &i in at {
                     let (r, checksum) = &items[i];
                     inv.arg(&r.key.0[..])
@@ -1046,7 +1063,7 @@ impl Index for RedisIndex {
     }
 
     fn lease(&self, placements: &[Placement], ttl: Duration) -> Result<Lease, Error> {
-        let id = self.new_lease_id();
+        let id = self.new_id();
         let groups = self.shards.group(placements.iter().map(|p| &p.key));
         let mut granted = vec![false; placements.len()];
         let mut held = Vec::new();
@@ -1114,7 +1131,7 @@ impl Index for RedisIndex {
             if at.is_empty() {
                 continue;
             }
-            let v: Value = self.run(&self.scripts.remove, s, |inv| {
+            let v: Value = self.run_once(&self.scripts.remove, s, |inv| {
                 for &i in at {
                     inv.arg(&keys[i].0[..]);
                 }

@@ -27,6 +27,7 @@
 //! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
 //! | `P:heads` | hash | group id -> the head of its summary (the nodes it names, sealed): what a prefix lookup reads |
 //! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
+//! | `P:once:I` | string, TTL | the answers of publish or removal call I, for a repeat of it ([`ONCE_MS`]) |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
 //! expired) and its slot's `owner` still names its key. Every script that asks whether a key
@@ -187,6 +188,19 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
   return {'ok', tonumber(slot), gen}
 end
+-- A call that must answer a repeat as it answered the first time (a client makes a call again
+-- on a fresh connection when it lost the first one's answer) keeps its answers under its id,
+-- `ARGV[2]`, for ONCE_MS: `replayed()` is those answers for a repeat, else nil, and
+-- `answered(out)` keeps and returns them.
+local function replayed()
+  local kept = redis.call('GET', P .. ':once:' .. ARGV[2])
+  if kept then return cmsgpack.unpack(kept) end
+  return nil
+end
+local function answered(out)
+  redis.call('SET', P .. ':once:' .. ARGV[2], cmsgpack.pack(out), 'PX', ONCE_MS)
+  return out
+end
 -- Deletes up to `budget` of tier t's published entries of node n, then (once none is left)
 -- its reservations and free list, so the tier is empty with its shape kept. Returns whether
 -- the tier is empty and the budget left.
@@ -274,13 +288,16 @@ end
 return out
 "#;
 
-/// ARGV: P, then per item: key, node, tier, slot, generation, len, placement value.
+/// ARGV: P, call id, then per item: key, node, tier, slot, generation, len, placement value.
 /// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
-/// placement value. An entry of the key that is not live (its node died) is replaced.
+/// placement value. An entry of the key that is not live (its node died) is replaced. A
+/// repeat of a call (same id) answers as the call did.
 pub(super) const PUBLISH: &str = r#"
+local kept = replayed()
+if kept then return kept end
 local now = now_ms()
 local out = {}
-local i = 2
+local i = 3
 while i + 6 <= #ARGV do
   local key, n, t, slot, gen, len, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
   i = i + 7
@@ -308,7 +325,7 @@ while i + 6 <= #ARGV do
     out[#out + 1] = 'E'
   end
 end
-return out
+return answered(out)
 "#;
 
 /// ARGV: P, then per item: key, node, tier, slot, generation, len. Returns the number aborted.
@@ -370,10 +387,13 @@ redis.call('DEL', lk)
 return 1
 "#;
 
-/// ARGV: P, keys... Returns one string per key: `R` removed, `A` absent, `L` leased.
+/// ARGV: P, call id, keys... Returns one string per key: `R` removed, `A` absent, `L`
+/// leased. A repeat of a call (same id) answers as the call did.
 pub(super) const REMOVE: &str = r#"
+local kept = replayed()
+if kept then return kept end
 local out = {}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   local key = ARGV[i]
   local blob = redis.call('HGET', P .. ':blocks', key)
   if not blob then
@@ -396,7 +416,7 @@ for i = 2, #ARGV do
     end
   end
 end
-return out
+return answered(out)
 "#;
 
 /// ARGV: P, then per group: its id, its sealed summary (a head naming its nodes, the
@@ -515,10 +535,16 @@ pub(super) const WIPE_BUDGET: u32 = 1024;
 /// summary, which is built again by the next lookup that finds it whole.
 pub(super) const GROUPS_PER_KEY: u32 = 4;
 
+/// How long a publish or a removal keeps its answers for a repeat of the call
+/// (`ONCE_MS` in the scripts, milliseconds): well past the time a client takes to make a call
+/// again (at once, after at most its call timeout; see `conn::Conns::with`).
+pub(super) const ONCE_MS: u64 = 60_000;
+
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
     format!(
         "local WIPE_BUDGET = {WIPE_BUDGET}\nlocal GROUPS_PER_KEY = {GROUPS_PER_KEY}\n\
+         local ONCE_MS = {ONCE_MS}\n\
          local PLACEMENT_BYTES = {}\nlocal SUMMARY_TAG = {}\n{PRELUDE}{body}",
         crate::placement::PLACEMENT_BYTES,
         super::seal::SUMMARY_TAG
