@@ -648,9 +648,10 @@ impl AnswerCutter {
     }
 }
 
-/// A publish and a removal whose answers are lost (the connection closes after Redis ran
-/// them) are made again on a fresh connection; each repeat answers as the call did: the block
-/// it published is `Won`, not `Expired`, and the one it removed `Removed`, not `Absent`.
+/// A publish, a removal and a leave whose answers are lost (the connection closes after
+/// Redis ran them) are made again on a fresh connection; each repeat answers as the call did:
+/// the block it published is `Won`, not `Expired`, the one it removed `Removed`, not
+/// `Absent`, and the node that left was alive.
 #[test]
 fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     let Some(server) = RedisServer::start() else { return };
@@ -664,6 +665,7 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     // Redis has the scripts loaded, so a lost answer is never a `NOSCRIPT` that ran nothing.
     put(&index, key(99), &spec);
     assert_eq!(index.remove(&[key(99)]).unwrap(), [umbp_pool::Removed::Removed]);
+    assert!(!index.leave(NodeId(77)).unwrap());
     for i in 0..3u64 {
         let k = key(100 + i);
         // Reserving pools the connection whose publish answer is then lost.
@@ -684,4 +686,16 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     // The tier holds nothing: every slot free again, none reserved twice.
     let stats = direct.tier_stats(NODE, TierId(0)).unwrap();
     assert_eq!((stats.published, stats.reserved, stats.free), (0, 0, 8), "{stats:?}");
+    // A leave: the node was alive, not "already gone".
+    let leaving = TierSpec::new(NodeId(48_611), TierId(0), 4096, 8);
+    setup(&index, &leaving);
+    let p = put(&index, key(200), &leaving);
+    assert_eq!(direct.lookup(&[key(200)]).unwrap(), [Some(p)]);
+    cutter.arm(b"\r\n48611\r\n");
+    assert!(
+        index.leave(leaving.node).unwrap(),
+        "the leave made again answered that the node had left already"
+    );
+    assert_eq!(cutter.cuts.load(Ordering::SeqCst), 7, "leave cut");
+    assert_eq!(direct.lookup(&[key(200)]).unwrap(), [None]);
 }

@@ -116,9 +116,9 @@ impl Conns {
     /// connection, so the first calls after a restart succeed. Making it again is safe: the
     /// server that closed the connection is gone, and with it whatever the call did there
     /// (unless it persisted it: then a reservation or lease is taken twice and ends by its TTL,
-    /// and a publish or removal answers as it did the first time). A connection also drops
-    /// when the server lives on (a proxy or a load balancer closed it after the call ran):
-    /// that is why publish and removal keep their answers for a repeat.
+    /// and a publish, removal or leave answers as it did the first time). A connection also
+    /// drops when the server lives on (a proxy or a load balancer closed it after the call
+    /// ran): that is why those three keep their answers for a repeat.
     pub(super) fn with<T>(
         &self,
         timeout: Duration,
@@ -139,10 +139,10 @@ impl Conns {
         // kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands the
         // EINTR up. The connection's state is unknown then: the call is made again on a
         // fresh one. (Seen in Python processes.) Every script is safe to run twice: a
-        // repeated reservation or lease holds its slot until its TTL; a repeated leave answers
-        // as for one that already happened; a publish or a removal keeps its answers under its
-        // call id, so its repeat answers as it did (`scripts::ONCE_MS`), never `Expired` for a
-        // block it published or `Absent` for one it removed.
+        // repeated reservation or lease holds its slot until its TTL; a publish, a removal or
+        // a leave keeps its answers under its call id, so its repeat answers as it did
+        // (`scripts::ONCE_MS`), never `Expired` for a block it published, `Absent` for one it
+        // removed or "was not alive" for the node it took out.
         for _ in 0..3 {
             if !result.as_ref().is_err_and(interrupted) {
                 break;

@@ -456,8 +456,8 @@ impl RedisIndex {
 
     /// Runs `script` on shard `s` as [`run`](Self::run) does, under a new call id (its
     /// `ARGV[2]`, before `args`): a script that keeps its answers under the id (publish,
-    /// removal) answers a repeat of the call, made when its first answer was lost, as it
-    /// answered the call.
+    /// removal, leave) answers a repeat of the call, made when its first answer was lost, as
+    /// it answered the call.
     fn run_once<T: redis::FromRedisValue>(
         &self,
         script: &Script,
@@ -1273,7 +1273,7 @@ impl Index for RedisIndex {
         for s in 0..self.shards.count() {
             let mut done = false;
             for _ in 0..MAX_STEPS {
-                let v: Value = self.run(&self.scripts.leave, s, |inv| {
+                let v: Value = self.run_once(&self.scripts.leave, s, |inv| {
                     inv.arg(node.0);
                 })?;
                 let [alive, emptied] = array("leave", &v)? else {

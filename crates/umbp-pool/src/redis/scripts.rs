@@ -27,7 +27,7 @@
 //! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
 //! | `P:heads` | hash | group id -> the head of its summary (the nodes it names, sealed): what a prefix lookup reads |
 //! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
-//! | `P:once:I` | string, TTL | the answers of publish or removal call I, for a repeat of it ([`ONCE_MS`]) |
+//! | `P:once:I` | string, TTL | the answers of publish, removal or leave call I, for a repeat of it ([`ONCE_MS`]) |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
 //! expired) and its slot's `owner` still names its key. Every script that asks whether a key
@@ -514,15 +514,18 @@ end
 return {reaped, left}
 "#;
 
-/// ARGV: P, node. The node leaves now, as if its announcement had expired, and its
+/// ARGV: P, call id, node. The node leaves now, as if its announcement had expired, and its
 /// placements and reservations are deleted ([`WIPE_BUDGET`] entries a call). Returns
 /// `{was alive (1/0), emptied (1/0)}`: call again until emptied (the node stays dead
-/// meanwhile, and reapers finish the work if the caller stops).
+/// meanwhile, and reapers finish the work if the caller stops). A repeat of a call (same id)
+/// answers as the call did.
 pub(super) const LEAVE: &str = r#"
-local n = ARGV[2]
+local kept = replayed()
+if kept then return kept end
+local n = ARGV[3]
 local was = redis.call('DEL', P .. ':node:' .. n)
 local done = wipe(n, WIPE_BUDGET)
-return {was, done and 1 or 0}
+return answered({was, done and 1 or 0})
 "#;
 
 /// Entries of dead nodes one script call deletes at most (`WIPE_BUDGET` in the scripts): the
@@ -535,7 +538,7 @@ pub(super) const WIPE_BUDGET: u32 = 1024;
 /// summary, which is built again by the next lookup that finds it whole.
 pub(super) const GROUPS_PER_KEY: u32 = 4;
 
-/// How long a publish or a removal keeps its answers for a repeat of the call
+/// How long a publish, a removal or a leave keeps its answers for a repeat of the call
 /// (`ONCE_MS` in the scripts, milliseconds): well past the time a client takes to make a call
 /// again (at once, after at most its call timeout; see `conn::Conns::with`).
 pub(super) const ONCE_MS: u64 = 60_000;
