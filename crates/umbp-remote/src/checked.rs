@@ -577,8 +577,9 @@ pub(crate) struct Post {
     /// The local bytes: written by a get, read by a put.
     pub(crate) local: u64,
     pub(crate) len: u64,
-    /// A get: report the CRC32C of its bytes, hashed record by record right after each
-    /// opened (still in the cache), so whoever verifies them need not read them again.
+    /// Report the CRC32C of its bytes, hashed record by record while each is in the cache
+    /// (a get's right after it opened, a put's between copying it out and sealing it), so
+    /// whoever checksums them need not read them again.
     pub(crate) hash: bool,
 }
 
@@ -590,6 +591,12 @@ const HEADERS: usize = 32;
 const HEARTBEAT: u64 = u64::MAX;
 
 impl Post {
+    /// A put whose writer hashes its bytes and hands the CRC to the reader (see
+    /// [`write_requests`]).
+    fn hashed_put(&self) -> bool {
+        self.write && self.hash && self.len > 0
+    }
+
     fn heartbeat() -> Self {
         Self {
             user_data: HEARTBEAT,
@@ -766,18 +773,20 @@ impl Lane {
         let unanswered = Arc::new(AtomicU64::new(0));
         let (posts, requests) = mpsc::channel::<Post>();
         let (expect, expected) = mpsc::channel::<Post>();
+        let (hashed, hashes) = mpsc::channel::<u32>();
         let Keys { send: sealer, recv: mut opener } = keys;
         let writer = {
             let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
-            move || write_requests(&stream, &guard, &requests, &expect, sealer, heartbeat)
+            let sent = Sent { expect, hashed };
+            move || write_requests(&stream, &guard, &requests, &sent, sealer, heartbeat)
         };
         let reader = {
             let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
             let (notify, ends) = (notify.clone(), Arc::clone(ends));
             let unanswered = Arc::clone(&unanswered);
+            let sent = Expected { posts: expected, hashes };
             move || {
-                let end =
-                    read_answers(&stream, &guard, &expected, &notify, &unanswered, &mut opener);
+                let end = read_answers(&stream, &guard, &sent, &notify, &unanswered, &mut opener);
                 ends.lane_ended(end, slot, &notify);
             }
         };
@@ -792,6 +801,20 @@ impl Lane {
     }
 }
 
+/// What a lane's writer tells its reader: each request before it is sent (so an answer with
+/// none queued answers nothing this side asked), and the CRC32C of each
+/// [hashed put](Post::hashed_put) once its bytes are sent.
+struct Sent {
+    expect: mpsc::Sender<Post>,
+    hashed: mpsc::Sender<u32>,
+}
+
+/// The reader's end of [`Sent`].
+struct Expected {
+    posts: mpsc::Receiver<Post>,
+    hashes: mpsc::Receiver<u32>,
+}
+
 /// Why a lane's reader ended.
 enum End {
     /// Its connection closed or failed (or the link closed).
@@ -804,13 +827,14 @@ enum End {
 /// A lane's writer loop: each request posted is queued for the reader (which expects its
 /// answer) and sent; a get's header (and a heartbeat) waits for the requests queued behind
 /// it, up to [`HEADERS`], so they leave in one system call; a put's bytes follow its header,
-/// sealed record by record (or tagged where they are, when the channel only authenticates).
-/// Ends when the link closes or the reader ended.
+/// sealed record by record (or tagged where they are, when the channel only authenticates),
+/// and hashed first when it [hashes](Post::hashed_put). Ends when the link closes or the
+/// reader ended.
 fn write_requests(
     stream: &TcpStream,
     guard: &RwLock<bool>,
     requests: &mpsc::Receiver<Post>,
-    expect: &mpsc::Sender<Post>,
+    sent: &Sent,
     mut sealer: Sealer,
     heartbeat: Duration,
 ) -> io::Result<()> {
@@ -829,7 +853,7 @@ fn write_requests(
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
             },
         };
-        if expect.send(post).is_err() {
+        if sent.expect.send(post).is_err() {
             return Ok(()); // The reader ended.
         }
         let r = if post.user_data == HEARTBEAT {
@@ -858,6 +882,7 @@ fn write_requests(
         if *closed {
             return Ok(());
         }
+        let mut crc = 0u32;
         for (i, (at, n)) in chunks(post.len).enumerate() {
             // SAFETY: the progress thread posted this put from host memory its batch keeps
             // registered until the put completes or the link closes; closing takes the guard,
@@ -869,11 +894,16 @@ fn write_requests(
                     n,
                 )
             };
+            // Hashed right after the tag or the copy read the bytes: from the cache.
             let (record, tag) = match sealer.tag_of(bytes) {
-                Some(tag) => (bytes, tag),
+                Some(tag) => {
+                    crc = if post.hash { crc32c::crc32c_append(crc, bytes) } else { crc };
+                    (bytes, tag)
+                }
                 None => {
                     let record = &mut scratch[..n];
                     record.copy_from_slice(bytes);
+                    crc = if post.hash { crc32c::crc32c_append(crc, record) } else { crc };
                     let tag = sealer.seal(record);
                     (&*record, tag)
                 }
@@ -883,6 +913,9 @@ fn write_requests(
             } else {
                 send_all(fd, &[record, &tag], None)?;
             }
+        }
+        if post.hashed_put() && sent.hashed.send(crc).is_err() {
+            return Ok(()); // The reader ended.
         }
     }
     Ok(())
@@ -894,7 +927,7 @@ fn write_requests(
 fn read_answers<N: From<LinkEvent>>(
     stream: &TcpStream,
     guard: &RwLock<bool>,
-    expected: &mpsc::Receiver<Post>,
+    expected: &Expected,
     notify: &mpsc::Sender<N>,
     unanswered: &AtomicU64,
     opener: &mut Opener,
@@ -924,7 +957,7 @@ fn read_answers<N: From<LinkEvent>>(
         }
         // The writer queues a request here before sending it: an answer with none queued
         // answers nothing this side asked.
-        let post = match expected.try_recv() {
+        let post = match expected.posts.try_recv() {
             Ok(post) => post,
             Err(mpsc::TryRecvError::Empty) => return broken("it answered a request never sent"),
             Err(mpsc::TryRecvError::Disconnected) => return End::Closed("the link closed".into()),
@@ -955,6 +988,15 @@ fn read_answers<N: From<LinkEvent>>(
             }
             if post.user_data == HEARTBEAT {
                 continue;
+            }
+            if post.hashed_put() {
+                // Sent by the writer right after the put's bytes, which the server took
+                // before it answered (or it lied, and the writer sends it once it has sent
+                // them, or ends).
+                match expected.hashes.recv() {
+                    Ok(put_crc) => crc = put_crc,
+                    Err(_) => return End::Closed("the link closed".into()),
+                }
             }
         } else {
             if len != post.len {

@@ -592,9 +592,9 @@ impl RemoteEngine {
         for (index, plan) in plans.plans().iter().enumerate() {
             let start = ops.len();
             let routed = self.route(plan, table).and_then(|(route, local, remote)| {
-                // A checked get hashes what it receives: one request per object's piece, so
-                // each CRC is one object's.
-                let per_object = hashing && route.checked && !route.write;
+                // A checked request hashes what it moves: one request per object's piece,
+                // so each CRC is one object's.
+                let per_object = hashing && route.checked;
                 push_ops(index as u32, plan, &route, local, remote, per_object, &mut ops)
                     .map(|()| route)
             });
@@ -708,32 +708,28 @@ fn push_ops(
 ) -> Result<(), FailureCause> {
     let local_id = route.local;
     for (s, segment) in plan.segments().iter().enumerate() {
-        let (local_offset, remote_offset) = if route.write {
-            (segment.src_offset, segment.dst_offset)
-        } else {
-            (segment.dst_offset, segment.src_offset)
-        };
-        if !local.contains(local_offset, segment.len) {
+        let op = Op::new(plan_index, s as u32, None, segment, route.write);
+        if !local.contains(op.local_offset, op.len) {
             let e = Error::OutsideLocal {
                 endpoint: local_id.raw(),
-                offset: local_offset,
-                len: segment.len,
+                offset: op.local_offset,
+                len: op.len,
             };
             return Err(FailureCause::NotAccepted(e.to_string()));
         }
-        if !remote.contains(remote_offset, segment.len) {
+        if !remote.contains(op.remote_offset, op.len) {
             let r = remote.remote_region().expect("a remote endpoint");
             let e = Error::OutsideExport {
                 peer: r.peer,
                 region: r.region,
-                offset: remote.addr().saturating_add(remote_offset),
-                len: segment.len,
+                offset: remote.addr().saturating_add(op.remote_offset),
+                len: op.len,
                 region_len: remote.addr().saturating_add(remote.len()),
             };
             return Err(FailureCause::NotAccepted(e.to_string()));
         }
         if !per_object {
-            ops.push(Op::new(plan_index, s as u32, None, segment, route.write));
+            ops.push(op);
             continue;
         }
         // Pieces of the segment just checked: inside both endpoints too.
@@ -820,13 +816,16 @@ impl TransferEngine for RemoteEngine {
         let _ = self.send(Command::Unmap { id });
     }
 
-    /// Gets from a peer reached through the checked path into host memory: the reader opens
-    /// each record of a get in place and hashes it right after, while it is still in the
-    /// cache (such a get is then one request per object's piece). Not puts, and not
-    /// one-sided peers, whose bytes the NIC moves.
+    /// Between host memory and a peer reached through the checked path, both ways: a get's
+    /// reader opens each record in place and hashes it right after, and a put's writer hashes
+    /// each record between copying it out and sealing it, while it is in the cache (such a
+    /// request is then one per object's piece). Not one-sided peers, whose bytes the NIC
+    /// moves.
     fn hashes_while_copying(&self, src: &Endpoint, dst: &Endpoint) -> bool {
-        let checked = src.remote_region().and_then(|r| self.shared.peer(r.peer));
-        dst.is_host() && checked.is_some_and(|peer| peer.checked)
+        let checked = |e: &Endpoint| {
+            e.remote_region().and_then(|r| self.shared.peer(r.peer)).is_some_and(|p| p.checked)
+        };
+        (dst.is_host() && checked(src)) || (src.is_host() && checked(dst))
     }
 
     fn submit(&self, mut plans: PlanSet) -> TransferHandle {

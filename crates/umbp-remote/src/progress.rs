@@ -110,9 +110,10 @@ pub(crate) struct Op {
     segment: u32,
     /// Set on one object's share (re-issued, or hashed): the one object it carries.
     only: Option<Tag>,
-    local_offset: u64,
-    remote_offset: u64,
-    len: u64,
+    /// Where its bytes are in the local endpoint, and in the remote one.
+    pub(crate) local_offset: u64,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
     state: OpState,
 }
 
@@ -250,12 +251,15 @@ impl BatchRun {
         self.plans().copy_hashes().is_some()
     }
 
-    /// Reports op `i`'s piece (one object's, a get's) to the plan set's checksum sink.
+    /// Reports op `i`'s piece (one object's) to the plan set's checksum sink.
     fn report_crc(&self, i: usize, crc: u32) {
         let op = self.ops[i];
         let (Some(sink), Some(tag)) = (self.plans().copy_hashes(), op.only) else { return };
-        let piece =
-            Segment { src_offset: op.remote_offset, dst_offset: op.local_offset, len: op.len };
+        let (src_offset, dst_offset) = match self.routes[op.plan as usize].write {
+            true => (op.local_offset, op.remote_offset),
+            false => (op.remote_offset, op.local_offset),
+        };
+        let piece = Segment { src_offset, dst_offset, len: op.len };
         sink.copied(&self.plans().plans()[op.plan as usize], tag, piece, crc);
     }
 
@@ -674,7 +678,7 @@ impl Progress {
                             local,
                             len: op.len,
                             // One object's piece (see `push_ops`), hashed for the sink.
-                            hash: !route.write && op.only.is_some() && b.hashing(),
+                            hash: op.only.is_some() && b.hashing(),
                         };
                         if link.post(post) {
                             b.ops[i].state = OpState::InFlight;

@@ -1,7 +1,7 @@
 //! Block checksums on loads from another node's memory: the composite's default policy
 //! verifies remote tiers, on the staged route into the device and the direct one into host
-//! memory (where the engine hashes each get's bytes as it opens them), and a block whose bytes
-//! are not the expected ones fails alone.
+//! memory (where the engine hashes each get's bytes as it opens them, and each put's as it
+//! seals them), and a block whose bytes are not the expected ones fails alone.
 
 mod support;
 
@@ -97,20 +97,21 @@ fn remote_loads_are_verified_and_a_wrong_block_fails_alone() {
 /// What a checksum sink saw: (object, piece, CRC32C).
 type Seen = Arc<Mutex<Vec<(Tag, Segment, u32)>>>;
 
-/// The engine hashes a checked get's bytes as it opens them: with a checksum sink, 16 threads
-/// restoring at once over two lanes each see every byte of each of their objects reported
-/// exactly once, in pieces of one object each, with the CRC32C of the bytes the server holds,
-/// although the objects' fragments are adjacent and merge into shared segments. Puts (host to
-/// remote) are not hashed by the engine.
+/// The engine hashes what a checked request moves, a get's bytes as it opens them and a
+/// put's as it seals them: with a checksum sink, 16 threads restoring and then offloading at
+/// once over two lanes each see every byte of each of their objects reported exactly once, in
+/// pieces of one object each, with the CRC32C of the bytes moved (a get's as the server holds
+/// them, a put's as the caller's buffer holds them, which the server then holds too),
+/// although the objects' fragments are adjacent and merge into shared segments.
 #[test]
-fn a_checked_get_reports_each_objects_pieces_with_their_crc_as_it_opens_them() {
+fn a_checked_request_reports_each_objects_pieces_with_their_crc_as_it_moves_them() {
     if !ucx_or_skip() {
         return;
     }
     const THREADS: usize = 16;
     const OBJECTS: u64 = 6;
-    let arena = THREADS * (OBJECTS * 3 * PAGE) as usize;
-    let server = Served::start("tcp", arena, 4);
+    const SPAN: u64 = OBJECTS * 3 * PAGE;
+    let server = Served::start("tcp", THREADS * SPAN as usize, 4);
     let engine = Arc::new(support::engine("tcp"));
     let peer = engine.connect(server.addr).unwrap();
     assert_eq!(peer.lanes, 2);
@@ -118,73 +119,99 @@ fn a_checked_get_reports_each_objects_pieces_with_their_crc_as_it_opens_them() {
     let remote = Arc::new(engine.register_remote(region.region, 0, region.len).unwrap());
     let local = engine.register_memory(vec![0u8; 4096]).unwrap();
     assert!(engine.hashes_while_copying(remote.endpoint(), local.endpoint()));
-    assert!(!engine.hashes_while_copying(local.endpoint(), remote.endpoint()));
+    assert!(engine.hashes_while_copying(local.endpoint(), remote.endpoint()));
+    assert!(!engine.hashes_while_copying(local.endpoint(), local.endpoint()));
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let (engine, remote) = (Arc::clone(&engine), Arc::clone(&remote));
             std::thread::spawn(move || {
-                let base = t as u64 * OBJECTS * 3 * PAGE;
-                let sink =
-                    engine.register_memory(vec![0u8; (OBJECTS * 3 * PAGE) as usize]).unwrap();
-                // Object o: 1, 2 or 3 pages (odd lengths, so pieces end mid-page), each object
-                // right behind the previous one on both sides: their fragments merge.
-                let mut at = 0u64;
-                let mut objects = Vec::new();
-                let mut builder = engine.incremental_builder();
-                for o in 0..OBJECTS {
-                    let len = (o % 3 + 1) * PAGE - 100 * o;
-                    let tag = Tag::new(o as u32);
-                    builder.begin_object(tag).unwrap();
-                    let half = len / 2;
-                    for (off, n) in [(0, half), (half, len - half)] {
-                        let f = Fragment::new(
-                            remote.id(),
-                            base + at + off,
-                            sink.id(),
-                            at + off,
-                            n,
-                            tag,
-                        );
-                        builder.push(f).unwrap();
+                let base = t as u64 * SPAN;
+                // A get of what the server was filled with, then a put of other bytes.
+                let restored = vec![0u8; SPAN as usize];
+                let offloaded: Vec<u8> =
+                    (0..SPAN).map(|i| (i as u8).wrapping_mul(31) ^ t as u8 ^ 0x5a).collect();
+                for (write, bytes) in [(false, restored), (true, offloaded)] {
+                    let host = engine.register_memory(bytes).unwrap();
+                    let (src, dst) = match write {
+                        true => (host.id(), remote.id()),
+                        false => (remote.id(), host.id()),
+                    };
+                    let (src_base, dst_base) = if write { (0, base) } else { (base, 0) };
+                    // Object o: 1, 2 or 3 pages (odd lengths, so pieces end mid-page), each
+                    // object right behind the previous one on both sides: their fragments
+                    // merge.
+                    let mut at = 0u64;
+                    let mut objects = Vec::new();
+                    let mut builder = engine.incremental_builder();
+                    for o in 0..OBJECTS {
+                        let len = (o % 3 + 1) * PAGE - 100 * o;
+                        let tag = Tag::new(o as u32);
+                        builder.begin_object(tag).unwrap();
+                        let half = len / 2;
+                        for (off, n) in [(0, half), (half, len - half)] {
+                            let (s, d) = (src_base + at + off, dst_base + at + off);
+                            builder.push(Fragment::new(src, s, dst, d, n, tag)).unwrap();
+                        }
+                        builder.commit_object().unwrap();
+                        objects.push((tag, at, len));
+                        at += len;
                     }
-                    builder.commit_object().unwrap();
-                    objects.push((tag, at, len));
-                    at += len;
-                }
-                let mut plans = builder.finish().unwrap();
-                assert!(
-                    plans.segment_count() < OBJECTS as usize,
-                    "the objects' fragments merged ({} segments)",
-                    plans.segment_count()
-                );
-                let seen: Seen = Seen::default();
-                let log = Arc::clone(&seen);
-                plans.set_copy_hashes(Some(CopyHashes::new(move |_plan, tag, piece, crc| {
-                    log.lock().unwrap().push((tag, piece, crc));
-                })));
-                let mut handle = engine.submit(plans);
-                assert!(handle.wait().is_empty(), "{:?}", handle.wait());
-                drop(handle);
-                let bytes = sink.deregister();
-                let mut seen = seen.lock().unwrap().clone();
-                seen.sort_by_key(|(tag, piece, _)| (tag.get(), piece.dst_offset));
-                for (tag, at, len) in objects {
-                    let pieces: Vec<_> = seen.iter().filter(|(t, _, _)| *t == tag).collect();
-                    let mut next = at;
-                    for (_, piece, crc) in &pieces {
-                        assert_eq!(piece.dst_offset, next, "object {tag:?}: a gap or an overlap");
-                        assert_eq!(piece.src_offset, base + piece.dst_offset);
-                        let expected: Vec<u8> = (0..piece.len)
-                            .map(|i| fill_byte(4, (piece.src_offset + i) as usize))
-                            .collect();
-                        let landed = &bytes[piece.dst_offset as usize..][..piece.len as usize];
-                        assert!(landed == expected, "object {tag:?}: wrong bytes");
-                        assert_eq!(*crc, crc32c::crc32c(&expected), "object {tag:?}: wrong CRC");
-                        next += piece.len;
+                    let mut plans = builder.finish().unwrap();
+                    assert!(
+                        plans.segment_count() < OBJECTS as usize,
+                        "the objects' fragments merged ({} segments)",
+                        plans.segment_count()
+                    );
+                    let seen: Seen = Seen::default();
+                    let log = Arc::clone(&seen);
+                    plans.set_copy_hashes(Some(CopyHashes::new(move |_plan, tag, piece, crc| {
+                        log.lock().unwrap().push((tag, piece, crc));
+                    })));
+                    let mut handle = engine.submit(plans);
+                    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                    drop(handle);
+                    let bytes = host.deregister();
+                    // What the server holds at byte `i` of this thread's share.
+                    let held = |i: u64| match write {
+                        true => bytes[i as usize],
+                        false => fill_byte(4, (base + i) as usize),
+                    };
+                    // A piece's offset on the host side, and on the server's.
+                    let sides = |p: &Segment| match write {
+                        true => (p.src_offset, p.dst_offset),
+                        false => (p.dst_offset, p.src_offset),
+                    };
+                    let mut seen = seen.lock().unwrap().clone();
+                    seen.sort_by_key(|(tag, piece, _)| (tag.get(), sides(piece).0));
+                    for &(tag, at, len) in &objects {
+                        let mut next = at;
+                        for (_, piece, crc) in seen.iter().filter(|(t, _, _)| *t == tag) {
+                            let (host_at, server_at) = sides(piece);
+                            assert_eq!(host_at, next, "object {tag:?}: a gap or an overlap");
+                            assert_eq!(server_at, base + host_at);
+                            let expected: Vec<u8> =
+                                (host_at..host_at + piece.len).map(held).collect();
+                            let landed = &bytes[host_at as usize..][..piece.len as usize];
+                            assert!(landed == expected, "object {tag:?}: wrong bytes");
+                            assert_eq!(*crc, crc32c::crc32c(&expected), "object {tag:?}: CRC");
+                            next += piece.len;
+                        }
+                        assert_eq!(next, at + len, "object {tag:?}: not every byte reported");
                     }
-                    assert_eq!(next, at + len, "object {tag:?}: not every byte reported");
+                    assert_eq!(
+                        seen.iter().filter(|(t, _, _)| t.get() >= OBJECTS as u32).count(),
+                        0
+                    );
+                    if write {
+                        // The server holds what was offloaded.
+                        let back = engine.register_memory(vec![0u8; at as usize]).unwrap();
+                        let f = Fragment::new(remote.id(), base, back.id(), 0, at, Tag::new(0));
+                        let mut handle = engine.submit(engine.plan(&[f]));
+                        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                        drop(handle);
+                        assert!(back.deregister() == bytes[..at as usize], "the server's bytes");
+                    }
                 }
-                assert_eq!(seen.iter().filter(|(t, _, _)| t.get() >= OBJECTS as u32).count(), 0);
             })
         })
         .collect();
