@@ -368,6 +368,22 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+        // Every node's view names each replica as one (gossip carries the roles some time
+        // after the create: a test that looks for a replica must find one).
+        for n in &cluster.nodes {
+            loop {
+                let replicas = Self::nodes_seen_by(n.port).iter().filter(|v| !v.master).count();
+                if replicas == masters {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {} sees {replicas} replicas of {masters}",
+                    n.port
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         Some(cluster)
     }
 

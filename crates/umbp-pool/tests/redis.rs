@@ -648,10 +648,11 @@ impl AnswerCutter {
     }
 }
 
-/// A publish, a removal and a leave whose answers are lost (the connection closes after
-/// Redis ran them) are made again on a fresh connection; each repeat answers as the call did:
-/// the block it published is `Won`, not `Expired`, the one it removed `Removed`, not
-/// `Absent`, and the node that left was alive.
+/// A reserve, a publish, a removal, an eviction and a leave whose answers are lost (the
+/// connection closes after Redis ran them) are made again on a fresh connection; each repeat
+/// answers as the call did and does nothing more: the reserve holds one slot, not two, the
+/// block it published is `Won`, not `Expired`, the one it removed `Removed`, not `Absent`,
+/// the eviction evicts one block, not two, and the node that left was alive.
 #[test]
 fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     let Some(server) = RedisServer::start() else { return };
@@ -686,6 +687,25 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     // The tier holds nothing: every slot free again, none reserved twice.
     let stats = direct.tier_stats(NODE, TierId(0)).unwrap();
     assert_eq!((stats.published, stats.reserved, stats.free), (0, 0, 8), "{stats:?}");
+    // A reserve: the repeat hands out the call's slot, and holds no second one.
+    let k = key(300);
+    cutter.arm(&k.0);
+    let r = suite::reserve(&index, k, &spec, 100);
+    assert_eq!(cutter.cuts.load(Ordering::SeqCst), 7, "reserve cut");
+    let stats = direct.tier_stats(NODE, TierId(0)).unwrap();
+    assert_eq!((stats.reserved, stats.free), (1, 7), "{stats:?}");
+    assert!(matches!(index.publish(&[(r, 7)]).unwrap()[..], [umbp_pool::Published::Won(_)]));
+    // An eviction: the repeat evicts nothing more.
+    let evicting = TierSpec::new(NODE, TierId(4242), 4096, 8);
+    index.register_tier(&evicting).unwrap();
+    assert_eq!(index.evict(NODE, evicting.tier, 1).unwrap(), 0);
+    for i in 0..3 {
+        put(&index, key(400 + i), &evicting);
+    }
+    cutter.arm(b"\r\n4242\r\n");
+    assert_eq!(index.evict(NODE, evicting.tier, 1).unwrap(), 1);
+    assert_eq!(cutter.cuts.load(Ordering::SeqCst), 8, "eviction cut");
+    assert_eq!(direct.tier_stats(NODE, evicting.tier).unwrap().published, 2);
     // A leave: the node was alive, not "already gone".
     let leaving = TierSpec::new(NodeId(48_611), TierId(0), 4096, 8);
     setup(&index, &leaving);
@@ -696,6 +716,6 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
         index.leave(leaving.node).unwrap(),
         "the leave made again answered that the node had left already"
     );
-    assert_eq!(cutter.cuts.load(Ordering::SeqCst), 7, "leave cut");
+    assert_eq!(cutter.cuts.load(Ordering::SeqCst), 9, "leave cut");
     assert_eq!(direct.lookup(&[key(200)]).unwrap(), [None]);
 }

@@ -115,10 +115,10 @@ impl Conns {
     /// restarted) fails at once, closed; the call is then made once more on a fresh
     /// connection, so the first calls after a restart succeed. Making it again is safe: the
     /// server that closed the connection is gone, and with it whatever the call did there
-    /// (unless it persisted it: then a reservation or lease is taken twice and ends by its TTL,
-    /// and a publish, removal or leave answers as it did the first time). A connection also
-    /// drops when the server lives on (a proxy or a load balancer closed it after the call
-    /// ran): that is why those three keep their answers for a repeat.
+    /// (unless it persisted it: then a lease is taken twice, and a call that must not act
+    /// twice answers as it did the first time). A connection also drops when the server lives
+    /// on (a proxy or a load balancer closed it after the call ran): that is why those calls
+    /// keep their answers for a repeat.
     pub(super) fn with<T>(
         &self,
         timeout: Duration,
@@ -135,14 +135,17 @@ impl Conns {
             conn = self.open(timeout)?;
             result = f(&mut conn);
         }
-        // A signal handled by this process interrupts a socket read that has a timeout (the
-        // kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands the
-        // EINTR up. The connection's state is unknown then: the call is made again on a
-        // fresh one. (Seen in Python processes.) Every script is safe to run twice: a
-        // repeated reservation or lease holds its slot until its TTL; a publish, a removal or
-        // a leave keeps its answers under its call id, so its repeat answers as it did
-        // (`scripts::ONCE_MS`), never `Expired` for a block it published, `Absent` for one it
-        // removed or "was not alive" for the node it took out.
+        // A socket read that has a timeout fails with EINTR whenever its wait is interrupted
+        // (the kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands
+        // the EINTR up. Seen in this project's Python test processes about once in 50 calls,
+        // with no signal delivered to the thread (strace): not ours to prevent. The
+        // connection's state is unknown then: the call is made again on a fresh one. Every
+        // script is safe to run twice: a
+        // repeated lease is granted again (one lease, its slots listed twice); a reserve,
+        // publish, removal, eviction or leave keeps its answers under its call id, so its
+        // repeat answers as it did and does nothing more (`scripts::repeat_window`): no second
+        // set of slots held until their TTL, no `Expired` for a block it published, no
+        // `Absent` for one it removed, no "was not alive" for the node it took out.
         for _ in 0..3 {
             if !result.as_ref().is_err_and(interrupted) {
                 break;

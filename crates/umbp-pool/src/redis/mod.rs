@@ -454,10 +454,11 @@ impl RedisIndex {
         self.with(|c| inv.invoke(c))
     }
 
-    /// Runs `script` on shard `s` as [`run`](Self::run) does, under a new call id (its
-    /// `ARGV[2]`, before `args`): a script that keeps its answers under the id (publish,
-    /// removal, leave) answers a repeat of the call, made when its first answer was lost, as
-    /// it answered the call.
+    /// Runs `script` on shard `s` as [`run`](Self::run) does, under a new call id and its
+    /// [repeat window](scripts::repeat_window) (`ARGV[2]` and `ARGV[3]`, before `args`): a
+    /// script that keeps its answers under the id (reserve, publish, removal, eviction,
+    /// leave) answers a repeat of the call, made when its first answer was lost, as it
+    /// answered the call, and does nothing more.
     fn run_once<T: redis::FromRedisValue>(
         &self,
         script: &Script,
@@ -465,8 +466,9 @@ impl RedisIndex {
         args: impl Fn(&mut redis::ScriptInvocation<'_>),
     ) -> Result<T, Error> {
         let id = self.new_id();
+        let window = u64::try_from(scripts::repeat_window(self.timeout).as_millis());
         self.run(script, s, |inv| {
-            inv.arg(id);
+            inv.arg(id).arg(window.unwrap_or(u64::MAX));
             args(inv);
         })
     }
@@ -605,7 +607,7 @@ impl RedisIndex {
         items: &[(BlockKey, u64)],
         ttl: Duration,
     ) -> Result<Vec<Value>, Error> {
-        let v: Value = self.run(&self.scripts.reserve_many, s, |inv| {
+        let v: Value = self.run_once(&self.scripts.reserve_many, s, |inv| {
             inv.arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
             for (key, len) in items {
                 inv.arg(&key.0[..]).arg(*len);
@@ -1158,7 +1160,7 @@ impl Index for RedisIndex {
         for s in 0..self.shards.count() {
             // The count spread over the shards, the first ones taking the remainder.
             let want = count / n + u32::from((s as u32) < count % n);
-            let done: i64 = self.run(&self.scripts.evict, s, |inv| {
+            let done: i64 = self.run_once(&self.scripts.evict, s, |inv| {
                 inv.arg(node.0).arg(tier.0).arg(want);
             })?;
             if done < 0 {

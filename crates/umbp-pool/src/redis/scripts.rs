@@ -27,7 +27,7 @@
 //! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
 //! | `P:heads` | hash | group id -> the head of its summary (the nodes it names, sealed): what a prefix lookup reads |
 //! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
-//! | `P:once:I` | string, TTL | the answers of publish, removal or leave call I, for a repeat of it ([`ONCE_MS`]) |
+//! | `P:once:I` | string, TTL | the answers of call I (a reserve, publish, removal, eviction or leave), for a repeat of it: see [`repeat_window`] |
 //!
 //! A published entry is *live* only while its node is alive (its announcement has not
 //! expired) and its slot's `owner` still names its key. Every script that asks whether a key
@@ -188,17 +188,17 @@ local function reserve_one(key, n, t, len_arg, ttl, now)
   redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
   return {'ok', tonumber(slot), gen}
 end
--- A call that must answer a repeat as it answered the first time (a client makes a call again
--- on a fresh connection when it lost the first one's answer) keeps its answers under its id,
--- `ARGV[2]`, for ONCE_MS: `replayed()` is those answers for a repeat, else nil, and
--- `answered(out)` keeps and returns them.
+-- A call whose repeat must not act again (a client makes a call again on a fresh connection
+-- when it lost the first one's answer) keeps its answers under its id, `ARGV[2]`, for
+-- `ARGV[3]` ms: `replayed()` is those answers for a repeat, else nil, and `answered(out)`
+-- keeps and returns them.
 local function replayed()
   local kept = redis.call('GET', P .. ':once:' .. ARGV[2])
   if kept then return cmsgpack.unpack(kept) end
   return nil
 end
 local function answered(out)
-  redis.call('SET', P .. ':once:' .. ARGV[2], cmsgpack.pack(out), 'PX', ONCE_MS)
+  redis.call('SET', P .. ':once:' .. ARGV[2], cmsgpack.pack(out), 'PX', ARGV[3])
   return out
 end
 -- Deletes up to `budget` of tier t's published entries of node n, then (once none is left)
@@ -276,19 +276,23 @@ redis.call('SADD', P .. ':ntiers:' .. n, t)
 return {'ok'}
 "#;
 
-/// ARGV: P, node, tier, ttl_ms, then per item: key, len. Returns one answer per item:
-/// `{'ok', slot, generation}`, `{'present', placement}`, `{'dead'}`, `{'unknown'}`,
-/// `{'toolarge', slot_size}` or `{'full'}`.
+/// ARGV: P, call id, its repeat window (ms), node, tier, ttl_ms, then per item: key, len.
+/// Returns one answer per item: `{'ok', slot, generation}`, `{'present', placement}`,
+/// `{'dead'}`, `{'unknown'}`, `{'toolarge', slot_size}` or `{'full'}`. A repeat of a call
+/// (same id) answers as the call did, and reserves (and evicts) nothing more.
 pub(super) const RESERVE_MANY: &str = r#"
+local kept = replayed()
+if kept then return kept end
 local now = now_ms()
 local out = {}
-for i = 5, #ARGV - 1, 2 do
-  out[#out + 1] = reserve_one(ARGV[i], ARGV[2], ARGV[3], ARGV[i + 1], tonumber(ARGV[4]), now)
+for i = 7, #ARGV - 1, 2 do
+  out[#out + 1] = reserve_one(ARGV[i], ARGV[4], ARGV[5], ARGV[i + 1], tonumber(ARGV[6]), now)
 end
-return out
+return answered(out)
 "#;
 
-/// ARGV: P, call id, then per item: key, node, tier, slot, generation, len, placement value.
+/// ARGV: P, call id, its repeat window (ms), then per item: key, node, tier, slot,
+/// generation, len, placement value.
 /// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
 /// placement value. An entry of the key that is not live (its node died) is replaced. A
 /// repeat of a call (same id) answers as the call did.
@@ -297,7 +301,7 @@ local kept = replayed()
 if kept then return kept end
 local now = now_ms()
 local out = {}
-local i = 3
+local i = 4
 while i + 6 <= #ARGV do
   local key, n, t, slot, gen, len, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
   i = i + 7
@@ -387,13 +391,13 @@ redis.call('DEL', lk)
 return 1
 "#;
 
-/// ARGV: P, call id, keys... Returns one string per key: `R` removed, `A` absent, `L`
-/// leased. A repeat of a call (same id) answers as the call did.
+/// ARGV: P, call id, its repeat window (ms), keys... Returns one string per key: `R` removed,
+/// `A` absent, `L` leased. A repeat of a call (same id) answers as the call did.
 pub(super) const REMOVE: &str = r#"
 local kept = replayed()
 if kept then return kept end
 local out = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local key = ARGV[i]
   local blob = redis.call('HGET', P .. ':blocks', key)
   if not blob then
@@ -467,10 +471,14 @@ end
 return out
 "#;
 
-/// ARGV: P, node, tier, count. Returns the number evicted, or -1 for an unknown tier.
+/// ARGV: P, call id, its repeat window (ms), node, tier, count. Returns the number evicted,
+/// or -1 for an unknown tier. A repeat of a call (same id) answers as the call did, and
+/// evicts nothing more.
 pub(super) const EVICT: &str = r#"
-if redis.call('EXISTS', k('tier', ARGV[2], ARGV[3])) == 0 then return -1 end
-return evict(ARGV[2], ARGV[3], tonumber(ARGV[4]))
+local kept = replayed()
+if kept then return kept end
+if redis.call('EXISTS', k('tier', ARGV[4], ARGV[5])) == 0 then return -1 end
+return answered(evict(ARGV[4], ARGV[5], tonumber(ARGV[6])))
 "#;
 
 /// ARGV: P, node, tier. Returns `{free, reserved, published}`, or `{-1}` for an unknown tier.
@@ -514,7 +522,7 @@ end
 return {reaped, left}
 "#;
 
-/// ARGV: P, call id, node. The node leaves now, as if its announcement had expired, and its
+/// ARGV: P, call id, its repeat window (ms), node. The node leaves now, as if its announcement had expired, and its
 /// placements and reservations are deleted ([`WIPE_BUDGET`] entries a call). Returns
 /// `{was alive (1/0), emptied (1/0)}`: call again until emptied (the node stays dead
 /// meanwhile, and reapers finish the work if the caller stops). A repeat of a call (same id)
@@ -522,7 +530,7 @@ return {reaped, left}
 pub(super) const LEAVE: &str = r#"
 local kept = replayed()
 if kept then return kept end
-local n = ARGV[3]
+local n = ARGV[4]
 local was = redis.call('DEL', P .. ':node:' .. n)
 local done = wipe(n, WIPE_BUDGET)
 return answered({was, done and 1 or 0})
@@ -538,16 +546,18 @@ pub(super) const WIPE_BUDGET: u32 = 1024;
 /// summary, which is built again by the next lookup that finds it whole.
 pub(super) const GROUPS_PER_KEY: u32 = 4;
 
-/// How long a publish, a removal or a leave keeps its answers for a repeat of the call
-/// (`ONCE_MS` in the scripts, milliseconds): well past the time a client takes to make a call
-/// again (at once, after at most its call timeout; see `conn::Conns::with`).
-pub(super) const ONCE_MS: u64 = 60_000;
+/// How long a call that must not act twice (a reserve, publish, removal, eviction or leave)
+/// keeps its answers for a repeat, for a client whose calls time out after `timeout`: a
+/// client makes a call at most five times, each at once after the previous one failed, which
+/// takes at most `timeout` (see `conn::Conns::with`); one second more for the clocks' ticks.
+pub(super) fn repeat_window(timeout: std::time::Duration) -> std::time::Duration {
+    timeout.saturating_mul(5).saturating_add(std::time::Duration::from_secs(1))
+}
 
 /// The full source of a script: the prelude, then its body.
 pub(super) fn source(body: &str) -> String {
     format!(
         "local WIPE_BUDGET = {WIPE_BUDGET}\nlocal GROUPS_PER_KEY = {GROUPS_PER_KEY}\n\
-         local ONCE_MS = {ONCE_MS}\n\
          local PLACEMENT_BYTES = {}\nlocal SUMMARY_TAG = {}\n{PRELUDE}{body}",
         crate::placement::PLACEMENT_BYTES,
         super::seal::SUMMARY_TAG
