@@ -137,8 +137,9 @@ impl Conns {
         }
         // A socket read that has a timeout fails with EINTR whenever its wait is interrupted
         // (the kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands
-        // the EINTR up. Seen in this project's Python test processes about once in 50 calls,
-        // with no signal delivered to the thread (strace): not ours to prevent. The
+        // the EINTR up. Seen in this project's Python test processes (a dozen times in eight
+        // runs of the pool suite) with no signal delivered to the thread (strace): not ours
+        // to prevent. The
         // connection's state is unknown then: the call is made again on a fresh one. Every
         // script is safe to run twice: a
         // repeated lease is granted again (one lease, its slots listed twice); a reserve,
