@@ -784,9 +784,10 @@ impl Lane {
             let (stream, guard) = (stream.try_clone()?, Arc::clone(&guard));
             let (notify, ends) = (notify.clone(), Arc::clone(ends));
             let unanswered = Arc::clone(&unanswered);
-            let sent = Expected { posts: expected, hashes };
+            let expected = Expected { posts: expected, hashes };
             move || {
-                let end = read_answers(&stream, &guard, &sent, &notify, &unanswered, &mut opener);
+                let end =
+                    read_answers(&stream, &guard, &expected, &notify, &unanswered, &mut opener);
                 ends.lane_ended(end, slot, &notify);
             }
         };
