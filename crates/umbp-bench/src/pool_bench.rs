@@ -142,6 +142,10 @@ pub struct PoolRow {
     pub load: f64,
 }
 
+/// How many times Mooncake Store's throughput the pool's put and get must reach (issue 43;
+/// issue 36 asked for 1.0).
+const PUT_GET_VS_MOONCAKE: f64 = 1.2;
+
 /// The `q` quantile of `samples` (nearest rank).
 fn quantile(samples: &[f64], q: f64) -> f64 {
     let mut s = samples.to_vec();
@@ -190,12 +194,13 @@ impl PoolRow {
     }
 
     /// Compares the row with Mooncake's rounds of the same figure: `ours` and `theirs` are
-    /// the rounds as "more is better" values (1 / time, or throughput). Target: >= 1.0x.
-    pub fn against_mooncake(mut self, ours: &[f64], theirs: &[f64]) -> Self {
+    /// the rounds as "more is better" values (1 / time, or throughput). Target: at least
+    /// `times` Mooncake's.
+    pub fn against_mooncake(mut self, ours: &[f64], theirs: &[f64], times: f64) -> Self {
         let (a, b) = (quantile(ours, 0.5), quantile(theirs, 0.5));
         self.vs_mooncake = (b > 0.0).then(|| a / b);
         self.vs_mooncake_range = ratio_range(ours, theirs);
-        let verdict = Verdict::range_at_least(self.vs_mooncake_range, 1.0);
+        let verdict = Verdict::range_at_least(self.vs_mooncake_range, times);
         self.verdict = Some(worse(self.verdict, verdict));
         self
     }
@@ -465,10 +470,10 @@ pub fn lookup(
             row.server_cpu_ms = Some(cpu[s] / times[s].len().max(1) as f64 * 1e3);
         }
         if let (Some(m), true) = (mc, *name == "umbp redis") {
-            row = row.against_mooncake(&speed(&times[s]), &speed(&times[m]));
+            row = row.against_mooncake(&speed(&times[s]), &speed(&times[m]), 1.0);
         } else if let (Some(m), false) = (mc, *name == "mooncake store") {
             let r = row.verdict;
-            row = row.against_mooncake(&speed(&times[s]), &speed(&times[m]));
+            row = row.against_mooncake(&speed(&times[s]), &speed(&times[m]), 1.0);
             row.verdict = r; // shown for comparison, judged only where the issue sets a target
         }
         rows.push(row);
@@ -915,7 +920,7 @@ pub fn transfer(
                 row.protection = Some(name);
                 row.verified = *ok;
                 if !theirs.is_empty() {
-                    row = row.against_mooncake(samples, theirs);
+                    row = row.against_mooncake(samples, theirs, PUT_GET_VS_MOONCAKE);
                 }
                 rows.push(row);
             }
