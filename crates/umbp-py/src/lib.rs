@@ -294,14 +294,16 @@ impl Engine {
     /// `remote`: also run the remote engine (UCX), over `remote_transports` (UCX_TLS's syntax;
     /// `None`: UCX's choice), authenticating memory nodes with the shared secret
     /// `remote_secret` (`None`: `UMBP_UCX_SECRET` from the environment), or connecting to
-    /// nodes that run without authentication when `remote_insecure_no_auth`. `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
+    /// nodes that run without authentication when `remote_insecure_no_auth`, over
+    /// `remote_lanes` connections to each node (at least 1; each is served by a thread of its
+    /// own on the node, so more lanes put more cores on one node's transfers). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
     /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
     /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
     /// anything is allocated or started. `checksums`: which tiers' objects get a CRC32C
     /// (`"off"`, `"files_and_remote"`, `"all_tiers"`; `umbp_composite::ChecksumPolicy`):
     /// offloads report it, restores given one verify it.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false, checksums="files_and_remote"))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false, remote_lanes=2, checksums="files_and_remote"))]
     fn new(
         py: Python<'_>,
         device: &str,
@@ -315,6 +317,7 @@ impl Engine {
         remote_transports: Option<String>,
         remote_secret: Option<Vec<u8>>,
         remote_insecure_no_auth: bool,
+        remote_lanes: usize,
         checksums: &str,
     ) -> PyResult<Self> {
         let checksums = ChecksumPolicy::from_name(checksums).ok_or_else(|| {
@@ -325,6 +328,9 @@ impl Engine {
         // Checked before anything starts: the bounce region is allocated whole (an allocation
         // the system refuses aborts), and each worker is a thread.
         let bounce_bytes = host_len(bounce_bytes, "a bounce region")?.max(2);
+        if remote_lanes == 0 {
+            return Err(PyValueError::new_err("remote_lanes=0: at least one connection a node"));
+        }
         if workers > MAX_WORKERS {
             return Err(PyValueError::new_err(format!(
                 "workers={workers}: at most {MAX_WORKERS} executor threads"
@@ -341,8 +347,12 @@ impl Engine {
                 bounce_bytes,
                 ssd_queue_depth,
                 ssd_worker_cpus,
-                remote
-                    .then(|| ucx_config(remote_transports, remote_secret, remote_insecure_no_auth)),
+                remote.then(|| {
+                    let mut config =
+                        ucx_config(remote_transports, remote_secret, remote_insecure_no_auth);
+                    config.lanes = remote_lanes;
+                    config
+                }),
                 checksums,
             )
         })

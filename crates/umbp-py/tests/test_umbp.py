@@ -561,6 +561,27 @@ def test_a_memory_node_serves_restores_and_offloads_and_its_loss_costs_only_its_
             time.sleep(0.01)
 
 
+def test_remote_lanes_sets_the_connections_to_each_node():
+    with pytest.raises(ValueError, match="remote_lanes"):
+        umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET, remote_lanes=0)
+    _remote_engine()  # skips where there is no remote tier
+    one = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET, remote_lanes=1)
+    arena = pattern(8 * PAGE, 4)
+    with umbp.Server({"arena": arena}, transports="tcp", secret=SECRET) as server:
+        one.connect(server.address)
+        with_one = server.clients
+        three = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET, remote_lanes=3)
+        peer = three.connect(server.address)
+        # Two connections more than an engine with one lane.
+        assert server.clients - with_one == with_one + 2, (with_one, server.clients)
+        out = np.zeros(4 * PAGE, dtype=np.uint8)
+        with three.register_remote(peer.region("arena")) as remote, three.register(out) as dst:
+            pages = [6, 1, 3, 0]
+            obj = umbp.Object(1, remote, [p * PAGE for p in pages], PAGE, 4 * PAGE, [umbp.Range(0, 4 * PAGE, dst, 0)])
+            three.restore([obj]).raise_for_errors()
+            assert bytes(out) == object_bytes(arena, [p * PAGE for p in pages], 0, 4 * PAGE)
+
+
 def test_a_disconnected_node_fails_its_objects_at_once():
     engine = _remote_engine()
     with umbp.Server({"arena": pattern(8 * PAGE, 2)}, transports="tcp", secret=SECRET) as server:

@@ -697,7 +697,9 @@ class Engine:
     ``remote=True`` adds the remote tier (UCX) over ``remote_transports``; it proves to memory
     nodes that it holds ``remote_secret`` (``None``: the ``UMBP_UCX_SECRET`` environment
     variable) and checks that they hold it too, or, with ``remote_insecure_no_auth``, connects
-    to nodes that run without authentication.
+    to nodes that run without authentication. It reaches each node over ``remote_lanes``
+    connections (default 2, at least 1, else ``ValueError``): the node serves each on a thread
+    of its own, so more lanes put more of its cores on this engine's transfers.
 
     ``checksums`` (a :class:`ChecksumPolicy` or its name): which tiers' objects get a CRC32C,
     reported by offloads (:attr:`ObjectResult.checksum`) and verified by restores given one
@@ -724,6 +726,7 @@ class Engine:
         remote_transports: _t.Optional[str] = None,
         remote_secret: _t.Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
+        remote_lanes: int = 2,
         checksums: _t.Union["ChecksumPolicy", str] = "files_and_remote",
     ):
         # Guards _engine, _starting and _batches: a start counts itself in _starting while it
@@ -744,6 +747,7 @@ class Engine:
             remote_transports=remote_transports,
             remote_secret=remote_secret,
             remote_insecure_no_auth=remote_insecure_no_auth,
+            remote_lanes=remote_lanes,
             checksums=str(ChecksumPolicy(checksums)),
         )
 

@@ -105,6 +105,7 @@ class Engine:
         remote_transports: Optional[str] = None,
         remote_secret: Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
+        remote_lanes: int = 2,
         checksums: str = "files_and_remote",
     ) -> "Engine": ...
     @property
