@@ -542,6 +542,10 @@ struct PoolArgs {
     /// directory is created in it and removed afterwards).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     dir: PathBuf,
+    /// Connections each pool's engine opens to the memory node (umbp-remote's
+    /// `RemoteConfig::lanes`), as `remote --lanes`.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    lanes: u16,
 }
 
 fn unit_fraction(s: &str) -> Result<f64, String> {
@@ -1062,6 +1066,7 @@ fn pool(args: &PoolArgs, out: &Output<'_>) -> anyhow::Result<()> {
         transfer_blocks: args.transfer_blocks as usize,
         transfer_sizes: args.block_sizes.iter().map(|s| s.0).collect(),
         transfer_rounds: args.transfer_rounds as usize,
+        lanes: usize::from(args.lanes),
         ..PoolBenchConfig::default()
     };
     if args.tiny {

@@ -70,6 +70,9 @@ pub struct PoolBenchConfig {
     pub transfer_sizes: Vec<u64>,
     /// Rounds of the transfer rows.
     pub transfer_rounds: usize,
+    /// Connections each pool's remote engine opens to the memory node (umbp-remote's
+    /// `RemoteConfig::lanes`).
+    pub lanes: usize,
 }
 
 impl Default for PoolBenchConfig {
@@ -88,6 +91,7 @@ impl Default for PoolBenchConfig {
             transfer_blocks: 4096,
             transfer_sizes: vec![64 << 10, 1 << 20],
             transfer_rounds: 3,
+            lanes: 2,
         }
     }
 }
@@ -115,6 +119,9 @@ pub struct PoolRow {
     /// umbp's put and get rows: the protection of the channel to the memory node
     /// (`encrypted` or `authenticated`); `null` otherwise.
     pub protection: Option<&'static str>,
+    /// umbp's put and get rows: the connections its engine holds to the memory node (the
+    /// lanes it asked for, fewer where the node took no more); `null` otherwise.
+    pub lanes: Option<usize>,
     /// The median of the rounds, in `unit`.
     pub median: f64,
     /// The 10th..90th percentile of the rounds, in `unit`.
@@ -168,6 +175,7 @@ impl PoolRow {
             items,
             block_size: None,
             protection: None,
+            lanes: None,
             median: quantile(samples, 0.5),
             interval: [quantile(samples, 0.1), quantile(samples, 0.9)],
             unit,
@@ -646,6 +654,8 @@ struct Channel {
     /// The rows' system: `umbp pool, PROTECTION` or `umbp pool on redis cluster, ...`.
     system: String,
     protection: umbp_remote::Protection,
+    /// The connections its engine got to the memory node.
+    lanes: usize,
     // Dropped first: the registrations, then the pool and engine.
     buffer_reg: umbp_plan::Registration,
     remote: umbp_plan::Registration,
@@ -661,6 +671,7 @@ impl UmbpTransfer {
         program: &Path,
         arena: u64,
         buffer: u64,
+        lanes: usize,
         skipped: &mut Vec<String>,
     ) -> anyhow::Result<Self> {
         let node = crate::remote_bench::ChildServer::start(program, "tcp", arena, None)?;
@@ -673,7 +684,9 @@ impl UmbpTransfer {
             let name = crate::remote_bench::protection_name(protection);
             let system = format!("umbp pool, {name}");
             let config = server.config("bench");
-            channels.push(Channel::connect(&node, &config, &buffer, protection, id, system)?);
+            let channel =
+                Channel::connect(&node, &config, &buffer, (protection, lanes), id, system)?;
+            channels.push(channel);
         }
         // The default protection once more, with the index on a Redis Cluster of 3 masters.
         let cluster = RedisCluster::start(3);
@@ -684,7 +697,9 @@ impl UmbpTransfer {
                 let system = format!("umbp pool on redis cluster, {name}");
                 let config = cluster_config(cluster);
                 let id = NodeId(1 + 2 * channels.len() as u32);
-                channels.push(Channel::connect(&node, &config, &buffer, protection, id, system)?);
+                let channel =
+                    Channel::connect(&node, &config, &buffer, (protection, lanes), id, system)?;
+                channels.push(channel);
             }
             None => skipped.push("the put/get rows on Redis Cluster: redis-cli is missing".into()),
         }
@@ -773,13 +788,14 @@ impl UmbpTransfer {
 }
 
 impl Channel {
-    /// Connects a remote engine asking for `protection` to the memory node, registers its
-    /// arena and `buffer` with a composite, and opens a pool of node `id` over it.
+    /// Connects a remote engine asking for `protection` and `lanes` to the memory node,
+    /// registers its arena and `buffer` with a composite, and opens a pool of node `id` over
+    /// it.
     fn connect(
         node: &crate::remote_bench::ChildServer,
         index: &umbp_pool::RedisConfig,
         buffer: &crate::host_buffer::HostBuffer,
-        protection: umbp_remote::Protection,
+        (protection, lanes): (umbp_remote::Protection, usize),
         id: NodeId,
         system: String,
     ) -> anyhow::Result<Self> {
@@ -797,6 +813,7 @@ impl Channel {
                 // arena's pages, on a loaded 2-core machine, left the default 5 s without an
                 // answer (the peer was declared dead and the rows failed): room for that.
                 peer_timeout: Duration::from_secs(60),
+                lanes,
                 ..umbp_remote::RemoteConfig::default()
             },
         )?);
@@ -821,7 +838,8 @@ impl Channel {
         // bench reads or writes it only between puts and gets, each of which returns once its
         // transfers ended; the channels take turns, so no two transfers touch it at once.
         let buffer_reg = unsafe { buffer.lend(&composite) }?;
-        Ok(Self { system, protection, buffer_reg, remote, pool, _ucx: ucx })
+        let lanes = peer.lanes;
+        Ok(Self { system, protection, lanes, buffer_reg, remote, pool, _ucx: ucx })
     }
 }
 
@@ -844,7 +862,7 @@ pub fn transfer(
     let arena = (bytes + bytes / 4).max(2 * smallest * n as u64);
     let program = std::env::current_exe().context("finding the umbp-bench binary")?;
     progress.step("starting the memory node, Redis and the pools");
-    let mut umbp = UmbpTransfer::start(&program, arena, bytes, skipped)?;
+    let mut umbp = UmbpTransfer::start(&program, arena, bytes, config.lanes, skipped)?;
     let channels = umbp.channels.len();
     let mut mooncake = match python {
         // The holder's segment with room to spare: Mooncake evicts above 95 % full.
@@ -918,6 +936,7 @@ pub fn transfer(
                 let mut row = PoolRow::of(figure, system, n as u64, samples, "GiB/s");
                 row.block_size = Some(size);
                 row.protection = Some(name);
+                row.lanes = Some(umbp.channels[c].lanes);
                 row.verified = *ok;
                 if !theirs.is_empty() {
                     row = row.against_mooncake(samples, theirs, PUT_GET_VS_MOONCAKE);

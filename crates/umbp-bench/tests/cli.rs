@@ -157,6 +157,7 @@ fn bad_arguments_exit_2_with_one_line() {
         &["serve", "--perftest-port", "70000"],
         &["pool", "--keys", "0"],
         &["pool", "--block-size", "48KiB"],
+        &["pool", "--lanes", "0"],
         &["pool", "--transfer-blocks", "4096", "--block-size", "1MiB", "--keys", "x"],
         &["--json", "--out"],
     ];
@@ -924,12 +925,13 @@ fn serve_listens_until_stdin_closes() {
 }
 
 /// The fields of every `pool` line.
-const POOL_FIELDS: [&str; 16] = [
+const POOL_FIELDS: [&str; 17] = [
     "figure",
     "system",
     "items",
     "block_size",
     "protection",
+    "lanes",
     "median",
     "interval",
     "unit",
@@ -956,8 +958,9 @@ fn pool_json_fields_and_verified_rows() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
+    let dir_arg = dir.path().to_str().unwrap();
     let lines = json_lines_noting(
-        &["pool", "--tiny", "--json", "--no-mooncake", "--dir", dir.path().to_str().unwrap()],
+        &["pool", "--tiny", "--json", "--no-mooncake", "--lanes", "3", "--dir", dir_arg],
         |l| l.starts_with("umbp-bench pool: skipped the put/get rows"),
     );
     check_fields("pool", &lines, &POOL_FIELDS);
@@ -1003,6 +1006,7 @@ fn pool_json_fields_and_verified_rows() {
                 let l =
                     pool_row(&lines, figure, system).unwrap_or_else(|| panic!("{figure} {system}"));
                 assert_eq!(l["protection"], protection, "{l:?}");
+                assert_eq!(l["lanes"], 3, "the lanes asked for: {l:?}");
                 let (items, size) = (l["items"].as_u64(), l["block_size"].as_u64());
                 assert_eq!((items, size), (Some(64), Some(64 << 10)), "{l:?}");
             }
@@ -1013,6 +1017,7 @@ fn pool_json_fields_and_verified_rows() {
     assert!(index_rows.clone().count() >= 13);
     for l in index_rows {
         assert_eq!(l["protection"], Value::Null, "only the memory node's rows have one: {l:?}");
+        assert_eq!(l["lanes"], Value::Null, "{l:?}");
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the index files are removed");
 }

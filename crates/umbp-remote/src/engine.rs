@@ -40,8 +40,10 @@ pub struct ExportedRegion {
     pub writable: bool,
 }
 
-/// A peer this engine is connected to.
+/// A peer this engine is connected to. Made by [`RemoteEngine::connect`] only, so it may
+/// grow fields (as `lanes` came).
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PeerInfo {
     /// Its number, as in [`RemoteRegion::peer`].
     pub id: u32,
