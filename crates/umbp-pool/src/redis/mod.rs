@@ -466,9 +466,9 @@ impl RedisIndex {
         args: impl Fn(&mut redis::ScriptInvocation<'_>),
     ) -> Result<T, Error> {
         let id = self.new_id();
-        let window = u64::try_from(scripts::repeat_window(self.timeout).as_millis());
+        let window = scripts::repeat_window(self.timeout).as_millis() as u64;
         self.run(script, s, |inv| {
-            inv.arg(id).arg(window.unwrap_or(u64::MAX));
+            inv.arg(id).arg(window);
             args(inv);
         })
     }

@@ -550,8 +550,10 @@ pub(super) const GROUPS_PER_KEY: u32 = 4;
 /// keeps its answers for a repeat, for a client whose calls time out after `timeout`: a
 /// client makes a call at most five times, each at once after the previous one failed, which
 /// takes at most `timeout` (see `conn::Conns::with`); one second more for the clocks' ticks.
+/// At most a day, whatever the timeout (Redis refuses an expiry past its clock's range).
 pub(super) fn repeat_window(timeout: std::time::Duration) -> std::time::Duration {
-    timeout.saturating_mul(5).saturating_add(std::time::Duration::from_secs(1))
+    let window = timeout.saturating_mul(5).saturating_add(std::time::Duration::from_secs(1));
+    window.min(std::time::Duration::from_secs(24 * 3600))
 }
 
 /// The full source of a script: the prelude, then its body.
@@ -562,4 +564,19 @@ pub(super) fn source(body: &str) -> String {
         crate::placement::PLACEMENT_BYTES,
         super::seal::SUMMARY_TAG
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::repeat_window;
+
+    /// Five timeouts and a second, and never past a day (Redis takes the window as a `PX`).
+    #[test]
+    fn the_repeat_window_covers_five_calls_and_stays_in_redis_range() {
+        assert_eq!(repeat_window(Duration::from_secs(5)), Duration::from_secs(26));
+        assert_eq!(repeat_window(Duration::from_millis(200)), Duration::from_secs(2));
+        assert_eq!(repeat_window(Duration::MAX), Duration::from_secs(24 * 3600));
+    }
 }
