@@ -139,14 +139,13 @@ impl Conns {
         // (the kernel never restarts those, SA_RESTART or not: signal(7)), and redis-rs hands
         // the EINTR up. Seen in this project's Python test processes (a dozen times in eight
         // runs of the pool suite) with no signal delivered to the thread (strace): not ours
-        // to prevent. The
-        // connection's state is unknown then: the call is made again on a fresh one. Every
-        // script is safe to run twice: a
-        // repeated lease is granted again (one lease, its slots listed twice); a reserve,
-        // publish, removal, eviction or leave keeps its answers under its call id, so its
-        // repeat answers as it did and does nothing more (`scripts::repeat_window`): no second
-        // set of slots held until their TTL, no `Expired` for a block it published, no
-        // `Absent` for one it removed, no "was not alive" for the node it took out.
+        // to prevent. The connection's state is unknown then: the call is made again on a
+        // fresh one. Every script is safe to run twice: a repeated lease is granted again
+        // (one lease, its slots listed twice); a reserve, publish, removal, eviction or leave
+        // keeps its answers under its call id, so its repeat answers as it did and does
+        // nothing more (`scripts::repeat_window`): no second set of slots held until their
+        // TTL, no `Expired` for a block it published, no `Absent` for one it removed, no "was
+        // not alive" for the node it took out.
         for _ in 0..3 {
             if !result.as_ref().is_err_and(interrupted) {
                 break;
