@@ -446,7 +446,8 @@ def test_instance_b_hits_and_loads_byte_exact_what_instance_a_saved_into_a_memor
     assert ra["computed"] == 0 and ra["stats"].get("saved_blocks.remote") == 10 * 2
     assert ra["counters"]["saves"]["remote"] == 10 and ra["counters"]["published"] == 10
     assert not ra["counters"]["no_room"] and not ra["stats"].get("save_errors.remote")
-    h = harness(tmp_path, tp=2, **reaches(node, redis, **ssd(tmp_path, "b.ssd")))
+    # B reaches the node over one lane (A over the default two).
+    h = harness(tmp_path, tp=2, **reaches(node, redis, remote_lanes=1, **ssd(tmp_path, "b.ssd")))
     try:
         computed, scheduled = run_prompt(h, "b", shared + prompt(22, 21))
         assert computed == 10 * BS  # every block of A's, from the memory node
@@ -680,11 +681,19 @@ def test_memory_nodes_need_a_redis_pool_and_their_secret(tmp_path, monkeypatch):
             {"pool": "embedded", "ssd_path": "/x", "ssd_bytes_per_rank": 1 << 20,
              "pool_save_to": "memory_nodes", "remote_secret_file": str(secret)}
         )
+    for lanes in (0, 65, True, 1.5):
+        with pytest.raises(ValueError, match="remote_lanes must be an integer from 1 to 64"):
+            UmbpConfig.from_extra({"pool": "redis://h:1/", "remote_lanes": lanes})
     cfg = UmbpConfig.from_extra(
         {"pool": "redis://h:1/", "pool_save_to": "memory_nodes_only",
          "remote_secret_file": str(secret)}
     )
     assert cfg.memory_nodes() and cfg.remote_secret() == b"x" * 32
+    assert cfg.remote_options()["remote_lanes"] == 2
+    three = UmbpConfig.from_extra(
+        {"pool": "redis://h:1/", "remote_secret_file": str(secret), "remote_lanes": 3}
+    )
+    assert three.remote_options()["remote_lanes"] == 3
     # Without the secret, memory nodes' blocks are not this instance's hits.
     assert not UmbpConfig.from_extra({"pool": "redis://h:1/"}).memory_nodes()
     monkeypatch.setenv("UMBP_UCX_SECRET", "y" * 32)

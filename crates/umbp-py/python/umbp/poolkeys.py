@@ -45,6 +45,7 @@ class PoolKeys:
     pool_save_to: str = SAVE_LOCAL
     remote_secret_file: Optional[str] = None
     remote_transports: Optional[str] = None
+    remote_lanes: int = 2
     remote_connect_wait_s: float = 0.05
 
     @classmethod
@@ -81,6 +82,12 @@ class PoolKeys:
             raise ValueError(f"{who}: pool_node must be an integer in [0, 2**32)")
         if self.pool_namespace is not None and not isinstance(self.pool_namespace, str):
             raise ValueError(f"{who}: pool_namespace must be a string")
+        if not (
+            isinstance(self.remote_lanes, int)
+            and not isinstance(self.remote_lanes, bool)
+            and 1 <= self.remote_lanes <= 64
+        ):
+            raise ValueError(f"{who}: remote_lanes must be an integer from 1 to 64")
         if not _number(self.remote_connect_wait_s) or not float(self.remote_connect_wait_s) >= 0:
             raise ValueError(f"{who}: remote_connect_wait_s must be a number >= 0")
         for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
@@ -144,6 +151,7 @@ class PoolKeys:
             remote=True,
             remote_transports=self.remote_transports,
             remote_secret=self.remote_secret(),
+            remote_lanes=self.remote_lanes,
         )
 
     def pool_checksums(self, checksums: str, *, durable: bool) -> str:
