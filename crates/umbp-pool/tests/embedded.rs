@@ -37,6 +37,7 @@ shared!(
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
+    batches_decide_item_by_item,
 );
 
 #[test]

@@ -36,6 +36,7 @@ shared!(
     stale_generation_is_a_miss,
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
+    batches_decide_item_by_item,
 );
 
 /// A client of the test pool that reads every entry (no group summaries): the truth the

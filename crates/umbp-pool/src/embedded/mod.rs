@@ -15,7 +15,7 @@ mod keymap;
 mod reconcile;
 mod slots;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
@@ -324,6 +324,10 @@ impl EmbeddedIndex {
         result
     }
 
+    /// Reserves a slot for `key`, evicting below the low watermark; `present` lists the
+    /// blocks its batch answered present so far (this one is added if it is), which the
+    /// eviction keeps.
+    #[allow(clippy::too_many_arguments)]
     fn reserve_locked(
         &self,
         state: &mut State,
@@ -332,8 +336,10 @@ impl EmbeddedIndex {
         tier: TierId,
         len: u64,
         deadline: Instant,
+        present: &mut Vec<Placement>,
     ) -> Result<Reserved, Error> {
         if let Some(p) = state.placement(&key) {
+            present.push(p);
             return Ok(Reserved::Present(p));
         }
         let t = Self::tier(state, node, tier)?;
@@ -345,7 +351,13 @@ impl EmbeddedIndex {
         let free = state.tiers[t].free_count();
         if free < spec.low_watermark.max(1) {
             let want = spec.high_watermark.max(1) - free.min(spec.high_watermark.max(1));
-            self.evict_locked(state, t, want)?;
+            let mut keep: Vec<u32> = present
+                .iter()
+                .filter(|p| p.node == node && p.tier == tier)
+                .map(|p| p.slot)
+                .collect();
+            keep.sort_unstable();
+            self.evict_locked(state, t, want, &keep)?;
         }
         let generation = state.next_generation;
         let slot = state.tiers[t]
@@ -355,10 +367,18 @@ impl EmbeddedIndex {
         Ok(Reserved::Slot(Reservation { key, node, tier, slot, len, generation }))
     }
 
-    fn evict_locked(&self, state: &mut State, t: usize, want: u32) -> Result<u32, Error> {
+    /// Evicts up to `want` of tier `t`'s blocks, never those in the slots `keep` lists
+    /// (sorted).
+    fn evict_locked(
+        &self,
+        state: &mut State,
+        t: usize,
+        want: u32,
+        keep: &[u32],
+    ) -> Result<u32, Error> {
         state.sweep_leases(Instant::now());
         let mut leaving = Vec::new();
-        state.tiers[t].pick_victims(want, &mut leaving);
+        state.tiers[t].pick_victims(want, keep, &mut leaving);
         self.commit_departures(state, t, &leaving)?;
         if !leaving.is_empty() {
             tracing::debug!(evicted = leaving.len(), tier = t, "embedded index: evicted");
@@ -400,7 +420,7 @@ impl Index for EmbeddedIndex {
         ttl: Duration,
     ) -> Result<Reserved, Error> {
         let mut state = self.state();
-        self.reserve_locked(&mut state, key, node, tier, len, Instant::now() + ttl)
+        self.reserve_locked(&mut state, key, node, tier, len, Instant::now() + ttl, &mut Vec::new())
     }
 
     fn reserve_many(
@@ -413,8 +433,9 @@ impl Index for EmbeddedIndex {
         let mut state = self.state();
         let deadline = Instant::now() + ttl;
         let mut out = Vec::with_capacity(items.len());
+        let mut present = Vec::new();
         for &(key, len) in items {
-            match self.reserve_locked(&mut state, key, node, tier, len, deadline) {
+            match self.reserve_locked(&mut state, key, node, tier, len, deadline, &mut present) {
                 Err(e @ (Error::Store(_) | Error::Corrupt(_))) => return Err(e),
                 answer => out.push(answer),
             }
@@ -437,6 +458,8 @@ impl Index for EmbeddedIndex {
         let (next_generation, next_seq) = {
             let mut state = self.state();
             let mut won_here: HashMap<BlockKey, Placement> = HashMap::new();
+            // Reservations this batch lost: one named again is over, as after a publish.
+            let mut lost_here: HashSet<(usize, u32)> = HashSet::new();
             for (r, checksum) in items {
                 let Some(&t) = state.tier_index.get(&(r.node, r.tier)) else {
                     steps.push(Step::Expire);
@@ -447,11 +470,12 @@ impl Index for EmbeddedIndex {
                         && matches!(s.state, SlotState::Reserved { key, len, deadline }
                             if key == r.key && len == r.len && deadline > now)
                 });
-                if !live {
+                if !live || lost_here.contains(&(t, r.slot)) {
                     steps.push(Step::Expire);
                     continue;
                 }
                 if let Some(winner) = state.placement(&r.key).or(won_here.get(&r.key).copied()) {
+                    lost_here.insert((t, r.slot));
                     steps.push(Step::Lose(t, winner));
                     continue;
                 }
@@ -637,7 +661,7 @@ impl Index for EmbeddedIndex {
     fn evict(&self, node: NodeId, tier: TierId, count: u32) -> Result<u32, Error> {
         let mut state = self.state();
         let t = Self::tier(&state, node, tier)?;
-        self.evict_locked(&mut state, t, count)
+        self.evict_locked(&mut state, t, count, &[])
     }
 
     fn tier_spec(&self, node: NodeId, tier: TierId) -> Result<Option<TierSpec>, Error> {

@@ -212,16 +212,19 @@ impl TierState {
         }
     }
 
-    /// Picks up to `want` published, unleased slots, least recently used first, and marks them
-    /// [`SlotState::Leaving`]. One pass over the used slots per eviction run (a run frees the
-    /// gap between the watermarks, so the pass is shared by that many evictions).
-    pub(super) fn pick_victims(&mut self, want: u32, out: &mut Vec<(u32, BlockKey)>) {
+    /// Picks up to `want` published, unleased slots that `keep` (sorted) does not list, least
+    /// recently used first, and marks them [`SlotState::Leaving`]. One pass over the used
+    /// slots per eviction run (a run frees the gap between the watermarks, so the pass is
+    /// shared by that many evictions).
+    pub(super) fn pick_victims(&mut self, want: u32, keep: &[u32], out: &mut Vec<(u32, BlockKey)>) {
         let mut candidates: Vec<(u64, u32)> = self
             .slots
             .iter()
             .enumerate()
             .filter_map(|(i, s)| match s.state {
-                SlotState::Published { last_use, .. } if s.leases == 0 => {
+                SlotState::Published { last_use, .. }
+                    if s.leases == 0 && keep.binary_search(&(i as u32)).is_err() =>
+                {
                     Some((last_use, i as u32))
                 }
                 _ => None,

@@ -21,7 +21,7 @@
 //! | `P:owner:N:T` | hash | slot -> key of the block published there |
 //! | `P:lru:N:T` | sorted set | published slot -> last use (ms, server clock) |
 //! | `P:resv:N:T` | sorted set | reserved slot -> deadline (ms) |
-//! | `P:rkey:N:T` | hash | reserved slot -> key and length |
+//! | `P:rkey:N:T` | hash | reserved slot -> key, length, generation and deadline (ms) |
 //! | `P:ls:N:T:S` | set | lease ids on slot S |
 //! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
 //! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
@@ -80,13 +80,42 @@ local function where(blob)
   local n, t, slot = struct.unpack('>I4I2I4', blob)
   return string.format('%d', n), string.format('%d', t), string.format('%d', slot)
 end
--- The published value of `key` if it is live: its node is alive and its slot still holds it.
+-- A script's call to Redis takes at most this many arguments after the key (an `unpack` is
+-- bounded by Lua's C stack, 8,000 values); even, so field-value pairs never split.
+local BULK = 1024
+-- `cmd key args...` for a list of `args` of any length, in calls of at most BULK arguments: one
+-- call per thousand items instead of one per item (a call from a script costs about a
+-- microsecond of Redis's time whatever it does). Returns the replies concatenated, for a
+-- command that answers one value per argument (HMGET, ZMSCORE).
+local function bulk(cmd, key, args)
+  local out = {}
+  for i = 1, #args, BULK do
+    local r = redis.call(cmd, key, unpack(args, i, math.min(i + BULK - 1, #args)))
+    if type(r) == 'table' then
+      for j = 1, #r do out[#out + 1] = r[j] end
+    end
+  end
+  return out
+end
+-- Whether `blob`, the published value of `key`, is live: its node is alive and its slot
+-- still holds the key.
+local function is_live(key, blob)
+  local n, t, slot = where(blob)
+  return n and alive(n) and redis.call('HGET', k('owner', n, t), slot) == key
+end
+-- The published value of `key` if it is live.
 local function live(key)
   local blob = redis.call('HGET', P .. ':blocks', key)
-  if not blob then return nil end
-  local n, t, slot = where(blob)
-  if n and alive(n) and redis.call('HGET', k('owner', n, t), slot) == key then return blob end
+  if blob and is_live(key, blob) then return blob end
   return nil
+end
+-- live() of each of `keys` (a list): their values, false where not live.
+local function live_many(keys)
+  local blobs = bulk('HMGET', P .. ':blocks', keys)
+  for j = 1, #keys do
+    if blobs[j] and not is_live(keys[j], blobs[j]) then blobs[j] = false end
+  end
+  return blobs
 end
 -- Deletes every group summary that counts `key`: called before its entry is deleted or
 -- replaced.
@@ -129,7 +158,9 @@ local function drop_published(n, t, slot)
   redis.call('ZREM', k('lru', n, t), slot)
   redis.call('RPUSH', k('free', n, t), slot)
 end
-local function evict(n, t, want)
+-- Evicts up to `want` of tier t's least recently used published blocks, skipping leased slots
+-- and those `keep` names (a table slot -> true, or nil). Returns the number evicted.
+local function evict(n, t, want, keep)
   local lru = k('lru', n, t)
   local done, kept, scanned = 0, 0, 0
   while done < want and scanned < want + 256 do
@@ -137,7 +168,7 @@ local function evict(n, t, want)
     if #batch == 0 then break end
     for _, slot in ipairs(batch) do
       scanned = scanned + 1
-      if done < want and not leased(n, t, slot) then
+      if done < want and not (keep and keep[slot]) and not leased(n, t, slot) then
         drop_published(n, t, slot)
         done = done + 1
       else
@@ -147,46 +178,29 @@ local function evict(n, t, want)
   end
   return done
 end
+-- What `P:rkey:N:T` holds for a reservation of `key`, `len` bytes, at generation `gen` (all
+-- strings): this, then its deadline.
+local function reservation(key, len, gen) return key .. len .. ':' .. gen .. ':' end
+-- The deadline of the reservation `held` (rkey's value, or false) if it is `key`'s, `len`
+-- bytes at generation `gen`; nil otherwise.
+local function deadline_of(held, key, len, gen)
+  if not held then return nil end
+  local r = reservation(key, len, gen)
+  if string.sub(held, 1, #r) ~= r then return nil end
+  return tonumber(string.sub(held, #r + 1))
+end
 local function unreserve(n, t, slot)
   redis.call('ZREM', k('resv', n, t), slot)
   redis.call('HDEL', k('rkey', n, t), slot)
 end
+-- Frees up to 256 of tier t's reservations whose deadline passed; returns how many.
 local function reclaim(n, t, now)
-  for _, slot in ipairs(redis.call('ZRANGEBYSCORE', k('resv', n, t), '-inf', now, 'LIMIT', 0, 256)) do
+  local expired = redis.call('ZRANGEBYSCORE', k('resv', n, t), '-inf', now, 'LIMIT', 0, 256)
+  for _, slot in ipairs(expired) do
     unreserve(n, t, slot)
     redis.call('RPUSH', k('free', n, t), slot)
   end
-end
-local function reserve_one(key, n, t, len_arg, ttl, now)
-  local len = tonumber(len_arg)
-  local blob = live(key)
-  if blob then return {'present', blob} end
-  if not alive(n) then return {'dead'} end
-  local tk = k('tier', n, t)
-  local meta = redis.call('HMGET', tk, 'slot_size', 'lcount', 'llow', 'lhigh', 'next', 'stride', 'first')
-  if not meta[1] then return {'unknown'} end
-  local slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
-  local high, nxt = tonumber(meta[4]), tonumber(meta[5])
-  if len > slot_size then return {'toolarge', meta[1]} end
-  reclaim(n, t, now)
-  local free = redis.call('LLEN', k('free', n, t)) + (count - nxt)
-  if free < math.max(low, 1) then evict(n, t, math.max(high, 1) - free) end
-  local slot = redis.call('LPOP', k('free', n, t))
-  if not slot then
-    if nxt >= count then return {'full'} end
-    slot = string.format('%d', nxt * tonumber(meta[6]) + tonumber(meta[7]))
-    redis.call('HSET', tk, 'next', nxt + 1)
-  end
-  -- The next generation, and never below the server's clock (ms * 1000): a server that lost
-  -- its data (a restart, a replica promoted before it had the latest writes, a reaped node)
-  -- hands out generations above every one an earlier life handed out for the slot (unless
-  -- it made 1,000 reservations of one slot per millisecond), so a placement or reservation
-  -- from before never matches again. Exact in Lua's doubles until the year 2255.
-  local gen = math.max((tonumber(redis.call('HGET', k('gen', n, t), slot)) or 0) + 1, now * 1000)
-  redis.call('HSET', k('gen', n, t), slot, string.format('%.0f', gen))
-  redis.call('ZADD', k('resv', n, t), now + ttl, slot)
-  redis.call('HSET', k('rkey', n, t), slot, key .. len_arg)
-  return {'ok', tonumber(slot), gen}
+  return #expired
 end
 -- A call whose repeat must not act again (a client makes a call again on a fresh connection
 -- when it lost the first one's answer) keeps its answers under its id, `ARGV[2]`, for
@@ -280,13 +294,107 @@ return {'ok'}
 /// Returns one answer per item: `{'ok', slot, generation}`, `{'present', placement}`,
 /// `{'dead'}`, `{'unknown'}`, `{'toolarge', slot_size}` or `{'full'}`. A repeat of a call
 /// (same id) answers as the call did, and reserves (and evicts) nothing more.
+///
+/// The items are answered in order, as if one by one: before each slot is taken, a tier
+/// whose free slots fell below its low watermark evicts up to its high one (never a block
+/// this call answers present). The reads and writes go to Redis in bulk (a few calls per
+/// thousand items), the decisions are made in between.
 pub(super) const RESERVE_MANY: &str = r#"
 local kept = replayed()
 if kept then return kept end
+local n, t, ttl = ARGV[4], ARGV[5], tonumber(ARGV[6])
 local now = now_ms()
-local out = {}
+local keys, lens = {}, {}
 for i = 7, #ARGV - 1, 2 do
-  out[#out + 1] = reserve_one(ARGV[i], ARGV[4], ARGV[5], ARGV[i + 1], tonumber(ARGV[6]), now)
+  keys[#keys + 1] = ARGV[i]
+  lens[#lens + 1] = ARGV[i + 1]
+end
+local out = {}
+local present = live_many(keys)
+-- Slots of this tier holding blocks answered present: this call's evictions keep them. And
+-- the items still to place, at most (each one not present).
+local keep, wanting = {}, 0
+for j = 1, #keys do
+  if present[j] then
+    out[j] = {'present', present[j]}
+    local pn, pt, ps = where(present[j])
+    if pn == n and pt == t then keep[ps] = true end
+  else
+    wanting = wanting + 1
+  end
+end
+local tk, fk = k('tier', n, t), k('free', n, t)
+local meta = redis.call('HMGET', tk, 'slot_size', 'lcount', 'llow', 'lhigh', 'next', 'stride', 'first')
+local slot_size, count, low, high, nxt, stride, first
+if meta[1] then
+  slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
+  high, nxt, stride, first = tonumber(meta[4]), tonumber(meta[5]), tonumber(meta[6]), tonumber(meta[7])
+end
+local next_before = nxt
+-- Free slots: `popped[at..]` taken off the free list by this call and not handed out yet,
+-- `listed` still on it (nil until the first slot is wanted), and the never-used ones from
+-- the cursor `nxt` on.
+local popped, at, listed = {}, 1, nil
+local taken, takers = {}, {}
+for j = 1, #keys do
+  if not present[j] then
+    if not alive(n) then out[j] = {'dead'}
+    elseif not meta[1] then out[j] = {'unknown'}
+    elseif tonumber(lens[j]) > slot_size then out[j] = {'toolarge', meta[1]}
+    else
+      if not listed then
+        repeat until reclaim(n, t, now) < 256
+        listed = redis.call('LLEN', fk)
+      end
+      local free = #popped - at + 1 + listed + (count - nxt)
+      if free < math.max(low, 1) then
+        listed = listed + evict(n, t, math.max(high, 1) - free, keep)
+      end
+      if at > #popped and listed > 0 then
+        popped, at = redis.call('LPOP', fk, math.min(listed, wanting)), 1
+        listed = listed - #popped
+      end
+      local slot
+      if at <= #popped then
+        slot, at = popped[at], at + 1
+      elseif nxt < count then
+        slot, nxt = string.format('%d', nxt * stride + first), nxt + 1
+      end
+      if slot then
+        taken[#taken + 1] = slot
+        takers[#takers + 1] = j
+      else
+        out[j] = {'full'}
+      end
+    end
+    wanting = wanting - 1
+  end
+end
+if nxt ~= next_before then redis.call('HSET', tk, 'next', nxt) end
+if #taken > 0 then
+  -- Each slot's next generation, and never below the server's clock (ms * 1000): a server
+  -- that lost its data (a restart, a replica promoted before it had the latest writes, a
+  -- reaped node) hands out generations above every one an earlier life handed out for the
+  -- slot (unless it made 1,000 reservations of one slot per millisecond), so a placement or
+  -- reservation from before never matches again. Exact in Lua's doubles until the year 2255.
+  local gk = k('gen', n, t)
+  local old, given = bulk('HMGET', gk, taken), {}
+  local gens, resv, rkey = {}, {}, {}
+  -- Numbers turn into strings once each: Lua formats them with printf, a microsecond apiece.
+  local deadline = string.format('%d', now + ttl)
+  for i, slot in ipairs(taken) do
+    local j = takers[i]
+    local gen = math.max((given[slot] or tonumber(old[i]) or 0) + 1, now * 1000)
+    local gen_s = string.format('%d', gen)
+    given[slot] = gen
+    gens[2 * i - 1], gens[2 * i] = slot, gen_s
+    resv[2 * i - 1], resv[2 * i] = deadline, slot
+    rkey[2 * i - 1], rkey[2 * i] = slot, reservation(keys[j], lens[j], gen_s) .. deadline
+    out[j] = {'ok', tonumber(slot), gen}
+  end
+  bulk('HSET', gk, gens)
+  bulk('ZADD', k('resv', n, t), resv)
+  bulk('HSET', k('rkey', n, t), rkey)
 end
 return answered(out)
 "#;
@@ -296,38 +404,105 @@ return answered(out)
 /// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
 /// placement value. An entry of the key that is not live (its node died) is replaced. A
 /// repeat of a call (same id) answers as the call did.
+///
+/// The items are decided in order, as if published one by one (a later item of a key this
+/// call published loses to it; a reservation named twice is ended once); the reads and
+/// writes go to Redis in bulk, per tier.
 pub(super) const PUBLISH: &str = r#"
 local kept = replayed()
 if kept then return kept end
 local now = now_ms()
-local out = {}
-local i = 4
-while i + 6 <= #ARGV do
-  local key, n, t, slot, gen, len, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
-  i = i + 7
-  local dl = redis.call('ZSCORE', k('resv', n, t), slot)
-  local ours = dl and redis.call('HGET', k('gen', n, t), slot) == gen
-    and redis.call('HGET', k('rkey', n, t), slot) == key .. len
-  if ours and tonumber(dl) > now and alive(n) then
-    unreserve(n, t, slot)
-    local winner = live(key)
+local m = math.floor((#ARGV - 3) / 7)
+local function field(j, f) return ARGV[4 + (j - 1) * 7 + f] end
+-- The tiers the items name, each with its items (`at`) and their slots, and what this call
+-- changes in it: reservations ended (`done`: slot -> true), slots freed, slots published
+-- (owner, lru).
+local tiers, order, tier_of = {}, {}, {}
+for j = 1, m do
+  local n, t = field(j, 1), field(j, 2)
+  local nt = n .. ':' .. t
+  local g = tiers[nt]
+  if not g then
+    g = {n = n, t = t, at = {}, slots = {}, done = {}, ended = {}, freed = {}, owner = {}, lru = {}}
+    tiers[nt] = g
+    order[#order + 1] = g
+  end
+  g.at[#g.at + 1] = j
+  g.slots[#g.slots + 1] = field(j, 3)
+  tier_of[j] = g
+end
+-- Each item's deadline, if Redis holds its reservation (nil if not, or another's).
+local deadline = {}
+for _, g in ipairs(order) do
+  local held = bulk('HMGET', k('rkey', g.n, g.t), g.slots)
+  for i, j in ipairs(g.at) do
+    deadline[j] = deadline_of(held[i], field(j, 0), field(j, 5), field(j, 4))
+  end
+end
+-- The live entries of the keys of the items still in time.
+local timely_keys = {}
+for j = 1, m do
+  if deadline[j] and deadline[j] > now and alive(tier_of[j].n) then
+    timely_keys[#timely_keys + 1] = field(j, 0)
+  end
+end
+local winners = {}
+for i, blob in ipairs(live_many(timely_keys)) do
+  if blob then winners[timely_keys[i]] = blob end
+end
+local now_s = string.format('%d', now)
+local out, entries, published = {}, {}, {}
+for j = 1, m do
+  local key, slot, g = field(j, 0), field(j, 3), tier_of[j]
+  -- A reservation named twice is ended by its first item.
+  local ours = deadline[j] and not g.done[slot]
+  if ours then
+    g.done[slot] = true
+    g.ended[#g.ended + 1] = slot
+  end
+  if ours and deadline[j] > now and alive(g.n) then
+    local winner = winners[key]
     if winner then
-      redis.call('RPUSH', k('free', n, t), slot)
-      out[#out + 1] = 'L' .. winner
+      g.freed[#g.freed + 1] = slot
+      out[j] = 'L' .. winner
     else
-      unsummarize(key)
-      redis.call('HSET', P .. ':blocks', key, blob)
-      redis.call('HSET', k('owner', n, t), slot, key)
-      redis.call('ZADD', k('lru', n, t), now, slot)
-      out[#out + 1] = 'W'
+      local blob = field(j, 6)
+      winners[key] = blob
+      published[#published + 1] = key
+      entries[#entries + 1] = key
+      entries[#entries + 1] = blob
+      g.owner[#g.owner + 1] = slot
+      g.owner[#g.owner + 1] = key
+      g.lru[#g.lru + 1] = now_s
+      g.lru[#g.lru + 1] = slot
+      out[j] = 'W'
     end
   else
-    if ours then
-      unreserve(n, t, slot)
-      redis.call('RPUSH', k('free', n, t), slot)
-    end
-    out[#out + 1] = 'E'
+    if ours then g.freed[#g.freed + 1] = slot end
+    out[j] = 'E'
   end
+end
+-- unsummarize() of every key published, in bulk.
+local members = bulk('HMGET', P .. ':member', published)
+local summarized = {}
+for i, ids in ipairs(members) do
+  if ids then
+    summarized[#summarized + 1] = published[i]
+    for at = 1, #ids, 16 do
+      local id = string.sub(ids, at, at + 15)
+      redis.call('HDEL', P .. ':groups', id)
+      redis.call('HDEL', P .. ':heads', id)
+    end
+  end
+end
+bulk('HDEL', P .. ':member', summarized)
+bulk('HSET', P .. ':blocks', entries)
+for _, g in ipairs(order) do
+  bulk('ZREM', k('resv', g.n, g.t), g.ended)
+  bulk('HDEL', k('rkey', g.n, g.t), g.ended)
+  bulk('HSET', k('owner', g.n, g.t), g.owner)
+  bulk('ZADD', k('lru', g.n, g.t), g.lru)
+  bulk('RPUSH', k('free', g.n, g.t), g.freed)
 end
 return answered(out)
 "#;
@@ -339,8 +514,7 @@ local i = 2
 while i + 5 <= #ARGV do
   local key, n, t, slot, gen, len = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5]
   i = i + 6
-  if redis.call('ZSCORE', k('resv', n, t), slot) and redis.call('HGET', k('gen', n, t), slot) == gen
-      and redis.call('HGET', k('rkey', n, t), slot) == key .. len then
+  if deadline_of(redis.call('HGET', k('rkey', n, t), slot), key, len, gen) then
     unreserve(n, t, slot)
     redis.call('RPUSH', k('free', n, t), slot)
     done = done + 1

@@ -345,6 +345,49 @@ pub fn reserve_many_answers_per_item(index: &dyn Index) {
     assert!(index.reserve_many(NODE, TierId(0), &[], TTL).unwrap().is_empty());
 }
 
+/// A batch decides its items in order, as calls one by one would: a key reserved twice gets
+/// two slots, and of its two publishes in one call the first wins and the second loses to it
+/// (its slot free again); a reservation named twice in one publish is ended by the first; a
+/// reserve that evicts to make room never evicts a block the same batch answers present; and
+/// reservations past their deadline come back to a batch however many there are.
+pub fn batches_decide_item_by_item(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 4).watermarks(1, 1);
+    setup(index, &spec);
+    let out = index.reserve_many(NODE, TierId(0), &[(key(1), 8), (key(1), 8)], TTL).unwrap();
+    let [Ok(Reserved::Slot(a)), Ok(Reserved::Slot(b))] = out[..] else { panic!("{out:?}") };
+    assert_ne!(a.slot, b.slot);
+    let won = a.placement(1);
+    assert_eq!(
+        index.publish(&[(a, 1), (b, 2), (b, 2)]).unwrap(),
+        vec![Published::Won(won), Published::Lost { winner: won }, Published::Expired]
+    );
+    let stats = index.tier_stats(NODE, TierId(0)).unwrap();
+    assert_eq!((stats.free, stats.reserved, stats.published), (3, 0, 1));
+    // Fill the tier; key 1, published first, is the least recently used.
+    let mut next = None;
+    for i in 2..5 {
+        std::thread::sleep(Duration::from_millis(5));
+        let p = put(index, key(i), &spec);
+        next.get_or_insert(p);
+    }
+    let out = index.reserve_many(NODE, TierId(0), &[(key(1), 8), (key(5), 8)], TTL).unwrap();
+    assert!(matches!(out[0], Ok(Reserved::Present(p)) if p == won), "{out:?}");
+    let Ok(Reserved::Slot(c)) = out[1] else { panic!("{out:?}") };
+    assert_eq!(c.slot, next.unwrap().slot, "the next least recently used block made room");
+    assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(won), None]);
+    index.abort(&[c]).unwrap();
+
+    let big = TierSpec::new(NODE, TierId(1), 64, 300).watermarks(0, 0);
+    index.register_tier(&big).unwrap();
+    let items = |from: u64| (from..from + 300).map(|i| (key(i), 8)).collect::<Vec<_>>();
+    let short = index.reserve_many(NODE, TierId(1), &items(100), Duration::from_millis(50));
+    assert!(short.unwrap().iter().all(|r| matches!(r, Ok(Reserved::Slot(_)))));
+    std::thread::sleep(Duration::from_millis(200));
+    let again = index.reserve_many(NODE, TierId(1), &items(400), TTL).unwrap();
+    let refused: Vec<_> = again.iter().filter(|r| !matches!(r, Ok(Reserved::Slot(_)))).collect();
+    assert!(refused.is_empty(), "{} of 300 refused: {:?}", refused.len(), refused.first());
+}
+
 /// Many threads save, load, abort and evict over a small tier at once, with the slots' "bytes"
 /// modelled by an arena of words a writer fills between reserve and publish. Whatever the
 /// interleaving, a load under a granted lease finds exactly its key's bytes (nothing wrong is
