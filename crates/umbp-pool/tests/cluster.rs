@@ -40,7 +40,7 @@ fn the_shared_rules_hold_on_a_cluster() {
     let Some(cluster) = RedisCluster::start(3) else { return };
     let seeds: Vec<u16> = cluster.servers().iter().map(|s| s.port()).collect();
     type Suite = fn(&dyn Index);
-    let suites: [(&str, Suite); 9] = [
+    let suites: [(&str, Suite); 10] = [
         ("visible", suite::visible_only_after_publish),
         ("mistakes", suite::caller_mistakes_are_typed),
         ("abort", suite::abort_frees_and_full_is_typed),
@@ -50,6 +50,7 @@ fn the_shared_rules_hold_on_a_cluster() {
         ("stale", suite::stale_generation_is_a_miss),
         ("many", suite::reserve_many_answers_per_item),
         ("batches", suite::batches_decide_item_by_item),
+        ("last lease", suite::a_slot_stays_leased_until_its_last_lease_ends),
     ];
     for (i, (name, run)) in suites.iter().enumerate() {
         run(&connect(&cluster, name, seeds[i % seeds.len()], 1));

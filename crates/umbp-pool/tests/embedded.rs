@@ -38,6 +38,7 @@ shared!(
     batched_lookup_of_62500_keys,
     reserve_many_answers_per_item,
     batches_decide_item_by_item,
+    a_slot_stays_leased_until_its_last_lease_ends,
 );
 
 #[test]

@@ -83,19 +83,47 @@ end
 -- A script's call to Redis takes at most this many arguments after the key (an `unpack` is
 -- bounded by Lua's C stack, 8,000 values); even, so field-value pairs never split.
 local BULK = 1024
--- `cmd key args...` for a list of `args` of any length, in calls of at most BULK arguments: one
--- call per thousand items instead of one per item (a call from a script costs about a
--- microsecond of Redis's time whatever it does). Returns the replies concatenated, for a
--- command that answers one value per argument (HMGET, ZMSCORE).
-local function bulk(cmd, key, args)
+-- `cmd key [opt] args...` for a list of `args` of any length, in calls of at most BULK
+-- arguments: one call per thousand items instead of one per item (a call from a script costs
+-- about a microsecond of Redis's time whatever it does). Returns the replies concatenated,
+-- for a command that answers one value per argument (HMGET).
+local function bulk(cmd, key, args, opt)
   local out = {}
   for i = 1, #args, BULK do
-    local r = redis.call(cmd, key, unpack(args, i, math.min(i + BULK - 1, #args)))
+    local last = math.min(i + BULK - 1, #args)
+    local r
+    if opt then r = redis.call(cmd, key, opt, unpack(args, i, last))
+    else r = redis.call(cmd, key, unpack(args, i, last)) end
     if type(r) == 'table' then
       for j = 1, #r do out[#out + 1] = r[j] end
     end
   end
   return out
+end
+-- A call's items, each `width` arguments from ARGV[first] on: `field(j, f)`, argument f
+-- (from 0) of item j, and the number of items.
+local function items(first, width)
+  return function(j, f) return ARGV[first + (j - 1) * width + f] end,
+    math.floor((#ARGV - first + 1) / width)
+end
+-- The tiers that items whose fields 1, 2 and 3 are node, tier and slot name, in the order
+-- first named: each `{n =, t =, at = {its items}, slots = {their slots}}`; and item j's tier.
+local function by_tier(field, m)
+  local tiers, order, tier_of = {}, {}, {}
+  for j = 1, m do
+    local n, t = field(j, 1), field(j, 2)
+    local nt = n .. ':' .. t
+    local g = tiers[nt]
+    if not g then
+      g = {n = n, t = t, at = {}, slots = {}}
+      tiers[nt] = g
+      order[#order + 1] = g
+    end
+    g.at[#g.at + 1] = j
+    g.slots[#g.slots + 1] = field(j, 3)
+    tier_of[j] = g
+  end
+  return order, tier_of
 end
 -- Whether `blob`, the published value of `key`, is live: its node is alive and its slot
 -- still holds the key.
@@ -412,24 +440,12 @@ pub(super) const PUBLISH: &str = r#"
 local kept = replayed()
 if kept then return kept end
 local now = now_ms()
-local m = math.floor((#ARGV - 3) / 7)
-local function field(j, f) return ARGV[4 + (j - 1) * 7 + f] end
--- The tiers the items name, each with its items (`at`) and their slots, and what this call
--- changes in it: reservations ended (`done`: slot -> true), slots freed, slots published
--- (owner, lru).
-local tiers, order, tier_of = {}, {}, {}
-for j = 1, m do
-  local n, t = field(j, 1), field(j, 2)
-  local nt = n .. ':' .. t
-  local g = tiers[nt]
-  if not g then
-    g = {n = n, t = t, at = {}, slots = {}, done = {}, ended = {}, freed = {}, owner = {}, lru = {}}
-    tiers[nt] = g
-    order[#order + 1] = g
-  end
-  g.at[#g.at + 1] = j
-  g.slots[#g.slots + 1] = field(j, 3)
-  tier_of[j] = g
+local field, m = items(4, 7)
+local order, tier_of = by_tier(field, m)
+-- What this call changes in each tier: reservations ended (`done`: slot -> true), slots
+-- freed, slots published (owner, lru).
+for _, g in ipairs(order) do
+  g.done, g.ended, g.freed, g.owner, g.lru = {}, {}, {}, {}, {}
 end
 -- Each item's deadline, if Redis holds its reservation (nil if not, or another's).
 local deadline = {}
@@ -533,23 +549,31 @@ return alive_ids()
 pub(super) const LEASE: &str = r#"
 local id = ARGV[3]
 local lk = P .. ':lease:' .. id
-local now = now_ms()
+local now_s = string.format('%d', now_ms())
+local field, m = items(4, 5)
 local out = {}
-redis.call('RPUSH', lk, '-')
-local i = 4
-while i + 4 <= #ARGV do
-  local key, n, t, slot, gen = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4]
-  i = i + 5
-  if alive(n) and redis.call('HGET', k('owner', n, t), slot) == key
-      and redis.call('HGET', k('gen', n, t), slot) == gen then
-    redis.call('SADD', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot, id)
-    redis.call('ZADD', k('lru', n, t), 'XX', now, slot)
-    redis.call('RPUSH', lk, n .. ':' .. t .. ':' .. slot)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
+for j = 1, m do out[j] = 0 end
+-- The lease's slots as `N:T:S` (an empty lease holds '-', so it exists and can be renewed).
+local held = {'-'}
+for _, g in ipairs(by_tier(field, m)) do
+  if alive(g.n) then
+    local owners = bulk('HMGET', k('owner', g.n, g.t), g.slots)
+    local gens = bulk('HMGET', k('gen', g.n, g.t), g.slots)
+    local used = {}
+    for i, j in ipairs(g.at) do
+      if owners[i] == field(j, 0) and gens[i] == field(j, 4) then
+        local name = g.n .. ':' .. g.t .. ':' .. g.slots[i]
+        redis.call('SADD', P .. ':ls:' .. name, id)
+        held[#held + 1] = name
+        used[#used + 1] = now_s
+        used[#used + 1] = g.slots[i]
+        out[j] = 1
+      end
+    end
+    bulk('ZADD', k('lru', g.n, g.t), used, 'XX')
   end
 end
+bulk('RPUSH', lk, held)
 redis.call('PEXPIRE', lk, ARGV[2])
 return out
 "#;

@@ -345,6 +345,28 @@ pub fn reserve_many_answers_per_item(index: &dyn Index) {
     assert!(index.reserve_many(NODE, TierId(0), &[], TTL).unwrap().is_empty());
 }
 
+/// A slot stays leased until the last lease on it ends, however many leases (or times in
+/// one lease) name it.
+pub fn a_slot_stays_leased_until_its_last_lease_ends(index: &dyn Index) {
+    let spec = TierSpec::new(NODE, TierId(0), 64, 2).watermarks(1, 1);
+    setup(index, &spec);
+    let first = put(index, key(1), &spec);
+    std::thread::sleep(Duration::from_millis(5));
+    let second = put(index, key(2), &spec);
+    let a = index.lease(&[first], TTL).unwrap();
+    let b = index.lease(&[first, second, first], TTL).unwrap();
+    assert_eq!(b.granted, vec![true, true, true]);
+    index.release(b.id).unwrap();
+    // Key 1, the least recently used, is still under lease a: key 2 makes room.
+    let r = reserve(index, key(3), &spec, 8);
+    assert_eq!(r.slot, second.slot);
+    assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(first), None]);
+    index.abort(&[r]).unwrap();
+    assert_eq!(index.remove(&[key(1)]).unwrap(), vec![Removed::Leased]);
+    index.release(a.id).unwrap();
+    assert_eq!(index.remove(&[key(1)]).unwrap(), vec![Removed::Removed]);
+}
+
 /// A batch decides its items in order, as calls one by one would: a key reserved twice gets
 /// two slots, and of its two publishes in one call the first wins and the second loses to it
 /// (its slot free again); a reservation named twice in one publish is ended by the first; a
