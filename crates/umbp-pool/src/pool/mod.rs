@@ -5,6 +5,7 @@
 mod resolver;
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -237,9 +238,33 @@ struct Reach {
     region: TierRegion,
 }
 
-/// Blocks a put reserves, writes and publishes in one step of its pipeline: a large put is
-/// cut into chunks of this many blocks.
+/// Blocks a put reserves, writes and publishes in one step of its pipeline, at most: a large
+/// put is cut into chunks of up to this many blocks.
 const PUT_CHUNK: usize = 1024;
+
+/// Blocks of a pipelined put's first and last chunks: the first chunk's reservation and the
+/// last one's publish overlap no transfer, so they are kept short.
+const PUT_EDGE: usize = PUT_CHUNK / 4;
+
+/// The chunks of a put of `n` blocks, in order: all in one up to `2 * PUT_EDGE` blocks; else
+/// `PUT_EDGE` blocks, the middle in equal chunks of at most `PUT_CHUNK`, `PUT_EDGE` blocks.
+fn put_chunks(n: usize) -> Vec<Range<usize>> {
+    if n <= 2 * PUT_EDGE {
+        return vec![Range { start: 0, end: n }];
+    }
+    let middle = n - 2 * PUT_EDGE;
+    let parts = middle.div_ceil(PUT_CHUNK);
+    let mut out = Vec::with_capacity(parts + 2);
+    out.push(0..PUT_EDGE);
+    let mut at = PUT_EDGE;
+    for p in 0..parts {
+        let len = middle / parts + usize::from(p < middle % parts);
+        out.push(at..at + len);
+        at += len;
+    }
+    out.push(at..n);
+    out
+}
 
 /// One chunk of a put whose bytes are moving: its reservations, the offload batch (with the
 /// builder to recycle) or why it did not start, and when it was reserved.
@@ -449,9 +474,10 @@ impl Pool {
     /// [`add_tier`](Self::add_tier), or one the resolver reaches): one `reserve_many`, one
     /// offload batch, one `publish`. One outcome per block, in order.
     ///
-    /// More than 1,024 blocks run as a pipeline of chunks of 1,024, each reserved, written
-    /// and published as above, the next chunk reserved and the previous one published while
-    /// a chunk's bytes move (at most two chunks' transfers at once).
+    /// More than 512 blocks run as a pipeline of chunks (the first and the last 256 blocks,
+    /// the rest in equal chunks of at most 1,024), each reserved, written and published as
+    /// above, the next chunk reserved and the previous one published while a chunk's bytes
+    /// move (at most two chunks' transfers at once).
     ///
     /// `Err` only when the first reservation call failed (the index is unreachable): then
     /// nothing was reserved or written. When a later chunk's reservation call fails, the
@@ -674,12 +700,11 @@ impl Inner {
         let items: Vec<(BlockKey, u64)> = blocks.iter().map(|b| (b.key, b.len)).collect();
         let mut out: Vec<Option<PutOutcome>> = vec![None; blocks.len()];
         // A large put runs as a pipeline of chunks: while one chunk's bytes move, the next
-        // chunk is reserved and the previous one published, so the index's round trips (a
-        // third of a 4,096-block put through Redis) overlap the transfer instead of adding
-        // to it. At most two chunks' transfers are in flight.
+        // chunk is reserved and the previous one published, so the index's round trips
+        // overlap the transfer instead of adding to it. At most two chunks' transfers are in
+        // flight.
         let mut in_flight: Option<Writing> = None;
-        for (c, start) in (0..blocks.len()).step_by(PUT_CHUNK).enumerate() {
-            let end = (start + PUT_CHUNK).min(blocks.len());
+        for (c, Range { start, end }) in put_chunks(blocks.len()).into_iter().enumerate() {
             let reserved_at = Instant::now();
             let reserved = match self.index.reserve_many(
                 node,
@@ -1041,5 +1066,36 @@ fn object_outcome(report: &TransferReport, tag: usize) -> Result<Option<u32>, Bl
         ) => Err(BlockError::ChecksumMismatch { expected: *expected, actual: None }),
         (_, Some(e)) => Err(BlockError::Transfer(e.clone())),
         (_, None) => Err(BlockError::Transfer(ObjectError::Cancelled)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{put_chunks, PUT_CHUNK, PUT_EDGE};
+
+    /// Every size: the chunks cover the put in order, none empty or above `PUT_CHUNK`, and a
+    /// put cut at all starts and ends with `PUT_EDGE` blocks.
+    #[test]
+    fn put_chunks_cover_each_block_once_with_short_ends() {
+        for n in 1..6 * PUT_CHUNK {
+            let chunks = put_chunks(n);
+            let mut at = 0;
+            for c in &chunks {
+                assert_eq!(c.start, at, "n = {n}: {chunks:?}");
+                assert!(!c.is_empty() && c.len() <= PUT_CHUNK, "n = {n}: {chunks:?}");
+                at = c.end;
+            }
+            assert_eq!(at, n);
+            if n > 2 * PUT_EDGE {
+                assert_eq!(chunks[0].len(), PUT_EDGE);
+                assert_eq!(chunks[chunks.len() - 1].len(), PUT_EDGE);
+            } else {
+                assert_eq!(chunks.len(), 1);
+            }
+        }
+        assert_eq!(
+            put_chunks(4096).iter().map(|c| c.len()).collect::<Vec<_>>(),
+            [256, 896, 896, 896, 896, 256]
+        );
     }
 }
