@@ -339,24 +339,27 @@ for i = 7, #ARGV - 1, 2 do
 end
 local out = {}
 local present = live_many(keys)
--- Slots of this tier holding blocks answered present: this call's evictions keep them. And
--- the items still to place, at most (each one not present).
-local keep, wanting = {}, 0
+-- Slots of this tier holding blocks answered present: this call's evictions keep them.
+local keep = {}
 for j = 1, #keys do
   if present[j] then
     out[j] = {'present', present[j]}
     local pn, pt, ps = where(present[j])
     if pn == n and pt == t then keep[ps] = true end
-  else
-    wanting = wanting + 1
   end
 end
 local tk, fk = k('tier', n, t), k('free', n, t)
 local meta = redis.call('HMGET', tk, 'slot_size', 'lcount', 'llow', 'lhigh', 'next', 'stride', 'first')
 local slot_size, count, low, high, nxt, stride, first
+-- The items still to give a slot (or answer full): never fewer than this call takes off
+-- the free list, so none it takes is left unused.
+local wanting = 0
 if meta[1] then
   slot_size, count, low = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3])
   high, nxt, stride, first = tonumber(meta[4]), tonumber(meta[5]), tonumber(meta[6]), tonumber(meta[7])
+  for j = 1, #keys do
+    if not present[j] and tonumber(lens[j]) <= slot_size then wanting = wanting + 1 end
+  end
 end
 local next_before = nxt
 -- Free slots: `popped[at..]` taken off the free list by this call and not handed out yet,
@@ -394,8 +397,8 @@ for j = 1, #keys do
       else
         out[j] = {'full'}
       end
+      wanting = wanting - 1
     end
-    wanting = wanting - 1
   end
 end
 if nxt ~= next_before then redis.call('HSET', tk, 'next', nxt) end

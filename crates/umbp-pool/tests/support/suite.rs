@@ -370,8 +370,9 @@ pub fn a_slot_stays_leased_until_its_last_lease_ends(index: &dyn Index) {
 /// A batch decides its items in order, as calls one by one would: a key reserved twice gets
 /// two slots, and of its two publishes in one call the first wins and the second loses to it
 /// (its slot free again); a reservation named twice in one publish is ended by the first; a
-/// reserve that evicts to make room never evicts a block the same batch answers present; and
-/// reservations past their deadline come back to a batch however many there are.
+/// reserve that evicts to make room never evicts a block the same batch answers present; the
+/// items it refuses take no free slot; and reservations past their deadline come back to a
+/// batch however many there are.
 pub fn batches_decide_item_by_item(index: &dyn Index) {
     let spec = TierSpec::new(NODE, TierId(0), 64, 4).watermarks(1, 1);
     setup(index, &spec);
@@ -398,6 +399,21 @@ pub fn batches_decide_item_by_item(index: &dyn Index) {
     assert_eq!(c.slot, next.unwrap().slot, "the next least recently used block made room");
     assert_eq!(index.lookup(&[key(1), key(2)]).unwrap(), vec![Some(won), None]);
     index.abort(&[c]).unwrap();
+
+    // A used tier, its slots on the free list: the items refused take none of them.
+    let used = TierSpec::new(NODE, TierId(2), 64, 4).watermarks(0, 0);
+    index.register_tier(&used).unwrap();
+    let keys: Vec<BlockKey> = (10..14).map(key).collect();
+    for &k in &keys {
+        put(index, k, &used);
+    }
+    assert!(index.remove(&keys).unwrap().iter().all(|r| *r == Removed::Removed));
+    let items = [(key(20), 64), (key(21), 65), (key(22), 8), (key(23), 65)];
+    let out = index.reserve_many(NODE, TierId(2), &items, TTL).unwrap();
+    let refused = out.iter().filter(|r| matches!(r, Err(Error::TooLarge { .. }))).count();
+    assert_eq!(refused, 2, "{out:?}");
+    let stats = index.tier_stats(NODE, TierId(2)).unwrap();
+    assert_eq!((stats.free, stats.reserved, stats.published), (2, 2, 0), "{out:?}");
 
     let big = TierSpec::new(NODE, TierId(1), 64, 300).watermarks(0, 0);
     index.register_tier(&big).unwrap();
