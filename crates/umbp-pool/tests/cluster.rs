@@ -50,7 +50,7 @@ fn the_shared_rules_hold_on_a_cluster() {
         ("stale", suite::stale_generation_is_a_miss),
         ("many", suite::reserve_many_answers_per_item),
         ("batches", suite::batches_decide_item_by_item),
-        ("last lease", suite::a_slot_stays_leased_until_its_last_lease_ends),
+        ("last-lease", suite::a_slot_stays_leased_until_its_last_lease_ends),
     ];
     for (i, (name, run)) in suites.iter().enumerate() {
         run(&connect(&cluster, name, seeds[i % seeds.len()], 1));

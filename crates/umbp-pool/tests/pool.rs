@@ -310,13 +310,29 @@ fn sixteen_threads_redis() {
 type Hook = Box<dyn FnOnce(&dyn Index) + Send>;
 
 /// An index that runs a hook just before a lease: what happens between a get's lookup and its
-/// lease. It also fails `reserve_many` from its `fail_reserve_from`th call on (counting from
-/// 1; 0: never), as an index that goes away in the middle of a large put.
+/// lease. It also fails `reserve_many` from its `fail_reserve_from`th call on, and `lease`
+/// from its `fail_lease_from`th (counting from 1; 0: never), as an index that goes away in
+/// the middle of a large put or get.
 struct BeforeLease {
     inner: Arc<dyn Index>,
     hook: Mutex<Option<Hook>>,
     reserve_calls: AtomicUsize,
     fail_reserve_from: usize,
+    lease_calls: AtomicUsize,
+    fail_lease_from: AtomicUsize,
+}
+
+impl BeforeLease {
+    fn new(inner: Arc<dyn Index>, fail_reserve_from: usize) -> Self {
+        Self {
+            inner,
+            hook: Mutex::new(None),
+            reserve_calls: AtomicUsize::new(0),
+            fail_reserve_from,
+            lease_calls: AtomicUsize::new(0),
+            fail_lease_from: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl Index for BeforeLease {
@@ -362,6 +378,11 @@ impl Index for BeforeLease {
         if let Some(hook) = self.hook.lock().unwrap().take() {
             hook(&*self.inner);
         }
+        let call = self.lease_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let from = self.fail_lease_from.load(Ordering::Relaxed);
+        if from != 0 && call >= from {
+            return Err(umbp_pool::Error::Store("the index went away".into()));
+        }
         self.inner.lease(placements, ttl)
     }
     fn renew(&self, id: u64, ttl: Duration) -> Result<(), umbp_pool::Error> {
@@ -393,12 +414,7 @@ impl Index for BeforeLease {
 #[test]
 fn slot_reused_between_lookup_and_lease_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
-    let index = Arc::new(BeforeLease {
-        inner: embedded(&dir),
-        hook: Mutex::new(None),
-        reserve_calls: AtomicUsize::new(0),
-        fail_reserve_from: 0,
-    });
+    let index = Arc::new(BeforeLease::new(embedded(&dir), 0));
     // One slot: the block that follows A lands in A's slot.
     let rig = rig(1);
     let pool = pool_on(&rig, index.clone(), PoolConfig::new(NODE));
@@ -861,7 +877,7 @@ fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
     let pool = pool_on(&rig, index.clone(), PoolConfig::new(NODE));
     let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, LEN)).collect();
     let src = rig.composite.register_memory(src).unwrap();
-    // Key 1,500 (in the second chunk) is published already.
+    // The chunks: 256 blocks, 994, 994, 256. Key 1,500 (in the third) is published already.
     let early = pool
         .put(DRAM, &[PutBlock { key: key(1_500), src: src.id(), offset: 1_500 * LEN, len: LEN }])
         .unwrap();
@@ -872,7 +888,7 @@ fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
     let mut blocks: Vec<PutBlock> = (0..N as u64)
         .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * LEN, len: LEN })
         .collect();
-    // Block 2,300 (in the third chunk) comes from a source that is gone.
+    // Block 2,300 (in the last chunk) comes from a source that is gone.
     blocks[2_300].src = gone_id;
     let put = pool.put(DRAM, &blocks).unwrap();
     assert_eq!(put.len(), N);
@@ -906,12 +922,7 @@ fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
 
     // The index fails from the second reservation call on.
     let dir = tempfile::tempdir().unwrap();
-    let flaky = Arc::new(BeforeLease {
-        inner: embedded(&dir),
-        hook: Mutex::new(None),
-        reserve_calls: AtomicUsize::new(0),
-        fail_reserve_from: 2,
-    });
+    let flaky = Arc::new(BeforeLease::new(embedded(&dir), 2));
     let rig2 = crate::rig(2 * N as u32 + 8);
     let pool = pool_on(&rig2, flaky.clone(), PoolConfig::new(NODE));
     let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, LEN)).collect();
@@ -920,22 +931,94 @@ fn a_large_put_runs_in_chunks_and_each_block_lands_with_its_bytes() {
         .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * LEN, len: LEN })
         .collect();
     let put = pool.put(DRAM, &blocks).unwrap();
+    // The first chunk: 256 blocks.
     for (i, o) in put.iter().enumerate() {
-        if i < 1_024 {
+        if i < 256 {
             assert!(matches!(o, PutOutcome::Stored(_)), "{i}: {o:?}");
         } else {
             assert!(matches!(o, PutOutcome::Failed(BlockError::Index(_))), "{i}: {o:?}");
         }
     }
     let found = flaky.inner.lookup(&blocks.iter().map(|b| b.key).collect::<Vec<_>>()).unwrap();
-    assert_eq!(found.iter().filter(|p| p.is_some()).count(), 1_024);
-    assert!(found[..1_024].iter().all(Option::is_some));
+    assert_eq!(found.iter().filter(|p| p.is_some()).count(), 256);
+    assert!(found[..256].iter().all(Option::is_some));
     let stats = flaky.inner.tier_stats(NODE, DRAM).unwrap();
-    assert_eq!((stats.reserved, stats.published), (0, 1_024));
+    assert_eq!((stats.reserved, stats.published), (0, 256));
     // Gone from the first call: an error, nothing reserved.
     assert!(pool.put(DRAM, &blocks).is_err());
     let stats = flaky.inner.tier_stats(NODE, DRAM).unwrap();
-    assert_eq!((stats.reserved, stats.published), (0, 1_024));
+    assert_eq!((stats.reserved, stats.published), (0, 256));
+}
+
+/// A large get runs in chunks (256 blocks, 994, 994, 256), each under a lease of its own:
+/// every block loads its own bytes, and a block removed between the lookup and its chunk's
+/// lease is a miss alone; when the index goes away after the first lease, that chunk loads
+/// and the rest fail per block, and no lease is left behind; when it is gone from the start,
+/// the get is an error and nothing is written.
+#[test]
+fn a_large_get_runs_in_chunks_each_under_its_own_lease() {
+    const N: usize = 2_500;
+    const LEN: u64 = 512;
+    let dir = tempfile::tempdir().unwrap();
+    let index = Arc::new(BeforeLease::new(embedded(&dir), 0));
+    // Room to spare: no block is evicted to make room.
+    let rig = rig(2 * N as u32 + 8);
+    let pool = pool_on(&rig, index.clone(), PoolConfig::new(NODE));
+    let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, LEN)).collect();
+    let src = rig.composite.register_memory(src).unwrap();
+    let blocks: Vec<PutBlock> = (0..N as u64)
+        .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * LEN, len: LEN })
+        .collect();
+    assert!(pool.put(DRAM, &blocks).unwrap().iter().all(|o| matches!(o, PutOutcome::Stored(_))));
+    let keys: Vec<BlockKey> = blocks.iter().map(|b| b.key).collect();
+    let gets = |dst: EndpointId| -> Vec<GetBlock> {
+        (0..N as u64)
+            .map(|i| GetBlock { key: key(i.into()), dst, offset: i * LEN, capacity: LEN })
+            .collect()
+    };
+    // Block 1,800 (in the third chunk) leaves after the lookup.
+    let gone = keys[1_800];
+    *index.hook.lock().unwrap() = Some(Box::new(move |inner: &dyn Index| {
+        assert_eq!(inner.remove(&[gone]).unwrap(), vec![Removed::Removed]);
+    }));
+    let dst = rig.composite.register_memory(vec![0u8; N * LEN as usize]).unwrap();
+    let got = pool.get(&gets(dst.id())).unwrap();
+    let back = dst.deregister();
+    for (i, g) in got.iter().enumerate() {
+        let at = i * LEN as usize;
+        if i == 1_800 {
+            assert!(matches!(g, GetOutcome::Miss), "{g:?}");
+            assert!(back[at..at + LEN as usize].iter().all(|&b| b == 0), "block {i} written");
+            continue;
+        }
+        assert!(g.is_loaded(), "{i}: {g:?}");
+        assert_eq!(&back[at..at + LEN as usize], &bytes_of(i as u128, LEN)[..], "block {i}");
+    }
+    assert_eq!(index.lease_calls.load(Ordering::Relaxed), 4);
+
+    // The index fails from the next get's second lease call on.
+    index.lease_calls.store(0, Ordering::Relaxed);
+    index.fail_lease_from.store(2, Ordering::Relaxed);
+    let dst = rig.composite.register_memory(vec![0u8; N * LEN as usize]).unwrap();
+    let got = pool.get(&gets(dst.id())).unwrap();
+    let back = dst.deregister();
+    for (i, g) in got.iter().enumerate() {
+        let at = i * LEN as usize;
+        if i < 256 {
+            assert!(g.is_loaded(), "{i}: {g:?}");
+            assert_eq!(&back[at..at + LEN as usize], &bytes_of(i as u128, LEN)[..], "block {i}");
+        } else if i != 1_800 {
+            assert!(matches!(g, GetOutcome::Failed(BlockError::Index(_))), "{i}: {g:?}");
+        }
+    }
+    // Every lease ended: each block can be removed.
+    let removed = index.inner.remove(&keys[..256]).unwrap();
+    assert!(removed.iter().all(|r| *r == Removed::Removed), "{removed:?}");
+    // Gone from the first lease call: an error, nothing written.
+    index.fail_lease_from.store(1, Ordering::Relaxed);
+    let dst = rig.composite.register_memory(vec![0u8; N * LEN as usize]).unwrap();
+    assert!(pool.get(&gets(dst.id())).is_err());
+    assert!(dst.deregister().iter().all(|&b| b == 0));
 }
 
 /// Issue 42, case 4: a get whose destination is the pool's own DRAM tier (loading B into A's

@@ -248,7 +248,7 @@ const PUT_EDGE: usize = PUT_CHUNK / 4;
 
 /// The chunks of a put of `n` blocks, in order: all in one up to `2 * PUT_EDGE` blocks; else
 /// `PUT_EDGE` blocks, the middle in equal chunks of at most `PUT_CHUNK`, `PUT_EDGE` blocks.
-fn put_chunks(n: usize) -> Vec<Range<usize>> {
+fn pipeline_chunks(n: usize) -> Vec<Range<usize>> {
     if n <= 2 * PUT_EDGE {
         return vec![Range { start: 0, end: n }];
     }
@@ -264,6 +264,15 @@ fn put_chunks(n: usize) -> Vec<Range<usize>> {
     }
     out.push(at..n);
     out
+}
+
+/// One chunk of a get whose bytes are moving: its leased loads (position in the get, placement,
+/// tier), its lease, and the restore batch (with the builder to recycle) or why it did not
+/// start; `None` when it did not start because nothing was granted or the lease was lost.
+struct Loading {
+    loads: Vec<(usize, Placement, Reach)>,
+    lease: u64,
+    batch: Option<Result<(CompositeBuilder, Batch), Arc<umbp_composite::Error>>>,
 }
 
 /// One chunk of a put whose bytes are moving: its reservations, the offload batch (with the
@@ -495,9 +504,15 @@ impl Pool {
     /// Loads `blocks` from wherever the pool holds them: one lookup, one lease, one restore
     /// batch verifying each block's checksum, one release. One outcome per block, in order.
     ///
-    /// The lease lasts [`PoolConfig::lease_ttl`] and is renewed while the transfer runs.
-    /// `Err` only when the lookup or the lease call itself failed (the index is
-    /// unreachable): then nothing was written.
+    /// More than 512 blocks found run as a pipeline of chunks cut as a put's, each leased,
+    /// restored and released as above, the next chunk leased and the previous one released
+    /// while a chunk's bytes move (one chunk's transfer at a time).
+    ///
+    /// A lease lasts [`PoolConfig::lease_ttl`] and is renewed while its transfer runs.
+    /// `Err` only when the lookup or the first lease call itself failed (the index is
+    /// unreachable): then nothing was written. When a later chunk's lease call fails, the
+    /// chunks before it load as usual and the blocks of that chunk and every later one fail
+    /// with [`BlockError::Index`].
     pub fn get(&self, blocks: &[GetBlock]) -> Result<Vec<GetOutcome>, Error> {
         self.inner.get(blocks)
     }
@@ -704,7 +719,7 @@ impl Inner {
         // overlap the transfer instead of adding to it. At most two chunks' transfers are in
         // flight.
         let mut in_flight: Option<Writing> = None;
-        for (c, Range { start, end }) in put_chunks(blocks.len()).into_iter().enumerate() {
+        for (c, Range { start, end }) in pipeline_chunks(blocks.len()).into_iter().enumerate() {
             let reserved_at = Instant::now();
             let reserved = match self.index.reserve_many(
                 node,
@@ -917,24 +932,49 @@ impl Inner {
             }
         }
         if !loads.is_empty() {
-            let placements: Vec<Placement> = loads.iter().map(|l| l.1).collect();
-            let lease = self.index.lease(&placements, self.config.lease_ttl)?;
-            let granted: Vec<(usize, Placement, Reach)> = loads
-                .iter()
-                .zip(lease.granted.iter().copied().chain(std::iter::repeat(false)))
-                .filter_map(|(l, g)| {
-                    if !g {
-                        PoolMetrics::add(&m.stale, 1);
-                        out[l.0] = Some(GetOutcome::Miss);
+            // A large get runs as a pipeline of chunks, as a put does: the next chunk is
+            // leased and the previous one released while a chunk's bytes move, so the index's
+            // round trips (a lease of 4,096 blocks is tens of milliseconds of Redis) overlap
+            // the transfer instead of adding to it. One chunk's transfer runs at a time, each
+            // chunk under a lease of its own.
+            let mut running: Option<Loading> = None;
+            for (c, range) in pipeline_chunks(loads.len()).into_iter().enumerate() {
+                let chunk = &loads[range.clone()];
+                let placements: Vec<Placement> = chunk.iter().map(|l| l.1).collect();
+                let lease = match self.index.lease(&placements, self.config.lease_ttl) {
+                    Ok(lease) => lease,
+                    // Nothing was leased or written.
+                    Err(e) if c == 0 => return Err(e),
+                    Err(e) => {
+                        // Earlier chunks go their way; this one and the rest fail.
+                        let e = Arc::new(e);
+                        for l in &loads[range.start..] {
+                            out[l.0] = Some(GetOutcome::Failed(BlockError::Index(e.clone())));
+                        }
+                        break;
                     }
-                    g.then_some(*l)
-                })
-                .collect();
-            if !granted.is_empty() {
-                self.load(blocks, &granted, lease.id, &mut out);
+                };
+                let leased_at = Instant::now();
+                let granted: Vec<(usize, Placement, Reach)> = chunk
+                    .iter()
+                    .zip(lease.granted.iter().copied().chain(std::iter::repeat(false)))
+                    .filter_map(|(l, g)| {
+                        if !g {
+                            PoolMetrics::add(&m.stale, 1);
+                            out[l.0] = Some(GetOutcome::Miss);
+                        }
+                        g.then_some(*l)
+                    })
+                    .collect();
+                let finished = running.take().map(|r| self.finish_load(r, &mut out));
+                running = Some(self.start_load(blocks, granted, lease.id, leased_at));
+                if let Some(id) = finished {
+                    self.release(id);
+                }
             }
-            if let Err(e) = self.index.release(lease.id) {
-                tracing::warn!(lease = lease.id, error = %e, "pool: release failed; the lease will expire");
+            if let Some(last) = running {
+                let id = self.finish_load(last, &mut out);
+                self.release(id);
             }
             // A block whose bytes no longer match its checksum leaves the pool, so it is not
             // found (and failed) again: a miss from now on. Removing is always safe; a key
@@ -973,21 +1013,30 @@ impl Inner {
         Ok(out)
     }
 
-    /// Restores the leased blocks, renewing the lease while the batch runs; fills `out` at
-    /// each load's position.
-    fn load(
+    /// Starts restoring a chunk's leased blocks (renewing the lease first if it is half
+    /// gone: it was taken while the chunk before ran).
+    fn start_load(
         &self,
         blocks: &[GetBlock],
-        loads: &[(usize, Placement, Reach)],
+        loads: Vec<(usize, Placement, Reach)>,
         lease: u64,
-        out: &mut [Option<GetOutcome>],
-    ) {
-        let mut pages = vec![[0u64; 1]; loads.len()];
-        let ranges: Vec<[ObjectRange; 1]> = loads
+        leased_at: Instant,
+    ) -> Loading {
+        let mut loading = Loading { loads, lease, batch: None };
+        if loading.loads.is_empty()
+            || leased_at.elapsed() >= self.config.lease_ttl / 2
+                && self.index.renew(lease, self.config.lease_ttl).is_err()
+        {
+            return loading;
+        }
+        let mut pages = vec![[0u64; 1]; loading.loads.len()];
+        let ranges: Vec<[ObjectRange; 1]> = loading
+            .loads
             .iter()
             .map(|&(i, p, _)| [ObjectRange::new(0, p.len, blocks[i].dst, blocks[i].offset)])
             .collect();
-        let objects: Vec<ObjectTransfer<'_>> = loads
+        let objects: Vec<ObjectTransfer<'_>> = loading
+            .loads
             .iter()
             .zip(pages.iter_mut())
             .zip(&ranges)
@@ -998,9 +1047,21 @@ impl Inner {
             })
             .collect();
         let mut builder = self.builder();
+        loading.batch = Some(match start_restore(&mut builder, &objects) {
+            Ok(batch) => Ok((builder, batch)),
+            Err(e) => Err(Arc::new(e)),
+        });
+        loading
+    }
+
+    /// Waits for a chunk started by [`start_load`](Self::start_load), renewing its lease
+    /// while the batch runs; fills `out` at each load's position. Returns the lease to
+    /// release.
+    fn finish_load(&self, loading: Loading, out: &mut [Option<GetOutcome>]) -> u64 {
+        let Loading { loads, lease, batch } = loading;
         let mut lease_lost = false;
-        let report = match start_restore(&mut builder, &objects) {
-            Ok(batch) => {
+        let report = batch.map(|batch| {
+            batch.map(|(builder, batch)| {
                 let half = self.config.lease_ttl / 2;
                 let report = loop {
                     let started = Instant::now();
@@ -1016,15 +1077,16 @@ impl Inner {
                     tracing::debug!(lease, waited = ?started.elapsed(), "pool: lease renewed under a long get");
                 };
                 self.recycle(builder, batch);
-                Ok(report)
-            }
-            Err(e) => Err(Arc::new(e)),
-        };
+                report
+            })
+        });
         for (tag, &(i, p, r)) in loads.iter().enumerate() {
             let outcome = match &report {
-                Err(e) => GetOutcome::Failed(BlockError::Batch(e.clone())),
-                Ok(_) if lease_lost => GetOutcome::Failed(BlockError::LeaseLost),
-                Ok(report) => match object_outcome(report, tag) {
+                // Not started (its lease was lost first), or cancelled when it was lost.
+                None => GetOutcome::Failed(BlockError::LeaseLost),
+                Some(_) if lease_lost => GetOutcome::Failed(BlockError::LeaseLost),
+                Some(Err(e)) => GetOutcome::Failed(BlockError::Batch(e.clone())),
+                Some(Ok(report)) => match object_outcome(report, tag) {
                     Ok(Some(crc)) if crc == p.checksum => GetOutcome::Loaded(p),
                     Ok(actual) => GetOutcome::Failed(BlockError::ChecksumMismatch {
                         expected: p.checksum,
@@ -1039,6 +1101,14 @@ impl Inner {
                 },
             };
             out[i] = Some(outcome);
+        }
+        lease
+    }
+
+    /// Ends a lease; one that fails to end expires by itself.
+    fn release(&self, lease: u64) {
+        if let Err(e) = self.index.release(lease) {
+            tracing::warn!(lease, error = %e, "pool: release failed; the lease will expire");
         }
     }
 }
@@ -1071,14 +1141,14 @@ fn object_outcome(report: &TransferReport, tag: usize) -> Result<Option<u32>, Bl
 
 #[cfg(test)]
 mod tests {
-    use super::{put_chunks, PUT_CHUNK, PUT_EDGE};
+    use super::{pipeline_chunks, PUT_CHUNK, PUT_EDGE};
 
     /// Every size: the chunks cover the put in order, none empty or above `PUT_CHUNK`, and a
     /// put cut at all starts and ends with `PUT_EDGE` blocks.
     #[test]
-    fn put_chunks_cover_each_block_once_with_short_ends() {
+    fn pipeline_chunks_cover_each_block_once_with_short_ends() {
         for n in 1..6 * PUT_CHUNK {
-            let chunks = put_chunks(n);
+            let chunks = pipeline_chunks(n);
             let mut at = 0;
             for c in &chunks {
                 assert_eq!(c.start, at, "n = {n}: {chunks:?}");
@@ -1094,7 +1164,7 @@ mod tests {
             }
         }
         assert_eq!(
-            put_chunks(4096).iter().map(|c| c.len()).collect::<Vec<_>>(),
+            pipeline_chunks(4096).iter().map(|c| c.len()).collect::<Vec<_>>(),
             [256, 896, 896, 896, 896, 256]
         );
     }
