@@ -309,6 +309,9 @@ struct Inner {
 ///   mismatch a failure (never a hit; the key is removed from the pool, so later gets miss
 ///   it); a failed read (a dead peer) costs only its blocks.
 ///
+/// Both run large batches (more than 512 blocks) as a pipeline of chunks, the index's calls
+/// for one chunk made while another chunk's bytes move.
+///
 /// The composite's [`ChecksumPolicy`](umbp_composite::ChecksumPolicy) must cover every tier
 /// the pool uses ([`add_tier`](Self::add_tier) refuses one it does not): a block is published
 /// only with a checksum, and loaded only when verified.
