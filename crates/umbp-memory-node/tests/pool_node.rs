@@ -64,7 +64,7 @@ fn a_node_joins_renews_and_leaves_at_once_on_sigterm() {
     assert_eq!(value(&body, "umbp_ucx_serve_pool_state{state=\"joined\"}"), 1);
     assert!(value(&body, "umbp_ucx_serve_pool_announcements_total") >= 3, "{body}");
     assert_eq!(value(&body, "umbp_ucx_serve_pool_announce_failures_total"), 0);
-    assert!(node.log().contains("pool: joined"), "{}", node.log());
+    node.log_with("pool: joined");
     let status = node.signal(libc::SIGTERM, Duration::from_secs(10));
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", node.log());
     assert!(index.lookup(&[p.key]).unwrap()[0].is_none());
@@ -131,7 +131,7 @@ fn a_killed_node_is_dead_after_its_ttl_and_a_restart_drops_its_old_blocks() {
     assert_eq!(code, Some(1), "{log}");
     assert!(log.contains(&format!("node 6 is alive in the pool at {listen}")), "{log}");
     let node = Node::start(&args).unwrap();
-    assert!(node.log().contains("a restart within the TTL"), "{}", node.log());
+    node.log_with("a restart within the TTL");
     assert_eq!(index.lookup(&[old.key]).unwrap(), vec![None], "an old life's block");
     assert_eq!(index.tier_stats(NodeId(6), TierId(0)).unwrap().free, 16);
     let new = publish(&index, NodeId(6), BlockKey::from_u128(7));

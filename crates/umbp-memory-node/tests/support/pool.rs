@@ -90,6 +90,22 @@ impl Node {
         self.log.lock().unwrap().clone()
     }
 
+    /// The log once it holds `needle`. A line the node wrote to stderr before it printed
+    /// `listening` to stdout may still be in the pipe, unread, when [`start`](Self::start)
+    /// returns: the two pipes keep no order between them. Panics with the log if the line
+    /// never comes (20 s).
+    pub(crate) fn log_with(&self, needle: &str) -> String {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = self.log();
+            if log.contains(needle) {
+                return log;
+            }
+            assert!(Instant::now() < until, "never logged {needle:?}: {log}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Sends `signal` and waits at most `bound` for the exit status.
     pub(crate) fn signal(&mut self, signal: libc::c_int, bound: Duration) -> Option<ExitStatus> {
         // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
