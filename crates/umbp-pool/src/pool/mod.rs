@@ -238,25 +238,26 @@ struct Reach {
     region: TierRegion,
 }
 
-/// Blocks a put reserves, writes and publishes in one step of its pipeline, at most: a large
-/// put is cut into chunks of up to this many blocks.
-const PUT_CHUNK: usize = 1024;
+/// Blocks a put reserves, writes and publishes (or a get leases, loads and releases) in one
+/// step of its pipeline, at most: a large put or get is cut into chunks of up to this many.
+const PIPELINE_CHUNK: usize = 1024;
 
-/// Blocks of a pipelined put's first and last chunks: the first chunk's reservation and the
-/// last one's publish overlap no transfer, so they are kept short.
-const PUT_EDGE: usize = PUT_CHUNK / 4;
+/// Blocks of a pipeline's first and last chunks: the first chunk's reservation (or lease) and
+/// the last one's publish (or release) overlap no transfer, so they are kept short.
+const PIPELINE_EDGE: usize = PIPELINE_CHUNK / 4;
 
-/// The chunks of a put of `n` blocks, in order: all in one up to `2 * PUT_EDGE` blocks; else
-/// `PUT_EDGE` blocks, the middle in equal chunks of at most `PUT_CHUNK`, `PUT_EDGE` blocks.
+/// The chunks of a put or get of `n` blocks, in order: all in one up to `2 * PIPELINE_EDGE`
+/// blocks; else `PIPELINE_EDGE` blocks, the middle in equal chunks of at most
+/// `PIPELINE_CHUNK`, and `PIPELINE_EDGE` blocks.
 fn pipeline_chunks(n: usize) -> Vec<Range<usize>> {
-    if n <= 2 * PUT_EDGE {
+    if n <= 2 * PIPELINE_EDGE {
         return vec![Range { start: 0, end: n }];
     }
-    let middle = n - 2 * PUT_EDGE;
-    let parts = middle.div_ceil(PUT_CHUNK);
+    let middle = n - 2 * PIPELINE_EDGE;
+    let parts = middle.div_ceil(PIPELINE_CHUNK);
     let mut out = Vec::with_capacity(parts + 2);
-    out.push(0..PUT_EDGE);
-    let mut at = PUT_EDGE;
+    out.push(0..PIPELINE_EDGE);
+    let mut at = PIPELINE_EDGE;
     for p in 0..parts {
         let len = middle / parts + usize::from(p < middle % parts);
         out.push(at..at + len);
@@ -1144,24 +1145,24 @@ fn object_outcome(report: &TransferReport, tag: usize) -> Result<Option<u32>, Bl
 
 #[cfg(test)]
 mod tests {
-    use super::{pipeline_chunks, PUT_CHUNK, PUT_EDGE};
+    use super::{pipeline_chunks, PIPELINE_CHUNK, PIPELINE_EDGE};
 
-    /// Every size: the chunks cover the put in order, none empty or above `PUT_CHUNK`, and a
-    /// put cut at all starts and ends with `PUT_EDGE` blocks.
+    /// Every size: the chunks cover the blocks in order, none empty or above
+    /// `PIPELINE_CHUNK`, and a batch cut at all starts and ends with `PIPELINE_EDGE` blocks.
     #[test]
     fn pipeline_chunks_cover_each_block_once_with_short_ends() {
-        for n in 1..6 * PUT_CHUNK {
+        for n in 1..6 * PIPELINE_CHUNK {
             let chunks = pipeline_chunks(n);
             let mut at = 0;
             for c in &chunks {
                 assert_eq!(c.start, at, "n = {n}: {chunks:?}");
-                assert!(!c.is_empty() && c.len() <= PUT_CHUNK, "n = {n}: {chunks:?}");
+                assert!(!c.is_empty() && c.len() <= PIPELINE_CHUNK, "n = {n}: {chunks:?}");
                 at = c.end;
             }
             assert_eq!(at, n);
-            if n > 2 * PUT_EDGE {
-                assert_eq!(chunks[0].len(), PUT_EDGE);
-                assert_eq!(chunks[chunks.len() - 1].len(), PUT_EDGE);
+            if n > 2 * PIPELINE_EDGE {
+                assert_eq!(chunks[0].len(), PIPELINE_EDGE);
+                assert_eq!(chunks[chunks.len() - 1].len(), PIPELINE_EDGE);
             } else {
                 assert_eq!(chunks.len(), 1);
             }
