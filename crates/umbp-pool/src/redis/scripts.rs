@@ -145,19 +145,24 @@ local function live_many(keys)
   end
   return blobs
 end
--- Deletes every group summary that counts `key`: called before its entry is deleted or
--- replaced.
-local function unsummarize(key)
-  local ids = redis.call('HGET', P .. ':member', key)
-  if ids then
-    for i = 1, #ids, 16 do
-      local id = string.sub(ids, i, i + 15)
-      redis.call('HDEL', P .. ':groups', id)
-      redis.call('HDEL', P .. ':heads', id)
+-- Deletes every group summary that counts one of `keys` (a list): called before their
+-- entries are deleted or replaced. `unsummarize(key)` for one key.
+local function unsummarize_all(keys)
+  local members = bulk('HMGET', P .. ':member', keys)
+  local counted = {}
+  for i, ids in ipairs(members) do
+    if ids then
+      counted[#counted + 1] = keys[i]
+      for at = 1, #ids, 16 do
+        local id = string.sub(ids, at, at + 15)
+        redis.call('HDEL', P .. ':groups', id)
+        redis.call('HDEL', P .. ':heads', id)
+      end
     end
-    redis.call('HDEL', P .. ':member', key)
   end
+  bulk('HDEL', P .. ':member', counted)
 end
+local function unsummarize(key) unsummarize_all({key}) end
 -- Forgets that `slot` of node n's tier t holds `key`; the key's entry goes too if it names
 -- this slot (another writer may have stored the key elsewhere since this slot's node died).
 local function drop_owner(n, t, slot, key)
@@ -458,10 +463,12 @@ for _, g in ipairs(order) do
     deadline[j] = deadline_of(held[i], field(j, 0), field(j, 5), field(j, 4))
   end
 end
--- The live entries of the keys of the items still in time.
-local timely_keys = {}
+-- Whether each item's reservation is still in time (and its node alive), and the live
+-- entries of those items' keys.
+local timely, timely_keys = {}, {}
 for j = 1, m do
   if deadline[j] and deadline[j] > now and alive(tier_of[j].n) then
+    timely[j] = true
     timely_keys[#timely_keys + 1] = field(j, 0)
   end
 end
@@ -479,7 +486,7 @@ for j = 1, m do
     g.done[slot] = true
     g.ended[#g.ended + 1] = slot
   end
-  if ours and deadline[j] > now and alive(g.n) then
+  if ours and timely[j] then
     local winner = winners[key]
     if winner then
       g.freed[#g.freed + 1] = slot
@@ -501,20 +508,7 @@ for j = 1, m do
     out[j] = 'E'
   end
 end
--- unsummarize() of every key published, in bulk.
-local members = bulk('HMGET', P .. ':member', published)
-local summarized = {}
-for i, ids in ipairs(members) do
-  if ids then
-    summarized[#summarized + 1] = published[i]
-    for at = 1, #ids, 16 do
-      local id = string.sub(ids, at, at + 15)
-      redis.call('HDEL', P .. ':groups', id)
-      redis.call('HDEL', P .. ':heads', id)
-    end
-  end
-end
-bulk('HDEL', P .. ':member', summarized)
+unsummarize_all(published)
 bulk('HSET', P .. ':blocks', entries)
 for _, g in ipairs(order) do
   bulk('ZREM', k('resv', g.n, g.t), g.ended)
