@@ -50,7 +50,7 @@
 //! however its bytes trickle out).
 
 use std::io::{self, Read};
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
@@ -59,6 +59,7 @@ use std::time::{Duration, Instant};
 use socket2::TcpKeepalive;
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
+use crate::config::Congestion;
 use crate::inbox::{self, Inbox};
 use crate::stats::Counters;
 
@@ -553,6 +554,65 @@ pub(crate) fn keepalive(
     socket.set_tcp_keepalive(&probes)?;
     let ms = u64::try_from(unacknowledged.as_millis()).unwrap_or(u64::MAX).max(1);
     socket.set_tcp_user_timeout(Some(Duration::from_millis(ms)))
+}
+
+/// Gives a socket about to connect or listen the congestion control `congestion` asks for:
+/// a [`Congestion::Named`] one always, [`Congestion::Auto`]'s on a `loopback` address (every
+/// connection then stays on this host). Picked before the first byte because a socket that
+/// starts under BBR keeps pacing its bytes after it moves to another algorithm (the kernel
+/// leaves its pacing on).
+pub(crate) fn pick_congestion(
+    socket: &socket2::Socket,
+    loopback: bool,
+    congestion: &Congestion,
+) -> io::Result<()> {
+    match congestion {
+        Congestion::Named(name) => socket.set_tcp_congestion(name.as_bytes()),
+        Congestion::Auto if loopback => unpace(socket),
+        Congestion::Auto | Congestion::System => Ok(()),
+    }
+}
+
+/// After connecting or accepting: under [`Congestion::Auto`], a connection that turned out to
+/// stay on this host (at this side's own address, not a loopback one; or accepted by a
+/// listener on every address) moves off BBR now, which is the best left to do.
+pub(crate) fn unpace_on_host(stream: &TcpStream, congestion: &Congestion) -> io::Result<()> {
+    if *congestion != Congestion::Auto
+        || !one_host(stream.local_addr()?.ip(), stream.peer_addr()?.ip())
+    {
+        return Ok(());
+    }
+    unpace(&socket2::SockRef::from(stream))
+}
+
+/// Connects to `addr` within `timeout`, the congestion control picked first
+/// ([`pick_congestion`]) and fixed after ([`unpace_on_host`]).
+pub(crate) fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+    congestion: &Congestion,
+) -> io::Result<TcpStream> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    pick_congestion(&socket, addr.ip().is_loopback(), congestion)?;
+    socket.connect_timeout(&addr.into(), timeout)?;
+    let stream = TcpStream::from(socket);
+    unpace_on_host(&stream, congestion)?;
+    Ok(stream)
+}
+
+/// Moves a socket under BBR (which paces) to `cubic`, or to `reno` where the kernel does not
+/// let the process pick `cubic` (`reno` is always allowed); leaves any other algorithm.
+fn unpace(socket: &socket2::Socket) -> io::Result<()> {
+    if !socket.tcp_congestion()?.starts_with(b"bbr") {
+        return Ok(());
+    }
+    socket.set_tcp_congestion(b"cubic").or_else(|_| socket.set_tcp_congestion(b"reno"))
+}
+
+/// Whether a connection from `local` to `peer` stays on this host.
+fn one_host(local: IpAddr, peer: IpAddr) -> bool {
+    peer.is_loopback() || peer == local
 }
 
 /// What a checked link tells the thread that posts to it (the client's progress thread turns
@@ -1073,6 +1133,86 @@ mod tests {
                 assert_eq!(bound, Some(Duration::from_millis(ms)));
             }
         }
+    }
+
+    /// A peer on a loopback address, or at this side's own address, is on this host; any
+    /// other is not.
+    #[test]
+    fn one_host_is_loopback_or_this_sides_own_address() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(one_host(ip("127.0.0.1"), ip("127.0.0.1")));
+        assert!(one_host(ip("10.0.0.5"), ip("127.0.0.2")));
+        assert!(one_host(ip("10.0.0.5"), ip("10.0.0.5")));
+        assert!(one_host(ip("::1"), ip("::1")));
+        assert!(!one_host(ip("10.0.0.5"), ip("10.0.0.6")));
+        assert!(!one_host(ip("fd00::1"), ip("fd00::2")));
+    }
+
+    /// The name of the congestion control the kernel holds for `socket`.
+    fn held(socket: &socket2::Socket) -> String {
+        let mut name = socket.tcp_congestion().unwrap();
+        name.retain(|&b| b != 0);
+        String::from_utf8(name).unwrap()
+    }
+
+    /// What the congestion functions set is what the kernel then holds, read back: `System`
+    /// leaves the default; `Auto` moves a BBR socket to `cubic` or `reno` on loopback (and
+    /// only there before connecting), leaving any other algorithm; `Named` sets its own.
+    #[test]
+    fn congestion_is_what_was_asked_read_back() {
+        use socket2::{Domain, Socket, Type};
+        let fresh = || Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        let default = held(&fresh());
+        let unpaced = |name: &str| ["cubic", "reno"].contains(&name);
+        let socket = fresh();
+        pick_congestion(&socket, true, &Congestion::System).unwrap();
+        assert_eq!(held(&socket), default);
+        pick_congestion(&socket, false, &Congestion::Auto).unwrap();
+        assert_eq!(held(&socket), default, "Auto does not guess before a loopback connection");
+        pick_congestion(&socket, true, &Congestion::Auto).unwrap();
+        assert!(held(&socket) == default || unpaced(&held(&socket)), "{}", held(&socket));
+        assert_eq!(held(&socket) != default, default.starts_with("bbr"));
+        pick_congestion(&socket, false, &Congestion::Named("reno".into())).unwrap();
+        assert_eq!(held(&socket), "reno");
+        pick_congestion(&socket, true, &Congestion::Auto).unwrap();
+        assert_eq!(held(&socket), "reno", "Auto leaves an algorithm that does not pace");
+
+        // A socket under BBR, where the kernel has it: Auto moves it, before connecting and
+        // on a loopback connection after it.
+        let bbr = fresh();
+        match bbr.set_tcp_congestion(b"bbr") {
+            Ok(()) => {
+                pick_congestion(&bbr, true, &Congestion::Auto).unwrap();
+                assert!(unpaced(&held(&bbr)), "{}", held(&bbr));
+                let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+                let (served, _) = listener.accept().unwrap();
+                for stream in [&client, &served] {
+                    let socket = socket2::SockRef::from(stream);
+                    socket.set_tcp_congestion(b"bbr").unwrap();
+                    unpace_on_host(stream, &Congestion::System).unwrap();
+                    assert_eq!(held(&socket), "bbr");
+                    unpace_on_host(stream, &Congestion::Auto).unwrap();
+                    assert!(unpaced(&held(&socket)), "{}", held(&socket));
+                }
+            }
+            Err(e) => eprintln!("skipping the BBR cases: the kernel refuses bbr ({e})"),
+        }
+    }
+
+    /// `connect` reaches a loopback listener with the congestion control asked for.
+    #[test]
+    fn connect_picks_the_congestion_control_first() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let timeout = Duration::from_secs(10);
+        let stream = connect(addr, timeout, &Congestion::Named("reno".into())).unwrap();
+        assert_eq!(held(&socket2::SockRef::from(&stream)), "reno");
+        let stream = connect(addr, timeout, &Congestion::Auto).unwrap();
+        let name = held(&socket2::SockRef::from(&stream));
+        assert!(!name.starts_with("bbr"), "{name}");
+        let missing = Congestion::Named("no-such-algorithm".into());
+        assert!(connect(addr, timeout, &missing).is_err());
     }
 
     #[test]

@@ -227,6 +227,7 @@ impl RemoteEngine {
         if config.lanes == 0 {
             return Err(Error::Config { setting: "lanes", reason: "must be at least 1".into() });
         }
+        config.check_congestion()?;
         let (commands, receiver) = mpsc::channel();
         let (ready, started) = mpsc::channel();
         let thread = progress::start(config.clone(), receiver, ready)?;
@@ -308,7 +309,7 @@ impl RemoteEngine {
             if left.is_zero() {
                 return Err(Error::Handshake { addr: *a, source: HandshakeError::DeadlinePassed });
             }
-            match TcpStream::connect_timeout(a, left) {
+            match crate::checked::connect(*a, left, &self.shared.config.congestion) {
                 Ok(s) => {
                     stream = Some((s, *a));
                     break;
@@ -483,7 +484,7 @@ impl RemoteEngine {
         if left.is_zero() {
             return Err(Error::Handshake { addr, source: HandshakeError::DeadlinePassed });
         }
-        let stream = TcpStream::connect_timeout(&addr, left)
+        let stream = crate::checked::connect(addr, left, &self.shared.config.congestion)
             .map_err(|source| Error::Connect { addr: addr.to_string(), source })?;
         let (welcome, keys) = self.authenticate(&stream, addr, auth, deadline)?;
         if welcome != *first {

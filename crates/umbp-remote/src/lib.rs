@@ -79,7 +79,7 @@ mod stats;
 mod ucp;
 
 pub use channel::Protection;
-pub use config::{RemoteConfig, ServerLimits, SECRET_ENV};
+pub use config::{Congestion, RemoteConfig, ServerLimits, SECRET_ENV};
 pub use engine::{ExportedRegion, PeerInfo, RemoteBuilder, RemoteEngine, RemoteRules};
 pub use error::{Error, HandshakeError};
 pub use handshake::{MAX_SECRET, MIN_SECRET};

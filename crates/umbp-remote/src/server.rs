@@ -26,7 +26,7 @@ use umbp_plan::HostMemory;
 
 use crate::channel::{Keys, Protection, Side};
 use crate::checked::{self, Ended, Served};
-use crate::config::hardware_enforced;
+use crate::config::{hardware_enforced, Congestion};
 use crate::handshake::{self, Auth, Verdict, Welcome, WireRegion};
 use crate::stats::{Counters, ServerStats};
 use crate::ucp::{self, Access, Context, Worker};
@@ -147,6 +147,7 @@ impl ServerBuilder {
             Auth::Keyed(secret) => Some(secret.to_vec()),
             Auth::Insecure => None,
         };
+        self.config.check_congestion()?;
         let limits = self.config.limits.clone();
         if limits.max_clients == 0 || limits.max_handshakes == 0 {
             return Err(Error::Config {
@@ -155,7 +156,7 @@ impl ServerBuilder {
             });
         }
         let backlog = limits.max_handshakes.max(MIN_BACKLOG);
-        let listener = listen_on(listen, backlog)
+        let listener = listen_on(listen, backlog, &self.config.congestion)
             .map_err(|source| Error::Connect { addr: "listen address".into(), source })?;
         let local_addr = listener
             .local_addr()
@@ -245,6 +246,7 @@ impl ServerBuilder {
                     idle: self.config.idle_timeout,
                 },
                 limits,
+                congestion: self.config.congestion.clone(),
                 served,
                 one_sided,
                 accepting: Arc::clone(&server.accepting),
@@ -604,6 +606,8 @@ struct Handshakes {
     /// how long one may stay silent.
     timing: checked::Timing,
     limits: ServerLimits,
+    /// The congestion control each admitted client's connection gets.
+    congestion: Congestion,
     served: Arc<[Served]>,
     one_sided: bool,
     /// Cleared when the server stops accepting.
@@ -939,6 +943,9 @@ impl Handshakes {
         {
             return;
         }
+        if let Err(e) = checked::unpace_on_host(&stream, &self.congestion) {
+            tracing::warn!(peer = %p.peer, error = %e, "could not set the connection's congestion control");
+        }
         let kept = match stream.try_clone() {
             Ok(kept) => kept,
             Err(e) if out_of_descriptors(&e) => {
@@ -1008,7 +1015,13 @@ impl Handshakes {
 
 /// A listening socket on the first of `listen`'s addresses that takes one, asking the kernel
 /// for a queue of `backlog` connections not yet accepted (`TcpListener::bind` asks for 128).
-fn listen_on(listen: impl ToSocketAddrs, backlog: usize) -> io::Result<TcpListener> {
+/// The accepted connections inherit the congestion control picked on it
+/// ([`checked::pick_congestion`]).
+fn listen_on(
+    listen: impl ToSocketAddrs,
+    backlog: usize,
+    congestion: &Congestion,
+) -> io::Result<TcpListener> {
     let backlog = i32::try_from(backlog).unwrap_or(i32::MAX);
     let mut last = None;
     for addr in listen.to_socket_addrs()? {
@@ -1020,6 +1033,7 @@ fn listen_on(listen: impl ToSocketAddrs, backlog: usize) -> io::Result<TcpListen
             )?;
             // As `TcpListener::bind` does: a restarted node takes its port back at once.
             socket.set_reuse_address(true)?;
+            checked::pick_congestion(&socket, addr.ip().is_loopback(), congestion)?;
             socket.bind(&addr.into())?;
             socket.listen(backlog)?;
             Ok::<_, io::Error>(TcpListener::from(socket))

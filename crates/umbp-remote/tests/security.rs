@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use umbp_plan::{EndpointRegistry, Fragment, PlanBuilder, Register, Tag, TransferEngine};
 use umbp_remote::internal::{self, Session};
-use umbp_remote::{Error, HandshakeError, Protection, RemoteConfig, RemoteEngine, ServerBuilder};
+use umbp_remote::{
+    Congestion, Error, HandshakeError, Protection, RemoteConfig, RemoteEngine, ServerBuilder,
+};
 
 use support::{config, engine, fill_byte, ucx_or_skip, Exported, Served, POISON, SECRET};
 
@@ -284,6 +286,13 @@ fn without_the_secret_nothing_is_served_and_the_secret_never_travels() {
     // A short secret is refused as a setting.
     let short = RemoteConfig { secret: Some(b"too short".to_vec()), ..bare.clone() };
     assert!(matches!(ServerBuilder::new(short).serve("127.0.0.1:0"), Err(Error::Config { .. })));
+    // A congestion control the kernel does not have: neither side starts.
+    let odd = Congestion::Named("no-such-algorithm".into());
+    let odd = RemoteConfig { congestion: odd, ..config("tcp") };
+    let refused = ServerBuilder::new(odd.clone()).serve("127.0.0.1:0").unwrap_err();
+    assert!(matches!(refused, Error::Config { setting: "congestion", .. }), "{refused}");
+    let refused = RemoteEngine::new(EndpointRegistry::new(), odd).err().unwrap();
+    assert!(matches!(refused, Error::Config { setting: "congestion", .. }), "{refused}");
 
     // A wrong secret: the server's proof does not verify, the client stops there.
     let wrong =
