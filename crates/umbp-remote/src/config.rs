@@ -101,10 +101,10 @@ pub struct RemoteConfig {
 ///
 /// Why it matters: BBR, the default of some kernels and clouds, paces every connection at the
 /// bandwidth it measured. Between a client and a memory node on one host the bytes meet no
-/// congestion, and the measurement is of the receiving thread's bursts: on loopback here, BBR
-/// held `umbp-bench remote`'s restores at 1.95 / 2.25 / 2.33 GiB/s (64 KiB / 256 KiB /
-/// 1 MiB) where `cubic` moved 2.54 / 2.98 / 3.20, and stalled one pool get in three for
-/// 130 to 150 ms until a retransmission.
+/// congestion, and the measurement is of the receiving thread's bursts: on loopback on the
+/// project's 2-core machine, BBR held `umbp-bench remote`'s restores at 1.95 / 2.25 / 2.33
+/// GiB/s (64 KiB / 256 KiB / 1 MiB) where `cubic` moved 2.54 / 2.98 / 3.20, and stalled one
+/// pool get in three for 130 to 150 ms until a retransmission (the README has the runs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Congestion {
