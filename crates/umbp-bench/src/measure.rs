@@ -183,6 +183,22 @@ pub fn load_average() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A line saying which TCP congestion control the rows over loopback ran under: the kernel's
+/// default (`/proc/sys/net/ipv4/tcp_congestion_control`) for the peers, and for umbp's
+/// connections what `umbp_remote::Congestion::Auto` makes of it (BBR paces; umbp's on-host
+/// connections leave it, the peers' do not, so their rows are read against it).
+pub fn congestion_line() -> String {
+    let kernel = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control");
+    match kernel.as_deref().map(str::trim) {
+        Ok(name) if name.starts_with("bbr") => format!(
+            "loopback TCP: the kernel's congestion control is {name}, which paces: the peers' \
+             connections run under it, umbp's leave it for cubic or reno (RemoteConfig::congestion)"
+        ),
+        Ok(name) => format!("loopback TCP: every connection runs the kernel's {name}"),
+        Err(_) => "loopback TCP: the kernel's congestion control is unknown".to_owned(),
+    }
+}
+
 /// The CPUs this process may run on.
 pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)

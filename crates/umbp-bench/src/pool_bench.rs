@@ -37,7 +37,7 @@ use umbp_pool::{
     Reserved, TierId, TierSpec,
 };
 
-use crate::measure::{ratio_range, Verdict};
+use crate::measure::{self, ratio_range, Verdict};
 use crate::peers::mooncake_store::MooncakeStore;
 use crate::progress::Progress;
 
@@ -186,7 +186,7 @@ impl PoolRow {
             verdict: None,
             server_cpu_ms: None,
             verified: true,
-            load: crate::measure::load_average(),
+            load: measure::load_average(),
         }
     }
 
@@ -1050,6 +1050,9 @@ pub fn table(rows: &[PoolRow], skipped: &[String]) -> String {
             r.load,
             if r.verified { "" } else { "  NOT VERIFIED" },
         );
+    }
+    if rows.iter().any(|r| r.block_size.is_some()) {
+        let _ = writeln!(t, "{}", measure::congestion_line());
     }
     for s in skipped {
         let _ = writeln!(t, "skipped: {s}");

@@ -1221,7 +1221,8 @@ pub fn table(run: &RemoteRun) -> String {
             "remote restore over UCX ({}, {} server, {} path, {}): {} x 24 ranges of 1MiB \
              ({}), one request per scattered page; {} each, taking turns\n\
              peer: {mooncake}\n\
-             raw one-sided path: {raw}\n",
+             raw one-sided path: {raw}\n\
+             {}\n",
             first.transport,
             first.server,
             first.path,
@@ -1229,6 +1230,7 @@ pub fn table(run: &RemoteRun) -> String {
             plural(first.objects, "object"),
             ByteSize(first.bytes),
             plural(first.repeats, "run"),
+            measure::congestion_line(),
         );
         if first.path == "checked" {
             out += "  (umbp no longer offers the raw one-sided path over these transports: \

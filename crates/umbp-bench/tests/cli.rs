@@ -608,7 +608,8 @@ fn the_tiny_tour_verifies_every_restore_and_writes_every_chart() {
         vec!["plan building", "restore of the Kimi-K3 shape", "batch submit vs", "summary"];
     let mut parts = vec!["plan", "restore", "batch", "tour"];
     if remote {
-        headings.push("remote restore over UCX");
+        // With the congestion control its loopback rows ran under, which bears on the peers'.
+        headings.extend(["remote restore over UCX", "loopback TCP: "]);
         parts.push("remote");
     }
     for heading in headings {
