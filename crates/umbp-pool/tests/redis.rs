@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use support::suite::{self, key, put, setup, NODE, TTL};
 use support::RedisServer;
-use umbp_pool::{Error, Index, NodeAnnouncement, NodeId, Placement, RedisIndex, TierId, TierSpec};
+use umbp_pool::{
+    Error, Index, NodeAnnouncement, NodeId, Placement, RedisIndex, Removed, TierId, TierSpec,
+};
 
 fn connect(server: &RedisServer) -> RedisIndex {
     RedisIndex::connect(&support::config(server, "test")).unwrap()
@@ -667,7 +669,7 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     setup(&index, &spec);
     // Redis has the scripts loaded, so a lost answer is never a `NOSCRIPT` that ran nothing.
     put(&index, key(99), &spec);
-    assert_eq!(index.remove(&[key(99)]).unwrap(), [umbp_pool::Removed::Removed]);
+    assert_eq!(index.remove(&[key(99)]).unwrap(), [Removed::Removed]);
     assert!(!index.leave(NodeId(77)).unwrap());
     for i in 0..3u64 {
         let k = key(100 + i);
@@ -683,7 +685,7 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
         cutter.arm(&k.0);
         let removed = index.remove(&[k, key(900)]).unwrap();
         assert_eq!(cutter.cuts.load(Ordering::SeqCst), 2 * i as u32 + 2, "removal {i} cut");
-        assert_eq!(removed, [umbp_pool::Removed::Removed, umbp_pool::Removed::Absent]);
+        assert_eq!(removed, [Removed::Removed, Removed::Absent]);
         assert_eq!(direct.lookup(&[k]).unwrap(), [None]);
     }
     // The tier holds nothing: every slot free again, none reserved twice.
@@ -720,4 +722,49 @@ fn a_call_made_again_after_its_answer_was_lost_answers_as_it_did() {
     );
     assert_eq!(cutter.cuts.load(Ordering::SeqCst), 9, "leave cut");
     assert_eq!(direct.lookup(&[key(200)]).unwrap(), [None]);
+}
+
+/// A lease is one hash and one set entry per tier it holds slots of, not a key per slot:
+/// releasing it leaves nothing behind in either tier, and a lease that ended without a release
+/// (its TTL ran out) holds nothing and leaves its tier's set once a removal or an eviction
+/// asks whether the tier's slots are leased.
+#[test]
+fn leases_leave_nothing_behind_in_any_tier() {
+    let Some(server) = RedisServer::start() else { return };
+    let index = connect(&server);
+    let mut admin = admin(&server);
+    let (zero, one) =
+        (TierSpec::new(NODE, TierId(0), 64, 4), TierSpec::new(NODE, TierId(1), 64, 4));
+    setup(&index, &zero);
+    setup(&index, &one);
+    let (a, b) = (put(&index, key(1), &zero), put(&index, key(2), &one));
+    let members = |admin: &mut redis::Connection, tier: u16| -> usize {
+        redis::cmd("SCARD").arg(format!("{{test}}:tl:{}:{tier}", NODE.0)).query(admin).unwrap()
+    };
+    let lease = index.lease(&[a, b], TTL).unwrap();
+    assert!(lease.all_granted());
+    assert_eq!((members(&mut admin, 0), members(&mut admin, 1)), (1, 1));
+    // Held in both tiers: neither block leaves.
+    assert_eq!(index.remove(&[key(1), key(2)]).unwrap(), vec![Removed::Leased, Removed::Leased]);
+    index.release(lease.id).unwrap();
+    assert_eq!((members(&mut admin, 0), members(&mut admin, 1)), (0, 0));
+    let left: usize =
+        redis::cmd("EXISTS").arg(format!("{{test}}:lease:{}", lease.id)).query(&mut admin).unwrap();
+    assert_eq!(left, 0);
+    // A lease that runs out unreleased: it holds nothing once gone, and the removal that
+    // finds it gone takes it out of the tier's set.
+    let short = index.lease(&[a, b], Duration::from_millis(50)).unwrap();
+    assert!(short.all_granted());
+    eventually(|| {
+        let exists: usize = redis::cmd("EXISTS")
+            .arg(format!("{{test}}:lease:{}", short.id))
+            .query(&mut admin)
+            .unwrap();
+        exists == 0
+    });
+    assert_eq!(members(&mut admin, 0), 1);
+    assert_eq!(index.remove(&[key(1)]).unwrap(), vec![Removed::Removed]);
+    assert_eq!((members(&mut admin, 0), members(&mut admin, 1)), (0, 1));
+    assert_eq!(index.remove(&[key(2)]).unwrap(), vec![Removed::Removed]);
+    assert_eq!(members(&mut admin, 1), 0);
 }

@@ -22,8 +22,8 @@
 //! | `P:lru:N:T` | sorted set | published slot -> last use (ms, server clock) |
 //! | `P:resv:N:T` | sorted set | reserved slot -> deadline (ms) |
 //! | `P:rkey:N:T` | hash | reserved slot -> key, length, generation and deadline (ms) |
-//! | `P:ls:N:T:S` | set | lease ids on slot S |
-//! | `P:lease:I` | list, TTL | lease I's slots (`N:T:S`); absent = ended |
+//! | `P:tl:N:T` | set | ids of leases that hold slots of the tier (some may have ended) |
+//! | `P:lease:I` | hash, TTL | lease I: field `-` (so a lease of nothing exists too), and per tier it holds slots of, `N:T` -> those slots, comma-separated; absent = ended |
 //! | `P:groups` | hash | group id (16 bytes) -> sealed summary: the placements of the group's keys in this shard, as their entries hold them (see [`summary`](super::summary)) |
 //! | `P:heads` | hash | group id -> the head of its summary (the nodes it names, sealed): what a prefix lookup reads |
 //! | `P:member` | hash | block key -> the ids of the groups whose summaries count it (16 bytes each, at most [`GROUPS_PER_KEY`]) |
@@ -173,21 +173,33 @@ local function drop_owner(n, t, slot, key)
     if bn == n and bt == t and bs == slot then redis.call('HDEL', P .. ':blocks', key) end
   end
   redis.call('HDEL', k('owner', n, t), slot)
-  redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot)
 end
+-- Whether a lease that has not ended holds `slot` of node n's tier t. The tier's leased slots
+-- are read once per call, from the leases its `tl` set names (those that ended leave it): a
+-- lease costs its slots one list, not a key per slot, and a script's state cannot change
+-- while it runs.
+local leased_now = {}
 local function leased(n, t, slot)
-  local lsk = P .. ':ls:' .. n .. ':' .. t .. ':' .. slot
-  local live = false
-  for _, id in ipairs(redis.call('SMEMBERS', lsk)) do
-    if redis.call('EXISTS', P .. ':lease:' .. id) == 1 then live = true
-    else redis.call('SREM', lsk, id) end
+  local nt = n .. ':' .. t
+  local slots = leased_now[nt]
+  if not slots then
+    slots = {}
+    local tl = k('tl', n, t)
+    for _, id in ipairs(redis.call('SMEMBERS', tl)) do
+      local held = redis.call('HGET', P .. ':lease:' .. id, nt)
+      if held then
+        for s in string.gmatch(held, '%d+') do slots[s] = true end
+      else
+        redis.call('SREM', tl, id)
+      end
+    end
+    leased_now[nt] = slots
   end
-  return live
+  return slots[slot] == true
 end
 local function drop_published(n, t, slot)
   local key = redis.call('HGET', k('owner', n, t), slot)
-  if key then drop_owner(n, t, slot, key)
-  else redis.call('DEL', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot) end
+  if key then drop_owner(n, t, slot, key) end
   redis.call('ZREM', k('lru', n, t), slot)
   redis.call('RPUSH', k('free', n, t), slot)
 end
@@ -260,7 +272,8 @@ local function wipe_tier(n, t, budget)
     budget = budget - #batch / 2
   end
   if redis.call('EXISTS', ok) == 1 then return false, 0 end
-  redis.call('UNLINK', k('lru', n, t), k('resv', n, t), k('rkey', n, t), k('free', n, t))
+  redis.call('UNLINK', k('lru', n, t), k('resv', n, t), k('rkey', n, t), k('free', n, t),
+    k('tl', n, t))
   redis.call('HSET', k('tier', n, t), 'next', 0)
   return true, budget - 1
 end
@@ -550,27 +563,31 @@ local now_s = string.format('%d', now_ms())
 local field, m = items(4, 5)
 local out = {}
 for j = 1, m do out[j] = 0 end
--- The lease's slots as `N:T:S` (an empty lease holds '-', so it exists and can be renewed).
-local held = {'-'}
+-- The lease's fields: `-` (so a lease of nothing exists, and can be renewed), then per tier
+-- it holds slots of, `N:T` and those slots; the tier's `tl` set names the lease.
+local held = {'-', ''}
 for _, g in ipairs(by_tier(field, m)) do
   if alive(g.n) then
     local owners = bulk('HMGET', k('owner', g.n, g.t), g.slots)
     local gens = bulk('HMGET', k('gen', g.n, g.t), g.slots)
-    local used = {}
+    local used, slots = {}, {}
     for i, j in ipairs(g.at) do
       if owners[i] == field(j, 0) and gens[i] == field(j, 4) then
-        local name = g.n .. ':' .. g.t .. ':' .. g.slots[i]
-        redis.call('SADD', P .. ':ls:' .. name, id)
-        held[#held + 1] = name
+        slots[#slots + 1] = g.slots[i]
         used[#used + 1] = now_s
         used[#used + 1] = g.slots[i]
         out[j] = 1
       end
     end
-    bulk('ZADD', k('lru', g.n, g.t), used, 'XX')
+    if #slots > 0 then
+      held[#held + 1] = g.n .. ':' .. g.t
+      held[#held + 1] = table.concat(slots, ',')
+      redis.call('SADD', k('tl', g.n, g.t), id)
+      bulk('ZADD', k('lru', g.n, g.t), used, 'XX')
+    end
   end
 end
-bulk('RPUSH', lk, held)
+bulk('HSET', lk, held)
 redis.call('PEXPIRE', lk, ARGV[2])
 return out
 "#;
@@ -578,9 +595,8 @@ return out
 /// ARGV: P, lease id. Ends the lease.
 pub(super) const RELEASE: &str = r#"
 local lk = P .. ':lease:' .. ARGV[2]
-for _, e in ipairs(redis.call('LRANGE', lk, 0, -1)) do
-  local n, t, slot = string.match(e, '^(%d+):(%d+):(%d+)$')
-  if n then redis.call('SREM', P .. ':ls:' .. n .. ':' .. t .. ':' .. slot, ARGV[2]) end
+for _, nt in ipairs(redis.call('HKEYS', lk)) do
+  if nt ~= '-' then redis.call('SREM', P .. ':tl:' .. nt, ARGV[2]) end
 end
 redis.call('DEL', lk)
 return 1
