@@ -174,10 +174,11 @@ local function drop_owner(n, t, slot, key)
   end
   redis.call('HDEL', k('owner', n, t), slot)
 end
--- Whether a lease that has not ended holds `slot` of node n's tier t. The tier's leased slots
--- are read once per call, from the leases its `tl` set names (those that ended leave it): a
--- lease costs its slots one list, not a key per slot, and a script's state cannot change
--- while it runs.
+-- Whether a lease that has not ended holds `slot` of node n's tier t. The first ask of a call
+-- reads the tier's leased slots from every lease its `tl` set names (those that ended leave
+-- the set then), and later asks look them up: nothing else runs while a script does. So a
+-- lease costs one field per tier rather than a key per slot, and an eviction or removal pays
+-- once per call for the slots the tier's leases hold at that moment.
 local leased_now = {}
 local function leased(n, t, slot)
   local nt = n .. ':' .. t
