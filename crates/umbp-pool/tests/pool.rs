@@ -728,6 +728,53 @@ fn a_get_that_outlives_its_lease_ttl_renews_it() {
     assert_eq!(index.remove(&[key(1)]).unwrap(), vec![Removed::Removed]);
 }
 
+/// A get runs two chunks at once: the chunk started behind the one being waited for keeps its
+/// lease too. Every transfer takes 3 s, more than two lease TTLs: the second chunk, leased
+/// before the first one's wait began, is renewed during it, so its blocks cannot be removed
+/// meanwhile and all of them load (not `LeaseLost`).
+#[test]
+fn a_long_get_keeps_the_lease_of_the_chunk_waiting_behind() {
+    const N: usize = 600; // chunks of 256, 88 and 256 blocks
+    let dir = tempfile::tempdir().unwrap();
+    let index = embedded(&dir);
+    // Room to spare: no block is evicted to make room.
+    let rig = rig(2 * N as u32 + 8);
+    let config = PoolConfig { lease_ttl: Duration::from_millis(1200), ..PoolConfig::new(NODE) };
+    let pool = pool_on(&rig, index.clone(), config);
+    let src: Vec<u8> = (0..N as u128).flat_map(|k| bytes_of(k, SLOT)).collect();
+    let src = rig.composite.register_memory(src).unwrap();
+    let blocks: Vec<PutBlock> = (0..N as u64)
+        .map(|i| PutBlock { key: key(i.into()), src: src.id(), offset: i * SLOT, len: SLOT })
+        .collect();
+    assert!(pool.put(DRAM, &blocks).unwrap().iter().all(PutOutcome::is_in_pool));
+    *rig.engine.delay.lock().unwrap() = Duration::from_secs(3);
+    let dst = rig.composite.register_memory(vec![0u8; N * SLOT as usize]).unwrap();
+    let gets: Vec<GetBlock> = (0..N as u64)
+        .map(|i| GetBlock { key: key(i.into()), dst: dst.id(), offset: i * SLOT, capacity: SLOT })
+        .collect();
+    let removed_meanwhile = AtomicBool::new(false);
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            // Past the second chunk's first TTL, while the first chunk is still waited for.
+            std::thread::sleep(Duration::from_millis(2000));
+            let r = index.remove(&[key(300)]).unwrap();
+            removed_meanwhile.store(r == vec![Removed::Removed], Ordering::Relaxed);
+        });
+        pool.get(&gets).unwrap()
+    });
+    assert!(!removed_meanwhile.load(Ordering::Relaxed), "the second chunk's lease ran out");
+    *rig.engine.delay.lock().unwrap() = Duration::ZERO;
+    let back = read_back(&rig, &dst, N);
+    for (i, g) in got.iter().enumerate() {
+        assert!(g.is_loaded(), "{i}: {g:?}");
+        let at = i * SLOT as usize;
+        assert_eq!(&back[at..at + SLOT as usize], &bytes_of(i as u128, SLOT)[..], "block {i}");
+    }
+    // Every lease ended with the get.
+    let keys: Vec<BlockKey> = blocks.iter().map(|b| b.key).collect();
+    assert!(index.remove(&keys).unwrap().iter().all(|r| *r == Removed::Removed));
+}
+
 #[test]
 fn the_node_is_announced_while_the_pool_lives() {
     let Some(server) = RedisServer::start() else { return };

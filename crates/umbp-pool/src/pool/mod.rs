@@ -273,7 +273,19 @@ fn pipeline_chunks(n: usize) -> Vec<Range<usize>> {
 struct Loading {
     loads: Vec<(usize, Placement, Reach)>,
     lease: u64,
+    /// When the lease was last known to hold: when it was taken, or when a renewal that
+    /// succeeded was asked (a renewal only extends a lease that has not ended).
+    held_at: Instant,
+    /// The lease ended before a renewal: nothing the chunk loads is a hit.
+    lost: bool,
     batch: Option<Result<(CompositeBuilder, Batch), Arc<umbp_composite::Error>>>,
+}
+
+impl Loading {
+    /// Whether its lease must be kept: its batch runs and the lease has not ended.
+    fn running(&self) -> bool {
+        !self.lost && matches!(self.batch, Some(Ok(_)))
+    }
 }
 
 /// One chunk of a put whose bytes are moving: its reservations, the offload batch (with the
@@ -937,10 +949,11 @@ impl Inner {
         }
         if !loads.is_empty() {
             // A large get runs as a pipeline of chunks, as a put does: the next chunk is
-            // leased and the previous one released while a chunk's bytes move, so the index's
-            // round trips (a lease of 4,096 blocks is tens of milliseconds of Redis) overlap
-            // the transfer instead of adding to it. One chunk's transfer runs at a time, each
-            // chunk under a lease of its own.
+            // leased while a chunk's bytes move, and started before the chunk ahead of it is
+            // waited for, so the index's round trips (a lease of 4,096 blocks is milliseconds
+            // of Redis) and the next batch's planning overlap the transfer instead of adding
+            // to it, and the engine never drains between chunks. At most two chunks'
+            // transfers are in flight, each chunk under a lease of its own.
             let mut running: Option<Loading> = None;
             for (c, range) in pipeline_chunks(loads.len()).into_iter().enumerate() {
                 let chunk = &loads[range.clone()];
@@ -970,14 +983,15 @@ impl Inner {
                         g.then_some(*l)
                     })
                     .collect();
-                let finished = running.take().map(|r| self.finish_load(r, &mut out));
-                running = Some(self.start_load(blocks, granted, lease.id, leased_at));
-                if let Some(id) = finished {
+                let previous =
+                    running.replace(self.start_load(blocks, granted, lease.id, leased_at));
+                if let Some(previous) = previous {
+                    let id = self.finish_load(previous, running.as_mut(), &mut out);
                     self.release(id);
                 }
             }
             if let Some(last) = running {
-                let id = self.finish_load(last, &mut out);
+                let id = self.finish_load(last, None, &mut out);
                 self.release(id);
             }
             // A block whose bytes no longer match its checksum leaves the pool, so it is not
@@ -1026,10 +1040,10 @@ impl Inner {
         lease: u64,
         leased_at: Instant,
     ) -> Loading {
-        let mut loading = Loading { loads, lease, batch: None };
+        let mut loading = Loading { loads, lease, held_at: leased_at, lost: false, batch: None };
         if loading.loads.is_empty()
             || leased_at.elapsed() >= self.config.lease_ttl / 2
-                && self.index.renew(lease, self.config.lease_ttl).is_err()
+                && !self.renew(lease, &mut loading.held_at)
         {
             return loading;
         }
@@ -1059,26 +1073,44 @@ impl Inner {
     }
 
     /// Waits for a chunk started by [`start_load`](Self::start_load), renewing its lease
-    /// while the batch runs; fills `out` at each load's position. Returns the lease to
+    /// while the batch runs, and the lease of the chunk started `behind` it (whose transfer
+    /// waits behind this one's); fills `out` at each load's position. Returns the lease to
     /// release.
-    fn finish_load(&self, loading: Loading, out: &mut [Option<GetOutcome>]) -> u64 {
-        let Loading { loads, lease, batch } = loading;
-        let mut lease_lost = false;
+    fn finish_load(
+        &self,
+        loading: Loading,
+        mut behind: Option<&mut Loading>,
+        out: &mut [Option<GetOutcome>],
+    ) -> u64 {
+        let Loading { loads, lease, mut held_at, mut lost, batch } = loading;
+        // A lease is renewed half a TTL after it was last known to hold, and a report is
+        // trusted only if it came before then or a renewal after it succeeded: every block
+        // called loaded was read under its lease.
+        let due = |held_at: Instant| held_at + self.config.lease_ttl / 2;
         let report = batch.map(|batch| {
             batch.map(|(builder, batch)| {
-                let half = self.config.lease_ttl / 2;
                 let report = loop {
-                    let started = Instant::now();
-                    if let Some(report) = batch.wait_timeout(half) {
-                        break report;
-                    }
-                    if self.index.renew(lease, self.config.lease_ttl).is_err() {
+                    if lost {
                         // Not protected any more: whatever arrives is not a hit. Cancel, so
                         // the batch ends now.
-                        lease_lost = true;
                         break batch.cancel();
                     }
-                    tracing::debug!(lease, waited = ?started.elapsed(), "pool: lease renewed under a long get");
+                    let mut wake = due(held_at);
+                    if let Some(b) = behind.as_deref().filter(|b| b.running()) {
+                        wake = wake.min(due(b.held_at));
+                    }
+                    let report = batch.wait_timeout(wake.saturating_duration_since(Instant::now()));
+                    let now = Instant::now();
+                    lost = now >= due(held_at) && !self.renew(lease, &mut held_at);
+                    if let Some(report) = report {
+                        break report;
+                    }
+                    if let Some(b) = behind.as_deref_mut().filter(|b| b.running()) {
+                        if now >= due(b.held_at) {
+                            b.lost = !self.renew(b.lease, &mut b.held_at);
+                        }
+                    }
+                    tracing::debug!(lease, "pool: lease renewed under a long get");
                 };
                 self.recycle(builder, batch);
                 report
@@ -1088,7 +1120,7 @@ impl Inner {
             let outcome = match &report {
                 // Not started (its lease was lost first), or cancelled when it was lost.
                 None => GetOutcome::Failed(BlockError::LeaseLost),
-                Some(_) if lease_lost => GetOutcome::Failed(BlockError::LeaseLost),
+                Some(_) if lost => GetOutcome::Failed(BlockError::LeaseLost),
                 Some(Err(e)) => GetOutcome::Failed(BlockError::Batch(e.clone())),
                 Some(Ok(report)) => match object_outcome(report, tag) {
                     Ok(Some(crc)) if crc == p.checksum => GetOutcome::Loaded(p),
@@ -1107,6 +1139,16 @@ impl Inner {
             out[i] = Some(outcome);
         }
         lease
+    }
+
+    /// Renews `lease`; if it still held, `held_at` becomes when the renewal was asked.
+    fn renew(&self, lease: u64, held_at: &mut Instant) -> bool {
+        let asked = Instant::now();
+        let held = self.index.renew(lease, self.config.lease_ttl).is_ok();
+        if held {
+            *held_at = asked;
+        }
+        held
     }
 
     /// Ends a lease; one that fails to end expires by itself.
