@@ -4,7 +4,7 @@
 
 mod resolver;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -241,6 +241,10 @@ struct Reach {
 /// Blocks a put reserves, writes and publishes (or a get leases, loads and releases) in one
 /// step of its pipeline, at most: a large put or get is cut into chunks of up to this many.
 const PIPELINE_CHUNK: usize = 1024;
+
+/// Chunks of a put whose transfers are in flight at once, at most (the newest started, the
+/// oldest waited for and published): see `Inner::put`.
+const PUT_IN_FLIGHT: usize = 3;
 
 /// Blocks of a pipeline's first and last chunks: the first chunk's reservation (or lease) and
 /// the last one's publish (or release) overlap no transfer, so they are kept short.
@@ -501,8 +505,8 @@ impl Pool {
     ///
     /// More than 512 blocks run as a pipeline of chunks (the first and the last 256 blocks,
     /// the rest in equal chunks of at most 1,024), each reserved, written and published as
-    /// above, the next chunk reserved and the previous one published while a chunk's bytes
-    /// move (at most two chunks' transfers at once).
+    /// above, the next chunk reserved and the oldest one published while chunks' bytes move
+    /// (at most three chunks' transfers at once).
     ///
     /// `Err` only when the first reservation call failed (the index is unreachable): then
     /// nothing was reserved or written. When a later chunk's reservation call fails, the
@@ -521,10 +525,11 @@ impl Pool {
     /// batch verifying each block's checksum, one release. One outcome per block, in order.
     ///
     /// More than 512 blocks found run as a pipeline of chunks cut as a put's, each leased,
-    /// restored and released as above, the next chunk leased and the previous one released
-    /// while a chunk's bytes move (one chunk's transfer at a time).
+    /// restored and released as above: the next chunk is leased while a chunk's bytes move
+    /// and started before that chunk is waited for (two chunks' transfers at a time).
     ///
-    /// A lease lasts [`PoolConfig::lease_ttl`] and is renewed while its transfer runs.
+    /// A lease lasts [`PoolConfig::lease_ttl`] and is renewed while its transfer runs, and
+    /// while the chunk ahead of it is waited for.
     /// `Err` only when the lookup or the first lease call itself failed (the index is
     /// unreachable): then nothing was written. When a later chunk's lease call fails, the
     /// chunks before it load as usual and the blocks of that chunk and every later one fail
@@ -730,11 +735,12 @@ impl Inner {
         };
         let items: Vec<(BlockKey, u64)> = blocks.iter().map(|b| (b.key, b.len)).collect();
         let mut out: Vec<Option<PutOutcome>> = vec![None; blocks.len()];
-        // A large put runs as a pipeline of chunks: while one chunk's bytes move, the next
-        // chunk is reserved and the previous one published, so the index's round trips
-        // overlap the transfer instead of adding to it. At most two chunks' transfers are in
-        // flight.
-        let mut in_flight: Option<Writing> = None;
+        // A large put runs as a pipeline of chunks: while chunks' bytes move, the next chunk
+        // is reserved and the oldest one published, so the index's round trips overlap the
+        // transfer instead of adding to it. At most `PUT_IN_FLIGHT` chunks' transfers are in
+        // flight, so the engine has a chunk queued behind the one it moves while the caller
+        // waits on the index.
+        let mut in_flight: VecDeque<Writing> = VecDeque::with_capacity(PUT_IN_FLIGHT);
         for (c, Range { start, end }) in pipeline_chunks(blocks.len()).into_iter().enumerate() {
             let reserved_at = Instant::now();
             let reserved = match self.index.reserve_many(
@@ -777,14 +783,15 @@ impl Inner {
                     Err(e) => Some(PutOutcome::Failed(BlockError::index(e))),
                 };
             }
-            let writing =
-                (!writes.is_empty()).then(|| self.start_write(&reach, blocks, writes, reserved_at));
-            if let Some(previous) = in_flight.take() {
-                self.finish_write(previous, &mut out);
+            if !writes.is_empty() {
+                in_flight.push_back(self.start_write(&reach, blocks, writes, reserved_at));
             }
-            in_flight = writing;
+            while in_flight.len() >= PUT_IN_FLIGHT {
+                let oldest = in_flight.pop_front().expect("in flight");
+                self.finish_write(oldest, &mut out);
+            }
         }
-        if let Some(last) = in_flight {
+        for last in in_flight {
             self.finish_write(last, &mut out);
         }
         let out: Vec<PutOutcome> =
