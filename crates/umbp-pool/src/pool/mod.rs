@@ -1117,7 +1117,7 @@ impl Inner {
                             b.lost = !self.renew(b.lease, &mut b.held_at);
                         }
                     }
-                    tracing::debug!(lease, "pool: lease renewed under a long get");
+                    tracing::debug!(lease, "pool: a long get renewed its leases as they came due");
                 };
                 self.recycle(builder, batch);
                 report
