@@ -146,7 +146,8 @@ impl Events {
 struct Engine {
     /// `None` only while being dropped.
     composite: Option<Arc<CompositeEngine>>,
-    device: Device,
+    /// `None` only while being dropped.
+    device: Option<Device>,
     remote: Option<Arc<RemoteEngine>>,
     /// The region the staged route passes through; `None` only while being dropped.
     bounce: Option<Guard<AlignedBuffer>>,
@@ -154,10 +155,13 @@ struct Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let (composite, bounce) = (self.composite.take(), self.bounce.take());
+        let parts =
+            (self.composite.take(), self.bounce.take(), self.remote.take(), self.device.take());
         // Dropping the composite waits for the batches in flight, which may take as long as
-        // their deadlines (or a dead peer's): never with the GIL held.
-        Python::with_gil(|py| py.allow_threads(move || drop((composite, bounce))));
+        // their deadlines (or a dead peer's), and dropping an engine joins its threads, which
+        // may be logging (each record taken to Python's `logging` takes the GIL): never with
+        // the GIL held, or a thread logging as the engine goes waits for it forever.
+        Python::with_gil(|py| py.allow_threads(move || drop(parts)));
     }
 }
 
@@ -280,7 +284,12 @@ impl Engine {
             .register_memory(AlignedBuffer::for_direct_io(bounce_bytes))
             .map_err(registration_error)?;
         composite.set_staging(Staging::new(bounce.id())).map_err(error)?;
-        Ok(Self { composite: Some(Arc::new(composite)), device, remote, bounce: Some(bounce) })
+        Ok(Self {
+            composite: Some(Arc::new(composite)),
+            device: Some(device),
+            remote,
+            bounce: Some(bounce),
+        })
     }
 }
 
@@ -402,7 +411,7 @@ impl Engine {
     /// The device runtime: `"sim"` or `"cuda"`.
     #[getter]
     fn device_kind(&self) -> &'static str {
-        self.device.name()
+        self.device().name()
     }
 
     /// Registers `length` bytes of host memory at `addr`; `owner` is kept until the
@@ -482,7 +491,7 @@ impl Engine {
     #[pyo3(signature = (length, device=0))]
     fn alloc_device(&self, py: Python<'_>, length: u64, device: u32) -> PyResult<Registration> {
         let guard = py
-            .allow_threads(|| self.device.alloc(DeviceOrdinal::new(device), length))
+            .allow_threads(|| self.device().alloc(DeviceOrdinal::new(device), length))
             .map_err(error)?;
         Ok(self.registration(Kept::Memory(guard), None, "device"))
     }
@@ -584,7 +593,7 @@ impl Engine {
         // until the batch settles), as a raw handle from torch is all Python can give.
         let stream =
             stream.map(|raw| unsafe { DeviceStream::new(DeviceOrdinal::new(stream_device), raw) });
-        let events = stream.map(|s| self.device.layer_events(s));
+        let events = stream.map(|s| self.device().layer_events(s));
         let listener = events.as_ref().map(Events::listener);
         let batch = py.allow_threads(move || {
             let transfers: Vec<ObjectTransfer<'_>> = specs
@@ -1266,6 +1275,10 @@ impl Engine {
                 Ok(EndpointId::from_raw(*raw))
             }
         }
+    }
+
+    fn device(&self) -> &Device {
+        self.device.as_ref().expect("taken only by drop")
     }
 
     fn remote(&self) -> PyResult<&Arc<RemoteEngine>> {

@@ -594,6 +594,48 @@ def test_remote_lanes_sets_the_connections_to_each_node():
             assert bytes(out) == object_bytes(arena, [p * PAGE for p in pages], 0, 4 * PAGE)
 
 
+DROP_WHILE_LOGGING = """
+import logging, threading, time
+import numpy as np
+import umbp
+SECRET = %r
+inside, go = threading.Event(), threading.Event()
+class Gate(logging.Handler):
+    # Holds the engine's thread inside Python's logging (with the GIL given up while it waits),
+    # then hands it back to the GIL while the main thread is dropping the engine.
+    def emit(self, record):
+        if "declared dead" in record.getMessage():
+            inside.set()
+            go.wait()
+            time.sleep(0.3)
+logging.getLogger("umbp_remote").addHandler(Gate())
+engine = umbp.Engine(remote=True, remote_transports="tcp", remote_secret=SECRET)
+with umbp.Server({"arena": np.zeros(4096, dtype=np.uint8)}, transports="tcp", secret=SECRET) as server:
+    engine.connect(server.address)
+assert inside.wait(120), "the engine never logged its peer's end"
+go.set()
+del engine
+print("dropped")
+"""
+
+
+def test_dropping_an_engine_while_its_threads_log_does_not_deadlock():
+    # A remote engine's progress thread logs (through Python's logging, so with the GIL) when a
+    # peer goes; an engine dropped meanwhile joins that thread, which must not happen with the
+    # GIL held. It did, and hung the suite now and then; here the thread is held in the log
+    # call until the drop begins, so the old code hangs every time. In a child process so a
+    # hang is a failure, not a stuck suite.
+    import subprocess
+    import sys
+
+    _remote_engine()  # skips where there is no remote tier
+    try:
+        run = subprocess.run([sys.executable, "-c", DROP_WHILE_LOGGING % SECRET], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"dropping the engine hung (the child ran {e.timeout} s): {e.stderr}")
+    assert run.returncode == 0 and run.stdout.strip() == "dropped", (run.returncode, run.stdout, run.stderr)
+
+
 def test_a_disconnected_node_fails_its_objects_at_once():
     engine = _remote_engine()
     with umbp.Server({"arena": pattern(8 * PAGE, 2)}, transports="tcp", secret=SECRET) as server:
