@@ -91,7 +91,20 @@ impl Conns {
         }
     }
 
+    /// A fresh connection; one whose opening was interrupted (`EINTR` in its connect or its
+    /// handshake's reads: see [`with`](Self::with)) is opened again, up to three more times.
     fn open(&self, timeout: Duration) -> Result<Conn, Error> {
+        let mut result = self.open_once(timeout);
+        for _ in 0..3 {
+            if !result.as_ref().is_err_and(interrupted) {
+                break;
+            }
+            result = self.open_once(timeout);
+        }
+        Ok(result?)
+    }
+
+    fn open_once(&self, timeout: Duration) -> redis::RedisResult<Conn> {
         Ok(match self {
             Self::Single { client, .. } => {
                 let c = client.get_connection_with_timeout(timeout)?;
