@@ -291,7 +291,10 @@ pub(crate) fn setup(config: &RestoreBenchConfig) -> anyhow::Result<(Setup, Compo
         .map(|b| {
             let page = shape.page_size as usize;
             table.object(b).iter().fold(0, |crc, &p| {
-                crc32c::crc32c_append(crc, &arena.bytes()[p as usize..p as usize + page])
+                umbp_plan::checksum::crc32c_append(
+                    crc,
+                    &arena.bytes()[p as usize..p as usize + page],
+                )
             })
         })
         .collect();

@@ -746,7 +746,7 @@ fn host_crc(endpoint: &Endpoint, offset: u64, len: u64, crc: u32) -> Option<u32>
     //    hop), and the registration promises that while a transfer runs nothing else writes
     //    the bytes it reads or accesses the bytes it writes.
     let bytes = unsafe { std::slice::from_raw_parts(start as *const u8, len) };
-    Some(crc32c::crc32c_append(crc, bytes))
+    Some(checksum::crc32c_append(crc, bytes))
 }
 
 #[cfg(test)]

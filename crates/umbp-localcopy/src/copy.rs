@@ -24,6 +24,7 @@
 use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use umbp_plan::checksum::crc32c_append;
 use umbp_plan::host_copy::{
     copy_non_temporal, copy_non_temporal_crc, non_temporal_supported, store_fence,
 };
@@ -176,7 +177,7 @@ impl Task {
                 // SAFETY: the source is registered host memory, valid and not written by
                 // anything else during the transfer (module doc); `len > 0`, so non-null.
                 let bytes = unsafe { std::slice::from_raw_parts(self.src, self.len) };
-                hash.crc.store(crc32c::crc32c(bytes), Ordering::Relaxed);
+                hash.crc.store(crc32c_append(0, bytes), Ordering::Relaxed);
             } else {
                 // SAFETY:
                 // 1. both ranges are valid registered host memory, reserved to this transfer

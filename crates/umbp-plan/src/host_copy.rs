@@ -52,6 +52,7 @@
 
 use std::ptr;
 
+use crate::checksum::crc32c_append;
 #[cfg(target_arch = "x86_64")]
 use crate::checksum::ShiftTables;
 
@@ -135,7 +136,7 @@ pub fn copy_streaming_crc(dst: &mut [u8], src: &[u8], crc: u32) -> u32 {
     assert_eq!(dst.len(), src.len(), "copy_streaming_crc: slices of different lengths");
     if !non_temporal_supported() {
         dst.copy_from_slice(src);
-        return crc32c::crc32c_append(crc, src);
+        return crc32c_append(crc, src);
     }
     // SAFETY: as in `copy_streaming`: two distinct slices of equal length, SSE2 present.
     let crc = unsafe { copy_non_temporal_crc(src.as_ptr(), dst.as_mut_ptr(), src.len(), crc) };
@@ -162,7 +163,7 @@ pub unsafe fn copy_non_temporal_crc(src: *const u8, dst: *mut u8, len: usize, cr
     unsafe { copy_non_temporal(src, dst, len) };
     // SAFETY: `src .. src + len` is valid for reads and nothing writes it during the call (the
     // caller's conditions; `dst` does not overlap it).
-    crc32c::crc32c_append(crc, unsafe { slice_or_empty(src, len) })
+    crc32c_append(crc, unsafe { slice_or_empty(src, len) })
 }
 
 /// `len` bytes at `src` as a slice; an empty one when `len` is 0 (whatever `src` is).
@@ -322,7 +323,7 @@ unsafe fn copy_non_temporal_avx2_crc(src: *const u8, dst: *mut u8, len: usize, c
     // SAFETY: `head <= len`, so both ranges are inside the caller's valid, disjoint ranges.
     unsafe { ptr::copy_nonoverlapping(src, dst, head) };
     // SAFETY: the head lies inside the source, which nothing writes during the call.
-    let crc = crc32c::crc32c_append(crc, unsafe { slice_or_empty(src, head) });
+    let crc = crc32c_append(crc, unsafe { slice_or_empty(src, head) });
     // The raw register: CRC32C's pre- and post-inversion are undone around the chains.
     let mut register = !crc;
     let mut done = head;
@@ -371,7 +372,7 @@ unsafe fn copy_non_temporal_avx2_crc(src: *const u8, dst: *mut u8, len: usize, c
     // SAFETY: `done <= len`: the rest lies inside both ranges; SSE2 is part of AVX2.
     unsafe { copy_non_temporal_sse2(src.add(done), dst.add(done), rest) };
     // SAFETY: the rest lies inside the source, which nothing writes during the call.
-    crc32c::crc32c_append(!register, unsafe { slice_or_empty(src.add(done), rest) })
+    crc32c_append(!register, unsafe { slice_or_empty(src.add(done), rest) })
 }
 
 #[cfg(test)]

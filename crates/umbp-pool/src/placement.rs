@@ -108,7 +108,7 @@ impl Placement {
 /// CRC32C (Castagnoli) of `bytes`, hardware-accelerated where the CPU has it: the checksum a
 /// [`Placement`] records.
 pub fn checksum(bytes: &[u8]) -> u32 {
-    crc32c::crc32c(bytes)
+    umbp_plan::checksum::crc32c_append(0, bytes)
 }
 
 /// A slot reserved for one key: the caller writes the block's bytes into it, then

@@ -1438,10 +1438,8 @@ fn install_logger(py: Python<'_>) {
 /// len(b)`: how a caller that saved an object in pieces (one offload per layer, say) gets the
 /// checksum a restore of the whole object verifies.
 #[pyfunction]
-fn crc32c_combine(first: u32, second: u32, second_len: u64) -> PyResult<u32> {
-    let second_len = usize::try_from(second_len)
-        .map_err(|_| PyValueError::new_err(format!("second_len {second_len} exceeds memory")))?;
-    Ok(crc32c::crc32c_combine(first, second, second_len))
+fn crc32c_combine(first: u32, second: u32, second_len: u64) -> u32 {
+    umbp_plan::checksum::combine(first, second, second_len)
 }
 
 /// Runs the memory node command `umbp-ucx-serve` with `argv` (the program's name first) until

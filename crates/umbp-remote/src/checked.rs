@@ -57,6 +57,7 @@ use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use socket2::TcpKeepalive;
+use umbp_plan::checksum::crc32c_append;
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
 use crate::config::Congestion;
@@ -958,13 +959,13 @@ fn write_requests(
             // Hashed right after the tag or the copy read the bytes: from the cache.
             let (record, tag) = match sealer.tag_of(bytes) {
                 Some(tag) => {
-                    crc = if post.hash { crc32c::crc32c_append(crc, bytes) } else { crc };
+                    crc = if post.hash { crc32c_append(crc, bytes) } else { crc };
                     (bytes, tag)
                 }
                 None => {
                     let record = &mut scratch[..n];
                     record.copy_from_slice(bytes);
-                    crc = if post.hash { crc32c::crc32c_append(crc, record) } else { crc };
+                    crc = if post.hash { crc32c_append(crc, record) } else { crc };
                     let tag = sealer.seal(record);
                     (&*record, tag)
                 }
@@ -1092,7 +1093,7 @@ fn read_answers<N: From<LinkEvent>>(
                     );
                 }
                 if post.hash {
-                    crc = crc32c::crc32c_append(crc, record);
+                    crc = crc32c_append(crc, record);
                 }
             }
         }

@@ -1,5 +1,6 @@
 //! The gather kernel, executed on the CPU block by block as a GPU executes `gather.cu`.
 
+use umbp_plan::checksum::crc32c_append;
 use umbp_plan::host_copy::{
     copy_non_temporal, copy_non_temporal_crc, non_temporal_supported, store_fence,
 };
@@ -112,7 +113,7 @@ unsafe fn copy_slice(
         // SAFETY: bytes `hashed .. n` of the source: readable, and nothing writes them (the
         // destination does not overlap them); not empty, so the pointer is non-null.
         let rest = unsafe { std::slice::from_raw_parts(s.add(hashed), n - hashed) };
-        *crc = crc32c::crc32c_append(*crc, rest);
+        *crc = crc32c_append(*crc, rest);
     }
     stream
 }

@@ -2,6 +2,7 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
+use umbp_plan::checksum::crc32c_append;
 use umbp_plan::DeviceOrdinal;
 
 use crate::DeviceError;
@@ -65,7 +66,7 @@ pub(super) unsafe fn copy(dst: u64, src: u64, len: u64, crc: Option<&mut u32>) {
     if let (Some(crc), true) = (crc, len > 0) {
         // SAFETY: the caller's contract; not empty, so `src` is non-null.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len as usize) };
-        *crc = crc32c::crc32c_append(*crc, bytes);
+        *crc = crc32c_append(*crc, bytes);
     }
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) }
