@@ -47,6 +47,7 @@ fn help_lists_every_flag_with_its_words() {
         "--insecure-no-auth",
         "--protection",
         "--transports",
+        "--congestion",
         "--idle-timeout-ms",
         "--peer-timeout-ms",
         "--handshake-timeout-ms",
@@ -143,6 +144,15 @@ fn bad_flags_and_configuration_are_refused_by_name() {
     ]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("insecure_no_auth"), "{text}");
+    // A congestion control that cannot be an algorithm's name: status 2; one the kernel does
+    // not have: the library's refusal at start, status 1. Both name the setting.
+    let (code, text) = run(&["--region", "kv=1MiB", "--congestion", "cubic;ls"]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("--congestion") && text.contains("cubic;ls"), "{text}");
+    let (code, text) =
+        run(&["--region", "kv=1MiB", "--insecure-no-auth", "--congestion", "no-such-cc"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("congestion") && text.contains("no-such-cc"), "{text}");
 }
 
 /// Starts `umbp-ucx-serve` on a fresh loopback port with `args` (the pool tests' launcher).

@@ -36,7 +36,7 @@ use umbp_plan::{
     FailureCause, FileOptions, FileSource, Fragment, GroupListener, ObjectState, Register,
     RegisterError, Registration as Guard, RejectReason, Tag, TransferEngine,
 };
-use umbp_remote::{RemoteConfig, RemoteEngine, RemoteServer, ServerBuilder};
+use umbp_remote::{Congestion, RemoteConfig, RemoteEngine, RemoteServer, ServerBuilder};
 use umbp_ssd::{SsdConfig, SsdEngine};
 
 create_exception!(_native, Error, PyException, "Every umbp error derives from this.");
@@ -305,14 +305,16 @@ impl Engine {
     /// `remote_secret` (`None`: `UMBP_UCX_SECRET` from the environment), or connecting to
     /// nodes that run without authentication when `remote_insecure_no_auth`, over
     /// `remote_lanes` connections to each node (at least 1; each is served by a thread of its
-    /// own on the node, so more lanes put more cores on one node's transfers). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
+    /// own on the node, so more lanes put more cores on one node's transfers), under the TCP
+    /// congestion control `remote_congestion` (`"auto"`, `"system"` or an algorithm's name:
+    /// `umbp_remote::Congestion`). `ssd_worker_cpus`: the CPUs the SSD engine's workers are pinned
     /// to, worker `i` to the `i`-th (cycling); `None`: not pinned. A `bounce_bytes` past this
     /// machine's memory raises `MemoryError`, more than 1024 `workers` `ValueError`, before
     /// anything is allocated or started. `checksums`: which tiers' objects get a CRC32C
     /// (`"off"`, `"files_and_remote"`, `"all_tiers"`; `umbp_composite::ChecksumPolicy`):
     /// offloads report it, restores given one verify it.
     #[allow(clippy::too_many_arguments)] // Python keyword arguments.
-    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false, remote_lanes=2, checksums="files_and_remote"))]
+    #[pyo3(signature = (*, device="sim", sim_devices=1, pin_device=Some(0), workers=8, bounce_bytes=16 << 20, ssd_queue_depth=64, ssd_worker_cpus=None, remote=false, remote_transports=None, remote_secret=None, remote_insecure_no_auth=false, remote_lanes=2, remote_congestion="auto", checksums="files_and_remote"))]
     fn new(
         py: Python<'_>,
         device: &str,
@@ -327,6 +329,7 @@ impl Engine {
         remote_secret: Option<Vec<u8>>,
         remote_insecure_no_auth: bool,
         remote_lanes: usize,
+        remote_congestion: &str,
         checksums: &str,
     ) -> PyResult<Self> {
         let checksums = ChecksumPolicy::from_name(checksums).ok_or_else(|| {
@@ -340,6 +343,7 @@ impl Engine {
         if remote_lanes == 0 {
             return Err(PyValueError::new_err("remote_lanes=0: at least one connection a node"));
         }
+        let remote_congestion = congestion(remote_congestion, "remote_congestion")?;
         if workers > MAX_WORKERS {
             return Err(PyValueError::new_err(format!(
                 "workers={workers}: at most {MAX_WORKERS} executor threads"
@@ -357,8 +361,12 @@ impl Engine {
                 ssd_queue_depth,
                 ssd_worker_cpus,
                 remote.then(|| {
-                    let mut config =
-                        ucx_config(remote_transports, remote_secret, remote_insecure_no_auth);
+                    let mut config = ucx_config(
+                        remote_transports,
+                        remote_secret,
+                        remote_insecure_no_auth,
+                        remote_congestion,
+                    );
                     config.lanes = remote_lanes;
                     config
                 }),
@@ -1289,17 +1297,27 @@ impl Engine {
 }
 
 /// The remote tier's settings from Python: `transports`, the shared `secret` (`None`: the
-/// default's, from `UMBP_UCX_SECRET`) and whether to run without authentication.
+/// default's, from `UMBP_UCX_SECRET`), whether to run without authentication and the TCP
+/// congestion control.
 fn ucx_config(
     transports: Option<String>,
     secret: Option<Vec<u8>>,
     insecure_no_auth: bool,
+    congestion: Congestion,
 ) -> RemoteConfig {
-    let mut config = RemoteConfig { transports, insecure_no_auth, ..RemoteConfig::default() };
+    let mut config =
+        RemoteConfig { transports, insecure_no_auth, congestion, ..RemoteConfig::default() };
     if secret.is_some() {
         config.secret = secret;
     }
     config
+}
+
+/// The congestion control spelled `value` (`"auto"`, `"system"` or an algorithm's name);
+/// `ValueError` naming the `argument` otherwise. Whether the kernel allows the algorithm is
+/// known only when the engine or server starts (`umbp.Error` then).
+fn congestion(value: &str, argument: &str) -> PyResult<Congestion> {
+    value.parse().map_err(|e| PyValueError::new_err(format!("{argument}={value:?}: {e}")))
 }
 
 /// `(region, name, length, writable)` of one region a peer exports.
@@ -1320,8 +1338,11 @@ impl Server {
     /// they hold `secret` (`None`: `UMBP_UCX_SECRET`), or to anyone with `insecure_no_auth`.
     /// `node`: the pool node id it serves as, named in every client's welcome
     /// ([`ServerBuilder::node`]); a pool's clients refuse a server naming another or none.
+    /// `congestion`: the TCP congestion control of its connections, as the engine's
+    /// `remote_congestion`.
     #[new]
-    #[pyo3(signature = (listen, regions, transports=None, secret=None, insecure_no_auth=false, node=None))]
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments.
+    #[pyo3(signature = (listen, regions, transports=None, secret=None, insecure_no_auth=false, node=None, congestion="auto"))]
     fn new(
         py: Python<'_>,
         listen: String,
@@ -1330,8 +1351,10 @@ impl Server {
         secret: Option<Vec<u8>>,
         insecure_no_auth: bool,
         node: Option<u32>,
+        congestion: &str,
     ) -> PyResult<Self> {
-        let config = ucx_config(transports, secret, insecure_no_auth);
+        let congestion = self::congestion(congestion, "congestion")?;
+        let config = ucx_config(transports, secret, insecure_no_auth, congestion);
         let mut builder = ServerBuilder::new(config);
         if let Some(node) = node {
             builder = builder.node(node);

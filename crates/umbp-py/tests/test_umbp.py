@@ -594,6 +594,31 @@ def test_remote_lanes_sets_the_connections_to_each_node():
             assert bytes(out) == object_bytes(arena, [p * PAGE for p in pages], 0, 4 * PAGE)
 
 
+def test_remote_congestion_reaches_the_engine_and_the_server():
+    _remote_engine()  # skips where there is no remote tier
+    remote = dict(remote=True, remote_transports="tcp", remote_secret=SECRET)
+    arena = pattern(4 * PAGE, 8)
+    # A name that cannot be an algorithm's: ValueError naming the argument, before anything
+    # starts; one the kernel does not have: umbp.Error when the engine or server starts.
+    with pytest.raises(ValueError, match="remote_congestion"):
+        umbp.Engine(remote_congestion="cubic; reboot", **remote)
+    with pytest.raises(ValueError, match="congestion"):
+        umbp.Server({"arena": arena}, transports="tcp", secret=SECRET, congestion="")
+    with pytest.raises(umbp.Error, match="congestion.*no-such-cc"):
+        umbp.Engine(remote_congestion="no-such-cc", **remote)
+    with pytest.raises(umbp.Error, match="congestion.*no-such-cc"):
+        umbp.Server({"arena": arena}, transports="tcp", secret=SECRET, congestion="no-such-cc")
+    # reno, which every Linux kernel has and lets any process pick, on both sides; the
+    # system's on the engine's.
+    for choice in ("reno", "system", "auto"):
+        engine = umbp.Engine(remote_congestion=choice, **remote)
+        with umbp.Server({"arena": arena}, transports="tcp", secret=SECRET, congestion="reno") as server:
+            peer = engine.connect(server.address)
+            with engine.register_remote(peer.region("arena")) as src:
+                assert engine.read(src, PAGE, 64) == bytes(arena[PAGE:PAGE + 64]), choice
+        engine.close()
+
+
 DROP_WHILE_LOGGING = """
 import logging, threading, time
 import numpy as np

@@ -694,6 +694,14 @@ def test_memory_nodes_need_a_redis_pool_and_their_secret(tmp_path, monkeypatch):
         {"pool": "redis://h:1/", "remote_secret_file": str(secret), "remote_lanes": 3}
     )
     assert three.remote_options()["remote_lanes"] == 3
+    assert cfg.remote_options()["remote_congestion"] == "auto"
+    reno = UmbpConfig.from_extra(
+        {"pool": "redis://h:1/", "remote_secret_file": str(secret), "remote_congestion": "reno"}
+    )
+    assert reno.remote_options()["remote_congestion"] == "reno"
+    for bad in ("", 3, None):
+        with pytest.raises(ValueError, match="remote_congestion must be"):
+            UmbpConfig.from_extra({"pool": "redis://h:1/", "remote_congestion": bad})
     # Without the secret, memory nodes' blocks are not this instance's hits.
     assert not UmbpConfig.from_extra({"pool": "redis://h:1/"}).memory_nodes()
     monkeypatch.setenv("UMBP_UCX_SECRET", "y" * 32)

@@ -124,6 +124,58 @@ pub enum Congestion {
     Named(String),
 }
 
+/// The longest algorithm name the kernel takes (`TCP_CA_NAME_MAX`, 16, less its NUL).
+const MAX_CONGESTION_NAME: usize = 15;
+
+/// `auto`, `system`, or an algorithm's name (`cubic`, `reno`, `dctcp`...): how the memory
+/// node's `--congestion` and Python's `congestion=` spell a [`Congestion`]. A name is letters,
+/// digits, `_` and `-`, at most 15 bytes (what the kernel takes); anything else is an
+/// [`Error::Config`]. Whether the kernel has the algorithm and lets the process pick it is
+/// checked when an engine or a server starts.
+///
+/// ```
+/// use umbp_remote::Congestion;
+///
+/// assert_eq!("system".parse::<Congestion>().unwrap(), Congestion::System);
+/// assert_eq!("cubic".parse::<Congestion>().unwrap(), Congestion::Named("cubic".into()));
+/// assert!("cubic; reboot".parse::<Congestion>().is_err());
+/// ```
+impl std::str::FromStr for Congestion {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "system" => Ok(Self::System),
+            name if !name.is_empty()
+                && name.len() <= MAX_CONGESTION_NAME
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+            {
+                Ok(Self::Named(name.to_owned()))
+            }
+            other => Err(Error::Config {
+                setting: "congestion",
+                reason: format!(
+                    "`{other}`: expected `auto`, `system` or an algorithm's name (`cubic`, \
+                     `reno`...: letters, digits, `_` and `-`, at most {MAX_CONGESTION_NAME} bytes)"
+                ),
+            }),
+        }
+    }
+}
+
+/// The spelling [`FromStr`](std::str::FromStr) reads: `auto`, `system`, or the algorithm's
+/// name.
+impl std::fmt::Display for Congestion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::System => f.write_str("system"),
+            Self::Named(name) => f.write_str(name),
+        }
+    }
+}
+
 /// What a [`RemoteServer`](crate::RemoteServer) spends on connections at most. One thread answers
 /// every handshake (an event loop), so connections that have not authenticated cost a socket
 /// each and no thread; each authenticated client costs one thread.
@@ -280,6 +332,27 @@ mod tests {
         RemoteConfig::default().check_congestion().unwrap();
         let system = RemoteConfig { congestion: Congestion::System, ..RemoteConfig::default() };
         system.check_congestion().unwrap();
+    }
+
+    /// Every spelling reads back as it prints; a name the kernel could not take (empty,
+    /// too long, with other characters) is refused naming the setting.
+    #[test]
+    fn congestion_reads_and_prints_its_spellings() {
+        for spelled in
+            ["auto", "system", "cubic", "reno", "dctcp", "bbr", "a_b-2", "x".repeat(15).as_str()]
+        {
+            let c: Congestion = spelled.parse().unwrap();
+            assert_eq!(c.to_string(), spelled);
+        }
+        assert_eq!("auto".parse::<Congestion>().unwrap(), Congestion::Auto);
+        assert_eq!("system".parse::<Congestion>().unwrap(), Congestion::System);
+        assert_eq!("bbr".parse::<Congestion>().unwrap(), Congestion::Named("bbr".into()));
+        for bad in ["", " cubic", "cubic\n", "x".repeat(16).as_str(), "cu/bic", "cubic;ls", "é"] {
+            match bad.parse::<Congestion>() {
+                Err(Error::Config { setting: "congestion", .. }) => {}
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

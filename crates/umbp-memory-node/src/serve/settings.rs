@@ -11,7 +11,7 @@ use crate::MembershipConfig;
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use umbp_pool::{NodeId, RedisConfig};
-use umbp_remote::{Protection, RemoteConfig};
+use umbp_remote::{Congestion, Protection, RemoteConfig};
 
 /// Serve this node's memory to other nodes' umbp engines over UCX: a memory node.
 ///
@@ -67,6 +67,13 @@ pub(crate) struct Args {
     /// clients one-sided access; anything else is served on the checked path.
     #[arg(long, value_name = "TLS")]
     pub(crate) transports: Option<String>,
+
+    /// The TCP congestion control of the checked connections: `auto` (the default: the
+    /// system's, except that connections staying on this host leave a pacing one such as BBR
+    /// for `cubic`), `system` (the system's on every connection) or an algorithm's name
+    /// (`cubic`, `dctcp`...) on every connection, which the kernel must allow this process.
+    #[arg(long, value_name = "ALGORITHM")]
+    pub(crate) congestion: Option<Congestion>,
 
     /// Close a client's session when nothing (not even a heartbeat) arrived for this long,
     /// in milliseconds (default 10000).
@@ -205,6 +212,9 @@ pub(crate) enum SettingsError {
     /// The pool settings are incomplete or contradict the regions.
     #[error("pool: {0}")]
     Pool(String),
+    /// A congestion control that is no algorithm's name.
+    #[error("{0}")]
+    Congestion(umbp_remote::Error),
     /// The secret file may be read by other users.
     #[error(
         "secret file {path} is readable by other users (mode {mode:04o}): make it private \
@@ -256,6 +266,7 @@ pub(crate) struct FileConfig {
     insecure_no_auth: Option<bool>,
     protection: Option<ProtectionArg>,
     transports: Option<String>,
+    congestion: Option<String>,
     idle_timeout_ms: Option<u64>,
     peer_timeout_ms: Option<u64>,
     handshake_timeout_ms: Option<u64>,
@@ -452,6 +463,11 @@ impl Settings {
                 ProtectionArg::Encrypted => Protection::Encrypted,
                 ProtectionArg::Authenticated => Protection::Authenticated,
             };
+        }
+        if let Some(c) = args.congestion {
+            ucx.congestion = c;
+        } else if let Some(text) = file.congestion {
+            ucx.congestion = text.parse().map_err(SettingsError::Congestion)?;
         }
         let ms = Duration::from_millis;
         if let Some(t) = args.idle_timeout_ms.or(file.idle_timeout_ms) {
@@ -689,6 +705,27 @@ mod tests {
         assert_eq!(
             s.regions,
             [RegionSpec { name: "other".into(), size: 1024, read_only: false, fill: None }]
+        );
+    }
+
+    #[test]
+    fn congestion_comes_from_the_flag_over_the_file() {
+        let region = ["--region", "kv=4KiB"];
+        let file = |text: &str| FileConfig::parse(Path::new("t.toml"), text).unwrap();
+        let s = Settings::merge(args(&region).unwrap(), FileConfig::default()).unwrap();
+        assert_eq!(s.ucx.congestion, Congestion::Auto);
+        let s = Settings::merge(args(&region).unwrap(), file("congestion = \"system\"")).unwrap();
+        assert_eq!(s.ucx.congestion, Congestion::System);
+        let flagged = args(&[&region[..], &["--congestion", "reno"]].concat()).unwrap();
+        let s = Settings::merge(flagged, file("congestion = \"system\"")).unwrap();
+        assert_eq!(s.ucx.congestion, Congestion::Named("reno".into()));
+        // A bad name is refused by name, from the flag and from the file.
+        let e = args(&["--congestion", "cubic;ls"]).unwrap_err().to_string();
+        assert!(e.contains("--congestion") && e.contains("cubic;ls"), "{e}");
+        let e = Settings::merge(args(&region).unwrap(), file("congestion = \"\"")).unwrap_err();
+        assert!(
+            matches!(e, SettingsError::Congestion(_)) && e.to_string().contains("congestion"),
+            "{e}"
         );
     }
 

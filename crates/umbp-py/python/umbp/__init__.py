@@ -604,7 +604,10 @@ class Server:
     ``node``: the node id this server serves as in a pool (the id its regions are registered
     and announced under). It names it in every client's welcome, and a pool's clients refuse a
     memory node that names another id or none, so a node whose regions are pool tiers must
-    give it; a client that connects by address (:meth:`Engine.connect`) does not check it."""
+    give it; a client that connects by address (:meth:`Engine.connect`) does not check it.
+
+    ``congestion``: the TCP congestion control of its connections, as an engine's
+    ``remote_congestion``."""
 
     def __init__(
         self,
@@ -615,6 +618,7 @@ class Server:
         secret: _t.Optional[bytes] = None,
         insecure_no_auth: bool = False,
         node: _t.Optional[int] = None,
+        congestion: str = "auto",
     ):
         exports = []
         for name, value in regions.items():
@@ -622,7 +626,7 @@ class Server:
             address, nbytes, keep = _host_address(buffer)
             exports.append((name, address, nbytes, bool(writable), keep))
         self._native = _native.Server(
-            listen, exports, transports, secret, insecure_no_auth, node
+            listen, exports, transports, secret, insecure_no_auth, node, congestion
         )
 
     @property
@@ -700,6 +704,11 @@ class Engine:
     to nodes that run without authentication. It reaches each node over ``remote_lanes``
     connections (default 2, at least 1, else ``ValueError``): the node serves each on a thread
     of its own, so more lanes put more of its cores on this engine's transfers.
+    ``remote_congestion`` picks their TCP congestion control: ``"auto"`` (the default: the
+    system's, except that a connection staying on this host leaves a pacing one such as BBR
+    for ``"cubic"``), ``"system"`` (the system's everywhere) or an algorithm's name
+    (``"cubic"``, ``"dctcp"``...) everywhere; a name that cannot be one raises ``ValueError``,
+    one the kernel does not let this process pick :class:`Error`.
 
     ``checksums`` (a :class:`ChecksumPolicy` or its name): which tiers' objects get a CRC32C,
     reported by offloads (:attr:`ObjectResult.checksum`) and verified by restores given one
@@ -727,6 +736,7 @@ class Engine:
         remote_secret: _t.Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
         remote_lanes: int = 2,
+        remote_congestion: str = "auto",
         checksums: _t.Union["ChecksumPolicy", str] = "files_and_remote",
     ):
         # Guards _engine, _starting and _batches: a start counts itself in _starting while it
@@ -748,6 +758,7 @@ class Engine:
             remote_secret=remote_secret,
             remote_insecure_no_auth=remote_insecure_no_auth,
             remote_lanes=remote_lanes,
+            remote_congestion=remote_congestion,
             checksums=str(ChecksumPolicy(checksums)),
         )
 

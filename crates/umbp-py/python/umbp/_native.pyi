@@ -106,6 +106,7 @@ class Engine:
         remote_secret: Optional[bytes] = None,
         remote_insecure_no_auth: bool = False,
         remote_lanes: int = 2,
+        remote_congestion: str = "auto",
         checksums: str = "files_and_remote",
     ) -> "Engine": ...
     @property
@@ -153,6 +154,7 @@ class Server:
         secret: Optional[bytes] = None,
         insecure_no_auth: bool = False,
         node: Optional[int] = None,
+        congestion: str = "auto",
     ) -> "Server": ...
     @property
     def address(self) -> str: ...

@@ -46,6 +46,7 @@ class PoolKeys:
     remote_secret_file: Optional[str] = None
     remote_transports: Optional[str] = None
     remote_lanes: int = 2
+    remote_congestion: str = "auto"
     remote_connect_wait_s: float = 0.05
 
     @classmethod
@@ -88,6 +89,10 @@ class PoolKeys:
             and 1 <= self.remote_lanes <= 64
         ):
             raise ValueError(f"{who}: remote_lanes must be an integer from 1 to 64")
+        if not isinstance(self.remote_congestion, str) or not self.remote_congestion:
+            raise ValueError(
+                f"{who}: remote_congestion must be 'auto', 'system' or an algorithm's name"
+            )
         if not _number(self.remote_connect_wait_s) or not float(self.remote_connect_wait_s) >= 0:
             raise ValueError(f"{who}: remote_connect_wait_s must be a number >= 0")
         for name in ("pool_lease_s", "pool_reserve_s", "pool_announce_s"):
@@ -152,6 +157,7 @@ class PoolKeys:
             remote_transports=self.remote_transports,
             remote_secret=self.remote_secret(),
             remote_lanes=self.remote_lanes,
+            remote_congestion=self.remote_congestion,
         )
 
     def pool_checksums(self, checksums: str, *, durable: bool) -> str:
