@@ -78,7 +78,9 @@ pub(crate) fn zeros_operator(bytes: u64) -> u32 {
 /// one thread, from the cache: 98–102 GB/s on 64 KiB and 76 on 4 KiB, where the `crc32c`
 /// crate's three `crc32` chains run 24.5–24.9 and 21.9 GB/s. A CRC the sealed channel takes
 /// over a record it has just encrypted, or a get's over what it has just opened, then costs a
-/// quarter of what it did.
+/// quarter of what it did. Below about 256 bytes a call's setup (some 15 ns) makes it slower
+/// than the `crc32c` crate (22 against 6.5 ns for 16 bytes); only a hashing copy's unaligned
+/// head and short tail are that small, next to a copy of at least 16 KiB.
 ///
 /// ```
 /// use umbp_plan::checksum::crc32c_append;
