@@ -70,6 +70,21 @@ fn interrupted(e: &redis::RedisError) -> bool {
     false
 }
 
+/// `result`, or, while the latest attempt failed with EINTR, what `again` gives: at most three
+/// more attempts (see [`Conns::with`] for why an interrupted call is made again).
+fn again_if_interrupted<T>(
+    mut result: redis::RedisResult<T>,
+    mut again: impl FnMut() -> redis::RedisResult<T>,
+) -> redis::RedisResult<T> {
+    for _ in 0..3 {
+        if !result.as_ref().is_err_and(interrupted) {
+            break;
+        }
+        result = again();
+    }
+    result
+}
+
 impl Conns {
     /// Whether these are a Cluster's.
     pub(super) fn is_cluster(&self) -> bool {
@@ -92,16 +107,9 @@ impl Conns {
     }
 
     /// A fresh connection; one whose opening was interrupted (`EINTR` in its connect or its
-    /// handshake's reads: see [`with`](Self::with)) is opened again, up to three more times.
+    /// handshake's reads) is opened again, up to three more times.
     fn open(&self, timeout: Duration) -> Result<Conn, Error> {
-        let mut result = self.open_once(timeout);
-        for _ in 0..3 {
-            if !result.as_ref().is_err_and(interrupted) {
-                break;
-            }
-            result = self.open_once(timeout);
-        }
-        Ok(result?)
+        Ok(again_if_interrupted(self.open_once(timeout), || self.open_once(timeout))?)
     }
 
     fn open_once(&self, timeout: Duration) -> redis::RedisResult<Conn> {
@@ -159,13 +167,10 @@ impl Conns {
         // nothing more (`scripts::repeat_window`): no second set of slots held until their
         // TTL, no `Expired` for a block it published, no `Absent` for one it removed, no "was
         // not alive" for the node it took out.
-        for _ in 0..3 {
-            if !result.as_ref().is_err_and(interrupted) {
-                break;
-            }
-            conn = self.open(timeout)?;
-            result = f(&mut conn);
-        }
+        let result = again_if_interrupted(result, || {
+            conn = self.open_once(timeout)?;
+            f(&mut conn)
+        });
         if result.is_ok() {
             self.give_back(conn);
         }
