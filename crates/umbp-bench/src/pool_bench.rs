@@ -13,7 +13,8 @@
 //!   before the rounds as the `lookup, first asks` rows, and the same lookup from a client
 //!   reading every entry (`group_summaries: false`) is the `umbp redis, entries only` row.
 //! - **publish**: the embedded index's durable publish rate (one fsynced transaction per call
-//!   of `publish_batch` blocks), into a fresh file per round.
+//!   of `publish_batch` blocks), into a fresh file per round; and Redis's (one reserve and one
+//!   publish script per call), with the server's CPU per block.
 //! - **restart**: an embedded index with `restart_blocks` durable blocks over an SSD tier file;
 //!   time from reopening it to the first hit read from the SSD and verified (reopen, lookup,
 //!   lease, read of the slot after dropping the file's cached pages, checksum).
@@ -140,7 +141,8 @@ pub struct PoolRow {
     /// The verdict of the row's target (and, where it has one, of >= 1.0x Mooncake: the worse
     /// of the two); `unmet` whenever the row is not verified; `null` without a target.
     pub verdict: Option<Verdict>,
-    /// Redis rows: the server's main-thread CPU per lookup, ms (reading, parsing, executing,
+    /// Redis rows, and umbp's put and get rows with the index on the standalone Redis: the
+    /// server's main-thread CPU per lookup or per block, ms (reading, parsing, executing,
     /// writing); `null` otherwise.
     pub server_cpu_ms: Option<f64>,
     /// Every round found or moved every block, byte for byte where bytes moved.
@@ -489,21 +491,81 @@ pub fn lookup(
     Ok(rows)
 }
 
-/// The embedded index's durable publish rate: `publish` (the publish calls alone, the
-/// target's figure) and `reserve+publish`, each round into a fresh file.
+/// The publish rate of the embedded index (durable: one fsynced transaction per call) and of
+/// Redis (one script per call of reserves, one of publishes; the pool's data path makes the
+/// same two calls per chunk of a put): `publish` (the publish calls alone, the embedded
+/// index's target) and `reserve+publish`, each round into a fresh file or a fresh prefix. The
+/// Redis rows give the server's main-thread CPU per block.
 pub fn publish(
     config: &PoolBenchConfig,
     dir: &Path,
     progress: &Progress,
+    skipped: &mut Vec<String>,
 ) -> anyhow::Result<Vec<PoolRow>> {
     let n = config.publish_blocks;
     let spec = lookup_tier(n);
-    let (mut publish_rate, mut total_rate) = (Vec::new(), Vec::new());
-    for round in 0..config.publish_rounds {
-        progress.step(format!("publish round {} of {}", round + 1, config.publish_rounds));
+    let per_call = format!("{} per call", config.publish_batch);
+    let mut rows = Vec::new();
+    let embedded = publish_rounds(config, progress, "embedded", |round| {
         let path = dir.join(format!("publish-{round}.redb"));
         let index = EmbeddedIndex::open(&path)?;
         index.register_tier(&spec)?;
+        Ok((Box::new(index) as Box<dyn Index>, Some(path)))
+    })?;
+    let system = format!("umbp embedded, {per_call}");
+    rows.push(
+        PoolRow::of("publish", system.clone(), n as u64, &embedded.publish, "blocks/s")
+            .with_target(">=", 100_000.0),
+    );
+    rows.push(PoolRow::of("reserve+publish", system, n as u64, &embedded.total, "blocks/s"));
+    let server = match RedisServer::try_start() {
+        Ok(s) => s,
+        Err(e) => {
+            skipped.push(format!("the Redis publish rows: {e:#}"));
+            return Ok(rows);
+        }
+    };
+    let before = cpu_seconds(&server)?;
+    let redis = publish_rounds(config, progress, "redis", |round| {
+        let index = RedisIndex::connect(&server.config(&format!("publish{round}")))?;
+        announce(&index, spec.node)?;
+        index.register_tier(&spec)?;
+        Ok((Box::new(index) as Box<dyn Index>, None))
+    })?;
+    // Per block reserved and published: the rounds' whole CPU over their blocks (announcing
+    // and registering the tier included, a few calls a round).
+    let cpu_ms = (cpu_seconds(&server)? - before) * 1e3 / (n * config.publish_rounds) as f64;
+    let system = format!("umbp redis, {per_call}");
+    for (figure, rates) in [("publish", &redis.publish), ("reserve+publish", &redis.total)] {
+        let mut row = PoolRow::of(figure, system.clone(), n as u64, rates, "blocks/s");
+        row.server_cpu_ms = Some(cpu_ms);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The rates, blocks/s, of each round of [`publish`] through one index.
+struct PublishRates {
+    /// The publish calls alone.
+    publish: Vec<f64>,
+    /// Reserving and publishing.
+    total: Vec<f64>,
+}
+
+/// Runs [`publish`]'s rounds through the fresh index `open(round)` gives (and the file to
+/// delete after the round, if any).
+fn publish_rounds(
+    config: &PoolBenchConfig,
+    progress: &Progress,
+    name: &str,
+    mut open: impl FnMut(usize) -> anyhow::Result<(Box<dyn Index>, Option<PathBuf>)>,
+) -> anyhow::Result<PublishRates> {
+    let n = config.publish_blocks;
+    let spec = lookup_tier(n);
+    let mut rates = PublishRates { publish: Vec::new(), total: Vec::new() };
+    for round in 0..config.publish_rounds {
+        progress.step(format!("publish round {} of {} ({name})", round + 1, config.publish_rounds));
+        let (index, file) = open(round)?;
         let all: Vec<u64> = (0..n as u64).collect();
         let start = Instant::now();
         let mut publishing = Duration::ZERO;
@@ -523,17 +585,14 @@ pub fn publish(
             publishing += t.elapsed();
             ensure!(out.iter().all(|o| matches!(o, Published::Won(_))), "a publish did not win");
         }
-        total_rate.push(n as f64 / start.elapsed().as_secs_f64());
-        publish_rate.push(n as f64 / publishing.as_secs_f64());
+        rates.total.push(n as f64 / start.elapsed().as_secs_f64());
+        rates.publish.push(n as f64 / publishing.as_secs_f64());
         drop(index);
-        std::fs::remove_file(&path)?;
+        if let Some(file) = file {
+            std::fs::remove_file(file)?;
+        }
     }
-    let system = format!("umbp embedded, {} per call", config.publish_batch);
-    Ok(vec![
-        PoolRow::of("publish", system.clone(), n as u64, &publish_rate, "blocks/s")
-            .with_target(">=", 100_000.0),
-        PoolRow::of("reserve+publish", system, n as u64, &total_rate, "blocks/s"),
-    ])
+    Ok(rates)
 }
 
 /// The restart: `reopen` (opening the index) and `restart` (reopen to the first SSD hit read
@@ -642,7 +701,7 @@ struct UmbpTransfer {
     // Redis and the child.
     channels: Vec<Channel>,
     buffer: crate::host_buffer::HostBuffer,
-    _server: RedisServer,
+    server: RedisServer,
     _cluster: Option<RedisCluster>,
     _node: crate::remote_bench::ChildServer,
     arena_len: u64,
@@ -656,6 +715,8 @@ struct Channel {
     protection: umbp_remote::Protection,
     /// The connections its engine got to the memory node.
     lanes: usize,
+    /// Its index is on the standalone Redis (whose CPU the rows give), not on the Cluster.
+    standalone: bool,
     // Dropped first: the registrations, then the pool and engine.
     buffer_reg: umbp_plan::Registration,
     remote: umbp_plan::Registration,
@@ -684,8 +745,9 @@ impl UmbpTransfer {
             let name = crate::remote_bench::protection_name(protection);
             let system = format!("umbp pool, {name}");
             let config = server.config("bench");
-            let channel =
+            let mut channel =
                 Channel::connect(&node, &config, &buffer, (protection, lanes), id, system)?;
+            channel.standalone = true;
             channels.push(channel);
         }
         // The default protection once more, with the index on a Redis Cluster of 3 masters.
@@ -704,7 +766,7 @@ impl UmbpTransfer {
             None => skipped.push("the put/get rows on Redis Cluster: redis-cli is missing".into()),
         }
         let arena_len = channels.first().map_or(0, |c| c.remote.endpoint().len());
-        Ok(Self { channels, buffer, _server: server, _cluster: cluster, _node: node, arena_len })
+        Ok(Self { channels, buffer, server, _cluster: cluster, _node: node, arena_len })
     }
 
     /// Adds the memory node's tier of slots of `size` bytes (its id: `tier`) to every
@@ -722,15 +784,25 @@ impl UmbpTransfer {
         Ok(spec)
     }
 
+    /// The standalone Redis's CPU seconds so far if channel `c`'s index is on it, else 0.
+    fn redis_cpu(&self, c: usize) -> anyhow::Result<f64> {
+        if self.channels[c].standalone {
+            cpu_seconds(&self.server)
+        } else {
+            Ok(0.0)
+        }
+    }
+
     /// Puts `n` blocks of `size` bytes of round `round` into the tier through channel `c`:
-    /// seconds, blocks stored.
+    /// seconds, blocks stored, and the standalone Redis's CPU seconds meanwhile (0 for a
+    /// channel on the Cluster).
     fn put(
         &mut self,
         c: usize,
         spec: &TierSpec,
         round: u64,
         n: usize,
-    ) -> anyhow::Result<(f64, usize)> {
+    ) -> anyhow::Result<(f64, usize, f64)> {
         let size = spec.slot_size;
         let bytes = self.buffer.bytes_mut();
         for i in 0..n {
@@ -745,22 +817,26 @@ impl UmbpTransfer {
                 len: size,
             })
             .collect();
+        let cpu = self.redis_cpu(c)?;
         let t = Instant::now();
         let out = channel.pool.put_on(spec.node, spec.tier, &blocks)?;
         let seconds = t.elapsed().as_secs_f64();
-        Ok((seconds, out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count()))
+        let cpu = self.redis_cpu(c)? - cpu;
+        let stored = out.iter().filter(|o| matches!(o, umbp_pool::PutOutcome::Stored(_))).count();
+        Ok((seconds, stored, cpu))
     }
 
     /// Gets round `round`'s blocks through channel `c` into the poisoned buffer: seconds,
-    /// blocks loaded and verified by the pool, and whether every byte matched; then removes
-    /// them (untimed).
+    /// blocks loaded and verified by the pool, whether every byte matched, and the standalone
+    /// Redis's CPU seconds during the get (as for [`put`](Self::put)); then removes them
+    /// (untimed).
     fn get(
         &mut self,
         c: usize,
         spec: &TierSpec,
         round: u64,
         n: usize,
-    ) -> anyhow::Result<(f64, usize, bool)> {
+    ) -> anyhow::Result<(f64, usize, bool, f64)> {
         let size = spec.slot_size;
         self.buffer.bytes_mut()[..n * size as usize].fill(0xa5);
         let channel = &self.channels[c];
@@ -775,15 +851,17 @@ impl UmbpTransfer {
                 capacity: size,
             })
             .collect();
+        let cpu = self.redis_cpu(c)?;
         let t = Instant::now();
         let out = channel.pool.get(&blocks)?;
         let seconds = t.elapsed().as_secs_f64();
+        let cpu = self.redis_cpu(c)? - cpu;
         let loaded = out.iter().filter(|o| o.is_loaded()).count();
         let bytes = self.buffer.bytes();
         let verified = (0..n)
             .all(|i| is_pattern(&bytes[i * size as usize..][..size as usize], round, i as u64));
         channel.pool.remove(&keys)?;
-        Ok((seconds, loaded, verified))
+        Ok((seconds, loaded, verified, cpu))
     }
 }
 
@@ -839,7 +917,8 @@ impl Channel {
         // transfers ended; the channels take turns, so no two transfers touch it at once.
         let buffer_reg = unsafe { buffer.lend(&composite) }?;
         let lanes = peer.lanes;
-        Ok(Self { system, protection, lanes, buffer_reg, remote, pool, _ucx: ucx })
+        let standalone = false; // `UmbpTransfer::start` says which are
+        Ok(Self { system, protection, lanes, standalone, buffer_reg, remote, pool, _ucx: ucx })
     }
 }
 
@@ -881,6 +960,8 @@ pub fn transfer(
         let gib = |s: f64| (size * n as u64) as f64 / s / f64::from(1u32 << 30);
         // Per channel: put and get rounds in GiB/s, and whether every round was right.
         let mut ours = vec![(Vec::new(), Vec::new(), true); channels];
+        // Per channel: the standalone Redis's CPU seconds over the counted puts and gets.
+        let mut redis_cpu = vec![(0.0f64, 0.0f64); channels];
         let (mut mp, mut mg, mut m_ok) = (Vec::new(), Vec::new(), true);
         for round in 0..=config.transfer_rounds {
             progress.step(format!(
@@ -895,13 +976,15 @@ pub fn transfer(
                 if side < channels {
                     // Each channel its own keys, so no get meets another channel's blocks.
                     let utag = tag * channels as u64 + side as u64;
-                    let (ps, stored) = umbp.put(side, &spec, utag, n)?;
-                    let (gs, loaded, verified) = umbp.get(side, &spec, utag, n)?;
+                    let (ps, stored, put_cpu) = umbp.put(side, &spec, utag, n)?;
+                    let (gs, loaded, verified, get_cpu) = umbp.get(side, &spec, utag, n)?;
                     let (up, ug, ok) = &mut ours[side];
                     *ok &= stored == n && loaded == n && verified;
                     if round > 0 {
                         up.push(gib(ps));
                         ug.push(gib(gs));
+                        redis_cpu[side].0 += put_cpu;
+                        redis_cpu[side].1 += get_cpu;
                     }
                     continue;
                 }
@@ -938,6 +1021,11 @@ pub fn transfer(
                 row.protection = Some(name);
                 row.lanes = Some(umbp.channels[c].lanes);
                 row.verified = *ok;
+                if umbp.channels[c].standalone {
+                    let (put, get) = redis_cpu[c];
+                    let cpu = if figure == "put" { put } else { get };
+                    row.server_cpu_ms = Some(cpu * 1e3 / (samples.len() * n).max(1) as f64);
+                }
                 if !theirs.is_empty() {
                     row = row.against_mooncake(samples, theirs, PUT_GET_VS_MOONCAKE);
                 }
@@ -991,7 +1079,7 @@ pub fn run(
     if let Some(m) = mooncake.take() {
         m.stop();
     }
-    rows.extend(publish(config, dir.path(), progress)?);
+    rows.extend(publish(config, dir.path(), progress, &mut skipped)?);
     rows.extend(restart(config, dir.path(), progress)?);
     if config.transfer_blocks > 0 && !config.transfer_sizes.is_empty() {
         match transfer(config, progress, python.as_deref(), &mut skipped) {
@@ -1046,7 +1134,13 @@ pub fn table(rows: &[PoolRow], skipped: &[String]) -> String {
             target,
             vs,
             r.verdict.map_or("-", Verdict::as_str),
-            r.server_cpu_ms.map_or("-".into(), |c| format!("{c:.1} ms")),
+            r.server_cpu_ms.map_or("-".into(), |c| {
+                if c >= 0.1 {
+                    format!("{c:.1} ms")
+                } else {
+                    format!("{:.1} us", c * 1e3)
+                }
+            }),
             r.load,
             if r.verified { "" } else { "  NOT VERIFIED" },
         );

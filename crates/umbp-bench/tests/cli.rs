@@ -984,6 +984,8 @@ fn pool_json_fields_and_verified_rows() {
         ("lookup, first asks", "umbp redis cluster (3 shards, 3 masters)", None),
         ("publish", "umbp embedded", Some(100_000.0)),
         ("reserve+publish", "umbp embedded", None),
+        ("publish", "umbp redis", None),
+        ("reserve+publish", "umbp redis", None),
         ("reopen", "umbp embedded", None),
         ("restart", "umbp embedded", None),
     ] {
@@ -994,6 +996,15 @@ fn pool_json_fields_and_verified_rows() {
     let redis = pool_row(&lines, "lookup", "umbp redis").unwrap();
     assert_eq!(redis["items"], 2000);
     assert!(redis["server_cpu_ms"].as_f64().unwrap() >= 0.0, "{redis:?}");
+    // Reserving and publishing 2,000 blocks is work Redis's clock sees.
+    for figure in ["publish", "reserve+publish"] {
+        let l = pool_row(&lines, figure, "umbp redis").unwrap();
+        assert!(l["server_cpu_ms"].as_f64().unwrap() > 0.0, "{l:?}");
+        assert_eq!(
+            pool_row(&lines, figure, "umbp embedded").unwrap()["server_cpu_ms"],
+            Value::Null
+        );
+    }
     assert_eq!(pool_row(&lines, "restart", "umbp embedded").unwrap()["items"], 5000);
     if ucx_or_skip() {
         // One row of each figure per channel protection, each named by it, and the default
@@ -1008,6 +1019,10 @@ fn pool_json_fields_and_verified_rows() {
                     pool_row(&lines, figure, system).unwrap_or_else(|| panic!("{figure} {system}"));
                 assert_eq!(l["protection"], protection, "{l:?}");
                 assert_eq!(l["lanes"], 3, "the lanes asked for: {l:?}");
+                // The standalone Redis's CPU per block; the Cluster's is not measured.
+                let cpu = l["server_cpu_ms"].as_f64();
+                assert_eq!(cpu.is_some(), !system.contains("cluster"), "{l:?}");
+                assert!(cpu.is_none_or(|c| c > 0.0), "a put or get asks Redis: {l:?}");
                 let (items, size) = (l["items"].as_u64(), l["block_size"].as_u64());
                 assert_eq!((items, size), (Some(64), Some(64 << 10)), "{l:?}");
             }
