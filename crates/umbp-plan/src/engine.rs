@@ -237,15 +237,17 @@ pub trait Completion: Send {
 }
 
 /// How long a thread about to sleep until another thread hands it something (a waiter on a
-/// [`SettleSlot`], an engine's progress thread between completions) first yields its core and
-/// looks again: see [`yield_until`].
+/// [`SettleSlot`], an engine's progress thread between completions, umbp-remote's lane
+/// writers, readers and server threads between requests) first yields its core and looks
+/// again: see [`yield_until`].
 ///
 /// Why: on an idle machine a sleeping thread's wake-up costs about 10 µs more than the work
 /// that wakes it (the core leaves its idle state; in a VM the virtual CPU is scheduled again),
 /// and a short transfer is a chain of such hand-offs. A single 4 KiB get from a memory node
 /// on loopback took 35–37 µs at p50 with every thread sleeping, 22–24 µs with the waiter and
-/// the remote engine's progress thread yielding first (umbp-remote's README has the runs),
-/// while its restores' throughput stayed within noise. A longer wait pays this once.
+/// the remote engine's progress thread yielding first, and 16–27 µs (against 40–49 the same
+/// day) once every thread of the chain did (umbp-remote's README has the runs), while its
+/// restores' throughput stayed within noise. A longer wait pays this once.
 pub const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(50);
 
 /// Yields the core (`sched_yield`) until `ready` holds or `limit` has passed; whether it

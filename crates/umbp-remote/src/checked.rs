@@ -58,6 +58,7 @@ use std::time::{Duration, Instant};
 
 use socket2::TcpKeepalive;
 use umbp_plan::checksum::crc32c_append;
+use umbp_plan::{yield_until, SPIN_BEFORE_SLEEP};
 
 use crate::channel::{Keys, Opener, Sealer, CHUNK, TAG};
 use crate::config::Congestion;
@@ -429,21 +430,24 @@ enum Wait {
 /// server drains: checked first), or `idle` passed.
 fn wait_for_request(fd: i32, drain: i32, idle: Duration) -> io::Result<Wait> {
     let deadline = Instant::now() + idle;
+    let mut fds = [
+        libc::pollfd { fd: drain, events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
+    ];
+    // A client that just had an answer often asks again at once (its next transfer).
+    let mut ready = readable_soon(&mut fds);
     loop {
-        let mut fds = [
-            libc::pollfd { fd: drain, events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
-        ];
         let left = deadline.saturating_duration_since(Instant::now());
         let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `fds` is a live array of two initialised pollfds.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
-        if ready < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        if !std::mem::take(&mut ready) {
+            // SAFETY: `fds` is a live array of two initialised pollfds.
+            if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
             }
-            return Err(e);
         }
         if fds[0].revents != 0 {
             return Ok(Wait::Drain);
@@ -455,6 +459,21 @@ fn wait_for_request(fd: i32, drain: i32, idle: Duration) -> io::Result<Wait> {
             return Ok(Wait::Idle);
         }
     }
+}
+
+/// Whether one of `fds` became ready (its `revents` set) within [`SPIN_BEFORE_SLEEP`], looked
+/// at between yields of the core: what a thread of the checked path does before it blocks
+/// on the other side. A request and its answer are a chain of hand-offs between threads
+/// (caller, progress, writer, server, reader), and on an idle machine each one that slept
+/// costs its wake-up, about 10 µs; one that yields meanwhile is still running when its turn
+/// comes. A failed look (an interrupted call) counts as not ready: the blocking wait after
+/// reports what is wrong.
+fn readable_soon(fds: &mut [libc::pollfd]) -> bool {
+    yield_until(SPIN_BEFORE_SLEEP, || {
+        // SAFETY: `fds` is a live slice of initialised pollfds, its length passed with it;
+        // a zero timeout never blocks.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) > 0 }
+    })
 }
 
 fn is_timeout(e: &io::Error) -> bool {
@@ -907,6 +926,18 @@ fn write_requests(
     let mut queued = 0usize;
     let mut next = None;
     for id in 0u64.. {
+        if next.is_none() {
+            // The next request often follows the last one's answer at once (see
+            // `readable_soon`).
+            yield_until(SPIN_BEFORE_SLEEP, || match requests.try_recv() {
+                Ok(post) => {
+                    next = Some(post);
+                    true
+                }
+                Err(mpsc::TryRecvError::Empty) => false,
+                Err(mpsc::TryRecvError::Disconnected) => true,
+            });
+        }
         let post = match next.take() {
             Some(post) => post,
             None => match requests.recv_timeout(heartbeat) {
@@ -1007,6 +1038,11 @@ fn read_answers<N: From<LinkEvent>>(
     for id in 0u64.. {
         let mut crc = 0u32;
         let mut header = [0; RESPONSE_LEN + TAG];
+        if inbox.buffered() < header.len() && unanswered.load(Ordering::Relaxed) > 0 {
+            // An answer is due: look for it a moment before blocking (see `readable_soon`).
+            let fd = stream.as_raw_fd();
+            readable_soon(&mut [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }]);
+        }
         if let Err(e) = inbox.read_exact(stream.as_fd(), &mut header, RESPONSE_LEN + TAG) {
             return End::Closed(failed(e));
         }
@@ -1231,5 +1267,35 @@ mod tests {
         assert_eq!(check(&regions, &Request::get(2, 0, 0, 1)), Err(Refusal::NoRegion));
         let bad = Request { op: 7, ..Request::get(0, 0, 0, 1) };
         assert_eq!(check(&regions, &bad), Err(Refusal::BadOp));
+    }
+
+    /// A server thread's wait between requests, whether what it waits for is there at once,
+    /// arrives while it looks before blocking, or arrives after: a drain wins over a waiting
+    /// request, a request is seen, and nothing at all is idle.
+    #[test]
+    fn waiting_for_a_request_sees_the_drain_first_then_the_request_then_idleness() {
+        use std::io::Write;
+        use std::os::unix::net::UnixStream;
+        let (mut client, server) = UnixStream::pair().unwrap();
+        let (mut drain_tx, drain_rx) = UnixStream::pair().unwrap();
+        let (fd, drain) = (server.as_raw_fd(), drain_rx.as_raw_fd());
+        let idle = Duration::from_millis(1);
+        assert!(matches!(wait_for_request(fd, drain, idle).unwrap(), Wait::Idle));
+        client.write_all(&[1]).unwrap();
+        assert!(matches!(wait_for_request(fd, drain, idle).unwrap(), Wait::Request));
+        drain_tx.write_all(&[1]).unwrap();
+        assert!(matches!(wait_for_request(fd, drain, idle).unwrap(), Wait::Drain));
+        // Bytes that come after the look before blocking: the blocking wait sees them.
+        let (mut client, server) = UnixStream::pair().unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(SPIN_BEFORE_SLEEP * 20);
+            client.write_all(&[1]).unwrap();
+            client
+        });
+        let (_open, quiet) = UnixStream::pair().unwrap(); // kept open: a closed peer reads as ready
+        let waited =
+            wait_for_request(server.as_raw_fd(), quiet.as_raw_fd(), Duration::from_secs(600));
+        assert!(matches!(waited.unwrap(), Wait::Request));
+        drop(late.join().unwrap());
     }
 }

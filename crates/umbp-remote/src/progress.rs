@@ -469,13 +469,16 @@ pub(crate) fn start(
 impl Progress {
     fn run(&mut self) {
         let mut spins = 0u32;
+        // Whether the last wait for a command got one (not an idle tick).
+        let mut busy = false;
         loop {
             // Nothing to poll UCX for (checked requests report through the channel): block,
-            // after yielding the core a moment while a batch is in flight (its completions
-            // are about to come: see `SPIN_BEFORE_SLEEP`).
+            // after yielding the core a moment (see `SPIN_BEFORE_SLEEP`) while a batch is in
+            // flight (its completions are about to come) or one just ended (a caller waiting
+            // on it often submits the next at once); not at every idle tick.
             if self.live == 0 || !self.ucx_in_flight() {
                 let mut next = None;
-                if self.live > 0 {
+                if self.live > 0 || busy {
                     let commands = &self.commands;
                     yield_until(SPIN_BEFORE_SLEEP, || match commands.try_recv() {
                         Ok(command) => {
@@ -490,6 +493,7 @@ impl Progress {
                     Some(command) => Ok(command),
                     None => self.commands.recv_timeout(IDLE_TICK),
                 };
+                busy = next.is_ok();
                 match next {
                     Ok(command) => self.handle(command),
                     Err(RecvTimeoutError::Timeout) => {}
