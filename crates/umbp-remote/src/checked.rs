@@ -476,6 +476,22 @@ fn readable_soon(fds: &mut [libc::pollfd]) -> bool {
     })
 }
 
+/// What `rx` hands over within [`SPIN_BEFORE_SLEEP`], looked for between yields of the
+/// core, as [`readable_soon`] looks at a socket: `None` when nothing came (or every sender
+/// is gone), for the caller's blocking receive to tell which.
+pub(crate) fn recv_soon<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
+    let mut got = None;
+    yield_until(SPIN_BEFORE_SLEEP, || match rx.try_recv() {
+        Ok(value) => {
+            got = Some(value);
+            true
+        }
+        Err(mpsc::TryRecvError::Empty) => false,
+        Err(mpsc::TryRecvError::Disconnected) => true,
+    });
+    got
+}
+
 fn is_timeout(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
@@ -927,16 +943,8 @@ fn write_requests(
     let mut next = None;
     for id in 0u64.. {
         if next.is_none() {
-            // The next request often follows the last one's answer at once (see
-            // `readable_soon`).
-            yield_until(SPIN_BEFORE_SLEEP, || match requests.try_recv() {
-                Ok(post) => {
-                    next = Some(post);
-                    true
-                }
-                Err(mpsc::TryRecvError::Empty) => false,
-                Err(mpsc::TryRecvError::Disconnected) => true,
-            });
+            // The next request often follows the last one's answer at once.
+            next = recv_soon(requests);
         }
         let post = match next.take() {
             Some(post) => post,

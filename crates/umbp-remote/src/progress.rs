@@ -21,8 +21,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use umbp_plan::{
-    yield_until, EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, Segment,
-    SettleSlot, Settled, Tag, SPIN_BEFORE_SLEEP,
+    EndpointId, EndpointPins, FailedAt, Failure, FailureCause, PlanSet, Segment, SettleSlot,
+    Settled, Tag,
 };
 
 use crate::channel::Keys;
@@ -477,18 +477,8 @@ impl Progress {
             // flight (its completions are about to come) or one just ended (a caller waiting
             // on it often submits the next at once); not at every idle tick.
             if self.live == 0 || !self.ucx_in_flight() {
-                let mut next = None;
-                if self.live > 0 || busy {
-                    let commands = &self.commands;
-                    yield_until(SPIN_BEFORE_SLEEP, || match commands.try_recv() {
-                        Ok(command) => {
-                            next = Some(command);
-                            true
-                        }
-                        Err(TryRecvError::Empty) => false,
-                        Err(TryRecvError::Disconnected) => true,
-                    });
-                }
+                let next =
+                    if self.live > 0 || busy { checked::recv_soon(&self.commands) } else { None };
                 let next = match next {
                     Some(command) => Ok(command),
                     None => self.commands.recv_timeout(IDLE_TICK),
