@@ -1138,7 +1138,7 @@ pub fn table(rows: &[PoolRow], skipped: &[String]) -> String {
                 if c >= 0.1 {
                     format!("{c:.1} ms")
                 } else {
-                    format!("{:.1} us", c * 1e3)
+                    format!("{:.1} µs", c * 1e3)
                 }
             }),
             r.load,
