@@ -506,7 +506,7 @@ pub fn publish(
     let spec = lookup_tier(n);
     let per_call = format!("{} per call", config.publish_batch);
     let mut rows = Vec::new();
-    let embedded = publish_rounds(config, progress, "embedded", |round| {
+    let embedded = publish_rounds(config, &spec, progress, "embedded", |round| {
         let path = dir.join(format!("publish-{round}.redb"));
         let index = EmbeddedIndex::open(&path)?;
         index.register_tier(&spec)?;
@@ -526,7 +526,7 @@ pub fn publish(
         }
     };
     let before = cpu_seconds(&server)?;
-    let redis = publish_rounds(config, progress, "redis", |round| {
+    let redis = publish_rounds(config, &spec, progress, "redis", |round| {
         let index = RedisIndex::connect(&server.config(&format!("publish{round}")))?;
         announce(&index, spec.node)?;
         index.register_tier(&spec)?;
@@ -552,16 +552,16 @@ struct PublishRates {
     total: Vec<f64>,
 }
 
-/// Runs [`publish`]'s rounds through the fresh index `open(round)` gives (and the file to
-/// delete after the round, if any).
+/// Runs [`publish`]'s rounds into tier `spec` through the fresh index `open(round)` gives
+/// (with `spec` registered, and the file to delete after the round, if any).
 fn publish_rounds(
     config: &PoolBenchConfig,
+    spec: &TierSpec,
     progress: &Progress,
     name: &str,
     mut open: impl FnMut(usize) -> anyhow::Result<(Box<dyn Index>, Option<PathBuf>)>,
 ) -> anyhow::Result<PublishRates> {
     let n = config.publish_blocks;
-    let spec = lookup_tier(n);
     let mut rates = PublishRates { publish: Vec::new(), total: Vec::new() };
     for round in 0..config.publish_rounds {
         progress.step(format!("publish round {} of {} ({name})", round + 1, config.publish_rounds));
@@ -917,8 +917,17 @@ impl Channel {
         // transfers ended; the channels take turns, so no two transfers touch it at once.
         let buffer_reg = unsafe { buffer.lend(&composite) }?;
         let lanes = peer.lanes;
-        let standalone = false; // `UmbpTransfer::start` says which are
-        Ok(Self { system, protection, lanes, standalone, buffer_reg, remote, pool, _ucx: ucx })
+        // `UmbpTransfer::start` marks the channels on the standalone Redis.
+        Ok(Self {
+            system,
+            protection,
+            lanes,
+            standalone: false,
+            buffer_reg,
+            remote,
+            pool,
+            _ucx: ucx,
+        })
     }
 }
 

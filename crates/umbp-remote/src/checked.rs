@@ -438,8 +438,8 @@ fn wait_for_request(fd: i32, drain: i32, idle: Duration) -> io::Result<Wait> {
     let mut ready = readable_soon(&mut fds);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        if !std::mem::take(&mut ready) {
+        if !ready {
+            let ms = left.as_millis().min(i32::MAX as u128) as i32;
             // SAFETY: `fds` is a live array of two initialised pollfds.
             if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } < 0 {
                 let e = io::Error::last_os_error();
@@ -449,6 +449,7 @@ fn wait_for_request(fd: i32, drain: i32, idle: Duration) -> io::Result<Wait> {
                 return Err(e);
             }
         }
+        ready = false;
         if fds[0].revents != 0 {
             return Ok(Wait::Drain);
         }
