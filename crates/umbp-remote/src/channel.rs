@@ -28,18 +28,22 @@
 //!   (8 bytes, little-endian; the record's length is the input's less 8, so no two records
 //!   hash the same input), compared in constant time. (AES-GCM over an empty message with the
 //!   bytes as associated data measured about 4× slower than encrypting on this project's x86
-//!   machines: ring's GHASH of associated data does not take the stitched AES-NI path; keyed
-//!   BLAKE3 runs at several GiB/s there.) The sequence number comes *after* the bytes: before
-//!   them it shifted every record off BLAKE3's 1 KiB chunk boundaries, and a record's first
-//!   chunks were then hashed one at a time instead of eight at once with AVX2 (measured on one
-//!   core of this project's machine, quiet: 1.1 against 2.4 GiB/s for a 4 KiB record, 4.2
-//!   against 6.0 GiB/s for 64 KiB, 5.4 against 6.1 GiB/s for 256 KiB).
+//!   machines, with ring, the AEAD this crate used first: its GHASH of associated data does
+//!   not take the stitched AES-NI path; keyed BLAKE3 runs at several GiB/s there.) The
+//!   sequence number comes *after* the bytes: before them it shifted every record off
+//!   BLAKE3's 1 KiB chunk boundaries, and a record's first chunks were then hashed one at a
+//!   time instead of eight at once with AVX2 (measured on one core of this project's machine,
+//!   quiet: 1.1 against 2.4 GiB/s for a 4 KiB record, 4.2 against 6.0 GiB/s for 64 KiB, 5.4
+//!   against 6.1 GiB/s for 256 KiB).
 //!
 //! Large payloads travel as records of at most [`CHUNK`] bytes, each opened before anything
-//! relies on it.
+//! relies on it. A record whose bytes must not change under the sender (a put's source, a
+//! get's region) is sealed from where they are into the sender's own buffer
+//! ([`Sealer::seal_into`]): one pass over them, where copying and then sealing in place made
+//! two. The AEAD is aws-lc-rs's, which takes AVX-512 and VAES where the CPU has them.
 
-use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_256_GCM};
-use ring::hkdf;
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use aws_lc_rs::hkdf;
 use sha2::{Digest, Sha256};
 
 /// Bytes of a record's tag.
@@ -160,7 +164,6 @@ impl hkdf::KeyType for KeyLen {
 }
 
 /// One direction's key.
-#[derive(Clone)]
 enum Key {
     /// Encrypted: AES-256-GCM (boxed: its key schedule is large beside a BLAKE3 key).
     Aead(Box<LessSafeKey>),
@@ -222,8 +225,35 @@ impl Sealer {
         }
     }
 
+    /// Seals the next record from `plain` into `sealed` (as long), leaving `plain` as it is,
+    /// and returns its tag: one pass over the bytes where a copy and then [`seal`](Self::seal)
+    /// would make two. (When authenticating only, `sealed` is a copy of `plain`: use
+    /// [`tag_of`](Self::tag_of) instead where the bytes can travel from where they are.)
+    pub(crate) fn seal_into(&mut self, plain: &[u8], sealed: &mut [u8]) -> [u8; TAG] {
+        let seq = next(&mut self.seq);
+        match &self.key {
+            Key::Aead(key) => {
+                let mut tag = [0u8; TAG];
+                key.seal_out_of_place_scatter(
+                    nonce(seq),
+                    Aad::empty(),
+                    plain,
+                    sealed,
+                    &[],
+                    &mut tag,
+                )
+                .expect("sealing fails only on unequal lengths or past GCM's limit");
+                tag
+            }
+            Key::Mac(key) => {
+                sealed.copy_from_slice(plain);
+                Key::mac(key, seq, sealed)
+            }
+        }
+    }
+
     /// When authenticating only: the tag of the next record, whose bytes travel as they are
-    /// (so nothing is copied). `None` when encrypting: use [`seal`](Self::seal) on a copy.
+    /// (so nothing is copied). `None` when encrypting: use [`seal_into`](Self::seal_into).
     pub(crate) fn tag_of(&mut self, record: &[u8]) -> Option<[u8; TAG]> {
         match &self.key {
             Key::Aead(_) => None,
@@ -246,7 +276,7 @@ impl Opener {
         let seq = next(&mut self.seq);
         match &self.key {
             Key::Aead(key) => key
-                .open_in_place_separate_tag(nonce(seq), Aad::empty(), Tag::from(*tag), record, 0..)
+                .open_in_place_separate_tag(nonce(seq), Aad::empty(), tag, record)
                 .map(|_| ())
                 .map_err(|_| Forged),
             Key::Mac(key) => {
@@ -283,7 +313,10 @@ mod tests {
             let tag2 = client.send.seal(&mut second);
             // Out of order: the second record where the first is due.
             let mut copy = second.clone();
-            assert_eq!(server.recv.clone_for_test().open(&mut copy, &tag2), Err(Forged));
+            assert_eq!(
+                server.recv.try_at_same_point(protection).open(&mut copy, &tag2),
+                Err(Forged)
+            );
             // One flipped bit anywhere, in the bytes or the tag.
             for bit in 0..(first.len() + TAG) * 8 {
                 let (mut bytes, mut t) = (first.clone(), tag);
@@ -292,20 +325,47 @@ mod tests {
                 } else {
                     t[bit / 8 - bytes.len()] ^= 1 << (bit % 8);
                 }
-                assert_eq!(server.recv.clone_for_test().open(&mut bytes, &t), Err(Forged));
+                assert_eq!(
+                    server.recv.try_at_same_point(protection).open(&mut bytes, &t),
+                    Err(Forged)
+                );
             }
             // The right order opens, and the same record again (a replay) does not.
             let mut bytes = first.clone();
             server.recv.open(&mut bytes, &tag).unwrap();
             assert_eq!(bytes, plain);
             let mut again = first.clone();
-            assert_eq!(server.recv.clone_for_test().open(&mut again, &tag), Err(Forged));
+            assert_eq!(
+                server.recv.try_at_same_point(protection).open(&mut again, &tag),
+                Err(Forged)
+            );
             server.recv.open(&mut second, &tag2).unwrap();
             assert_eq!(second, plain);
             // The client's own key does not open what it sent back to it (reflection).
             let mut bytes = plain.clone();
             let tag = client.send.seal(&mut bytes);
             assert_eq!(client.recv.open(&mut bytes, &tag), Err(Forged));
+        }
+    }
+
+    #[test]
+    fn sealing_into_another_buffer_is_copying_then_sealing_in_place() {
+        for protection in [Protection::Encrypted, Protection::Authenticated] {
+            let (mut client, mut server) = pair(protection, b"0123456789abcdef", b"hello");
+            let (mut twin, _) = pair(protection, b"0123456789abcdef", b"hello");
+            // Past one 64 KiB block and not a multiple of AES's 16 bytes; then a short record.
+            let plain: Vec<u8> = (0..70_001u32).map(|i| (i * 7 + i / 256) as u8).collect();
+            for len in [plain.len(), 100] {
+                let plain = &plain[..len];
+                let mut sealed = vec![0u8; len];
+                let tag = client.send.seal_into(plain, &mut sealed);
+                let mut in_place = plain.to_vec();
+                let twin_tag = twin.send.seal(&mut in_place);
+                assert_eq!((&sealed, tag), (&in_place, twin_tag), "{protection:?}, {len} bytes");
+                assert_eq!(sealed != plain, protection == Protection::Encrypted);
+                server.recv.open(&mut sealed, &tag).unwrap();
+                assert_eq!(sealed, plain);
+            }
         }
     }
 
@@ -329,9 +389,11 @@ mod tests {
     }
 
     impl Opener {
-        /// An opener at the same point, so a test can try a record without using up its turn.
-        fn clone_for_test(&self) -> Opener {
-            Opener { key: self.key.clone(), seq: self.seq }
+        /// The server's opener of the tests' usual pair for `protection` at this one's point,
+        /// so a test can try a record without using up this opener's turn.
+        fn try_at_same_point(&self, protection: Protection) -> Opener {
+            let (_, server) = pair(protection, b"0123456789abcdef", b"hello");
+            Opener { seq: self.seq, ..server.recv }
         }
     }
 }

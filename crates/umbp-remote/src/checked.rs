@@ -347,21 +347,20 @@ unsafe fn session(
             }
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
-                {
+                let tag = {
                     let _shared = region.lock.read().unwrap_or_else(PoisonError::into_inner);
                     // SAFETY: `check` kept `addr .. addr + len` inside an exported region, which
                     // the caller keeps mapped and readable by peers; the lock keeps every
-                    // other client thread from writing it meanwhile; `record` is this
-                    // thread's own buffer of at least `n` bytes.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
+                    // other client thread from writing it while the slice lives; `record` is
+                    // this thread's own buffer, which it does not overlap.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(
                             std::ptr::with_exposed_provenance::<u8>((addr + at) as usize),
-                            record.as_mut_ptr(),
                             n,
-                        );
-                    }
-                }
-                let tag = keys.send.seal(record);
+                        )
+                    };
+                    keys.send.seal_into(bytes, record)
+                };
                 if at == 0 {
                     // The answer and its first record leave in one system call.
                     send_all(fd, &[&answer, &answer_tag, record, &tag], Some(deadline))?;
@@ -925,8 +924,9 @@ enum End {
 /// A lane's writer loop: each request posted is queued for the reader (which expects its
 /// answer) and sent; a get's header (and a heartbeat) waits for the requests queued behind
 /// it, up to [`HEADERS`], so they leave in one system call; a put's bytes follow its header,
-/// sealed record by record (or tagged where they are, when the channel only authenticates),
-/// and hashed first when it [hashes](Post::hashed_put). Ends when the link closes or the
+/// sealed record by record from where they are into the writer's buffer (or tagged where
+/// they are, when the channel only authenticates), each record hashed right after, from the
+/// cache, when the put [hashes](Post::hashed_put). Ends when the link closes or the
 /// reader ended.
 fn write_requests(
     stream: &TcpStream,
@@ -996,7 +996,7 @@ fn write_requests(
                     n,
                 )
             };
-            // Hashed right after the tag or the copy read the bytes: from the cache.
+            // Hashed right after the tag or the seal read the bytes: from the cache.
             let (record, tag) = match sealer.tag_of(bytes) {
                 Some(tag) => {
                     crc = if post.hash { crc32c_append(crc, bytes) } else { crc };
@@ -1004,9 +1004,8 @@ fn write_requests(
                 }
                 None => {
                     let record = &mut scratch[..n];
-                    record.copy_from_slice(bytes);
-                    crc = if post.hash { crc32c_append(crc, record) } else { crc };
-                    let tag = sealer.seal(record);
+                    let tag = sealer.seal_into(bytes, record);
+                    crc = if post.hash { crc32c_append(crc, bytes) } else { crc };
                     (&*record, tag)
                 }
             };
