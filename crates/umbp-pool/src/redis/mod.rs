@@ -598,7 +598,8 @@ impl RedisIndex {
         Ok(())
     }
 
-    /// One call of the reserve-many script on shard `s` for `items`: one raw answer each.
+    /// One call of the reserve-many script on shard `s` for `items`: its answer, one string
+    /// (read by [`reserve_answers`]).
     fn reserve_call(
         &self,
         s: usize,
@@ -606,7 +607,7 @@ impl RedisIndex {
         tier: TierId,
         items: &[(BlockKey, u64)],
         ttl: Duration,
-    ) -> Result<Vec<Value>, Error> {
+    ) -> Result<Vec<u8>, Error> {
         let v: Value = self.run_once(&self.scripts.reserve_many, s, |inv| {
             inv.arg(node.0).arg(tier.0).arg(ttl_ms(ttl));
             for (key, len) in items {
@@ -614,7 +615,7 @@ impl RedisIndex {
             }
         })?;
         match v {
-            Value::Array(a) if a.len() == items.len() => Ok(a),
+            Value::BulkString(b) => Ok(b),
             v => Err(corrupt("reserve_many", &v)),
         }
     }
@@ -631,10 +632,8 @@ impl RedisIndex {
         ttl: Duration,
     ) -> Result<Vec<Result<Reserved, Error>>, Error> {
         let mut raw = self.reserve_call(s, node, tier, items, ttl)?;
-        let forgotten = raw.iter().any(|o| {
-            matches!(array("reserve_many", o).ok().and_then(|o| o.first()),
-                Some(Value::BulkString(b)) if b == b"unknown")
-        });
+        let forgotten =
+            reserve_answers(&raw, items.len())?.iter().any(|a| matches!(a, ReserveAnswer::Unknown));
         if forgotten {
             let spec = lock(&self.registered).get(&(node, tier)).copied();
             if let Some(spec) = spec {
@@ -642,10 +641,10 @@ impl RedisIndex {
                 raw = self.reserve_call(s, node, tier, items, ttl)?;
             }
         }
-        let mut out: Vec<Result<Reserved, Option<Error>>> = raw
-            .iter()
+        let mut out: Vec<Result<Reserved, Option<Error>>> = reserve_answers(&raw, items.len())?
+            .into_iter()
             .zip(items)
-            .map(|(o, &(key, len))| reserved(self, o, key, node, tier, len))
+            .map(|(a, &(key, len))| reserved(self, a, key, node, tier, len))
             .collect();
         // Forged entries stand where some keys would be published: they go, and those keys
         // are reserved again (once).
@@ -654,8 +653,9 @@ impl RedisIndex {
             let retry: Vec<(BlockKey, u64)> = again.iter().map(|&i| items[i]).collect();
             self.remove(&retry.iter().map(|r| r.0).collect::<Vec<_>>())?;
             let raw = self.reserve_call(s, node, tier, &retry, ttl)?;
-            for ((&i, o), &(key, len)) in again.iter().zip(&raw).zip(&retry) {
-                out[i] = reserved(self, o, key, node, tier, len);
+            let answers = reserve_answers(&raw, retry.len())?;
+            for ((&i, a), &(key, len)) in again.iter().zip(answers).zip(&retry) {
+                out[i] = reserved(self, a, key, node, tier, len);
             }
         }
         Ok(out
@@ -858,37 +858,83 @@ impl RedisIndex {
     }
 }
 
-/// One answer of the reserve script; `Err(None)`: the key's entry fails its seal (remove it
-/// and reserve again).
+/// One item's answer in the reserve script's string ([`scripts::RESERVE_MANY`] lists them).
+#[derive(Debug, PartialEq)]
+enum ReserveAnswer<'a> {
+    Slot { slot: u32, generation: u64 },
+    Present(&'a [u8]),
+    Dead,
+    Unknown,
+    TooLarge { slot_size: u64 },
+    Full,
+}
+
+/// The reserve script's answers to `n` items, read from its string; `Error::Corrupt` unless
+/// it holds exactly `n` whole answers.
+fn reserve_answers(raw: &[u8], n: usize) -> Result<Vec<ReserveAnswer<'_>>, Error> {
+    let bad = || {
+        Error::Corrupt(format!(
+            "unexpected answer from redis for reserve_many: {} bytes for {n} items",
+            raw.len()
+        ))
+    };
+    /// The next `k` bytes of `rest`, taken off it.
+    fn take<'a>(rest: &mut &'a [u8], k: usize) -> Option<&'a [u8]> {
+        let (head, tail) = rest.split_at_checked(k)?;
+        *rest = tail;
+        Some(head)
+    }
+    /// The next `k` bytes of `rest`, taken off it, as a big-endian integer.
+    fn be_int(rest: &mut &[u8], k: usize) -> Option<u64> {
+        Some(take(rest, k)?.iter().fold(0u64, |v, &byte| (v << 8) | u64::from(byte)))
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut rest = raw;
+    while let Some((&code, tail)) = rest.split_first() {
+        rest = tail;
+        out.push(match code {
+            b'o' => {
+                let slot = be_int(&mut rest, 4).ok_or_else(bad)? as u32;
+                ReserveAnswer::Slot { slot, generation: be_int(&mut rest, 8).ok_or_else(bad)? }
+            }
+            b'p' => {
+                let len = be_int(&mut rest, 2).ok_or_else(bad)? as usize;
+                ReserveAnswer::Present(take(&mut rest, len).ok_or_else(bad)?)
+            }
+            b'd' => ReserveAnswer::Dead,
+            b'u' => ReserveAnswer::Unknown,
+            b't' => ReserveAnswer::TooLarge { slot_size: be_int(&mut rest, 8).ok_or_else(bad)? },
+            b'f' => ReserveAnswer::Full,
+            _ => return Err(bad()),
+        });
+    }
+    if out.len() != n {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+/// One answer of the reserve script, for `key` of `len` bytes on `node`'s `tier`;
+/// `Err(None)`: the key's entry fails its seal (remove it and reserve again).
 fn reserved(
     index: &RedisIndex,
-    v: &Value,
+    answer: ReserveAnswer<'_>,
     key: BlockKey,
     node: NodeId,
     tier: TierId,
     len: u64,
 ) -> Result<Reserved, Option<Error>> {
-    let a = array("reserve", v)?;
-    let code = a.first().ok_or_else(|| corrupt("reserve", v))?;
-    match bytes("reserve", code)? {
-        b"ok" if a.len() == 3 => Ok(Reserved::Slot(Reservation {
-            key,
-            node,
-            tier,
-            slot: int("reserve", &a[1])? as u32,
-            len,
-            generation: int("reserve", &a[2])? as u64,
-        })),
-        b"present" if a.len() == 2 => {
-            index.open(key, bytes("reserve", &a[1])?).map(Reserved::Present).ok_or(None)
+    match answer {
+        ReserveAnswer::Slot { slot, generation } => {
+            Ok(Reserved::Slot(Reservation { key, node, tier, slot, len, generation }))
         }
-        b"dead" => Err(Some(Error::NodeNotAlive(node))),
-        b"unknown" => Err(Some(Error::UnknownTier { node, tier })),
-        b"toolarge" if a.len() == 2 => {
-            Err(Some(Error::TooLarge { node, tier, len, slot_size: int("reserve", &a[1])? as u64 }))
+        ReserveAnswer::Present(value) => index.open(key, value).map(Reserved::Present).ok_or(None),
+        ReserveAnswer::Dead => Err(Some(Error::NodeNotAlive(node))),
+        ReserveAnswer::Unknown => Err(Some(Error::UnknownTier { node, tier })),
+        ReserveAnswer::TooLarge { slot_size } => {
+            Err(Some(Error::TooLarge { node, tier, len, slot_size }))
         }
-        b"full" => Err(Some(Error::TierFull { node, tier })),
-        _ => Err(Some(corrupt("reserve", v))),
+        ReserveAnswer::Full => Err(Some(Error::TierFull { node, tier })),
     }
 }
 
@@ -1297,5 +1343,44 @@ impl Index for RedisIndex {
         let was = was.unwrap_or(false);
         tracing::debug!(node = node.0, was_alive = was, "pool: node left");
         Ok(was)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_answers_read_every_kind_and_refuse_anything_else() {
+        let mut raw = vec![b'o', 0, 0, 1, 2, 0, 6, 0x62, 0x12, 0x2b, 0x42, 0xdf, 0x3b];
+        raw.extend_from_slice(&[b'p', 0, 3, b'a', b'b', b'c', b'd', b'u', b'f']);
+        raw.extend_from_slice(&[b't', 0, 0, 0, 0, 0, 1, 0, 0]);
+        let answers = reserve_answers(&raw, 6).unwrap();
+        assert_eq!(
+            answers,
+            [
+                ReserveAnswer::Slot { slot: 258, generation: 1_796_680_035_000_123 },
+                ReserveAnswer::Present(b"abc"),
+                ReserveAnswer::Dead,
+                ReserveAnswer::Unknown,
+                ReserveAnswer::Full,
+                ReserveAnswer::TooLarge { slot_size: 65_536 },
+            ]
+        );
+        assert!(reserve_answers(b"", 0).unwrap().is_empty());
+        // Another count, any answer cut short, a value longer than the string, an unknown
+        // code: each a typed error, never a panic or a guess.
+        let corrupt = |raw: &[u8], n| matches!(reserve_answers(raw, n), Err(Error::Corrupt(_)));
+        assert!(corrupt(&raw, 5) && corrupt(&raw, 7));
+        // Where each of the first five answers ends.
+        let ends = [13, 19, 20, 21, 22];
+        for cut in 1..raw.len() {
+            assert!(corrupt(&raw[..cut], 6), "cut at {cut}");
+            if let Some(n) = ends.iter().position(|&end| end == cut) {
+                assert_eq!(reserve_answers(&raw[..cut], n + 1).unwrap()[..], answers[..=n]);
+            }
+        }
+        assert!(corrupt(&[b'p', 0, 9, b'a'], 1));
+        assert!(corrupt(b"x", 1));
     }
 }

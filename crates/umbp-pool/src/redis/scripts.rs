@@ -338,9 +338,21 @@ return {'ok'}
 "#;
 
 /// ARGV: P, call id, its repeat window (ms), node, tier, ttl_ms, then per item: key, len.
-/// Returns one answer per item: `{'ok', slot, generation}`, `{'present', placement}`,
-/// `{'dead'}`, `{'unknown'}`, `{'toolarge', slot_size}` or `{'full'}`. A repeat of a call
-/// (same id) answers as the call did, and reserves (and evicts) nothing more.
+/// Returns one string, the items' answers one after another (integers big-endian):
+///
+/// | answer | bytes |
+/// |---|---|
+/// | a slot reserved | `o`, slot (4 bytes), generation (8) |
+/// | the key is present | `p`, the placement value's length (2), the value |
+/// | the node is not alive | `d` |
+/// | the tier is unknown | `u` |
+/// | the block is too large | `t`, the slot size (8) |
+/// | the tier is full | `f` |
+///
+/// (One string rather than an array per item: building, keeping for a repeat and sending a
+/// table per item cost Redis about 1 µs an item, a sixth of the call, by `SLOWLOG` over calls
+/// of 1,024 items.) A repeat of a call (same id) answers as the call did, and reserves (and
+/// evicts) nothing more.
 ///
 /// The items are answered in order, as if one by one: before each slot is taken, a tier
 /// whose free slots fell below its low watermark evicts up to its high one (never a block
@@ -362,7 +374,7 @@ local present = live_many(keys)
 local keep = {}
 for j = 1, #keys do
   if present[j] then
-    out[j] = {'present', present[j]}
+    out[j] = 'p' .. struct.pack('>I2', #present[j]) .. present[j]
     local pn, pt, ps = where(present[j])
     if pn == n and pt == t then keep[ps] = true end
   end
@@ -388,9 +400,9 @@ local popped, at, listed = {}, 1, nil
 local taken, takers = {}, {}
 for j = 1, #keys do
   if not present[j] then
-    if not alive(n) then out[j] = {'dead'}
-    elseif not meta[1] then out[j] = {'unknown'}
-    elseif tonumber(lens[j]) > slot_size then out[j] = {'toolarge', meta[1]}
+    if not alive(n) then out[j] = 'd'
+    elseif not meta[1] then out[j] = 'u'
+    elseif tonumber(lens[j]) > slot_size then out[j] = 't' .. struct.pack('>I8', slot_size)
     else
       if not listed then
         repeat until reclaim(n, t, now) < 256
@@ -414,7 +426,7 @@ for j = 1, #keys do
         taken[#taken + 1] = slot
         takers[#takers + 1] = j
       else
-        out[j] = {'full'}
+        out[j] = 'f'
       end
       wanting = wanting - 1
     end
@@ -440,13 +452,13 @@ if #taken > 0 then
     gens[2 * i - 1], gens[2 * i] = slot, gen_s
     resv[2 * i - 1], resv[2 * i] = deadline, slot
     rkey[2 * i - 1], rkey[2 * i] = slot, reservation(keys[j], lens[j], gen_s) .. deadline
-    out[j] = {'ok', tonumber(slot), gen}
+    out[j] = struct.pack('>BI4I8', 111, tonumber(slot), gen)
   end
   bulk('HSET', gk, gens)
   bulk('ZADD', k('resv', n, t), resv)
   bulk('HSET', k('rkey', n, t), rkey)
 end
-return answered(out)
+return answered(table.concat(out))
 "#;
 
 /// ARGV: P, call id, its repeat window (ms), then per item: key, node, tier, slot,
