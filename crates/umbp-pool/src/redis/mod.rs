@@ -869,6 +869,26 @@ enum ReserveAnswer<'a> {
     Full,
 }
 
+/// The next `k` bytes of a script's string answer `rest`, taken off it.
+fn take<'a>(rest: &mut &'a [u8], k: usize) -> Option<&'a [u8]> {
+    let (head, tail) = rest.split_at_checked(k)?;
+    *rest = tail;
+    Some(head)
+}
+
+/// The next `k` bytes of a script's string answer `rest`, taken off it, as a big-endian
+/// integer.
+fn be_int(rest: &mut &[u8], k: usize) -> Option<u64> {
+    Some(take(rest, k)?.iter().fold(0u64, |v, &byte| (v << 8) | u64::from(byte)))
+}
+
+/// The next value of a script's string answer `rest` (its length in 2 bytes, big-endian,
+/// then its bytes), taken off it.
+fn take_value<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let len = be_int(rest, 2)? as usize;
+    take(rest, len)
+}
+
 /// The reserve script's answers to `n` items, read from its string; `Error::Corrupt` unless
 /// it holds exactly `n` whole answers.
 fn reserve_answers(raw: &[u8], n: usize) -> Result<Vec<ReserveAnswer<'_>>, Error> {
@@ -878,16 +898,6 @@ fn reserve_answers(raw: &[u8], n: usize) -> Result<Vec<ReserveAnswer<'_>>, Error
             raw.len()
         ))
     };
-    /// The next `k` bytes of `rest`, taken off it.
-    fn take<'a>(rest: &mut &'a [u8], k: usize) -> Option<&'a [u8]> {
-        let (head, tail) = rest.split_at_checked(k)?;
-        *rest = tail;
-        Some(head)
-    }
-    /// The next `k` bytes of `rest`, taken off it, as a big-endian integer.
-    fn be_int(rest: &mut &[u8], k: usize) -> Option<u64> {
-        Some(take(rest, k)?.iter().fold(0u64, |v, &byte| (v << 8) | u64::from(byte)))
-    }
     let mut out = Vec::with_capacity(n);
     let mut rest = raw;
     while let Some((&code, tail)) = rest.split_first() {
@@ -897,10 +907,7 @@ fn reserve_answers(raw: &[u8], n: usize) -> Result<Vec<ReserveAnswer<'_>>, Error
                 let slot = be_int(&mut rest, 4).ok_or_else(bad)? as u32;
                 ReserveAnswer::Slot { slot, generation: be_int(&mut rest, 8).ok_or_else(bad)? }
             }
-            b'p' => {
-                let len = be_int(&mut rest, 2).ok_or_else(bad)? as usize;
-                ReserveAnswer::Present(take(&mut rest, len).ok_or_else(bad)?)
-            }
+            b'p' => ReserveAnswer::Present(take_value(&mut rest).ok_or_else(bad)?),
             b'd' => ReserveAnswer::Dead,
             b'u' => ReserveAnswer::Unknown,
             b't' => ReserveAnswer::TooLarge { slot_size: be_int(&mut rest, 8).ok_or_else(bad)? },
@@ -1036,26 +1043,37 @@ impl Index for RedisIndex {
                         .arg(&self.sealer.encode(&r.placement(*checksum))[..]);
                 }
             })?;
-            let a = array("publish", &v)?;
-            if a.len() != at.len() {
-                return Err(corrupt("publish", &v));
-            }
-            a.iter()
-                .zip(at)
-                .map(|(o, &i)| {
-                    let (r, checksum) = &items[i];
-                    Ok(match bytes("publish", o)? {
-                        b"W" => Published::Won(r.placement(*checksum)),
-                        b"E" => Published::Expired,
+            let raw = bytes("publish", &v)?;
+            let bad = || {
+                Error::Corrupt(format!(
+                    "unexpected answer from redis for publish: {} bytes for {} items",
+                    raw.len(),
+                    at.len()
+                ))
+            };
+            let mut rest = raw;
+            let mut out = Vec::with_capacity(at.len());
+            for &i in at {
+                let (r, checksum) = &items[i];
+                let (&code, tail) = rest.split_first().ok_or_else(bad)?;
+                rest = tail;
+                out.push(match code {
+                    b'W' => Published::Won(r.placement(*checksum)),
+                    b'E' => Published::Expired,
+                    b'L' => {
+                        let winner = take_value(&mut rest).ok_or_else(bad)?;
                         // A winner whose entry fails its seal is no placement to load from:
                         // nothing of this publish is visible.
-                        [b'L', winner @ ..] => self
-                            .open(r.key, winner)
-                            .map_or(Published::Expired, |winner| Published::Lost { winner }),
-                        _ => return Err(corrupt("publish", o)),
-                    })
-                })
-                .collect::<Result<Vec<Published>, Error>>()
+                        self.open(r.key, winner)
+                            .map_or(Published::Expired, |winner| Published::Lost { winner })
+                    }
+                    _ => return Err(bad()),
+                });
+            }
+            if !rest.is_empty() {
+                return Err(bad());
+            }
+            Ok(out)
         })?;
         let mut out = vec![Published::Expired; items.len()];
         for (s, answers) in parts {

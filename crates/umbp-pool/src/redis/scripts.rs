@@ -463,8 +463,9 @@ return answered(table.concat(out))
 
 /// ARGV: P, call id, its repeat window (ms), then per item: key, node, tier, slot,
 /// generation, len, placement value.
-/// Returns one string per item: `W` (won), `E` (expired) or `L` followed by the winner's
-/// placement value. An entry of the key that is not live (its node died) is replaced. A
+/// Returns one string, the items' answers one after another, as [`RESERVE_MANY`]'s: `W`
+/// (won), `E` (expired), or `L`, the winner's placement value's length (2 bytes, big-endian)
+/// and the value (lost). An entry of the key that is not live (its node died) is replaced. A
 /// repeat of a call (same id) answers as the call did.
 ///
 /// The items are decided in order, as if published one by one (a later item of a key this
@@ -516,7 +517,7 @@ for j = 1, m do
     local winner = winners[key]
     if winner then
       g.freed[#g.freed + 1] = slot
-      out[j] = 'L' .. winner
+      out[j] = 'L' .. struct.pack('>I2', #winner) .. winner
     else
       local blob = field(j, 6)
       winners[key] = blob
@@ -543,7 +544,7 @@ for _, g in ipairs(order) do
   bulk('ZADD', k('lru', g.n, g.t), g.lru)
   bulk('RPUSH', k('free', g.n, g.t), g.freed)
 end
-return answered(out)
+return answered(table.concat(out))
 "#;
 
 /// ARGV: P, then per item: key, node, tier, slot, generation, len. Returns the number aborted.
