@@ -156,8 +156,9 @@ pub(crate) struct Served {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) writable: bool,
-    /// Taken (shared) while a client thread copies bytes out of the region, (exclusive) while
-    /// one copies a verified record into it: the server's own accesses never race.
+    /// Taken (shared) while a client thread seals bytes of the region into its buffer,
+    /// (exclusive) while one copies a verified record into it: the server's own accesses
+    /// never race.
     lock: RwLock<()>,
 }
 
@@ -212,8 +213,8 @@ fn chunks(len: u64) -> impl Iterator<Item = (u64, usize)> {
 /// do not allow.
 ///
 /// A put's bytes are received into a buffer of the thread's own and written into the region
-/// one record at a time, each only once it opened; a get's are copied out of the region into
-/// that buffer and sealed there.
+/// one record at a time, each only once it opened; a get's are sealed from the region into
+/// that buffer (copied there and tagged, when the channel only authenticates).
 ///
 /// # Safety
 ///
