@@ -53,7 +53,7 @@ use std::io::{self, Read};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, PoisonError, RwLock};
+use std::sync::{mpsc, Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use socket2::TcpKeepalive;
@@ -156,15 +156,58 @@ pub(crate) struct Served {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) writable: bool,
-    /// Taken (shared) while a client thread seals bytes of the region into its buffer,
-    /// (exclusive) while one copies a verified record into it: the server's own accesses
-    /// never race.
-    lock: RwLock<()>,
+    /// The locks of the region's stripes ([`STRIPE`] bytes each; stripe `s` takes lock
+    /// `s % STRIPES`): taken (shared) while a client thread seals bytes of the stripe into its
+    /// buffer, (exclusive) while one copies a verified record into it, so the server's own
+    /// accesses never race, and two clients writing different stripes do not wait on each
+    /// other. (One lock for the whole region made the lanes of one put take turns at the
+    /// memory's write rate, and a thread preempted holding it stalled every other.)
+    locks: [RwLock<()>; STRIPES],
 }
+
+/// Bytes of a region's stripe: one record's most, so a record touches at most two stripes.
+const STRIPE: u64 = CHUNK as u64;
+
+/// Locks per region: stripes this far apart share one.
+const STRIPES: usize = 64;
+
+/// The stripes' locks a record holds while it touches the region: one or two, taken in the
+/// order of their index (the same order in every thread, so two records never wait on each
+/// other in a cycle).
+pub(crate) struct StripeGuards<G>(G, Option<G>);
 
 impl Served {
     pub(crate) fn new(addr: u64, len: u64, writable: bool) -> Self {
-        Self { addr, len, writable, lock: RwLock::new(()) }
+        Self { addr, len, writable, locks: std::array::from_fn(|_| RwLock::new(())) }
+    }
+
+    /// The locks of the stripes that the `len` bytes (1 to [`CHUNK`]) at `addr` touch, first
+    /// the lower index.
+    fn stripes(&self, addr: u64, len: usize) -> (usize, Option<usize>) {
+        debug_assert!((1..=CHUNK).contains(&len));
+        let lock = |at: u64| ((at - self.addr) / STRIPE) as usize % STRIPES;
+        let (first, last) = (lock(addr), lock(addr + len as u64 - 1));
+        if first == last {
+            (first, None)
+        } else {
+            (first.min(last), Some(first.max(last)))
+        }
+    }
+
+    /// Holds the region's bytes `addr .. addr + len` for reading: no client thread writes
+    /// them until the guards drop.
+    fn read(&self, addr: u64, len: usize) -> StripeGuards<RwLockReadGuard<'_, ()>> {
+        let (a, b) = self.stripes(addr, len);
+        let take = |i: usize| self.locks[i].read().unwrap_or_else(PoisonError::into_inner);
+        StripeGuards(take(a), b.map(take))
+    }
+
+    /// Holds the region's bytes `addr .. addr + len` for writing: no other client thread
+    /// reads or writes them until the guards drop.
+    fn write(&self, addr: u64, len: usize) -> StripeGuards<RwLockWriteGuard<'_, ()>> {
+        let (a, b) = self.stripes(addr, len);
+        let take = |i: usize| self.locks[i].write().unwrap_or_else(PoisonError::into_inner);
+        StripeGuards(take(a), b.map(take))
     }
 }
 
@@ -349,11 +392,11 @@ unsafe fn session(
             for (at, n) in chunks(len) {
                 let record = &mut scratch[..n];
                 let tag = {
-                    let _shared = region.lock.read().unwrap_or_else(PoisonError::into_inner);
+                    let _shared = region.read(addr + at, n);
                     // SAFETY: `check` kept `addr .. addr + len` inside an exported region, which
-                    // the caller keeps mapped and readable by peers; the lock keeps every
-                    // other client thread from writing it while the slice lives; `record` is
-                    // this thread's own buffer, which it does not overlap.
+                    // the caller keeps mapped and readable by peers; the stripes' locks keep
+                    // every other client thread from writing these `n` bytes while the slice
+                    // lives; `record` is this thread's own buffer, which it does not overlap.
                     let bytes = unsafe {
                         std::slice::from_raw_parts(
                             std::ptr::with_exposed_provenance::<u8>((addr + at) as usize),
@@ -380,11 +423,11 @@ unsafe fn session(
                     tracing::warn!("a put's bytes did not authenticate; closing the connection");
                     return Ok(Ended::Tampered);
                 }
-                let _only = region.lock.write().unwrap_or_else(PoisonError::into_inner);
+                let _only = region.write(addr + at, n);
                 // SAFETY: inside a region exported writable (checked above), kept mapped by
-                // the caller; the lock keeps every other client thread out of the region
-                // meanwhile; the bytes come from this thread's buffer, which they do not
-                // overlap.
+                // the caller; the stripes' locks keep every other client thread out of these
+                // `n` bytes meanwhile; the bytes come from this thread's buffer, which they do
+                // not overlap.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         record.as_ptr(),
@@ -1281,6 +1324,25 @@ mod tests {
     /// A server thread's wait between requests, whether what it waits for is there at once,
     /// arrives while it looks before blocking, or arrives after: a drain wins over a waiting
     /// request, a request is seen, and nothing at all is idle.
+    #[test]
+    fn a_record_locks_the_stripes_it_touches_lower_index_first() {
+        let base = 0x7f00_0000_1000;
+        let region = Served::new(base, 100 * STRIPE, true);
+        let at = |stripe: u64, offset: u64| base + stripe * STRIPE + offset;
+        let chunk = CHUNK;
+        assert_eq!(region.stripes(at(0, 0), chunk), (0, None));
+        assert_eq!(region.stripes(at(0, 1), chunk), (0, Some(1)));
+        assert_eq!(region.stripes(at(5, STRIPE - 1), 1), (5, None));
+        assert_eq!(region.stripes(at(5, STRIPE - 1), 2), (5, Some(6)));
+        // Stripes 63 and 64 share no lock; 64 takes lock 0, which comes first.
+        assert_eq!(region.stripes(at(63, 4096), chunk), (0, Some(63)));
+        assert_eq!(region.stripes(at(64, 0), 4096), (0, None));
+        // Two records that share a byte share a lock; a writer waits for a reader of it.
+        let _reading = region.read(at(10, STRIPE - 10), 20);
+        assert!(region.locks[11].try_write().is_err());
+        assert!(region.locks[12].try_write().is_ok());
+    }
+
     #[test]
     fn waiting_for_a_request_sees_the_drain_first_then_the_request_then_idleness() {
         use std::io::Write;

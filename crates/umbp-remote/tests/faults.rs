@@ -567,3 +567,64 @@ fn a_drain_ends_the_session_between_requests_and_cuts_no_answer_short() {
     assert!((0..PAGES * PAGE).all(|i| arena[i] == pattern(i)), "the arena changed");
     eprintln!("{completed} of {OBJECTS} objects completed before the drain ended the session");
 }
+
+#[test]
+fn clients_writing_neighbouring_bytes_across_stripes_each_land_whole() {
+    if !ucx_or_skip() {
+        return;
+    }
+    // The server locks its region by stripes of 256 KiB: ranges of 384 KiB, one after
+    // another, share a stripe with each neighbour and straddle a boundary. Eight engines (two
+    // connections each, so sixteen server threads) write their own range again and again, as
+    // records cut at other places than the stripes, and read it back between writes, while a
+    // ninth reads the whole span.
+    const SPAN: usize = 384 << 10;
+    const ENGINES: usize = 8;
+    let server = Served::start("tcp", 8 * MIB, 9);
+    let base = 128 << 10; // Off the stripes' grid from the first byte on.
+    let pattern = |t: usize, round: usize, i: usize| (t * 31 + round * 7 + i / 4096 + i) as u8;
+    std::thread::scope(|scope| {
+        for t in 0..=ENGINES {
+            let addr = server.addr;
+            scope.spawn(move || {
+                let engine = engine("tcp");
+                let peer = engine.connect(addr).unwrap();
+                let exported = &peer.regions[0];
+                let registration = engine.register_remote(exported.region, 0, exported.len);
+                let registration = registration.unwrap();
+                let remote = registration.id();
+                if t == ENGINES {
+                    // The reader: every get completes, whatever it sees of the writes.
+                    for _ in 0..16 {
+                        let local = engine.register_memory(vec![POISON; ENGINES * SPAN]).unwrap();
+                        let piece = (remote, base as u64, local.id(), 0, (ENGINES * SPAN) as u64);
+                        let mut handle = engine.submit(plan(&engine, [vec![piece]]));
+                        assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                        drop(handle);
+                        drop(local.deregister());
+                    }
+                    return;
+                }
+                let at = (base + t * SPAN) as u64;
+                for round in 0..12 {
+                    let bytes: Vec<u8> = (0..SPAN).map(|i| pattern(t, round, i)).collect();
+                    let local = engine.register_memory(bytes.clone()).unwrap();
+                    // Three pieces of 128 KiB pushed last first, so they stay three requests.
+                    let pieces = (0..3u64)
+                        .rev()
+                        .map(|p| (local.id(), p << 17, remote, at + (p << 17), 1 << 17));
+                    let mut handle = engine.submit(plan(&engine, [pieces.collect()]));
+                    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                    drop(handle);
+                    drop(local.deregister());
+                    let back = engine.register_memory(vec![POISON; SPAN]).unwrap();
+                    let piece = (remote, at, back.id(), 0, SPAN as u64);
+                    let mut handle = engine.submit(plan(&engine, [vec![piece]]));
+                    assert!(handle.wait().is_empty(), "{:?}", handle.wait());
+                    drop(handle);
+                    assert!(back.deregister() == bytes, "engine {t}, round {round}: wrong bytes");
+                }
+            });
+        }
+    });
+}
