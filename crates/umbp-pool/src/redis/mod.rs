@@ -632,16 +632,16 @@ impl RedisIndex {
         ttl: Duration,
     ) -> Result<Vec<Result<Reserved, Error>>, Error> {
         let mut raw = self.reserve_call(s, node, tier, items, ttl)?;
-        let forgotten =
-            reserve_answers(&raw, items.len())?.iter().any(|a| matches!(a, ReserveAnswer::Unknown));
-        if forgotten {
+        let mut answers = reserve_answers(&raw, items.len())?;
+        if answers.contains(&ReserveAnswer::Unknown) {
             let spec = lock(&self.registered).get(&(node, tier)).copied();
             if let Some(spec) = spec {
                 self.register_remote(&spec)?;
                 raw = self.reserve_call(s, node, tier, items, ttl)?;
+                answers = reserve_answers(&raw, items.len())?;
             }
         }
-        let mut out: Vec<Result<Reserved, Option<Error>>> = reserve_answers(&raw, items.len())?
+        let mut out: Vec<Result<Reserved, Option<Error>>> = answers
             .into_iter()
             .zip(items)
             .map(|(a, &(key, len))| reserved(self, a, key, node, tier, len))
