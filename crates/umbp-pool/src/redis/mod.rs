@@ -425,8 +425,9 @@ impl RedisIndex {
         }
         #[cfg(feature = "tls")]
         {
-            // rustls needs a process-wide crypto provider; ring's, unless the program chose one.
-            let _ = rustls::crypto::ring::default_provider().install_default();
+            // rustls needs a process-wide crypto provider; aws-lc-rs's, unless the program
+            // chose one.
+            let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         }
         std::fs::read(path)
             .map(Some)
