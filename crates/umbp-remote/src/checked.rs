@@ -1040,19 +1040,18 @@ fn write_requests(
                     n,
                 )
             };
-            // Hashed right after the tag or the seal read the bytes: from the cache.
             let (record, tag) = match sealer.tag_of(bytes) {
-                Some(tag) => {
-                    crc = if post.hash { crc32c_append(crc, bytes) } else { crc };
-                    (bytes, tag)
-                }
+                Some(tag) => (bytes, tag),
                 None => {
                     let record = &mut scratch[..n];
                     let tag = sealer.seal_into(bytes, record);
-                    crc = if post.hash { crc32c_append(crc, bytes) } else { crc };
                     (&*record, tag)
                 }
             };
+            // Hashed right after the tag or the seal read the bytes: from the cache.
+            if post.hash {
+                crc = crc32c_append(crc, bytes);
+            }
             if i == 0 {
                 send_all(fd, &[&header, &header_tag, record, &tag], None)?;
             } else {
